@@ -1,0 +1,34 @@
+"""nemo-fp8-plugin: FP8 for NeMo, Megatron and NeMo RL training by editing YAML.
+
+``import nemo_fp8_plugin`` imports no host framework and not even torch: the recipe
+registry and config loader are pure Python, and the torch-based parts
+(:mod:`nemo_fp8_plugin.numerics`, :mod:`nemo_fp8_plugin.rl`, ...) load on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from .errors import FP8ConfigError, HostUnavailableError, RecipeRegistryError
+from .registry import ENTRY_POINT_GROUP, get_recipe, list_recipes, register_recipe
+from .spec import BF16Rules, ImportanceSampling, RecipeSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__", "FP8ConfigError", "HostUnavailableError", "RecipeRegistryError",
+    "ENTRY_POINT_GROUP", "get_recipe", "list_recipes", "register_recipe",
+    "BF16Rules", "ImportanceSampling", "RecipeSpec",
+]
+
+# Subpackages that import torch (or a host) load lazily, on attribute access.
+_LAZY_SUBMODULES = {"numerics", "rl", "rules", "hosts", "vllm", "emulation", "analyze", "config"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        module = import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,242 @@
+"""Reading user configs: where the FP8 request lives and what it resolves to.
+
+One line turns FP8 on, in the key each host already has:
+
+* ``precision: fp8_blockwise`` at the root (NeMo 2, megatron-core and NeMo RL YAML);
+* ``policy.precision: fp8_blockwise`` (NeMo RL's own key);
+* ``mixed_precision: fp8_blockwise`` (Megatron-Bridge, once our names are registered);
+* an ``fp8:`` block, a name or a mapping that starts from a name and overrides fields:
+  ``fp8: {recipe: fp8_blockwise, pow2_scales: true, bf16_layers: {first: 1}}``.
+
+A precision that is not one of our recipes but a standard one (``bfloat16``,
+``bf16-mixed``, ...) passes through untouched; anything else is refused with the valid
+names. When several of these keys are present they must name the same recipe.
+
+YAML is parsed with a safe loader only. NeMo RL's ``defaults:`` chain (a parent file path,
+or a list of them, relative to the file) is followed parent-first like NeMo RL does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import FP8ConfigError, format_value
+from .registry import default_registry, load_yaml_file
+from .spec import RecipeSpec, normalize_hardware
+
+__all__ = ["STANDARD_PRECISIONS", "FP8Request", "load_config", "deep_merge", "find_fp8_request",
+           "resolve_config", "get_path", "FP8_BLOCK_EXTRA_KEYS"]
+
+STANDARD_PRECISIONS = frozenset({
+    # torch dtypes as NeMo RL / Megatron write them
+    "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float", "float64",
+    "fp64", "double", "16", "32", "64",
+    # Lightning precision strings (NeMo 2)
+    "bf16-mixed", "16-mixed", "32-true", "bf16-true", "16-true", "64-true", "transformer-engine",
+    "transformer-engine-float16",
+})
+"""Precision values that are not FP8 recipes and pass through untouched."""
+
+FP8_BLOCK_EXTRA_KEYS = ("recipe", "model")
+"""Keys of the ``fp8:`` block besides the spec fields. ``recipe``: the registered name the
+block starts from. ``model``: the model the per-layer rules resolve against (a name from
+the built-in architecture table or a path to a Hugging Face ``config.json``)."""
+
+_PRECISION_KEYS = (("precision",), ("policy", "precision"))
+_BRIDGE_KEY = ("mixed_precision",)
+
+
+@dataclass(frozen=True)
+class FP8Request:
+    """What a config asks for.
+
+    Attributes:
+        spec: the resolved, validated recipe.
+        keys: dotted keys that carried the request, e.g. ``("policy.precision",)`` or
+            ``("precision", "fp8")``; host adapters consume exactly these.
+        model: the model the config names for per-layer resolution, or None.
+    """
+
+    spec: RecipeSpec
+    keys: tuple[str, ...]
+    model: str | None = None
+
+
+def get_path(mapping: Any, path: tuple[str, ...] | str, default: Any = None) -> Any:
+    """``mapping[a][b]...`` or ``default`` when any step is missing or not a mapping."""
+    if isinstance(path, str):
+        path = tuple(path.split("."))
+    node = mapping
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def deep_merge(base: Mapping, override: Mapping) -> dict:
+    """Parent-first merge as OmegaConf does it: mappings merge, everything else replaces."""
+    out = {k: copy.deepcopy(v) for k, v in base.items()}
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _defaults_paths(value: Any, here: Path) -> list[Path] | None:
+    """Parent files named by ``defaults:``, or None when it is not a NeMo RL file chain
+    (Hydra-style ``defaults:`` lists of groups are left alone)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
+        return None
+    if not all(i.endswith((".yaml", ".yml")) for i in items):
+        return None
+    return [(here.parent / i) if not Path(i).is_absolute() else Path(i) for i in items]
+
+
+def load_config(path: str | Path, *, follow_defaults: bool = True, _chain: tuple = ()) -> dict:
+    """Read a YAML config file safely, merging its NeMo RL ``defaults:`` chain parent-first."""
+    path = Path(path)
+    if not path.is_file():
+        raise FP8ConfigError(f"config file not found: {path}", key=None, value=str(path))
+    try:
+        data = load_yaml_file(path)
+    except UnicodeDecodeError:
+        raise FP8ConfigError(f"{path} is not a UTF-8 text file") from None
+    except Exception as exc:  # yaml.YAMLError and friends; the file is the user's
+        msg = str(exc).replace("\n", " ")
+        raise FP8ConfigError(f"{path} is not valid YAML: {msg}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise FP8ConfigError(f"{path} must hold a mapping at the top level, got "
+                             f"{type(data).__name__}")
+    if not follow_defaults or "defaults" not in data:
+        return data
+    parents = _defaults_paths(data["defaults"], path)
+    if parents is None:
+        return data
+    resolved = path.resolve()
+    if resolved in _chain:
+        raise FP8ConfigError(f"defaults chain loops back to {path}", key="defaults")
+    merged: dict = {}
+    for parent in parents:
+        if not parent.is_file():
+            raise FP8ConfigError(f"parent config {data['defaults']!r} not found (looked for {parent})",
+                                 key="defaults", value=data["defaults"])
+        merged = deep_merge(merged, load_config(parent, _chain=_chain + (resolved,)))
+    child = {k: v for k, v in data.items() if k != "defaults"}
+    return deep_merge(merged, child)
+
+
+def _precision_recipe(value: Any, key: str) -> str | None:
+    """The recipe a precision value names, None for a standard precision."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return None
+    if not isinstance(value, str):
+        raise FP8ConfigError(f"expected a precision name, got {format_value(value)}", key=key,
+                             value=value)
+    reg = default_registry()
+    if value in reg:
+        return value
+    if value.strip().lower() in STANDARD_PRECISIONS or value.startswith("${"):
+        return None
+    raise reg.unknown(value, key=key)
+
+
+def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) -> FP8Request | None:
+    """The FP8 recipe a config asks for, or None when it asks for none.
+
+    ``hardware`` (a GPU name or architecture) overrides ``fp8.hardware`` for validation.
+    Raises :class:`FP8ConfigError` naming the key for every mistake.
+    """
+    if not isinstance(config, Mapping):
+        raise FP8ConfigError(f"a config must be a mapping, got {format_value(config)}")
+    reg = default_registry()
+    named: list[tuple[str, str]] = []  # (key, recipe name)
+    for path in _PRECISION_KEYS:
+        name = _precision_recipe(get_path(config, path), ".".join(path))
+        if name is not None:
+            named.append((".".join(path), name))
+    bridge_value = get_path(config, _BRIDGE_KEY)
+    if isinstance(bridge_value, str) and bridge_value in reg:
+        named.append(("mixed_precision", bridge_value))
+
+    block = config.get("fp8")
+    overrides: dict[str, Any] = {}
+    model = None
+    if block is not None:
+        if isinstance(block, str):
+            if block not in reg:
+                raise reg.unknown(block, key="fp8")
+            named.append(("fp8", block))
+        elif isinstance(block, Mapping):
+            allowed = set(RecipeSpec.OVERRIDABLE) | set(FP8_BLOCK_EXTRA_KEYS)
+            for k in block:
+                if not isinstance(k, str) or k not in allowed:
+                    import difflib
+
+                    near = difflib.get_close_matches(str(k), sorted(allowed), n=1, cutoff=0.6)
+                    raise FP8ConfigError("unknown key", key=f"fp8.{k}",
+                                         hint=f"did you mean {near[0]!r}?" if near
+                                         else f"valid keys: {', '.join(sorted(allowed))}")
+            overrides = {k: v for k, v in block.items() if k not in FP8_BLOCK_EXTRA_KEYS}
+            model = block.get("model")
+            if model is not None and not isinstance(model, str):
+                raise FP8ConfigError(f"expected a model name or config.json path, got "
+                                     f"{format_value(model)}", key="fp8.model", value=model)
+            if "recipe" in block:
+                if not isinstance(block["recipe"], str):
+                    raise FP8ConfigError(f"expected a recipe name, got {format_value(block['recipe'])}",
+                                         key="fp8.recipe", value=block["recipe"])
+                if block["recipe"] not in reg:
+                    raise reg.unknown(block["recipe"], key="fp8.recipe")
+                named.append(("fp8.recipe", block["recipe"]))
+            elif not named:
+                raise FP8ConfigError("is required: the fp8 block must start from a registered recipe",
+                                     key="fp8.recipe",
+                                     hint=f"valid recipes: {', '.join(sorted(reg.names()))}")
+        else:
+            raise FP8ConfigError(f"expected a recipe name or a mapping, got {format_value(block)}",
+                                 key="fp8", value=block)
+
+    if not named:
+        return None
+    distinct = sorted({name for _, name in named})
+    if len(distinct) > 1:
+        where = ", ".join(f"{k}={n!r}" for k, n in named)
+        raise FP8ConfigError(f"conflicting recipes: {where}", key=named[1][0], value=named[1][1],
+                             hint="name one recipe, or make every key name the same one")
+    spec = reg.get(distinct[0])
+    if hardware is not None:
+        overrides["hardware"] = normalize_hardware(hardware, key="--hardware")
+    if overrides:
+        spec = spec.with_overrides(overrides, prefix="fp8")
+    keys = tuple(dict.fromkeys(k.split(".recipe")[0] for k, _ in named))
+    if block is not None and "fp8" not in keys:
+        keys = keys + ("fp8",)
+    if model is None:
+        model = _model_named_by_host(config)
+    return FP8Request(spec=spec, keys=keys, model=model)
+
+
+def _model_named_by_host(config: Mapping) -> str | None:
+    """The model name a host config carries in its own keys, if any."""
+    for path in (("policy", "model_name"), ("model", "name"), ("model_name",),
+                 ("model", "pretrained_model_name_or_path"), ("hf_model_id",)):
+        value = get_path(config, path)
+        if isinstance(value, str) and value and not value.startswith("${"):
+            return value
+    return None
+
+
+def resolve_config(path: str | Path, *, hardware: str | None = None) -> tuple[dict, FP8Request | None]:
+    """Load ``path`` (following ``defaults:``) and find its FP8 request."""
+    config = load_config(path)
+    return config, find_fp8_request(config, hardware=hardware)

@@ -1,0 +1,58 @@
+"""What a config resolves to, as one report: the recipe, findings, and (with the rules and
+host modules) the per-layer decisions and each host's native keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .config import FP8Request, resolve_config
+from .registry import default_registry
+
+__all__ = ["build_report", "render_text"]
+
+
+def build_report(path: str | Path, *, hardware: str | None = None) -> dict[str, Any]:
+    """The report ``nemo-fp8 explain`` prints; the ``--json`` output is exactly this."""
+    config, request = resolve_config(path, hardware=hardware)
+    report: dict[str, Any] = {"config": str(path)}
+    if request is None:
+        report.update(recipe=None, keys=[], warnings=[
+            "no FP8 recipe requested (no `precision:`, `policy.precision:`, `mixed_precision:` "
+            "or `fp8:` naming one); the config runs in its own precision"])
+        return report
+    report.update(_recipe_section(request))
+    return report
+
+
+def _recipe_section(request: FP8Request) -> dict[str, Any]:
+    spec = request.spec
+    reg = default_registry()
+    base = spec.name
+    return {
+        "recipe": spec.to_dict(),
+        "recipe_source": reg.source(base) if base in reg else "derived",
+        "keys": list(request.keys),
+        "model": request.model,
+        "warnings": [f"{f.key}: {f.message}" for f in spec.findings() if f.level == "warning"],
+    }
+
+
+def render_text(report: dict[str, Any]) -> str:
+    lines = [f"config: {report['config']}"]
+    recipe = report.get("recipe")
+    if recipe is None:
+        lines += [f"warning: {w}" for w in report.get("warnings", [])]
+        return "\n".join(lines) + "\n"
+    lines.append(f"recipe: {recipe['name']}  (requested by {', '.join(report['keys'])}; "
+                 f"{report['recipe_source']})")
+    lines.append(f"  {recipe['description']}")
+    for key, value in recipe.items():
+        if key in ("name", "description"):
+            continue
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        lines.append(f"  {key:<26} {value}")
+    for w in report.get("warnings", []):
+        lines.append(f"warning: {w}")
+    return "\n".join(lines) + "\n"

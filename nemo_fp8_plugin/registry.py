@@ -1,0 +1,216 @@
+"""The recipe registry: built-in presets plus recipes other packages declare.
+
+Built-ins are the YAML presets of ``conf/recipes/`` (shipped inside the wheel as
+``nemo_fp8_plugin/presets``). Third-party packages add recipes through the entry-point
+group ``nemo_fp8_plugin.recipes``: the entry-point name is the recipe name and the object
+is a :class:`~nemo_fp8_plugin.spec.RecipeSpec`, a mapping in the preset format, or a
+zero-argument callable returning either. A name claimed twice is refused with an error
+that names both sources, never silently shadowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import FP8ConfigError, RecipeRegistryError, format_value
+from .spec import RecipeSpec
+
+__all__ = ["ENTRY_POINT_GROUP", "RecipeRegistry", "default_registry", "get_recipe",
+           "list_recipes", "register_recipe", "preset_dir"]
+
+ENTRY_POINT_GROUP = "nemo_fp8_plugin.recipes"
+
+
+def preset_dir() -> Path:
+    """Directory of the built-in preset YAML files."""
+    packaged = Path(__file__).with_name("presets")
+    if packaged.is_dir():
+        return packaged
+    # Editable installs and source checkouts read the presets where they are maintained.
+    return Path(__file__).resolve().parent.parent / "conf" / "recipes"
+
+
+def load_yaml_file(path: Path) -> Any:
+    """Parse a YAML file safely (no Python object tags)."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with open(path, encoding="utf-8") as fh:
+        return yaml.load(fh, Loader=loader)  # noqa: S506 - a SafeLoader subclass
+
+
+class RecipeRegistry:
+    """Name -> spec, with the source of each name kept for duplicate reports."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, RecipeSpec] = {}
+        self._sources: dict[str, str] = {}
+
+    def register(self, spec: RecipeSpec, source: str) -> None:
+        """Add ``spec`` under ``spec.name``; refuse a name that is already taken."""
+        if not isinstance(spec, RecipeSpec):
+            raise RecipeRegistryError(f"{source} provides {format_value(spec)}, not a RecipeSpec")
+        if spec.name in self._specs:
+            raise RecipeRegistryError(
+                f"recipe {spec.name!r} is defined twice: by {self._sources[spec.name]} and by {source}",
+                key=spec.name, hint="uninstall or rename one of them")
+        self._specs[spec.name] = spec
+        self._sources[spec.name] = source
+
+    def get(self, name: str, *, key: str = "recipe") -> RecipeSpec:
+        """The spec registered as ``name``; an unknown name lists the valid ones."""
+        if isinstance(name, str) and name in self._specs:
+            return self._specs[name]
+        raise self.unknown(name, key=key)
+
+    def unknown(self, name: Any, *, key: str) -> FP8ConfigError:
+        """The error for an unknown recipe name: valid names and the closest one."""
+        names = sorted(self._specs)
+        near = difflib.get_close_matches(str(name), names, n=1, cutoff=0.5)
+        hint = (f"did you mean {near[0]!r}? " if near else "") + f"valid recipes: {', '.join(names)}"
+        return FP8ConfigError(f"unknown FP8 recipe {format_value(name)}", key=key, value=name,
+                              hint=hint)
+
+    def source(self, name: str) -> str:
+        return self._sources[name]
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def specs(self) -> list[RecipeSpec]:
+        return list(self._specs.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+
+def _spec_from_object(obj: Any, name: str, source: str) -> RecipeSpec:
+    if callable(obj) and not isinstance(obj, (RecipeSpec, Mapping)):
+        try:
+            obj = obj()
+        except FP8ConfigError as err:
+            raise RecipeRegistryError(f"{source} failed to build its recipe: {err}") from None
+        except Exception as exc:  # a broken plugin must say which plugin it is
+            raise RecipeRegistryError(f"{source} failed to build its recipe: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+    if isinstance(obj, Mapping):
+        try:
+            obj = RecipeSpec.from_mapping({"name": name, **obj})
+        except FP8ConfigError as err:
+            raise RecipeRegistryError(f"{source} declares an invalid recipe: {err}") from None
+    if not isinstance(obj, RecipeSpec):
+        raise RecipeRegistryError(f"{source} provides {format_value(obj)}; expected a RecipeSpec, "
+                                  "a mapping, or a zero-argument callable returning one")
+    if obj.name != name:
+        # The entry-point name is the public name; a spec derived from a preset keeps the
+        # preset's name unless renamed, so rename rather than refuse.
+        obj = obj.replace(name=name)
+    return obj
+
+
+# Built-ins in the order users meet them: per-tensor first, then tiles, then MX.
+_BUILTIN_ORDER = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8")
+
+
+def _load_builtins(registry: RecipeRegistry) -> None:
+    rank = {n: i for i, n in enumerate(_BUILTIN_ORDER)}
+    paths = sorted(preset_dir().glob("*.yaml"), key=lambda p: (rank.get(p.stem, len(rank)), p.stem))
+    for path in paths:
+        data = load_yaml_file(path)
+        source = f"built-in preset {path.name}"
+        try:
+            spec = RecipeSpec.from_mapping(data)
+        except FP8ConfigError as err:
+            raise RecipeRegistryError(f"{source} is invalid: {err}") from None
+        if spec.name != path.stem:
+            raise RecipeRegistryError(f"{source} names itself {spec.name!r}; the file name must match")
+        registry.register(spec, source)
+
+
+def _load_entry_points(registry: RecipeRegistry) -> None:
+    from importlib.metadata import entry_points
+
+    seen: set[tuple[str, str, str]] = set()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "unknown distribution"
+        ident = (ep.name, ep.value, dist)
+        if ident in seen:  # the same distribution found twice on sys.path is not a conflict
+            continue
+        seen.add(ident)
+        source = f"entry point '{ep.name} = {ep.value}' of {dist}"
+        try:
+            obj = ep.load()
+        except Exception as exc:
+            raise RecipeRegistryError(f"cannot load {source}: {type(exc).__name__}: {exc}") from exc
+        registry.register(_spec_from_object(obj, ep.name, source), source)
+
+
+_lock = threading.Lock()
+_default: RecipeRegistry | None = None
+_programmatic: list[tuple[RecipeSpec, str]] = []
+
+
+def default_registry(*, reload: bool = False) -> RecipeRegistry:
+    """The process-wide registry: built-ins, entry points, then programmatic registrations."""
+    global _default
+    with _lock:
+        if _default is None or reload:
+            reg = RecipeRegistry()
+            _load_builtins(reg)
+            _load_entry_points(reg)
+            for spec, source in _programmatic:
+                reg.register(spec, source)
+            _default = reg
+        return _default
+
+
+def register_recipe(spec: RecipeSpec | Mapping | Callable[[], Any], *, source: str | None = None) -> RecipeSpec:
+    """Register a recipe from Python (for code that cannot declare an entry point)."""
+    if isinstance(spec, Mapping):
+        name = spec.get("name")
+    elif isinstance(spec, RecipeSpec):
+        name = spec.name
+    else:
+        name = None
+    if not isinstance(name, str):
+        built = _spec_from_object(spec, "<unnamed>", source or "register_recipe()")
+        raise RecipeRegistryError(f"register_recipe() needs a named recipe, got {built.name!r}")
+    src = source or "register_recipe()"
+    built = _spec_from_object(spec, name, src)
+    reg = default_registry()
+    with _lock:
+        reg.register(built, src)
+        _programmatic.append((built, src))
+    return built
+
+
+def get_recipe(name_or_mapping: str | Mapping[str, Any] | RecipeSpec) -> RecipeSpec:
+    """The frozen spec for a recipe name, or for a mapping that starts from one.
+
+    ``get_recipe("fp8_blockwise")`` returns the preset; ``get_recipe({"recipe":
+    "fp8_blockwise", "pow2_scales": True})`` returns the preset with that field changed
+    (nested ``bf16_layers`` / ``importance_sampling`` merge field by field).
+    """
+    if isinstance(name_or_mapping, RecipeSpec):
+        return name_or_mapping
+    reg = default_registry()
+    if isinstance(name_or_mapping, str):
+        return reg.get(name_or_mapping)
+    if isinstance(name_or_mapping, Mapping):
+        overrides = dict(name_or_mapping)
+        if "recipe" not in overrides:
+            raise FP8ConfigError("a recipe mapping must start from a registered name",
+                                 key="recipe", hint=f"valid recipes: {', '.join(sorted(reg.names()))}")
+        base = reg.get(overrides.pop("recipe"))
+        return base.with_overrides(overrides)
+    raise FP8ConfigError(f"expected a recipe name or mapping, got {format_value(name_or_mapping)}",
+                         value=name_or_mapping)
+
+
+def list_recipes() -> list[RecipeSpec]:
+    """Every registered recipe, built-ins first."""
+    return default_registry().specs()

