@@ -22,7 +22,18 @@ def build_report(path: str | Path, *, hardware: str | None = None) -> dict[str, 
             "or `fp8:` naming one); the config runs in its own precision"])
         return report
     report.update(_recipe_section(request))
+    report["hosts"] = _hosts_section(request)
     return report
+
+
+def _hosts_section(request: FP8Request, model=None) -> dict[str, Any]:
+    """Each host's native spelling of the recipe (plain data, no host import)."""
+    from .hosts import available_hosts, host_module
+
+    out: dict[str, Any] = {}
+    for name in available_hosts():
+        out[name] = host_module(name).native_keys(request.spec, model=model).to_dict()
+    return out
 
 
 def _recipe_section(request: FP8Request) -> dict[str, Any]:
@@ -53,6 +64,23 @@ def render_text(report: dict[str, Any]) -> str:
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items())
         lines.append(f"  {key:<26} {value}")
+    for host, spelling in report.get("hosts", {}).items():
+        lines.append(f"host {host}:")
+        for key, value in _flatten(spelling.get("keys", {})):
+            lines.append(f"  {key} = {value}")
+        for key, value in spelling.get("env", {}).items():
+            lines.append(f"  env {key}={value}")
+        for w in spelling.get("warnings", []):
+            lines.append(f"  warning: {w}")
     for w in report.get("warnings", []):
         lines.append(f"warning: {w}")
     return "\n".join(lines) + "\n"
+
+
+def _flatten(mapping: dict, prefix: str = ""):
+    for key, value in mapping.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            yield from _flatten(value, dotted)
+        else:
+            yield dotted, value
