@@ -1,0 +1,69 @@
+"""Shared test fixtures and locations.
+
+Hosts are real: tests import megatron-core, NeMo, torchao and (in .venv-vllm) vllm directly.
+Under CI=true a missing host is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# tests/vllm runs in .venv-vllm (scripts/test.sh); the main environment has no vLLM.
+collect_ignore = []
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore.append("vllm")
+
+
+def shared_dir() -> Path:
+    """The workplace's shared folder (NeMo RL configs, HOSTS.md): ../shared beside the repo,
+    or $NEMO_FP8_SHARED."""
+    env = os.environ.get("NEMO_FP8_SHARED")
+    for candidate in ([Path(env)] if env else []) + [REPO.parent / "shared", REPO / "shared"]:
+        if (candidate / "data" / "nemo_rl").is_dir():
+            return candidate
+    raise RuntimeError("cannot find the shared folder with data/nemo_rl; set NEMO_FP8_SHARED")
+
+
+def nemo_rl_configs() -> Path:
+    return shared_dir() / "data" / "nemo_rl" / "examples" / "configs"
+
+
+UPSTREAM = REPO / ".cache" / "upstream"
+
+
+def upstream_file(wheel_glob: str, member: str, dest: Path) -> Path:
+    """Extract one file of an upstream wheel that scripts/install.sh downloaded (never installed)."""
+    wheels = sorted(UPSTREAM.glob(wheel_glob))
+    if not wheels:
+        raise RuntimeError(f"{wheel_glob} not in {UPSTREAM}; run `bash scripts/install.sh test`")
+    out = dest / member
+    if not out.exists():
+        with zipfile.ZipFile(wheels[-1]) as zf:
+            zf.extract(member, dest)
+    return out
+
+
+@pytest.fixture(scope="session")
+def te_recipe_module(tmp_path_factory):
+    """Transformer Engine 2.20.2's real `transformer_engine/common/recipe/__init__.py`, loaded by
+    file path from its wheel with the environment it reads at import time as it is now."""
+    return load_te_recipe_module(tmp_path_factory.mktemp("te"))
+
+
+def load_te_recipe_module(dest: Path, name: str = "te_recipe_under_test"):
+    path = upstream_file("transformer_engine-2.20.2-*.whl",
+                         "transformer_engine/common/recipe/__init__.py", dest)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
