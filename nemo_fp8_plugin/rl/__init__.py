@@ -1,0 +1,32 @@
+"""RL in FP8: importance-sampling correction, mismatch metrics, the trainer-side refit
+quantizer, FP8 checkpoint export and per-step scale refresh.
+
+Everything here is framework-neutral torch. Names load lazily so that importing one part
+does not pay for the others.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+# public name -> submodule that defines it
+_EXPORTS = {
+    "importance_weights": "importance",
+    "mismatch_metrics": "importance",
+    "quantize_for_refit": "refit",
+    "RefitLayoutError": "refit",
+    "export_fp8_checkpoint": "export",
+    "KVScaleCalibrator": "kv_scales",
+    "refresh_scales": "kv_scales",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
