@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import FP8ConfigError, format_value
+from .errors import FP8ConfigError, format_value, suggest
 from .registry import default_registry, load_yaml_file
 from .spec import RecipeSpec, normalize_hardware
 
@@ -180,11 +180,9 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
             allowed = set(RecipeSpec.OVERRIDABLE) | set(FP8_BLOCK_EXTRA_KEYS)
             for k in block:
                 if not isinstance(k, str) or k not in allowed:
-                    import difflib
-
-                    near = difflib.get_close_matches(str(k), sorted(allowed), n=1, cutoff=0.6)
+                    near = suggest(k, sorted(allowed))
                     raise FP8ConfigError("unknown key", key=f"fp8.{k}",
-                                         hint=f"did you mean {near[0]!r}?" if near
+                                         hint=f"did you mean {near!r}?" if near
                                          else f"valid keys: {', '.join(sorted(allowed))}")
             overrides = {k: v for k, v in block.items() if k not in FP8_BLOCK_EXTRA_KEYS}
             model = block.get("model")
@@ -201,7 +199,7 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
             elif not named:
                 raise FP8ConfigError("is required: the fp8 block must start from a registered recipe",
                                      key="fp8.recipe",
-                                     hint=f"valid recipes: {', '.join(sorted(reg.names()))}")
+                                     hint=f"valid recipes: {', '.join(reg.names())}")
         else:
             raise FP8ConfigError(f"expected a recipe name or a mapping, got {format_value(block)}",
                                  key="fp8", value=block)

@@ -9,13 +9,33 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FP8ConfigError", "RecipeRegistryError", "HostUnavailableError", "format_value"]
+__all__ = ["FP8ConfigError", "RecipeRegistryError", "HostUnavailableError", "format_value", "suggest"]
 
 
 def format_value(value: Any, limit: int = 80) -> str:
     """A short, quoted rendering of a config value for error messages."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def suggest(word: Any, choices) -> str | None:
+    """The choice a misspelt ``word`` most likely meant, or None.
+
+    Edit distance catches typos (``pow2_scale``); a prefix match catches truncations
+    (``pow2`` for ``pow2_scales``) that edit distance scores too low.
+    """
+    import difflib
+
+    choices = [c for c in choices if isinstance(c, str)]
+    word = str(word)
+    found = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if found:
+        return found[0]
+    prefixed = [c for c in choices if len(word) >= 3 and c.startswith(word)]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    found = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
+    return found[0] if found else None
 
 
 class FP8ConfigError(ValueError):

@@ -10,13 +10,12 @@ that names both sources, never silently shadowed.
 
 from __future__ import annotations
 
-import difflib
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import FP8ConfigError, RecipeRegistryError, format_value
+from .errors import FP8ConfigError, RecipeRegistryError, format_value, suggest
 from .spec import RecipeSpec
 
 __all__ = ["ENTRY_POINT_GROUP", "RecipeRegistry", "default_registry", "get_recipe",
@@ -69,9 +68,9 @@ class RecipeRegistry:
 
     def unknown(self, name: Any, *, key: str) -> FP8ConfigError:
         """The error for an unknown recipe name: valid names and the closest one."""
-        names = sorted(self._specs)
-        near = difflib.get_close_matches(str(name), names, n=1, cutoff=0.5)
-        hint = (f"did you mean {near[0]!r}? " if near else "") + f"valid recipes: {', '.join(names)}"
+        names = list(self._specs)
+        near = suggest(name, names)
+        hint = (f"did you mean {near!r}? " if near else "") + f"valid recipes: {', '.join(names)}"
         return FP8ConfigError(f"unknown FP8 recipe {format_value(name)}", key=key, value=name,
                               hint=hint)
 
@@ -149,22 +148,32 @@ def _load_entry_points(registry: RecipeRegistry) -> None:
         registry.register(_spec_from_object(obj, ep.name, source), source)
 
 
-_lock = threading.Lock()
+# Re-entrant: a plugin's factory typically derives its recipe from a built-in with
+# get_recipe(), which calls back into default_registry() while it is being built.
+_lock = threading.RLock()
 _default: RecipeRegistry | None = None
 _programmatic: list[tuple[RecipeSpec, str]] = []
 
 
 def default_registry(*, reload: bool = False) -> RecipeRegistry:
-    """The process-wide registry: built-ins, entry points, then programmatic registrations."""
+    """The process-wide registry: built-ins, entry points, then programmatic registrations.
+
+    While entry points load, the registry already holds the built-ins, so a plugin's
+    factory may start from one (``get_recipe({"recipe": "fp8_blockwise", ...})``).
+    """
     global _default
     with _lock:
         if _default is None or reload:
             reg = RecipeRegistry()
             _load_builtins(reg)
-            _load_entry_points(reg)
-            for spec, source in _programmatic:
-                reg.register(spec, source)
             _default = reg
+            try:
+                _load_entry_points(reg)
+                for spec, source in _programmatic:
+                    reg.register(spec, source)
+            except BaseException:
+                _default = None
+                raise
         return _default
 
 
@@ -204,7 +213,7 @@ def get_recipe(name_or_mapping: str | Mapping[str, Any] | RecipeSpec) -> RecipeS
         overrides = dict(name_or_mapping)
         if "recipe" not in overrides:
             raise FP8ConfigError("a recipe mapping must start from a registered name",
-                                 key="recipe", hint=f"valid recipes: {', '.join(sorted(reg.names()))}")
+                                 key="recipe", hint=f"valid recipes: {', '.join(reg.names())}")
         base = reg.get(overrides.pop("recipe"))
         return base.with_overrides(overrides)
     raise FP8ConfigError(f"expected a recipe name or mapping, got {format_value(name_or_mapping)}",

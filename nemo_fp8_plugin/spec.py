@@ -16,12 +16,11 @@ Transformer Engine (TE) names are given for each field. The TE recipe classes ar
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .errors import FP8ConfigError, format_value
+from .errors import FP8ConfigError, format_value, suggest
 
 __all__ = [
     "SCALING_KINDS",
@@ -82,11 +81,6 @@ def normalize_hardware(value: Any, key: str = "hardware") -> str | None:
 # --------------------------------------------------------------------------- checks
 
 
-def _closest(word: str, choices) -> str | None:
-    found = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
-    return found[0] if found else None
-
-
 def _bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -120,7 +114,7 @@ def _choice(key: str, value: Any, choices, *, optional: bool = False):
     if isinstance(value, str) and value in choices:
         return value
     shown = [c for c in choices if c is not None]
-    near = _closest(value, shown) if isinstance(value, str) else None
+    near = suggest(value, shown) if isinstance(value, str) else None
     hint = f"did you mean {near!r}?" if near else None
     raise FP8ConfigError(f"expected one of {', '.join(map(str, shown))}, got {format_value(value)}",
                          key=key, value=value, hint=hint)
@@ -159,7 +153,7 @@ def _check_keys(prefix: str, mapping: Mapping, allowed) -> None:
             raise FP8ConfigError(f"keys must be strings, got {format_value(k)}",
                                  key=f"{prefix}.{k}" if prefix else str(k), value=k)
         if k not in allowed:
-            near = _closest(k, allowed)
+            near = suggest(k, allowed)
             raise FP8ConfigError("unknown key", key=f"{prefix}.{k}" if prefix else k,
                                  hint=f"did you mean {near!r}?" if near
                                  else f"valid keys: {', '.join(sorted(allowed))}")
