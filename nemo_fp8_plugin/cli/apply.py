@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 
@@ -33,7 +34,12 @@ def run(args: argparse.Namespace) -> int:
     from ..hosts import host_module
 
     adapter = host_module(args.host)
-    result = adapter.apply_file(Path(args.config), hardware=args.hardware, strict=args.strict)
+    extra = {}
+    # Adapters that write relative references (NeMo RL's `defaults:`) need the destination.
+    if "output" in inspect.signature(adapter.apply_file).parameters:
+        extra["output"] = Path(args.output) if args.output else None
+    result = adapter.apply_file(Path(args.config), hardware=args.hardware, strict=args.strict,
+                                **extra)
     if args.strict and result.warnings:
         raise FP8ConfigError(result.warnings[0], key="--strict")
     fmt = result.fmt

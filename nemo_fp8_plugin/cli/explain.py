@@ -15,6 +15,14 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--hardware", default=None,
                    help="target GPU (h100, h200, b200, ...) or architecture for the hardware checks")
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help="resolve the per-layer rules against this built-in model (HF id or short "
+                        "name such as llama3.1-8b), overriding the model the config names")
+    p.add_argument("--model-config", default=None, metavar="PATH",
+                   help="resolve the per-layer rules against a Hugging Face config.json (or a "
+                        "checkpoint directory holding one); nothing is downloaded")
+    p.add_argument("--strict", action="store_true",
+                   help="treat unmatched or shadowed rules, and rules a host cannot express, as errors")
     p.set_defaults(run=run)
 
 
@@ -22,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from .._io import dump_json
     from ..explain import build_report, render_text
 
-    report = build_report(args.config, hardware=args.hardware)
+    report = build_report(args.config, hardware=args.hardware, model=args.model,
+                          model_config=args.model_config, strict=args.strict)
     sys.stdout.write(dump_json(report) if args.json else render_text(report))
     return 0

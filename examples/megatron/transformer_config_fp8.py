@@ -1,0 +1,24 @@
+"""Build megatron-core TransformerConfigs for each FP8 recipe (runs on CPU).
+
+    python examples/megatron/transformer_config_fp8.py
+
+megatron-core's own __post_init__ validates every config; the script prints the FP8 fields
+and the environment variable each recipe needs in the training process.
+"""
+
+from nemo_fp8_plugin import get_recipe, list_recipes
+from nemo_fp8_plugin.hosts.megatron import build_transformer_config, transformer_config_fields
+
+MODEL = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, bf16=True)
+
+for spec in list_recipes():
+    cfg = build_transformer_config(spec, **MODEL)
+    env = transformer_config_fields(spec).env
+    print(f"{spec.name:<15} fp8={cfg.fp8:<6} fp8_recipe={cfg.fp8_recipe:<10} "
+          f"bf16 layers={cfg.num_layers_at_start_in_bf16 if cfg.first_last_layers_bf16 else 0}"
+          f"+{cfg.num_layers_at_end_in_bf16 if cfg.first_last_layers_bf16 else 0} "
+          f"fp8_param={cfg.fp8_param} env={env or '-'}")
+
+# Per-module rules become megatron-core's RecipeConfig (applied by Transformer Engine modules).
+spec = get_recipe({"recipe": "fp8_blockwise", "bf16_layers": {"modules": ["*.linear_qkv"]}})
+print(type(build_transformer_config(spec, **MODEL).quant_recipe).__name__, "for", spec.bf16_layers.modules)

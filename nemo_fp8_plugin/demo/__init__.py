@@ -1,0 +1,347 @@
+"""``nemo-fp8 demo``: train a real megatron-core GPT on CPU in BF16 and under each FP8 recipe.
+
+Every arm starts from the same weights and sees the same batches; only the precision of
+the linear layers' GEMM operands differs, as on a GPU: the BF16 arm rounds them to BF16
+and the FP8 arms quantize them with the recipe's tiles, formats and scales through the
+bit-exact reference in :mod:`nemo_fp8_plugin.numerics`. Products accumulate in fp32 in
+both, so the loss gap is the recipe's numerical effect.
+
+Why the BF16 arm is emulated too: this CPU multiplies BF16 matrices about 7x slower than
+fp32 ones (no AVX512-BF16), which would make the step-time ratio meaningless; rounding
+operands to BF16 and multiplying in fp32 is numerically what a GPU BF16 GEMM with fp32
+accumulation does, and costs the same on both sides of the ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TrainSettings", "ArmResult", "load_demo_config", "run_demo", "default_config"]
+
+def default_config() -> Path:
+    """The embedded default: ``conf/examples/demo_gpt_fp8_blockwise.yaml``."""
+    from .._resources import conf_dir
+
+    return conf_dir("examples") / "demo_gpt_fp8_blockwise.yaml"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Training loop settings (the ``train:`` block of the demo config)."""
+
+    steps: int = 200
+    """Optimizer steps per arm."""
+    micro_batch_size: int = 8
+    """Sequences per step."""
+    lr: float = 2e-3
+    """Peak AdamW learning rate (linear warmup, cosine decay to 10%)."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    seed: int = 1234
+    """Seed of the initial weights and of the batch order (same for every arm)."""
+    eval_batches: int = 4
+    """Held-out batches the final loss is measured on."""
+    corpus_bytes: int = 2_000_000
+    """Bytes of the standard library's source used as the corpus."""
+
+
+@dataclass
+class ArmResult:
+    """One training run."""
+
+    name: str
+    """``bf16`` or a recipe name."""
+    losses: list[float] = field(default_factory=list)
+    """Training loss per step."""
+    eval_loss: float | None = None
+    """Loss on the held-out batches after training (None if interrupted before the end)."""
+    step_time_s: float | None = None
+    """Median seconds per training step."""
+    bf16_modules: int = 0
+    """Linear modules kept in BF16 by the recipe's rules."""
+    linear_modules: int = 0
+    """Linear modules in the model."""
+    completed: bool = False
+    """False when Ctrl-C stopped this arm."""
+
+
+def load_demo_config(path: str | Path):
+    """The demo's YAML: ``precision``/``fp8`` (the recipe of interest), ``model``, ``train``."""
+    from ..config import resolve_config
+    from ..errors import FP8ConfigError
+    from .model import GPTSettings
+
+    config, request = resolve_config(path)
+    blocks = {}
+    for key, cls in (("model", GPTSettings), ("train", TrainSettings)):
+        raw = config.get(key) or {}
+        if not isinstance(raw, dict):
+            raise FP8ConfigError(f"expected a mapping, got {raw!r}", key=key)
+        allowed = set(cls.__dataclass_fields__)
+        for k, v in raw.items():
+            if k not in allowed:
+                raise FP8ConfigError("unknown key", key=f"{key}.{k}",
+                                     hint=f"valid keys: {', '.join(sorted(allowed))}")
+            want = type(getattr(cls(), k))
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
+                raise FP8ConfigError(f"expected a {want.__name__}, got {v!r}", key=f"{key}.{k}", value=v)
+            if v <= 0 and k != "weight_decay":
+                raise FP8ConfigError(f"must be positive, got {v!r}", key=f"{key}.{k}", value=v)
+        blocks[key] = cls(**raw)
+    return blocks["model"], blocks["train"], request
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _lr_at(step: int, train: TrainSettings) -> float:
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+    return train.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _loss(model, batch):
+    import torch
+
+    tokens, labels = batch[:, :-1], batch[:, 1:]
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    return model(tokens, positions, attention_mask=None, labels=labels).float().mean()
+
+
+def _convert(model, arm: str, spec, num_layers: int):
+    """Put ``model``'s linear layers in the arm's precision; returns (bf16 modules, linears)."""
+    from ..numerics import convert_to_bf16_emulation, convert_to_fp8_emulation, emulated_modules
+    from ..rules import module_filter
+
+    linear_names = [n for n, m in model.named_modules()
+                    if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear")]
+    if spec is None:
+        convert_to_bf16_emulation(model)
+        return len(linear_names), len(linear_names)
+    keep_fp8 = module_filter(spec, num_layers=num_layers, side="training")
+    convert_to_fp8_emulation(model, spec, module_filter=keep_fp8)
+    fp8 = sum(1 for _ in emulated_modules(model))
+    # Layers the rules keep out of FP8 run like the BF16 arm, as they would on a GPU
+    # (the converter leaves FP8-emulated layers alone).
+    convert_to_bf16_emulation(model)
+    return len(linear_names) - fp8, len(linear_names)
+
+
+def run_arm(result: ArmResult, spec, gpt, train: TrainSettings, data, *,
+            progress: bool = True) -> ArmResult:
+    """Train one arm from the shared seed into ``result`` (which keeps what was done if
+    Ctrl-C interrupts)."""
+    import torch
+
+    from .model import build_gpt
+
+    model = build_gpt(gpt, train.seed)
+    arm = result.name
+    result.bf16_modules, result.linear_modules = _convert(model, arm, spec, gpt.num_layers)
+    params_decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    params_other = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": params_decay, "weight_decay": train.weight_decay},
+                             {"params": params_other, "weight_decay": 0.0}],
+                            lr=train.lr, betas=(0.9, 0.95))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=train.steps, desc=f"{arm:>14}", unit="step", leave=True, dynamic_ncols=True)
+    times: list[float] = []
+    try:
+        model.train()
+        for step, batch in enumerate(data.train_batches(train.steps)):
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, train)
+            t0 = time.perf_counter()
+            loss = _loss(model, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+            value = float(loss.detach())
+            result.losses.append(value)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{value:.3f}")
+        model.eval()
+        with torch.no_grad():
+            evals = [float(_loss(model, b)) for b in data.eval]
+        result.eval_loss = sum(evals) / len(evals)
+        result.completed = True
+    finally:
+        # the first steps include one-off allocation; the median is the steady step time
+        result.step_time_s = _median(times[min(5, len(times) // 2):]) if times else None
+        if bar is not None:
+            bar.close()
+    return result
+
+
+def _arms(request, recipes: list[str] | None):
+    """(arm name, spec or None for BF16) in run order; the config's own recipe (with its
+    overrides) replaces the preset of the same name."""
+    from ..errors import FP8ConfigError
+    from ..registry import default_registry
+
+    reg = default_registry()
+    names = list(recipes) if recipes else reg.names()
+    arms = [("bf16", None)]
+    for name in names:
+        if name == "bf16":
+            continue
+        if name not in reg:
+            raise reg.unknown(name, key="--recipes")
+        spec = request.spec if (request is not None and request.spec.name == name) else reg.get(name)
+        arms.append((name, spec))
+    if len(arms) == 1:
+        raise FP8ConfigError("no FP8 recipe to compare", key="--recipes", value=recipes)
+    return arms
+
+
+def summarize(results: list[ArmResult]) -> list[dict[str, Any]]:
+    """Table rows: loss gap and step-time ratio are relative to the BF16 arm."""
+    base = next((r for r in results if r.name == "bf16"), None)
+    rows = []
+    for r in results:
+        gap = ratio = None
+        if base is not None and base.eval_loss and r.eval_loss is not None:
+            gap = (r.eval_loss - base.eval_loss) / base.eval_loss
+        if base is not None and base.step_time_s and r.step_time_s:
+            ratio = r.step_time_s / base.step_time_s
+        rows.append({"recipe": r.name, "final_loss": r.eval_loss, "loss_gap_vs_bf16": gap,
+                     "step_time_s": r.step_time_s, "step_time_vs_bf16": ratio,
+                     "bf16_modules": r.bf16_modules, "linear_modules": r.linear_modules,
+                     "steps_done": len(r.losses), "completed": r.completed})
+    return rows
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"{'recipe':<16} {'final loss':>10} {'gap vs BF16':>11} {'step time vs BF16':>17} "
+             f"{'BF16 linears':>12}"]
+    for row in rows:
+        layers = f"{row['bf16_modules']}/{row['linear_modules']}"
+        done = "" if row["completed"] else f"  (stopped after {row['steps_done']} steps)"
+        lines.append(f"{row['recipe']:<16} {fmt(row['final_loss'], '10.4f')} "
+                     f"{fmt(row['loss_gap_vs_bf16'], '+11.2%')} "
+                     f"{fmt(row['step_time_vs_bf16'], '16.2f') + ('x' if row['step_time_vs_bf16'] else ''):>17} "
+                     f"{layers:>12}{done}")
+    return "\n".join(lines)
+
+
+def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult]) -> list[Path]:
+    """``results.json`` and ``loss_curves.png`` in ``out_dir``, each written atomically."""
+    import json
+
+    from .._io import atomic_write_bytes, atomic_write_text
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [atomic_write_text(out_dir / "results.json", json.dumps(report, indent=2) + "\n")]
+    try:
+        import io
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for r in results:
+        if not r.losses:
+            continue
+        window = 10
+        smooth = [sum(r.losses[max(0, i - window + 1):i + 1]) / len(r.losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(r.losses))]
+        ax.plot(range(1, len(smooth) + 1), smooth, label=r.name,
+                linewidth=2.2 if r.name == "bf16" else 1.2,
+                color="black" if r.name == "bf16" else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (10-step mean)")
+    ax.set_title("megatron-core GPT on CPU: BF16 vs FP8 recipes (emulated)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    written.append(atomic_write_bytes(out_dir / "loss_curves.png", buf.getvalue()))
+    return written
+
+
+def run_demo(config: str | Path | None = None, *, recipes: list[str] | None = None,
+             steps: int | None = None, out_dir: str | Path = "nemo-fp8-demo",
+             progress: bool = True, log=print) -> dict[str, Any]:
+    """Train the BF16 arm and one arm per recipe; write the JSON and PNG; return the report.
+
+    Ctrl-C stops the arm in flight; what ran so far is written and returned with
+    ``interrupted: true``.
+    """
+    import dataclasses
+
+    import torch
+
+    from .data import ByteBatches, stdlib_corpus
+
+    config = Path(config) if config else default_config()
+    gpt, train, request = load_demo_config(config)
+    if steps is not None:
+        if steps < 1:
+            from ..errors import FP8ConfigError
+
+            raise FP8ConfigError(f"must be positive, got {steps}", key="--steps", value=steps)
+        train = dataclasses.replace(train, steps=steps,
+                                    warmup_steps=min(train.warmup_steps, max(1, steps // 10)))
+    arms = _arms(request, recipes)
+    out_dir = Path(out_dir)
+    data = ByteBatches(stdlib_corpus(train.corpus_bytes), gpt.seq_length, train.micro_batch_size,
+                       train.seed, eval_batches=train.eval_batches)
+    log(f"nemo-fp8 demo: {config}")
+    log(f"  model: megatron-core GPTModel, {gpt.num_layers} layers, hidden {gpt.hidden_size}, "
+        f"{train.steps} steps x {train.micro_batch_size}x{gpt.seq_length} bytes of Python stdlib source")
+    log(f"  arms: {', '.join(a for a, _ in arms)}; output: {out_dir.resolve()}")
+    results: list[ArmResult] = []
+    interrupted = False
+    report: dict[str, Any] = {}
+
+    def snapshot():
+        report.clear()
+        report.update(config=str(config), model=asdict(gpt), train=asdict(train),
+                      recipe_requested=request.spec.name if request else None,
+                      torch=torch.__version__, interrupted=interrupted,
+                      rows=summarize(results), curves={r.name: r.losses for r in results})
+        return write_outputs(out_dir, report, results)
+
+    try:
+        for name, spec in arms:
+            result = ArmResult(name=name)
+            results.append(result)
+            run_arm(result, spec, gpt, train, data, progress=progress)
+            snapshot()  # a later crash or Ctrl-C still leaves every finished arm on disk
+    except KeyboardInterrupt:
+        interrupted = True
+    written = snapshot()
+    log("")
+    log(render_table(report["rows"]))
+    log("")
+    for path in written:
+        log(f"wrote {path}")
+    if interrupted:
+        log("interrupted: the table and files hold the arms that ran")
+    return report

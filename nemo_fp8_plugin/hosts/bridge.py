@@ -1,0 +1,297 @@
+"""Megatron-Bridge: the recipes in Bridge's mixed-precision registry, and its YAML block.
+
+Megatron-Bridge resolves ``mixed_precision: <name>`` (YAML, CLI override or Python) through
+``megatron.bridge.training.mixed_precision.MIXED_PRECISION_RECIPES`` when the config is
+finalized; ``MixedPrecisionConfig.setup`` then pushes the fields onto the model, optimizer
+and DDP configs, overwriting what was there (Megatron-Bridge issue 5365), so precision
+belongs in ``mixed_precision`` only. Bridge has no plugin discovery: the training script
+runs the one import below before it builds or loads its config::
+
+    import nemo_fp8_plugin.hosts.bridge as fp8; fp8.register()
+
+:func:`register` adds every recipe of the plugin's registry with Bridge's own ``register``
+decorator (so ``fp8_blockwise`` and its hyphenated alias ``fp8-blockwise`` resolve), refuses
+a name Bridge or another package already uses, and allows ``_target_`` values under
+``nemo_fp8_plugin.`` in Bridge YAML (``register_allowed_target_prefix``), which the
+callback and :func:`mixed_precision_config` need.
+
+=============================================  =============================================
+``MixedPrecisionConfig`` field                  from the spec
+=============================================  =============================================
+``bf16``, ``params_dtype``, ``pipeline_dtype``,  Bridge's ``bf16_mixed`` (FP8 runs on BF16)
+``autocast_enabled``, ``grad_reduce_in_fp32``
+``fp8`` ... ``num_layers_at_end_in_bf16``       as megatron-core (:mod:`.megatron`)
+``fp8_param_gather`` (= ``fp8_param``)           ``fp8_param``
+``reuse_grad_buf_for_mxfp8_param_ag``            MXFP8 with FP8 parameters (Bridge requires it)
+=============================================  =============================================
+
+Per-module BF16 rules go to ``model.quant_recipe`` (the model provider is a megatron-core
+``TransformerConfig``; ``setup`` does not overwrite it). The TE environment variable
+(:func:`nemo_fp8_plugin.hosts.te.required_env`) must be exported by the launch script:
+Bridge's own ``env_vars`` are applied after Transformer Engine is imported, too late for the
+variables TE reads at import. :class:`nemo_fp8_plugin.callbacks.FP8ScaleRefreshBridgeCallback`
+verifies it at the start of training.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping
+
+from ..config import find_fp8_request, load_config
+from ..errors import FP8ConfigError, RecipeRegistryError, format_value
+from ..spec import RecipeSpec
+from . import ApplyResult, HostKeys
+from .megatron import (dropped_settings, merge_native, model_for_rules, remove_request_keys,
+                       transformer_config_fields)
+
+__all__ = ["MIXED_PRECISION_TARGET", "TARGET_PREFIX", "mixed_precision_fields", "native_keys",
+           "mixed_precision_config", "register", "apply_config", "apply_file"]
+
+MIXED_PRECISION_TARGET = "megatron.bridge.training.mixed_precision.MixedPrecisionConfig"
+"""Import path of Bridge's ``MixedPrecisionConfig`` (the ``_target_`` of the YAML block)."""
+
+TARGET_PREFIX = "nemo_fp8_plugin"
+"""Module prefix :func:`register` adds to Bridge's ``_target_`` allow-list."""
+
+def _dtype(name: str) -> dict[str, Any]:
+    return {"_target_": f"torch.{name}", "_call_": False}
+
+
+def base_fields(kind: str = "bf16") -> dict[str, Any]:
+    """Bridge's ``bf16_mixed`` / ``fp16_mixed`` fields as Bridge YAML (a dtype as
+    ``{_target_: torch.bfloat16, _call_: false}``, Bridge's own YAML spelling); a new dict
+    on every call so no two YAML nodes share an object (PyYAML would emit anchors)."""
+    if kind == "fp16":
+        return {"bf16": False, "fp16": True, "params_dtype": _dtype("float16"),
+                "pipeline_dtype": _dtype("float16"), "autocast_enabled": False,
+                "grad_reduce_in_fp32": False}
+    return {"bf16": True, "fp16": False, "params_dtype": _dtype("bfloat16"),
+            "pipeline_dtype": _dtype("bfloat16"), "autocast_enabled": False,
+            "grad_reduce_in_fp32": True}
+
+
+_BASE_NAMES = {"bf16_mixed": "bf16", "bf16-mixed": "bf16", "fp16_mixed": "fp16", "fp16-mixed": "fp16"}
+
+_FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
+               "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention",
+               "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+
+
+def mixed_precision_fields(spec: RecipeSpec, model=None) -> HostKeys:
+    """Bridge ``MixedPrecisionConfig`` FP8 fields for ``spec`` (plain data), plus
+    ``quant_recipe`` (for ``model.quant_recipe``) when per-module rules need one."""
+    if spec.training != "fp8":
+        return HostKeys(keys={}, warnings=["bridge: training: bf16 in this recipe, so "
+                                           "mixed_precision gets no FP8 fields"])
+    mc = transformer_config_fields(spec, model)
+    keys = {k: mc.keys[k] for k in _FP8_FIELDS}
+    keys["fp8_param_gather"] = spec.fp8_param
+    keys["reuse_grad_buf_for_mxfp8_param_ag"] = spec.scaling == "mx" and spec.fp8_param
+    if "quant_recipe" in mc.keys:
+        keys["quant_recipe"] = mc.keys["quant_recipe"]
+    warnings = [w.replace("megatron:", "bridge:", 1) for w in mc.warnings]
+    return HostKeys(keys=keys, warnings=warnings, env=dict(mc.env))
+
+
+def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
+    """Bridge's spelling: the ``mixed_precision`` block (and ``model.quant_recipe``)."""
+    hk = mixed_precision_fields(spec, model)
+    if not hk.keys:
+        return hk
+    fields = dict(hk.keys)
+    quant = fields.pop("quant_recipe", None)
+    keys: dict[str, Any] = {"mixed_precision": {"_target_": MIXED_PRECISION_TARGET,
+                                                **base_fields("bf16"), **fields}}
+    if quant is not None:
+        keys["model"] = {"quant_recipe": _quant_recipe_yaml(quant)}
+    return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
+
+
+def _quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    from .megatron import bf16_patterns  # noqa: PLC0415
+
+    return {"_target_": "nemo_fp8_plugin.hosts.megatron.bf16_quant_recipe",
+            "patterns": bf16_patterns(mapping)}
+
+
+# --------------------------------------------------------------------------- with Bridge
+
+
+def _mp_module(mp_module: ModuleType | None) -> ModuleType:
+    if mp_module is not None:
+        return mp_module
+    try:
+        from megatron.bridge.training import mixed_precision  # noqa: PLC0415
+    except ImportError as exc:
+        from ..errors import HostUnavailableError  # noqa: PLC0415
+
+        raise HostUnavailableError(f"Megatron-Bridge is not importable here ({exc})",
+                                   hint="pip install megatron-bridge (needs Transformer Engine)") from None
+    return mixed_precision
+
+
+def mixed_precision_config(spec: RecipeSpec | str | Mapping, model=None, *,
+                           mp_module: ModuleType | None = None):
+    """Bridge's own ``MixedPrecisionConfig`` for ``spec``: Bridge's ``bf16_mixed()`` with the
+    recipe's FP8 fields set on it. ``mp_module`` is Bridge's ``mixed_precision`` module
+    (imported when None). Also usable as a YAML ``_target_`` with ``spec: <name or mapping>``."""
+    from ..callbacks import resolve_spec  # noqa: PLC0415
+
+    spec = resolve_spec(spec)
+    _refuse(spec)
+    mp = _mp_module(mp_module)
+    hk = mixed_precision_fields(spec, model)
+    cfg = mp.bf16_mixed()
+    for key, value in hk.keys.items():
+        if key == "quant_recipe":
+            continue  # a model field, not a mixed-precision one
+        setattr(cfg, key, value)
+    return cfg
+
+
+def register(mp_module: ModuleType | None = None, *, names: list[str] | None = None,
+             instantiate_module: ModuleType | None = None) -> list[str]:
+    """Register recipes (default: every recipe of the plugin's registry) into Bridge's
+    ``MIXED_PRECISION_RECIPES`` with Bridge's ``register`` decorator, and allow
+    ``nemo_fp8_plugin.`` ``_target_`` values. Idempotent; a name another package already
+    registered is refused with :class:`RecipeRegistryError` naming both. Returns the names
+    added (aliases included).
+
+    ``mp_module`` / ``instantiate_module``: Bridge's ``training.mixed_precision`` and
+    ``utils.instantiate_utils`` modules (imported when None).
+    """
+    from ..registry import list_recipes  # noqa: PLC0415
+
+    mp = _mp_module(mp_module)
+    table = mp.MIXED_PRECISION_RECIPES
+    wanted = names if names is not None else [s.name for s in list_recipes()]
+    added: list[str] = []
+    for name in wanted:
+        factory = _bridge_factory(name, mp)
+        aliases = {name, name.replace("_", "-")}
+        for alias in sorted(aliases):
+            other = table.get(alias)
+            if other is not None and not getattr(other, "_nemo_fp8_recipe", None) == name:
+                where = f"{getattr(other, '__module__', '?')}.{getattr(other, '__qualname__', other)}"
+                raise RecipeRegistryError(
+                    f"Megatron-Bridge mixed-precision recipe {alias!r} is defined twice: by {where} "
+                    f"and by nemo-fp8-plugin", key=alias, hint="rename one of the recipes")
+        before = set(table)
+        mp.register(factory)
+        added += sorted(set(table) - before)
+    _allow_target_prefix(instantiate_module)
+    return added
+
+
+def _bridge_factory(name: str, mp: ModuleType):
+    def factory():
+        from ..registry import get_recipe  # noqa: PLC0415
+
+        return mixed_precision_config(get_recipe(name), mp_module=mp)
+
+    # Bridge's register() keys the table by __name__ (plus the hyphenated alias).
+    factory.__name__ = factory.__qualname__ = name
+    factory.__module__ = __name__
+    factory.__doc__ = f"nemo-fp8-plugin recipe {name!r} as a Megatron-Bridge MixedPrecisionConfig."
+    factory._nemo_fp8_recipe = name
+    return factory
+
+
+def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
+    if instantiate_module is None:
+        try:
+            from megatron.bridge.utils import instantiate_utils as instantiate_module  # noqa: PLC0415
+        except ImportError as exc:
+            from ..errors import HostUnavailableError  # noqa: PLC0415
+
+            raise HostUnavailableError(f"Megatron-Bridge's instantiate_utils is not importable "
+                                       f"({exc})") from None
+    instantiate_module.register_allowed_target_prefix(TARGET_PREFIX)
+
+
+def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
+    dropped = dropped_settings(spec)
+    if dropped:
+        key, reason = dropped[0]
+        raise FP8ConfigError(f"Megatron-Bridge (megatron-core) would silently drop this setting: "
+                             f"{reason}", key=f"{prefix}{key}", value=getattr(spec, key),
+                             hint="remove it, or use the recipe's preset value")
+    if spec.training != "fp8":
+        raise FP8ConfigError("this recipe trains in BF16; Megatron-Bridge training gets nothing "
+                             "from it", key=f"{prefix}training", value=spec.training)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
+                 strict: bool = False) -> ApplyResult:
+    """Rewrite a Bridge YAML mapping: the request (``precision:``, ``fp8:``, or a
+    ``mixed_precision:`` naming one of our recipes) becomes the ``mixed_precision`` block
+    (``_target_: MixedPrecisionConfig``), which stock Bridge builds without this package."""
+    request = find_fp8_request(config, hardware=hardware)
+    if request is None:
+        return ApplyResult(data=copy.deepcopy(dict(config)),
+                           warnings=["no FP8 recipe requested; config unchanged"])
+    spec = request.spec
+    _refuse(spec, prefix="fp8." if "fp8" in request.keys else "")
+    hk = mixed_precision_fields(spec, model_for_rules(config, request))
+    current = config.get("mixed_precision")
+    if "mixed_precision" in request.keys:
+        current = None  # it named one of our recipes: replaced by the block
+    fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
+    if current is None or isinstance(current, str):
+        if current is not None and current not in _BASE_NAMES:
+            raise FP8ConfigError(f"already names the Megatron-Bridge recipe {current!r}, which "
+                                 f"conflicts with FP8 recipe {spec.name!r}", key="mixed_precision",
+                                 value=current, hint="state the recipe once")
+        block = {"_target_": MIXED_PRECISION_TARGET,
+                 **base_fields(_BASE_NAMES.get(current, "bf16")), **copy.deepcopy(fields)}
+    elif isinstance(current, Mapping):
+        block = copy.deepcopy(dict(current))
+        merge_native(block, fields, where="mixed_precision.", conflicting=("fp4",))
+        if block.get("fp8_param") not in (None, spec.fp8_param):
+            raise FP8ConfigError(f"already set to {format_value(block['fp8_param'])}",
+                                 key="mixed_precision.fp8_param", value=block["fp8_param"])
+    else:
+        raise FP8ConfigError(f"expected a recipe name or a mapping, got {format_value(current)}",
+                             key="mixed_precision", value=current)
+    out = _replace_request(config, request.keys, block)
+    if "quant_recipe" in hk.keys:
+        model = out.setdefault("model", {})
+        if not isinstance(model, dict):
+            raise FP8ConfigError("cannot place per-module rules: model is not a mapping", key="model")
+        merge_native(model, {"quant_recipe": _quant_recipe_yaml(hk.keys["quant_recipe"])},
+                     where="model.")
+    warnings = list(hk.warnings)
+    for var, value in hk.env.items():
+        warnings.append(f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
+                        f"applied after Transformer Engine is imported); "
+                        f"FP8ScaleRefreshBridgeCallback verifies it at start")
+    if strict and hk.warnings:
+        raise FP8ConfigError(hk.warnings[0], key="--strict")
+    return ApplyResult(data=out, warnings=warnings)
+
+
+def _replace_request(config: Mapping[str, Any], request_keys, block: dict) -> dict:
+    """A copy of ``config`` whose ``mixed_precision`` is ``block``, placed where the request
+    was (the first root key that carried it), without the plugin's request keys."""
+    roots = {k.split(".")[0] for k in request_keys}
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if key == "mixed_precision" or (key in roots and key in ("precision", "fp8")):
+            if "mixed_precision" not in out:
+                out["mixed_precision"] = block
+            continue
+        out[key] = copy.deepcopy(value)
+    if "mixed_precision" not in out:
+        out["mixed_precision"] = block
+    return remove_request_keys(out, [k for k in request_keys if "." in k])  # policy.precision
+
+
+def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
+    """``nemo-fp8 apply CONFIG --host bridge``: see :func:`apply_config`."""
+    return apply_config(load_config(path, follow_defaults=False), hardware=hardware, strict=strict)

@@ -1,0 +1,355 @@
+"""megatron-core: a recipe spec as ``TransformerConfig`` fields.
+
+=====================================  ==========================================================
+``TransformerConfig`` field             from the spec
+=====================================  ==========================================================
+``fp8``                                 ``fp8_format`` (``e4m3`` / ``hybrid``)
+``fp8_recipe``                          ``scaling``: delayed, tensorwise, blockwise, mxfp8
+``fp8_margin``, ``fp8_amax_history_len``, ``margin``, ``amax_history_len``, ``amax_compute_algo``
+``fp8_amax_compute_algo``               (megatron-core reads them for delayed scaling only)
+``fp8_wgrad``                           ``fp8_wgrad``
+``fp8_dot_product_attention``,          ``fp8_dot_product_attention``, ``fp8_multi_head_attention``
+``fp8_multi_head_attention``
+``fp8_param``                           ``fp8_param``
+``first_last_layers_bf16``,             ``bf16_layers.first`` / ``last``, through
+``num_layers_at_start_in_bf16``,        :func:`nemo_fp8_plugin.rules.to_megatron`
+``num_layers_at_end_in_bf16``
+``quant_recipe``                        ``bf16_layers.modules`` (a ``RecipeConfig``; in YAML the
+                                        mapping ``RecipeConfig.from_config_dict`` takes)
+environment                             ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` (block) /
+                                        ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` (tensorwise)
+=====================================  ==========================================================
+
+megatron-core builds its TE recipe object itself from these fields (``fp8_utils.get_fp8_recipe``),
+passing only the format (and the delayed-scaling history settings), so spec settings it
+has no field for are *dropped*: ``amax_epsilon``, ``reduce_amax: false``, ``margin`` outside
+delayed scaling, non-default block tiles, MXFP8 32x32 weight tiles, ``pow2_scales`` under
+delayed scaling. :func:`dropped_settings` lists them; ``apply_file`` refuses a config that
+asks for one, naming the key, and ``native_keys`` reports them as warnings. Scale rounding
+(``pow2_scales`` for block and current scaling) is carried by the environment variable of
+:func:`nemo_fp8_plugin.hosts.te.required_env`, verified at training start.
+
+YAML layout for ``nemo-fp8 apply --host megatron``: the fields go under ``language_model:``
+when the config has that mapping (Megatron-LM's ``--yaml-cfg`` layout), else under
+``model:``, created when absent: never at the root, where ``fp8:`` is the plugin's own
+request key. ``quant_recipe`` is written as the mapping
+``{configs: ..., matchers: ...}``; :func:`build_transformer_config` turns it into the
+``RecipeConfig`` megatron-core wants.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any, List, Mapping
+
+from ..config import FP8Request, find_fp8_request, get_path, load_config
+from ..errors import FP8ConfigError, format_value
+from ..spec import RecipeSpec
+from . import ApplyResult, HostKeys
+from .te import required_env
+
+__all__ = ["FP8_RECIPE", "FP8_FIELDS", "BF16_FIELDS", "dropped_settings", "transformer_config_fields",
+           "native_keys", "build_transformer_config", "apply_to_transformer_config",
+           "quant_recipe_object", "bf16_quant_recipe", "bf16_patterns", "apply_config", "apply_file", "section_path", "model_for_rules",
+           "merge_native", "remove_request_keys"]
+
+FP8_RECIPE = {"delayed": "delayed", "tensorwise": "tensorwise", "block": "blockwise", "mx": "mxfp8"}
+"""Spec ``scaling`` -> megatron-core ``fp8_recipe``."""
+
+FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
+              "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp8_param")
+"""``TransformerConfig`` FP8 fields this adapter always writes (so a stale value cannot linger)."""
+
+BF16_FIELDS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+"""``TransformerConfig`` first/last-layer BF16 fields, always written."""
+
+CONFLICTING_FIELDS = ("fp8_quantizer_factory", "fp4", "fp4_recipe", "fp4_param", "quant_recipe")
+"""Native keys that, when already set in an input config, contradict the recipe we write
+(``quant_recipe`` only when our rules need one of their own)."""
+
+_TILES = {"block": ((1, 128), (128, 128), (1, 128)), "mx": ((1, 32), (1, 32), (1, 32))}
+
+
+def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
+    """(spec key, reason) for each setting megatron-core would silently drop."""
+    if spec.training != "fp8":
+        return []
+    out: list[tuple[str, str]] = []
+    kind = spec.scaling
+    if spec.amax_epsilon:
+        out.append(("amax_epsilon", "megatron-core builds Transformer Engine recipes with TE's "
+                                    "default amax epsilon (0)"))
+    if not spec.reduce_amax and kind == "delayed":
+        out.append(("reduce_amax", "megatron-core always all-reduces delayed-scaling amaxes "
+                                   "(only tp_only_amax_red narrows the group)"))
+    if kind != "delayed":
+        if spec.margin:
+            out.append(("margin", f"megatron-core applies fp8_margin to delayed scaling only, "
+                                  f"not to {FP8_RECIPE[kind]}"))
+        if spec.amax_history_len != 1:
+            out.append(("amax_history_len", "an amax history is used by delayed scaling only"))
+        if spec.amax_compute_algo != "most_recent":
+            out.append(("amax_compute_algo", "the amax algorithm is used by delayed scaling only"))
+    if kind == "delayed" and spec.pow2_scales:
+        out.append(("pow2_scales", "delayed scaling has no power-of-2 scale option"))
+    if kind in _TILES:
+        act, wgt, grad = _TILES[kind]
+        for key, want in (("activation_block", act), ("weight_block", wgt), ("gradient_block", grad)):
+            if getattr(spec, key) != want:
+                out.append((key, f"megatron-core builds the {FP8_RECIPE[kind]} recipe with "
+                                 f"Transformer Engine's default tiles ({list(want)})"))
+    return out
+
+
+_NO_BF16_LAYERS = {"first_last_layers_bf16": False, "num_layers_at_start_in_bf16": 0,
+                   "num_layers_at_end_in_bf16": 0}
+
+
+def _rules_keys(spec: RecipeSpec, model=None) -> HostKeys:
+    """First/last BF16 layers and per-module rules, spelt by the rules module; the
+    first/last fields are always present so a stale value in a config cannot survive."""
+    keys = dict(_NO_BF16_LAYERS)
+    if not spec.bf16_layers.acts_on("training") or spec.bf16_layers.empty:
+        return HostKeys(keys=keys)
+    from ..rules import to_megatron  # noqa: PLC0415 - stdlib only, but not needed by every command
+
+    rules = to_megatron(spec, model)
+    keys.update(rules.keys)
+    return HostKeys(keys=keys, warnings=list(rules.warnings))
+
+
+def model_for_rules(config: Mapping[str, Any], request: FP8Request):
+    """The model description per-module rules resolve against, or None (generic patterns).
+
+    ``fp8.model`` when the config names one (its errors propagate); else the config's own
+    model section when it has megatron-core sizes, else the model name the host config
+    carries, when the built-in table knows it.
+    """
+    if not request.spec.bf16_layers.modules:
+        return None
+    from ..rules import describe_model  # noqa: PLC0415
+
+    block = config.get("fp8")
+    if isinstance(block, Mapping) and block.get("model") is not None:
+        return describe_model(block["model"], key="fp8.model")
+    section = get_path(config, section_path(config))
+    for candidate in (section, request.model):
+        if candidate is None or (isinstance(candidate, Mapping) and "num_layers" not in candidate):
+            continue
+        try:
+            return describe_model(candidate)
+        except FP8ConfigError:
+            continue  # a name the table does not know: fall back to generic patterns
+    return None
+
+
+def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
+    """The ``TransformerConfig`` fields for ``spec`` (plain data; ``quant_recipe`` as a mapping).
+
+    ``warnings`` holds what megatron-core cannot express (see :func:`dropped_settings`) and the
+    rules the rules module could not translate; ``env`` the variables TE must see at import.
+    """
+    if spec.training != "fp8":
+        return HostKeys(keys={}, warnings=[
+            "megatron: training: bf16 in this recipe, so megatron-core gets no FP8 keys"])
+    keys: dict[str, Any] = {
+        "fp8": spec.fp8_format,
+        "fp8_recipe": FP8_RECIPE[spec.scaling],
+        "fp8_margin": spec.margin if spec.scaling == "delayed" else 0,
+        "fp8_amax_history_len": spec.amax_history_len if spec.scaling == "delayed" else 1,
+        "fp8_amax_compute_algo": spec.amax_compute_algo if spec.scaling == "delayed" else "most_recent",
+        "fp8_wgrad": spec.fp8_wgrad,
+        "fp8_dot_product_attention": spec.fp8_dot_product_attention,
+        "fp8_multi_head_attention": spec.fp8_multi_head_attention,
+        "fp8_param": spec.fp8_param,
+    }
+    rules = _rules_keys(spec, model)
+    keys.update(rules.keys)
+    warnings = [f"megatron: {key}: {reason}; dropped" for key, reason in dropped_settings(spec)]
+    warnings += list(rules.warnings)
+    return HostKeys(keys=keys, warnings=warnings, env=required_env(spec))
+
+
+def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
+    """The adapter contract: :func:`transformer_config_fields`."""
+    return transformer_config_fields(spec, model)
+
+
+# --------------------------------------------------------------------------- with megatron-core
+
+
+def quant_recipe_object(mapping: Mapping[str, Any] | None):
+    """megatron-core's ``RecipeConfig`` from the YAML mapping (``configs`` + ``matchers``)."""
+    if mapping is None:
+        return None
+    from megatron.core.quantization.quant_config import RecipeConfig  # noqa: PLC0415
+
+    if isinstance(mapping, RecipeConfig):
+        return mapping
+    if not isinstance(mapping, Mapping):
+        raise FP8ConfigError(f"expected a mapping with configs and matchers, got "
+                             f"{format_value(mapping)}", key="quant_recipe", value=mapping)
+    return RecipeConfig.from_config_dict(dict(mapping))
+
+
+def bf16_patterns(mapping: Mapping[str, Any]) -> list[str]:
+    """The ordered glob patterns of a BF16-only ``quant_recipe`` mapping (the rules module's)."""
+    return [m["pattern"] for m in mapping.get("matchers", {}).values() if m.get("enabled")]
+
+
+def bf16_quant_recipe(patterns: list[str]):
+    """megatron-core's ``RecipeConfig`` keeping the modules matching ``patterns`` (fnmatch
+    globs, first match wins) in BF16: the YAML ``_target_`` NeMo-Run and Bridge configs use,
+    since NeMo-Run's YAML loader passes scalars and lists but not nested mappings."""
+    from ..rules import BF16_QUANT_CONFIG  # noqa: PLC0415
+
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise FP8ConfigError(f"expected a list of glob patterns, got {format_value(patterns)}",
+                             key="quant_recipe.patterns", value=patterns)
+    return quant_recipe_object({
+        "configs": {"bf16": dict(BF16_QUANT_CONFIG, training_recipe={})},
+        "matchers": {f"bf16_{i}": {"config": "bf16", "type": "glob", "pattern": p, "enabled": True}
+                     for i, p in enumerate(patterns)},
+    })
+
+
+# NeMo-Run parses CLI/YAML values by the annotation object; a postponed (string) annotation
+# is "Unsupported type", so this one is set as a real typing object.
+bf16_quant_recipe.__annotations__["patterns"] = List[str]
+
+
+def _objects(fields: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(fields)
+    if out.get("quant_recipe") is not None:
+        out["quant_recipe"] = quant_recipe_object(out["quant_recipe"])
+    return out
+
+
+def build_transformer_config(spec: RecipeSpec, model=None, *, config_class=None, **base: Any):
+    """A real megatron-core ``TransformerConfig`` (or ``config_class``) from ``base`` model
+    fields plus the recipe's FP8 fields; megatron-core's own ``__post_init__`` validates it.
+
+    Raises :class:`FP8ConfigError` for settings megatron-core would drop, and re-raises
+    megatron-core's own validation errors as :class:`FP8ConfigError` naming the field.
+    """
+    if config_class is None:
+        from megatron.core.transformer import TransformerConfig as config_class  # noqa: PLC0415
+    hk = transformer_config_fields(spec, model)
+    _refuse_dropped(spec)
+    clash = sorted(set(base) & set(hk.keys))
+    if clash:
+        raise FP8ConfigError(f"{clash[0]} is set both by the caller and by recipe {spec.name!r}",
+                             key=clash[0], value=base[clash[0]])
+    return _construct(config_class, {**base, **_objects(hk.keys)}, spec)
+
+
+def apply_to_transformer_config(config, spec: RecipeSpec, model=None):
+    """A copy of an existing ``TransformerConfig`` with the recipe's fields, validated again
+    by megatron-core (``dataclasses.replace`` runs ``__post_init__`` on the copy)."""
+    hk = transformer_config_fields(spec, model)
+    _refuse_dropped(spec)
+    return _construct(lambda **kw: dataclasses.replace(config, **kw), _objects(hk.keys), spec)
+
+
+def _construct(factory, kwargs: dict[str, Any], spec: RecipeSpec):
+    try:
+        return factory(**kwargs)
+    except (ValueError, AssertionError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        key = next((k for k in (*BF16_FIELDS, *FP8_FIELDS) if k in msg), None)
+        raise FP8ConfigError(f"megatron-core refuses recipe {spec.name!r}: {msg}", key=key) from exc
+
+
+def _refuse_dropped(spec: RecipeSpec, prefix: str = "fp8") -> None:
+    dropped = dropped_settings(spec)
+    if dropped:
+        key, reason = dropped[0]
+        raise FP8ConfigError(f"megatron-core would silently drop this setting: {reason}",
+                             key=f"{prefix}.{key}" if prefix else key, value=getattr(spec, key),
+                             hint="remove it, or use the recipe's preset value")
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+def section_path(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """Where TransformerConfig keys live in a config: ``language_model`` when present, else
+    ``model`` (never the root, where ``fp8:`` is the plugin's request key)."""
+    if isinstance(config.get("language_model"), Mapping):
+        return ("language_model",)
+    return ("model",)
+
+
+def remove_request_keys(config: Mapping[str, Any], keys) -> dict:
+    """A deep copy of ``config`` without the plugin keys that carried the request
+    (``FP8Request.keys``: dotted paths such as ``precision`` or ``policy.precision``)."""
+    out = copy.deepcopy(dict(config))
+    for dotted in keys:
+        parts = dotted.split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(parts[-1], None)
+    return out
+
+
+def merge_native(section: dict, keys: Mapping[str, Any], *, where: str,
+                 conflicting: tuple[str, ...] = ()) -> list[str]:
+    """Write ``keys`` into ``section``; refuse a key already set there to a different value,
+    and any of ``conflicting`` set at all. Returns the keys written."""
+    for key in conflicting:
+        if section.get(key) not in (None, False):
+            raise FP8ConfigError(f"already set to {format_value(section[key])}, which conflicts with "
+                                 f"the FP8 recipe being applied", key=f"{where}{key}",
+                                 value=section[key],
+                                 hint="remove it, or remove the plugin's precision/fp8 key")
+    for key, value in keys.items():
+        if key in section and section[key] is not None and section[key] != value:
+            raise FP8ConfigError(f"already set to {format_value(section[key])}; the recipe needs "
+                                 f"{format_value(value)}", key=f"{where}{key}", value=section[key],
+                                 hint="state the recipe once: remove the native key or the "
+                                      "plugin's precision/fp8 key")
+    section.update(copy.deepcopy(dict(keys)))
+    return list(keys)
+
+
+def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
+                 strict: bool = False) -> ApplyResult:
+    """Rewrite a loaded config: the plugin's request keys become TransformerConfig keys."""
+    request = find_fp8_request(config, hardware=hardware)
+    if request is None:
+        return ApplyResult(data=copy.deepcopy(dict(config)),
+                           warnings=["no FP8 recipe requested; config unchanged"])
+    spec = request.spec
+    _refuse_dropped(spec, prefix="fp8" if "fp8" in request.keys else "")
+    hk = transformer_config_fields(spec, model_for_rules(config, request))
+    out = remove_request_keys(config, request.keys)
+    path = section_path(out)
+    if out.get(path[0]) is None:
+        out[path[0]] = {}
+    section = out[path[0]]
+    if not isinstance(section, dict):
+        raise FP8ConfigError(f"expected a mapping of model fields, got {format_value(section)}",
+                             key=path[0], value=section)
+    where = f"{path[0]}."
+    # A quant_recipe of our own is compared like any key; someone else's contradicts ours.
+    conflicting = tuple(k for k in CONFLICTING_FIELDS
+                        if k != "quant_recipe" or "quant_recipe" not in hk.keys)
+    merge_native(section, hk.keys, where=where, conflicting=conflicting)
+    warnings = list(hk.warnings)
+    for var, value in hk.env.items():
+        warnings.append(f"megatron: export {var}={value} in the training process's environment "
+                        f"before Transformer Engine is imported (the FP8 scale-refresh callback "
+                        f"verifies it at start)")
+    if strict and hk.warnings:
+        raise FP8ConfigError(hk.warnings[0], key="--strict")
+    return ApplyResult(data=out, warnings=warnings)
+
+
+def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
+    """``nemo-fp8 apply CONFIG --host megatron``: see :func:`apply_config`. The file is read
+    as written (a ``defaults:`` chain is not merged in, so no key is lost or duplicated)."""
+    return apply_config(load_config(path, follow_defaults=False), hardware=hardware, strict=strict)

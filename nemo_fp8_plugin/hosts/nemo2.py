@@ -1,0 +1,307 @@
+"""NeMo 2 (nemo-toolkit 2.x, NeMo-Run): a recipe spec as a ``MegatronMixedPrecision`` plugin.
+
+In NeMo 2 precision lives on the trainer's precision plugin,
+``nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision``:
+``MegatronStrategy`` copies the plugin's ``DtypeConfig`` onto ``model.config``, the
+optimizer config and the DDP config when it connects, overwriting whatever was set there.
+So FP8 set on ``model.config`` is silently lost; this adapter only ever writes the plugin
+(``trainer.plugins``).
+
+===========================================  ================================================
+``MegatronMixedPrecision`` argument           from the spec
+===========================================  ================================================
+``fp8``, ``fp8_recipe``, ``fp8_margin``,      as megatron-core's ``TransformerConfig`` fields
+``fp8_amax_history_len``,                     (:mod:`nemo_fp8_plugin.hosts.megatron`)
+``fp8_amax_compute_algo``, ``fp8_wgrad``,
+``fp8_dot_product_attention``,
+``fp8_multi_head_attention``,
+``first_last_layers_bf16``,
+``num_layers_at_start_in_bf16``,
+``num_layers_at_end_in_bf16``
+``fp8_param_gather``                          ``fp8_param`` (NeMo's name; it sets ``fp8_param`` too)
+``reuse_grad_buf_for_mxfp8_param_ag``         true for MXFP8 with FP8 parameters (as NeMo's
+                                              ``bf16_with_mxfp8_mixed``)
+``precision``, ``params_dtype``,              kept from the recipe's plugin; a new plugin gets
+``pipeline_dtype``, ``autocast_enabled``,     NeMo's ``bf16_mixed`` values
+``grad_reduce_in_fp32``
+===========================================  ================================================
+
+Per-module BF16 rules (``bf16_layers.modules``) have no plugin argument; they go on
+``model.config.quant_recipe``, which the strategy does not overwrite.
+
+The environment variable of :func:`nemo_fp8_plugin.hosts.te.required_env` belongs in the
+executor (``executor.env_vars`` in NeMo-Run, or the shell for ``--direct`` runs); the
+scale-refresh callback this adapter adds to ``trainer.callbacks`` verifies it inside the
+training process before the first step.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..config import find_fp8_request, load_config
+from ..errors import FP8ConfigError, format_value
+from ..spec import RecipeSpec
+from . import ApplyResult, HostKeys
+from .megatron import (dropped_settings, merge_native, model_for_rules, remove_request_keys,
+                       transformer_config_fields)
+
+__all__ = ["PLUGIN_TARGET", "CALLBACK_TARGET", "plugin_fields", "native_keys", "plugin_config",
+           "callback_config", "add_fp8_to_recipe", "apply_config", "apply_file", "BF16_MIXED"]
+
+PLUGIN_TARGET = "nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision"
+"""Import path of NeMo 2's precision plugin class (the ``_target_`` NeMo-Run YAML uses)."""
+
+CALLBACK_TARGET = "nemo_fp8_plugin.callbacks.FP8ScaleRefreshCallback"
+"""Import path of the Lightning callback that verifies TE at start and refreshes scales."""
+
+CALLBACK_FACTORY = "nemo_fp8_plugin.nemo_run_factories"
+"""Module holding one zero-argument callback factory per recipe, ``<recipe>_callback``, for
+``trainer.callbacks=[...]`` on the NeMo-Run command line."""
+
+
+def _callback_factory_name(spec: RecipeSpec) -> str:
+    return f"{spec.name}_callback"
+
+BF16_MIXED = {
+    "precision": "bf16-mixed",
+    "params_dtype": "torch.bfloat16",
+    "pipeline_dtype": "torch.bfloat16",
+    "autocast_enabled": False,
+    "grad_reduce_in_fp32": True,
+}
+"""NeMo's ``bf16_mixed()`` plugin arguments as NeMo-Run YAML, for configs that have no
+plugin yet. Dtypes are import paths: NeMo-Run's YAML loader resolves ``torch.bfloat16`` to
+the dtype, while the ``{_target_: torch.bfloat16, _call_: false}`` form its ``--to-yaml``
+writes cannot be loaded back."""
+
+_PLUGIN_FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len",
+                      "fp8_amax_compute_algo", "fp8_wgrad", "fp8_dot_product_attention",
+                      "fp8_multi_head_attention", "first_last_layers_bf16",
+                      "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+
+
+def plugin_fields(spec: RecipeSpec, model=None) -> HostKeys:
+    """``MegatronMixedPrecision`` FP8 arguments for ``spec`` (plain data), plus
+    ``quant_recipe`` (for ``model.config``) when per-module rules need one."""
+    mc = transformer_config_fields(spec, model)
+    if spec.training != "fp8":
+        return HostKeys(keys={}, warnings=["nemo2: training: bf16 in this recipe, so the "
+                                           "precision plugin gets no FP8 arguments"])
+    keys = {k: mc.keys[k] for k in _PLUGIN_FP8_FIELDS if k in mc.keys}
+    keys["fp8_param_gather"] = spec.fp8_param
+    keys["reuse_grad_buf_for_mxfp8_param_ag"] = spec.scaling == "mx" and spec.fp8_param
+    warnings = [w.replace("megatron:", "nemo2:", 1) for w in mc.warnings]
+    if "quant_recipe" in mc.keys:
+        keys["quant_recipe"] = mc.keys["quant_recipe"]
+    return HostKeys(keys=keys, warnings=warnings, env=dict(mc.env))
+
+
+def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
+    """NeMo 2's spelling: the ``trainer.plugins`` block (and ``model.config.quant_recipe``)."""
+    hk = plugin_fields(spec, model)
+    if not hk.keys:
+        return hk
+    fields = dict(hk.keys)
+    quant = fields.pop("quant_recipe", None)
+    keys: dict[str, Any] = {"trainer": {"plugins": {"_target_": PLUGIN_TARGET, **fields}}}
+    if quant is not None:
+        keys["model"] = {"config": {"quant_recipe": quant_recipe_yaml(quant)}}
+    return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
+
+
+QUANT_RECIPE_TARGET = "nemo_fp8_plugin.hosts.megatron.bf16_quant_recipe"
+"""Module-level function NeMo-Run YAML calls to build megatron-core's ``RecipeConfig`` from
+the BF16 glob patterns (NeMo-Run's YAML cannot call a static method such as
+``RecipeConfig.from_config_dict`` nor pass it a nested mapping)."""
+
+
+def quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """``model.config.quant_recipe`` as NeMo-Run YAML: a call building the ``RecipeConfig``."""
+    from .megatron import bf16_patterns  # noqa: PLC0415
+
+    return {"_target_": QUANT_RECIPE_TARGET, "patterns": bf16_patterns(mapping)}
+
+
+# --------------------------------------------------------------------------- NeMo-Run objects
+
+
+def _dtype(value):
+    import torch  # noqa: PLC0415
+
+    if isinstance(value, str) and value.startswith("torch."):
+        return getattr(torch, value.split(".", 1)[1])
+    return value
+
+
+def _spec_arg(spec: RecipeSpec) -> str:
+    """How the callback config names the recipe: the registered name, or, when fields differ
+    from that preset, the ``fp8:`` block form as a JSON string (NeMo-Run YAML passes scalars
+    and lists to a constructor, not nested mappings)."""
+    import json  # noqa: PLC0415
+
+    from ..registry import default_registry  # noqa: PLC0415
+
+    reg = default_registry()
+    if spec.name not in reg:
+        return json.dumps(spec.to_dict())
+    preset, mine = reg.get(spec.name).to_dict(), spec.to_dict()
+    diff = {k: v for k, v in mine.items() if k != "name" and preset.get(k) != v}
+    return json.dumps({"recipe": spec.name, **diff}) if diff else spec.name
+
+
+def plugin_config(spec: RecipeSpec, model=None, base: Mapping[str, Any] | None = None):
+    """``run.Config(MegatronMixedPrecision, ...)`` for ``spec`` on top of ``base`` arguments
+    (default: NeMo's ``bf16_mixed``). Imports NeMo-Run and NeMo."""
+    import nemo_run as run  # noqa: PLC0415
+    from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision  # noqa: PLC0415
+
+    hk = plugin_fields(spec, model)
+    fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
+    args = {k: _dtype(v) for k, v in (base or BF16_MIXED).items()}
+    return run.Config(MegatronMixedPrecision, **args, **fields)
+
+
+def callback_config(spec: RecipeSpec, **kwargs):
+    """``run.Config`` of :class:`nemo_fp8_plugin.callbacks.FP8ScaleRefreshCallback` for ``spec``."""
+    import nemo_run as run  # noqa: PLC0415
+
+    from ..callbacks import FP8ScaleRefreshCallback  # noqa: PLC0415
+
+    return run.Config(FP8ScaleRefreshCallback, recipe=_spec_arg(spec), **kwargs)
+
+
+def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = True):
+    """Turn a NeMo 2 recipe (``run.Partial`` of ``llm.pretrain`` / ``llm.finetune``) into its
+    FP8 variant, in place: the FP8 arguments go onto the recipe's own precision plugin
+    (keeping its precision, dtypes and ``grad_reduce_in_fp32``), per-module rules onto
+    ``model.config.quant_recipe``, and the scale-refresh callback into ``trainer.callbacks``.
+    """
+    import nemo_run as run  # noqa: PLC0415
+
+    _refuse(spec)
+    hk = plugin_fields(spec, model)
+    trainer = getattr(recipe, "trainer", None)
+    if trainer is None:
+        raise FP8ConfigError("this recipe has no trainer to carry a precision plugin",
+                             key="trainer")
+    plugins = getattr(trainer, "plugins", None)
+    plugin = _find_plugin(plugins)
+    fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
+    if plugin is None:
+        new = plugin_config(spec, model)
+        if isinstance(plugins, list):
+            plugins.append(new)
+        else:
+            trainer.plugins = new
+    else:
+        if getattr(plugin, "fp4", None):  # FP4 and FP8 are exclusive in megatron-core
+            raise FP8ConfigError(f"the recipe's precision plugin already sets fp4="
+                                 f"{plugin.fp4!r}", key="trainer.plugins.fp4")
+        for key, value in fields.items():
+            setattr(plugin, key, value)
+    if "quant_recipe" in hk.keys:
+        from .megatron import bf16_patterns, bf16_quant_recipe  # noqa: PLC0415
+
+        recipe.model.config.quant_recipe = run.Config(
+            bf16_quant_recipe, patterns=bf16_patterns(hk.keys["quant_recipe"]))
+    if callback:
+        callbacks = list(getattr(trainer, "callbacks", None) or [])
+        callbacks.append(callback_config(spec))
+        trainer.callbacks = callbacks
+    return recipe
+
+
+def _find_plugin(plugins):
+    items = plugins if isinstance(plugins, list) else [plugins]
+    for item in items:
+        target = getattr(item, "__fn_or_cls__", None)
+        if target is not None and getattr(target, "__name__", "") == "MegatronMixedPrecision":
+            return item
+    return None
+
+
+def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
+    dropped = dropped_settings(spec)
+    if dropped:
+        key, reason = dropped[0]
+        raise FP8ConfigError(f"NeMo 2 (megatron-core) would silently drop this setting: {reason}",
+                             key=f"{prefix}{key}", value=getattr(spec, key),
+                             hint="remove it, or use the recipe's preset value")
+    if spec.training != "fp8":
+        raise FP8ConfigError("this recipe trains in BF16; NeMo 2 training gets nothing from it",
+                             key=f"{prefix}training", value=spec.training)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+def _is_plugin_mapping(node: Any) -> bool:
+    return isinstance(node, Mapping) and str(node.get("_target_", "")).endswith("MegatronMixedPrecision")
+
+
+def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
+                 strict: bool = False) -> ApplyResult:
+    """Rewrite a NeMo 2 / NeMo-Run YAML mapping: the plugin's request keys become the
+    ``trainer.plugins`` block (and ``model.config.quant_recipe`` for per-module rules).
+
+    The scale-refresh callback is not written into ``trainer.callbacks``: NeMo-Run's YAML
+    loader cannot build a list of ``_target_`` mappings (it cannot load the callback list its
+    own ``--to-yaml`` writes either). A warning gives the command-line form instead."""
+    request = find_fp8_request(config, hardware=hardware)
+    if request is None:
+        return ApplyResult(data=copy.deepcopy(dict(config)),
+                           warnings=["no FP8 recipe requested; config unchanged"])
+    spec = request.spec
+    _refuse(spec, prefix="fp8." if "fp8" in request.keys else "")
+    hk = plugin_fields(spec, model_for_rules(config, request))
+    fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
+    out = remove_request_keys(config, request.keys)
+    trainer = out.setdefault("trainer", {})
+    if not isinstance(trainer, dict):
+        raise FP8ConfigError(f"expected a mapping, got {format_value(trainer)}", key="trainer",
+                             value=trainer)
+    plugins = trainer.get("plugins")
+    if isinstance(plugins, list):
+        index = next((i for i, p in enumerate(plugins) if _is_plugin_mapping(p)), None)
+        if index is None:
+            plugins.append({"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED)})
+            index = len(plugins) - 1
+        plugin, where = plugins[index], f"trainer.plugins[{index}]."
+    elif plugins is None:
+        plugin = trainer["plugins"] = {"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED)}
+        where = "trainer.plugins."
+    elif _is_plugin_mapping(plugins):
+        plugin, where = plugins, "trainer.plugins."
+    else:
+        raise FP8ConfigError(f"is not a MegatronMixedPrecision plugin: {format_value(plugins)}",
+                             key="trainer.plugins", value=plugins,
+                             hint=f"NeMo 2 FP8 needs _target_: {PLUGIN_TARGET}")
+    # NeMo's deprecated alias; a different value would contradict fp8_param_gather.
+    if "fp8_params" in plugin and plugin["fp8_params"] not in (None, spec.fp8_param):
+        raise FP8ConfigError(f"already set to {format_value(plugin['fp8_params'])}",
+                             key=f"{where}fp8_params", value=plugin["fp8_params"])
+    merge_native(plugin, fields, where=where, conflicting=("fp4",))
+    if "quant_recipe" in hk.keys:
+        model = out.setdefault("model", {})
+        cfg = model.setdefault("config", {}) if isinstance(model, dict) else None
+        if not isinstance(cfg, dict):
+            raise FP8ConfigError("cannot place per-module rules: model.config is not a mapping",
+                                 key="model.config")
+        merge_native(cfg, {"quant_recipe": quant_recipe_yaml(hk.keys["quant_recipe"])},
+                     where="model.config.")
+    warnings = list(hk.warnings)
+    for var, value in hk.env.items():
+        warnings.append(f"nemo2: set {var}={value} in the executor's env_vars (or the shell, for "
+                        f"--direct runs), and add the start-of-training check: "
+                        f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]")
+    if strict and hk.warnings:
+        raise FP8ConfigError(hk.warnings[0], key="--strict")
+    return ApplyResult(data=out, warnings=warnings)
+
+
+def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
+    """``nemo-fp8 apply CONFIG --host nemo2``: see :func:`apply_config`."""
+    return apply_config(load_config(path, follow_defaults=False), hardware=hardware, strict=strict)

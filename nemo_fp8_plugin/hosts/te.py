@@ -1,0 +1,332 @@
+"""Transformer Engine: a recipe spec as a TE recipe object, and the fp32-scale trap.
+
+TE has four FP8 recipe classes: ``DelayedScaling`` (scaling ``delayed``),
+``Float8CurrentScaling`` (``tensorwise``), ``Float8BlockScaling`` (``block``) and
+``MXFP8BlockScaling`` (``mx``). Two facts make building them by hand unsafe:
+
+* TE's recipe dataclasses accept unknown keyword arguments without complaint, so a
+  misspelt or version-dependent field is silently ignored. :func:`build_te_recipe`
+  therefore reads every field back and refuses a recipe that differs from the spec.
+* The quantizer parameters ``fp8_quant_fwd_inp`` / ``fp8_quant_fwd_weight`` /
+  ``fp8_quant_bwd_grad`` (``QParams(power_2_scale=..., amax_epsilon=...)``) are *class*
+  attributes fixed when ``transformer_engine`` is imported, from
+  ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` (block) and
+  ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` (current scaling).
+  ``Float8BlockScaling(use_f32_scales=True)`` still quantizes with power-of-2 scales when
+  the variable was unset at import, and megatron-core builds its own recipe object from
+  ``fp8_recipe='blockwise'`` with only ``fp8_format``.
+
+How this module makes fp32 block scales take effect and never run the wrong ones:
+
+1. Recipe objects built here (:func:`build_te_recipe`) carry per-instance quantizer
+   parameters, which TE's block-scaling state reads in preference to the class defaults;
+   they are correct whatever the environment.
+2. For recipe objects a host builds itself (megatron-core, hence NeMo 2 and
+   Megatron-Bridge), the variable must be in the training process's environment before TE
+   is imported. :func:`required_env` names it; the host adapters put it where each launcher
+   reads it (NeMo RL ``env_vars``, NeMo-Run ``executor.env_vars``, the Bridge launch
+   environment).
+3. :func:`verify_host_recipe` runs inside the training process at start (the callbacks of
+   :mod:`nemo_fp8_plugin.callbacks` call it) and raises :class:`FP8ConfigError` with the fix
+   when the recipe the host will build quantizes differently from the spec.
+
+megatron-core's ``fp8_recipe='custom'`` (a ``CustomRecipe`` with a quantizer factory) would
+sidestep the environment, but TE marks it experimental and TE/megatron-core code paths
+that test ``recipe.float8_block_scaling()`` treat it as a different recipe, so it is not
+used.
+
+Nothing here imports TE at module level; :func:`build_te_recipe` and
+:func:`verify_host_recipe` take the TE recipe module as an argument (tests pass TE's real
+``transformer_engine/common/recipe/__init__.py`` loaded by file path).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping
+
+from ..errors import FP8ConfigError, HostUnavailableError
+from ..spec import RecipeSpec
+from . import ApplyResult, HostKeys
+
+__all__ = [
+    "TE_RECIPE_CLASS", "ENV_BLOCK_FP32_SCALES", "ENV_CURRENT_POW2_SCALES", "QUANTIZER_ROLES",
+    "te_recipe_description", "required_env", "import_te_recipe_module", "build_te_recipe",
+    "recipe_mismatches", "host_built_recipe", "verify_host_recipe", "native_keys", "apply_file",
+]
+
+TE_RECIPE_CLASS = {
+    "delayed": "DelayedScaling",
+    "tensorwise": "Float8CurrentScaling",
+    "block": "Float8BlockScaling",
+    "mx": "MXFP8BlockScaling",
+}
+"""Spec ``scaling`` -> name of the TE recipe class in ``transformer_engine.common.recipe``."""
+
+ENV_BLOCK_FP32_SCALES = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+"""``"1"``: Float8BlockScaling's class-level quantizer parameters use fp32 scales; anything
+else (TE's default): power-of-2 scales. Read once, when TE is imported."""
+
+ENV_CURRENT_POW2_SCALES = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"
+"""``"1"``: Float8CurrentScaling defaults to power-of-2 scales; TE's default ``"0"``: fp32.
+Read once, when TE is imported."""
+
+QUANTIZER_ROLES = {
+    "fp8_quant_fwd_inp": "input",
+    "fp8_quant_fwd_weight": "weight",
+    "fp8_quant_bwd_grad": "grad_output",
+}
+"""TE quantizer-parameter attribute -> the GEMM operand role it quantizes."""
+
+_FORMAT = {"hybrid": "HYBRID", "e4m3": "E4M3"}
+
+
+def _block_dim(block) -> int:
+    """TE's ``*_block_scaling_dim``: 1 for 1x128 tiles, 2 for 128x128."""
+    return 2 if block is not None and block[0] > 1 else 1
+
+
+def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
+    """The TE recipe a spec means, as plain data (no TE import).
+
+    Returns ``{"class": name, "fields": {...}, "quantizers": {attr: {"power_2_scale": b,
+    "amax_epsilon": x}}}``; ``fp8_format`` is the ``Format`` member name. ``quantizers`` is
+    empty for recipes without per-role quantizer parameters (delayed, MXFP8).
+    """
+    fmt = _FORMAT[spec.fp8_format]
+    quantizers: dict[str, dict[str, Any]] = {}
+    if spec.scaling == "delayed":
+        fields = {"fp8_format": fmt, "margin": spec.margin,
+                  "amax_history_len": spec.amax_history_len,
+                  "amax_compute_algo": spec.amax_compute_algo, "reduce_amax": spec.reduce_amax,
+                  "fp8_dpa": spec.fp8_dot_product_attention,
+                  "fp8_mha": spec.fp8_multi_head_attention}
+    elif spec.scaling == "tensorwise":
+        fields = {"fp8_format": fmt, "use_power_2_scales": spec.pow2_scales,
+                  "fp8_dpa": spec.fp8_dot_product_attention,
+                  "fp8_mha": spec.fp8_multi_head_attention}
+        quantizers = {attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
+                      for attr in QUANTIZER_ROLES}
+    elif spec.scaling == "block":
+        fields = {"fp8_format": fmt, "use_f32_scales": not spec.pow2_scales,
+                  "x_block_scaling_dim": _block_dim(spec.activation_block),
+                  "w_block_scaling_dim": _block_dim(spec.weight_block),
+                  "grad_block_scaling_dim": _block_dim(spec.gradient_block)}
+        quantizers = {attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
+                      for attr in QUANTIZER_ROLES}
+    else:  # mx
+        fields = {"fp8_format": fmt, "margin": spec.margin,
+                  "enable_2d_quantization": spec.weight_block == (32, 32),
+                  "fp8_dpa": spec.fp8_dot_product_attention,
+                  "fp8_mha": spec.fp8_multi_head_attention}
+    return {"class": TE_RECIPE_CLASS[spec.scaling], "fields": fields, "quantizers": quantizers}
+
+
+def required_env(spec: RecipeSpec) -> dict[str, str]:
+    """Environment variables the training process needs *before* TE is imported so that a
+    recipe object built by the host (megatron-core) quantizes as the spec says.
+
+    Always set for the scaling kinds TE reads one for, to either value, so a cluster-wide
+    setting cannot flip a recipe silently: block -> ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``
+    (``"1"`` for fp32 scales), tensorwise -> ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``.
+    """
+    if spec.training != "fp8":
+        return {}
+    if spec.scaling == "block":
+        return {ENV_BLOCK_FP32_SCALES: "0" if spec.pow2_scales else "1"}
+    if spec.scaling == "tensorwise":
+        return {ENV_CURRENT_POW2_SCALES: "1" if spec.pow2_scales else "0"}
+    return {}
+
+
+def _unsupported(spec: RecipeSpec) -> list[tuple[str, str]]:
+    """(spec key, reason) for settings TE's recipe for this scaling kind has no field for."""
+    out = []
+    if spec.scaling in ("delayed", "mx") and spec.amax_epsilon:
+        out.append(("amax_epsilon", f"TE's {TE_RECIPE_CLASS[spec.scaling]} has no amax epsilon"))
+    if spec.scaling == "delayed" and spec.pow2_scales:
+        out.append(("pow2_scales", "TE's DelayedScaling has no power-of-2 scale option"))
+    if spec.scaling == "block" and spec.fp8_dot_product_attention:
+        out.append(("fp8_dot_product_attention", "TE's Float8BlockScaling has no FP8 attention"))
+    return out
+
+
+# --------------------------------------------------------------------------- with TE
+
+
+def import_te_recipe_module() -> ModuleType:
+    """``transformer_engine.common.recipe``, or :class:`HostUnavailableError`."""
+    try:
+        from transformer_engine.common import recipe  # noqa: PLC0415 - lazy host import
+    except ImportError as exc:
+        raise HostUnavailableError(
+            f"Transformer Engine is not importable here ({exc})",
+            hint="install transformer-engine (GPU machines; stock NeMo containers ship it)") from None
+    return recipe
+
+
+def build_te_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
+    """A TE recipe object for ``spec``, every field and quantizer parameter read back.
+
+    ``te_recipe`` is TE's ``transformer_engine.common.recipe`` module (imported when None).
+    The quantizer parameters are set on the instance, overriding the class attributes TE
+    fixed from the environment at import, so fp32 block scales take effect even when
+    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` was unset. Raises :class:`FP8ConfigError` when
+    the spec asks for something TE cannot express, or when the built object differs from
+    the spec in any field (an installed TE that ignores or renames a field).
+    """
+    if spec.training != "fp8":
+        raise FP8ConfigError("this recipe trains in BF16 (training: bf16); there is no TE training "
+                             "recipe to build", key="training", value=spec.training)
+    for key, reason in _unsupported(spec):
+        raise FP8ConfigError(reason, key=key, value=getattr(spec, key))
+    te_recipe = te_recipe or import_te_recipe_module()
+    desc = te_recipe_description(spec)
+    cls = getattr(te_recipe, desc["class"], None)
+    if cls is None:
+        raise HostUnavailableError(f"this Transformer Engine has no recipe class {desc['class']}",
+                                   key="scaling", value=spec.scaling,
+                                   hint="upgrade transformer-engine")
+    kwargs = dict(desc["fields"])
+    kwargs["fp8_format"] = te_recipe.Format[kwargs["fp8_format"]]
+    try:
+        obj = cls(**kwargs)
+    except (AssertionError, TypeError, ValueError) as exc:
+        raise FP8ConfigError(f"Transformer Engine refuses {desc['class']}({_kw(desc['fields'])}): "
+                             f"{exc}", key="scaling", value=spec.scaling) from None
+    for attr, params in desc["quantizers"].items():
+        # Recipe.__setattr__ is a plain setattr; TE's recipe states read these per instance.
+        setattr(obj, attr, te_recipe.QParams(**params))
+    problems = recipe_mismatches(obj, spec)
+    if problems:
+        raise FP8ConfigError(f"the Transformer Engine recipe object differs from the spec: "
+                             f"{_render(problems)}", key=problems[0][0],
+                             hint="this TE version ignores or renames a recipe field")
+    return obj
+
+
+def _kw(fields: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in fields.items())
+
+
+def _render(problems) -> str:
+    return "; ".join(f"{attr} is {have!r}, spec needs {want!r}" for attr, have, want in problems)
+
+
+_MISSING = "<missing>"
+_NUMERIC_FIELDS = ("fp8_format", "use_power_2_scales", "x_block_scaling_dim",
+                   "w_block_scaling_dim", "grad_block_scaling_dim")
+
+
+def recipe_mismatches(obj: Any, spec: RecipeSpec, *,
+                      check_fields: bool = True) -> list[tuple[str, Any, Any]]:
+    """Attributes of TE recipe object ``obj`` that differ from ``spec``, as
+    ``(attribute, value on obj, value the spec needs)``; empty when they agree.
+
+    Quantizer parameters are reported as ``fp8_quant_fwd_inp.power_2_scale`` and so on.
+    ``check_fields=False`` compares only what decides the numerics of a host-built object
+    (class, format, scale rounding, epsilon, block dims), not switches a host sets itself.
+    ``use_f32_scales`` is not compared: on TE 2.x it is informational, the quantizer
+    parameters decide the scales.
+    """
+    desc = te_recipe_description(spec)
+    if not any(c.__name__ == desc["class"] for c in type(obj).__mro__):
+        return [("class", type(obj).__name__, desc["class"])]
+    out: list[tuple[str, Any, Any]] = []
+    for name, want in desc["fields"].items():
+        if name == "use_f32_scales" or (not check_fields and name not in _NUMERIC_FIELDS):
+            continue
+        have = getattr(obj, name, _MISSING)
+        if name == "fp8_format":
+            have = getattr(have, "name", have)
+        if have != want:
+            out.append((name, have, want))
+    for attr, params in desc["quantizers"].items():
+        qp = getattr(obj, attr, None)
+        for pname, want in params.items():
+            have = getattr(qp, pname, _MISSING) if qp is not None else _MISSING
+            if have != want:
+                out.append((f"{attr}.{pname}", have, want))
+    return out
+
+
+def host_built_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
+    """The recipe object megatron-core 0.16 builds for this spec (``fp8_utils.get_fp8_recipe``):
+    the TE class constructed with ``fp8_format`` (and ``fp8_dpa`` for current scaling) only, so
+    every other parameter comes from TE's defaults, i.e. from the environment at TE import."""
+    te_recipe = te_recipe or import_te_recipe_module()
+    desc = te_recipe_description(spec)
+    cls = getattr(te_recipe, desc["class"])
+    fmt = te_recipe.Format[desc["fields"]["fp8_format"]]
+    if spec.scaling == "tensorwise":
+        return cls(fp8_format=fmt, fp8_dpa=spec.fp8_dot_product_attention)
+    if spec.scaling == "delayed":
+        return cls(fp8_format=fmt, margin=spec.margin, amax_history_len=spec.amax_history_len,
+                   amax_compute_algo=spec.amax_compute_algo)
+    return cls(fp8_format=fmt)
+
+
+def verify_host_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None, *,
+                       where: str = "the training process") -> None:
+    """Fail fast when TE, as imported in this process, would quantize a host-built recipe
+    differently from ``spec`` (the fp32-scale trap). Call it inside the training process
+    before the first step; raises :class:`FP8ConfigError` naming the variable and the fix."""
+    if spec.training != "fp8" or spec.scaling not in ("block", "tensorwise"):
+        return
+    obj = host_built_recipe(spec, te_recipe)
+    problems = recipe_mismatches(obj, spec, check_fields=False)
+    scale = [p for p in problems if p[0].endswith(("power_2_scale", "use_power_2_scales"))]
+    if scale:
+        var, value = next(iter(required_env(spec).items()))
+        now = os.environ.get(var)
+        want = "power-of-2" if spec.pow2_scales else "fp32"
+        raise FP8ConfigError(
+            f"Transformer Engine in {where} would quantize {TE_RECIPE_CLASS[spec.scaling]} with "
+            f"the wrong scales ({_render(scale)}): recipe {spec.name!r} needs {want} scales, and "
+            f"TE fixed its quantizer parameters from {var} when it was imported ({var}={now!r} "
+            f"in this process now)", key="pow2_scales", value=spec.pow2_scales,
+            hint=f"set {var}={value} in the training process's environment before it starts "
+                 f"(NeMo-Run: executor env_vars; NeMo RL: policy.megatron_cfg.env_vars; "
+                 f"Megatron-Bridge / torchrun: export it in the launch script)")
+    if problems:
+        attr = problems[0][0]
+        raise FP8ConfigError(
+            f"megatron-core builds {TE_RECIPE_CLASS[spec.scaling]} with TE's defaults, which "
+            f"differ from the spec ({_render(problems)})",
+            key="amax_epsilon" if "amax_epsilon" in attr else "fp8_format" if attr == "fp8_format"
+            else "activation_block",
+            hint="use the preset's values for these fields with megatron-core based hosts")
+
+
+# --------------------------------------------------------------------------- adapter contract
+
+
+def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
+    """TE's spelling: the recipe class, its constructor fields and quantizer parameters."""
+    warnings = [f"transformer-engine: {key}: {reason}; ignored" for key, reason in _unsupported(spec)]
+    if spec.training != "fp8":
+        return HostKeys(keys={}, warnings=["transformer-engine: training: bf16, no TE recipe"])
+    return HostKeys(keys=te_recipe_description(spec), warnings=warnings, env=required_env(spec))
+
+
+def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
+    """For a plain TE script: the recipe a config asks for, as the object to construct.
+
+    Output: ``{"transformer_engine": {"class", "fields", "quantizers", "env"}}``. TE has no
+    config file of its own, so the input config is not rewritten.
+    """
+    from ..config import resolve_config
+
+    _config, request = resolve_config(path, hardware=hardware)
+    if request is None:
+        raise FP8ConfigError(f"{path} asks for no FP8 recipe", key="precision",
+                             hint="add `precision: <recipe>` or an `fp8:` block")
+    hk = native_keys(request.spec)
+    if strict and hk.warnings:
+        raise FP8ConfigError(hk.warnings[0], key="--strict")
+    out = dict(hk.keys)
+    if hk.env:
+        out["env"] = hk.env
+    return ApplyResult(data={"transformer_engine": out}, warnings=hk.warnings)

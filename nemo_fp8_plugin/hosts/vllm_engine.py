@@ -1,0 +1,125 @@
+"""vLLM adapter: ``precision: fp8_blockwise`` in a vLLM engine config -> vLLM's own arguments.
+
+The input is a vLLM engine config: the YAML ``vllm serve --config FILE`` reads (keys are
+the command-line options, with dashes or underscores), which is also the mapping of
+``vllm.LLM(**kwargs)``. It names a recipe the usual way (``precision: <recipe>`` or an
+``fp8:`` block); the output is the same mapping with that request replaced by the engine
+arguments of :func:`nemo_fp8_plugin.vllm.engine_kwargs`:
+
+=================================  ==============================================================
+vLLM option                        from the spec
+=================================  ==============================================================
+``quantization``                   ``nemo_fp8`` (the plugin's method, registered through the
+                                   ``vllm.general_plugins`` entry point)
+``hf_overrides.quantization_config``  scheme, tiles, ``pow2_scales``, ``ignored_layers`` and the
+                                   first/last BF16 layers (``bf16_layers``), ``kv_cache_dtype``
+``kv_cache_dtype``                 ``auto``, or ``fp8_e4m3`` for ``kv_cache: fp8``
+``calculate_kv_scales``            ``false`` with an FP8 cache (scales come with each refit)
+=================================  ==============================================================
+
+Every other key is kept. The output has no ``precision`` / ``fp8`` key left, so running
+``apply`` on it again changes nothing. A config that already sets one of the options above to
+something else (``quantization: fp8``, ``kv-cache-dtype: fp8_e5m2``, its own
+``quantization_config``) is refused with the key named. ``device: cpu`` in the config
+selects vLLM's CPU backend, where the FP8 KV cache is not requested (see
+:func:`nemo_fp8_plugin.vllm.engine_kwargs`).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from ..config import find_fp8_request, load_config
+from ..errors import FP8ConfigError, format_value
+from . import ApplyResult, HostKeys
+
+__all__ = ["native_keys", "apply_file", "apply_vllm"]
+
+
+def native_keys(spec, model=None) -> HostKeys:
+    """The engine arguments for ``spec`` (see :func:`nemo_fp8_plugin.vllm.engine_spelling`)."""
+    from ..vllm import engine_spelling
+
+    kwargs, found = engine_spelling(spec, model)
+    return HostKeys(keys=kwargs, warnings=found)
+
+
+def _style(config: dict) -> str:
+    """``-`` when the file spells options with dashes (``vllm serve --config`` style)."""
+    return "-" if any(isinstance(k, str) and "-" in k for k in config) else "_"
+
+
+def _find(config: dict, name: str) -> tuple[str | None, Any]:
+    """The key (either spelling) under which ``config`` sets option ``name``, and its value."""
+    for key in (name, name.replace("_", "-")):
+        if key in config:
+            return key, config[key]
+    return None, None
+
+
+def _drop_request_keys(config: dict, keys: tuple[str, ...]) -> None:
+    for dotted in keys:
+        parts = dotted.split(".")
+        node = config
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(parts[-1], None)
+
+
+def _canonical(value: Any) -> Any:
+    # vLLM reads `fp8` as E4M3 for the KV cache.
+    return "fp8_e4m3" if value == "fp8" else value
+
+
+def apply_vllm(config: dict, *, hardware: str | None = None) -> tuple[dict, list[str]]:
+    """Rewrite an engine-config mapping; returns ``(new mapping, warnings)``."""
+    from ..vllm import engine_spelling
+
+    request = find_fp8_request(config, hardware=hardware)
+    if request is None:
+        return copy.deepcopy(config), ["no FP8 recipe requested (no `precision:` or `fp8:` naming "
+                                       "one); the config is written unchanged"]
+    out = copy.deepcopy(config)
+    _drop_request_keys(out, request.keys)
+    _, device = _find(out, "device")
+    platform = "cpu" if device == "cpu" else None
+    kwargs, found = engine_spelling(request.spec, request.model, platform=platform)
+    sep = _style(out)
+
+    for name, value in kwargs.items():
+        key, current = _find(out, name)
+        if name == "hf_overrides":
+            current = {} if current is None else current
+            if not isinstance(current, dict):
+                raise FP8ConfigError(f"expected a mapping, got {format_value(current)}",
+                                     key=key or name, value=current)
+            theirs = current.get("quantization_config")
+            if theirs is not None and theirs != value["quantization_config"]:
+                raise FP8ConfigError("already sets a quantization_config; the recipe writes its own",
+                                     key=f"{key}.quantization_config", value=theirs,
+                                     hint="remove it, or remove the precision/fp8 request")
+            value = {**current, **value}
+        elif current is not None and _canonical(current) != _canonical(value):
+            hint = ("say `fp8: {recipe: ..., kv_cache: fp8}` for an FP8 KV cache"
+                    if name == "kv_cache_dtype" else f"remove it: the recipe sets {name} to {value!r}")
+            raise FP8ConfigError(f"already set to {format_value(current)}; the recipe needs "
+                                 f"{format_value(value)}", key=key, value=current, hint=hint)
+        if key is not None:
+            del out[key]
+        out[name.replace("_", sep)] = value
+    return out, found
+
+
+def apply_file(path: str | Path, *, hardware: str | None = None, strict: bool = False,
+               **_: Any) -> ApplyResult:
+    """Read a vLLM engine config (YAML or JSON) and return it with the FP8 engine arguments."""
+    path = Path(path)
+    config = load_config(path, follow_defaults=False)
+    data, found = apply_vllm(config, hardware=hardware)
+    if strict and found and find_fp8_request(config, hardware=hardware) is not None:
+        raise FP8ConfigError(found[0], key="--strict")
+    return ApplyResult(data=data, warnings=found,
+                       fmt="json" if path.suffix.lower() == ".json" else "yaml")

@@ -1,0 +1,50 @@
+"""Pure-torch FP8 numerics: Transformer Engine's quantization bit for bit, and FP8-emulated
+training of any torch model on any device.
+
+Imports only torch and the plugin's stdlib-only modules (errors, spec; the recipe registry
+only when a recipe is named), so it runs on a machine that has nothing but torch. See
+``docs/numerics.md``.
+
+* Quantizers (each returns a :class:`QTensor`): :func:`quantize_per_tensor` (current
+  scaling), :func:`quantize_blockwise` (1x128 / 128x128 tiles, 3-D MoE stacks),
+  :func:`quantize_mxfp8` (1x32 / 32x32 E8M0), :class:`DelayedScalingState` (delayed
+  scaling). The ``*_fused`` variants compile the same code (``torch.compile``).
+* :func:`fp8_gemm` emulates a scaled FP8 GEMM.
+* :class:`FP8EmulatedLinear`, :func:`convert_to_fp8_emulation`,
+  :func:`revert_fp8_emulation`, :func:`fp8_calibration`, :func:`update_fp8_scales`:
+  FP8-emulated training of any model; :func:`convert_to_bf16_emulation` gives the BF16
+  baseline arm the same treatment (BF16 GEMM numerics computed in fp32).
+"""
+
+from __future__ import annotations
+
+from .convert import (convert_to_bf16_emulation, convert_to_fp8_emulation,
+                      default_module_filter, emulated_modules, fp8_calibration, fp8_states,
+                      is_bf16_emulated, is_fp8_emulated, reset_fp8_states, revert_bf16_emulation,
+                      revert_fp8_emulation, set_amax_reduction_group, update_fp8_scales)
+from .delayed import DelayedScalingState
+from .formats import FORMATS, check_format, fp8_dtype, fp8_max
+from .fused import (compile_failed, fake_quant_blockwise, fake_quant_mxfp8,
+                    fake_quant_per_tensor, fused_enabled, fused_mode, quantize_blockwise_fused,
+                    quantize_mxfp8_fused)
+from .gemm import fp8_gemm
+from .linear import (BF16EmulatedLinear, FP8EmulatedLinear, LayerEmulator, RoleQuantizer,
+                     bf16_linear, emulated_linear)
+from .quantize import (QTensor, quantize_blockwise, quantize_mxfp8, quantize_per_tensor,
+                       quantize_with_scale, tensor_amax)
+from .scaling import scale_from_amax
+
+__all__ = [
+    "FORMATS", "check_format", "fp8_dtype", "fp8_max",
+    "QTensor", "quantize_per_tensor", "quantize_with_scale", "quantize_blockwise",
+    "quantize_mxfp8", "tensor_amax", "scale_from_amax", "DelayedScalingState", "fp8_gemm",
+    "quantize_blockwise_fused", "quantize_mxfp8_fused", "fake_quant_blockwise",
+    "fake_quant_mxfp8", "fake_quant_per_tensor", "fused_enabled", "fused_mode",
+    "compile_failed",
+    "FP8EmulatedLinear", "LayerEmulator", "RoleQuantizer", "emulated_linear",
+    "convert_to_fp8_emulation", "revert_fp8_emulation", "default_module_filter",
+    "emulated_modules", "fp8_calibration", "fp8_states", "update_fp8_scales",
+    "reset_fp8_states", "is_fp8_emulated", "set_amax_reduction_group",
+    "BF16EmulatedLinear", "bf16_linear", "convert_to_bf16_emulation", "revert_bf16_emulation",
+    "is_bf16_emulated",
+]

@@ -1,0 +1,58 @@
+"""FP8 element formats and argument checks shared by the numerics package.
+
+Only torch and the plugin's stdlib-only error type are imported here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import FP8ConfigError
+
+__all__ = ["FORMATS", "fp8_dtype", "fp8_max", "check_format", "check_input_dtype",
+           "input_dtype_max"]
+
+FORMATS = ("e4m3", "e5m2")
+"""Element formats: ``"e4m3"`` (``torch.float8_e4m3fn``, max 448) and ``"e5m2"``
+(``torch.float8_e5m2``, max 57344)."""
+
+_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+_FROM_DTYPE = {v: k for k, v in _DTYPES.items()}
+
+# Inputs Transformer Engine quantizes; anything else would be rounded before the cast.
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_format(fmt) -> str:
+    """Normalise ``fmt`` (``"e4m3"``, ``"e5m2"`` or the torch float8 dtype) to its name."""
+    if isinstance(fmt, torch.dtype) and fmt in _FROM_DTYPE:
+        return _FROM_DTYPE[fmt]
+    if isinstance(fmt, str) and fmt.lower() in _DTYPES:
+        return fmt.lower()
+    raise FP8ConfigError(f"unknown FP8 element format {fmt!r}", key="fmt", value=fmt,
+                         hint="use 'e4m3' or 'e5m2'")
+
+
+def fp8_dtype(fmt) -> torch.dtype:
+    """The torch float8 dtype of a format name."""
+    return _DTYPES[check_format(fmt)]
+
+
+def fp8_max(fmt) -> float:
+    """Largest finite magnitude of a format (448 for E4M3, 57344 for E5M2)."""
+    return _MAX[check_format(fmt)]
+
+
+def check_input_dtype(x: torch.Tensor, name: str = "x") -> None:
+    """Refuse inputs other than fp32/bf16/fp16 (TE quantizes only those)."""
+    if not isinstance(x, torch.Tensor):
+        raise FP8ConfigError(f"expected a tensor, got {type(x).__name__}", key=name)
+    if x.dtype not in _INPUT_DTYPES:
+        raise FP8ConfigError(f"cannot quantize a {x.dtype} tensor", key=name, value=str(x.dtype),
+                             hint="convert it to float32, bfloat16 or float16 first")
+
+
+def input_dtype_max(dtype: torch.dtype) -> float:
+    """Largest finite value of the input dtype: block scaling's stand-in for an infinite scale."""
+    return float(torch.finfo(dtype).max)

@@ -1,0 +1,379 @@
+"""FP8-emulated linear layer: the three GEMMs of a linear layer run the way a recipe runs them.
+
+Forward ``y = x @ W.T`` (fprop), backward ``dx = dy @ W`` (dgrad) and ``dW = dy.T @ x``
+(wgrad). Each GEMM operand is quantized with its role's tile and format, dequantized in
+fp32, and multiplied in fp32 (products of FP8 values are exact in fp32); results come back
+in the activation dtype. Operand roles, as in Transformer Engine:
+
+============  =========================  ===========================================
+GEMM          left operand               right operand
+============  =========================  ===========================================
+fprop         input, along K             weight, along K
+dgrad         grad_output, along N       weight, along N (column-wise copy)
+wgrad         grad_output, along M       input, along M (column-wise copies)
+============  =========================  ===========================================
+
+A column-wise copy of a 1xN-tiled tensor (block 1x128, MXFP8 1x32) is quantized again from
+the transposed high-precision tensor; per-tensor scaling and square tiles (128x128, 32x32)
+reuse the row-wise result transposed (same scales), as TE does. ``fp8_wgrad=False`` keeps
+the wgrad GEMM in high precision. Delayed scaling keeps one :class:`DelayedScalingState`
+per role per layer and updates it lazily, just before the role's next cast, which gives
+TE's order (a step's scale comes from earlier steps' amaxes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import FP8ConfigError
+from .delayed import DelayedScalingState
+from .fused import (fake_quant_blockwise, fake_quant_mxfp8, fake_quant_per_tensor,
+                    fake_quant_with_scale)
+from .quantize import tensor_amax
+
+__all__ = ["FP8EmulatedLinear", "LayerEmulator", "RoleQuantizer", "emulated_linear",
+           "resolve_recipe", "ROLES", "BF16EmulatedLinear", "bf16_linear"]
+
+ROLES = ("input", "weight", "grad_output")
+
+
+def resolve_recipe(recipe):
+    """A :class:`~nemo_fp8_plugin.spec.RecipeSpec`, or a registered recipe name (or a mapping
+    starting from one) resolved through the registry, imported here so numerics needs no
+    YAML at import time."""
+    from collections.abc import Mapping
+
+    from ..spec import RecipeSpec
+
+    if isinstance(recipe, RecipeSpec):
+        return recipe
+    if isinstance(recipe, (str, Mapping)):
+        from ..registry import get_recipe
+
+        return get_recipe(recipe)
+    raise FP8ConfigError(f"expected a RecipeSpec or a recipe name, got {type(recipe).__name__}",
+                         key="recipe", value=recipe)
+
+
+class RoleQuantizer:
+    """Quantizes (and dequantizes to fp32) one operand role of one layer per a recipe.
+
+    Attributes:
+        scaling: the recipe's scaling kind (``delayed``, ``tensorwise``, ``block``, ``mx``).
+        fmt: element format of this role (``e4m3``; ``e5m2`` for gradients under hybrid).
+        block: tile of this role (None per tensor).
+        state: the role's :class:`DelayedScalingState` under delayed scaling, else None.
+    """
+
+    def __init__(self, spec, role: str, device=None):
+        self.role = role
+        self.scaling = spec.scaling
+        self.fmt = spec.format_for(role)
+        self.block = spec.block_for(role)
+        self.pow2 = bool(spec.pow2_scales)
+        self.eps = float(spec.amax_epsilon)
+        self.reduce_amax = bool(spec.reduce_amax)
+        self.amax_group = None
+        """Process group whose ranks share this role's amax (TE ``reduce_amax``); None
+        keeps it local. Set with :func:`~nemo_fp8_plugin.numerics.set_amax_reduction_group`:
+        the ranks of a group must run the same layers in the same order."""
+        self.state = None
+        if self.scaling == "delayed":
+            self.state = DelayedScalingState(spec.amax_history_len, spec.amax_compute_algo,
+                                             spec.margin, self.fmt, device=device)
+
+    @property
+    def columnwise_reuses_rowwise(self) -> bool:
+        """True when the column-wise copy is the row-wise one transposed (per-tensor scales
+        or square tiles); False when it is quantized again from the high-precision tensor."""
+        return self.block is None or self.block[0] == self.block[1]
+
+    def _before_cast(self) -> None:
+        # Delayed scaling: fold the previous step's amax into the scale (TE updates after
+        # each autocast region; doing it just before the next cast gives the same order).
+        if self.reduce_amax and self.amax_group is not None:
+            self.state.all_reduce_amax(self.amax_group)
+        self.state.update()
+
+    def record(self, t: torch.Tensor) -> None:
+        """Calibration: update then record ``t``'s amax without quantizing (TE
+        ``fp8_autocast(enabled=False, calibrating=True)``)."""
+        if self.state is not None:
+            self._before_cast()
+            self.state.record_amax(tensor_amax(t.detach()))
+
+    def rowwise(self, t: torch.Tensor) -> torch.Tensor:
+        """fp32 ``dequantize(quantize(t))`` with tiles along the last dim of a 2-D ``t``."""
+        if self.scaling == "delayed":
+            self._before_cast()
+            deq, amax = fake_quant_with_scale(t, self.state.scale, self.state.scale_inv, self.fmt)
+            self.state.record_amax(amax)
+            return deq
+        if self.scaling == "tensorwise":
+            return fake_quant_per_tensor(t, self.fmt, self.pow2, self.eps)
+        if self.scaling == "block":
+            return fake_quant_blockwise(t, self.block, self.fmt, self.pow2, self.eps)
+        return fake_quant_mxfp8(t, self.block, self.fmt)
+
+    def columnwise(self, t: torch.Tensor, rowwise_result: torch.Tensor | None) -> torch.Tensor:
+        """fp32 fake-quantized ``t.T`` (tiles along the first dim of ``t``), ``[C, R]``.
+
+        Returned as a transposed view: quantizing ``t.T`` with 1xN tiles is quantizing ``t``
+        with Nx1 tiles (the same groups of elements, the same bits), which reads ``t`` in
+        its own memory order; the GEMM takes the transposed view without a copy."""
+        if self.columnwise_reuses_rowwise:
+            if rowwise_result is None:
+                raise RuntimeError("column-wise copy needs the row-wise result")
+            return rowwise_result.t()
+        transposed_tile = (self.block[1], self.block[0])
+        if self.scaling == "block":
+            return fake_quant_blockwise(t, transposed_tile, self.fmt, self.pow2, self.eps).t()
+        return fake_quant_mxfp8(t, transposed_tile, self.fmt).t()
+
+
+class LayerEmulator:
+    """The FP8 emulation state of one linear layer: a :class:`RoleQuantizer` per role.
+
+    Attributes:
+        spec: the recipe.
+        quantizers: role -> :class:`RoleQuantizer`.
+        calibrating: when True the layer runs in high precision and only records amaxes
+            (delayed scaling), like TE's ``fp8_autocast(enabled=False, calibrating=True)``.
+        enabled: when False the layer runs plainly in high precision.
+    """
+
+    def __init__(self, spec, device=None):
+        self.spec = spec
+        self.quantizers = {role: RoleQuantizer(spec, role, device) for role in ROLES}
+        self.calibrating = False
+        self.enabled = True
+
+    @property
+    def states(self) -> dict[str, DelayedScalingState]:
+        """role -> delayed-scaling state (empty unless the recipe uses delayed scaling)."""
+        return {r: q.state for r, q in self.quantizers.items() if q.state is not None}
+
+    def to(self, device) -> "LayerEmulator":
+        for state in self.states.values():
+            state.to(device)
+        return self
+
+
+class _EmulatedLinearFn(torch.autograd.Function):
+    """fprop/dgrad/wgrad with quantized operands. ``x`` is 2-D ``[M, K]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, emu: LayerEmulator, wgrad_into_main_grad: bool):
+        qin, qw = emu.quantizers["input"], emu.quantizers["weight"]
+        xq = qin.rowwise(x)
+        wq = qw.rowwise(weight)
+        out = torch.matmul(xq, wq.t())
+        if bias is not None:
+            out = out + bias.float()
+        ctx.emu = emu
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.wgrad_into_main_grad = wgrad_into_main_grad
+        fp8_wgrad = emu.spec.fp8_wgrad
+        ctx.fp8_wgrad = fp8_wgrad
+        # Keep what backward needs: the fp32 fake-quantized tensor when its column-wise
+        # copy is the row-wise one transposed, else the high-precision tensor.
+        x_keep = xq if (fp8_wgrad and qin.columnwise_reuses_rowwise) else x
+        w_keep = wq if qw.columnwise_reuses_rowwise else weight
+        ctx.save_for_backward(x_keep, w_keep, weight)
+        ctx.x_dtype = x.dtype
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        emu = ctx.emu
+        x_keep, w_keep, weight = ctx.saved_tensors
+        qin, qw, qg = (emu.quantizers[r] for r in ROLES)
+        dy = grad_out.contiguous()
+        dyq = qg.rowwise(dy)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            w_col = qw.columnwise(w_keep, w_keep if qw.columnwise_reuses_rowwise else None)
+            grad_x = torch.matmul(dyq, w_col.t()).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1] or ctx.wgrad_into_main_grad:
+            if ctx.fp8_wgrad:
+                dy_col = qg.columnwise(dy, dyq)
+                x_col = qin.columnwise(x_keep, x_keep if qin.columnwise_reuses_rowwise else None)
+                dw = torch.matmul(dy_col, x_col.t())
+            else:
+                dw = torch.matmul(dy.float().t(), x_keep.float())
+            if ctx.wgrad_into_main_grad:
+                grad_w = _accumulate_main_grad(weight, dw)
+            else:
+                grad_w = dw.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = dy.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _accumulate_main_grad(weight: torch.Tensor, dw: torch.Tensor):
+    """megatron-core's gradient-accumulation fusion: add into ``weight.main_grad`` and hand
+    autograd the placeholder megatron expects."""
+    weight.main_grad.add_(dw.to(weight.main_grad.dtype))
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        maker = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        return maker(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+    return None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (AttributeError, TypeError, RuntimeError):  # device types without autocast
+        pass
+    return x.dtype
+
+
+def emulated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    emu: LayerEmulator, *, wgrad_into_main_grad: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the recipe's FP8 GEMMs (any leading dims of ``x``).
+
+    Under autocast the activation dtype is the autocast dtype and the weight is cast to it
+    before quantization, as TE does; otherwise the input's dtype is used.
+    """
+    dtype = _compute_dtype(x)
+    if not emu.enabled or emu.calibrating:
+        if emu.calibrating:
+            emu.quantizers["input"].record(x)
+            emu.quantizers["weight"].record(weight)
+        return torch.nn.functional.linear(x, weight, bias)
+    lead = x.shape[:-1]
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        w = weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        out = _EmulatedLinearFn.apply(x2, w, b, emu, wgrad_into_main_grad)
+    return out.reshape(*lead, out.shape[-1])
+
+
+class FP8EmulatedLinear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run under an FP8 recipe's numerics (emulated in fp32).
+
+    A drop-in ``nn.Linear`` (subclass; same parameters and state-dict keys). Build one from
+    an existing layer with :meth:`from_linear` (the parameters are shared, not copied) or
+    convert a whole model with :func:`~nemo_fp8_plugin.numerics.convert_to_fp8_emulation`.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        recipe: a :class:`~nemo_fp8_plugin.spec.RecipeSpec` or a registered recipe name
+            (default ``"fp8_blockwise"``).
+
+    Attributes:
+        fp8_recipe: the resolved recipe.
+        fp8_emulator: the layer's :class:`LayerEmulator`.
+        fp8_states: role -> :class:`DelayedScalingState` (delayed scaling only).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, recipe="fp8_blockwise"):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fp8_recipe = resolve_recipe(recipe)
+        state_device = None if device is None or torch.device(device).type == "meta" else device
+        self.fp8_emulator = LayerEmulator(self.fp8_recipe, state_device)
+
+    @property
+    def fp8_states(self) -> dict[str, DelayedScalingState]:
+        return self.fp8_emulator.states
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe) -> "FP8EmulatedLinear":
+        """A new module sharing ``linear``'s weight and bias Parameters (same objects)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device="meta", recipe=recipe)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.fp8_emulator.to(linear.weight.device)
+        new.train(linear.training)
+        return new
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        # keep the delayed-scaling state on the parameters' device
+        self.fp8_emulator.to(self.weight.device)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return emulated_linear(x, self.weight, self.bias, self.fp8_emulator)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.fp8_recipe.name}"
+
+
+# --------------------------------------------------------------------------- BF16 GEMMs
+
+
+class _BF16LinearFn(torch.autograd.Function):
+    """A BF16 GEMM as tensor cores compute it: operands rounded to BF16, exact products,
+    fp32 accumulation (and bias), output rounded to BF16. ``x`` is 2-D ``[M, K]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, wgrad_into_main_grad: bool):
+        xb, wb = x.bfloat16().float(), weight.bfloat16().float()
+        out = torch.matmul(xb, wb.t())
+        if bias is not None:
+            out = out + bias.bfloat16().float()
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.wgrad_into_main_grad = wgrad_into_main_grad
+        return out.bfloat16().to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        dyb = grad_out.bfloat16().float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(dyb, weight.bfloat16().float()).bfloat16().to(x.dtype)
+        if ctx.needs_input_grad[1] or ctx.wgrad_into_main_grad:
+            # fp32 result: megatron accumulates wgrad into an fp32 main_grad
+            dw = torch.matmul(dyb.t(), x.bfloat16().float())
+            grad_w = (_accumulate_main_grad(weight, dw) if ctx.wgrad_into_main_grad
+                      else dw.to(weight.dtype))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_out.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                wgrad_into_main_grad: bool = False) -> torch.Tensor:
+    """``F.linear`` with BF16 GEMM numerics computed in fp32 (see :class:`BF16EmulatedLinear`);
+    the result has ``x``'s dtype, any leading dims."""
+    lead = x.shape[:-1]
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        out = _BF16LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, wgrad_into_main_grad)
+    return out.reshape(*lead, out.shape[-1])
+
+
+class BF16EmulatedLinear(nn.Linear):
+    """``nn.Linear`` whose GEMMs have BF16 numerics (operands and outputs rounded to BF16,
+    fp32 accumulation), computed with fp32 GEMMs.
+
+    The baseline arm of a precision comparison on machines without fast BF16 GEMMs (on CPUs
+    without native BF16, ``torch.matmul`` on bf16 tensors is two orders of magnitude slower
+    than fp32). Weight gradients stay fp32-accumulated, as megatron's ``main_grad`` is.
+    """
+
+    bf16_emulated = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "BF16EmulatedLinear":
+        """A new module sharing ``linear``'s weight and bias Parameters (same objects)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bf16_linear(x, self.weight, self.bias)

@@ -1,0 +1,397 @@
+"""KV-cache and Q scales for FP8 attention in vLLM, recalibrated on the trainer every RL step.
+
+An FP8 KV cache stores ``k / k_scale`` and ``v / v_scale`` (E4M3) and FP8 attention also
+quantizes ``q / q_scale``; the scales are per attention layer, one fp32 scalar each. In RL
+the weights move every step, so the activations move too and the scales must follow.
+NeMo RL recalibrates them on the trainer after each step and ships them with the weights;
+this module does the same, framework-neutrally.
+
+**Convention** (NeMo RL's ``calibrate_qkv_fp8_scales``, which vLLM's attention consumes):
+
+* Observation: the q, k, v tensors that enter the attention kernel (after the projections,
+  q/k norms and RoPE; exactly what goes into the KV cache), captured per layer. Each forward
+  call of a layer gives one sample, ``amax = max |k|`` over the whole tensor (``sample="batch"``,
+  the default, as NeMo RL); ``sample="token"`` gives one sample per token instead (the max
+  over heads and head dim), which lets the percentile clip outlier tokens.
+* Percentile: nearest rank over the samples, ``sorted[round(p/100 * (n-1))]`` with ``p``
+  = ``percentile`` (default 99.9; with a handful of batch samples that is their max).
+* Scale: ``scale = amax_p * margin / 448`` (``margin`` default 1.05; 448 = E4M3's largest
+  value), so ``amax_p * margin`` maps to the top of the E4M3 range. vLLM divides by it when
+  writing the cache and multiplies when reading. A layer whose samples are all zero gets
+  1.0 (vLLM reads a scale <= 0 as "missing").
+* Names: ``<attention module>.{q,k,v}_scale`` in Hugging Face naming
+  (``model.layers.3.self_attn.k_scale``); vLLM's loader maps them onto its attention layers
+  (``...self_attn.attn.k_scale``), and the ``nemo_fp8`` method keeps those parameters
+  loadable across refits. Megatron names (``decoder.layers.3.self_attention``) are mapped
+  to the same Hugging Face names.
+
+**Where the hooks go**: megatron-core's core attention (``DotProductAttention`` /
+``TEDotProductAttention`` or a subclass, a forward pre-hook on ``(query, key, value, ...)``, as
+NeMo RL does) and Hugging Face attention modules (any module that calls
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``: the calibrator registers a
+recording wrapper around that implementation through transformers' ``AttentionInterface``
+and switches the model to it while attached).
+
+Two ways to use it:
+
+* ``refresh_scales(model, forward=lambda: model(batch))``: after an optimizer step, one
+  calibration forward without gradients on the updated weights; returns the scales (with
+  its wall time), ready to append to the refit payload.
+* ``KVScaleCalibrator(model).attach()``: hooks stay on during the step's own forward
+  passes (no extra forward) and ``refresh_scales(model)`` turns what they saw into scales.
+  These describe the weights before the optimizer step, one step stale.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+import weakref
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+from ..errors import FP8ConfigError, format_value
+
+__all__ = ["KVScaleCalibrator", "ScaleUpdate", "refresh_scales", "nearest_rank_percentile",
+           "vllm_attention_name", "FP8_E4M3_MAX"]
+
+FP8_E4M3_MAX = 448.0
+"""Largest finite E4M3 value: ``amax_p * margin`` maps onto it."""
+
+_MCORE_ATTENTION = ("DotProductAttention", "TEDotProductAttention")
+_MEGATRON_LAYER = re.compile(r"^(?:.*?\.)?decoder\.layers\.(\d+)\.self_attention(?:\.core_attention)?$")
+_ROLES = ("q", "k", "v")
+_WRAPPER_PREFIX = "nemo_fp8_kv_calibration:"
+
+# Calibrators currently attached, by model (refresh_scales(model) finds them here).
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, KVScaleCalibrator]" = weakref.WeakKeyDictionary()
+
+
+def vllm_attention_name(module_name: str) -> str:
+    """The Hugging Face name of an attention module (what vLLM's loader maps scales from).
+
+    ``decoder.layers.3.self_attention.core_attention`` (megatron-core, any wrapper prefix)
+    -> ``model.layers.3.self_attn``; Hugging Face names pass through.
+    """
+    found = _MEGATRON_LAYER.match(module_name)
+    if found:
+        return f"model.layers.{found.group(1)}.self_attn"
+    return module_name
+
+
+def nearest_rank_percentile(values: torch.Tensor, percentile: float) -> torch.Tensor:
+    """``sorted(values)[round(p/100 * (n-1))]`` (NeMo RL's rule), as a 0-d fp32 tensor."""
+    flat = values.reshape(-1).float()
+    if flat.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=values.device)
+    rank = int(round(percentile / 100.0 * (flat.numel() - 1)))
+    rank = max(0, min(flat.numel() - 1, rank))
+    return torch.sort(flat).values[rank]
+
+
+class ScaleUpdate(dict):
+    """``{name: 0-d fp32 tensor}`` from :func:`refresh_scales`, plus how it was obtained.
+
+    Attributes:
+        seconds: wall time of the refresh (calibration forward included, when one ran).
+        amax: ``{name: the percentile amax before margin}``, for logging.
+        samples: number of samples per layer and role (``{"model.layers.0.self_attn.k": n}``).
+    """
+
+    def __init__(self, *args, seconds: float = 0.0, amax: dict | None = None,
+                 samples: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seconds = seconds
+        self.amax = amax or {}
+        self.samples = samples or {}
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise FP8ConfigError(f"expected a number in [{lo}, {hi}], got {format_value(value)}",
+                             key=name, value=value)
+    return float(value)
+
+
+class KVScaleCalibrator:
+    """Per-layer amax of q, k, v -> the ``q_scale`` / ``k_scale`` / ``v_scale`` vLLM expects.
+
+    Args:
+        model: a megatron-core or Hugging Face transformers model (or any module holding
+            such attention modules).
+        percentile: nearest-rank percentile of the per-layer amax samples, in [0, 100].
+            Default 99.9 (NeMo RL).
+        margin: factor on the percentile amax, >= 1 leaves headroom. Default 1.05 (NeMo RL).
+        include_q: also produce ``q_scale`` (FP8 attention reads it; an FP8 KV cache alone
+            needs only k and v). Default True.
+        sample: ``"batch"`` (default): one amax per layer per forward call (NeMo RL);
+            ``"token"``: one per token (max over heads and head dim).
+        fp8_max: the format's largest value. Default 448 (E4M3).
+        name_map: module name -> scale-name prefix. Default :func:`vllm_attention_name`.
+        process_group: when ``torch.distributed`` is initialized with more than one rank,
+            each rank's percentile amax is merged with the others' by max over this group
+            (default: the default group), as NeMo RL does: tensor-parallel ranks see
+            different heads, pipeline ranks different layers, data-parallel ranks different
+            batches.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, percentile: float = 99.9, margin: float = 1.05,
+                 include_q: bool = True, sample: str = "batch", fp8_max: float = FP8_E4M3_MAX,
+                 name_map: Callable[[str], str] | None = None, process_group: Any = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise FP8ConfigError(f"expected a torch.nn.Module, got {format_value(model)}", key="model")
+        self.model = model
+        self.percentile = _check_float("percentile", percentile, 0.0, 100.0)
+        self.margin = _check_float("margin", margin, 1e-6, 1e6)
+        self.fp8_max = _check_float("fp8_max", fp8_max, 1e-6, 1e38)
+        if sample not in ("batch", "token"):
+            raise FP8ConfigError(f"expected 'batch' or 'token', got {format_value(sample)}",
+                                 key="sample", value=sample)
+        self.sample = sample
+        self.include_q = bool(include_q)
+        self.name_map = name_map or vllm_attention_name
+        self.process_group = process_group
+        self._samples: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        self._handles: list[Any] = []
+        self._hf_configs: list[tuple[Any, str]] = []
+        self._layers = self._find_layers()
+        self.last_seconds = 0.0
+        """Wall time of the last :meth:`scales` / :meth:`calibrate` (calibration forward included)."""
+
+    # ------------------------------------------------------------------ discovery
+
+    def _find_layers(self) -> dict[torch.nn.Module, tuple[str, str]]:
+        """attention module -> (kind, scale-name prefix)."""
+        found: dict[torch.nn.Module, tuple[str, str]] = {}
+        for name, module in self.model.named_modules():
+            # Subclasses count (custom core attentions plug in through the layer spec).
+            if any(c.__name__ in _MCORE_ATTENTION for c in type(module).__mro__):
+                found[module] = ("mcore", self.name_map(name))
+            elif (hasattr(module, "k_proj") and hasattr(module, "v_proj")
+                  and hasattr(getattr(module, "config", None), "_attn_implementation")):
+                found[module] = ("hf", self.name_map(name))
+        if not found:
+            raise FP8ConfigError(
+                f"no attention module found in {type(self.model).__name__}: the calibrator hooks "
+                f"megatron-core core attention ({', '.join(_MCORE_ATTENTION)}) and Hugging Face "
+                f"attention modules (k_proj, v_proj, config._attn_implementation)", key="model")
+        return found
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Scale-name prefixes of the attention layers found, in model order."""
+        return [name for _, name in self._layers.values()]
+
+    # ------------------------------------------------------------------ recording
+
+    def _record(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                heads_dims: tuple[int, ...]) -> None:
+        for role, t in zip(_ROLES, (q, k, v)):
+            if role == "q" and not self.include_q:
+                continue
+            t = t.detach()
+            if self.sample == "batch":
+                amax = t.abs().amax().float().reshape(1)
+            else:
+                amax = t.abs().amax(dim=heads_dims).float().reshape(-1)
+            self._samples[layer][role].append(amax)
+
+    def _mcore_hook(self, layer: str):
+        def hook(module, args, kwargs):
+            named = [kwargs.get(n) for n in ("query", "key", "value")]
+            q, k, v = (list(args[:3]) + named[len(args[:3]):])[:3]
+            # megatron-core core attention tensors are [seq, batch, heads, head_dim].
+            self._record(layer, q, k, v, (2, 3))
+        return hook
+
+    def attach(self) -> "KVScaleCalibrator":
+        """Install the hooks; they record every forward call until :meth:`detach`."""
+        if self._handles or self._hf_configs:
+            return self
+        hf_configs: dict[int, Any] = {}
+        for module, (kind, layer) in self._layers.items():
+            if kind == "mcore":
+                self._handles.append(module.register_forward_pre_hook(self._mcore_hook(layer),
+                                                                      with_kwargs=True))
+            else:
+                module._nemo_fp8_kv_record = (weakref.ref(self), layer)
+                hf_configs[id(module.config)] = module.config
+        for config in hf_configs.values():
+            base = config._attn_implementation or "eager"
+            if base.startswith(_WRAPPER_PREFIX):
+                raise FP8ConfigError("another KV-scale calibrator is attached to this model",
+                                     key="model", hint="detach it first")
+            config._attn_implementation = _hf_wrapper_name(base)
+            self._hf_configs.append((config, base))
+        _ATTACHED[self.model] = self
+        return self
+
+    def detach(self) -> None:
+        """Remove the hooks (samples are kept until :meth:`reset`)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for config, base in self._hf_configs:
+            config._attn_implementation = base
+        self._hf_configs.clear()
+        for module, (kind, _) in self._layers.items():
+            if kind == "hf" and hasattr(module, "_nemo_fp8_kv_record"):
+                del module._nemo_fp8_kv_record
+        if _ATTACHED.get(self.model) is self:
+            del _ATTACHED[self.model]
+
+    def __enter__(self) -> "KVScaleCalibrator":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def reset(self) -> None:
+        """Forget the recorded samples."""
+        self._samples.clear()
+
+    # ------------------------------------------------------------------ results
+
+    def observed(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{layer: {"q"|"k"|"v": all amax samples (1-D fp32)}}`` recorded since the last reset."""
+        return {layer: {role: torch.cat([s.to("cpu") for s in samples])
+                        for role, samples in roles.items()}
+                for layer, roles in self._samples.items()}
+
+    def scales(self, *, reset: bool = True) -> ScaleUpdate:
+        """The scales from the samples so far (and forget them unless ``reset=False``)."""
+        start = time.perf_counter()
+        out, amaxes, counts = {}, {}, {}
+        missing = [layer for layer in self.layer_names if layer not in self._samples]
+        if len(missing) == len(self.layer_names):
+            raise FP8ConfigError("no q/k/v observed yet: run a forward pass with the calibrator "
+                                 "attached, or pass forward= to refresh_scales", key="model")
+        for layer, roles in self._samples.items():
+            for role in _ROLES:
+                if role not in roles:
+                    continue
+                samples = torch.cat(roles[role])
+                amaxes[f"{layer}.{role}_scale"] = float(nearest_rank_percentile(samples, self.percentile))
+                counts[f"{layer}.{role}"] = int(samples.numel())
+        amaxes = _max_across_ranks(amaxes, self.process_group)
+        for key, amax in amaxes.items():
+            scale = torch.tensor(amax, dtype=torch.float32) * self.margin / self.fp8_max
+            # A zero amax leaves any scale exact; vLLM reads <= 0 as "missing".
+            out[key] = scale if scale > 0 else torch.ones((), dtype=torch.float32)
+        if reset:
+            self.reset()
+        seconds = time.perf_counter() - start
+        self.last_seconds = seconds
+        return ScaleUpdate(out, seconds=seconds, amax=amaxes, samples=counts)
+
+    @torch.no_grad()
+    def calibrate(self, forward: Callable[[], Any]) -> ScaleUpdate:
+        """Reset, run ``forward()`` (no gradients) with the hooks on, return the scales."""
+        start = time.perf_counter()
+        was_attached = bool(self._handles or self._hf_configs)
+        self.reset()
+        self.attach()
+        try:
+            forward()
+        finally:
+            if not was_attached:
+                self.detach()
+        result = self.scales()
+        result.seconds = time.perf_counter() - start
+        self.last_seconds = result.seconds
+        return result
+
+    def as_step_hook(self, forward: Callable[[Any], Any] | None = None) -> Callable[[Any, Any], ScaleUpdate]:
+        """A ``hook(trainer_or_context, module)`` for the training callbacks' after-optimizer-step
+        slot (:mod:`nemo_fp8_plugin.callbacks`): calibrates with ``forward(module)`` when given,
+        else turns the samples the attached hooks saw during the step into scales. The last
+        result is kept in ``self.last_update``."""
+        self.last_update: ScaleUpdate | None = None
+
+        def hook(_context: Any, module: Any) -> ScaleUpdate:
+            if forward is not None:
+                update = self.calibrate(lambda: forward(module))
+            else:
+                update = self.scales()
+            self.last_update = update
+            return update
+
+        return hook
+
+
+def refresh_scales(model: torch.nn.Module, forward: Callable[[], Any] | None = None, *,
+                   calibrator: KVScaleCalibrator | None = None, percentile: float = 99.9,
+                   margin: float = 1.05, include_q: bool = True, sample: str = "batch",
+                   process_group: Any = None) -> ScaleUpdate:
+    """Fresh ``{q,k,v}_scale`` tensors for every attention layer of ``model``.
+
+    Call after each optimizer step. With ``forward`` (a zero-argument callable running the
+    model on a calibration batch) it runs that forward without gradients on the updated
+    weights. Without it, it uses the samples recorded since the last refresh by the
+    calibrator attached to ``model`` (``KVScaleCalibrator(model).attach()``), and raises
+    :class:`~nemo_fp8_plugin.errors.FP8ConfigError` when there is none.
+
+    Returns a :class:`ScaleUpdate`: ``{name: 0-d fp32 tensor}`` in Hugging Face naming, with
+    ``.seconds`` (its wall time, to report per step), ``.amax`` and ``.samples``. Append its
+    items to the refit payload: ``payload + list(update.items())``.
+    """
+    calibrator = calibrator or _ATTACHED.get(model)
+    if forward is not None:
+        if calibrator is None:
+            calibrator = KVScaleCalibrator(model, percentile=percentile, margin=margin,
+                                           include_q=include_q, sample=sample,
+                                           process_group=process_group)
+        return calibrator.calibrate(forward)
+    if calibrator is None:
+        raise FP8ConfigError("no calibrator is attached to this model and no forward= was given",
+                             key="forward", hint="pass forward=lambda: model(batch), or attach "
+                                                 "KVScaleCalibrator(model) before the step")
+    return calibrator.scales()
+
+
+def _max_across_ranks(amaxes: dict[str, float], group: Any) -> dict[str, float]:
+    """Merge ``{name: amax}`` over the ranks of ``group`` (max per name, union of names)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return amaxes
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, amaxes, group=group)
+    merged: dict[str, float] = {}
+    for part in gathered:
+        for name, value in (part or {}).items():
+            merged[name] = max(merged.get(name, 0.0), value)
+    return merged
+
+
+# --------------------------------------------------------------------------- Hugging Face wrapper
+
+
+def _hf_wrapper_name(base: str) -> str:
+    """Register (once) and name the recording wrapper around attention implementation ``base``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = _WRAPPER_PREFIX + base
+    if name in AttentionInterface._global_mapping:
+        return name
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        record = getattr(module, "_nemo_fp8_kv_record", None)
+        if record is not None:
+            calibrator = record[0]()
+            if calibrator is not None:
+                # Hugging Face attention tensors are [batch, heads, seq, head_dim].
+                calibrator._record(record[1], query, key, value, (1, 3))
+        if base == "eager":
+            impl = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            impl = AttentionInterface._global_mapping[base]
+        return impl(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    mask_base = base if base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[mask_base])
+    return name

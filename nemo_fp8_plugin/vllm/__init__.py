@@ -1,0 +1,187 @@
+"""vLLM generation in FP8: the ``nemo_fp8`` quantization method and the engine arguments.
+
+Two halves, split so that importing this package stays free of torch and vLLM:
+
+* Plain data, computed here without importing anything heavy:
+  :func:`quantization_config` (the ``quantization_config`` mapping vLLM reads) and
+  :func:`engine_kwargs` (the arguments of ``vllm.LLM`` / ``vllm serve``), both from a
+  :class:`~nemo_fp8_plugin.spec.RecipeSpec`.
+* :func:`register`, the ``vllm.general_plugins`` entry point. vLLM calls it in every
+  process it starts; it registers the quantization method ``nemo_fp8`` (class
+  :class:`nemo_fp8_plugin.vllm.config.NemoFp8Config`) and nothing else, so an engine that
+  does not ask for ``quantization="nemo_fp8"`` behaves exactly as without the plugin.
+
+The method itself (``config.py``, ``methods.py``) imports vLLM and is loaded only when vLLM
+asks for it. See ``docs/hosts/vllm.md`` for the design (in-place refit, payloads, the CPU
+emulation path, the KV-cache trap of vLLM's CPU build).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+__all__ = [
+    "QUANT_METHOD",
+    "CONFIG_KEYS",
+    "quantization_config",
+    "engine_kwargs",
+    "engine_spelling",
+    "register",
+]
+
+QUANT_METHOD = "nemo_fp8"
+"""Name of the quantization method in vLLM (``quantization="nemo_fp8"``)."""
+
+CONFIG_KEYS = {
+    "quant_method": "``nemo_fp8`` (a vLLM ``fp8`` block checkpoint is also accepted when the "
+                    "engine asks for ``quantization='nemo_fp8'``)",
+    "fmt": "element format of weights and activations; only ``e4m3``",
+    "activation_scheme": "``dynamic``: activations are quantized per token group at run time",
+    "scheme": "``block`` (fp32 or power-of-2 scale per weight tile, 1x128 activation groups) "
+              "or ``mx`` (MXFP8: E8M0 scale per 32 elements)",
+    "weight_block_size": "weight tile ``[rows, cols]``: ``[128, 128]`` (block) or ``[1, 32]`` / "
+                         "``[32, 32]`` (mx)",
+    "activation_block_size": "activation group ``[1, 128]`` (block) or ``[1, 32]`` (mx)",
+    "pow2_scales": "round block scales down to powers of two (TE's default block recipe)",
+    "ignored_layers": "modules kept in BF16: exact vLLM/Hugging Face module names, or glob "
+                      "patterns (``*``, ``?``, ``[...]``) matched against them",
+    "num_first_layers_in_bf16": "leading transformer layers kept in BF16 (NeMo RL's key)",
+    "num_last_layers_in_bf16": "trailing transformer layers kept in BF16 (NeMo RL's key)",
+    "kv_cache_dtype": "the KV-cache dtype the recipe asked for (``auto`` or ``fp8_e4m3``); the "
+                      "method warns when the engine runs another one",
+    "backend": "``auto`` (vLLM's block-FP8 kernels on CUDA, the numerics emulation elsewhere), "
+               "``vllm`` or ``emulate``",
+}
+"""Keys of the ``quantization_config`` mapping the ``nemo_fp8`` method reads, and their meaning."""
+
+_KV_CACHE_DTYPE = {"auto": "auto", "fp8": "fp8_e4m3"}
+
+
+def _rules_spelling(spec, model) -> tuple[list[str], int, int, list[str]]:
+    """ignored_layers, first, last and warnings for the generation side of the BF16 rules.
+
+    Without a model the rules travel as written: ``nemo_fp8`` matches glob patterns and
+    counts first/last layers itself, once the engine knows the model. With a model the
+    rules are expanded by :func:`nemo_fp8_plugin.rules.to_vllm` into exact vLLM module names
+    (the spelling vLLM's own ``fp8`` method needs), routers and heads included.
+    """
+    rules = spec.bf16_layers
+    if model is None:
+        if not rules.acts_on("generation"):
+            return [], 0, 0, []
+        return list(rules.modules), rules.first, rules.last, []
+    from ..rules import describe_model, to_vllm
+
+    keys = to_vllm(spec, describe_model(model))
+    return list(keys.keys.get("ignored_layers", [])), 0, 0, list(keys.warnings)
+
+
+def engine_spelling(spec, model=None, *, platform: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The vLLM engine arguments for ``spec`` and the warnings that go with them.
+
+    Args:
+        spec: a :class:`~nemo_fp8_plugin.spec.RecipeSpec` (or a recipe name).
+        model: a model description for :func:`nemo_fp8_plugin.rules.to_vllm` (expands the
+            BF16 rules into module names), or None to let the engine resolve them.
+        platform: ``"cuda"``, ``"cpu"`` or None (unknown: assumed to be a GPU). On ``"cpu"``
+            an FP8 KV cache is not requested (see :func:`engine_kwargs`).
+
+    Returns:
+        ``(kwargs, warnings)``; ``kwargs`` is ``{}`` when the recipe leaves generation in BF16.
+    """
+    from ..registry import get_recipe
+
+    spec = get_recipe(spec)
+    found: list[str] = []
+    if spec.generation != "fp8":
+        return {}, ["generation: bf16 in this recipe; vLLM runs in the model dtype"]
+    if spec.scaling not in ("block", "mx"):
+        # The nemo_fp8 method implements the block-scaled recipes NeMo RL generates with;
+        # per-tensor scales would have to be re-derived from a history that a refit resets.
+        return {}, [f"scaling: {spec.scaling} has no FP8 vLLM generation path here (the nemo_fp8 "
+                    f"method implements block and MX scaling); vLLM runs in BF16, so generation "
+                    f"and training differ: keep importance_sampling on, or use fp8_blockwise"]
+    kv = _KV_CACHE_DTYPE[spec.kv_cache]
+    if kv != "auto" and platform == "cpu":
+        found.append("kv_cache: fp8 is not requested on vLLM's CPU backend: it stores an FP8 KV "
+                     "cache as E5M2 (older builds rewrite fp8_e4m3 to fp8_e5m2) or needs AVX-512/AMX, "
+                     "so its rollouts would not match an E4M3 GPU cache; the cache stays in the "
+                     "model dtype")
+        kv = "auto"
+    qcfg = quantization_config(spec, model)
+    found.extend(qcfg.pop("_warnings"))
+    qcfg["kv_cache_dtype"] = kv
+    kwargs: dict[str, Any] = {
+        "quantization": QUANT_METHOD,
+        "hf_overrides": {"quantization_config": qcfg},
+        "kv_cache_dtype": kv,
+    }
+    if kv != "auto":
+        # Scales come from the trainer (refresh_scales) with every refit, not from the
+        # engine's first batch: a first-batch scale never follows the policy as it moves.
+        kwargs["calculate_kv_scales"] = False
+    if spec.scaling == "mx" and spec.hardware not in (None, "blackwell"):
+        found.append(f"scaling: mx on {spec.hardware}: no MXFP8 tensor-core GEMM there (vLLM falls "
+                     f"back to weight-only or emulated kernels); use fp8_blockwise on Hopper")
+    return kwargs, found
+
+
+def quantization_config(spec, model=None) -> dict[str, Any]:
+    """The ``quantization_config`` mapping of the ``nemo_fp8`` method for ``spec``.
+
+    This is what ``engine_kwargs(spec)["hf_overrides"]["quantization_config"]`` holds; its keys
+    are documented in :data:`CONFIG_KEYS`. The returned mapping carries the warnings of the
+    BF16-rule spelling under ``"_warnings"`` (callers pop it).
+    """
+    from ..registry import get_recipe
+
+    spec = get_recipe(spec)
+    ignored, first, last, found = _rules_spelling(spec, model)
+    cfg: dict[str, Any] = {
+        "quant_method": QUANT_METHOD,
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "scheme": spec.scaling,
+        "weight_block_size": list(spec.weight_block),
+        "activation_block_size": list(spec.activation_block),
+        "pow2_scales": bool(spec.pow2_scales),
+        "ignored_layers": ignored,
+        "num_first_layers_in_bf16": first,
+        "num_last_layers_in_bf16": last,
+        "_warnings": found,
+    }
+    return cfg
+
+
+def engine_kwargs(spec, model=None, *, platform: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM(...)`` (and ``vllm serve`` options) for ``spec``.
+
+    ``{"quantization": "nemo_fp8", "hf_overrides": {"quantization_config": {...}},
+    "kv_cache_dtype": "auto" | "fp8_e4m3"[, "calculate_kv_scales": False]}``; an empty
+    mapping when the recipe keeps generation in BF16. Warnings (rules vLLM cannot express,
+    the CPU KV-cache trap) are issued with :func:`warnings.warn`.
+
+    Known trap, handled: vLLM's CPU build keeps an FP8 KV cache as E5M2 (older releases rewrite
+    ``fp8_e4m3`` to ``fp8_e5m2`` silently; 0.32 needs AVX-512 or AMX for it), so with
+    ``platform="cpu"`` the cache stays in the model dtype and a warning says why. Without
+    ``platform`` a GPU is assumed; the method also checks the dtype the engine really uses.
+    """
+    kwargs, found = engine_spelling(spec, model, platform=platform)
+    for message in found:
+        warnings.warn(message, stacklevel=2)
+    return kwargs
+
+
+def register() -> None:
+    """Entry point of group ``vllm.general_plugins``: register the ``nemo_fp8`` method.
+
+    Cheap and idempotent (vLLM calls it once per process, possibly several times per
+    program); it changes nothing but the list of quantization methods.
+    """
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from .config import NemoFp8Config
+
+    # Registering again (a second call in one process) only re-binds the same class.
+    register_quantization_config(QUANT_METHOD)(NemoFp8Config)

@@ -1,0 +1,238 @@
+"""The ``nemo_fp8`` quantization config: what vLLM's machinery parses and asks for methods.
+
+Imported by :func:`nemo_fp8_plugin.vllm.register` inside vLLM processes only. The layer
+methods (``methods.py``) load on the first ``get_quant_method`` call, so registering stays
+cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from . import QUANT_METHOD
+
+__all__ = ["NemoFp8Config"]
+
+_GLOB_CHARS = set("*?[")
+
+
+def _as_block(value: Any, key: str) -> list[int] | None:
+    if value is None:
+        return None
+    if (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        return [int(value[0]), int(value[1])]
+    raise ValueError(f"nemo_fp8 quantization_config.{key}: expected [rows, cols], got {value!r}")
+
+
+class NemoFp8Config(QuantizationConfig):
+    """Block FP8 / MXFP8 with weights that can be replaced in place every RL step.
+
+    Args:
+        scheme: ``"block"`` (fp32 or power-of-2 scale per weight tile; activations per 1x128
+            group) or ``"mx"`` (MXFP8, one E8M0 scale per 32 elements).
+        weight_block_size: weight tile, ``[128, 128]`` by default for ``block``; ``[1, 32]``
+            (or ``[32, 32]``) for ``mx``.
+        activation_block_size: activation group, ``[1, 128]`` / ``[1, 32]``.
+        pow2_scales: block scales rounded down to powers of two (block scheme).
+        ignored_layers: modules kept in BF16, exact names or glob patterns.
+        num_first_layers_in_bf16 / num_last_layers_in_bf16: leading / trailing transformer
+            layers kept in BF16.
+        kv_cache_dtype: the KV-cache dtype the recipe asked for; a different one at run time
+            (vLLM's CPU backend stores FP8 caches as E5M2) is reported.
+        backend: ``"auto"``, ``"vllm"`` (vLLM's block-FP8 kernels) or ``"emulate"`` (the
+            numerics emulation, any device).
+    """
+
+    def __init__(self, *, scheme: str = "block", weight_block_size: list[int] | None = None,
+                 activation_block_size: list[int] | None = None, pow2_scales: bool = False,
+                 ignored_layers: list[str] | None = None, num_first_layers_in_bf16: int = 0,
+                 num_last_layers_in_bf16: int = 0, kv_cache_dtype: str = "auto",
+                 backend: str = "auto") -> None:
+        super().__init__()
+        if scheme not in ("block", "mx"):
+            raise ValueError(f"nemo_fp8 quantization_config.scheme: expected 'block' or 'mx', "
+                             f"got {scheme!r}")
+        default_w = [128, 128] if scheme == "block" else [1, 32]
+        default_a = [1, 128] if scheme == "block" else [1, 32]
+        self.scheme = scheme
+        self.weight_block_size = weight_block_size or default_w
+        self.activation_block_size = activation_block_size or default_a
+        allowed_w = ([[128, 128], [1, 128]] if scheme == "block" else [[1, 32], [32, 32]])
+        if self.weight_block_size not in allowed_w:
+            raise ValueError(f"nemo_fp8 quantization_config.weight_block_size: {self.weight_block_size} "
+                             f"is not supported for scheme {scheme!r} (use one of {allowed_w})")
+        if self.activation_block_size != default_a:
+            raise ValueError(f"nemo_fp8 quantization_config.activation_block_size: expected "
+                             f"{default_a} for scheme {scheme!r}, got {self.activation_block_size}")
+        self.pow2_scales = bool(pow2_scales) or scheme == "mx"
+        self.ignored_layers = list(ignored_layers or [])
+        self.num_first_layers_in_bf16 = int(num_first_layers_in_bf16 or 0)
+        self.num_last_layers_in_bf16 = int(num_last_layers_in_bf16 or 0)
+        if self.num_first_layers_in_bf16 < 0 or self.num_last_layers_in_bf16 < 0:
+            raise ValueError("nemo_fp8 quantization_config: num_first/last_layers_in_bf16 must be >= 0")
+        self.kv_cache_dtype = kv_cache_dtype
+        if backend not in ("auto", "vllm", "emulate"):
+            raise ValueError(f"nemo_fp8 quantization_config.backend: expected auto, vllm or emulate, "
+                             f"got {backend!r}")
+        self.backend = backend
+        self._num_layers: int | None = None
+
+    # ------------------------------------------------------------------ vLLM interface
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        # FP8 tensor cores start at Ada (SM89); vLLM skips this check on CPU.
+        return 89
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "NemoFp8Config":
+        """Parse a ``quantization_config`` mapping (ours, or a vLLM ``fp8`` block checkpoint's)."""
+        method = config.get("quant_method", QUANT_METHOD)
+        if method not in (QUANT_METHOD, "fp8"):
+            raise ValueError(f"nemo_fp8 cannot read quant_method {method!r}")
+        fmt = config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"nemo_fp8 quantization_config.fmt: only e4m3 is supported, got {fmt!r}")
+        scheme_act = config.get("activation_scheme", "dynamic")
+        if scheme_act != "dynamic":
+            raise ValueError(f"nemo_fp8 quantization_config.activation_scheme: only 'dynamic' "
+                             f"(per-token-group scales computed at run time), got {scheme_act!r}")
+        scheme = config.get("scheme", "block")
+        weight_block = _as_block(config.get("weight_block_size"), "weight_block_size")
+        if method == "fp8" and weight_block is None:
+            raise ValueError("nemo_fp8 reads block-quantized fp8 checkpoints only "
+                             "(quantization_config.weight_block_size is missing)")
+        ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or []
+        known = {"quant_method", "fmt", "activation_scheme", "scheme", "weight_block_size",
+                 "activation_block_size", "pow2_scales", "ignored_layers", "modules_to_not_convert",
+                 "num_first_layers_in_bf16", "num_last_layers_in_bf16", "kv_cache_dtype",
+                 "backend", "scale_fmt"}
+        unknown = sorted(k for k in config if k not in known)
+        if method == QUANT_METHOD and unknown:
+            raise ValueError(f"nemo_fp8 quantization_config: unknown key(s) {unknown}")
+        return cls(
+            scheme=scheme,
+            weight_block_size=weight_block,
+            activation_block_size=_as_block(config.get("activation_block_size"),
+                                            "activation_block_size"),
+            pow2_scales=bool(config.get("pow2_scales", config.get("scale_fmt") == "ue8m0")),
+            ignored_layers=list(ignored),
+            num_first_layers_in_bf16=config.get("num_first_layers_in_bf16", 0),
+            num_last_layers_in_bf16=config.get("num_last_layers_in_bf16", 0),
+            kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
+            backend=config.get("backend", "auto"),
+        )
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
+                                     hf_config: Any = None) -> str | None:
+        # Claim a vLLM block-FP8 checkpoint (export_fp8_checkpoint's output, DeepSeek-style
+        # checkpoints) only when the user asked for nemo_fp8: everything else is untouched.
+        if user_quant != QUANT_METHOD or not isinstance(hf_quant_cfg, dict):
+            return None
+        if hf_quant_cfg.get("quant_method") == "fp8" and hf_quant_cfg.get("weight_block_size"):
+            return QUANT_METHOD
+        return None
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        exact = [n for n in self.ignored_layers if not (_GLOB_CHARS & set(n))]
+        globs = [n for n in self.ignored_layers if _GLOB_CHARS & set(n)]
+        self.ignored_layers = list(hf_to_vllm_mapper.apply_list(exact)) + globs
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
+        from vllm.model_executor.layers.linear import LinearBase
+
+        from . import methods
+
+        if isinstance(layer, LinearBase):
+            if self.is_bf16(prefix):
+                return methods.NemoBF16LinearMethod()
+            return methods.NemoFp8LinearMethod(self, prefix)
+        if isinstance(layer, RoutedExperts):
+            if self.is_bf16(prefix):
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            return methods.NemoFp8MoEMethod(self, layer, prefix)
+        if isinstance(layer, Attention):
+            return methods.NemoFp8KVCacheMethod(self, prefix)
+        return None
+
+    # ------------------------------------------------------------------ BF16 rules
+
+    def _total_layers(self) -> int | None:
+        if self._num_layers is None:
+            from vllm.config import get_current_vllm_config
+
+            try:
+                hf = get_current_vllm_config().model_config.hf_text_config
+                self._num_layers = int(getattr(hf, "num_hidden_layers"))
+            except (AttributeError, TypeError, ValueError):
+                return None
+        return self._num_layers
+
+    def _rules(self):
+        """``ignored_layers`` and the first/last counts in the plugin's rule language."""
+        if self.__dict__.get("_bf16_rules", False) is False:
+            from ..spec import BF16Rules
+
+            self._bf16_rules = BF16Rules(
+                first=self.num_first_layers_in_bf16, last=self.num_last_layers_in_bf16,
+                modules=tuple(dict.fromkeys(self.ignored_layers)), applies_to="generation")
+        return self._bf16_rules
+
+    def is_bf16(self, prefix: str) -> bool:
+        """Whether the module at ``prefix`` stays in BF16.
+
+        Exact names in ``ignored_layers`` follow vLLM's ``fp8`` method: a fused module
+        (``qkv_proj``, ``gate_up_proj``) is checked through the Hugging Face names fused into
+        it, and naming only some of them is an error (one GEMM runs them all). Patterns and
+        first/last counts follow the plugin's rule language
+        (:func:`nemo_fp8_plugin.rules.keeps_bf16` on the generation side: a pattern may use
+        either naming, and a fused module is BF16 when any member matches).
+        """
+        head, _, last = prefix.rpartition(".")
+        shards = self.packed_modules_mapping.get(last) or []
+        names = [f"{head}.{s}" if head else s for s in shards] or [prefix]
+        exact = {n for n in self.ignored_layers if not (_GLOB_CHARS & set(n))}
+        if prefix in exact:
+            return True
+        hits = [n in exact for n in names]
+        if any(hits) and not all(hits):
+            listed = [n for n, h in zip(names, hits) if h]
+            missing = [n for n, h in zip(names, hits) if not h]
+            raise ValueError(f"nemo_fp8: ignored_layers lists {listed} but not {missing}; vLLM runs "
+                             f"them as one fused GEMM ({prefix}), so list all of them or none")
+        if hits and all(hits):
+            return True
+        # Also keeps what no host runs in FP8 (MoE routers), as training does.
+        from ..rules import keeps_bf16
+
+        rules = self._rules()
+        total = self._total_layers() if rules.last else None
+        if rules.last and total is None:
+            raise ValueError("nemo_fp8: num_last_layers_in_bf16 needs the model's num_hidden_layers")
+        return any(keeps_bf16(rules, n, side="generation", num_layers=total) is not None
+                   for n in names)
+
+    def __repr__(self) -> str:
+        return (f"NemoFp8Config(scheme={self.scheme}, weight_block_size={self.weight_block_size}, "
+                f"pow2_scales={self.pow2_scales}, ignored_layers={self.ignored_layers}, "
+                f"bf16 first/last={self.num_first_layers_in_bf16}/{self.num_last_layers_in_bf16}, "
+                f"backend={self.backend})")

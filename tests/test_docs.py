@@ -1,0 +1,138 @@
+"""Every command in the README and docs/ runs, as written (doc examples that rot are defects).
+
+A fenced ``bash`` block's lines are commands. ``nemo-fp8`` and ``nemo`` resolve to this
+environment's console scripts, ``python`` to its interpreter; paths under ``/tmp/`` are
+moved into the test's temp dir. Long commands get their documented quick flags
+(``nemo-fp8 demo --steps``, ``nemo-fp8 rl-check --quick``). A block that cannot run here
+(a GPU, a host's own launcher, the network) is preceded by
+``<!-- doc-test: skip REASON -->``; the test checks the reason is given. The README's
+set-up commands are what CI itself runs (.ci/run), so they are checked for shape only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+BIN = Path(sys.executable).parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+SKIP = re.compile(r"<!--\s*doc-test:\s*skip\s+(?P<reason>[^>]*?)\s*-->")
+QUICK = {"demo": ["--steps", "3", "--recipes", "fp8_blockwise", "--no-progress"],
+         "rl-check": ["--quick"]}
+
+
+@dataclass
+class DocCommand:
+    page: Path
+    line: int
+    text: str
+    skip_reason: str | None
+
+
+def doc_commands() -> list[DocCommand]:
+    out = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        in_block, skip, pending_skip = False, None, None
+        for i, line in enumerate(lines, 1):
+            m = SKIP.search(line)
+            if m:
+                pending_skip = m.group("reason") or ""
+                continue
+            if line.startswith("```"):
+                if not in_block and line[3:].strip() in ("bash", "sh", "shell", "console"):
+                    in_block, skip, pending_skip = True, pending_skip, None
+                elif in_block:
+                    in_block = False
+                continue
+            if in_block:
+                text = line.split(" #", 1)[0].strip() if not line.lstrip().startswith("#") else ""
+                if text:
+                    out.append(DocCommand(page, i, text, skip))
+    return out
+
+
+COMMANDS = doc_commands()
+README_SETUP = [c for c in COMMANDS if c.page.name == "README.md"]
+RUNNABLE = [c for c in COMMANDS if c.page.name != "README.md" and c.skip_reason is None]
+SKIPPED = [c for c in COMMANDS if c.skip_reason is not None]
+
+
+def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second():
+    assert len(README_SETUP) == 2, [c.text for c in README_SETUP]
+    main, tests = (c.text for c in README_SETUP)
+    assert main.startswith("bash scripts/install.sh main && .venv/bin/nemo-fp8 ")
+    assert tests == "bash scripts/test.sh"
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in ci and "CI=true" in ci
+
+
+def test_skipped_blocks_say_why():
+    for c in SKIPPED:
+        assert len(c.skip_reason) >= 10, f"{c.page.name}:{c.line}: give the reason a block cannot run"
+
+
+def _argv(text: str, tmp: Path) -> list[str]:
+    argv = [a.replace("/tmp/", f"{tmp}/") for a in shlex.split(text)]
+    head = argv[0]
+    if head in ("nemo-fp8", "nemo"):
+        argv[0] = str(BIN / head)
+        if head == "nemo-fp8" and len(argv) > 1 and argv[1] in QUICK:
+            argv += QUICK[argv[1]]
+            if argv[1] == "demo":
+                argv += ["--out", str(tmp / "demo")]
+    elif head == "python":
+        argv[0] = sys.executable
+    else:
+        raise AssertionError(f"doc command {text!r} runs neither nemo-fp8, nemo nor python; "
+                             "mark its block with <!-- doc-test: skip REASON -->")
+    return argv
+
+
+def _run(cmd: DocCommand, tmp: Path):
+    # Run from a scratch folder that sees the repository's top-level folders, so relative
+    # paths in the docs resolve and whatever a command writes stays out of the checkout.
+    tmp.mkdir(parents=True, exist_ok=True)
+    for entry in ("conf", "examples", "scripts", "benchmarks", "docs"):
+        if (REPO / entry).exists() and not (tmp / entry).exists():
+            (tmp / entry).symlink_to(REPO / entry)
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
+    proc = subprocess.run(_argv(cmd.text, tmp), cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=900)
+    return cmd, proc
+
+
+def test_every_doc_command_runs(tmp_path):
+    assert RUNNABLE, "no runnable doc commands found"
+    # `nemo` commands spend most of their time importing NeMo; run everything side by side.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda ic: _run(ic[1], tmp_path / f"c{ic[0]}"), enumerate(RUNNABLE)))
+    failures = [f"{c.page.relative_to(REPO)}:{c.line}: `{c.text}` exited {p.returncode}\n"
+                f"{p.stderr[-1500:]}" for c, p in results if p.returncode != 0]
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("cmd", SKIPPED, ids=lambda c: f"{c.page.name}:{c.line}")
+def test_skipped_commands_name_a_real_file_or_tool(cmd):
+    """A skipped command still must not rot: a script of ours it runs exists and parses its
+    flags (``--help``)."""
+    argv = shlex.split(cmd.text)
+    if argv[0] != "python" or not (REPO / argv[1]).parent.is_dir():
+        return  # another project's launcher (vllm serve, uv run in a NeMo RL checkout)
+    script = REPO / argv[1]
+    assert script.is_file(), f"{cmd.page.name}:{cmd.line}: {argv[1]} does not exist"
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):
+        assert flag in proc.stdout, f"{cmd.page.name}:{cmd.line}: {script.name} has no {flag}"

@@ -1,0 +1,118 @@
+"""``nemo-fp8 doctor`` on the CPU test machine (no GPU, no Transformer Engine installed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+from conftest import REPO, load_te_recipe_module
+from nemo_fp8_plugin.cli import doctor, main
+
+
+def _json(capsys, *argv):
+    assert main(["doctor", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_reports_versions_and_what_it_could_not_check(capsys):
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "gpu: none visible" in text
+    assert f"megatron-core      {metadata.version('megatron-core')}" in text
+    assert "not checked: GPU architecture: no CUDA GPU visible to torch" in text
+    assert "not checked: Transformer Engine at run time" in text
+    assert text.count("recipe ") >= 5
+
+
+def test_json_report(capsys):
+    report = _json(capsys)
+    assert report["packages"]["nemo-toolkit"] == metadata.version("nemo-toolkit")
+    assert report["packages"]["transformer-engine"] is None
+    assert report["machine"]["gpus"] == [] and report["machine"]["arch"] is None
+    names = [r["recipe"] for r in report["recipes"]]
+    assert {"fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"} <= set(names)
+    assert all(r["runnable"] is None for r in report["recipes"])  # nothing to judge against
+
+
+@pytest.mark.parametrize("hardware,runnable", [
+    ("h100", {"mxfp8": False, "fp8_blockwise": None, "fp8_delayed": None}),
+    ("b200", {"mxfp8": None, "fp8_blockwise": False, "fp8_subchannel": None}),
+    ("l40s", {"fp8_subchannel": False, "fp8_current": None}),
+])
+def test_hardware_rules_for_a_target(capsys, hardware, runnable):
+    """False = refused by the hardware rules; None = allowed, but TE / CUDA not checkable here."""
+    report = _json(capsys, "--hardware", hardware)
+    verdict = {r["recipe"]: r["runnable"] for r in report["recipes"]}
+    for name, want in runnable.items():
+        assert verdict[name] is want, name
+    blockwise = next(r for r in report["recipes"] if r["recipe"] == "fp8_blockwise")
+    if hardware == "b200":
+        assert any("pow2_scales" in p for p in blockwise["problems"])
+
+
+def test_env_var_state(capsys, tmp_path, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: fp8_blockwise\n")
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    env = _json(capsys, str(cfg))["recipes"][0]["env"]
+    assert env == [{"name": "NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "needed": "1", "value": None,
+                    "set": False}]
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert _json(capsys, str(cfg))["recipes"][0]["env"][0]["set"] is True
+
+
+def test_effective_te_parameters_checked_with_te(capsys, tmp_path, monkeypatch):
+    """With a Transformer Engine present (its real recipe module, imported with the variable
+    unset), the doctor sees that TE would run fp8_blockwise with power-of-2 scales."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    te_recipe = load_te_recipe_module(tmp_path, name="te_recipe_for_doctor")
+    real_versions = doctor.package_versions
+    monkeypatch.setattr(doctor, "package_versions",
+                        lambda: {**real_versions(), "transformer-engine": "2.20.2"})
+    monkeypatch.setattr(doctor, "_te_recipe_module", lambda: (te_recipe, None))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: fp8_blockwise\n")
+    r = _json(capsys, str(cfg), "--hardware", "h100")["recipes"][0]
+    assert r["env_effective"] is False
+    assert any("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in p for p in r["problems"])
+    assert r["runnable"] is False
+
+
+def test_config_without_fp8(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: bf16-mixed\n")
+    assert main(["doctor", str(cfg)]) == 0
+    assert "asks for no FP8 recipe" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["missing.yaml"], ["--hardware", "tpu"]])
+def test_bad_input_exits_2(capsys, argv):
+    assert main(["doctor", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nemo-fp8 doctor: error:") and "Traceback" not in err
+
+
+def test_unknown_recipe_in_config_exits_2(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: fp8_bogus\n")
+    assert main(["doctor", str(cfg)]) == 2
+    assert "valid recipes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cap,arch", [((8, 9), "ada"), ((9, 0), "hopper"), ((10, 0), "blackwell"),
+                                      ((12, 0), "blackwell"), ((8, 0), None)])
+def test_arch_of(cap, arch):
+    assert doctor.arch_of(cap) == arch
+
+
+def test_doctor_imports_no_host():
+    code = ("import sys; from nemo_fp8_plugin.cli.doctor import build_report; build_report(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'megatron', 'nemo', 'nemo_run', 'vllm', 'transformer_engine', 'lightning'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr

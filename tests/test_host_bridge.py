@@ -1,0 +1,218 @@
+"""Megatron-Bridge registration against Bridge 0.6.2's real ``training/mixed_precision.py``.
+
+Megatron-Bridge cannot be installed on a CPU machine (it needs Python >= 3.12 and imports
+Transformer Engine at package import), so its ``mixed_precision.py`` is extracted from the
+real wheel and loaded by file path. That file imports ``GPTModelProvider`` and
+``T5ModelProvider`` from ``megatron.bridge.models`` (whose package needs TE) only for the
+type annotation of ``MixedPrecisionConfig.setup``; the stub below provides exactly those two
+names, as megatron-core's ``TransformerConfig`` (both Bridge classes subclass it). Everything
+else the file imports is the real megatron-core 0.16.1 and torch; the registry, ``register``,
+``get_mixed_precision_config``, ``finalize`` and ``setup`` under test are Bridge's own code.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import sys
+import types
+
+import pytest
+import torch
+import yaml
+
+from conftest import upstream_file
+from nemo_fp8_plugin import FP8ConfigError, RecipeRegistryError, get_recipe
+from nemo_fp8_plugin.hosts import bridge
+
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer import TransformerConfig
+
+RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
+WHEEL = "megatron_bridge-0.6.2-*.whl"
+MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4)
+
+
+def _load_bridge_mixed_precision(dest, monkeypatch, name: str):
+    path = upstream_file(WHEEL, "megatron/bridge/training/mixed_precision.py", dest)
+    models = types.ModuleType("megatron.bridge.models")
+    models.GPTModelProvider = TransformerConfig  # stub: annotation-only names (see docstring)
+    models.T5ModelProvider = TransformerConfig
+    monkeypatch.setitem(sys.modules, "megatron.bridge", types.ModuleType("megatron.bridge"))
+    monkeypatch.setitem(sys.modules, "megatron.bridge.models", models)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _AllowList:
+    """Records the prefix handed to Bridge's ``register_allowed_target_prefix``: Bridge's
+    ``utils/instantiate_utils.py`` imports Megatron-LM's ``megatron.training``, which has no
+    CPU-installable distribution; the real function's signature is checked statically below."""
+
+    def __init__(self):
+        self.prefixes = []
+
+    def register_allowed_target_prefix(self, prefix):
+        self.prefixes.append(prefix)
+
+
+@pytest.fixture
+def mp(tmp_path, monkeypatch):
+    return _load_bridge_mixed_precision(tmp_path, monkeypatch, "bridge_mixed_precision_under_test")
+
+
+@pytest.fixture
+def registered(mp):
+    allow = _AllowList()
+    added = bridge.register(mp, instantiate_module=allow)
+    return mp, added, allow
+
+
+def test_register_adds_every_recipe_with_bridges_decorator(registered):
+    mp, added, allow = registered
+    for name in RECIPES:
+        assert name in mp.MIXED_PRECISION_RECIPES
+        assert name in added
+    assert "fp8-blockwise" in mp.MIXED_PRECISION_RECIPES  # Bridge's hyphen alias
+    assert "bf16_mixed" in mp.MIXED_PRECISION_RECIPES  # Bridge's own recipes untouched
+    assert allow.prefixes == [bridge.TARGET_PREFIX]
+
+
+def test_register_is_idempotent(registered):
+    mp, _added, _allow = registered
+    assert bridge.register(mp, instantiate_module=_AllowList()) == []
+
+
+def test_a_name_taken_by_someone_else_is_refused(mp):
+    def fp8_blockwise():  # another package's recipe of the same name
+        return mp.bf16_mixed()
+
+    mp.register(fp8_blockwise)
+    with pytest.raises(RecipeRegistryError, match="defined twice"):
+        bridge.register(mp, instantiate_module=_AllowList())
+
+
+@pytest.mark.parametrize("alias", ["fp8_blockwise", "fp8-blockwise"])
+def test_get_mixed_precision_config_returns_our_fields(registered, alias):
+    mp = registered[0]
+    cfg = mp.get_mixed_precision_config(alias)
+    assert isinstance(cfg, mp.MixedPrecisionConfig)
+    assert (cfg.fp8, cfg.fp8_recipe, cfg.bf16) == ("e4m3", "blockwise", True)
+    assert cfg.params_dtype == torch.bfloat16 and cfg.fp8_param_gather is False
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_bridge_setup_pushes_our_fields_onto_real_configs(registered, name):
+    """Bridge's own finalize() + setup() onto megatron-core configs keeps every field, and the
+    resulting TransformerConfig passes megatron-core's validation."""
+    mp = registered[0]
+    spec = get_recipe(name)
+    cfg = mp.get_mixed_precision_config(name)
+    cfg.finalize()
+    model, optim, ddp = TransformerConfig(**MODEL), OptimizerConfig(), DistributedDataParallelConfig()
+    cfg.setup(model, optim, ddp)
+    want = bridge.mixed_precision_fields(spec).keys
+    for key, value in want.items():
+        if hasattr(model, key):
+            assert getattr(model, key) == value, key
+    assert model.fp8_param == spec.fp8_param and model.bf16 is True
+    assert optim.bf16 is True
+    assert ddp.fp8_param_gather == spec.fp8_param
+    dataclasses.replace(model)  # megatron-core's __post_init__ on the pushed values
+    if name == "mxfp8":
+        assert cfg.reuse_grad_buf_for_mxfp8_param_ag is True  # Bridge asserts it for MXFP8 + fp8 params
+
+
+def test_overridden_spec_builds_too(mp):
+    spec = get_recipe({"recipe": "fp8_blockwise", "bf16_layers": {"first": 1, "last": 2}})
+    cfg = bridge.mixed_precision_config(spec, mp_module=mp)
+    assert (cfg.first_last_layers_bf16, cfg.num_layers_at_start_in_bf16,
+            cfg.num_layers_at_end_in_bf16) == (True, 1, 2)
+
+
+def test_bridge_source_has_the_allow_list_function():
+    """Static check against the real instantiate_utils.py (it cannot be imported on CPU)."""
+    import tempfile
+    from pathlib import Path
+
+    path = upstream_file(WHEEL, "megatron/bridge/utils/instantiate_utils.py", Path(tempfile.mkdtemp()))
+    tree = ast.parse(path.read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
+              and n.name == "register_allowed_target_prefix")
+    assert [a.arg for a in fn.args.args] == ["prefix"]
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+def _apply(tmp_path, text, name="in.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return bridge.apply_file(path)
+
+
+BRIDGE_YAML = """\
+precision: fp8_blockwise
+mixed_precision: bf16_mixed
+model:
+  tensor_model_parallel_size: 2
+train:
+  train_iters: 100
+"""
+
+
+def _build_block(mp, block):
+    """Bridge's MixedPrecisionConfig from the YAML block, dtypes resolved as Bridge's
+    instantiate resolves ``{_target_: torch.bfloat16, _call_: false}``."""
+    fields = {k: (getattr(torch, v["_target_"].split(".")[1]) if isinstance(v, dict) else v)
+              for k, v in block.items() if k != "_target_"}
+    return mp.MixedPrecisionConfig(**fields)
+
+
+def test_apply_writes_the_mixed_precision_block(tmp_path, registered):
+    mp = registered[0]
+    result = _apply(tmp_path, BRIDGE_YAML)
+    out = result.data
+    assert "precision" not in out and out["train"] == {"train_iters": 100}
+    block = out["mixed_precision"]
+    assert block["_target_"] == bridge.MIXED_PRECISION_TARGET
+    assert any("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in w for w in result.warnings)
+    built = _build_block(mp, block)
+    reference = mp.get_mixed_precision_config("fp8_blockwise")
+    assert dataclasses.asdict(built) == dataclasses.asdict(reference)
+    assert _apply(tmp_path, yaml.safe_dump(out, sort_keys=False), "again.yaml").data == out
+
+
+def test_apply_expands_a_registered_name(tmp_path):
+    out = _apply(tmp_path, "mixed_precision: fp8_current\n").data
+    assert out["mixed_precision"]["fp8_recipe"] == "tensorwise"
+    assert out["mixed_precision"]["num_layers_at_end_in_bf16"] == 1
+
+
+def test_apply_fp16_base_is_kept(tmp_path):
+    block = _apply(tmp_path, "precision: mxfp8\nmixed_precision: fp16_mixed\n").data["mixed_precision"]
+    assert block["fp16"] is True and block["bf16"] is False and block["fp8_recipe"] == "mxfp8"
+
+
+@pytest.mark.parametrize("text,key", [
+    ("precision: fp8_blockwise\nmixed_precision: bf16_with_fp8_delayed_scaling_mixed\n",
+     "mixed_precision"),
+    ("precision: fp8_blockwise\nmixed_precision: {fp8: hybrid}\n", "mixed_precision.fp8"),
+    ("precision: fp8_blockwise\nmixed_precision: {fp4: e2m1}\n", "mixed_precision.fp4"),
+    ("fp8: {recipe: fp8_blockwise, margin: 1}\n", "fp8.margin"),
+])
+def test_apply_refuses_conflicts_and_dropped_settings(tmp_path, text, key):
+    with pytest.raises(FP8ConfigError) as err:
+        _apply(tmp_path, text)
+    assert err.value.key == key
+
+
+def test_native_keys_are_plain_data():
+    keys = bridge.native_keys(get_recipe("mxfp8")).keys
+    assert keys["mixed_precision"]["reuse_grad_buf_for_mxfp8_param_ag"] is True
+    yaml.safe_dump(keys)  # serialisable as is
