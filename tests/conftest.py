@@ -35,18 +35,14 @@ def _has_vllm() -> bool:
 collect_ignore = [] if _has_vllm() else ["vllm"]
 
 
-def shared_dir() -> Path:
-    """The workplace's shared folder (NeMo RL configs, HOSTS.md): ../shared beside the repo,
-    or $NEMO_FP8_SHARED."""
-    env = os.environ.get("NEMO_FP8_SHARED")
-    for candidate in ([Path(env)] if env else []) + [REPO.parent / "shared", REPO / "shared"]:
-        if (candidate / "data" / "nemo_rl").is_dir():
-            return candidate
-    raise RuntimeError("cannot find the shared folder with data/nemo_rl; set NEMO_FP8_SHARED")
+FIXTURES = REPO / "tests" / "fixtures"
 
 
 def nemo_rl_configs() -> Path:
-    return shared_dir() / "data" / "nemo_rl" / "examples" / "configs"
+    """NVIDIA's NeMo RL configs (Apache-2.0, unchanged copies with their LICENSE and NOTICE in
+    tests/fixtures/nemo_rl/): the BF16/FP8 twins the NeMo RL acceptance is checked against.
+    Tests read them in place and never modify them."""
+    return FIXTURES / "nemo_rl" / "examples" / "configs"
 
 
 UPSTREAM = REPO / ".cache" / "upstream"
@@ -79,3 +75,13 @@ def load_te_recipe_module(dest: Path, name: str = "te_recipe_under_test"):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def megatron_cpu():
+    """megatron-core's process group and model-parallel state, set up for CPU (HOSTS.md), once
+    per session: the same helper `nemo-fp8 demo` uses."""
+    from nemo_fp8_plugin.demo.model import init_megatron_cpu
+
+    init_megatron_cpu()
+

@@ -17,8 +17,8 @@ import yaml
 
 from conftest import IN_CI
 
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+import safetensors.torch as safetensors_torch
+import torch
 
 from nemo_fp8_plugin import FP8ConfigError  # noqa: E402
 from nemo_fp8_plugin.analyze import (analyze_checkpoint, render_text,  # noqa: E402

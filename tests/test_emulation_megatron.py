@@ -7,7 +7,6 @@ Uses megatron-core 0.16.1 as installed: a one-rank gloo group, ``initialize_mode
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -18,25 +17,13 @@ from nemo_fp8_plugin.numerics import (LayerEmulator, convert_to_fp8_emulation, e
                                       revert_fp8_emulation)
 from nemo_fp8_plugin import get_recipe
 
-megatron_core = pytest.importorskip("megatron.core")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import megatron.core as megatron_core  # noqa: E402 - a real host; missing it is a failure
 
 
 @pytest.fixture(scope="module")
-def megatron_env():
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+def megatron_env(megatron_cpu):
+    from megatron.core import tensor_parallel
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     with fused_mode(False):
         yield

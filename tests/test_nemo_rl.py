@@ -3,7 +3,7 @@
 Acceptance, pair by pair (issue 6): the BF16 file plus one FP8 line must resolve to exactly
 the FP8 twin's values of the FP8 keys, and to the BF16 file's value of every other key.
 Inputs are written to a temp dir whose `defaults:` points at the real, read-only parent
-chain in ../shared/data/nemo_rl; the shared files are never modified.
+chain in tests/fixtures/nemo_rl; the shared files are never modified.
 
 NeMo RL itself cannot be installed (HOSTS.md), so outputs are resolved the way its
 `nemo_rl/utils/config.py::load_config_with_inheritance` does it, with the real OmegaConf:

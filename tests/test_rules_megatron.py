@@ -12,36 +12,22 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import socket
 
 import pytest
 
-torch = pytest.importorskip("torch")
-megatron_core = pytest.importorskip("megatron.core")
+import megatron.core as megatron_core
+import torch
 
 from nemo_fp8_plugin import get_recipe  # noqa: E402
 from nemo_fp8_plugin.rules import (builtin_high_precision, from_transformer_config,  # noqa: E402
                                    resolve, to_megatron)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def megatron_env():
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+def megatron_env(megatron_cpu):
+    from megatron.core import tensor_parallel
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    yield
 
 
 def _config(**kw):

@@ -140,10 +140,39 @@ def _convert(model, arm: str, spec, num_layers: int):
     return len(linear_names) - fp8, len(linear_names)
 
 
+class StopRequest:
+    """Ctrl-C as a request: the first SIGINT asks the training loop to stop after the step
+    in flight (so no file is ever being written when it lands); a second one interrupts
+    at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> "StopRequest":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def run_arm(result: ArmResult, spec, gpt, train: TrainSettings, data, *,
-            progress: bool = True) -> ArmResult:
-    """Train one arm from the shared seed into ``result`` (which keeps what was done if
-    Ctrl-C interrupts)."""
+            progress: bool = True, stop: StopRequest | None = None) -> ArmResult:
+    """Train one arm from the shared seed into ``result``; returns early (``completed``
+    false) when ``stop`` is requested."""
     import torch
 
     from .model import build_gpt
@@ -165,6 +194,8 @@ def run_arm(result: ArmResult, spec, gpt, train: TrainSettings, data, *,
     try:
         model.train()
         for step, batch in enumerate(data.train_batches(train.steps)):
+            if stop is not None and stop.requested:
+                return result
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, train)
             t0 = time.perf_counter()
@@ -246,6 +277,16 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult]) -> list[Path]:
     """``results.json`` and ``loss_curves.png`` in ``out_dir``, each written atomically."""
     import json
@@ -254,15 +295,7 @@ def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [atomic_write_text(out_dir / "results.json", json.dumps(report, indent=2) + "\n")]
-    try:
-        import io
-
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return written
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for r in results:
         if not r.losses:
@@ -278,6 +311,8 @@ def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult
     ax.set_title("megatron-core GPT on CPU: BF16 vs FP8 recipes (emulated)")
     ax.grid(alpha=0.3)
     ax.legend()
+    import io
+
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
     plt.close(fig)
@@ -290,8 +325,8 @@ def run_demo(config: str | Path | None = None, *, recipes: list[str] | None = No
              progress: bool = True, log=print) -> dict[str, Any]:
     """Train the BF16 arm and one arm per recipe; write the JSON and PNG; return the report.
 
-    Ctrl-C stops the arm in flight; what ran so far is written and returned with
-    ``interrupted: true``.
+    Ctrl-C stops the arm in flight after its current step; what ran so far is written and
+    returned with ``interrupted: true``.
     """
     import dataclasses
 
@@ -328,14 +363,20 @@ def run_demo(config: str | Path | None = None, *, recipes: list[str] | None = No
                       rows=summarize(results), curves={r.name: r.losses for r in results})
         return write_outputs(out_dir, report, results)
 
-    try:
-        for name, spec in arms:
-            result = ArmResult(name=name)
-            results.append(result)
-            run_arm(result, spec, gpt, train, data, progress=progress)
-            snapshot()  # a later crash or Ctrl-C still leaves every finished arm on disk
-    except KeyboardInterrupt:
-        interrupted = True
+    _pyplot()  # import before training: a Ctrl-C or a missing package must not strike mid-write
+
+    with StopRequest() as stop:
+        try:
+            for name, spec in arms:
+                result = ArmResult(name=name)
+                results.append(result)
+                run_arm(result, spec, gpt, train, data, progress=progress, stop=stop)
+                if stop.requested:
+                    break
+                snapshot()  # a crash later still leaves every finished arm on disk
+        except KeyboardInterrupt:  # a second Ctrl-C
+            pass
+        interrupted = stop.requested
     written = snapshot()
     log("")
     log(render_table(report["rows"]))

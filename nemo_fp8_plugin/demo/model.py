@@ -15,7 +15,6 @@ would.
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 
@@ -49,18 +48,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_megatron_cpu(seed: int) -> None:
-    """A one-rank gloo process group and megatron-core's model-parallel state (TP=PP=1)."""
+def init_megatron_cpu() -> None:
+    """A one-rank gloo process group, megatron-core's model-parallel state (TP=PP=1) and its
+    RNG tracker, set up the CPU way. Safe to call again."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(seed)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
@@ -90,7 +88,8 @@ def build_gpt(settings: GPTSettings, seed: int):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    init_megatron_cpu(seed)
+    init_megatron_cpu()
+    torch.manual_seed(seed)
     config = TransformerConfig(
         num_layers=settings.num_layers, hidden_size=settings.hidden_size,
         ffn_hidden_size=settings.ffn_hidden_size, num_attention_heads=settings.num_attention_heads,

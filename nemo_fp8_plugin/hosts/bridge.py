@@ -44,8 +44,8 @@ from ..config import find_fp8_request, load_config
 from ..errors import FP8ConfigError, RecipeRegistryError, format_value
 from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
-from .megatron import (dropped_settings, merge_native, model_for_rules, remove_request_keys,
-                       transformer_config_fields)
+from .megatron import (dropped_settings, merge_native, model_for_rules, precision_config_fields,
+                       remove_request_keys)
 
 __all__ = ["MIXED_PRECISION_TARGET", "TARGET_PREFIX", "mixed_precision_fields", "native_keys",
            "mixed_precision_config", "register", "apply_config", "apply_file"]
@@ -75,25 +75,10 @@ def base_fields(kind: str = "bf16") -> dict[str, Any]:
 
 _BASE_NAMES = {"bf16_mixed": "bf16", "bf16-mixed": "bf16", "fp16_mixed": "fp16", "fp16-mixed": "fp16"}
 
-_FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
-               "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention",
-               "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
-
-
 def mixed_precision_fields(spec: RecipeSpec, model=None) -> HostKeys:
     """Bridge ``MixedPrecisionConfig`` FP8 fields for ``spec`` (plain data), plus
     ``quant_recipe`` (for ``model.quant_recipe``) when per-module rules need one."""
-    if spec.training != "fp8":
-        return HostKeys(keys={}, warnings=["bridge: training: bf16 in this recipe, so "
-                                           "mixed_precision gets no FP8 fields"])
-    mc = transformer_config_fields(spec, model)
-    keys = {k: mc.keys[k] for k in _FP8_FIELDS}
-    keys["fp8_param_gather"] = spec.fp8_param
-    keys["reuse_grad_buf_for_mxfp8_param_ag"] = spec.scaling == "mx" and spec.fp8_param
-    if "quant_recipe" in mc.keys:
-        keys["quant_recipe"] = mc.keys["quant_recipe"]
-    warnings = [w.replace("megatron:", "bridge:", 1) for w in mc.warnings]
-    return HostKeys(keys=keys, warnings=warnings, env=dict(mc.env))
+    return precision_config_fields(spec, model, host="bridge")
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:

@@ -50,10 +50,11 @@ from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
 from .te import required_env
 
-__all__ = ["FP8_RECIPE", "FP8_FIELDS", "BF16_FIELDS", "dropped_settings", "transformer_config_fields",
+__all__ = ["FP8_RECIPE", "FP8_FIELDS", "BF16_FIELDS", "PRECISION_CONFIG_FP8_FIELDS",
+           "dropped_settings", "transformer_config_fields", "precision_config_fields",
            "native_keys", "build_transformer_config", "apply_to_transformer_config",
-           "quant_recipe_object", "bf16_quant_recipe", "bf16_patterns", "apply_config", "apply_file", "section_path", "model_for_rules",
-           "merge_native", "remove_request_keys"]
+           "quant_recipe_object", "bf16_quant_recipe", "bf16_patterns", "apply_config",
+           "apply_file", "section_path", "model_for_rules", "merge_native", "remove_request_keys"]
 
 FP8_RECIPE = {"delayed": "delayed", "tensorwise": "tensorwise", "block": "blockwise", "mx": "mxfp8"}
 """Spec ``scaling`` -> megatron-core ``fp8_recipe``."""
@@ -170,6 +171,32 @@ def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
     warnings = [f"megatron: {key}: {reason}; dropped" for key, reason in dropped_settings(spec)]
     warnings += list(rules.warnings)
     return HostKeys(keys=keys, warnings=warnings, env=required_env(spec))
+
+
+
+PRECISION_CONFIG_FP8_FIELDS = (
+    "fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
+    "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention",
+    "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+"""FP8 fields that NeMo 2's ``MegatronMixedPrecision`` and Megatron-Bridge's
+``MixedPrecisionConfig`` both carry under the TransformerConfig's names (both copy them onto
+the model config at setup)."""
+
+
+def precision_config_fields(spec: RecipeSpec, model=None, *, host: str) -> HostKeys:
+    """The FP8 fields of a NeMo 2 / Megatron-Bridge precision config for ``spec``, plus
+    ``quant_recipe`` when per-module rules need one; warnings are labelled with ``host``."""
+    if spec.training != "fp8":
+        return HostKeys(keys={}, warnings=[f"{host}: training: bf16 in this recipe, so its "
+                                           "precision config gets no FP8 fields"])
+    mc = transformer_config_fields(spec, model)
+    keys = {k: mc.keys[k] for k in PRECISION_CONFIG_FP8_FIELDS if k in mc.keys}
+    keys["fp8_param_gather"] = spec.fp8_param
+    keys["reuse_grad_buf_for_mxfp8_param_ag"] = spec.scaling == "mx" and spec.fp8_param
+    if "quant_recipe" in mc.keys:
+        keys["quant_recipe"] = mc.keys["quant_recipe"]
+    warnings = [w.replace("megatron:", f"{host}:", 1) for w in mc.warnings]
+    return HostKeys(keys=keys, warnings=warnings, env=dict(mc.env))
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:

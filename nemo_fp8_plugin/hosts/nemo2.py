@@ -45,8 +45,8 @@ from ..config import find_fp8_request, load_config
 from ..errors import FP8ConfigError, format_value
 from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
-from .megatron import (dropped_settings, merge_native, model_for_rules, remove_request_keys,
-                       transformer_config_fields)
+from .megatron import (dropped_settings, merge_native, model_for_rules, precision_config_fields,
+                       remove_request_keys)
 
 __all__ = ["PLUGIN_TARGET", "CALLBACK_TARGET", "plugin_fields", "native_keys", "plugin_config",
            "callback_config", "add_fp8_to_recipe", "apply_config", "apply_file", "BF16_MIXED"]
@@ -77,26 +77,10 @@ plugin yet. Dtypes are import paths: NeMo-Run's YAML loader resolves ``torch.bfl
 the dtype, while the ``{_target_: torch.bfloat16, _call_: false}`` form its ``--to-yaml``
 writes cannot be loaded back."""
 
-_PLUGIN_FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len",
-                      "fp8_amax_compute_algo", "fp8_wgrad", "fp8_dot_product_attention",
-                      "fp8_multi_head_attention", "first_last_layers_bf16",
-                      "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
-
-
 def plugin_fields(spec: RecipeSpec, model=None) -> HostKeys:
     """``MegatronMixedPrecision`` FP8 arguments for ``spec`` (plain data), plus
     ``quant_recipe`` (for ``model.config``) when per-module rules need one."""
-    mc = transformer_config_fields(spec, model)
-    if spec.training != "fp8":
-        return HostKeys(keys={}, warnings=["nemo2: training: bf16 in this recipe, so the "
-                                           "precision plugin gets no FP8 arguments"])
-    keys = {k: mc.keys[k] for k in _PLUGIN_FP8_FIELDS if k in mc.keys}
-    keys["fp8_param_gather"] = spec.fp8_param
-    keys["reuse_grad_buf_for_mxfp8_param_ag"] = spec.scaling == "mx" and spec.fp8_param
-    warnings = [w.replace("megatron:", "nemo2:", 1) for w in mc.warnings]
-    if "quant_recipe" in mc.keys:
-        keys["quant_recipe"] = mc.keys["quant_recipe"]
-    return HostKeys(keys=keys, warnings=warnings, env=dict(mc.env))
+    return precision_config_fields(spec, model, host="nemo2")
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
