@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -16,8 +17,17 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     so a crash or Ctrl-C never leaves a half-written file behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory, expected a file path", str(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates 0600; the result should look like any file the user writes
+        # (umask applied), or keep the mode of the file it replaces.
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -30,6 +40,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             pass
         raise
     return path
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

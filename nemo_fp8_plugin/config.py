@@ -150,6 +150,24 @@ def _precision_recipe(value: Any, key: str) -> str | None:
     raise reg.unknown(value, key=key)
 
 
+def _bridge_recipe(value: str, reg) -> str | None:
+    """The recipe a Megatron-Bridge ``mixed_precision:`` value names, None for Bridge's own.
+
+    Bridge's registry answers to ``fp8_blockwise`` and to its hyphenated alias
+    ``fp8-blockwise`` (its ``register`` adds both). Bridge's own presets all start with
+    ``bf16``/``fp16`` or a model family; a value that starts like ours (``fp8...``,
+    ``mxfp8...``) and is close to one of our names is a typo that Bridge would only report
+    when the run starts, so it is reported now.
+    """
+    for name in (value, value.replace("-", "_")):
+        if name in reg:
+            return name
+    squashed = value.replace("-", "_").lower()
+    if squashed.startswith(("fp8", "mxfp8")) and suggest(squashed, reg.names()) is not None:
+        raise reg.unknown(value, key="mixed_precision")
+    return None
+
+
 def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) -> FP8Request | None:
     """The FP8 recipe a config asks for, or None when it asks for none.
 
@@ -165,8 +183,10 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
         if name is not None:
             named.append((".".join(path), name))
     bridge_value = get_path(config, _BRIDGE_KEY)
-    if isinstance(bridge_value, str) and bridge_value in reg:
-        named.append(("mixed_precision", bridge_value))
+    if isinstance(bridge_value, str):
+        bridge_name = _bridge_recipe(bridge_value, reg)
+        if bridge_name is not None:
+            named.append(("mixed_precision", bridge_name))
 
     block = config.get("fp8")
     overrides: dict[str, Any] = {}
@@ -215,7 +235,17 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
     if hardware is not None:
         overrides["hardware"] = normalize_hardware(hardware, key="--hardware")
     if overrides:
-        spec = spec.with_overrides(overrides, prefix="fp8")
+        try:
+            spec = spec.with_overrides(overrides, prefix="fp8")
+        except FP8ConfigError as err:
+            # A hardware finding comes from the command line unless the fp8 block said it.
+            from_flag = hardware is not None and (err.key or "").endswith("hardware") \
+                and not (isinstance(block, Mapping) and "hardware" in block
+                         and block["hardware"] == hardware)
+            if not from_flag:
+                raise
+            raise FP8ConfigError(err.bare_message, key="--hardware", value=hardware,
+                                 hint=err.hint) from None
     keys = tuple(dict.fromkeys(k.split(".recipe")[0] for k, _ in named))
     if block is not None and "fp8" not in keys:
         keys = keys + ("fp8",)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FP8ConfigError", "RecipeRegistryError", "HostUnavailableError", "format_value", "suggest"]
+__all__ = ["FP8ConfigError", "RecipeRegistryError", "HostUnavailableError", "ConflictingKeyError",
+           "format_value", "suggest"]
 
 
 def format_value(value: Any, limit: int = 80) -> str:
@@ -75,3 +76,9 @@ class RecipeRegistryError(FP8ConfigError):
 
 class HostUnavailableError(FP8ConfigError):
     """A host package (megatron-core, NeMo, vLLM, Transformer Engine) is needed but absent."""
+
+
+class ConflictingKeyError(FP8ConfigError):
+    """A host's native FP8 key, already in the config, contradicts the requested recipe
+    (``trainer.plugins.fp8: hybrid`` next to ``precision: fp8_blockwise``). ``apply`` raises
+    it while writing; ``explain`` asks every host's ``apply`` and reports it up front."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import FP8Request, resolve_config
-from .errors import FP8ConfigError
+from .errors import ConflictingKeyError, FP8ConfigError
 from .registry import default_registry
 
 __all__ = ["build_report", "render_text"]
@@ -34,8 +34,11 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
     if description is not None:
         report["model"] = description.name
         report["model_description"] = description.summary()
-        report["warnings"] += [f"{f.key}: {f.message}" for f in request.spec.check_dims(
-            description.dims())]
+        for finding in request.spec.check_dims(description.dims()):
+            if finding.level == "error":  # MXFP8 cannot run on a partial 32-element block
+                raise FP8ConfigError(finding.message, key=finding.key,
+                                     hint=f"recipe {request.spec.name!r} on model {description.name}")
+            report["warnings"].append(f"{finding.key}: {finding.message}")
         try:
             layers, rule_warnings, notes = _layers_section(request.spec, description)
         except FP8ConfigError as err:  # rules contradicting the model: name the config key
@@ -45,6 +48,7 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
         if notes:
             report["notes"] = notes
     report["hosts"] = _hosts_section(request, model=description)
+    _refuse_native_conflicts(Path(path), hardware)
     if strict:
         _raise_strict(report)
     return report
@@ -119,6 +123,26 @@ def _raise_strict(report: dict[str, Any]) -> None:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise FP8ConfigError(found[0] + more, key="--strict",
                              hint="fix the rules, or drop --strict to see every warning")
+
+
+def _refuse_native_conflicts(path: Path, hardware: str | None) -> None:
+    """A native FP8 key already in the config that contradicts the recipe (``trainer.plugins.fp8:
+    hybrid`` next to ``precision: fp8_blockwise``) is an error now, as ``apply`` would make it.
+
+    Each host's ``apply`` holds the knowledge of its own keys, so it is asked; only its
+    :class:`ConflictingKeyError` counts. Its other refusals say the config is not for that
+    host, which is no contradiction.
+    """
+    from .hosts import HOSTS, host_module
+
+    for name in HOSTS:
+        try:
+            host_module(name).apply_file(path, hardware=hardware)
+        except ConflictingKeyError as err:
+            raise ConflictingKeyError(f"{err.bare_message} (host {name})", key=err.key,
+                                      value=err.value, hint=err.hint) from None
+        except FP8ConfigError:
+            pass  # not this host's config (a training config given to the NeMo RL adapter)
 
 
 def _hosts_section(request: FP8Request, model=None) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 Parts, each reported with ``status`` ``ok``, ``failed`` or ``skipped`` (and why):
 
 a. ``quantizers``: our quantizers on the device (eager and compiled) are bit-exact with
-   the CPU reference for every registered recipe, role, input dtype and a set of edge tiles.
+   the CPU reference for every registered recipe, role, input dtype and a set of edge tiles;
+   so is the emulation's fake-quantization (``fake_quant_*``, listed under ``fake_quant``)
+   against the CPU reference's ``dequantize(quantize(x))``, for the same cases plus the
+   column-wise tiles the emulation also uses.
 b. ``gemm``: FP8 GEMM throughput vs BF16 at M=N=K=4096 and 8192 through torch's own
    ``scaled_mm`` (tensor-wise, row-wise, 1x128 x 128x128 and 1x128 x 1x128 block scales where
    the installed torch and GPU support them), as ratios to the BF16 rate measured in the
@@ -103,12 +106,23 @@ def _qtensor_equal(a, b) -> bool:
     return same_data and torch.equal(sa, sb)
 
 
+def _fp32_differing(want: torch.Tensor, got: torch.Tensor) -> int:
+    """How many elements of two fp32 tensors differ bitwise (all of them if shape or dtype
+    differ). NaN matches any NaN: GPUs return a canonical NaN from arithmetic, so a
+    dequantized NaN's payload is not part of the contract."""
+    want, got = want.cpu(), got.cpu()
+    if want.shape != got.shape or want.dtype != got.dtype or got.dtype != torch.float32:
+        return max(want.numel(), 1)
+    both_nan = torch.isnan(want) & torch.isnan(got)
+    return int(((want.view(torch.int32) != got.view(torch.int32)) & ~both_nan).sum())
+
+
 def check_quantizers(device: torch.device, *, quick: bool = False) -> dict[str, Any]:
     from . import numerics
     from .registry import list_recipes
 
     rows, cols = (256, 512) if quick else (512, 1024)
-    results, mismatches = [], []
+    results, mismatches, fake_quant = [], [], []
     for spec in list_recipes():
         for role in ("input", "weight", "grad_output"):
             block, fmt = spec.block_for(role), spec.format_for(role)
@@ -123,14 +137,90 @@ def check_quantizers(device: torch.device, *, quick: bool = False) -> dict[str, 
                         results.append(row)
                         if not ok:
                             mismatches.append(row)
+                    for row in _check_fake_quant(numerics, spec, block, fmt, x, device):
+                        row.update(recipe=spec.name, role=role, dtype=str(dtype).split(".")[-1],
+                                   case=case)
+                        fake_quant.append(row)
+                        if not row["bit_exact"]:
+                            mismatches.append(row)
     delayed = [s for s in list_recipes() if s.scaling == "delayed"]
     if delayed:
         row = _check_delayed(numerics, delayed[0], device)
         results.append(row)
         if not row["bit_exact"]:
             mismatches.append(row)
-    return {"status": "ok" if not mismatches else "failed", "checked": len(results),
-            "mismatches": mismatches[:20], "compile_failed": numerics.compile_failed()}
+    return {"status": "ok" if not mismatches else "failed",
+            "checked": len(results) + len(fake_quant), "mismatches": mismatches[:20],
+            "fake_quant": fake_quant, "compile_failed": numerics.compile_failed()}
+
+
+def _fake_quant_variants(numerics, spec, block, fmt, x: torch.Tensor):
+    """``(function name, tile, reference on CPU, device call)`` for each way the emulation
+    fake-quantizes this role. The device call takes the device tensor and returns a tuple
+    of fp32 tensors (the delayed cast also returns its amax, which feeds the next scale)."""
+    from .numerics import fused
+    from .numerics.scaling import FLT_MAX, reciprocal
+
+    if spec.scaling == "delayed":
+        # A scale from a smaller (stale) amax, as delayed scaling has after a growth step,
+        # so the clamp to +-fp8_max is exercised along with the rounding.
+        stale = numerics.tensor_amax(x) * 0.5
+        scale = numerics.scale_from_amax(stale, numerics.fp8_max(fmt), pow2=False, eps=0.0,
+                                         value_for_inf=FLT_MAX)
+        scale_inv = reciprocal(scale)
+
+        def ref(t):
+            q = numerics.quantize_with_scale(t, scale, fmt, scale_inv=scale_inv)
+            return q.dequantize(), numerics.tensor_amax(t)
+
+        def run(t):
+            return tuple(fused.fake_quant_with_scale(t, scale.to(t.device),
+                                                     scale_inv.to(t.device), fmt, force=True))
+        return [("fake_quant_with_scale", None, ref, run)]
+    if spec.scaling == "tensorwise":
+        return [("fake_quant_per_tensor", None,
+                 lambda t: (numerics.quantize_per_tensor(t, fmt=fmt, pow2_scales=spec.pow2_scales,
+                                                         eps=spec.amax_epsilon).dequantize(),),
+                 lambda t: (fused.fake_quant_per_tensor(t, fmt, spec.pow2_scales,
+                                                        spec.amax_epsilon, force=True),))]
+    # Non-square tiles are also quantized column-wise, as Nx1 tiles of the same tensor
+    # (RoleQuantizer.columnwise); that is a different reduction layout for the compiler.
+    tiles = [tuple(block)] + ([(block[1], block[0])] if block[0] != block[1] else [])
+    out = []
+    for tile in tiles:
+        if spec.scaling == "block":
+            out.append(("fake_quant_blockwise", tile,
+                        lambda t, tile=tile: (numerics.quantize_blockwise(
+                            t, block=tile, fmt=fmt, pow2_scales=spec.pow2_scales,
+                            eps=spec.amax_epsilon).dequantize(),),
+                        lambda t, tile=tile: (fused.fake_quant_blockwise(
+                            t, tile, fmt, spec.pow2_scales, spec.amax_epsilon, force=True),)))
+        else:
+            out.append(("fake_quant_mxfp8", tile,
+                        lambda t, tile=tile: (numerics.quantize_mxfp8(
+                            t, block=tile, fmt=fmt).dequantize(),),
+                        lambda t, tile=tile: (fused.fake_quant_mxfp8(t, tile, fmt, force=True),)))
+    return out
+
+
+def _check_fake_quant(numerics, spec, block, fmt, x: torch.Tensor, device) -> list[dict]:
+    """The emulation's fake-quantization on the device vs the CPU reference's
+    ``dequantize(quantize(x))``: its rounding is float arithmetic (a Veltkamp split), whose
+    exactness a compiler's FMA contraction or reassociation would break."""
+    rows = []
+    xd = x.to(device)
+    for name, tile, ref_fn, run_fn in _fake_quant_variants(numerics, spec, block, fmt, x):
+        want = ref_fn(x)
+        for fused in (False, True):
+            if fused:
+                got = run_fn(xd)
+            else:
+                with numerics.fused_mode(False):
+                    got = run_fn(xd)
+            differing = sum(_fp32_differing(w, g) for w, g in zip(want, got))
+            rows.append({"fn": name, "tile": list(tile) if tile else None, "fmt": fmt,
+                         "fused": fused, "bit_exact": differing == 0, "differing": differing})
+    return rows
 
 
 def _quantize(numerics, spec, block, fmt, x, *, fused: bool):
@@ -141,7 +231,7 @@ def _quantize(numerics, spec, block, fmt, x, *, fused: bool):
         fn = numerics.quantize_blockwise_fused if fused else numerics.quantize_blockwise
         return fn(x, block=block, fmt=fmt, pow2_scales=spec.pow2_scales, eps=spec.amax_epsilon)
     fn = numerics.quantize_mxfp8_fused if fused else numerics.quantize_mxfp8
-    return fn(x, block=block[1], fmt=fmt)
+    return fn(x, block=tuple(block), fmt=fmt)
 
 
 def _check_delayed(numerics, spec, device) -> dict[str, Any]:

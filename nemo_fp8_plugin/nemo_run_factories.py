@@ -12,7 +12,11 @@ installed, and without any import by the user:
   (NeMo-Run resolves short names in a ``Union``-typed field such as ``trainer.plugins`` only
   by import path; the factories are also registered under the plugin type, so
   ``run.cli.resolve_factory(MegatronMixedPrecision, "fp8_blockwise")`` finds them.)
-  ``<recipe>_callback`` is the matching start-of-training check and scale refresh::
+  The plugin is NeMo's own ``MegatronMixedPrecision``, built in the training process without
+  code of this package, and the factory itself runs in the launcher: neither can check the
+  Transformer Engine variable of the training process, and the factory logs a warning saying
+  so (:func:`nemo_fp8_plugin.hosts.nemo2.plugin_only_warning`). ``<recipe>_callback`` is the
+  matching start-of-training check and scale refresh::
 
       trainer.callbacks=[nemo_fp8_plugin.nemo_run_factories.fp8_blockwise_callback]
 
@@ -55,10 +59,14 @@ def plugin_factory(name: str) -> Callable[[], Any]:
     """A zero-argument factory returning ``run.Config[MegatronMixedPrecision]`` for recipe ``name``."""
 
     def factory():
-        from .hosts.nemo2 import plugin_config  # noqa: PLC0415
+        from .hosts.nemo2 import plugin_config, plugin_only_warning  # noqa: PLC0415
         from .registry import get_recipe  # noqa: PLC0415
 
-        return plugin_config(get_recipe(name))
+        spec = get_recipe(name)
+        warning = plugin_only_warning(spec)
+        if warning:
+            logger.warning("%s", warning)
+        return plugin_config(spec)
 
     factory.__name__ = factory.__qualname__ = name
     factory.__module__ = __name__

@@ -49,7 +49,25 @@ def _safe_loader():
         base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
         class Loader(base):  # type: ignore[misc, valid-type]
-            pass
+            def construct_mapping(self, node, deep=False):
+                # PyYAML keeps the last of two equal keys; a config that says `precision:`
+                # twice is a mistake to report, not a choice to make silently.
+                if isinstance(node, yaml.MappingNode):
+                    seen: dict = {}
+                    for key_node, _ in node.value:
+                        if key_node.tag == "tag:yaml.org,2002:merge":
+                            continue
+                        key = self.construct_object(key_node, deep=True)
+                        try:
+                            first = seen.setdefault(key, key_node)
+                        except TypeError:  # an unhashable key; the base class reports it
+                            continue
+                        if first is not key_node:
+                            raise yaml.constructor.ConstructorError(
+                                "while constructing a mapping", node.start_mark,
+                                f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
+                                key_node.start_mark)
+                return super().construct_mapping(node, deep=deep)
 
         Loader.yaml_implicit_resolvers = {k: list(v) for k, v in base.yaml_implicit_resolvers.items()}
         Loader.add_implicit_resolver(

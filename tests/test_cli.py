@@ -119,3 +119,104 @@ def test_example_configs_explain():
     for path in sorted((REPO / "conf" / "examples").glob("*.yaml")):
         out = cli("explain", path, "--json")
         assert out.returncode == 0, (path, out.stderr)
+
+
+# --------------------------------------------------------------------------- review findings
+
+
+def assert_one_line_error(out, *needles):
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if ": error: " in ln]
+    assert len(errors) == 1, out.stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+
+
+def test_apply_to_a_directory_is_a_user_error_and_writes_nothing(tmp_path):
+    config = write(tmp_path, "precision: fp8_blockwise\nmodel: {num_layers: 4, hidden_size: 256}\n")
+    target = tmp_path / "out"
+    target.mkdir()
+    out = cli("apply", config, "--host", "megatron", "-o", target)
+    assert_one_line_error(out, str(target), "directory")
+    assert list(target.iterdir()) == []
+
+
+def test_apply_output_file_gets_the_users_umask_not_0600(tmp_path):
+    import os
+
+    config = write(tmp_path, "precision: fp8_blockwise\nmodel: {num_layers: 4, hidden_size: 256}\n")
+    target = tmp_path / "out.yaml"
+    old = os.umask(0o022)
+    try:
+        out = cli("apply", config, "--host", "megatron", "-o", target)
+    finally:
+        os.umask(old)
+    assert out.returncode == 0, out.stderr
+    assert target.stat().st_mode & 0o777 == 0o644
+    target.chmod(0o640)  # rewriting keeps the file's own mode
+    assert cli("apply", config, "--host", "megatron", "-o", target).returncode == 0
+    assert target.stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("text, key", [
+    ("precision: fp8_blockwise\ntrainer:\n  plugins:\n"
+     "    _target_: nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision\n"
+     "    precision: bf16-mixed\n    fp8: hybrid\n", "trainer.plugins.fp8"),
+    ("precision: fp8_blockwise\nmodel: {num_layers: 4, hidden_size: 256, fp8_recipe: delayed}\n",
+     "model.fp8_recipe"),
+    ("precision: fp8_blockwise\nmixed_precision: bf16_with_fp8_delayed_scaling_mixed\n",
+     "mixed_precision"),
+])
+def test_explain_refuses_native_keys_that_contradict_the_recipe(tmp_path, text, key):
+    assert_one_line_error(cli("explain", write(tmp_path, text)), f"{key}:")
+
+
+def test_explain_accepts_apply_output_unchanged(tmp_path):
+    config = write(tmp_path, "precision: fp8_blockwise\nmodel: {num_layers: 4, hidden_size: 256}\n")
+    applied = tmp_path / "applied.yaml"
+    assert cli("apply", config, "--host", "megatron", "-o", applied).returncode == 0
+    out = cli("explain", applied)
+    assert out.returncode == 0, out.stderr
+
+
+def test_duplicate_keys_are_refused_with_both_lines(tmp_path):
+    out = cli("explain", write(tmp_path, "precision: fp8_blockwise\nseed: 1\nprecision: mxfp8\n"))
+    assert_one_line_error(out, "duplicate key 'precision'", "line 1", "line 3")
+
+
+def test_mxfp8_on_a_model_with_partial_32_blocks_is_an_error(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                               "num_hidden_layers": 4, "hidden_size": 1000,
+                               "intermediate_size": 3000, "num_attention_heads": 8,
+                               "num_key_value_heads": 4, "vocab_size": 1000}))
+    out = cli("explain", write(tmp_path, "precision: mxfp8\n"), "--model-config", cfg)
+    assert_one_line_error(out, "model.hidden_size", "1000", "32")
+    # block scaling only warns: partial 128-tiles work, at a cost
+    out = cli("explain", write(tmp_path, "precision: fp8_blockwise\n"), "--model-config", cfg)
+    assert out.returncode == 0 and "not a multiple of 128" in out.stdout, out.stderr
+
+
+def test_bridge_hyphenated_alias_and_typos(tmp_path):
+    out = cli("explain", write(tmp_path, "mixed_precision: fp8-blockwise\n"), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["recipe"]["name"] == "fp8_blockwise"
+    assert_one_line_error(cli("explain", write(tmp_path, "mixed_precision: fp8_blockwize\n")),
+                          "mixed_precision:", "did you mean 'fp8_blockwise'")
+    # Bridge's own presets are Bridge's business
+    out = cli("explain", write(tmp_path, "mixed_precision: bf16_with_fp8_current_scaling_mixed\n"))
+    assert out.returncode == 0 and "no FP8 recipe requested" in out.stdout
+
+
+def test_hardware_flag_is_blamed_as_the_flag(tmp_path):
+    out = cli("explain", write(tmp_path, "precision: mxfp8\n"), "--hardware", "h100")
+    assert_one_line_error(out, "--hardware:", "Blackwell")
+    out = cli("explain", write(tmp_path, "fp8: {recipe: mxfp8, hardware: h100}\n"))
+    assert_one_line_error(out, "fp8.hardware:")
+
+
+def test_host_accepts_the_package_spelling_of_nemo_rl():
+    config = REPO / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
+    a, b = cli("apply", config, "--host", "nemo_rl"), cli("apply", config, "--host", "nemo-rl")
+    assert a.returncode == 0 and a.stdout == b.stdout, a.stderr

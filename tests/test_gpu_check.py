@@ -30,6 +30,17 @@ def test_cpu_logic_run_through_the_script(tmp_path):
     parts = report["parts"]
     assert set(parts) == set(gpu_check.PARTS)
     assert parts["quantizers"]["status"] == "ok" and parts["quantizers"]["checked"] > 100
+    fake_quant = parts["quantizers"]["fake_quant"]
+    assert fake_quant and all(row["bit_exact"] and row["differing"] == 0 for row in fake_quant)
+    # every way the emulation fake-quantizes, eager and compiled, row- and column-wise
+    assert {row["fn"] for row in fake_quant} == {
+        "fake_quant_blockwise", "fake_quant_mxfp8", "fake_quant_per_tensor",
+        "fake_quant_with_scale"}
+    assert {row["fused"] for row in fake_quant} == {False, True}
+    assert {row["case"] for row in fake_quant} == {"random", "edges"}
+    tiles = {tuple(row["tile"]) for row in fake_quant if row["tile"]}
+    assert {(1, 128), (128, 1), (128, 128), (1, 32), (32, 1)} <= tiles
+    assert {row["fmt"] for row in fake_quant} == {"e4m3", "e5m2"}
     assert parts["refit"]["status"] == "ok" and parts["refit"]["bit_exact"] is True
     assert parts["refit"]["refit_gb_s"] > 0 and parts["refit"]["copy_gb_s"] > 0
     for name in ("gemm", "te_quantizers", "te_linear", "vllm_refit"):
@@ -56,6 +67,29 @@ def test_a_mismatch_is_reported_as_failed(monkeypatch):
     with numerics.fused_mode(False):
         result = gpu_check.check_quantizers(torch.device("cpu"), quick=True)
     assert result["status"] == "failed" and result["mismatches"]
+
+
+def test_a_fake_quant_mismatch_is_reported_as_failed(monkeypatch):
+    from nemo_fp8_plugin.numerics import fused
+
+    real = fused.fake_quant_mxfp8
+
+    def one_ulp_off(x, *args, **kwargs):
+        out = real(x, *args, **kwargs).clone()
+        out.view(torch.int32)[0, 0] ^= 1
+        return out
+
+    # The CPU reference is quantize_mxfp8(...).dequantize(), so only the checked path
+    # is off by one ulp in one element.
+    monkeypatch.setattr(fused, "fake_quant_mxfp8", one_ulp_off)
+    with fused.fused_mode(False):
+        result = gpu_check.check_quantizers(torch.device("cpu"), quick=True)
+    assert result["status"] == "failed"
+    bad = [row for row in result["fake_quant"] if not row["bit_exact"]]
+    assert bad and all(row["fn"] == "fake_quant_mxfp8" and row["differing"] == 1 for row in bad)
+    assert {row["fused"] for row in bad} == {False, True}
+    assert all(row["bit_exact"] for row in result["fake_quant"] if row["fn"] != "fake_quant_mxfp8")
+    assert bad[0] in result["mismatches"]
 
 
 def test_cuda_requested_without_a_gpu_exits_2(tmp_path):

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import upstream_file
+from conftest import load_te_recipe_module, upstream_file
 from nemo_fp8_plugin import FP8ConfigError, RecipeRegistryError, get_recipe
 from nemo_fp8_plugin.hosts import bridge
 
@@ -205,6 +205,9 @@ def test_apply_fp16_base_is_kept(tmp_path):
     ("precision: fp8_blockwise\nmixed_precision: {fp8: hybrid}\n", "mixed_precision.fp8"),
     ("precision: fp8_blockwise\nmixed_precision: {fp4: e2m1}\n", "mixed_precision.fp4"),
     ("fp8: {recipe: fp8_blockwise, margin: 1}\n", "fp8.margin"),
+    ("fp8: {recipe: fp8_blockwise, fp8_wgrad: false}\n", "fp8.fp8_wgrad"),
+    ("fp8: {recipe: fp8_blockwise, bf16_layers: {first: 40}}\nmodel: {num_layers: 4}\n",
+     "fp8.bf16_layers.first"),
 ])
 def test_apply_refuses_conflicts_and_dropped_settings(tmp_path, text, key):
     with pytest.raises(FP8ConfigError) as err:
@@ -216,3 +219,41 @@ def test_native_keys_are_plain_data():
     keys = bridge.native_keys(get_recipe("mxfp8")).keys
     assert keys["mixed_precision"]["reuse_grad_buf_for_mxfp8_param_ag"] is True
     yaml.safe_dump(keys)  # serialisable as is
+
+
+# --------------------------------------------------------------------------- TE in this process
+
+
+@pytest.fixture
+def te_unset(tmp_path, monkeypatch):
+    """``transformer_engine.common.recipe`` importable as TE 2.20.2's real recipe module,
+    imported with NVTE_FP8_BLOCK_SCALING_FP32_SCALES unset (a launch script that forgot it)."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    recipe = load_te_recipe_module(tmp_path, name="te_recipe_bridge_unset")
+    monkeypatch.delitem(sys.modules, "te_recipe_bridge_unset")
+    pkg, common = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.common")
+    common.recipe, pkg.common = recipe, common
+    monkeypatch.setitem(sys.modules, "transformer_engine", pkg)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common", common)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", recipe)
+    return recipe
+
+
+def test_registered_recipe_catches_the_fp32_scale_trap(registered, te_unset):
+    """Bridge resolves ``mixed_precision: fp8_blockwise`` in the training process; with TE
+    imported without the variable, the registered recipe refuses instead of training with
+    power-of-2 scales."""
+    mp = registered[0]
+    with pytest.raises(FP8ConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1") as err:
+        mp.get_mixed_precision_config("fp8_blockwise")
+    assert err.value.key == "pow2_scales" and "Megatron-Bridge" in str(err.value)
+    with pytest.raises(FP8ConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"):
+        bridge.mixed_precision_config("fp8_blockwise", mp_module=mp)
+    # power-of-2 scales are what fp8_subchannel asks for, and MXFP8 reads no variable
+    assert mp.get_mixed_precision_config("fp8_subchannel").fp8_recipe == "blockwise"
+    assert mp.get_mixed_precision_config("mxfp8").fp8_recipe == "mxfp8"
+
+
+def test_apply_warning_does_not_promise_a_check_stock_bridge_lacks(tmp_path):
+    (warning,) = [w for w in _apply(tmp_path, BRIDGE_YAML).warnings if "NVTE_" in w]
+    assert "pass nemo_fp8_plugin.callbacks.FP8ScaleRefreshBridgeCallback" in warning

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import sys
+import types
 
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, load_te_recipe_module
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.hosts import megatron as mg
@@ -82,6 +85,8 @@ def test_per_module_rules_become_a_real_recipe_config():
     ({"recipe": "fp8_delayed", "reduce_amax": False}, "reduce_amax"),
     ({"recipe": "mxfp8", "weight_block": [32, 32]}, "weight_block"),
     ({"recipe": "fp8_current", "amax_history_len": 16}, "amax_history_len"),
+    ({"recipe": "fp8_delayed", "fp8_wgrad": False}, "fp8_wgrad"),
+    ({"recipe": "fp8_blockwise", "fp8_wgrad": False}, "fp8_wgrad"),
 ])
 def test_settings_megatron_would_drop_are_refused(override, key, tmp_path):
     spec = get_recipe(override)
@@ -186,3 +191,89 @@ def test_example_config_applies_and_validates():
     model = {k: v for k, v in out["model"].items() if k in fields}
     assert model["fp8_recipe"] == "tensorwise"
     TransformerConfig(**model)
+
+
+def test_megatron_core_reads_fp8_wgrad_only_for_delayed_scaling():
+    """Why fp8_wgrad: false is refused: megatron-core 0.16's get_fp8_recipe hands it to TE only
+    as DelayedScaling's override_linear_precision (which TE 2.x ignores, see test_host_te)."""
+    from megatron.core import fp8_utils
+
+    lines = [ln.strip() for ln in inspect.getsource(fp8_utils).splitlines() if "fp8_wgrad" in ln]
+    assert lines and all(ln.startswith("override_linear_precision=") for ln in lines), lines
+
+
+# --------------------------------------------------------------------------- TE in this process
+
+
+@pytest.fixture
+def te_unset(tmp_path, monkeypatch):
+    """``transformer_engine.common.recipe`` importable as TE 2.20.2's real recipe module,
+    imported with NVTE_FP8_BLOCK_SCALING_FP32_SCALES unset (as a training process that forgot it)."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    recipe = load_te_recipe_module(tmp_path, name="te_recipe_megatron_unset")
+    monkeypatch.delitem(sys.modules, "te_recipe_megatron_unset")
+    pkg, common = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.common")
+    common.recipe, pkg.common = recipe, common
+    monkeypatch.setitem(sys.modules, "transformer_engine", pkg)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common", common)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", recipe)
+    return recipe
+
+
+def test_building_the_config_catches_the_fp32_scale_trap(te_unset):
+    """megatron-core builds Float8BlockScaling with TE's import-time (power-of-2) defaults; the
+    build functions run in the training process, so they refuse it there, naming the fix."""
+    spec = get_recipe("fp8_blockwise")
+    with pytest.raises(FP8ConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1") as err:
+        mg.build_transformer_config(spec, **MODEL)
+    assert err.value.key == "pow2_scales"
+    with pytest.raises(FP8ConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"):
+        mg.apply_to_transformer_config(TransformerConfig(**MODEL), spec)
+    # What this TE's defaults give is exactly what fp8_subchannel asks for.
+    cfg = mg.build_transformer_config(get_recipe("fp8_subchannel"), **MODEL)
+    assert cfg.fp8_recipe == "blockwise"
+
+
+def test_apply_warning_says_who_checks_the_variable(tmp_path):
+    result = _apply(tmp_path, "precision: fp8_blockwise\nmodel: {num_layers: 4}\n")
+    (warning,) = [w for w in result.warnings if "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in w]
+    assert "callback" not in warning  # plain megatron-core has none
+    assert "verify_installed_te('fp8_blockwise')" in warning
+    over = _apply(tmp_path, "fp8: {recipe: fp8_blockwise, pow2_scales: true}\nmodel: {num_layers: 4}\n")
+    assert any("verify_installed_te({'recipe': 'fp8_blockwise', 'pow2_scales': True})" in w
+               for w in over.warnings)
+
+
+# --------------------------------------------------------------------------- BF16 layers vs num_layers
+
+
+@pytest.mark.parametrize("section", ["model", "language_model"])
+def test_apply_refuses_more_bf16_layers_than_the_model_has(tmp_path, capsys, section):
+    text = f"fp8: {{recipe: fp8_blockwise, bf16_layers: {{first: 40}}}}\n{section}: {{num_layers: 4}}\n"
+    with pytest.raises(FP8ConfigError) as err:
+        _apply(tmp_path, text)
+    assert err.value.key == "fp8.bf16_layers.first" and err.value.value == 40
+    assert f"{section}.num_layers) has 4" in str(err.value)
+    src, dst = tmp_path / "cli.yaml", tmp_path / "never.yaml"
+    src.write_text(text)
+    assert main(["apply", str(src), "--host", "megatron", "-o", str(dst)]) == 2
+    line = capsys.readouterr().err
+    assert "fp8.bf16_layers.first" in line and "has 4" in line and not dst.exists()
+
+
+def test_apply_refuses_first_plus_last_covering_every_layer(tmp_path):
+    with pytest.raises(FP8ConfigError) as err:
+        _apply(tmp_path, "fp8: {recipe: fp8_blockwise, bf16_layers: {first: 2, last: 2}}\n"
+                         "model: {num_layers: 4}\n")
+    assert err.value.key == "fp8.bf16_layers.last"
+
+
+def test_apply_layer_check_uses_the_named_model_and_stays_quiet_without_a_count(tmp_path):
+    with pytest.raises(FP8ConfigError) as err:
+        _apply(tmp_path, "fp8: {recipe: fp8_blockwise, model: llama3-8b, bf16_layers: {first: 40}}\n")
+    assert err.value.key == "fp8.bf16_layers.first" and "has 32" in str(err.value)
+    out = _apply(tmp_path, "fp8: {recipe: fp8_blockwise, bf16_layers: {first: 40}}\n").data
+    assert out["model"]["num_layers_at_start_in_bf16"] == 40  # nothing states a layer count
+    ok = _apply(tmp_path, "fp8: {recipe: fp8_blockwise, bf16_layers: {first: 1}}\n"
+                          "model: {num_layers: 4}\n").data
+    assert ok["model"]["num_layers_at_start_in_bf16"] == 1

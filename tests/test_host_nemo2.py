@@ -139,6 +139,9 @@ def test_trainer_plugins_dotted_path(runs, recipe):
     plugin = _plugin(yaml.safe_load((work / f"plugin_{recipe}.yaml").read_text()))
     for key, want in EXPECTED[recipe].items():
         assert plugin[key] == want, key
+    # The plugin alone checks nothing in the training process, and the factory says so.
+    said = f"nemo_run_factories.{recipe} sets the precision plugin only" in out
+    assert said == (recipe in ("fp8_current", "fp8_subchannel", "fp8_blockwise")), out[-3000:]
 
 
 def test_callback_factory_on_the_command_line(runs):
@@ -246,6 +249,24 @@ def test_apply_refuses_a_foreign_plugin_and_dropped_settings(tmp_path):
     with pytest.raises(FP8ConfigError) as err:
         _apply(tmp_path, "fp8: {recipe: fp8_current, amax_epsilon: 1.0e-6}\n")
     assert err.value.key == "fp8.amax_epsilon"
+
+
+def test_plugin_only_warning_names_the_variable_and_the_callback():
+    text = nemo2.plugin_only_warning(get_recipe("fp8_blockwise"))
+    assert "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in text
+    assert "trainer.callbacks=[nemo_fp8_plugin.nemo_run_factories.fp8_blockwise_callback]" in text
+    assert nemo2.plugin_only_warning(get_recipe("mxfp8")) is None  # TE reads no variable for it
+
+
+def test_apply_refuses_fp8_wgrad_false_and_too_many_bf16_layers(tmp_path):
+    with pytest.raises(FP8ConfigError) as err:
+        _apply(tmp_path, "fp8: {recipe: fp8_delayed, fp8_wgrad: false}\n")
+    assert err.value.key == "fp8.fp8_wgrad"
+    with pytest.raises(FP8ConfigError) as err:
+        _apply(tmp_path, "fp8: {recipe: fp8_blockwise, bf16_layers: {first: 40}}\n"
+                         "model: {config: {num_layers: 4}}\n")
+    assert err.value.key == "fp8.bf16_layers.first"
+    assert "model.config.num_layers) has 4" in str(err.value)
 
 
 def test_native_keys():

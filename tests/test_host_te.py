@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -218,3 +219,47 @@ def test_apply_file_describes_the_object(tmp_path):
     assert out["class"] == "Float8BlockScaling"
     assert out["env"] == {te.ENV_BLOCK_FP32_SCALES: "1"}
     assert out["quantizers"]["fp8_quant_fwd_inp"] == {"power_2_scale": False, "amax_epsilon": 0.0}
+
+
+# --------------------------------------------------------------------------- TE of this process
+
+
+def install_te(monkeypatch, recipe_module):
+    """Make ``from transformer_engine.common import recipe`` return ``recipe_module`` (TE's real
+    recipe file, loaded by path), as it would in a training process with TE installed; the
+    package shells above it are empty modules."""
+    pkg, common = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.common")
+    common.recipe, pkg.common = recipe_module, common
+    monkeypatch.setitem(sys.modules, "transformer_engine", pkg)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common", common)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", recipe_module)
+
+
+def test_verify_installed_te_checks_this_process(monkeypatch, te_unset, te_fp32_env):
+    """The in-process check the host paths call: refuses the trap, passes with the variable."""
+    install_te(monkeypatch, te_unset)
+    with pytest.raises(FP8ConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1") as err:
+        te.verify_installed_te("fp8_blockwise", where="the test")
+    assert err.value.key == "pow2_scales" and "the test" in str(err.value)
+    assert te.verify_installed_te({"recipe": "fp8_blockwise", "pow2_scales": True}) is True
+    assert te.verify_installed_te("mxfp8") is False  # nothing read from the environment
+    install_te(monkeypatch, te_fp32_env)
+    assert te.verify_installed_te(get_recipe("fp8_blockwise")) is True
+
+
+def test_verify_installed_te_without_te_checks_nothing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import raises ImportError
+    assert te.verify_installed_te("fp8_blockwise") is False
+
+
+def test_fp8_wgrad_false_is_refused_because_te_ignores_it(te_unset):
+    """TE 2.20's DelayedScaling takes megatron-core's override_linear_precision argument and
+    drops it (no such field), and no TE 2.x recipe has another wgrad switch."""
+    obj = te_unset.DelayedScaling(override_linear_precision=(False, False, True))
+    assert not hasattr(obj, "override_linear_precision")
+    for name in RECIPES:
+        spec = get_recipe(name).replace(fp8_wgrad=False)
+        with pytest.raises(FP8ConfigError) as err:
+            te.build_te_recipe(spec, te_unset)
+        assert err.value.key == "fp8_wgrad"
+        assert any("fp8_wgrad" in w for w in te.native_keys(spec).warnings)

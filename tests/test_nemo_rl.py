@@ -347,12 +347,42 @@ def test_fp8_subchannel_is_block_fp8_on_both_sides_with_pow2_scales(tmp_path):
 
 
 def test_mxfp8_is_mxfp8_training_and_mx_generation(tmp_path):
-    ours, _ = apply_8b(tmp_path, recipe="mxfp8")
+    ours, warnings = apply_8b(tmp_path, recipe="mxfp8")
     assert changed(ours) == {
         f"{MEG}.fp8_cfg.enabled": True, f"{MEG}.fp8_cfg.fp8_recipe": "mxfp8",
-        f"{MEG}.fp8_cfg.fp8_param": True,  # the preset's fp8_param
         f"{MEG}.optimizer.use_precision_aware_optimizer": False,
         f"{VLLM}.precision": "fp8", f"{VLLM}.is_mx": True, **IS_ON}
+    # The preset's fp8_param: true is not carried over (NeMo RL issue 1164), and it is said.
+    assert ours[f"{MEG}.fp8_cfg.fp8_param"] is False
+    assert any("fp8_param" in w and "1164" in w for w in warnings)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_current"])
+def test_preset_fp8_param_true_is_written_false_for_nemo_rl(tmp_path, recipe):
+    assert get_recipe(recipe).fp8_param is True  # the premise: these presets gather FP8 params
+    src = write_input(tmp_path, CONFIGS / "grpo_math_8B_megatron.yaml",
+                      lambda d: d["policy"].update(precision=recipe), relative_defaults=True)
+    result = apply_nemo_rl(src)
+    assert result.data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is False
+    (warning,) = [w for w in result.warnings if "fp8_param" in w]
+    assert "token_mult_prob_error" in warning and "fp8_param: true" in warning
+    hk = native_keys(get_recipe(recipe))
+    assert hk.keys["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is False
+    assert any("fp8_param" in w for w in hk.warnings)
+
+
+def test_fp8_param_stated_by_the_user_is_kept(tmp_path):
+    for sub in ("block", "native"):
+        (tmp_path / sub).mkdir()
+    ours, warnings = apply_8b(tmp_path / "block", recipe="mxfp8", fp8_param=True)
+    assert ours[f"{MEG}.fp8_cfg.fp8_param"] is True
+    assert not any("fp8_param" in w for w in warnings)
+    native = _with_native(tmp_path / "native", {"policy": {"megatron_cfg": {
+        "fp8_cfg": {"enabled": True, "fp8_recipe": "mxfp8", "fp8_param": True}}}},
+        recipe="mxfp8")
+    data = apply_nemo_rl(native).data
+    assert data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is True
+    assert native_keys(get_recipe("mxfp8"), fp8_param_stated=True).warnings == []
 
 
 def test_fp8_current_trains_tensorwise_generates_bf16_and_warns(tmp_path):

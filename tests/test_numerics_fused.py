@@ -67,6 +67,15 @@ def test_mxfp8_matches_eager():
               quantize_mxfp8(x, 32).dequantize())
 
 
+def test_fp32_nan_keeps_its_sign_bit_in_the_fused_casts():
+    # Inductor's CPU clamp used to turn +NaN into the x86 default NaN (0xFF after the cast)
+    x = torch.randn(128, 256)
+    x[0, 3], x[5, 7], x[9, 1], x[64, 200] = float("nan"), -float("nan"), float("inf"), -float("inf")
+    same_q(quantize_blockwise_fused(x, (1, 128)), quantize_blockwise(x, (1, 128)))
+    same_q(quantize_mxfp8_fused(x, (1, 32)), quantize_mxfp8(x, (1, 32)))
+    assert quantize_blockwise_fused(x, (1, 128)).data.view(torch.uint8)[0, 3].item() == 0x7F
+
+
 def test_per_tensor_and_delayed_casts_match_eager():
     x = (torch.randn(64, 512) * 30).to(torch.bfloat16)
     x[3, 7] = float("nan")

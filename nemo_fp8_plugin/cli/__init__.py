@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     except FP8ConfigError as err:
         print(f"nemo-fp8 {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        # An unwritable or unreadable path the user named (-o pointing at a directory, a
+        # read-only file system, a missing file): theirs to fix, so one line and exit 2.
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"nemo-fp8 {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"nemo-fp8 {args.command}: interrupted", file=sys.stderr)
         return 130

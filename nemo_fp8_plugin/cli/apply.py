@@ -18,7 +18,10 @@ def register(sub) -> None:
                     "output changes nothing; a config that already sets conflicting native FP8 "
                     "keys is refused.")
     p.add_argument("config", help="path to a YAML config")
-    p.add_argument("--host", required=True, choices=list(HOSTS), help="target host")
+    # `nemo_rl` is how the package and its docs spell NeMo RL; accept it next to `nemo-rl`.
+    p.add_argument("--host", required=True, choices=list(HOSTS),
+                   type=lambda name: name.replace("_", "-") if name.replace("_", "-") in HOSTS
+                   else name, help="target host")
     p.add_argument("-o", "--output", default=None,
                    help="output file (written atomically); default: standard output")
     p.add_argument("--hardware", default=None,

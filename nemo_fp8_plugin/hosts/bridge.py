@@ -29,8 +29,13 @@ Per-module BF16 rules go to ``model.quant_recipe`` (the model provider is a mega
 ``TransformerConfig``; ``setup`` does not overwrite it). The TE environment variable
 (:func:`nemo_fp8_plugin.hosts.te.required_env`) must be exported by the launch script:
 Bridge's own ``env_vars`` are applied after Transformer Engine is imported, too late for the
-variables TE reads at import. :class:`nemo_fp8_plugin.callbacks.FP8ScaleRefreshBridgeCallback`
-verifies it at the start of training.
+variables TE reads at import. Two places check it inside the training process: the recipes
+:func:`register` adds (Bridge calls them there, when it finalizes ``mixed_precision:
+<name>``; :func:`mixed_precision_config` runs
+:func:`nemo_fp8_plugin.hosts.te.verify_installed_te`), and
+:class:`nemo_fp8_plugin.callbacks.FP8ScaleRefreshBridgeCallback` at the start of training. The
+expanded YAML block of :func:`apply_config` is built by stock Bridge, so for it only the
+callback checks.
 """
 
 from __future__ import annotations
@@ -41,11 +46,11 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from ..config import find_fp8_request, load_config
-from ..errors import FP8ConfigError, RecipeRegistryError, format_value
+from ..errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
 from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
-from .megatron import (dropped_settings, merge_native, model_for_rules, precision_config_fields,
-                       remove_request_keys)
+from .megatron import (check_layer_counts, dropped_settings, merge_native, model_for_rules,
+                       precision_config_fields, remove_request_keys)
 
 __all__ = ["MIXED_PRECISION_TARGET", "TARGET_PREFIX", "mixed_precision_fields", "native_keys",
            "mixed_precision_config", "register", "apply_config", "apply_file"]
@@ -122,11 +127,18 @@ def mixed_precision_config(spec: RecipeSpec | str | Mapping, model=None, *,
                            mp_module: ModuleType | None = None):
     """Bridge's own ``MixedPrecisionConfig`` for ``spec``: Bridge's ``bf16_mixed()`` with the
     recipe's FP8 fields set on it. ``mp_module`` is Bridge's ``mixed_precision`` module
-    (imported when None). Also usable as a YAML ``_target_`` with ``spec: <name or mapping>``."""
+    (imported when None). Also usable as a YAML ``_target_`` with ``spec: <name or mapping>``.
+
+    Bridge calls this in the training process (config finalize), so when Transformer Engine
+    is importable here its import-time scale defaults are checked against the recipe
+    (:func:`nemo_fp8_plugin.hosts.te.verify_installed_te`): a missing
+    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` raises :class:`FP8ConfigError` before training."""
     from ..callbacks import resolve_spec  # noqa: PLC0415
+    from .te import verify_installed_te  # noqa: PLC0415
 
     spec = resolve_spec(spec)
     _refuse(spec)
+    verify_installed_te(spec, where="the Megatron-Bridge training process")
     mp = _mp_module(mp_module)
     hk = mixed_precision_fields(spec, model)
     cfg = mp.bf16_mixed()
@@ -223,6 +235,7 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
                            warnings=["no FP8 recipe requested; config unchanged"])
     spec = request.spec
     _refuse(spec, prefix="fp8." if "fp8" in request.keys else "")
+    check_layer_counts(config, request)
     hk = mixed_precision_fields(spec, model_for_rules(config, request))
     current = config.get("mixed_precision")
     if "mixed_precision" in request.keys:
@@ -230,7 +243,7 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
     fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
     if current is None or isinstance(current, str):
         if current is not None and current not in _BASE_NAMES:
-            raise FP8ConfigError(f"already names the Megatron-Bridge recipe {current!r}, which "
+            raise ConflictingKeyError(f"already names the Megatron-Bridge recipe {current!r}, which "
                                  f"conflicts with FP8 recipe {spec.name!r}", key="mixed_precision",
                                  value=current, hint="state the recipe once")
         block = {"_target_": MIXED_PRECISION_TARGET,
@@ -239,7 +252,7 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
         block = copy.deepcopy(dict(current))
         merge_native(block, fields, where="mixed_precision.", conflicting=("fp4",))
         if block.get("fp8_param") not in (None, spec.fp8_param):
-            raise FP8ConfigError(f"already set to {format_value(block['fp8_param'])}",
+            raise ConflictingKeyError(f"already set to {format_value(block['fp8_param'])}",
                                  key="mixed_precision.fp8_param", value=block["fp8_param"])
     else:
         raise FP8ConfigError(f"expected a recipe name or a mapping, got {format_value(current)}",
@@ -254,8 +267,9 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
     warnings = list(hk.warnings)
     for var, value in hk.env.items():
         warnings.append(f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
-                        f"applied after Transformer Engine is imported); "
-                        f"FP8ScaleRefreshBridgeCallback verifies it at start")
+                        f"applied after Transformer Engine is imported); stock Bridge builds this "
+                        f"block without checking it: pass nemo_fp8_plugin.callbacks."
+                        f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start")
     if strict and hk.warnings:
         raise FP8ConfigError(hk.warnings[0], key="--strict")
     return ApplyResult(data=out, warnings=warnings)

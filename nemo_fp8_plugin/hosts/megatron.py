@@ -7,7 +7,7 @@
 ``fp8_recipe``                          ``scaling``: delayed, tensorwise, blockwise, mxfp8
 ``fp8_margin``, ``fp8_amax_history_len``, ``margin``, ``amax_history_len``, ``amax_compute_algo``
 ``fp8_amax_compute_algo``               (megatron-core reads them for delayed scaling only)
-``fp8_wgrad``                           ``fp8_wgrad``
+``fp8_wgrad``                           ``fp8_wgrad`` (always true: false is refused, see below)
 ``fp8_dot_product_attention``,          ``fp8_dot_product_attention``, ``fp8_multi_head_attention``
 ``fp8_multi_head_attention``
 ``fp8_param``                           ``fp8_param``
@@ -24,10 +24,20 @@ megatron-core builds its TE recipe object itself from these fields (``fp8_utils.
 passing only the format (and the delayed-scaling history settings), so spec settings it
 has no field for are *dropped*: ``amax_epsilon``, ``reduce_amax: false``, ``margin`` outside
 delayed scaling, non-default block tiles, MXFP8 32x32 weight tiles, ``pow2_scales`` under
-delayed scaling. :func:`dropped_settings` lists them; ``apply_file`` refuses a config that
-asks for one, naming the key, and ``native_keys`` reports them as warnings. Scale rounding
+delayed scaling, and ``fp8_wgrad: false`` (megatron-core 0.16 passes it to TE only for
+delayed scaling, as ``override_linear_precision``, which TE 2.x ignores).
+:func:`dropped_settings` lists them; ``apply_file`` refuses a config that asks for one,
+naming the key, and ``native_keys`` reports them as warnings. Scale rounding
 (``pow2_scales`` for block and current scaling) is carried by the environment variable of
-:func:`nemo_fp8_plugin.hosts.te.required_env`, verified at training start.
+:func:`nemo_fp8_plugin.hosts.te.required_env`: :func:`build_transformer_config` and
+:func:`apply_to_transformer_config` verify it against the Transformer Engine of the process
+that calls them (:func:`nemo_fp8_plugin.hosts.te.verify_installed_te`); a Megatron-LM run
+from YAML calls neither, so its training script must call that check itself.
+
+``bf16_layers.first`` / ``last`` beyond the layer count the config states
+(``num_layers`` of the section the fields go to) are refused by ``apply_file``
+(:func:`check_layer_counts`), as ``nemo-fp8 explain`` refuses them, rather than written for
+megatron-core to reject at model build time.
 
 YAML layout for ``nemo-fp8 apply --host megatron``: the fields go under ``language_model:``
 when the config has that mapping (Megatron-LM's ``--yaml-cfg`` layout), else under
@@ -45,7 +55,7 @@ from pathlib import Path
 from typing import Any, List, Mapping
 
 from ..config import FP8Request, find_fp8_request, get_path, load_config
-from ..errors import FP8ConfigError, format_value
+from ..errors import ConflictingKeyError, FP8ConfigError, format_value
 from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
 from .te import required_env
@@ -54,7 +64,8 @@ __all__ = ["FP8_RECIPE", "FP8_FIELDS", "BF16_FIELDS", "PRECISION_CONFIG_FP8_FIEL
            "dropped_settings", "transformer_config_fields", "precision_config_fields",
            "native_keys", "build_transformer_config", "apply_to_transformer_config",
            "quant_recipe_object", "bf16_quant_recipe", "bf16_patterns", "apply_config",
-           "apply_file", "section_path", "model_for_rules", "merge_native", "remove_request_keys"]
+           "apply_file", "section_path", "model_for_rules", "check_layer_counts", "merge_native",
+           "remove_request_keys"]
 
 FP8_RECIPE = {"delayed": "delayed", "tensorwise": "tensorwise", "block": "blockwise", "mx": "mxfp8"}
 """Spec ``scaling`` -> megatron-core ``fp8_recipe``."""
@@ -95,6 +106,13 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
             out.append(("amax_compute_algo", "the amax algorithm is used by delayed scaling only"))
     if kind == "delayed" and spec.pow2_scales:
         out.append(("pow2_scales", "delayed scaling has no power-of-2 scale option"))
+    if not spec.fp8_wgrad:
+        # megatron-core 0.16 reads fp8_wgrad only to build DelayedScaling's
+        # override_linear_precision; the other recipes never see it.
+        out.append(("fp8_wgrad", "megatron-core passes fp8_wgrad to Transformer Engine only as "
+                                 "DelayedScaling's override_linear_precision, which TE 2.x "
+                                 "ignores (no TE 2.x recipe has a high-precision weight-gradient "
+                                 "switch): the weight gradient would run in FP8 anyway"))
     if kind in _TILES:
         act, wgt, grad = _TILES[kind]
         for key, want in (("activation_block", act), ("weight_block", wgt), ("gradient_block", grad)):
@@ -144,6 +162,48 @@ def model_for_rules(config: Mapping[str, Any], request: FP8Request):
         except FP8ConfigError:
             continue  # a name the table does not know: fall back to generic patterns
     return None
+
+
+def _stated_layers(config: Mapping[str, Any]) -> tuple[int, str] | None:
+    """(layer count, what states it) for :func:`check_layer_counts`, or None."""
+    path = section_path(config)
+    section = get_path(config, path)
+    where = ".".join(path)
+    # NeMo 2 keeps the TransformerConfig fields one level down, under model.config.
+    for node, label in ((section, where), (get_path(section, "config"), f"{where}.config")):
+        value = node.get("num_layers") if isinstance(node, Mapping) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value, f"the model ({label}.num_layers)"
+    block = config.get("fp8")
+    if isinstance(block, Mapping) and block.get("model") is not None:
+        from ..rules import describe_model  # noqa: PLC0415
+
+        model = describe_model(block["model"], key="fp8.model")
+        return model.num_layers, model.name
+    return None
+
+
+def check_layer_counts(config: Mapping[str, Any], request: FP8Request) -> None:
+    """Refuse ``bf16_layers.first`` / ``last`` that the layer count the config states cannot
+    hold, with the error ``nemo-fp8 explain`` gives, instead of writing
+    ``num_layers_at_start_in_bf16`` / ``..._end_...`` for megatron-core to reject when it
+    builds the model. The count is ``num_layers`` of the section the fields go to (or of its
+    ``config`` mapping), else that of the model ``fp8.model`` names; without one nothing is
+    checked (megatron-core's own validation remains)."""
+    spec = request.spec
+    rules = spec.bf16_layers
+    if spec.training != "fp8" or not rules.acts_on("training") or not (rules.first or rules.last):
+        return
+    stated = _stated_layers(config)
+    if stated is None:
+        return
+    # The very check explain reaches through rules.resolve(), so both commands agree.
+    from ..rules.resolve import _check_counts  # noqa: PLC0415
+
+    try:
+        _check_counts(rules, *stated)
+    except FP8ConfigError as err:
+        raise (err.with_prefix("fp8") if "fp8" in request.keys else err) from None
 
 
 def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
@@ -265,6 +325,7 @@ def build_transformer_config(spec: RecipeSpec, model=None, *, config_class=None,
         from megatron.core.transformer import TransformerConfig as config_class  # noqa: PLC0415
     hk = transformer_config_fields(spec, model)
     _refuse_dropped(spec)
+    _verify_te(spec)
     clash = sorted(set(base) & set(hk.keys))
     if clash:
         raise FP8ConfigError(f"{clash[0]} is set both by the caller and by recipe {spec.name!r}",
@@ -277,7 +338,17 @@ def apply_to_transformer_config(config, spec: RecipeSpec, model=None):
     by megatron-core (``dataclasses.replace`` runs ``__post_init__`` on the copy)."""
     hk = transformer_config_fields(spec, model)
     _refuse_dropped(spec)
+    _verify_te(spec)
     return _construct(lambda **kw: dataclasses.replace(config, **kw), _objects(hk.keys), spec)
+
+
+def _verify_te(spec: RecipeSpec) -> None:
+    # A TransformerConfig is built in the process that trains, and megatron-core builds its
+    # TE recipe from it with TE's import-time scale defaults: the one place plain
+    # megatron-core gives us to catch the fp32-scale trap.
+    from .te import verify_installed_te  # noqa: PLC0415
+
+    verify_installed_te(spec, where="this process")
 
 
 def _construct(factory, kwargs: dict[str, Any], spec: RecipeSpec):
@@ -329,13 +400,13 @@ def merge_native(section: dict, keys: Mapping[str, Any], *, where: str,
     and any of ``conflicting`` set at all. Returns the keys written."""
     for key in conflicting:
         if section.get(key) not in (None, False):
-            raise FP8ConfigError(f"already set to {format_value(section[key])}, which conflicts with "
+            raise ConflictingKeyError(f"already set to {format_value(section[key])}, which conflicts with "
                                  f"the FP8 recipe being applied", key=f"{where}{key}",
                                  value=section[key],
                                  hint="remove it, or remove the plugin's precision/fp8 key")
     for key, value in keys.items():
         if key in section and section[key] is not None and section[key] != value:
-            raise FP8ConfigError(f"already set to {format_value(section[key])}; the recipe needs "
+            raise ConflictingKeyError(f"already set to {format_value(section[key])}; the recipe needs "
                                  f"{format_value(value)}", key=f"{where}{key}", value=section[key],
                                  hint="state the recipe once: remove the native key or the "
                                       "plugin's precision/fp8 key")
@@ -352,6 +423,7 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
                            warnings=["no FP8 recipe requested; config unchanged"])
     spec = request.spec
     _refuse_dropped(spec, prefix="fp8" if "fp8" in request.keys else "")
+    check_layer_counts(config, request)
     hk = transformer_config_fields(spec, model_for_rules(config, request))
     out = remove_request_keys(config, request.keys)
     path = section_path(out)
@@ -369,11 +441,28 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
     warnings = list(hk.warnings)
     for var, value in hk.env.items():
         warnings.append(f"megatron: export {var}={value} in the training process's environment "
-                        f"before Transformer Engine is imported (the FP8 scale-refresh callback "
-                        f"verifies it at start)")
+                        f"before Transformer Engine is imported; megatron-core does not check it: "
+                        f"a script building its config with nemo_fp8_plugin.hosts.megatron."
+                        f"build_transformer_config is checked there, otherwise call "
+                        f"nemo_fp8_plugin.hosts.te.verify_installed_te({_recipe_literal(spec)}) "
+                        f"in the training script before the model is built")
     if strict and hk.warnings:
         raise FP8ConfigError(hk.warnings[0], key="--strict")
     return ApplyResult(data=out, warnings=warnings)
+
+
+def _recipe_literal(spec: RecipeSpec) -> str:
+    """``spec`` as the Python literal ``verify_installed_te`` takes: the registered name, the
+    ``{"recipe": name, ...}`` mapping of the fields that differ from that preset, or (a spec
+    no preset has) the full mapping."""
+    from ..registry import default_registry  # noqa: PLC0415
+
+    reg = default_registry()
+    if spec.name not in reg:
+        return repr(spec.to_dict())
+    preset, mine = reg.get(spec.name).to_dict(), spec.to_dict()
+    diff = {k: v for k, v in mine.items() if k != "name" and preset.get(k) != v}
+    return repr({"recipe": spec.name, **diff}) if diff else repr(spec.name)
 
 
 def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:

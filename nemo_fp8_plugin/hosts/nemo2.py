@@ -30,9 +30,12 @@ Per-module BF16 rules (``bf16_layers.modules``) have no plugin argument; they go
 ``model.config.quant_recipe``, which the strategy does not overwrite.
 
 The environment variable of :func:`nemo_fp8_plugin.hosts.te.required_env` belongs in the
-executor (``executor.env_vars`` in NeMo-Run, or the shell for ``--direct`` runs); the
-scale-refresh callback this adapter adds to ``trainer.callbacks`` verifies it inside the
-training process before the first step.
+executor (``executor.env_vars`` in NeMo-Run, or the shell for ``--direct`` runs); nothing here
+writes it. The scale-refresh callback verifies it inside the training process before the
+first step; :func:`add_fp8_to_recipe` (the ``<recipe>_<fp8 recipe>`` factories) adds it to
+``trainer.callbacks``. The plugin alone (:func:`plugin_config`, the plugin-only factories, the
+``apply`` block) is NeMo's own ``MegatronMixedPrecision``, built in the training process
+without any code of this package, so it checks nothing: :func:`plugin_only_warning` says so.
 """
 
 from __future__ import annotations
@@ -42,14 +45,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import find_fp8_request, load_config
-from ..errors import FP8ConfigError, format_value
+from ..errors import ConflictingKeyError, FP8ConfigError, format_value
 from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
-from .megatron import (dropped_settings, merge_native, model_for_rules, precision_config_fields,
-                       remove_request_keys)
+from .megatron import (check_layer_counts, dropped_settings, merge_native, model_for_rules,
+                       precision_config_fields, remove_request_keys)
 
 __all__ = ["PLUGIN_TARGET", "CALLBACK_TARGET", "plugin_fields", "native_keys", "plugin_config",
-           "callback_config", "add_fp8_to_recipe", "apply_config", "apply_file", "BF16_MIXED"]
+           "callback_config", "add_fp8_to_recipe", "plugin_only_warning", "apply_config",
+           "apply_file", "BF16_MIXED"]
 
 PLUGIN_TARGET = "nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision"
 """Import path of NeMo 2's precision plugin class (the ``_target_`` NeMo-Run YAML uses)."""
@@ -84,13 +88,16 @@ def plugin_fields(spec: RecipeSpec, model=None) -> HostKeys:
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
-    """NeMo 2's spelling: the ``trainer.plugins`` block (and ``model.config.quant_recipe``)."""
+    """NeMo 2's spelling: the ``trainer.plugins`` block (and ``model.config.quant_recipe``),
+    complete as ``apply`` writes it into a config without a plugin (``MegatronMixedPrecision``
+    requires ``precision``), so it can be copied as it stands."""
     hk = plugin_fields(spec, model)
     if not hk.keys:
         return hk
     fields = dict(hk.keys)
     quant = fields.pop("quant_recipe", None)
-    keys: dict[str, Any] = {"trainer": {"plugins": {"_target_": PLUGIN_TARGET, **fields}}}
+    keys: dict[str, Any] = {"trainer": {"plugins": {"_target_": PLUGIN_TARGET,
+                                                    **copy.deepcopy(BF16_MIXED), **fields}}}
     if quant is not None:
         keys["model"] = {"config": {"quant_recipe": quant_recipe_yaml(quant)}}
     return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
@@ -148,6 +155,24 @@ def plugin_config(spec: RecipeSpec, model=None, base: Mapping[str, Any] | None =
     return run.Config(MegatronMixedPrecision, **args, **fields)
 
 
+def plugin_only_warning(spec: RecipeSpec) -> str | None:
+    """What the plugin-only factory (``trainer.plugins=<module>.<recipe>``) leaves unchecked,
+    or None when the recipe needs no environment variable. The factory runs in the NeMo-Run
+    launcher, whose environment is not the training process's, and the plugin it returns is
+    NeMo's own class, so the only in-process check is the callback."""
+    from .te import required_env  # noqa: PLC0415
+
+    env = required_env(spec)
+    if not env:
+        return None
+    var, value = next(iter(env.items()))
+    return (f"trainer.plugins={CALLBACK_FACTORY}.{spec.name} sets the precision plugin only, "
+            f"and nothing in it checks {var}: set {var}={value} in the executor's env_vars (or "
+            f"the shell, for --direct runs) and add trainer.callbacks=[{CALLBACK_FACTORY}."
+            f"{_callback_factory_name(spec)}], which stops a run whose Transformer Engine was "
+            f"imported without it (the --factory <model>_{spec.name} variants add that callback)")
+
+
 def callback_config(spec: RecipeSpec, **kwargs):
     """``run.Config`` of :class:`nemo_fp8_plugin.callbacks.FP8ScaleRefreshCallback` for ``spec``."""
     import nemo_run as run  # noqa: PLC0415
@@ -182,7 +207,7 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
             trainer.plugins = new
     else:
         if getattr(plugin, "fp4", None):  # FP4 and FP8 are exclusive in megatron-core
-            raise FP8ConfigError(f"the recipe's precision plugin already sets fp4="
+            raise ConflictingKeyError(f"the recipe's precision plugin already sets fp4="
                                  f"{plugin.fp4!r}", key="trainer.plugins.fp4")
         for key, value in fields.items():
             setattr(plugin, key, value)
@@ -240,6 +265,7 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
                            warnings=["no FP8 recipe requested; config unchanged"])
     spec = request.spec
     _refuse(spec, prefix="fp8." if "fp8" in request.keys else "")
+    check_layer_counts(config, request)
     hk = plugin_fields(spec, model_for_rules(config, request))
     fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
     out = remove_request_keys(config, request.keys)
@@ -265,7 +291,7 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
                              hint=f"NeMo 2 FP8 needs _target_: {PLUGIN_TARGET}")
     # NeMo's deprecated alias; a different value would contradict fp8_param_gather.
     if "fp8_params" in plugin and plugin["fp8_params"] not in (None, spec.fp8_param):
-        raise FP8ConfigError(f"already set to {format_value(plugin['fp8_params'])}",
+        raise ConflictingKeyError(f"already set to {format_value(plugin['fp8_params'])}",
                              key=f"{where}fp8_params", value=plugin["fp8_params"])
     merge_native(plugin, fields, where=where, conflicting=("fp4",))
     if "quant_recipe" in hk.keys:

@@ -8,7 +8,8 @@ side (vLLM) and the loss. This module writes all of them from one recipe spec:
 NeMo RL key                                               from the spec
 ========================================================  =====================================
 ``policy.megatron_cfg.fp8_cfg.{enabled,fp8,fp8_recipe,     ``training``, ``fp8_format``,
-fp8_param}``                                               ``scaling``, ``fp8_param``
+fp8_param}``                                               ``scaling``; ``fp8_param`` only when
+                                                           stated (see below), else false
 ``policy.megatron_cfg.env_vars.                            block scaling: ``'1'`` for fp32
 NVTE_FP8_BLOCK_SCALING_FP32_SCALES``                       scales, ``'0'`` for ``pow2_scales``
 ``policy.megatron_cfg.optimizer.                           ``false`` whenever training is FP8
@@ -42,6 +43,14 @@ What each recipe means here (NeMo RL's vLLM path has block FP8 and MXFP8 only):
 ``training: bf16`` gives generation-only FP8 (NVIDIA's "FP8 rollouts"); ``generation: bf16``
 gives training-only FP8.
 
+``fp8_param`` is written false even for the presets that set it (``mxfp8``, ``fp8_current``,
+chosen for NeMo 2 pretraining): NeMo RL warns that FP8 parameters can make
+``token_mult_prob_error`` NaN (NVIDIA-NeMo/RL issue 1164, reported with block scaling and
+tensor parallelism, pointing at the weight refit into vLLM), and every FP8 config NVIDIA ships
+for NeMo RL sets ``fp8_param: false``. A warning says so. The user gets
+``true`` by stating it: ``fp8_param: true`` in the ``fp8:`` block, or an enabled
+``policy.megatron_cfg.fp8_cfg`` with ``fp8_param: true`` in the config.
+
 The output holds NeMo RL's keys only (the plugin's ``precision`` / ``fp8`` keys are consumed).
 By default it is an *overlay*: the input file's own keys plus the FP8 keys, with
 ``defaults:`` rewritten so the parent chain resolves from where the output is written. A
@@ -58,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import FP8Request, find_fp8_request, get_path, load_config
-from ..errors import FP8ConfigError, format_value
+from ..errors import ConflictingKeyError, FP8ConfigError, format_value
 from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
 
@@ -149,13 +158,20 @@ def _is_moe(model: Any) -> bool | None:
     return bool(experts) and int(experts) > 0
 
 
-def native_keys(spec: RecipeSpec, model: Any = None) -> HostKeys:
+FP8_PARAM_WARNING = (
+    "NeMo RL: fp8_param is written false although recipe {name} sets it: FP8 parameters can "
+    "make token_mult_prob_error NaN in NeMo RL (NVIDIA-NeMo/RL issue 1164) and NVIDIA's NeMo RL "
+    "FP8 configs all use fp8_param: false; state fp8_param: true in the fp8: block to keep it")
+
+
+def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool = False) -> HostKeys:
     """NeMo RL's spelling of ``spec`` (no host import, no file access).
 
     ``model`` is a model description from :func:`nemo_fp8_plugin.rules.describe_model` (or
     None): it decides ``moe_router_dtype`` and lets the BF16 rules resolve per layer. A
     recipe NeMo RL refuses (delayed scaling) gives no keys and one warning saying why;
-    :func:`apply_file` raises instead.
+    :func:`apply_file` raises instead. ``fp8_param_stated``: the user's config itself asked
+    for ``fp8_param`` (else a preset's ``fp8_param: true`` is written false, with a warning).
     """
     refusal = _refusal(spec)
     if refusal:
@@ -174,9 +190,12 @@ def native_keys(spec: RecipeSpec, model: Any = None) -> HostKeys:
     training = spec.training == "fp8"
     generation = _generation_fp8(spec)
     if training:
+        fp8_param = spec.fp8_param and fp8_param_stated
+        if spec.fp8_param and not fp8_param:
+            warnings.append(FP8_PARAM_WARNING.format(name=spec.name))
         put(f"{_MEGATRON}.fp8_cfg", {"enabled": True, "fp8": spec.fp8_format,
                                      "fp8_recipe": TRAINING_RECIPE[spec.scaling],
-                                     "fp8_param": spec.fp8_param})
+                                     "fp8_param": fp8_param})
         if spec.scaling == "block":
             env[FP32_SCALES_ENV] = "0" if spec.pow2_scales else "1"
         elif spec.scaling == "tensorwise" and spec.pow2_scales:
@@ -345,7 +364,7 @@ def _delete_path(mapping: dict, dotted: str) -> None:
 
 
 def _contradiction(key: str, have: Any, want: Any, spec: RecipeSpec) -> FP8ConfigError:
-    return FP8ConfigError(
+    return ConflictingKeyError(
         f"already set to {format_value(have)}, but {spec.name} as requested needs "
         f"{format_value(want) if want is not NOT_FP8 else 'a non-FP8 value'}",
         key=key, value=have,
@@ -462,6 +481,17 @@ def _desired(spec: RecipeSpec, hk: HostKeys, *, rl: bool = True) -> list[tuple[s
             guards.append((f"{_VLLM}.is_mx", False))
         guards.append((f"{_VLLM}.quantization_ignored_layer_kws", []))
     return want + [(k, v, False) for k, v in guards if k not in decided]
+
+
+def _fp8_param_stated(resolved: Mapping) -> bool:
+    """Whether the config itself asks for ``fp8_param`` (rather than inheriting a preset's):
+    in its ``fp8:`` block, or as ``true`` in an enabled native ``fp8_cfg``, which forcing
+    false would contradict."""
+    block = resolved.get("fp8")
+    if isinstance(block, Mapping) and "fp8_param" in block:
+        return True
+    return (get_path(resolved, f"{_MEGATRON}.fp8_cfg.enabled") is True
+            and get_path(resolved, f"{_MEGATRON}.fp8_cfg.fp8_param") is True)
 
 
 def _model_description(request: FP8Request, resolved: Mapping) -> tuple[Any, list[str]]:
@@ -583,7 +613,7 @@ def apply_nemo_rl(config_path: str | Path, *, output: str | Path | None = None,
 
     model, notes = _model_description(request, resolved)
     warnings += notes
-    hk = native_keys(spec, model=model)
+    hk = native_keys(spec, model=model, fp8_param_stated=_fp8_param_stated(resolved))
     if spec.training == "fp8" and _is_moe(model) is None and _moe_fallback(resolved):
         _set_path(hk.keys, f"{_MEGATRON}.moe_router_dtype", "fp32")
     elif spec.training == "fp8" and _is_moe(model) is None:

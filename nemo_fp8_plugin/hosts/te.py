@@ -23,12 +23,20 @@ How this module makes fp32 block scales take effect and never run the wrong ones
    they are correct whatever the environment.
 2. For recipe objects a host builds itself (megatron-core, hence NeMo 2 and
    Megatron-Bridge), the variable must be in the training process's environment before TE
-   is imported. :func:`required_env` names it; the host adapters put it where each launcher
-   reads it (NeMo RL ``env_vars``, NeMo-Run ``executor.env_vars``, the Bridge launch
-   environment).
-3. :func:`verify_host_recipe` runs inside the training process at start (the callbacks of
-   :mod:`nemo_fp8_plugin.callbacks` call it) and raises :class:`FP8ConfigError` with the fix
-   when the recipe the host will build quantizes differently from the spec.
+   is imported. :func:`required_env` names it. Only the NeMo RL adapter can write it into a
+   config (``policy.megatron_cfg.env_vars``, which NeMo RL applies before its workers
+   import TE); the NeMo 2, Megatron-Bridge and megatron-core adapters cannot, because their
+   configs have no environment that is applied early enough, so their output says where to
+   set it (NeMo-Run executor ``env_vars`` or the shell, the launch script) and the user sets it.
+3. :func:`verify_host_recipe` compares the recipe the host will build with the spec and
+   raises :class:`FP8ConfigError` with the fix when they quantize differently.
+   :func:`verify_installed_te` runs it against the TE of the current process, and is called
+   wherever plugin code runs inside the training process: the callbacks of
+   :mod:`nemo_fp8_plugin.callbacks` at train start, Bridge's registered mixed-precision
+   recipes (:func:`nemo_fp8_plugin.hosts.bridge.mixed_precision_config`) and megatron-core's
+   :func:`~nemo_fp8_plugin.hosts.megatron.build_transformer_config`. NeMo 2's plugin-only
+   factory (``trainer.plugins=nemo_fp8_plugin.nemo_run_factories.<recipe>``) runs in the
+   launcher, not the training process, so only the callback checks that path.
 
 megatron-core's ``fp8_recipe='custom'`` (a ``CustomRecipe`` with a quantizer factory) would
 sidestep the environment, but TE marks it experimental and TE/megatron-core code paths
@@ -54,7 +62,8 @@ from . import ApplyResult, HostKeys
 __all__ = [
     "TE_RECIPE_CLASS", "ENV_BLOCK_FP32_SCALES", "ENV_CURRENT_POW2_SCALES", "QUANTIZER_ROLES",
     "te_recipe_description", "required_env", "import_te_recipe_module", "build_te_recipe",
-    "recipe_mismatches", "host_built_recipe", "verify_host_recipe", "native_keys", "apply_file",
+    "recipe_mismatches", "host_built_recipe", "verify_host_recipe", "verify_installed_te",
+    "FP8_WGRAD_IGNORED", "native_keys", "apply_file",
 ]
 
 TE_RECIPE_CLASS = {
@@ -150,7 +159,17 @@ def _unsupported(spec: RecipeSpec) -> list[tuple[str, str]]:
         out.append(("pow2_scales", "TE's DelayedScaling has no power-of-2 scale option"))
     if spec.scaling == "block" and spec.fp8_dot_product_attention:
         out.append(("fp8_dot_product_attention", "TE's Float8BlockScaling has no FP8 attention"))
+    if not spec.fp8_wgrad:
+        out.append(("fp8_wgrad", FP8_WGRAD_IGNORED))
     return out
+
+
+FP8_WGRAD_IGNORED = (
+    "Transformer Engine 2.x has no switch for a high-precision weight-gradient GEMM: "
+    "DelayedScaling lost its override_linear_precision field (TE 2.20 accepts the argument "
+    "megatron-core still passes and ignores it) and the other recipes never had one, so the "
+    "weight gradient is computed in FP8 anyway")
+"""Why ``fp8_wgrad: false`` cannot be honoured by TE (hence by every megatron-core host)."""
 
 
 # --------------------------------------------------------------------------- with TE
@@ -298,6 +317,27 @@ def verify_host_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None, *,
             key="amax_epsilon" if "amax_epsilon" in attr else "fp8_format" if attr == "fp8_format"
             else "activation_block",
             hint="use the preset's values for these fields with megatron-core based hosts")
+
+
+def verify_installed_te(spec: RecipeSpec | str | Mapping[str, Any], *,
+                        where: str = "the training process") -> bool:
+    """:func:`verify_host_recipe` against the Transformer Engine of *this* process; call it
+    in the training process before the model is built. Returns False, checking nothing,
+    when TE is not importable (emulation, CPU: no TE recipe will be built) or the recipe has
+    no import-time TE state; True when the check passed; raises :class:`FP8ConfigError`
+    naming the environment variable otherwise. ``spec`` may be a recipe name, a
+    ``{"recipe": name, ...overrides}`` mapping or a full spec mapping (as the callbacks take)."""
+    from ..callbacks import resolve_spec  # noqa: PLC0415 - stdlib-only module
+
+    spec = resolve_spec(spec)
+    if spec.training != "fp8" or spec.scaling not in ("block", "tensorwise"):
+        return False  # no import-time TE state decides these recipes' numerics
+    try:
+        from transformer_engine.common import recipe as te_recipe  # noqa: PLC0415
+    except ImportError:
+        return False
+    verify_host_recipe(spec, te_recipe, where=where)
+    return True
 
 
 # --------------------------------------------------------------------------- adapter contract

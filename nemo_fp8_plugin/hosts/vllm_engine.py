@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import find_fp8_request, load_config
-from ..errors import FP8ConfigError, format_value
+from ..errors import ConflictingKeyError, FP8ConfigError, format_value
 from . import ApplyResult, HostKeys
 
 __all__ = ["native_keys", "apply_file", "apply_vllm"]
@@ -98,14 +98,14 @@ def apply_vllm(config: dict, *, hardware: str | None = None) -> tuple[dict, list
                                      key=key or name, value=current)
             theirs = current.get("quantization_config")
             if theirs is not None and theirs != value["quantization_config"]:
-                raise FP8ConfigError("already sets a quantization_config; the recipe writes its own",
+                raise ConflictingKeyError("already sets a quantization_config; the recipe writes its own",
                                      key=f"{key}.quantization_config", value=theirs,
                                      hint="remove it, or remove the precision/fp8 request")
             value = {**current, **value}
         elif current is not None and _canonical(current) != _canonical(value):
             hint = ("say `fp8: {recipe: ..., kv_cache: fp8}` for an FP8 KV cache"
                     if name == "kv_cache_dtype" else f"remove it: the recipe sets {name} to {value!r}")
-            raise FP8ConfigError(f"already set to {format_value(current)}; the recipe needs "
+            raise ConflictingKeyError(f"already set to {format_value(current)}; the recipe needs "
                                  f"{format_value(value)}", key=key, value=current, hint=hint)
         if key is not None:
             del out[key]

@@ -181,10 +181,16 @@ def _tile_scale(x, bm, bn, fmt, pow2, eps, vinf):
 # --------------------------------------------------------------------------- kernels
 
 
+def _saturate(v: torch.Tensor, fmax: float) -> torch.Tensor:
+    """Clamp to +-fmax keeping a NaN's sign: Inductor's CPU clamp turns every NaN into the
+    x86 default NaN (sign set), which casts to 0xFF where the reference writes 0x7F."""
+    return torch.where(v == v, v.clamp(-fmax, fmax), v)
+
+
 def _block_cast(x, *, bm, bn, fmt, pow2, eps, vinf):
     tiles, s = _tile_scale(x, bm, bn, fmt, pow2, eps, vinf)
     fmax = fp8_max(fmt)
-    v = (tiles * _expand_tiles(s)).clamp(-fmax, fmax)
+    v = _saturate(tiles * _expand_tiles(s), fmax)
     return v.to(fp8_dtype(fmt)).reshape(x.shape), _inv(s)
 
 
@@ -203,7 +209,7 @@ def _mx_exponent(x, bm, bn, fmt):
 def _mx_cast(x, *, bm, bn, fmt):
     tiles, e = _mx_exponent(x, bm, bn, fmt)
     fmax = fp8_max(fmt)
-    v = (tiles * _expand_tiles(e8m0_quant_multiplier(e))).clamp(-fmax, fmax)
+    v = _saturate(tiles * _expand_tiles(e8m0_quant_multiplier(e)), fmax)
     return v.to(fp8_dtype(fmt)).reshape(x.shape), e.to(torch.uint8)
 
 

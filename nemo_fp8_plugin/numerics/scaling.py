@@ -100,33 +100,3 @@ def e8m0_quant_multiplier(e: torch.Tensor) -> torch.Tensor:
     TE, e == 0xFE -> +0.0 and e == 0xFF -> -inf)."""
     mult = ((254 - e) << 23).to(torch.int32).view(torch.float32)
     return torch.where(e == 0, torch.ones_like(mult), mult)
-
-
-# (mantissa bits, exponent bias, fp32 value of the smallest normal) of each format
-_FP8_LAYOUT = {"e4m3": (3, 7, 2.0 ** -6), "e5m2": (2, 15, 2.0 ** -14)}
-
-
-def fp8_bits_rne(xf: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Round fp32 values already clamped to +-fp8_max to FP8 bytes (uint8), with integer
-    and float vector ops only: round-to-nearest-even, NaN -> 0x7F | sign.
-
-    Bit-identical to torch's ``.to(float8)`` for clamped inputs (tested); it exists because
-    x86 CPUs without AVX-512 convert to float8 one element at a time, which made the cast
-    the bottleneck of the fused quantizer on such machines.
-    """
-    mbits, bias, min_normal = _FP8_LAYOUT[fmt]
-    drop = 23 - mbits
-    bits = xf.view(torch.int32)
-    sign = (bits >> 24) & 0x80  # arithmetic shift: 0x80 exactly when the sign bit is set
-    a = xf.abs()
-    abits = a.view(torch.int32)
-    # normal range: add half an ulp of the target (plus the kept lsb for ties-to-even),
-    # truncate; a carry into the exponent is the correct round-up to the next binade
-    r = abits + ((1 << (drop - 1)) - 1) + ((abits >> drop) & 1)
-    normal = (((r >> 23) - (127 - bias)) << mbits) | ((r >> drop) & ((1 << mbits) - 1))
-    # subnormal range: multiples of 2^(1 - bias - mbits); round() is half-to-even, and a
-    # result equal to 2^mbits is exactly the smallest normal's encoding
-    sub = torch.round(a * float(2 ** (bias - 1 + mbits))).to(torch.int32)
-    mag = torch.where(a < min_normal, sub, normal)
-    mag = torch.where(a != a, torch.full_like(mag, 0x7F), mag)
-    return (mag | sign).to(torch.uint8)
