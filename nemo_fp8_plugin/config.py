@@ -150,6 +150,10 @@ def _precision_recipe(value: Any, key: str) -> str | None:
     raise reg.unknown(value, key=key)
 
 
+_NATIVE_FP8_VALUES = ("hybrid", "e4m3", "e5m2")
+"""Values of megatron-core's / NeMo's own ``fp8`` key (the element format switch)."""
+
+
 def _bridge_recipe(value: str, reg) -> str | None:
     """The recipe a Megatron-Bridge ``mixed_precision:`` value names, None for Bridge's own.
 
@@ -194,7 +198,14 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
     if block is not None:
         if isinstance(block, str):
             if block not in reg:
-                raise reg.unknown(block, key="fp8")
+                err = reg.unknown(block, key="fp8")
+                if block.strip().lower() in _NATIVE_FP8_VALUES:
+                    # megatron-core's and NeMo's own `fp8: hybrid|e4m3` switch, at the root
+                    err = FP8ConfigError(err.bare_message, key="fp8", value=block, hint=(
+                        f"{block!r} is megatron-core's own fp8 format switch: it belongs under "
+                        "model: (or language_model:); at the root, fp8 names one of our "
+                        f"recipes: {', '.join(reg.names())}"))
+                raise err
             named.append(("fp8", block))
         elif isinstance(block, Mapping):
             allowed = set(RecipeSpec.OVERRIDABLE) | set(FP8_BLOCK_EXTRA_KEYS)

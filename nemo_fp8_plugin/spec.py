@@ -435,7 +435,8 @@ class RecipeSpec:
             raise FP8ConfigError(f"a recipe needs a non-empty name, got {format_value(self.name)}",
                                  key="name", value=self.name)
         if not isinstance(self.description, str):
-            raise FP8ConfigError("expected a string", key="description", value=self.description)
+            raise FP8ConfigError(f"expected a string, got {format_value(self.description)}",
+                                 key="description", value=self.description)
         if self.fp8_format == "e5m2":
             raise FP8ConfigError("pure E5M2 is refused: forward tensors need E4M3's precision",
                                  key="fp8_format", value="e5m2",
@@ -517,9 +518,11 @@ class RecipeSpec:
                                  key="fp8_dot_product_attention", value=True)
         if self.scaling == "delayed" and (self.bf16_layers.first or self.bf16_layers.last) \
                 and self.bf16_layers.acts_on("training"):
-            raise FP8ConfigError("delayed scaling cannot keep the first/last layers in BF16 "
-                                 "(megatron-core refuses the combination)",
-                                 key="bf16_layers.first" if self.bf16_layers.first else "bf16_layers.last",
+            which = "first" if self.bf16_layers.first else "last"
+            count = getattr(self.bf16_layers, which)
+            raise FP8ConfigError(f"{count} layer(s) in BF16 cannot be combined with delayed "
+                                 "scaling (megatron-core refuses the combination)",
+                                 key=f"bf16_layers.{which}", value=count,
                                  hint="use fp8_current or fp8_blockwise, or set applies_to: generation")
         if self.training == "bf16" and self.generation == "bf16":
             raise FP8ConfigError("training and generation are both bf16: nothing runs in FP8",

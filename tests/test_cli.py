@@ -220,3 +220,8 @@ def test_host_accepts_the_package_spelling_of_nemo_rl():
     config = REPO / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
     a, b = cli("apply", config, "--host", "nemo_rl"), cli("apply", config, "--host", "nemo-rl")
     assert a.returncode == 0 and a.stdout == b.stdout, a.stderr
+
+
+def test_native_fp8_switch_at_the_root_points_to_model(tmp_path):
+    out = cli("explain", write(tmp_path, "fp8: hybrid\n"))
+    assert_one_line_error(out, "fp8:", "'hybrid'", "model:")

@@ -143,7 +143,7 @@ def test_delayed_with_first_last_bf16_is_refused():
 
 
 def test_current_scaling_to_delayed_keeps_inherited_rules_and_is_refused():
-    with pytest.raises(FP8ConfigError, match="delayed scaling cannot keep"):
+    with pytest.raises(FP8ConfigError, match="cannot be combined with delayed scaling"):
         get_recipe({"recipe": "fp8_current", "scaling": "delayed"})
 
 
