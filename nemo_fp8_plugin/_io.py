@@ -9,7 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "dump_yaml", "dump_json"]
+__all__ = ["atomic_write_text", "atomic_write_bytes", "dump_yaml", "dump_json",
+           "check_output_file", "check_output_dir"]
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -63,3 +64,50 @@ def dump_yaml(data: Any) -> str:
 
 def dump_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
+
+
+def _nearest_existing(path: Path) -> Path:
+    here = path
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    return here
+
+
+def _check_creatable(path: Path, key: str, *, shown: Path) -> None:
+    """``path``'s nearest existing ancestor is a writable directory (``shown`` names the
+    user's path in the message)."""
+    from .errors import FP8ConfigError
+
+    base = _nearest_existing(path.parent)
+    if not base.is_dir():
+        raise FP8ConfigError(f"{base} is not a directory, so {shown} cannot be created",
+                             key=key, value=str(shown))
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise FP8ConfigError(f"{base} is not writable, so {shown} cannot be written",
+                             key=key, value=str(shown))
+
+
+def check_output_file(path: str | os.PathLike | None, key: str) -> None:
+    """Refuse, before any work starts, an output file path that cannot be written (a
+    directory, under a file, in a read-only place): a typo in ``--json`` must not cost a
+    finished run its results."""
+    from .errors import FP8ConfigError
+
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise FP8ConfigError(f"{path} is a directory; name a file", key=key, value=str(path))
+    _check_creatable(path, key, shown=path)
+
+
+def check_output_dir(path: str | os.PathLike | None, key: str) -> None:
+    """:func:`check_output_file` for an output folder (created later, when results exist)."""
+    from .errors import FP8ConfigError
+
+    if path is None:
+        return
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FP8ConfigError(f"{path} is a file; name a folder", key=key, value=str(path))
+    _check_creatable(path / "x", key, shown=path)

@@ -552,6 +552,13 @@ def analyze_checkpoint(checkpoint: str | Path, *, recipes: Iterable[Any] | None 
         for h in handles.values():
             h.__exit__(None, None, None)
 
+    if not rows:  # a report of nothing would read as "all clear"
+        why = "; ".join(f"{s['name']} ({s['reason']})" for s in skipped[:5])
+        more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        raise FP8ConfigError("no linear weight to analyze" + (
+            f": every 2-D weight was skipped: {why}{more}" if skipped else
+            ": the checkpoint holds no 2-D floating-point `.weight` tensor"),
+            key="CHECKPOINT", value=str(checkpoint))
     rows.sort(key=lambda r: _natural(r["module"]))
     act_info = None
     if activations:
@@ -685,10 +692,13 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
             cells.append(f"{cell + ('*' if n in r.get('flagged', []) else ' '):>{cw + 1}}")
         lines.append(f"  {r['module']:<{width}} " + " ".join(cells))
     if report["skipped"]:
-        reasons: dict[str, int] = {}
+        reasons: dict[str, list[str]] = {}
         for s in report["skipped"]:
-            reasons[s["reason"]] = reasons.get(s["reason"], 0) + 1
-        lines.append("skipped: " + "; ".join(f"{n} {why}" for why, n in reasons.items()))
+            reasons.setdefault(s["reason"], []).append(s["name"])
+        for why, names in reasons.items():
+            # a NaN weight must be visible by name; long lists of norms and biases need not be
+            shown_names = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            lines.append(f"skipped ({why}): {shown_names}")
     for n in recipes:
         s = report["summary"][n]
         text = f"{n}: {s['flagged']} flagged"

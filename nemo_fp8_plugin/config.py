@@ -103,6 +103,8 @@ def _defaults_paths(value: Any, here: Path) -> list[Path] | None:
 def load_config(path: str | Path, *, follow_defaults: bool = True, _chain: tuple = ()) -> dict:
     """Read a YAML config file safely, merging its NeMo RL ``defaults:`` chain parent-first."""
     path = Path(path)
+    if path.is_dir():
+        raise FP8ConfigError(f"{path} is a directory; name a YAML config file", value=str(path))
     if not path.is_file():
         raise FP8ConfigError(f"config file not found: {path}", key=None, value=str(path))
     try:
@@ -149,6 +151,13 @@ def _precision_recipe(value: Any, key: str) -> str | None:
         return None
     raise reg.unknown(value, key=key)
 
+
+_RECIPE_ONLY_FIELDS = ("pow2_scales", "bf16_layers", "fp8_format", "activation_block",
+                       "weight_block", "gradient_block", "amax_epsilon", "amax_history_len",
+                       "amax_compute_algo", "importance_sampling")
+"""Recipe fields no host spells the same way at a config's top level (megatron-core's own
+``fp8_margin``, ``fp8_amax_history_len`` ... live under ``model:``), so finding one there next
+to ``precision:`` means it was meant for the ``fp8:`` block."""
 
 _NATIVE_FP8_VALUES = ("hybrid", "e4m3", "e5m2")
 """Values of megatron-core's / NeMo's own ``fp8`` key (the element format switch)."""
@@ -237,6 +246,11 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
 
     if not named:
         return None
+    for key in _RECIPE_ONLY_FIELDS:
+        if key in config:  # read by no host at the top level: the recipe would silently lack it
+            raise FP8ConfigError(
+                "a recipe field at the top level is read by nothing", key=key, value=config[key],
+                hint=f"put it in the fp8 block: fp8: {{recipe: {named[0][1]}, {key}: ...}}")
     distinct = sorted({name for _, name in named})
     if len(distinct) > 1:
         where = ", ".join(f"{k}={n!r}" for k, n in named)

@@ -225,3 +225,58 @@ def test_host_accepts_the_package_spelling_of_nemo_rl():
 def test_native_fp8_switch_at_the_root_points_to_model(tmp_path):
     out = cli("explain", write(tmp_path, "fp8: hybrid\n"))
     assert_one_line_error(out, "fp8:", "'hybrid'", "model:")
+
+
+@pytest.mark.parametrize("args_of", [
+    lambda d: ["demo", "--steps", "1", "--out", d / "afile"],
+    lambda d: ["demo", "--steps", "1", "--out", d / "afile" / "sub"],
+    lambda d: ["bench", "--quick", "--json", d],
+    lambda d: ["rl-check", "--quick", "--json", d],
+    lambda d: ["analyze", d / "none.safetensors", "--plot", d / "adir.png"],
+])
+def test_bad_output_paths_fail_before_any_work(tmp_path, args_of):
+    (tmp_path / "afile").write_text("keep me")
+    (tmp_path / "adir.png").mkdir()
+    out = cli(*args_of(tmp_path))
+    assert_one_line_error(out, str(tmp_path))
+    assert (tmp_path / "afile").read_text() == "keep me"
+    assert "step" not in out.stdout  # refused up front: nothing trained, benchmarked or analyzed
+
+
+@pytest.mark.parametrize("args", [["demo", "--recipes", ","], ["rl-check", "--arms", ","],
+                                  ["rl-check", "--arms", ""]])
+def test_empty_name_lists_are_refused(args):
+    assert_one_line_error(cli(*args), args[1])
+
+
+def test_demo_refuses_keys_it_would_ignore(tmp_path):
+    out = cli("demo", write(tmp_path, "precision: fp8_blockwise\ntrian: {steps: 5}\n"), "--steps", "1")
+    assert_one_line_error(out, "trian:", "did you mean 'train'")
+
+
+def test_a_directory_is_not_a_config(tmp_path):
+    assert_one_line_error(cli("explain", tmp_path), "is a directory")
+
+
+def test_recipe_fields_at_the_top_level_are_refused(tmp_path):
+    out = cli("apply", write(tmp_path, "precision: fp8_blockwise\npow2_scales: true\n"),
+              "--host", "megatron")
+    assert_one_line_error(out, "pow2_scales:", "fp8: {recipe: fp8_blockwise")
+
+
+def test_analyze_with_nothing_to_analyze_is_an_error_naming_the_tensors(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    only_odd = tmp_path / "odd.safetensors"
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.full((128, 128), float("nan")),
+               "model.norm.weight": torch.ones(128)}, str(only_odd))
+    out = cli("analyze", only_odd, "--no-progress")
+    assert_one_line_error(out, "CHECKPOINT", "model.layers.0.mlp.down_proj.weight", "non-finite")
+
+    mixed = tmp_path / "mixed.safetensors"
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.full((128, 128), float("nan")),
+               "model.layers.0.mlp.up_proj.weight": torch.randn(128, 128)}, str(mixed))
+    out = cli("analyze", mixed, "--no-progress", "--recipes", "fp8_blockwise")
+    assert out.returncode == 0, out.stderr
+    assert "skipped (non-finite values): model.layers.0.mlp.down_proj.weight" in out.stdout

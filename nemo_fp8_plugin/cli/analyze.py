@@ -37,7 +37,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._io import dump_json
+    from .._io import check_output_file, dump_json
     from ..analyze import DEFAULT_THRESHOLD_DB, analyze_checkpoint, render_text, write_heatmap
     from ..errors import FP8ConfigError
 
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise FP8ConfigError("the heat map is a PNG file", key="--plot", value=args.plot,
                              hint="name it something.png")
+    check_output_file(args.plot, "--plot")
     report = analyze_checkpoint(
         args.checkpoint, recipes=recipes,
         threshold_db=DEFAULT_THRESHOLD_DB if args.threshold is None else args.threshold,

@@ -25,9 +25,10 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from .._io import atomic_write_text
+    from .._io import atomic_write_text, check_output_file
     from ..bench import bench_refit, environment, render_numerics, render_refit, run_numerics
 
+    check_output_file(args.json, "--json")
     env = environment()
     print(f"# nemo-fp8 bench  torch {env['torch']}  threads {env['threads']}  isa {env['isa']}\n",
           flush=True)

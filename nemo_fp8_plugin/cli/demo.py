@@ -36,7 +36,15 @@ def run(args: argparse.Namespace) -> int:
 
     from ..demo import run_demo
 
-    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
+    from .._io import check_output_dir
+    from ..errors import FP8ConfigError
+
+    recipes = None
+    if args.recipes is not None:
+        recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+        if not recipes:
+            raise FP8ConfigError("no recipe named", key="--recipes", value=args.recipes)
+    check_output_dir(args.out, "--out")
     with warnings.catch_warnings():
         for pattern in _EXPECTED_CPU_WARNINGS:
             warnings.filterwarnings("ignore", message=pattern, category=UserWarning)

@@ -80,6 +80,14 @@ def load_demo_config(path: str | Path):
     from .model import GPTSettings
 
     config, request = resolve_config(path)
+    top = ("precision", "fp8", "model", "train")
+    for key in config:
+        if key not in top:  # `trian:` or a host's `trainer:` would otherwise be ignored
+            from ..errors import suggest
+
+            near = suggest(key, top)
+            raise FP8ConfigError("unknown key: the demo reads only " + ", ".join(top), key=str(key),
+                                 hint=f"did you mean {near!r}?" if near else None)
     blocks = {}
     for key, cls in (("model", GPTSettings), ("train", TrainSettings)):
         raw = config.get(key) or {}
