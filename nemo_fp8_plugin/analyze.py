@@ -167,7 +167,10 @@ def _resolve_recipes(recipes: Iterable[Any] | None):
         return [s for s in (default_registry().get(n) for n in sorted(default_registry().names()))]
     out = []
     for r in recipes:
-        spec = get_recipe(r)
+        try:
+            spec = get_recipe(r)
+        except FP8ConfigError as err:  # the user typed it in --recipes, so name that
+            raise FP8ConfigError(err.bare_message, key="--recipes", value=r, hint=err.hint) from None
         if spec.name not in [s.name for s in out]:
             out.append(spec)
     if not out:

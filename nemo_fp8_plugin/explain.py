@@ -24,9 +24,12 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
     config, request = resolve_config(path, hardware=hardware)
     report: dict[str, Any] = {"config": str(path)}
     if request is None:
-        report.update(recipe=None, keys=[], warnings=[
-            "no FP8 recipe requested (no `precision:`, `policy.precision:`, `mixed_precision:` "
-            "or `fp8:` naming one); the config runs in its own precision"])
+        warning = ("no FP8 recipe requested (no `precision:`, `policy.precision:`, "
+                   "`mixed_precision:` or `fp8:` naming one); the config runs in its own precision")
+        near_misses = _near_request_keys(config)
+        if near_misses:
+            warning += "; " + "; ".join(near_misses)
+        report.update(recipe=None, keys=[], warnings=[warning])
         return report
     report.update(_recipe_section(request))
     description, model_warnings = _model_section(request, config, Path(path), model, model_config)
@@ -52,6 +55,27 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
     if strict:
         _raise_strict(report)
     return report
+
+
+def _near_request_keys(config: dict) -> list[str]:
+    """``precison: fp8_blockwise``: a key one typo away from a request key, holding one of
+    our recipe names, is almost certainly the request that was meant."""
+    from .errors import suggest
+
+    reg = default_registry()
+    out = []
+    for section, keys in ((config, ("precision", "mixed_precision", "fp8")),
+                          (config.get("policy"), ("precision",))):
+        if not isinstance(section, dict):
+            continue
+        for key, value in section.items():
+            if key in keys or not isinstance(key, str) or not isinstance(value, str):
+                continue
+            near = suggest(key, keys)
+            if near and value.replace("-", "_") in reg:
+                where = "policy." if section is not config else ""
+                out.append(f"`{where}{key}: {value}` looks like `{where}{near}:` misspelt")
+    return out
 
 
 def _model_section(request: FP8Request, config: dict, path: Path, model: str | None,

@@ -280,3 +280,15 @@ def test_analyze_with_nothing_to_analyze_is_an_error_naming_the_tensors(tmp_path
     out = cli("analyze", mixed, "--no-progress", "--recipes", "fp8_blockwise")
     assert out.returncode == 0, out.stderr
     assert "skipped (non-finite values): model.layers.0.mlp.down_proj.weight" in out.stdout
+
+
+def test_a_misspelt_request_key_is_pointed_out(tmp_path):
+    out = cli("explain", write(tmp_path, "precison: fp8_blockwise\n"))
+    assert out.returncode == 0 and "`precison: fp8_blockwise` looks like `precision:`" in out.stdout
+
+
+@pytest.mark.parametrize("args, key", [(["rl-check", "--recipe", "fp8_blokwise"], "--recipe:"),
+                                       (["analyze", "nothing", "--recipes", "fp8_blokwise"],
+                                        "--recipes:")])
+def test_recipe_flags_are_named_in_their_errors(args, key):
+    assert_one_line_error(cli(*args), key, "did you mean 'fp8_blockwise'")

@@ -13,8 +13,8 @@ from conftest import REPO, load_te_recipe_module
 from nemo_fp8_plugin.cli import doctor, main
 
 
-def _json(capsys, *argv):
-    assert main(["doctor", *argv, "--json"]) == 0
+def _json(capsys, *argv, rc=0):
+    assert main(["doctor", *argv, "--json"]) == rc
     return json.loads(capsys.readouterr().out)
 
 
@@ -76,7 +76,7 @@ def test_effective_te_parameters_checked_with_te(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(doctor, "_te_recipe_module", lambda: (te_recipe, None))
     cfg = tmp_path / "c.yaml"
     cfg.write_text("precision: fp8_blockwise\n")
-    r = _json(capsys, str(cfg), "--hardware", "h100")["recipes"][0]
+    r = _json(capsys, str(cfg), "--hardware", "h100", rc=1)["recipes"][0]
     assert r["env_effective"] is False
     assert any("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in p for p in r["problems"])
     assert r["runnable"] is False
@@ -116,3 +116,11 @@ def test_doctor_imports_no_host():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          timeout=120)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_exit_code_1_when_the_configs_recipe_cannot_run_here(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: mxfp8\n")
+    assert main(["doctor", str(cfg), "--hardware", "h100"]) == 1
+    assert "CANNOT run here" in capsys.readouterr().out
+    assert main(["doctor", "--hardware", "h100"]) == 0  # a survey of every recipe judges none

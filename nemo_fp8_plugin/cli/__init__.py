@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # torch.cuda warns at import whenever the (NeMo-installed) pynvml package is present;
+    # it is about torch's environment, not the user's command, and would top every output.
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated",
+                            category=FutureWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

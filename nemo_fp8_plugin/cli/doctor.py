@@ -50,7 +50,8 @@ def register(sub) -> None:
         "doctor", help="check this machine against the FP8 recipe(s) before a run",
         description="Report GPU, CUDA and host-package versions, whether each recipe (the "
                     "config's, else all) can run on this machine, and whether the environment "
-                    "variables it needs are set and effective. Says what it could not check.")
+                    "variables it needs are set and effective. Says what it could not check. "
+                    "Exit code 1 when the config's recipe cannot run here.")
     p.add_argument("config", nargs="?", default=None, help="a YAML config (optional)")
     p.add_argument("--hardware", default=None,
                    help="judge the recipes for this GPU (h100, b200, ...) instead of this machine's")
@@ -275,4 +276,8 @@ def run(args: argparse.Namespace) -> int:
 
     report = build_report(args.config, hardware=args.hardware)
     sys.stdout.write(dump_json(report) if args.json else render_text(report))
+    # A config's own recipe that cannot run here fails the check, so scripts can gate a launch
+    # on it; without a config the report surveys every recipe and judges none.
+    if args.config and any(r["runnable"] is False for r in report["recipes"]):
+        return 1
     return 0

@@ -52,7 +52,11 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise FP8ConfigError("must be at least 1", key="--steps", value=args.steps)
     if args.recipe is not None:
-        spec = get_recipe(args.recipe)
+        try:
+            spec = get_recipe(args.recipe)
+        except FP8ConfigError as err:
+            raise FP8ConfigError(err.bare_message, key="--recipe", value=args.recipe,
+                                 hint=err.hint) from None
         if spec.scaling != "block":
             raise FP8ConfigError(f"{args.recipe} is {spec.scaling} scaling; rl-check's FP8 "
                                  f"generation engine is block FP8 (NeMo RL's vLLM path)",
