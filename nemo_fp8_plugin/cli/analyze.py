@@ -38,14 +38,11 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._io import check_output_file, dump_json
+    from ._args import name_list
     from ..analyze import DEFAULT_THRESHOLD_DB, analyze_checkpoint, render_text, write_heatmap
     from ..errors import FP8ConfigError
 
-    recipes = None
-    if args.recipes is not None:
-        recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-        if not recipes:
-            raise FP8ConfigError("no recipe named", key="--recipes", value=args.recipes)
+    recipes = name_list(args.recipes, "--recipes")
     if args.samples is not None and not args.activations:
         raise FP8ConfigError("samples feed the activation pass", key="--samples",
                              value=args.samples, hint="add --activations")

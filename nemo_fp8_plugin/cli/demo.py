@@ -34,16 +34,11 @@ _EXPECTED_CPU_WARNINGS = (
 def run(args: argparse.Namespace) -> int:
     import warnings
 
-    from ..demo import run_demo
-
     from .._io import check_output_dir
-    from ..errors import FP8ConfigError
+    from ..demo import run_demo
+    from ._args import name_list
 
-    recipes = None
-    if args.recipes is not None:
-        recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-        if not recipes:
-            raise FP8ConfigError("no recipe named", key="--recipes", value=args.recipes)
+    recipes = name_list(args.recipes, "--recipes")
     check_output_dir(args.out, "--out")
     with warnings.catch_warnings():
         for pattern in _EXPECTED_CPU_WARNINGS:

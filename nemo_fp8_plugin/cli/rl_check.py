@@ -34,21 +34,18 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._io import atomic_write_text, check_output_file, dump_json
+    from ._args import name_list
     from ..errors import FP8ConfigError
     from ..registry import get_recipe
     from ..rl.check import ARMS, FULL, QUICK, render_tables, run_check, with_overrides
 
     check_output_file(args.json, "--json")
-    arms = ARMS
-    if args.arms is not None:
-        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
-        if not arms:
-            raise FP8ConfigError("no arm named", key="--arms", value=args.arms,
-                                 hint=f"one or more of {', '.join(ARMS)}")
-        for arm in arms:
-            if arm not in ARMS:
-                raise FP8ConfigError(f"unknown arm {arm!r}", key="--arms", value=arm,
-                                     hint=f"one of {', '.join(ARMS)}")
+    arms = tuple(name_list(args.arms, "--arms", noun="arm",
+                           hint=f"one or more of {', '.join(ARMS)}") or ARMS)
+    for arm in arms:
+        if arm not in ARMS:
+            raise FP8ConfigError(f"unknown arm {arm!r}", key="--arms", value=arm,
+                                 hint=f"one of {', '.join(ARMS)}")
     if args.steps is not None and args.steps < 1:
         raise FP8ConfigError("must be at least 1", key="--steps", value=args.steps)
     if args.recipe is not None:
