@@ -1,6 +1,6 @@
 """Numerics benchmark (issue 3 §4): block-quantize throughput and emulated-linear overhead.
 
-The figures of ``nemo_fp8_plugin.bench`` (see its docstring): block quantization of an
+The figures of ``nemo_fp8_plugin.tools.bench`` (see its docstring): block quantization of an
 8192x8192 bf16 tensor vs ``torch.clone``, and a 4096x4096 linear's fwd+bwd per recipe's
 FP8 emulation vs the same layer in fp32 and bf16. Usage::
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from nemo_fp8_plugin.bench import environment, render_numerics, run_numerics
+from nemo_fp8_plugin.tools.bench import environment, render_numerics, run_numerics
 
 
 def main() -> None:

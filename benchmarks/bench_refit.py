@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from nemo_fp8_plugin.bench import bench_refit, render_refit
+from nemo_fp8_plugin.tools.bench import bench_refit, render_refit
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ registry and config loader are pure Python, and the torch-based parts
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import FP8ConfigError, HostUnavailableError, RecipeRegistryError
 from .registry import ENTRY_POINT_GROUP, get_recipe, list_recipes, register_recipe
@@ -23,7 +23,11 @@ __all__ = [
 ]
 
 # Subpackages that import torch (or a host) load lazily, on attribute access.
-_LAZY_SUBMODULES = {"numerics", "rl", "rules", "hosts", "vllm", "emulation", "analyze", "config"}
+_LAZY_SUBMODULES = {"numerics", "rl", "rules", "hosts", "analyze", "config", "capabilities",
+                    "tools"}
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from . import analyze, capabilities, config, hosts, numerics, rl, rules, tools  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -245,27 +245,40 @@ def register_recipe(spec: RecipeSpec | Mapping | Callable[[], Any], *, source: s
     return built
 
 
-def get_recipe(name_or_mapping: str | Mapping[str, Any] | RecipeSpec) -> RecipeSpec:
-    """The frozen spec for a recipe name, or for a mapping that starts from one.
+def get_recipe(recipe: str | Mapping[str, Any] | RecipeSpec) -> RecipeSpec:
+    """The one way to turn what a user wrote into a frozen spec.
 
-    ``get_recipe("fp8_blockwise")`` returns the preset; ``get_recipe({"recipe":
-    "fp8_blockwise", "pow2_scales": True})`` returns the preset with that field changed
-    (nested ``bf16_layers`` / ``importance_sampling`` merge field by field).
+    Accepts a spec (returned as is); a registered name (``"fp8_blockwise"``, the preset); a
+    mapping that starts from one (``{"recipe": "fp8_blockwise", "pow2_scales": True}``: the
+    preset with those fields changed, nested ``bf16_layers`` / ``importance_sampling`` merged
+    field by field); a full spec mapping (``spec.to_dict()``, no ``recipe`` key, every field
+    given); or either mapping as a JSON string (the form NeMo-Run YAML can carry to a
+    constructor). Every mistake is an :class:`FP8ConfigError` naming ``recipe``.
     """
-    if isinstance(name_or_mapping, RecipeSpec):
-        return name_or_mapping
+    if isinstance(recipe, RecipeSpec):
+        return recipe
+    if isinstance(recipe, str) and recipe.lstrip().startswith("{"):
+        import json  # noqa: PLC0415 - only for the JSON form
+
+        try:
+            recipe = json.loads(recipe)
+        except ValueError as exc:
+            raise FP8ConfigError(f"not a valid JSON recipe mapping: {exc}", key="recipe",
+                                 value=recipe) from None
     reg = default_registry()
-    if isinstance(name_or_mapping, str):
-        return reg.get(name_or_mapping)
-    if isinstance(name_or_mapping, Mapping):
-        overrides = dict(name_or_mapping)
+    if isinstance(recipe, str):
+        return reg.get(recipe)
+    if isinstance(recipe, Mapping):
+        overrides = dict(recipe)
         if "recipe" not in overrides:
+            if "name" in overrides and "scaling" in overrides:  # a full spec.to_dict()
+                return RecipeSpec.from_mapping(overrides)
             raise FP8ConfigError("a recipe mapping must start from a registered name",
                                  key="recipe", hint=f"valid recipes: {', '.join(reg.names())}")
         base = reg.get(overrides.pop("recipe"))
         return base.with_overrides(overrides)
-    raise FP8ConfigError(f"expected a recipe name or mapping, got {format_value(name_or_mapping)}",
-                         value=name_or_mapping)
+    raise FP8ConfigError(f"expected a recipe name or mapping, got {format_value(recipe)}",
+                         key="recipe", value=recipe)
 
 
 def list_recipes() -> list[RecipeSpec]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU device check (one H100/H200, under 6 minutes). Writes its results as JSON.
 #
-#   bash scripts/gpu_check.sh [OUT.json] [extra args for python -m nemo_fp8_plugin.gpu_check]
+#   bash scripts/gpu_check.sh [OUT.json] [extra args for python -m nemo_fp8_plugin.tools.gpu_check]
 #
 # Runs from the source tree with the machine's own python3 and torch: it needs only torch
 # (Triton for the compiled quantizer path) and PyYAML, no install, no omegaconf, no network.
@@ -13,4 +13,4 @@ out=${1:-${OUT:-.}/gpu_check.json}
 shift || true
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec "${PYTHON:-python3}" -m nemo_fp8_plugin.gpu_check --out "$out" "$@"
+exec "${PYTHON:-python3}" -m nemo_fp8_plugin.tools.gpu_check --out "$out" "$@"

@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
     from transformers import AutoModelForCausalLM
 
-    from nemo_fp8_plugin.vllm import engine_kwargs
-    from nemo_fp8_plugin.vllm.worker import WORKER_EXTENSION
+    from nemo_fp8_plugin.hosts.vllm import engine_kwargs
+    from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
 
     device = args.device
     if device == "auto":

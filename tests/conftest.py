@@ -81,7 +81,7 @@ def load_te_recipe_module(dest: Path, name: str = "te_recipe_under_test"):
 def megatron_cpu():
     """megatron-core's process group and model-parallel state, set up for CPU (HOSTS.md), once
     per session: the same helper `nemo-fp8 demo` uses."""
-    from nemo_fp8_plugin.demo.model import init_megatron_cpu
+    from nemo_fp8_plugin.tools.demo.model import init_megatron_cpu
 
     init_megatron_cpu()
 

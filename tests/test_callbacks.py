@@ -23,8 +23,9 @@ from torch import nn
 
 from conftest import load_te_recipe_module, upstream_file
 from nemo_fp8_plugin import FP8ConfigError
-from nemo_fp8_plugin.callbacks import (FP8ScaleRefreshBridgeCallback, FP8ScaleRefreshCallback,
-                                       ScaleRefresher, refresh_fp8_scales)
+from nemo_fp8_plugin.hosts.bridge.callback import FP8ScaleRefreshBridgeCallback
+from nemo_fp8_plugin.hosts.nemo2.callback import FP8ScaleRefreshCallback
+from nemo_fp8_plugin.hosts.refresh import ScaleRefresher, refresh_fp8_scales
 from nemo_fp8_plugin.numerics import convert_to_fp8_emulation, emulated_modules
 
 INPUT_SCALE = 1000.0  # activations well above E4M3's 448: scale 1 saturates them

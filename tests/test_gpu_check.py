@@ -16,7 +16,7 @@ import sys
 import torch
 
 from conftest import REPO
-from nemo_fp8_plugin import gpu_check
+from nemo_fp8_plugin.tools import gpu_check
 
 
 def test_cpu_logic_run_through_the_script(tmp_path):
@@ -95,7 +95,7 @@ def test_a_fake_quant_mismatch_is_reported_as_failed(monkeypatch):
 def test_cuda_requested_without_a_gpu_exits_2(tmp_path):
     if torch.cuda.is_available():
         return  # this file is about the CPU machine; on a GPU the script runs for real
-    proc = subprocess.run([sys.executable, "-m", "nemo_fp8_plugin.gpu_check", "--out",
+    proc = subprocess.run([sys.executable, "-m", "nemo_fp8_plugin.tools.gpu_check", "--out",
                            str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
     assert not (tmp_path / "x.json").exists()

@@ -256,4 +256,4 @@ def test_registered_recipe_catches_the_fp32_scale_trap(registered, te_unset):
 
 def test_apply_warning_does_not_promise_a_check_stock_bridge_lacks(tmp_path):
     (warning,) = [w for w in _apply(tmp_path, BRIDGE_YAML).warnings if "NVTE_" in w]
-    assert "pass nemo_fp8_plugin.callbacks.FP8ScaleRefreshBridgeCallback" in warning
+    assert "pass nemo_fp8_plugin.hosts.bridge.callback.FP8ScaleRefreshBridgeCallback" in warning

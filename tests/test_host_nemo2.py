@@ -78,10 +78,10 @@ def runs(tmp_path_factory):
         "fp8:\n  recipe: fp8_blockwise\n  bf16_layers: {first: 2, modules: ['*.linear_qkv']}\n")
     (work / "overlay.yaml").write_text(dump_yaml(nemo2.apply_file(overlay_request).data))
     invocations = {f"plugin_{r}": ["llm", "finetune", "--factory", STOCK,
-                                   f"trainer.plugins=nemo_fp8_plugin.nemo_run_factories.{r}",
+                                   f"trainer.plugins=nemo_fp8_plugin.hosts.nemo2.factories.{r}",
                                    "--to-yaml", f"plugin_{r}.yaml", "-y"] for r in RECIPES}
     invocations["callback"] = ["llm", "finetune", "--factory", STOCK,
-                               "trainer.callbacks=[nemo_fp8_plugin.nemo_run_factories."
+                               "trainer.callbacks=[nemo_fp8_plugin.hosts.nemo2.factories."
                                "fp8_blockwise_callback]", "--to-yaml", "callback.yaml", "-y"]
     invocations["pretrain"] = ["llm", "pretrain", "--factory", "llama31_8b_fp8_current",
                                "--to-yaml", "pretrain.yaml", "-y"]
@@ -140,7 +140,7 @@ def test_trainer_plugins_dotted_path(runs, recipe):
     for key, want in EXPECTED[recipe].items():
         assert plugin[key] == want, key
     # The plugin alone checks nothing in the training process, and the factory says so.
-    said = f"nemo_run_factories.{recipe} sets the precision plugin only" in out
+    said = f"factories.{recipe} sets the precision plugin only" in out
     assert said == (recipe in ("fp8_current", "fp8_subchannel", "fp8_blockwise")), out[-3000:]
 
 
@@ -254,7 +254,7 @@ def test_apply_refuses_a_foreign_plugin_and_dropped_settings(tmp_path):
 def test_plugin_only_warning_names_the_variable_and_the_callback():
     text = nemo2.plugin_only_warning(get_recipe("fp8_blockwise"))
     assert "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in text
-    assert "trainer.callbacks=[nemo_fp8_plugin.nemo_run_factories.fp8_blockwise_callback]" in text
+    assert "trainer.callbacks=[nemo_fp8_plugin.hosts.nemo2.factories.fp8_blockwise_callback]" in text
     assert nemo2.plugin_only_warning(get_recipe("mxfp8")) is None  # TE reads no variable for it
 
 

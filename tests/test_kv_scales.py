@@ -184,7 +184,7 @@ def test_megatron_core_attention(tmp_path):
     """megatron-core's GPTModel (the demo model: local layer spec, CPU core attention): the
     calibrator hooks core attention as NeMo RL does. Expected k/v amaxes come from a separate
     hook on ``linear_qkv`` (learned positions, no RoPE: k and v are slices of its output)."""
-    from nemo_fp8_plugin.demo.model import GPTSettings, build_gpt
+    from nemo_fp8_plugin.tools.demo.model import GPTSettings, build_gpt
 
     settings = GPTSettings(num_layers=2, hidden_size=128, ffn_hidden_size=256,
                            num_attention_heads=4, seq_length=16)

@@ -16,7 +16,7 @@ import math
 import pytest
 
 from nemo_fp8_plugin.cli import main as cli_main
-from nemo_fp8_plugin.rl.check import ARMS
+from nemo_fp8_plugin.tools.rl_check import ARMS
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,10 @@ import yaml
 
 from conftest import nemo_rl_configs
 from nemo_fp8_plugin import BF16Rules, FP8ConfigError, get_recipe
-from nemo_fp8_plugin.rules import (SIDES, describe_model, from_transformer_config, keeps_bf16,
-                                   module_filter, resolve, to_megatron, to_nemo_rl, to_vllm)
+from nemo_fp8_plugin.rules import (SIDES, describe_model, from_transformer_config, keeps_bf16, module_filter, resolve)
+from nemo_fp8_plugin.hosts.megatron.rules import to_megatron
+from nemo_fp8_plugin.hosts.nemo_rl.rules import to_nemo_rl
+from nemo_fp8_plugin.hosts.vllm.rules import to_vllm
 
 BLOCKWISE = get_recipe("fp8_blockwise")
 
@@ -434,7 +436,8 @@ def test_rules_import_without_torch_yaml_or_omegaconf():
     code = ("import sys\n"
             "for m in ('yaml', 'omegaconf', 'torch'): sys.modules[m] = None\n"
             "from nemo_fp8_plugin import BF16Rules\n"
-            "from nemo_fp8_plugin.rules import keeps_bf16, describe_model, resolve, to_vllm\n"
+            "from nemo_fp8_plugin.rules import keeps_bf16, describe_model, resolve\n"
+            "from nemo_fp8_plugin.hosts.vllm.rules import to_vllm\n"
             "m = describe_model('llama3.1-8b')\n"
             "assert keeps_bf16(BF16Rules(first=1), 'model.layers.0.mlp.up_proj.weight',"
             " side='generation', num_layers=32) == 'bf16_layers.first'\n"

@@ -19,8 +19,8 @@ import megatron.core as megatron_core
 import torch
 
 from nemo_fp8_plugin import get_recipe  # noqa: E402
-from nemo_fp8_plugin.rules import (builtin_high_precision, from_transformer_config,  # noqa: E402
-                                   resolve, to_megatron)
+from nemo_fp8_plugin.rules import builtin_high_precision, from_transformer_config, resolve  # noqa: E402
+from nemo_fp8_plugin.hosts.megatron.rules import to_megatron
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ import pytest
 
 from conftest import IN_CI, REPO, upstream_file
 from nemo_fp8_plugin import get_recipe
-from nemo_fp8_plugin.rules import describe_model, resolve, to_vllm
+from nemo_fp8_plugin.rules import (describe_model, resolve)
+from nemo_fp8_plugin.hosts.vllm.rules import to_vllm
 from nemo_fp8_plugin.rules.names import MEGATRON_TO_HF_LEAVES, generic_counterparts
 
 SMALL = {

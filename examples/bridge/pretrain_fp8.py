@@ -15,7 +15,7 @@ from megatron.bridge.recipes.llama import llama3_8b_pretrain_config
 from megatron.bridge.training.gpt_step import forward_step
 from megatron.bridge.training.pretrain import pretrain
 
-from nemo_fp8_plugin.callbacks import FP8ScaleRefreshBridgeCallback
+from nemo_fp8_plugin.hosts.bridge.callback import FP8ScaleRefreshBridgeCallback
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--recipe", default="fp8_blockwise")

@@ -26,8 +26,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from nemo_fp8_plugin import get_recipe  # noqa: E402
 from nemo_fp8_plugin.rl import (importance_weights, mismatch_metrics,  # noqa: E402
                                 quantize_for_refit, refresh_scales)
-from nemo_fp8_plugin.vllm import engine_kwargs  # noqa: E402
-from nemo_fp8_plugin.vllm.worker import WORKER_EXTENSION  # noqa: E402
+from nemo_fp8_plugin.hosts.vllm import engine_kwargs  # noqa: E402
+from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION  # noqa: E402
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
               intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from .._io import atomic_write_text, check_output_file
-    from ..bench import bench_refit, environment, render_numerics, render_refit, run_numerics
+    from ..tools.bench import bench_refit, environment, render_numerics, render_refit, run_numerics
 
     check_output_file(args.json, "--json")
     env = environment()

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     from .._io import check_output_dir
-    from ..demo import run_demo
+    from ..tools.demo import run_demo
     from ._args import name_list
 
     recipes = name_list(args.recipes, "--recipes")

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from ._args import name_list
     from ..errors import FP8ConfigError
     from ..registry import get_recipe
-    from ..rl.check import ARMS, FULL, QUICK, render_tables, run_check, with_overrides
+    from ..tools.rl_check import ARMS, FULL, QUICK, render_tables, run_check, with_overrides
 
     check_output_file(args.json, "--json")
     arms = tuple(name_list(args.arms, "--arms", noun="arm",

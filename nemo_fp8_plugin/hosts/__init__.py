@@ -29,7 +29,7 @@ HOSTS = {
     "bridge": "bridge",
     "megatron": "megatron",
     "nemo-rl": "nemo_rl",
-    "vllm": "vllm_engine",
+    "vllm": "vllm.adapter",
 }
 """CLI host name -> adapter module under ``nemo_fp8_plugin.hosts``."""
 

@@ -32,10 +32,10 @@ How this module makes fp32 block scales take effect and never run the wrong ones
    raises :class:`FP8ConfigError` with the fix when they quantize differently.
    :func:`verify_installed_te` runs it against the TE of the current process, and is called
    wherever plugin code runs inside the training process: the callbacks of
-   :mod:`nemo_fp8_plugin.callbacks` at train start, Bridge's registered mixed-precision
+   :mod:`nemo_fp8_plugin.hosts.refresh` at train start, Bridge's registered mixed-precision
    recipes (:func:`nemo_fp8_plugin.hosts.bridge.mixed_precision_config`) and megatron-core's
    :func:`~nemo_fp8_plugin.hosts.megatron.build_transformer_config`. NeMo 2's plugin-only
-   factory (``trainer.plugins=nemo_fp8_plugin.nemo_run_factories.<recipe>``) runs in the
+   factory (``trainer.plugins=nemo_fp8_plugin.hosts.nemo2.factories.<recipe>``) runs in the
    launcher, not the training process, so only the callback checks that path.
 
 megatron-core's ``fp8_recipe='custom'`` (a ``CustomRecipe`` with a quantizer factory) would
@@ -327,9 +327,9 @@ def verify_installed_te(spec: RecipeSpec | str | Mapping[str, Any], *,
     no import-time TE state; True when the check passed; raises :class:`FP8ConfigError`
     naming the environment variable otherwise. ``spec`` may be a recipe name, a
     ``{"recipe": name, ...overrides}`` mapping or a full spec mapping (as the callbacks take)."""
-    from ..callbacks import resolve_spec  # noqa: PLC0415 - stdlib-only module
+    from ..registry import get_recipe  # noqa: PLC0415
 
-    spec = resolve_spec(spec)
+    spec = get_recipe(spec)
     if spec.training != "fp8" or spec.scaling not in ("block", "tensorwise"):
         return False  # no import-time TE state decides these recipes' numerics
     try:

@@ -158,7 +158,7 @@ def _quantization_config(spec, ignored: list[str]) -> dict[str, Any]:
         if spec.pow2_scales:
             cfg["pow2_scales"] = True  # read by nemo_fp8; vLLM's fp8 method ignores it
         return cfg
-    from ..vllm import quantization_config
+    from ..hosts.vllm import quantization_config
 
     cfg = quantization_config(spec)
     cfg.pop("_warnings", None)

@@ -306,7 +306,7 @@ class KVScaleCalibrator:
 
     def as_step_hook(self, forward: Callable[[Any], Any] | None = None) -> Callable[[Any, Any], ScaleUpdate]:
         """A ``hook(trainer_or_context, module)`` for the training callbacks' after-optimizer-step
-        slot (:mod:`nemo_fp8_plugin.callbacks`): calibrates with ``forward(module)`` when given,
+        slot (:mod:`nemo_fp8_plugin.hosts.refresh`): calibrates with ``forward(module)`` when given,
         else turns the samples the attached hooks saw during the step into scales. The last
         result is kept in ``self.last_update``."""
         self.last_update: ScaleUpdate | None = None

@@ -109,7 +109,7 @@ def is_module_rule(label: str | None) -> bool:
     return bool(label) and label.startswith("bf16_layers.modules[")
 
 
-def _module_rules(rules: BF16Rules) -> list[_Rule]:
+def module_rules(rules: BF16Rules) -> list[_Rule]:
     return [_Rule(rule_label(i, p), f"bf16_layers.modules[{i}]", p,
                   re.compile(fnmatch.translate(p)).match)
             for i, p in enumerate(rules.modules)]
@@ -179,7 +179,7 @@ def _resolve(rules: BF16Rules, recipe: str | None, side_on: bool, model: ModelDe
     n = model.num_layers
     if acts:
         _check_counts(rules, n, model.name)
-    mrules = _module_rules(rules) if acts else []
+    mrules = module_rules(rules) if acts else []
     decided: dict[str, list[str]] = {r.label: [] for r in mrules}   # units each rule decided
     matched = {r.label: 0 for r in mrules}
     shadowers: dict[str, set[str]] = {r.label: set() for r in mrules}
@@ -355,7 +355,7 @@ def _generic_decider(rules: BF16Rules, side_on: bool, side: str,
                              hint="pass num_layers (or a model description)")
     if acts and num_layers is not None:
         _check_counts(rules, num_layers, "the model")
-    mrules = _module_rules(rules) if acts else []
+    mrules = module_rules(rules) if acts else []
 
     def decide(name: str) -> str | None:
         name = strip_param_suffix(name)
@@ -419,3 +419,23 @@ def module_filter(spec: RecipeSpec | BF16Rules, *, num_layers: int | None, side:
         return decide(name) is None
 
     return convert_generic
+
+
+GLOB_CHARS = re.compile(r"[*?\[\]]")
+"""Characters that make a ``bf16_layers.modules`` pattern a glob rather than an exact name."""
+
+
+def side_rules(spec: RecipeSpec | BF16Rules) -> tuple[BF16Rules, bool, bool]:
+    """``(rules, training side in FP8, generation side in FP8)``; bare rules act on both."""
+    if isinstance(spec, RecipeSpec):
+        return spec.bf16_layers, spec.training == "fp8", spec.generation == "fp8"
+    return spec, True, True
+
+
+def plain_keyword(pattern: str) -> str | None:
+    """``"*a_proj*"`` -> ``"a_proj"``: the substring a glob of the form ``*word*`` stands for."""
+    if len(pattern) > 2 and pattern.startswith("*") and pattern.endswith("*"):
+        inner = pattern[1:-1]
+        if inner and not GLOB_CHARS.search(inner):
+            return inner
+    return None

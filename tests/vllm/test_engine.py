@@ -87,7 +87,7 @@ def fp8_checkpoint(tmp_path_factory, trainer_weights):
 
 @pytest.fixture(scope="module")
 def llm(fp8_checkpoint):
-    from nemo_fp8_plugin.vllm.worker import WORKER_EXTENSION
+    from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
 
     start = time.perf_counter()
     engine = vllm.LLM(model=str(fp8_checkpoint), quantization="nemo_fp8", dtype="float32",
@@ -378,7 +378,7 @@ def test_other_recipes_in_a_vllm_linear_layer(llm, recipe):
     payload path, and the forward, each against the numerics reference."""
     from nemo_fp8_plugin import get_recipe
     from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise, quantize_mxfp8
-    from nemo_fp8_plugin.vllm import quantization_config
+    from nemo_fp8_plugin.hosts.vllm import quantization_config
 
     spec = get_recipe(recipe)
     qcfg = quantization_config(spec)
@@ -392,7 +392,7 @@ def test_other_recipes_in_a_vllm_linear_layer(llm, recipe):
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
-        from nemo_fp8_plugin.vllm.config import NemoFp8Config
+        from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
         with set_current_vllm_config(worker.vllm_config):
             layer = MergedColumnParallelLinear(256, [256, 256], bias=False,

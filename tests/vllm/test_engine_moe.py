@@ -113,8 +113,8 @@ def weights():
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, weights):
-    from nemo_fp8_plugin.vllm import engine_kwargs
-    from nemo_fp8_plugin.vllm.worker import WORKER_EXTENSION
+    from nemo_fp8_plugin.hosts.vllm import engine_kwargs
+    from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
 
     ckpt = write_checkpoint(tmp_path_factory.mktemp("tiny-mixtral"), MIXTRAL, weights)
     engine = vllm.LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=128,
@@ -205,7 +205,7 @@ def test_3d_bf16_expert_stack_is_quantized_per_expert(llm):
     name = f"{PREFIX.format(i=1)}.routed_experts.w13_weight"
 
     def load(worker, w1=w1, w3=w3, name=name):
-        from nemo_fp8_plugin.vllm.methods import finish_refit
+        from nemo_fp8_plugin.hosts.vllm.methods import finish_refit
 
         model = worker.model_runner.get_model()
         param = dict(model.named_parameters())[name]

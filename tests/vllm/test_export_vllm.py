@@ -46,7 +46,7 @@ def _vllm_config(model_dir, quantization=None):
 
 
 def test_vllm_picks_its_own_fp8_method_unless_nemo_fp8_is_asked_for(exported):
-    from nemo_fp8_plugin.vllm.config import NemoFp8Config
+    from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
     native = _vllm_config(exported)
     assert native.model_config.quantization == "fp8"

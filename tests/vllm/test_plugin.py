@@ -14,20 +14,20 @@ import torch
 import yaml
 
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts.vllm_engine import apply_vllm
-from nemo_fp8_plugin.vllm import QUANT_METHOD, engine_kwargs, engine_spelling
+from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
+from nemo_fp8_plugin.hosts.vllm import QUANT_METHOD, engine_kwargs, engine_spelling
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_entry_point_is_declared_and_discovered():
     found = {e.name: e for e in entry_points(group="vllm.general_plugins")}
-    assert found["nemo_fp8"].value == "nemo_fp8_plugin.vllm:register"
+    assert found["nemo_fp8"].value == "nemo_fp8_plugin.hosts.vllm:register"
 
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 
     loaded = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)  # vLLM's own discovery
-    from nemo_fp8_plugin.vllm import register
+    from nemo_fp8_plugin.hosts.vllm import register
 
     assert loaded["nemo_fp8"] is register
 
@@ -38,8 +38,8 @@ def test_general_plugins_register_the_method_and_nothing_else():
 
     before = list(q.QUANTIZATION_METHODS)
     load_general_plugins()
-    from nemo_fp8_plugin.vllm import register
-    from nemo_fp8_plugin.vllm.config import NemoFp8Config
+    from nemo_fp8_plugin.hosts.vllm import register
+    from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
     register()  # a second call in one process is harmless
     after = list(q.QUANTIZATION_METHODS)
@@ -51,7 +51,7 @@ def test_general_plugins_register_the_method_and_nothing_else():
 
 
 def test_importing_the_package_pulls_neither_torch_nor_vllm():
-    code = ("import sys, nemo_fp8_plugin.vllm as v; v.engine_kwargs('fp8_blockwise'); "
+    code = ("import sys, nemo_fp8_plugin.hosts.vllm as v; v.engine_kwargs('fp8_blockwise'); "
             "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -79,7 +79,7 @@ def _vllm_config(path):
 def test_apply_output_is_parsed_by_vllms_config_machinery(tmp_path, tiny_llama_dir):
     """`nemo-fp8 apply --host vllm` writes a file `vllm serve --config` takes; vLLM builds its
     config from it and instantiates our quantization config from the hf_overrides."""
-    from nemo_fp8_plugin.vllm.config import NemoFp8Config
+    from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
     src = _engine_config(tmp_path, tiny_llama_dir,
                          fp8={"recipe": "fp8_blockwise", "bf16_layers": {"first": 1, "modules": ["*down_proj"]}})
@@ -147,7 +147,7 @@ def test_bf16_rules_with_a_model_become_exact_vllm_names():
 
 
 def _config(**kw):
-    from nemo_fp8_plugin.vllm.config import NemoFp8Config
+    from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
     cfg = NemoFp8Config.from_config({"quant_method": QUANT_METHOD, **kw})
     cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -183,14 +183,14 @@ def test_exact_names_must_cover_a_fused_module():
                                        ({"weight_block_size": [64, 64]}, "weight_block_size"),
                                        ({"backend": "cuda"}, "backend"), ({"typo": 1}, "unknown")])
 def test_config_errors_name_the_key(bad, match):
-    from nemo_fp8_plugin.vllm.config import NemoFp8Config
+    from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
     with pytest.raises(ValueError, match=match):
         NemoFp8Config.from_config({"quant_method": QUANT_METHOD, **bad})
 
 
 def test_claims_an_fp8_checkpoint_only_when_asked():
-    from nemo_fp8_plugin.vllm.config import NemoFp8Config
+    from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
     ckpt = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     assert NemoFp8Config.override_quantization_method(ckpt, QUANT_METHOD) == QUANT_METHOD
@@ -267,7 +267,7 @@ def test_gpu_kernel_binding_keeps_loadable_parameters_and_updates_in_place():
     """The CUDA path hands vLLM's block-FP8 kernel a view of the layer; vLLM's CPU build has no
     such kernel, so a stub stands in for it here (the only stub in these tests): it rewrites the
     scale tensor after loading, as DeepGEMM's layout conversion does."""
-    from nemo_fp8_plugin.vllm.methods import NemoFp8LinearMethod
+    from nemo_fp8_plugin.hosts.vllm.methods import NemoFp8LinearMethod
 
     class RewritingKernel:
         def process_weights_after_loading(self, layer):

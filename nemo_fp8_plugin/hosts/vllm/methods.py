@@ -46,7 +46,7 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 def _numerics():
-    from .. import numerics
+    from ... import numerics
 
     return numerics
 

@@ -54,11 +54,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, List, Mapping
 
-from ..config import FP8Request, find_fp8_request, get_path, load_config
-from ..errors import ConflictingKeyError, FP8ConfigError, format_value
-from ..spec import RecipeSpec
-from . import ApplyResult, HostKeys
-from .te import required_env
+from ...config import FP8Request, find_fp8_request, get_path, load_config
+from ...errors import ConflictingKeyError, FP8ConfigError, format_value
+from ...spec import RecipeSpec
+from .. import ApplyResult, HostKeys
+from ..te import required_env
 
 __all__ = ["FP8_RECIPE", "FP8_FIELDS", "BF16_FIELDS", "PRECISION_CONFIG_FP8_FIELDS",
            "dropped_settings", "transformer_config_fields", "precision_config_fields",
@@ -132,7 +132,7 @@ def _rules_keys(spec: RecipeSpec, model=None) -> HostKeys:
     keys = dict(_NO_BF16_LAYERS)
     if not spec.bf16_layers.acts_on("training") or spec.bf16_layers.empty:
         return HostKeys(keys=keys)
-    from ..rules import to_megatron  # noqa: PLC0415 - stdlib only, but not needed by every command
+    from .rules import to_megatron  # noqa: PLC0415 - stdlib only, but not needed by every command
 
     rules = to_megatron(spec, model)
     keys.update(rules.keys)
@@ -148,7 +148,7 @@ def model_for_rules(config: Mapping[str, Any], request: FP8Request):
     """
     if not request.spec.bf16_layers.modules:
         return None
-    from ..rules import describe_model  # noqa: PLC0415
+    from ...rules import describe_model  # noqa: PLC0415
 
     block = config.get("fp8")
     if isinstance(block, Mapping) and block.get("model") is not None:
@@ -176,7 +176,7 @@ def _stated_layers(config: Mapping[str, Any]) -> tuple[int, str] | None:
             return value, f"the model ({label}.num_layers)"
     block = config.get("fp8")
     if isinstance(block, Mapping) and block.get("model") is not None:
-        from ..rules import describe_model  # noqa: PLC0415
+        from ...rules import describe_model  # noqa: PLC0415
 
         model = describe_model(block["model"], key="fp8.model")
         return model.num_layers, model.name
@@ -198,7 +198,7 @@ def check_layer_counts(config: Mapping[str, Any], request: FP8Request) -> None:
     if stated is None:
         return
     # The very check explain reaches through rules.resolve(), so both commands agree.
-    from ..rules.resolve import _check_counts  # noqa: PLC0415
+    from ...rules.resolve import _check_counts  # noqa: PLC0415
 
     try:
         _check_counts(rules, *stated)
@@ -290,7 +290,7 @@ def bf16_quant_recipe(patterns: list[str]):
     """megatron-core's ``RecipeConfig`` keeping the modules matching ``patterns`` (fnmatch
     globs, first match wins) in BF16: the YAML ``_target_`` NeMo-Run and Bridge configs use,
     since NeMo-Run's YAML loader passes scalars and lists but not nested mappings."""
-    from ..rules import BF16_QUANT_CONFIG  # noqa: PLC0415
+    from .rules import BF16_QUANT_CONFIG  # noqa: PLC0415
 
     if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
         raise FP8ConfigError(f"expected a list of glob patterns, got {format_value(patterns)}",
@@ -346,7 +346,7 @@ def _verify_te(spec: RecipeSpec) -> None:
     # A TransformerConfig is built in the process that trains, and megatron-core builds its
     # TE recipe from it with TE's import-time scale defaults: the one place plain
     # megatron-core gives us to catch the fp32-scale trap.
-    from .te import verify_installed_te  # noqa: PLC0415
+    from ..te import verify_installed_te  # noqa: PLC0415
 
     verify_installed_te(spec, where="this process")
 
@@ -455,7 +455,7 @@ def _recipe_literal(spec: RecipeSpec) -> str:
     """``spec`` as the Python literal ``verify_installed_te`` takes: the registered name, the
     ``{"recipe": name, ...}`` mapping of the fields that differ from that preset, or (a spec
     no preset has) the full mapping."""
-    from ..registry import default_registry  # noqa: PLC0415
+    from ...registry import default_registry  # noqa: PLC0415
 
     reg = default_registry()
     if spec.name not in reg:

@@ -4,7 +4,7 @@ The input is a vLLM engine config: the YAML ``vllm serve --config FILE`` reads (
 the command-line options, with dashes or underscores), which is also the mapping of
 ``vllm.LLM(**kwargs)``. It names a recipe the usual way (``precision: <recipe>`` or an
 ``fp8:`` block); the output is the same mapping with that request replaced by the engine
-arguments of :func:`nemo_fp8_plugin.vllm.engine_kwargs`:
+arguments of :func:`nemo_fp8_plugin.hosts.vllm.engine_kwargs`:
 
 =================================  ==============================================================
 vLLM option                        from the spec
@@ -22,7 +22,7 @@ Every other key is kept. The output has no ``precision`` / ``fp8`` key left, so 
 something else (``quantization: fp8``, ``kv-cache-dtype: fp8_e5m2``, its own
 ``quantization_config``) is refused with the key named. ``device: cpu`` in the config
 selects vLLM's CPU backend, where the FP8 KV cache is not requested (see
-:func:`nemo_fp8_plugin.vllm.engine_kwargs`).
+:func:`nemo_fp8_plugin.hosts.vllm.engine_kwargs`).
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from ..config import find_fp8_request, load_config
-from ..errors import ConflictingKeyError, FP8ConfigError, format_value
-from . import ApplyResult, HostKeys
+from ...config import find_fp8_request, load_config
+from ...errors import ConflictingKeyError, FP8ConfigError, format_value
+from .. import ApplyResult, HostKeys
 
 __all__ = ["native_keys", "apply_file", "apply_vllm"]
 
 
 def native_keys(spec, model=None) -> HostKeys:
-    """The engine arguments for ``spec`` (see :func:`nemo_fp8_plugin.vllm.engine_spelling`)."""
-    from ..vllm import engine_spelling
+    """The engine arguments for ``spec`` (see :func:`nemo_fp8_plugin.hosts.vllm.engine_spelling`)."""
+    from . import engine_spelling
 
     kwargs, found = engine_spelling(spec, model)
     return HostKeys(keys=kwargs, warnings=found)
@@ -76,7 +76,7 @@ def _canonical(value: Any) -> Any:
 
 def apply_vllm(config: dict, *, hardware: str | None = None) -> tuple[dict, list[str]]:
     """Rewrite an engine-config mapping; returns ``(new mapping, warnings)``."""
-    from ..vllm import engine_spelling
+    from . import engine_spelling
 
     request = find_fp8_request(config, hardware=hardware)
     if request is None:

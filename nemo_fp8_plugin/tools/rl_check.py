@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .importance import importance_weights, mismatch_metrics
+from ..rl.importance import importance_weights, mismatch_metrics
 
 __all__ = ["CheckSettings", "FULL", "QUICK", "ARMS", "ArmResult", "StepRecord", "run_check",
            "run_arm", "render_tables", "with_overrides", "TinyLlama", "MirrorSumTask"]
@@ -440,7 +440,7 @@ def _tail_mean(values: list[float], frac: float = 0.25) -> float:
 def fp8_modules_of(template: TinyLlama, spec, num_layers: int) -> set[str]:
     """The modules the refit quantizer puts in FP8 under ``spec`` (its BF16 rules decide); the
     engine and, end to end, the trainer use exactly this set."""
-    from . import quantize_for_refit
+    from ..rl import quantize_for_refit
 
     named = [(n, t.to(torch.bfloat16)) for n, t in template.state_dict().items()]
     return {name[:-len(".weight_scale_inv")]
@@ -452,7 +452,7 @@ def _refit(trainer: Trainer, engine: Engine, spec, num_layers: int) -> int:
     """Trainer -> engine weight transfer (quantized on the trainer in the FP8 arms)."""
     named = trainer.state_for_refit()
     if engine.fp8:
-        from . import quantize_for_refit
+        from ..rl import quantize_for_refit
 
         named = quantize_for_refit(named, spec, num_layers=num_layers)
     return engine.load_weights(named)

@@ -44,11 +44,11 @@ import copy
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import find_fp8_request, load_config
-from ..errors import ConflictingKeyError, FP8ConfigError, format_value
-from ..spec import RecipeSpec
-from . import ApplyResult, HostKeys
-from .megatron import (check_layer_counts, dropped_settings, merge_native, model_for_rules,
+from ...config import find_fp8_request, load_config
+from ...errors import ConflictingKeyError, FP8ConfigError, format_value
+from ...spec import RecipeSpec
+from .. import ApplyResult, HostKeys
+from ..megatron import (check_layer_counts, dropped_settings, merge_native, model_for_rules,
                        precision_config_fields, remove_request_keys)
 
 __all__ = ["PLUGIN_TARGET", "CALLBACK_TARGET", "plugin_fields", "native_keys", "plugin_config",
@@ -58,10 +58,10 @@ __all__ = ["PLUGIN_TARGET", "CALLBACK_TARGET", "plugin_fields", "native_keys", "
 PLUGIN_TARGET = "nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision"
 """Import path of NeMo 2's precision plugin class (the ``_target_`` NeMo-Run YAML uses)."""
 
-CALLBACK_TARGET = "nemo_fp8_plugin.callbacks.FP8ScaleRefreshCallback"
+CALLBACK_TARGET = "nemo_fp8_plugin.hosts.nemo2.callback.FP8ScaleRefreshCallback"
 """Import path of the Lightning callback that verifies TE at start and refreshes scales."""
 
-CALLBACK_FACTORY = "nemo_fp8_plugin.nemo_run_factories"
+CALLBACK_FACTORY = "nemo_fp8_plugin.hosts.nemo2.factories"
 """Module holding one zero-argument callback factory per recipe, ``<recipe>_callback``, for
 ``trainer.callbacks=[...]`` on the NeMo-Run command line."""
 
@@ -111,7 +111,7 @@ the BF16 glob patterns (NeMo-Run's YAML cannot call a static method such as
 
 def quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
     """``model.config.quant_recipe`` as NeMo-Run YAML: a call building the ``RecipeConfig``."""
-    from .megatron import bf16_patterns  # noqa: PLC0415
+    from ..megatron import bf16_patterns  # noqa: PLC0415
 
     return {"_target_": QUANT_RECIPE_TARGET, "patterns": bf16_patterns(mapping)}
 
@@ -133,7 +133,7 @@ def _spec_arg(spec: RecipeSpec) -> str:
     and lists to a constructor, not nested mappings)."""
     import json  # noqa: PLC0415
 
-    from ..registry import default_registry  # noqa: PLC0415
+    from ...registry import default_registry  # noqa: PLC0415
 
     reg = default_registry()
     if spec.name not in reg:
@@ -160,7 +160,7 @@ def plugin_only_warning(spec: RecipeSpec) -> str | None:
     or None when the recipe needs no environment variable. The factory runs in the NeMo-Run
     launcher, whose environment is not the training process's, and the plugin it returns is
     NeMo's own class, so the only in-process check is the callback."""
-    from .te import required_env  # noqa: PLC0415
+    from ..te import required_env  # noqa: PLC0415
 
     env = required_env(spec)
     if not env:
@@ -174,10 +174,10 @@ def plugin_only_warning(spec: RecipeSpec) -> str | None:
 
 
 def callback_config(spec: RecipeSpec, **kwargs):
-    """``run.Config`` of :class:`nemo_fp8_plugin.callbacks.FP8ScaleRefreshCallback` for ``spec``."""
+    """``run.Config`` of :class:`nemo_fp8_plugin.hosts.nemo2.callback.FP8ScaleRefreshCallback` for ``spec``."""
     import nemo_run as run  # noqa: PLC0415
 
-    from ..callbacks import FP8ScaleRefreshCallback  # noqa: PLC0415
+    from .callback import FP8ScaleRefreshCallback  # noqa: PLC0415
 
     return run.Config(FP8ScaleRefreshCallback, recipe=_spec_arg(spec), **kwargs)
 
@@ -212,7 +212,7 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
         for key, value in fields.items():
             setattr(plugin, key, value)
     if "quant_recipe" in hk.keys:
-        from .megatron import bf16_patterns, bf16_quant_recipe  # noqa: PLC0415
+        from ..megatron import bf16_patterns, bf16_quant_recipe  # noqa: PLC0415
 
         recipe.model.config.quant_recipe = run.Config(
             bf16_quant_recipe, patterns=bf16_patterns(hk.keys["quant_recipe"]))

@@ -1,6 +1,6 @@
 """The ``nemo_fp8`` quantization config: what vLLM's machinery parses and asks for methods.
 
-Imported by :func:`nemo_fp8_plugin.vllm.register` inside vLLM processes only. The layer
+Imported by :func:`nemo_fp8_plugin.hosts.vllm.register` inside vLLM processes only. The layer
 methods (``methods.py``) load on the first ``get_quant_method`` call, so registering stays
 cheap.
 """
@@ -190,7 +190,7 @@ class NemoFp8Config(QuantizationConfig):
     def _rules(self):
         """``ignored_layers`` and the first/last counts in the plugin's rule language."""
         if self.__dict__.get("_bf16_rules", False) is False:
-            from ..spec import BF16Rules
+            from ...spec import BF16Rules
 
             self._bf16_rules = BF16Rules(
                 first=self.num_first_layers_in_bf16, last=self.num_last_layers_in_bf16,
@@ -222,7 +222,7 @@ class NemoFp8Config(QuantizationConfig):
         if hits and all(hits):
             return True
         # Also keeps what no host runs in FP8 (MoE routers), as training does.
-        from ..rules import keeps_bf16
+        from ...rules import keeps_bf16
 
         rules = self._rules()
         total = self._total_layers() if rules.last else None

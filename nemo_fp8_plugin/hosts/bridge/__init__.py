@@ -33,7 +33,7 @@ variables TE reads at import. Two places check it inside the training process: t
 :func:`register` adds (Bridge calls them there, when it finalizes ``mixed_precision:
 <name>``; :func:`mixed_precision_config` runs
 :func:`nemo_fp8_plugin.hosts.te.verify_installed_te`), and
-:class:`nemo_fp8_plugin.callbacks.FP8ScaleRefreshBridgeCallback` at the start of training. The
+:class:`nemo_fp8_plugin.hosts.bridge.callback.FP8ScaleRefreshBridgeCallback` at the start of training. The
 expanded YAML block of :func:`apply_config` is built by stock Bridge, so for it only the
 callback checks.
 """
@@ -45,11 +45,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
 
-from ..config import find_fp8_request, load_config
-from ..errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
-from ..spec import RecipeSpec
-from . import ApplyResult, HostKeys
-from .megatron import (check_layer_counts, dropped_settings, merge_native, model_for_rules,
+from ...config import find_fp8_request, load_config
+from ...errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
+from ...spec import RecipeSpec
+from .. import ApplyResult, HostKeys
+from ..megatron import (check_layer_counts, dropped_settings, merge_native, model_for_rules,
                        precision_config_fields, remove_request_keys)
 
 __all__ = ["MIXED_PRECISION_TARGET", "TARGET_PREFIX", "mixed_precision_fields", "native_keys",
@@ -101,7 +101,7 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
 
 
 def _quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    from .megatron import bf16_patterns  # noqa: PLC0415
+    from ..megatron import bf16_patterns  # noqa: PLC0415
 
     return {"_target_": "nemo_fp8_plugin.hosts.megatron.bf16_quant_recipe",
             "patterns": bf16_patterns(mapping)}
@@ -116,7 +116,7 @@ def _mp_module(mp_module: ModuleType | None) -> ModuleType:
     try:
         from megatron.bridge.training import mixed_precision  # noqa: PLC0415
     except ImportError as exc:
-        from ..errors import HostUnavailableError  # noqa: PLC0415
+        from ...errors import HostUnavailableError  # noqa: PLC0415
 
         raise HostUnavailableError(f"Megatron-Bridge is not importable here ({exc})",
                                    hint="pip install megatron-bridge (needs Transformer Engine)") from None
@@ -133,10 +133,10 @@ def mixed_precision_config(spec: RecipeSpec | str | Mapping, model=None, *,
     is importable here its import-time scale defaults are checked against the recipe
     (:func:`nemo_fp8_plugin.hosts.te.verify_installed_te`): a missing
     ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` raises :class:`FP8ConfigError` before training."""
-    from ..callbacks import resolve_spec  # noqa: PLC0415
-    from .te import verify_installed_te  # noqa: PLC0415
+    from ...registry import get_recipe  # noqa: PLC0415
+    from ..te import verify_installed_te  # noqa: PLC0415
 
-    spec = resolve_spec(spec)
+    spec = get_recipe(spec)
     _refuse(spec)
     verify_installed_te(spec, where="the Megatron-Bridge training process")
     mp = _mp_module(mp_module)
@@ -160,7 +160,7 @@ def register(mp_module: ModuleType | None = None, *, names: list[str] | None = N
     ``mp_module`` / ``instantiate_module``: Bridge's ``training.mixed_precision`` and
     ``utils.instantiate_utils`` modules (imported when None).
     """
-    from ..registry import list_recipes  # noqa: PLC0415
+    from ...registry import list_recipes  # noqa: PLC0415
 
     mp = _mp_module(mp_module)
     table = mp.MIXED_PRECISION_RECIPES
@@ -185,7 +185,7 @@ def register(mp_module: ModuleType | None = None, *, names: list[str] | None = N
 
 def _bridge_factory(name: str, mp: ModuleType):
     def factory():
-        from ..registry import get_recipe  # noqa: PLC0415
+        from ...registry import get_recipe  # noqa: PLC0415
 
         return mixed_precision_config(get_recipe(name), mp_module=mp)
 
@@ -202,7 +202,7 @@ def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
         try:
             from megatron.bridge.utils import instantiate_utils as instantiate_module  # noqa: PLC0415
         except ImportError as exc:
-            from ..errors import HostUnavailableError  # noqa: PLC0415
+            from ...errors import HostUnavailableError  # noqa: PLC0415
 
             raise HostUnavailableError(f"Megatron-Bridge's instantiate_utils is not importable "
                                        f"({exc})") from None
@@ -268,7 +268,7 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
     for var, value in hk.env.items():
         warnings.append(f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
                         f"applied after Transformer Engine is imported); stock Bridge builds this "
-                        f"block without checking it: pass nemo_fp8_plugin.callbacks."
+                        f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."
                         f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start")
     if strict and hk.warnings:
         raise FP8ConfigError(hk.warnings[0], key="--strict")

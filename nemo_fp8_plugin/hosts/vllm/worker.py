@@ -19,7 +19,7 @@ import torch
 
 __all__ = ["NemoFp8WorkerExtension", "WORKER_EXTENSION", "load_refit_payload"]
 
-WORKER_EXTENSION = "nemo_fp8_plugin.vllm.worker.NemoFp8WorkerExtension"
+WORKER_EXTENSION = "nemo_fp8_plugin.hosts.vllm.worker.NemoFp8WorkerExtension"
 """Dotted path for ``vllm.LLM(worker_extension_cls=...)``."""
 
 

@@ -66,10 +66,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config import FP8Request, find_fp8_request, get_path, load_config
-from ..errors import ConflictingKeyError, FP8ConfigError, format_value
-from ..spec import RecipeSpec
-from . import ApplyResult, HostKeys
+from ...config import FP8Request, find_fp8_request, get_path, load_config
+from ...errors import ConflictingKeyError, FP8ConfigError, format_value
+from ...spec import RecipeSpec
+from .. import ApplyResult, HostKeys
 
 __all__ = ["native_keys", "apply_file", "apply_nemo_rl", "TRAINING_RECIPE"]
 
@@ -139,7 +139,7 @@ def _unexpressible(spec: RecipeSpec) -> list[str]:
 
 def _rules_keys(spec: RecipeSpec, model: Any) -> HostKeys:
     """BF16 layer rules in NeMo RL's spelling, from the rules module."""
-    from ..rules import to_nemo_rl
+    from .rules import to_nemo_rl
 
     return to_nemo_rl(spec, model=model)
 
@@ -499,7 +499,7 @@ def _model_description(request: FP8Request, resolved: Mapping) -> tuple[Any, lis
     name = request.model
     if not name:
         return None, []
-    from ..rules import describe_model
+    from ...rules import describe_model
 
     explicit = isinstance(resolved.get("fp8"), Mapping) and resolved["fp8"].get("model") is not None
     try:

@@ -24,10 +24,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .numerics import (FP8EmulatedLinear, fused_mode, quantize_blockwise,
+from ..numerics import (FP8EmulatedLinear, fused_mode, quantize_blockwise,
                        quantize_blockwise_fused, quantize_mxfp8, quantize_mxfp8_fused)
-from .registry import get_recipe
-from .rl import quantize_for_refit
+from ..registry import get_recipe
+from ..rl import quantize_for_refit
 
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
 

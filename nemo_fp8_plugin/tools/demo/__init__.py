@@ -24,7 +24,7 @@ __all__ = ["TrainSettings", "ArmResult", "load_demo_config", "run_demo", "defaul
 
 def default_config() -> Path:
     """The embedded default: ``conf/examples/demo_gpt_fp8_blockwise.yaml``."""
-    from .._resources import conf_dir
+    from ..._resources import conf_dir
 
     return conf_dir("examples") / "demo_gpt_fp8_blockwise.yaml"
 
@@ -75,15 +75,15 @@ class ArmResult:
 
 def load_demo_config(path: str | Path):
     """The demo's YAML: ``precision``/``fp8`` (the recipe of interest), ``model``, ``train``."""
-    from ..config import resolve_config
-    from ..errors import FP8ConfigError
+    from ...config import resolve_config
+    from ...errors import FP8ConfigError
     from .model import GPTSettings
 
     config, request = resolve_config(path)
     top = ("precision", "fp8", "model", "train")
     for key in config:
         if key not in top:  # `trian:` or a host's `trainer:` would otherwise be ignored
-            from ..errors import suggest
+            from ...errors import suggest
 
             near = suggest(key, top)
             raise FP8ConfigError("unknown key: the demo reads only " + ", ".join(top), key=str(key),
@@ -131,8 +131,8 @@ def _loss(model, batch):
 
 def _convert(model, arm: str, spec, num_layers: int):
     """Put ``model``'s linear layers in the arm's precision; returns (bf16 modules, linears)."""
-    from ..numerics import convert_to_bf16_emulation, convert_to_fp8_emulation, emulated_modules
-    from ..rules import module_filter
+    from ...numerics import convert_to_bf16_emulation, convert_to_fp8_emulation, emulated_modules
+    from ...rules import module_filter
 
     linear_names = [n for n, m in model.named_modules()
                     if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear")]
@@ -234,8 +234,8 @@ def run_arm(result: ArmResult, spec, gpt, train: TrainSettings, data, *,
 def _arms(request, recipes: list[str] | None):
     """(arm name, spec or None for BF16) in run order; the config's own recipe (with its
     overrides) replaces the preset of the same name."""
-    from ..errors import FP8ConfigError
-    from ..registry import default_registry
+    from ...errors import FP8ConfigError
+    from ...registry import default_registry
 
     reg = default_registry()
     names = list(recipes) if recipes else reg.names()
@@ -299,7 +299,7 @@ def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult
     """``results.json`` and ``loss_curves.png`` in ``out_dir``, each written atomically."""
     import json
 
-    from .._io import atomic_write_bytes, atomic_write_text
+    from ..._io import atomic_write_bytes, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [atomic_write_text(out_dir / "results.json", json.dumps(report, indent=2) + "\n")]
@@ -346,7 +346,7 @@ def run_demo(config: str | Path | None = None, *, recipes: list[str] | None = No
     gpt, train, request = load_demo_config(config)
     if steps is not None:
         if steps < 1:
-            from ..errors import FP8ConfigError
+            from ...errors import FP8ConfigError
 
             raise FP8ConfigError(f"must be positive, got {steps}", key="--steps", value=steps)
         train = dataclasses.replace(train, steps=steps,

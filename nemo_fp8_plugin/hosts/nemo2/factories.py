@@ -1,13 +1,13 @@
 """NeMo-Run CLI factories: every FP8 recipe on the ``nemo`` command line.
 
 NeMo-Run loads every entry point of group ``nemo_run.cli`` when the ``nemo`` command
-starts; this package declares ``fp8 = nemo_fp8_plugin.nemo_run_factories``, so once it is
+starts; this package declares ``fp8 = nemo_fp8_plugin.hosts.nemo2.factories``, so once it is
 installed, and without any import by the user:
 
 * every registered recipe is a ``MegatronMixedPrecision`` factory, by import path::
 
       nemo llm finetune --factory llama3_8b \\
-          trainer.plugins=nemo_fp8_plugin.nemo_run_factories.fp8_blockwise
+          trainer.plugins=nemo_fp8_plugin.hosts.nemo2.factories.fp8_blockwise
 
   (NeMo-Run resolves short names in a ``Union``-typed field such as ``trainer.plugins`` only
   by import path; the factories are also registered under the plugin type, so
@@ -18,7 +18,7 @@ installed, and without any import by the user:
   so (:func:`nemo_fp8_plugin.hosts.nemo2.plugin_only_warning`). ``<recipe>_callback`` is the
   matching start-of-training check and scale refresh::
 
-      trainer.callbacks=[nemo_fp8_plugin.nemo_run_factories.fp8_blockwise_callback]
+      trainer.callbacks=[nemo_fp8_plugin.hosts.nemo2.factories.fp8_blockwise_callback]
 
 * every stock ``llm.pretrain`` / ``llm.finetune`` recipe gets one FP8 variant per recipe,
   named ``<stock recipe>_<fp8 recipe>``::
@@ -28,7 +28,7 @@ installed, and without any import by the user:
 
   A variant calls the stock recipe with the same arguments, puts the FP8 arguments on the
   recipe's own precision plugin (keeping its dtypes and ``grad_reduce_in_fp32``) and adds
-  :class:`nemo_fp8_plugin.callbacks.FP8ScaleRefreshCallback` to ``trainer.callbacks``. A
+  :class:`nemo_fp8_plugin.hosts.nemo2.callback.FP8ScaleRefreshCallback` to ``trainer.callbacks``. A
   name a stock factory already uses is never shadowed.
 
 Importing this module imports NeMo-Run and ``nemo.collections.llm`` (NeMo's own ``llm``
@@ -43,7 +43,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from .registry import list_recipes
+from ...registry import list_recipes
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ def plugin_factory(name: str) -> Callable[[], Any]:
     """A zero-argument factory returning ``run.Config[MegatronMixedPrecision]`` for recipe ``name``."""
 
     def factory():
-        from .hosts.nemo2 import plugin_config, plugin_only_warning  # noqa: PLC0415
-        from .registry import get_recipe  # noqa: PLC0415
+        from . import plugin_config, plugin_only_warning  # noqa: PLC0415
+        from ...registry import get_recipe  # noqa: PLC0415
 
         spec = get_recipe(name)
         warning = plugin_only_warning(spec)
@@ -76,11 +76,11 @@ def plugin_factory(name: str) -> Callable[[], Any]:
 
 def callback_factory(name: str) -> Callable[[], Any]:
     """A zero-argument factory returning ``run.Config[FP8ScaleRefreshCallback]`` for ``name``,
-    for ``trainer.callbacks=[nemo_fp8_plugin.nemo_run_factories.<name>_callback]``."""
+    for ``trainer.callbacks=[nemo_fp8_plugin.hosts.nemo2.factories.<name>_callback]``."""
 
     def factory():
-        from .hosts.nemo2 import callback_config  # noqa: PLC0415
-        from .registry import get_recipe  # noqa: PLC0415
+        from . import callback_config  # noqa: PLC0415
+        from ...registry import get_recipe  # noqa: PLC0415
 
         return callback_config(get_recipe(name))
 
@@ -96,9 +96,9 @@ def variant_factory(stock: Callable[..., Any], stock_name: str, recipe: str) -> 
 
     @functools.wraps(wrapped)
     def variant(*args, **kwargs):
-        from .hosts.nemo2 import add_fp8_to_recipe  # noqa: PLC0415
-        from .hosts.te import required_env  # noqa: PLC0415
-        from .registry import get_recipe  # noqa: PLC0415
+        from . import add_fp8_to_recipe  # noqa: PLC0415
+        from ..te import required_env  # noqa: PLC0415
+        from ...registry import get_recipe  # noqa: PLC0415
 
         spec = get_recipe(recipe)
         out = add_fp8_to_recipe(stock(*args, **kwargs), spec)

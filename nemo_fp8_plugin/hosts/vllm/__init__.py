@@ -8,7 +8,7 @@ Two halves, split so that importing this package stays free of torch and vLLM:
   :class:`~nemo_fp8_plugin.spec.RecipeSpec`.
 * :func:`register`, the ``vllm.general_plugins`` entry point. vLLM calls it in every
   process it starts; it registers the quantization method ``nemo_fp8`` (class
-  :class:`nemo_fp8_plugin.vllm.config.NemoFp8Config`) and nothing else, so an engine that
+  :class:`nemo_fp8_plugin.hosts.vllm.config.NemoFp8Config`) and nothing else, so an engine that
   does not ask for ``quantization="nemo_fp8"`` behaves exactly as without the plugin.
 
 The method itself (``config.py``, ``methods.py``) imports vLLM and is loaded only when vLLM
@@ -71,7 +71,8 @@ def _rules_spelling(spec, model) -> tuple[list[str], int, int, list[str]]:
         if not rules.acts_on("generation"):
             return [], 0, 0, []
         return list(rules.modules), rules.first, rules.last, []
-    from ..rules import describe_model, to_vllm
+    from ...rules import describe_model
+    from .rules import to_vllm
 
     keys = to_vllm(spec, describe_model(model))
     return list(keys.keys.get("ignored_layers", [])), 0, 0, list(keys.warnings)
@@ -90,7 +91,7 @@ def engine_spelling(spec, model=None, *, platform: str | None = None) -> tuple[d
     Returns:
         ``(kwargs, warnings)``; ``kwargs`` is ``{}`` when the recipe leaves generation in BF16.
     """
-    from ..registry import get_recipe
+    from ...registry import get_recipe
 
     spec = get_recipe(spec)
     found: list[str] = []
@@ -134,7 +135,7 @@ def quantization_config(spec, model=None) -> dict[str, Any]:
     are documented in :data:`CONFIG_KEYS`. The returned mapping carries the warnings of the
     BF16-rule spelling under ``"_warnings"`` (callers pop it).
     """
-    from ..registry import get_recipe
+    from ...registry import get_recipe
 
     spec = get_recipe(spec)
     ignored, first, last, found = _rules_spelling(spec, model)

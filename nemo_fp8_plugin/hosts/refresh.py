@@ -44,44 +44,19 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from .errors import FP8ConfigError, format_value
+from ..errors import FP8ConfigError, format_value
+from ..registry import get_recipe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RefreshReport", "ScaleRefresher", "refresh_fp8_scales", "resolve_spec",
-           "FP8ScaleRefreshCallback", "FP8ScaleRefreshBridgeCallback"]
-
-
-def resolve_spec(recipe):
-    """A :class:`~nemo_fp8_plugin.spec.RecipeSpec` from a name, an ``fp8:``-style mapping
-    (``{recipe: name, ...overrides}``), a full spec mapping (``spec.to_dict()``), either
-    mapping as a JSON string, or a spec."""
-    from .registry import get_recipe  # noqa: PLC0415
-    from .spec import RecipeSpec  # noqa: PLC0415
-
-    if isinstance(recipe, str) and recipe.lstrip().startswith("{"):
-        import json  # noqa: PLC0415 - the JSON form NeMo-Run YAML carries
-
-        try:
-            recipe = json.loads(recipe)
-        except ValueError as exc:
-            raise FP8ConfigError(f"not a valid JSON recipe mapping: {exc}", key="recipe",
-                                 value=recipe) from None
-    if recipe is None or isinstance(recipe, (str, RecipeSpec)):
-        return None if recipe is None else get_recipe(recipe)
-    if isinstance(recipe, Mapping):
-        if "recipe" in recipe:
-            return get_recipe(dict(recipe))
-        return RecipeSpec.from_mapping(dict(recipe))
-    raise FP8ConfigError(f"expected a recipe name or mapping, got {format_value(recipe)}",
-                         key="recipe", value=recipe)
+__all__ = ["RefreshReport", "ScaleRefresher", "refresh_fp8_scales"]
 
 
 # --------------------------------------------------------------------------- backends
 
 
 def _emulated_modules(model) -> list:
-    from .numerics import emulated_modules  # noqa: PLC0415
+    from ..numerics import emulated_modules  # noqa: PLC0415
 
     return [m for _, m in emulated_modules(model)]
 
@@ -96,7 +71,7 @@ def _te_modules(model) -> list:
 
 @contextlib.contextmanager
 def _emulation_calibration(model):
-    from .numerics import fp8_calibration, update_fp8_scales  # noqa: PLC0415
+    from ..numerics import fp8_calibration, update_fp8_scales  # noqa: PLC0415
 
     with fp8_calibration(model):
         yield
@@ -238,7 +213,7 @@ class ScaleRefresher:
         if after_optimizer_step is not None and not callable(after_optimizer_step):
             raise FP8ConfigError(f"must be callable, got {format_value(after_optimizer_step)}",
                                  key="after_optimizer_step", value=after_optimizer_step)
-        self.spec = resolve_spec(recipe)
+        self.spec = None if recipe is None else get_recipe(recipe)
         self.calibration_steps = calibration_steps
         self.calibration_batches = calibration_batches
         self.forward_fn = forward_fn
@@ -262,7 +237,7 @@ class ScaleRefresher:
             from transformer_engine.common import recipe as te_recipe  # noqa: PLC0415
         except ImportError:
             return False
-        from .hosts.te import verify_host_recipe  # noqa: PLC0415
+        from .te import verify_host_recipe  # noqa: PLC0415
 
         verify_host_recipe(self.spec, te_recipe, where=where)
         return True
@@ -320,117 +295,3 @@ class ScaleRefresher:
 
 def _is_iterator(obj) -> bool:
     return hasattr(obj, "__next__") and not hasattr(obj, "shape")
-
-
-# --------------------------------------------------------------------------- Lightning (NeMo 2)
-
-try:  # the Lightning base class when Lightning is installed (NeMo 2 always has it)
-    from lightning.pytorch.callbacks import Callback as _LightningCallback
-except ImportError:  # pragma: no cover - Bridge-only or torch-only installs
-    _LightningCallback = object
-
-
-class FP8ScaleRefreshCallback(_LightningCallback):
-    """Lightning callback for NeMo 2: TE check at ``setup``, scale refresh before the first
-    optimizer step of a resumed run, ``after_optimizer_step`` hook, overhead accounting.
-
-    Arguments: those of :class:`ScaleRefresher` (spelled out so NeMo-Run's CLI and YAML can
-    set them). A run counts as resumed when the trainer's ``global_step`` is above 0 when
-    training starts (a checkpoint was restored). The refresh runs in ``on_train_batch_start``
-    of the first batch, on ``calibration_batches`` or, when none are given, on that batch
-    (``calibration_steps`` passes).
-    """
-
-    def __init__(self, recipe=None, calibration_steps: int = 4, calibration_batches=None,
-                 forward_fn=None, after_optimizer_step=None, refresh_on_resume: bool = True,
-                 verify_te: bool = True, log_every_n_steps: int = 100):
-        super().__init__()
-        self.refresher = ScaleRefresher(
-            recipe, calibration_steps=calibration_steps, calibration_batches=calibration_batches,
-            forward_fn=forward_fn, after_optimizer_step=after_optimizer_step,
-            refresh_on_resume=refresh_on_resume, verify_te=verify_te,
-            log_every_n_steps=log_every_n_steps)
-        self._resumed = False
-        self._last_step = None
-
-    @property
-    def stats(self) -> dict:
-        """Seconds and overhead fraction (see :class:`ScaleRefresher`)."""
-        return self.refresher.stats
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        self.refresher.verify("this NeMo 2 training process")
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._resumed = int(getattr(trainer, "global_step", 0) or 0) > 0
-        self._last_step = int(getattr(trainer, "global_step", 0) or 0)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.refresher.wants_refresh(self._resumed):
-            self.refresher.refresh(pl_module, fallback_batch=batch)
-        self.refresher.step_started()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = int(getattr(trainer, "global_step", 0) or 0)
-        if self._last_step is not None and step == self._last_step:
-            return  # gradient accumulation: no optimizer step happened
-        self._last_step = step
-        self.refresher.step_ended(trainer, pl_module, step)
-        log = getattr(pl_module, "log", None)
-        if callable(log) and getattr(trainer, "logger", None) is not None:
-            log("fp8_refresh_overhead_fraction", self.refresher.stats["overhead_fraction"])
-
-
-# --------------------------------------------------------------------------- Megatron-Bridge
-
-
-class FP8ScaleRefreshBridgeCallback:
-    """Megatron-Bridge callback (``megatron.bridge.training.callbacks`` event names).
-
-    ``pretrain(config, forward_step_func, callbacks=[FP8ScaleRefreshBridgeCallback(
-    "fp8_blockwise")])``. Bridge's ``CallbackManager.add`` registers the ``on_*`` methods a
-    callback defines, so this class needs no Bridge import. Bridge hands callbacks no data
-    iterator, so a resumed delayed-scaling run needs ``calibration_batches`` (and usually a
-    ``forward_fn(model_chunk, batch)``); without them the refresh is refused with a clear
-    error rather than skipped silently. Arguments: those of :class:`ScaleRefresher`.
-    """
-
-    def __init__(self, recipe=None, **kwargs):
-        self.refresher = ScaleRefresher(recipe, **kwargs)
-
-    @property
-    def stats(self) -> dict:
-        return self.refresher.stats
-
-    @staticmethod
-    def _step(context) -> int:
-        state = getattr(context, "state", None)
-        train_state = getattr(state, "train_state", None)
-        return int(getattr(train_state, "step", 0) or 0)
-
-    @staticmethod
-    def _module(context):
-        model = getattr(context, "model", None)
-        return model[0] if isinstance(model, (list, tuple)) and len(model) == 1 else model
-
-    def on_train_start(self, context) -> None:
-        self.refresher.verify("this Megatron-Bridge training process")
-        if self.refresher.wants_refresh(self._step(context) > 0):
-            module = self._module(context)
-            if isinstance(module, (list, tuple)):
-                if self.refresher.forward_fn is None:
-                    raise FP8ConfigError("scale refresh with several model chunks (virtual "
-                                         "pipeline stages) needs a forward_fn(chunks, batch)",
-                                         key="forward_fn")
-                import torch  # noqa: PLC0415
-
-                module = torch.nn.ModuleList(module)  # one module tree over every chunk
-            self.refresher.refresh(module)
-
-    def on_train_step_start(self, context) -> None:
-        self.refresher.step_started()
-
-    def on_train_step_end(self, context) -> None:
-        if getattr(context, "skipped_iter", False):
-            return  # no optimizer update happened
-        self.refresher.step_ended(context, self._module(context), self._step(context))

@@ -118,8 +118,8 @@ def _fp32_differing(want: torch.Tensor, got: torch.Tensor) -> int:
 
 
 def check_quantizers(device: torch.device, *, quick: bool = False) -> dict[str, Any]:
-    from . import numerics
-    from .registry import list_recipes
+    from .. import numerics
+    from ..registry import list_recipes
 
     rows, cols = (256, 512) if quick else (512, 1024)
     results, mismatches, fake_quant = [], [], []
@@ -158,8 +158,8 @@ def _fake_quant_variants(numerics, spec, block, fmt, x: torch.Tensor):
     """``(function name, tile, reference on CPU, device call)`` for each way the emulation
     fake-quantizes this role. The device call takes the device tensor and returns a tuple
     of fp32 tensors (the delayed cast also returns its amax, which feeds the next scale)."""
-    from .numerics import fused
-    from .numerics.scaling import FLT_MAX, reciprocal
+    from ..numerics import fused
+    from ..numerics.scaling import FLT_MAX, reciprocal
 
     if spec.scaling == "delayed":
         # A scale from a smaller (stale) amax, as delayed scaling has after a growth step,
@@ -288,7 +288,7 @@ def _operand(numerics, x: torch.Tensor, tile):
 def check_gemm(device: torch.device, *, sizes=(4096, 8192)) -> dict[str, Any]:
     if device.type != "cuda":
         return _skipped("FP8 tensor-core GEMMs need a CUDA device")
-    from . import numerics
+    from .. import numerics
 
     F, variants = _scaled_mm_variants()
     if F is None:
@@ -338,8 +338,8 @@ REFIT_SHAPES = {  # Llama-3.1-8B's linear weights of one layer, plus its LM-head
 
 
 def check_refit(device: torch.device, *, layers: int = 4, quick: bool = False) -> dict[str, Any]:
-    from .registry import get_recipe
-    from .rl import quantize_for_refit
+    from ..registry import get_recipe
+    from ..rl import quantize_for_refit
 
     spec = get_recipe("fp8_blockwise")
     scale = 8 if quick else 1
@@ -390,7 +390,7 @@ def check_te_quantizers(device: torch.device) -> dict[str, Any]:
     te, tex, why = _import_te()
     if te is None:
         return _skipped(why)
-    from . import numerics
+    from .. import numerics
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
 
     rows, cols = 512, 1024
@@ -427,8 +427,8 @@ def check_te_linear(device: torch.device, *, n: int = 4096) -> dict[str, Any]:
     te, _, why = _import_te()
     if te is None:
         return _skipped(why)
-    from .hosts.te import build_te_recipe
-    from .registry import list_recipes
+    from ..hosts.te import build_te_recipe
+    from ..registry import list_recipes
 
     major, _ = torch.cuda.get_device_capability(device)
     layer = te.Linear(n, n, bias=False, params_dtype=torch.bfloat16, device=device)
@@ -524,7 +524,7 @@ def run_checks(device: str | torch.device = "cuda", parts=PARTS, *, quick: bool 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nemo_fp8_plugin.gpu_check",
+    parser = argparse.ArgumentParser(prog="python -m nemo_fp8_plugin.tools.gpu_check",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu_check.json", help="JSON results file")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (logic check)")
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     report = run_checks(args.device, parts, quick=args.quick)
-    from ._io import atomic_write_text
+    from .._io import atomic_write_text
 
     atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
     print(f"[gpu_check] wrote {args.out}", file=sys.stderr)

@@ -1,0 +1,164 @@
+"""NeMo RL's spelling of the BF16 rules: ``policy.generation.vllm_cfg.num_first_layers_in_bf16`` /
+``num_last_layers_in_bf16`` / ``quantization_ignored_layer_kws``, and a warning for every rule
+its Megatron training side cannot express."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ...rules import ModelDescription
+from ...rules.names import MEGATRON_TO_HF_LEAVES, builtin_high_precision, layer_index
+from ...rules.resolve import (GLOB_CHARS, module_rules, is_module_rule, plain_keyword, resolve,
+                              rule_label, side_rules, template)
+from ...spec import BF16Rules, RecipeSpec
+from .. import HostKeys
+
+__all__ = ["to_nemo_rl"]
+
+
+
+def _training_side_warnings(spec, rules: BF16Rules, model: ModelDescription | None, host: str,
+                            where: str) -> list[str]:
+    out = []
+    harmless: set[str] = set()
+    if model is not None:  # rules that only name routers / the output layer lose nothing
+        decided: dict[str, list[str]] = {}
+        for d in resolve(spec, model, "training").decisions:
+            if is_module_rule(d.rule):
+                decided.setdefault(d.rule, []).append(d.module)
+        harmless = {label for label, mods in decided.items()
+                    if all(builtin_high_precision(m) for m in mods)}
+    if rules.first:
+        out.append(f"bf16_layers.first={rules.first} (host {host}): {where} has no key for BF16 "
+                   f"leading layers; training runs them in FP8")
+    if rules.last:
+        out.append(f"bf16_layers.last={rules.last} (host {host}): {where} has no key for BF16 "
+                   f"trailing layers; training runs them in FP8")
+    for i, p in enumerate(rules.modules):
+        if rule_label(i, p) not in harmless:
+            out.append(f"{rule_label(i, p)} (host {host}): {where} has no per-module keys; "
+                       f"training runs the modules it matches in FP8")
+    return out
+
+
+def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> HostKeys:
+    """NeMo RL's spelling: the vLLM generation keys under ``policy.generation.vllm_cfg``,
+    and a warning for every rule its Megatron training side cannot express."""
+    rules, training_on, generation_on = side_rules(spec)
+    warnings: list[str] = []
+    vllm_cfg: dict[str, Any] = {}
+    if training_on and rules.acts_on("training"):
+        warnings += _training_side_warnings(spec, rules, model, "nemo-rl",
+                                            "NeMo RL's training side (policy.megatron_cfg.fp8_cfg)")
+    if generation_on and rules.acts_on("generation"):
+        if rules.first:
+            vllm_cfg["num_first_layers_in_bf16"] = rules.first
+        if rules.last:
+            vllm_cfg["num_last_layers_in_bf16"] = rules.last
+        keywords, warns = _nemo_rl_keywords(spec, rules, model)
+        warnings += warns
+        if keywords:
+            vllm_cfg["quantization_ignored_layer_kws"] = keywords
+    elif generation_on and model is not None and model.vllm_quantizes_router:
+        keywords, warns = _nemo_rl_keywords(spec, BF16Rules(), model)
+        warnings += warns
+        if keywords:
+            vllm_cfg["quantization_ignored_layer_kws"] = keywords
+    keys = {"policy": {"generation": {"vllm_cfg": vllm_cfg}}} if vllm_cfg else {}
+    return HostKeys(keys, warnings)
+
+
+def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
+    """Substring keywords for ``quantization_ignored_layer_kws``.
+
+    NeMo RL keeps every Hugging Face parameter whose ``model.``-prefixed name contains a
+    keyword out of FP8 (``nemo_rl/models/generation/fp8.py``). A glob ``*word*`` is that
+    keyword exactly. With a model description, other globs are expanded, modules vLLM fuses
+    with a matched one are added (vLLM refuses a fused module whose parts disagree), and a
+    keyword that would catch modules the rules keep in FP8 is reported.
+    """
+    warnings: list[str] = []
+    keywords: list[str] = []
+    source: dict[str, str] = {}
+    untranslated: list[str] = []
+    for i, p in enumerate(rules.modules):
+        kw = plain_keyword(p)
+        if kw is not None:
+            if kw not in keywords:
+                keywords.append(kw)
+                source[kw] = rule_label(i, p)
+        else:
+            untranslated.append(rule_label(i, p))
+    if model is None:
+        for label in untranslated:
+            warnings.append(f"{label} (host nemo-rl): quantization_ignored_layer_kws takes substrings, "
+                            f"not globs; without a model description (--model or --model-config) "
+                            f"this pattern cannot be expanded")
+        return keywords, warnings
+
+    res = resolve(spec, model, "generation")
+    names = model.hf_linear_modules
+    fl_layers = set(range(rules.first))
+    if rules.last:
+        fl_layers |= set(range(model.num_layers - rules.last, model.num_layers))
+    required: set[str] = set()
+    for d in res.decisions:
+        if d.precision != "bf16" or not d.rule or d.layer in fl_layers:
+            continue
+        builtin = builtin_high_precision(d.module)
+        if builtin == "output_head" or (builtin == "router" and not model.vllm_quantizes_router):
+            continue  # vLLM's FP8 method never quantizes these: no keyword needed
+        if is_module_rule(d.rule) or builtin == "router":
+            required.update(model.vllm_members(d.module))
+    # Keywords may also catch what is BF16 anyway, or what vLLM never quantizes.
+    allowed = set(required)
+    for d in res.decisions:
+        builtin = builtin_high_precision(d.module)
+        if (d.precision == "bf16" or d.layer in fl_layers or builtin == "output_head"
+                or (builtin == "router" and not model.vllm_quantizes_router)):
+            allowed.update(model.vllm_members(d.module))
+
+    position = {n: i for i, n in enumerate(names)}
+
+    def caught(kw: str) -> set[str]:
+        return {n for n in names if kw in n}
+
+    covered: set[str] = set()
+    for kw in keywords:
+        got = caught(kw)
+        extra = sorted(got - allowed, key=position.__getitem__)
+        if extra:
+            warnings.append(f"{source[kw]} (host nemo-rl): keyword {kw!r} also matches "
+                            f"{len(extra)} module(s) the rules keep in FP8 (e.g. {extra[0]}); NeMo RL "
+                            f"matches keywords as substrings of parameter names")
+        covered |= got
+    missing = [n for n in names if n in required and n not in covered]
+    added: list[str] = []
+    while missing:
+        kw = _pick_keyword(missing[0], model, caught, allowed)
+        added.append(kw)
+        covered |= caught(kw)
+        missing = [n for n in missing if n not in covered]
+    return keywords + added, warnings
+
+
+def _pick_keyword(name: str, model: ModelDescription, caught, allowed: set[str]) -> str:
+    """The shortest substring that catches ``name`` and nothing the rules keep in FP8:
+    a trailing run of name components (no layer index), the fused-MoE prefix, or the
+    full name."""
+    parts = name.split(".")
+    candidates = []
+    for k in range(1, len(parts) + 1):
+        tail = parts[-k:]
+        if any(t.isdigit() for t in tail):
+            break
+        candidates.append(".".join(tail))
+    unit = model.vllm_module(name)
+    if unit and unit.endswith(".mlp.experts"):
+        candidates.append(unit + ".")
+    candidates.append(name)
+    for cand in candidates:
+        if caught(cand) <= allowed:
+            return cand
+    return name
