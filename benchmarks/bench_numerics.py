@@ -13,9 +13,9 @@ FP8 emulation vs the same layer in fp32 and bf16. Usage::
 from __future__ import annotations
 
 import argparse
-import json
 
-from nemo_fp8_plugin.tools.bench import environment, render_numerics, run_numerics
+from nemo_fp8_plugin.tools.bench import render_numerics, run_numerics
+from nemo_fp8_plugin.tools.harness import environment, write_json
 
 
 def main() -> None:
@@ -30,8 +30,7 @@ def main() -> None:
     print(f"# bench_numerics  torch {env['torch']}  threads {env['threads']}  isa {env['isa']}\n")
     print(render_numerics(result))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"env": env, **result}, fh, indent=2)
+        write_json(args.json, {"environment": env, **result})
 
 
 if __name__ == "__main__":

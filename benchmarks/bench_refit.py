@@ -10,16 +10,15 @@ same torch.compile code) and ``--check`` first verifies, weight by weight, that 
 output on that device is bit-identical to the eager reference computed on the CPU. Usage::
 
     .venv/bin/python benchmarks/bench_refit.py [--layers 1] [--recipe fp8_blockwise]
-        [--device cpu|cuda] [--check] [--quick]
+        [--device cpu|cuda] [--check] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 
-import torch
-
 from nemo_fp8_plugin.tools.bench import bench_refit, render_refit
+from nemo_fp8_plugin.tools.harness import environment, write_json
 
 
 def main() -> None:
@@ -31,10 +30,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--check", action="store_true",
                         help="verify fused == CPU eager reference first")
+    parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    env = environment(args.device)
     result = bench_refit(args.layers, args.recipe, args.rounds, args.quick, args.device, args.check)
-    print(f"# bench_refit  torch {torch.__version__}  threads {torch.get_num_threads()}")
+    print(f"# bench_refit  torch {env['torch']}  threads {env['threads']}  device {env['device']}")
     print(render_refit(result))
+    if args.json:
+        write_json(args.json, {"environment": env, "refit": result})
 
 
 if __name__ == "__main__":

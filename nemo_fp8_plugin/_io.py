@@ -13,7 +13,7 @@ __all__ = ["atomic_write_text", "atomic_write_bytes", "dump_yaml", "dump_json",
            "check_output_file", "check_output_dir"]
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` through a temp file in the same directory and a rename,
     so a crash or Ctrl-C never leaves a half-written file behind."""
     path = Path(path)
@@ -49,7 +49,7 @@ def _umask() -> int:
     return current
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
@@ -87,7 +87,7 @@ def _check_creatable(path: Path, key: str, *, shown: Path) -> None:
                              key=key, value=str(shown))
 
 
-def check_output_file(path: str | os.PathLike | None, key: str) -> None:
+def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
     """Refuse, before any work starts, an output file path that cannot be written (a
     directory, under a file, in a read-only place): a typo in ``--json`` must not cost a
     finished run its results."""
@@ -101,7 +101,7 @@ def check_output_file(path: str | os.PathLike | None, key: str) -> None:
     _check_creatable(path, key, shown=path)
 
 
-def check_output_dir(path: str | os.PathLike | None, key: str) -> None:
+def check_output_dir(path: str | os.PathLike[str] | None, key: str) -> None:
     """:func:`check_output_file` for an output folder (created later, when results exist)."""
     from .errors import FP8ConfigError
 

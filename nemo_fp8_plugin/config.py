@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FP8ConfigError, format_value, suggest
-from .registry import default_registry, load_yaml_file
+from .registry import RecipeRegistry, default_registry, load_yaml_file
 from .spec import RecipeSpec, normalize_hardware
 
 __all__ = ["STANDARD_PRECISIONS", "FP8Request", "load_config", "deep_merge", "find_fp8_request",
-           "resolve_config", "get_path", "FP8_BLOCK_EXTRA_KEYS"]
+           "resolve_config", "get_path", "FP8_BLOCK_EXTRA_KEYS", "load_config_chain"]
 
 STANDARD_PRECISIONS = frozenset({
     # torch dtypes as NeMo RL / Megatron write them
@@ -78,7 +78,7 @@ def get_path(mapping: Any, path: tuple[str, ...] | str, default: Any = None) -> 
     return node
 
 
-def deep_merge(base: Mapping, override: Mapping) -> dict:
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """Parent-first merge as OmegaConf does it: mappings merge, everything else replaces."""
     out = {k: copy.deepcopy(v) for k, v in base.items()}
     for key, value in override.items():
@@ -100,9 +100,8 @@ def _defaults_paths(value: Any, here: Path) -> list[Path] | None:
     return [(here.parent / i) if not Path(i).is_absolute() else Path(i) for i in items]
 
 
-def load_config(path: str | Path, *, follow_defaults: bool = True, _chain: tuple = ()) -> dict:
-    """Read a YAML config file safely, merging its NeMo RL ``defaults:`` chain parent-first."""
-    path = Path(path)
+def _read_mapping(path: Path) -> dict[str, Any]:
+    """One YAML file, parsed safely; every problem an :class:`FP8ConfigError` naming it."""
     if path.is_dir():
         raise FP8ConfigError(f"{path} is a directory; name a YAML config file", value=str(path))
     if not path.is_file():
@@ -119,22 +118,43 @@ def load_config(path: str | Path, *, follow_defaults: bool = True, _chain: tuple
     if not isinstance(data, dict):
         raise FP8ConfigError(f"{path} must hold a mapping at the top level, got "
                              f"{type(data).__name__}")
-    if not follow_defaults or "defaults" not in data:
+    return data
+
+
+def _merge_chain(data: dict[str, Any], path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """``data`` (the parsed ``path``) with its ``defaults:`` parents merged in, parent-first."""
+    if "defaults" not in data:
         return data
     parents = _defaults_paths(data["defaults"], path)
     if parents is None:
         return data
     resolved = path.resolve()
-    if resolved in _chain:
+    if resolved in chain:
         raise FP8ConfigError(f"defaults chain loops back to {path}", key="defaults")
-    merged: dict = {}
+    merged: dict[str, Any] = {}
     for parent in parents:
         if not parent.is_file():
             raise FP8ConfigError(f"parent config {data['defaults']!r} not found (looked for {parent})",
                                  key="defaults", value=data["defaults"])
-        merged = deep_merge(merged, load_config(parent, _chain=_chain + (resolved,)))
+        merged = deep_merge(merged, load_config(parent, _chain=chain + (resolved,)))
     child = {k: v for k, v in data.items() if k != "defaults"}
     return deep_merge(merged, child)
+
+
+def load_config(path: str | Path, *, follow_defaults: bool = True,
+                _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a YAML config file safely, merging its NeMo RL ``defaults:`` chain parent-first."""
+    path = Path(path)
+    data = _read_mapping(path)
+    return _merge_chain(data, path, _chain) if follow_defaults else data
+
+
+def load_config_chain(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(as written, with its defaults: chain merged)``, the file parsed once; the second
+    is the first itself when there is no chain (callers must not mutate either)."""
+    path = Path(path)
+    raw = _read_mapping(path)
+    return raw, _merge_chain(copy.deepcopy(raw), path, ())
 
 
 def _precision_recipe(value: Any, key: str) -> str | None:
@@ -163,7 +183,7 @@ _NATIVE_FP8_VALUES = ("hybrid", "e4m3", "e5m2")
 """Values of megatron-core's / NeMo's own ``fp8`` key (the element format switch)."""
 
 
-def _bridge_recipe(value: str, reg) -> str | None:
+def _bridge_recipe(value: str, reg: RecipeRegistry) -> str | None:
     """The recipe a Megatron-Bridge ``mixed_precision:`` value names, None for Bridge's own.
 
     Bridge's registry answers to ``fp8_blockwise`` and to its hyphenated alias
@@ -279,7 +299,7 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
     return FP8Request(spec=spec, keys=keys, model=model)
 
 
-def _model_named_by_host(config: Mapping) -> str | None:
+def _model_named_by_host(config: Mapping[str, Any]) -> str | None:
     """The model name a host config carries in its own keys, if any."""
     for path in (("policy", "model_name"), ("model", "name"), ("model_name",),
                  ("model", "pretrained_model_name_or_path"), ("hf_model_id",)):
@@ -289,7 +309,8 @@ def _model_named_by_host(config: Mapping) -> str | None:
     return None
 
 
-def resolve_config(path: str | Path, *, hardware: str | None = None) -> tuple[dict, FP8Request | None]:
+def resolve_config(path: str | Path, *,
+                   hardware: str | None = None) -> tuple[dict[str, Any], FP8Request | None]:
     """Load ``path`` (following ``defaults:``) and find its FP8 request."""
     config = load_config(path)
     return config, find_fp8_request(config, hardware=hardware)

@@ -7,6 +7,7 @@ turns these into a one-line message and exit code 2; anything else is a bug.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["FP8ConfigError", "RecipeRegistryError", "HostUnavailableError", "ConflictingKeyError",
@@ -19,7 +20,7 @@ def format_value(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def suggest(word: Any, choices) -> str | None:
+def suggest(word: Any, choices: Iterable[Any]) -> str | None:
     """The choice a misspelt ``word`` most likely meant, or None.
 
     Edit distance catches typos (``pow2_scale``); a prefix match catches truncations
@@ -29,10 +30,10 @@ def suggest(word: Any, choices) -> str | None:
 
     choices = [c for c in choices if isinstance(c, str)]
     word = str(word)
-    found = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    found: list[str] = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if found:
         return found[0]
-    prefixed = [c for c in choices if len(word) >= 3 and c.startswith(word)]
+    prefixed: list[str] = [c for c in choices if len(word) >= 3 and c.startswith(word)]
     if len(prefixed) == 1:
         return prefixed[0]
     found = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
@@ -63,8 +64,9 @@ class FP8ConfigError(ValueError):
             text += f" ({self.hint})"
         return text
 
-    def with_prefix(self, prefix: str) -> "FP8ConfigError":
-        """The same error re-keyed under ``prefix`` (``"fp8"`` turns ``margin`` into ``fp8.margin``)."""
+    def with_prefix(self, prefix: str) -> FP8ConfigError:
+        """The same error re-keyed under ``prefix`` (``"fp8"`` turns ``margin`` into
+        ``fp8.margin``)."""
         key = f"{prefix}.{self.key}" if self.key else prefix
         err = type(self)(self.bare_message, key=key, value=self.value, hint=self.hint)
         return err

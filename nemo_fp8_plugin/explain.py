@@ -1,39 +1,76 @@
-"""What a config resolves to, as one report: the recipe, findings, and (with the rules and
-host modules) the per-layer decisions and each host's native keys."""
+"""What a config resolves to, as one report: the recipe, findings, the per-layer decisions,
+and for every host exactly what ``nemo-fp8 apply --host <host>`` writes (the same pipeline,
+:func:`nemo_fp8_plugin.hosts.run`, on the same loaded config)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import FP8Request, resolve_config
 from .errors import ConflictingKeyError, FP8ConfigError
 from .registry import default_registry
 
-__all__ = ["build_report", "render_text"]
+if TYPE_CHECKING:
+    from .config import FP8Request
+
+__all__ = ["build_report", "render_text", "detect_host"]
+
+_VLLM_ENGINE_KEYS = ("tensor_parallel_size", "tensor-parallel-size", "max_model_len",
+                     "max-model-len", "gpu_memory_utilization", "gpu-memory-utilization",
+                     "quantization", "kv_cache_dtype", "kv-cache-dtype", "served_model_name",
+                     "served-model-name", "enforce_eager", "enforce-eager", "dtype")
+
+
+def detect_host(config: Mapping[str, Any]) -> str | None:
+    """The host a config is written for, from its shape: ``policy:`` with ``megatron_cfg`` or
+    ``generation`` is NeMo RL; ``trainer:`` NeMo 2; ``mixed_precision:`` Megatron-Bridge; a
+    string ``model:`` with vLLM engine options vLLM; a ``model:`` or ``language_model:``
+    mapping megatron-core; None for a config with none of these (``precision:`` alone)."""
+    policy = config.get("policy")
+    if isinstance(policy, Mapping) and ("megatron_cfg" in policy or "generation" in policy):
+        return "nemo-rl"
+    if isinstance(config.get("trainer"), Mapping):
+        return "nemo2"
+    if "mixed_precision" in config:
+        return "bridge"
+    if isinstance(config.get("model"), str) and any(k in config for k in _VLLM_ENGINE_KEYS):
+        return "vllm"
+    if isinstance(config.get("model"), Mapping) or isinstance(config.get("language_model"), Mapping):
+        return "megatron"
+    return None
 
 
 def build_report(path: str | Path, *, hardware: str | None = None, model: str | None = None,
-                 model_config: str | Path | None = None, strict: bool = False) -> dict[str, Any]:
+                 model_config: str | Path | None = None, strict: bool = False,
+                 host: str | None = None) -> dict[str, Any]:
     """The report ``nemo-fp8 explain`` prints; the ``--json`` output is exactly this.
 
     ``model`` (a built-in model name) or ``model_config`` (a Hugging Face ``config.json`` or
-    checkpoint directory) override the model the config names. ``strict`` turns every
+    checkpoint directory) override the model the config names. ``host`` overrides the host
+    detected from the config's shape (:func:`detect_host`): what that host's ``apply`` refuses,
+    ``explain`` refuses; another host's refusal is reported in its section. A native key
+    contradicting the recipe is refused whichever host it belongs to. ``strict`` turns every
     rule and host warning into an :class:`FP8ConfigError`.
     """
-    config, request = resolve_config(path, hardware=hardware)
-    report: dict[str, Any] = {"config": str(path)}
+    from .hosts import ADAPTERS, get_adapter, load_context  # noqa: PLC0415
+
+    ctx = load_context(path, hardware=hardware, model=model, model_config=model_config)
+    own = get_adapter(host).name if host is not None else detect_host(ctx.resolved)
+    report: dict[str, Any] = {"config": str(path), "host": own}
+    request = ctx.request
     if request is None:
-        warning = ("no FP8 recipe requested (no `precision:`, `policy.precision:`, "
-                   "`mixed_precision:` or `fp8:` naming one); the config runs in its own precision")
-        near_misses = _near_request_keys(config)
+        from .hosts import NO_REQUEST  # noqa: PLC0415
+
+        warning = NO_REQUEST
+        near_misses = _near_request_keys(dict(ctx.resolved))
         if near_misses:
             warning += "; " + "; ".join(near_misses)
         report.update(recipe=None, keys=[], warnings=[warning])
         return report
     report.update(_recipe_section(request))
-    description, model_warnings = _model_section(request, config, Path(path), model, model_config)
-    report["warnings"] += model_warnings
+    report["warnings"] += list(ctx.model_notes)
+    description = ctx.model
     if description is not None:
         report["model"] = description.name
         report["model_description"] = description.summary()
@@ -50,8 +87,7 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
         report["warnings"] += rule_warnings
         if notes:
             report["notes"] = notes
-    report["hosts"] = _hosts_section(request, model=description)
-    _refuse_native_conflicts(Path(path), hardware)
+    report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
     if strict:
         _raise_strict(report)
     return report
@@ -78,45 +114,6 @@ def _near_request_keys(config: dict) -> list[str]:
     return out
 
 
-def _model_section(request: FP8Request, config: dict, path: Path, model: str | None,
-                   model_config: str | Path | None):
-    """The model description the per-layer rules resolve against, and why there is none."""
-    from .rules import describe_model
-
-    if model_config is not None:
-        return describe_model(str(model_config), key="--model-config"), []
-    if model is not None:
-        return describe_model(model, key="--model"), []
-    named = request.model
-    if named is None and isinstance(config.get("model"), str):  # vLLM engine configs: `model: <id>`
-        named = config["model"]
-    if named is not None:
-        try:
-            return describe_model(named, key="model", base_dir=path.parent), []
-        except FP8ConfigError as err:
-            return None, [f"{err}; per-layer decisions are not shown"]
-    sizes = _megatron_model_fields(config)
-    if sizes is not None:
-        try:
-            return describe_model(sizes, key="model"), []
-        except FP8ConfigError as err:
-            return None, [f"{err}; per-layer decisions are not shown"]
-    if not request.spec.bf16_layers.empty:
-        return None, ["the config names no model: pass --model NAME or --model-config PATH to see "
-                      "which layers the bf16_layers rules keep in BF16"]
-    return None, []
-
-
-def _megatron_model_fields(config: dict) -> dict | None:
-    """A ``model:`` section with megatron-core fields (``num_layers``, ``hidden_size``, ...)."""
-    model = config.get("model")
-    for node in (model, model.get("config") if isinstance(model, dict) else None):
-        if isinstance(node, dict) and isinstance(node.get("num_layers"), int) \
-                and isinstance(node.get("hidden_size"), int):
-            return node
-    return None
-
-
 def _layers_section(spec, description) -> tuple[list[dict], list[str], list[str]]:
     """Every module's decision on both sides, and the rule warnings (a pattern that matches
     nothing on any side is reported once)."""
@@ -139,44 +136,32 @@ def _layers_section(spec, description) -> tuple[list[dict], list[str], list[str]
     return layers, warnings, notes
 
 
+def _hosts_section(ctx, own: str | None, names: list[str]) -> dict[str, Any]:
+    """Every host's result of the apply pipeline on this config, the config's own host
+    first. The own host's refusals propagate (``apply`` would refuse the same way)."""
+    from .hosts import get_adapter, run  # noqa: PLC0415
+
+    out: dict[str, Any] = {}
+    for name in ([own] if own else []) + [n for n in names if n != own]:
+        try:
+            out[name] = run(get_adapter(name), ctx).summary()
+        except ConflictingKeyError:
+            raise
+        except FP8ConfigError as err:
+            if name == own:
+                raise
+            out[name] = {"refused": str(err)}
+    return out
+
+
 def _raise_strict(report: dict[str, Any]) -> None:
     found = list(report.get("warnings", []))
-    for host, spelling in report.get("hosts", {}).items():
-        found += [w if f"host {host}" in w else f"{host}: {w}" for w in spelling.get("warnings", [])]
+    for host, section in report.get("hosts", {}).items():
+        found += [w if f"host {host}" in w else f"{host}: {w}" for w in section.get("warnings", [])]
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise FP8ConfigError(found[0] + more, key="--strict",
                              hint="fix the rules, or drop --strict to see every warning")
-
-
-def _refuse_native_conflicts(path: Path, hardware: str | None) -> None:
-    """A native FP8 key already in the config that contradicts the recipe (``trainer.plugins.fp8:
-    hybrid`` next to ``precision: fp8_blockwise``) is an error now, as ``apply`` would make it.
-
-    Each host's ``apply`` holds the knowledge of its own keys, so it is asked; only its
-    :class:`ConflictingKeyError` counts. Its other refusals say the config is not for that
-    host, which is no contradiction.
-    """
-    from .hosts import HOSTS, host_module
-
-    for name in HOSTS:
-        try:
-            host_module(name).apply_file(path, hardware=hardware)
-        except ConflictingKeyError as err:
-            raise ConflictingKeyError(f"{err.bare_message} (host {name})", key=err.key,
-                                      value=err.value, hint=err.hint) from None
-        except FP8ConfigError:
-            pass  # not this host's config (a training config given to the NeMo RL adapter)
-
-
-def _hosts_section(request: FP8Request, model=None) -> dict[str, Any]:
-    """Each host's native spelling of the recipe (plain data, no host import)."""
-    from .hosts import available_hosts, host_module
-
-    out: dict[str, Any] = {}
-    for name in available_hosts():
-        out[name] = host_module(name).native_keys(request.spec, model=model).to_dict()
-    return out
 
 
 def _recipe_section(request: FP8Request) -> dict[str, Any]:
@@ -216,14 +201,22 @@ def render_text(report: dict[str, Any]) -> str:
         from .rules import render_layer_table
 
         lines += render_layer_table(report["layers"])
-    for host, spelling in report.get("hosts", {}).items():
-        lines.append(f"host {host}:")
-        for key, value in _flatten(spelling.get("keys", {})):
+    for host, section in report.get("hosts", {}).items():
+        own = " (this config's host)" if host == report.get("host") else ""
+        if "refused" in section:
+            lines.append(f"host {host}{own}: refused: {section['refused']}")
+            continue
+        lines.append(f"host {host}{own}: apply --host {host} writes")
+        for key, value in _flatten(section.get("keys", {})):
             lines.append(f"  {key} = {value}")
-        for key, value in spelling.get("env", {}).items():
+        for key in section.get("removed", []):
+            lines.append(f"  {key} (removed)")
+        for key, value in section.get("env", {}).items():
             lines.append(f"  env {key}={value}")
-        for w in spelling.get("warnings", []):
+        for w in section.get("warnings", []):
             lines.append(f"  warning: {w}")
+        for n in section.get("notes", []):
+            lines.append(f"  note: {n}")
     for w in report.get("warnings", []):
         lines.append(f"warning: {w}")
     for n in report.get("notes", []):

@@ -31,10 +31,10 @@ def preset_dir() -> Path:
     return conf_dir("recipes")
 
 
-_LOADER = None
+_LOADER: type[Any] | None = None
 
 
-def _safe_loader():
+def _safe_loader() -> type[Any]:
     """PyYAML's safe loader, reading floats as YAML 1.2 (and OmegaConf, NeMo RL) do.
 
     YAML 1.1 wants a dot in a float, so the safe loader alone reads ``1e-8`` (NeMo RL's
@@ -49,11 +49,11 @@ def _safe_loader():
         base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
         class Loader(base):  # type: ignore[misc, valid-type]
-            def construct_mapping(self, node, deep=False):
+            def construct_mapping(self, node: Any, deep: bool = False) -> Any:
                 # PyYAML keeps the last of two equal keys; a config that says `precision:`
                 # twice is a mistake to report, not a choice to make silently.
                 if isinstance(node, yaml.MappingNode):
-                    seen: dict = {}
+                    seen: dict[Any, Any] = {}
                     for key_node, _ in node.value:
                         if key_node.tag == "tag:yaml.org,2002:merge":
                             continue
@@ -155,7 +155,7 @@ def _spec_from_object(obj: Any, name: str, source: str) -> RecipeSpec:
     if obj.name != name:
         # The entry-point name is the public name; a spec derived from a preset keeps the
         # preset's name unless renamed, so rename rather than refuse.
-        obj = obj.replace(name=name)
+        return obj.replace(name=name)
     return obj
 
 
@@ -225,7 +225,7 @@ def default_registry(*, reload: bool = False) -> RecipeRegistry:
         return _default
 
 
-def register_recipe(spec: RecipeSpec | Mapping | Callable[[], Any], *, source: str | None = None) -> RecipeSpec:
+def register_recipe(spec: RecipeSpec | Mapping[str, Any] | Callable[[], Any], *, source: str | None = None) -> RecipeSpec:
     """Register a recipe from Python (for code that cannot declare an entry point)."""
     if isinstance(spec, Mapping):
         name = spec.get("name")

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar, cast
 
 from .errors import FP8ConfigError, format_value, suggest
+from . import capabilities as _caps
+
+_T = TypeVar("_T")
 
 __all__ = [
     "SCALING_KINDS",
@@ -34,48 +38,48 @@ __all__ = [
     "normalize_hardware",
 ]
 
-SCALING_KINDS = ("delayed", "tensorwise", "block", "mx")
-"""Scaling strategies. delayed: per-tensor scale from an amax history (TE DelayedScaling);
-tensorwise: per-tensor scale from the tensor's own amax (TE Float8CurrentScaling);
-block: one fp32 scale per 1x128 or 128x128 tile (TE Float8BlockScaling, DeepSeek-V3);
-mx: one E8M0 scale per 32 elements (OCP MXFP8, TE MXFP8BlockScaling)."""
+SCALING_KINDS = _caps.SCALING_KINDS
+"""Scaling strategies (:data:`nemo_fp8_plugin.capabilities.ScalingKind`). delayed: per-tensor
+scale from an amax history (TE DelayedScaling); tensorwise: per-tensor scale from the tensor's
+own amax (TE Float8CurrentScaling); block: one fp32 scale per 1x128 or 128x128 tile (TE
+Float8BlockScaling, DeepSeek-V3); mx: one E8M0 scale per 32 elements (OCP MXFP8, TE
+MXFP8BlockScaling)."""
 
 FP8_FORMATS = ("e4m3", "hybrid")
 """e4m3: every FP8 tensor is E4M3 (TE Format.E4M3). hybrid: forward tensors (inputs,
 weights) E4M3, backward tensors (output gradients) E5M2 (TE Format.HYBRID). Pure E5M2
 is refused, as TE refuses it."""
 
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+FP8_MAX = _caps.FP8_MAX
 """Largest finite magnitude of each element format."""
 
-HARDWARE_ARCHS = ("ada", "hopper", "blackwell")
-"""GPU architectures the validation knows. ada = SM89 (L4, L40S), hopper = SM90 (H100,
-H200, GH200), blackwell = SM100+ (B200, GB200, B300)."""
-
-_HARDWARE_ALIASES = {
-    "ada": "ada", "sm89": "ada", "l4": "ada", "l40": "ada", "l40s": "ada", "rtx4090": "ada",
-    "hopper": "hopper", "sm90": "hopper", "h100": "hopper", "h200": "hopper", "h800": "hopper",
-    "h20": "hopper", "gh200": "hopper",
-    "blackwell": "blackwell", "sm100": "blackwell", "sm120": "blackwell", "b100": "blackwell",
-    "b200": "blackwell", "b300": "blackwell", "gb200": "blackwell", "gb300": "blackwell",
-}
+HARDWARE_ARCHS = _caps.ARCH_NAMES
+"""GPU architectures the validation knows (:data:`nemo_fp8_plugin.capabilities.ARCHS`):
+ada = SM89 (L4, L40S), hopper = SM90 (H100, H200, GH200), blackwell = SM100/SM103 (B200,
+GB200, B300, GB300), blackwell_sm120 = SM 12.x (RTX PRO 6000 Blackwell)."""
 
 _ROLES = ("input", "weight", "grad_output")
 
 
 def normalize_hardware(value: Any, key: str = "hardware") -> str | None:
-    """Map a GPU name or architecture (``"H100"``, ``"sm90"``, ``"hopper"``) to an architecture."""
+    """Map a GPU name, ``nvidia-smi`` name, ``sm90``-style capability or architecture
+    (``"H100"``, ``"NVIDIA H100 80GB HBM3"``, ``"sm90"``, ``"hopper"``) to an architecture."""
     if value is None:
         return None
     if not isinstance(value, str):
         raise FP8ConfigError(f"expected a GPU name or architecture, got {format_value(value)}",
                              key=key, value=value, hint=f"one of {', '.join(HARDWARE_ARCHS)}")
-    arch = _HARDWARE_ALIASES.get(value.strip().lower().replace("-", "").replace(" ", ""))
+    arch = _caps.arch_by_name(value)
     if arch is None:
         raise FP8ConfigError(f"unknown hardware {format_value(value)}", key=key, value=value,
-                             hint=f"use an architecture ({', '.join(HARDWARE_ARCHS)}) or a GPU "
-                                  f"name such as h100, h200, b200")
-    return arch
+                             hint=f"use an architecture ({', '.join(HARDWARE_ARCHS)}), a GPU "
+                                  f"name such as h100, h200, b200, or a capability such as sm90")
+    if not arch.fp8:
+        raise FP8ConfigError(f"{value} is an {arch.name.capitalize()} GPU (SM{arch.sm[0][0]}"
+                             f"{arch.sm[0][1]}), which has no FP8 tensor cores", key=key,
+                             value=value, hint="FP8 needs Ada (SM89), Hopper (SM90) or Blackwell "
+                                               "(SM100); train in BF16 on this GPU")
+    return arch.name
 
 
 # --------------------------------------------------------------------------- checks
@@ -105,10 +109,11 @@ def _float(key: str, value: Any, lo: float, hi: float, *, optional: bool = False
     if not math.isfinite(value) or not lo <= value <= hi:
         raise FP8ConfigError(f"must be a finite number between {lo} and {hi}, got {value}",
                              key=key, value=value)
-    return value
+    return cast(float, value)
 
 
-def _choice(key: str, value: Any, choices, *, optional: bool = False):
+def _choice(key: str, value: Any, choices: Collection[Any], *,
+            optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if isinstance(value, str) and value in choices:
@@ -147,7 +152,7 @@ def _str_tuple(key: str, value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _check_keys(prefix: str, mapping: Mapping, allowed) -> None:
+def _check_keys(prefix: str, mapping: Mapping[Any, Any], allowed: Collection[str]) -> None:
     for k in mapping:
         if not isinstance(k, str):
             raise FP8ConfigError(f"keys must be strings, got {format_value(k)}",
@@ -205,7 +210,7 @@ class BF16Rules:
 
     FIELDS = ("first", "last", "modules", "applies_to")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "first", _int("first", self.first, 0, 100_000))
         object.__setattr__(self, "last", _int("last", self.last, 0, 100_000))
         object.__setattr__(self, "modules", _str_tuple("modules", self.modules))
@@ -238,7 +243,7 @@ class BF16Rules:
         _check_keys("", value, cls.FIELDS)
         return _wrap(lambda: dataclasses.replace(base, **dict(value)))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"first": self.first, "last": self.last, "modules": list(self.modules),
                 "applies_to": self.applies_to}
 
@@ -276,7 +281,7 @@ class ImportanceSampling:
 
     FIELDS = ("enabled", "level", "truncation", "ratio_max", "ratio_min")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "enabled", _bool("enabled", self.enabled))
         object.__setattr__(self, "level", _choice("level", self.level, ("token", "sequence")))
         object.__setattr__(self, "truncation", _choice(
@@ -301,11 +306,11 @@ class ImportanceSampling:
         _check_keys("", value, cls.FIELDS)
         return _wrap(lambda: dataclasses.replace(base, **dict(value)))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.FIELDS}
 
 
-def _wrap(build):
+def _wrap(build: Callable[[], _T]) -> _T:
     """Run a dataclass constructor, turning a stray TypeError into our error type."""
     try:
         return build()
@@ -330,7 +335,7 @@ class RecipeSpec:
     name: str
     """Registry name, the value users write in ``precision:`` (e.g. ``"fp8_blockwise"``)."""
 
-    scaling: str
+    scaling: _caps.ScalingKind
     """Scaling strategy, one of :data:`SCALING_KINDS`. TE class: delayed -> DelayedScaling,
     tensorwise -> Float8CurrentScaling, block -> Float8BlockScaling, mx -> MXFP8BlockScaling.
     megatron-core ``fp8_recipe``: delayed, tensorwise, blockwise, mxfp8."""
@@ -417,8 +422,10 @@ class RecipeSpec:
     """RL mismatch correction; see :class:`ImportanceSampling`. Default: token level, on."""
 
     hardware: str | None = None
-    """Target GPU architecture (``ada``, ``hopper``, ``blackwell``; GPU names such as ``h100``
-    are accepted). Default None: hardware rules are checked only when it is stated."""
+    """Target GPU architecture (``ada``, ``hopper``, ``blackwell``, ``blackwell_sm120``; GPU
+    names such as ``h100``, ``nvidia-smi`` names and ``sm90``-style capabilities are accepted,
+    Ampere and older refused). Default None: hardware rules are checked only when it is
+    stated. Rules: :func:`nemo_fp8_plugin.capabilities.hardware_problems`."""
 
     # Fields whose values users may set from YAML (everything but the identity).
     OVERRIDABLE = (
@@ -429,8 +436,10 @@ class RecipeSpec:
         "bf16_layers", "importance_sampling", "hardware",
     )
 
-    def __post_init__(self):
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+    def __post_init__(self) -> None:
+        def set_(k: str, v: Any) -> None:  # a frozen dataclass
+            object.__setattr__(self, k, v)
+
         if not isinstance(self.name, str) or not self.name.strip():
             raise FP8ConfigError(f"a recipe needs a non-empty name, got {format_value(self.name)}",
                                  key="name", value=self.name)
@@ -471,7 +480,7 @@ class RecipeSpec:
 
     # ------------------------------------------------------------------ validation
 
-    def _check_tiles(self):
+    def _check_tiles(self) -> None:
         blocks = {"activation_block": self.activation_block, "weight_block": self.weight_block,
                   "gradient_block": self.gradient_block}
         if self.scaling in ("delayed", "tensorwise"):
@@ -506,7 +515,7 @@ class RecipeSpec:
                 raise FP8ConfigError(f"{' and '.join(two_d)} are both 128x128: no GEMM takes two "
                                      f"2D-scaled operands", key=two_d[1], value=[128, 128])
 
-    def _check_combinations(self):
+    def _check_combinations(self) -> None:
         if self.scaling == "mx" and not self.pow2_scales:
             raise FP8ConfigError("MXFP8 scales are E8M0 (powers of two); pow2_scales must be true",
                                  key="pow2_scales", value=False)
@@ -532,30 +541,12 @@ class RecipeSpec:
                                  hint="set generation: fp8 or kv_cache: auto")
 
     def findings(self) -> list[Finding]:
-        """Hardware findings for the stated target (errors make the spec invalid)."""
-        out: list[Finding] = []
-        hw = self.hardware
-        if hw is None:
-            return out
-        if self.scaling == "mx" and hw != "blackwell":
-            out.append(Finding("error", "hardware", f"MXFP8 needs Blackwell (SM100); {hw} cannot run it "
-                               "(use fp8_blockwise or fp8_subchannel on Hopper)"))
-        if self.scaling == "block":
-            if hw == "ada":
-                out.append(Finding("error", "hardware", "block scaling needs Hopper (SM90, CUDA >= 12.9) "
-                                   "or Blackwell; on Ada use fp8_current or fp8_delayed"))
-            elif hw == "blackwell" and not self.pow2_scales:
-                out.append(Finding("error", "pow2_scales",
-                                   "on Blackwell Transformer Engine emulates block scaling with MXFP8 "
-                                   "and needs power-of-2 scales; fp32 block scales cannot run there "
-                                   "(use fp8_subchannel, or set pow2_scales: true)"))
-            elif hw == "hopper":
-                out.append(Finding("warning", "hardware", "block scaling on Hopper needs CUDA >= 12.9 "
-                                   "(cuBLAS block-scaled GEMMs); `nemo-fp8 doctor` checks it"))
-        if self.fp8_dot_product_attention and hw == "ada":
-            out.append(Finding("warning", "fp8_dot_product_attention",
-                               "FP8 attention kernels target Hopper and Blackwell"))
-        return out
+        """Hardware findings for the stated target (errors make the spec invalid), from the
+        capability table (:func:`nemo_fp8_plugin.capabilities.hardware_problems`)."""
+        if self.hardware is None:
+            return []
+        return [Finding(p.level, p.key, p.message)
+                for p in _caps.hardware_problems(self, self.hardware)]
 
     def check_dims(self, dims: Mapping[str, int]) -> list[Finding]:
         """Divisibility of named GEMM dimensions (hidden_size, ffn_hidden_size, ...) by the tiles.
@@ -601,7 +592,7 @@ class RecipeSpec:
 
     # ------------------------------------------------------------------ (de)serialisation
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples): the shape of YAML presets and ``--json`` output."""
         out: dict[str, Any] = {"name": self.name, "description": self.description}
         for key in self.OVERRIDABLE:
@@ -615,7 +606,7 @@ class RecipeSpec:
             out[key] = value
         return out
 
-    def replace(self, **changes) -> "RecipeSpec":
+    def replace(self, **changes: Any) -> "RecipeSpec":
         """A validated copy with ``changes`` applied (nested blocks merge field by field)."""
         return self.with_overrides(changes)
 
@@ -658,7 +649,7 @@ class RecipeSpec:
             raise err.with_prefix(prefix) if prefix else err from None
 
 
-def _prefixed(prefix: str, build, *args):
+def _prefixed(prefix: str, build: Callable[..., _T], *args: Any) -> _T:
     try:
         return build(*args)
     except FP8ConfigError as err:

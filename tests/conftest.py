@@ -17,6 +17,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# Hypothesis: under CI the examples are derandomized (derived from each test), so a failure
+# reproduces on the next run; locally the default profile keeps exploring new examples.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+if IN_CI:
+    _hypothesis_settings.load_profile("ci")
+
 def _has_vllm() -> bool:
     # By distribution, not find_spec: with tests/ on sys.path, tests/vllm itself would
     # look like an importable package named vllm.

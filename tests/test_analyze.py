@@ -56,6 +56,7 @@ def minilm(tmp_path_factory):
     return json.loads(run.stdout), png, out_dir
 
 
+@pytest.mark.slow
 def test_minilm_sqnr_is_in_the_e4m3_range(minilm):
     report, _, _ = minilm
     rows = report["modules"]
@@ -81,6 +82,7 @@ def test_minilm_sqnr_is_in_the_e4m3_range(minilm):
     assert all(report["summary"][n]["flagged"] == 0 for n in report["recipes"])
 
 
+@pytest.mark.slow
 def test_minilm_sqnr_matches_an_independent_per_tensor_cast(minilm):
     """fp8_current's weight SQNR against torch's own E4M3 cast with scale = 448 / amax."""
     report, _, _ = minilm
@@ -95,6 +97,7 @@ def test_minilm_sqnr_matches_an_independent_per_tensor_cast(minilm):
     assert row["weights"]["fp8_current"]["sqnr_db"] == pytest.approx(want, abs=2e-3)
 
 
+@pytest.mark.slow
 def test_minilm_heat_map_and_text(minilm):
     report, png, out_dir = minilm
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

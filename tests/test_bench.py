@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # one end-to-end `nemo-fp8 bench --quick`
+
 
 def test_bench_quick_reports_every_ratio(tmp_path):
     out = tmp_path / "bench.json"

@@ -22,11 +22,13 @@ import torch
 from torch import nn
 
 from conftest import load_te_recipe_module, upstream_file
-from nemo_fp8_plugin import FP8ConfigError
+from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.hosts.bridge.callback import FP8ScaleRefreshBridgeCallback
 from nemo_fp8_plugin.hosts.nemo2.callback import FP8ScaleRefreshCallback
 from nemo_fp8_plugin.hosts.refresh import ScaleRefresher, refresh_fp8_scales
 from nemo_fp8_plugin.numerics import convert_to_fp8_emulation, emulated_modules
+
+pytestmark = pytest.mark.host
 
 INPUT_SCALE = 1000.0  # activations well above E4M3's 448: scale 1 saturates them
 
@@ -50,7 +52,7 @@ def _resumed(trained_state_dict):
     """A fresh delayed-scaling model with restored weights and default FP8 state."""
     model = _model(seed=123)
     model.load_state_dict(trained_state_dict)
-    return convert_to_fp8_emulation(model, "fp8_delayed")
+    return convert_to_fp8_emulation(model, get_recipe("fp8_delayed"))
 
 
 def test_refresh_changes_the_scales_after_a_resume():
@@ -185,7 +187,7 @@ def _trainer(tmp_path, callback, max_steps):
 
 def test_lightning_callback_refreshes_on_resume_and_runs_the_hook(tmp_path):
     data = torch.utils.data.DataLoader(torch.cat(_batches(8)), batch_size=8)
-    first = _lightning_module(convert_to_fp8_emulation(_model(), "fp8_delayed"))
+    first = _lightning_module(convert_to_fp8_emulation(_model(), get_recipe("fp8_delayed")))
     trainer = _trainer(tmp_path, FP8ScaleRefreshCallback("fp8_delayed"), max_steps=3)
     trainer.fit(first, data)
     ckpt = tmp_path / "step3.ckpt"
@@ -194,7 +196,7 @@ def test_lightning_callback_refreshes_on_resume_and_runs_the_hook(tmp_path):
     calls = []
     cb = FP8ScaleRefreshCallback("fp8_delayed", calibration_steps=3,
                                  after_optimizer_step=lambda tr, mod: calls.append(tr.global_step))
-    resumed = _lightning_module(convert_to_fp8_emulation(_model(seed=5), "fp8_delayed"))
+    resumed = _lightning_module(convert_to_fp8_emulation(_model(seed=5), get_recipe("fp8_delayed")))
     assert set(_scales(resumed.net).values()) == {1.0}
     _trainer(tmp_path, cb, max_steps=6).fit(resumed, data, ckpt_path=str(ckpt))
     report = cb.refresher.last_report
@@ -212,7 +214,7 @@ def test_lightning_callback_leaves_a_fresh_run_alone(tmp_path):
     data = torch.utils.data.DataLoader(torch.cat(_batches(4)), batch_size=8)
     cb = FP8ScaleRefreshCallback("fp8_delayed")
     _trainer(tmp_path, cb, max_steps=2).fit(
-        _lightning_module(convert_to_fp8_emulation(_model(), "fp8_delayed")), data)
+        _lightning_module(convert_to_fp8_emulation(_model(), get_recipe("fp8_delayed"))), data)
     assert cb.refresher.last_report is None and cb.stats["steps"] == 2
 
 

@@ -9,6 +9,8 @@ from conftest import nemo_rl_configs
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.config import find_fp8_request, load_config, resolve_config
 
+pytestmark = pytest.mark.torch_free
+
 
 def request(cfg, **kw):
     return find_fp8_request(cfg, **kw)
@@ -74,7 +76,7 @@ def test_errors_name_the_key(cfg, key, text):
 
 
 def test_hardware_argument_overrides_and_validates():
-    with pytest.raises(FP8ConfigError, match="MXFP8 needs Blackwell"):
+    with pytest.raises(FP8ConfigError, match="MXFP8 training needs Blackwell"):
         request({"precision": "mxfp8"}, hardware="h100")
     assert request({"precision": "mxfp8"}, hardware="b200").spec.hardware == "blackwell"
     with pytest.raises(FP8ConfigError) as info:

@@ -112,6 +112,7 @@ def _run(cmd: DocCommand, tmp: Path):
     return cmd, proc
 
 
+@pytest.mark.slow
 def test_every_doc_command_runs(tmp_path):
     assert RUNNABLE, "no runnable doc commands found"
     # `nemo` commands spend most of their time importing NeMo; run everything side by side.

@@ -12,6 +12,8 @@ import pytest
 from conftest import REPO, load_te_recipe_module
 from nemo_fp8_plugin.cli import doctor, main
 
+pytestmark = pytest.mark.host
+
 
 def _json(capsys, *argv, rc=0):
     assert main(["doctor", *argv, "--json"]) == rc

@@ -32,6 +32,12 @@ RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxf
 
 
 @pytest.fixture(autouse=True)
+def seeded():
+    """Every random tensor and layer initialisation of a test is reproducible."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def eager_numerics():
     # small tensors run eagerly anyway; this also keeps the tests free of compile time
     with fused_mode(False):
@@ -152,8 +158,8 @@ def test_sqnr_floors(recipe, dtype):
 
 
 def test_autocast_uses_the_autocast_dtype():
-    layer = FP8EmulatedLinear(128, 128, recipe="fp8_blockwise")
-    x = torch.randn(4, 128, requires_grad=True)
+    layer = FP8EmulatedLinear(128, 128, recipe=get_recipe("fp8_blockwise"))
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(5), requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
     assert y.dtype == torch.bfloat16
@@ -162,8 +168,9 @@ def test_autocast_uses_the_autocast_dtype():
 
 
 def test_leading_dims_and_empty_batch():
-    layer = FP8EmulatedLinear(64, 32, recipe="fp8_current")
-    assert layer(torch.randn(2, 3, 64)).shape == (2, 3, 32)
+    layer = FP8EmulatedLinear(64, 32, recipe=get_recipe("fp8_current"))
+    assert layer(torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(6))).shape == \
+        (2, 3, 32)
     assert layer(torch.randn(0, 64)).shape == (0, 32)
 
 
@@ -189,13 +196,13 @@ def test_convert_and_revert_keep_parameters_and_state_dict():
     params = {n: p for n, p in model.named_parameters()}
     keys = list(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    convert_to_fp8_emulation(model, "fp8_blockwise")
+    convert_to_fp8_emulation(model, get_recipe("fp8_blockwise"))
     assert isinstance(model.block[0], FP8EmulatedLinear) and isinstance(model.block[2], FP8EmulatedLinear)
     assert type(model.lm_head) is nn.Linear          # vocabulary projection stays high precision
     assert [n for n, _ in emulated_modules(model)] == ["block.0", "block.2"]
     assert {n: p for n, p in model.named_parameters()} == params
     assert list(model.state_dict()) == keys
-    tokens = torch.randint(0, 50, (4, 16))
+    tokens = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(7))
     loss = model(tokens).logsumexp(-1).mean()
     loss.backward()
     opt.step()                                        # the optimizer built before conversion
@@ -213,28 +220,102 @@ def test_module_filter_and_idempotence():
                              module_filter=lambda name, m: name != "block.2")
     assert isinstance(model.block[0], FP8EmulatedLinear) and type(model.block[2]) is nn.Linear
     first = model.block[0]
-    convert_to_fp8_emulation(model, "fp8_current")  # converts block.2, leaves block.0 as is
+    convert_to_fp8_emulation(model, get_recipe("fp8_current"))  # block.2; block.0 stays as is
     assert model.block[0] is first and isinstance(model.block[2], FP8EmulatedLinear)
 
 
 def test_bare_linear_and_bad_recipe():
     lin = nn.Linear(32, 32)
-    new = convert_to_fp8_emulation(lin, "mxfp8")
+    new = convert_to_fp8_emulation(lin, get_recipe("mxfp8"))
     assert isinstance(new, FP8EmulatedLinear) and new.weight is lin.weight
     assert type(revert_fp8_emulation(new)) is nn.Linear
-    with pytest.raises(FP8ConfigError):
-        convert_to_fp8_emulation(nn.Sequential(nn.Linear(4, 4)), "fp8_nonexistent")
-    with pytest.raises(FP8ConfigError, match="recipe"):
-        convert_to_fp8_emulation(nn.Sequential(nn.Linear(4, 4)), 3)
+
+
+NOT_A_SPEC = [("fp8_blockwise", "str"), ('{"recipe": "mxfp8"}', "str"),
+              ({"recipe": "fp8_current"}, "dict"), (3, "int"), (None, "NoneType")]
+
+
+@pytest.mark.parametrize("bad,kind", NOT_A_SPEC, ids=[k for _, k in NOT_A_SPEC])
+@pytest.mark.parametrize("entry", ["convert", "layer", "emulator", "role"])
+def test_numerics_take_a_spec_not_a_name(entry, bad, kind):
+    """The numerics do not resolve recipe names (that is nemo_fp8_plugin.get_recipe's job):
+    a name, a mapping or another object is refused before anything is touched, naming the
+    argument, as an FP8ConfigError that is also a TypeError."""
+    from nemo_fp8_plugin.numerics import LayerEmulator, RecipeTypeError, RoleQuantizer
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    build = {"convert": lambda: convert_to_fp8_emulation(model, bad),
+             "layer": lambda: FP8EmulatedLinear(4, 4, recipe=bad),
+             "emulator": lambda: LayerEmulator(bad),
+             "role": lambda: RoleQuantizer(bad, "input")}[entry]
+    with pytest.raises(RecipeTypeError) as err:
+        build()
+    assert isinstance(err.value, FP8ConfigError) and isinstance(err.value, TypeError)
+    assert err.value.key == ("recipe" if entry in ("convert", "layer") else "spec")
+    assert kind in str(err.value)
+    if isinstance(bad, (str, dict)):
+        assert "nemo_fp8_plugin.get_recipe(name)" in str(err.value)
+    assert type(model[0]) is nn.Linear  # nothing was converted
+
+
+def test_unknown_scaling_kind_is_refused():
+    odd = get_recipe("fp8_current").replace(name="odd")
+    object.__setattr__(odd, "scaling", "rowwise")  # a spec the registry would never build
+    with pytest.raises(FP8ConfigError) as err:
+        convert_to_fp8_emulation(nn.Sequential(nn.Linear(4, 4)), odd)
+    assert err.value.key == "recipe.scaling" and err.value.value == "rowwise"
+
+
+class DuckRecipe:
+    """Not a RecipeSpec: only the fields the numerics read (numerics.RecipeLike)."""
+
+    def __init__(self, spec):
+        for f in ("name", "scaling", "pow2_scales", "amax_epsilon", "amax_history_len",
+                  "amax_compute_algo", "margin", "reduce_amax", "fp8_wgrad"):
+            setattr(self, f, getattr(spec, f))
+        self._spec = spec
+
+    def format_for(self, role):
+        return self._spec.format_for(role)
+
+    def block_for(self, role):
+        return self._spec.block_for(role)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_any_object_with_the_recipe_fields_is_a_recipe(recipe):
+    """Duck typing: an object with RecipeLike's fields runs exactly as the RecipeSpec does."""
+    from nemo_fp8_plugin.numerics import RecipeLike
+
+    spec = get_recipe(recipe)
+    duck = DuckRecipe(spec)
+    assert isinstance(spec, RecipeLike) and isinstance(duck, RecipeLike)
+    gen = torch.Generator().manual_seed(10)
+    w = torch.randn(64, 128, generator=gen)
+    x = torch.randn(128, 128, generator=gen)
+    dy = torch.randn(128, 64, generator=gen)
+    results = []
+    for r in (spec, duck):
+        layer = FP8EmulatedLinear(128, 64, bias=False, recipe=r)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        xx = x.clone().requires_grad_()
+        for _ in range(2):  # delayed scaling: the second step uses the recorded amaxes
+            xx.grad = None
+            y = layer(xx)
+            y.backward(dy)
+        results.append((y.detach(), xx.grad, layer.weight.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_delayed_states_calibration_and_refresh():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-    convert_to_fp8_emulation(model, "fp8_delayed")
+    convert_to_fp8_emulation(model, get_recipe("fp8_delayed"))
     states = fp8_states(model)
     assert set(states) == {"0", "2"} and set(states["0"]) == {"input", "weight", "grad_output"}
-    x = torch.randn(16, 64) * 3
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(8)) * 3
     with fp8_calibration(model):
         y_cal = model(x)
     # calibration ran in high precision: outputs equal the plain model's
@@ -250,7 +331,7 @@ def test_delayed_states_calibration_and_refresh():
 
 
 def test_delayed_scale_lags_one_step():
-    layer = FP8EmulatedLinear(128, 128, bias=False, recipe="fp8_delayed")
+    layer = FP8EmulatedLinear(128, 128, bias=False, recipe=get_recipe("fp8_delayed"))
     x1 = torch.full((4, 128), 2.0)
     layer(x1)
     st = layer.fp8_states["input"]
@@ -283,12 +364,12 @@ def test_bf16_emulation_matches_a_real_bf16_gemm():
 def test_bf16_converter_covers_what_fp8_leaves():
     model = TinyLM()
     params = {n: p for n, p in model.named_parameters()}
-    convert_to_fp8_emulation(model, "fp8_blockwise")              # block.0, block.2
+    convert_to_fp8_emulation(model, get_recipe("fp8_blockwise"))  # block.0, block.2
     convert_to_bf16_emulation(model)                               # the rest: lm_head
     assert isinstance(model.block[0], FP8EmulatedLinear) and is_bf16_emulated(model.lm_head)
     assert not is_fp8_emulated(model.lm_head)
     assert [n for n, _ in emulated_modules(model)] == ["block.0", "block.2"]
     assert {n: p for n, p in model.named_parameters()} == params
-    model(torch.randint(0, 50, (2, 8))).sum().backward()
+    model(torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(9))).sum().backward()
     revert_bf16_emulation(model)
     assert type(model.lm_head) is nn.Linear and isinstance(model.block[0], FP8EmulatedLinear)

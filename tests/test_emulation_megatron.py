@@ -19,6 +19,14 @@ from nemo_fp8_plugin import get_recipe
 
 import megatron.core as megatron_core  # noqa: E402 - a real host; missing it is a failure
 
+pytestmark = pytest.mark.host
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every random tensor and layer initialisation of a test is reproducible."""
+    torch.manual_seed(0)
+
 
 @pytest.fixture(scope="module")
 def megatron_env(megatron_cpu):
@@ -53,9 +61,10 @@ def test_megatron_mlp_runs_the_recipe(megatron_env, recipe):
     cfg = _config()
     mlp = _mlp(cfg)
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
-    x = torch.randn(32, 2, 128, requires_grad=True)            # [s, b, h]
+    x = torch.randn(32, 2, 128, generator=torch.Generator().manual_seed(2),
+                    requires_grad=True)                        # [s, b, h]
     plain_out, plain_bias = mlp(x)
-    convert_to_fp8_emulation(mlp, recipe)
+    convert_to_fp8_emulation(mlp, get_recipe(recipe))
     assert mlp.linear_fc1 is fc1 and type(fc1) is ColumnParallelLinear
     assert type(fc2) is RowParallelLinear and is_fp8_emulated(fc1) and is_fp8_emulated(fc2)
     assert [n for n, _ in emulated_modules(mlp)] == ["linear_fc1", "linear_fc2"]
@@ -93,8 +102,8 @@ def test_gradient_accumulation_fusion_adds_into_main_grad(megatron_env):
                                  gather_output=False)
     layer.gradient_accumulation_fusion = True
     layer.weight.main_grad = torch.zeros_like(layer.weight)
-    convert_to_fp8_emulation(layer, "fp8_current", module_filter=lambda n, m: True)
-    x = torch.randn(16, 1, 128)
+    convert_to_fp8_emulation(layer, get_recipe("fp8_current"), module_filter=lambda n, m: True)
+    x = torch.randn(16, 1, 128, generator=torch.Generator().manual_seed(3))
     out, _ = layer(x)
     out.sum().backward()
     assert layer.weight.grad is None
@@ -119,7 +128,7 @@ def test_tensor_parallel_layers_are_refused(megatron_env):
     layer.tp_group = TwoRanks()
     holder = torch.nn.ModuleDict({"proj": layer})
     with pytest.raises(FP8ConfigError, match="tensor-parallel size 2"):
-        convert_to_fp8_emulation(holder, "fp8_blockwise")
+        convert_to_fp8_emulation(holder, get_recipe("fp8_blockwise"))
 
 
 def test_default_filter_keeps_output_layer_high_precision(megatron_env):
@@ -131,7 +140,7 @@ def test_default_filter_keeps_output_layer_high_precision(megatron_env):
         "output_layer": ColumnParallelLinear(128, 256, config=cfg, init_method=cfg.init_method,
                                              bias=False),
     })
-    convert_to_fp8_emulation(holder, "fp8_blockwise")
+    convert_to_fp8_emulation(holder, get_recipe("fp8_blockwise"))
     assert is_fp8_emulated(holder["proj"]) and not is_fp8_emulated(holder["output_layer"])
 
 
@@ -140,7 +149,7 @@ def test_megatron_bf16_emulation(megatron_env):
                                           is_bf16_emulated, revert_bf16_emulation)
 
     mlp = _mlp(_config())
-    x = torch.randn(16, 2, 128)
+    x = torch.randn(16, 2, 128, generator=torch.Generator().manual_seed(4))
     plain, _ = mlp(x)
     convert_to_bf16_emulation(mlp)
     assert is_bf16_emulated(mlp.linear_fc1) and is_bf16_emulated(mlp.linear_fc2)

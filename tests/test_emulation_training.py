@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from nemo_fp8_plugin import get_recipe
 from nemo_fp8_plugin.numerics import convert_to_fp8_emulation, fused_mode
 
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
@@ -55,7 +56,7 @@ def train(recipe: str | None) -> tuple[float, float]:
         p.requires_grad_(False)
     model = make_model(nn.Linear if recipe else BF16Linear)
     if recipe is not None:
-        convert_to_fp8_emulation(model, recipe)
+        convert_to_fp8_emulation(model, get_recipe(recipe))
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     data = torch.Generator().manual_seed(99)
     losses = []

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import nemo_rl_configs
 
+pytestmark = pytest.mark.torch_free
+
 MOONLIGHT = "recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron-fp8-e2e.yaml"
 
 

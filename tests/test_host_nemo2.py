@@ -24,6 +24,8 @@ from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin._io import dump_yaml
 from nemo_fp8_plugin.hosts import nemo2
 
+pytestmark = pytest.mark.host
+
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
 NEMO = Path(sys.executable).with_name("nemo")
 STOCK = "llama32_1b"  # Llama 3.2 1B: 16 layers
@@ -105,6 +107,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.slow
 def test_nemo_cli_variant_to_yaml(runs, recipe):
     """`nemo llm finetune --factory llama32_1b_<recipe> --to-yaml out.yaml -y`, the real command."""
     work, logs = runs
@@ -133,6 +136,7 @@ def _in_process(runs):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.slow
 def test_trainer_plugins_dotted_path(runs, recipe):
     work, results, out = _in_process(runs)
     assert results[f"plugin_{recipe}"] == 0, out[-3000:]
@@ -144,6 +148,7 @@ def test_trainer_plugins_dotted_path(runs, recipe):
     assert said == (recipe in ("fp8_current", "fp8_subchannel", "fp8_blockwise")), out[-3000:]
 
 
+@pytest.mark.slow
 def test_callback_factory_on_the_command_line(runs):
     work, results, out = _in_process(runs)
     assert results["callback"] == 0, out[-3000:]
@@ -151,6 +156,7 @@ def test_callback_factory_on_the_command_line(runs):
     assert callbacks == [{"_target_": nemo2.CALLBACK_TARGET, "recipe": "fp8_blockwise"}]
 
 
+@pytest.mark.slow
 def test_pretrain_variant(runs):
     work, results, out = _in_process(runs)
     assert results["pretrain"] == 0, out[-3000:]
@@ -160,6 +166,7 @@ def test_pretrain_variant(runs):
     assert (plugin["fp8_recipe"], plugin["num_layers_at_end_in_bf16"]) == ("tensorwise", 1)
 
 
+@pytest.mark.slow
 def test_applied_yaml_loads_back_through_nemo_run(runs):
     """`nemo-fp8 apply --host nemo2` output, given to `nemo llm finetune --yaml`."""
     work, results, out = _in_process(runs)
@@ -211,7 +218,7 @@ def test_apply_updates_the_existing_plugin_and_is_idempotent(tmp_path):
     assert out["trainer"]["devices"] == 8 and out["model"] == {"config": {"seq_length": 4096}}
     assert "precision" not in out
     assert any("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in w and "fp8_blockwise_callback" in w
-               for w in result.warnings)
+               for w in result.notes)
     assert _apply(tmp_path, yaml.safe_dump(out, sort_keys=False), "again.yaml").data == out
 
 

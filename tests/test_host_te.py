@@ -19,8 +19,11 @@ from conftest import REPO, load_te_recipe_module
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.hosts import te
 
+pytestmark = [pytest.mark.host, pytest.mark.torch_free]
+
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
-ENV_VARS = (te.ENV_BLOCK_FP32_SCALES, te.ENV_CURRENT_POW2_SCALES)
+BACKWARD_OVERRIDE = "NVTE_BACKWARD_OVERRIDE"  # TE >= 2.15, read at import by every recipe class
+ENV_VARS = (te.ENV_BLOCK_FP32_SCALES, te.ENV_CURRENT_POW2_SCALES, BACKWARD_OVERRIDE)
 
 
 def _load(tmp_path_factory, monkeypatch, name: str, env: dict[str, str]):
@@ -242,7 +245,7 @@ def test_verify_installed_te_checks_this_process(monkeypatch, te_unset, te_fp32_
         te.verify_installed_te("fp8_blockwise", where="the test")
     assert err.value.key == "pow2_scales" and "the test" in str(err.value)
     assert te.verify_installed_te({"recipe": "fp8_blockwise", "pow2_scales": True}) is True
-    assert te.verify_installed_te("mxfp8") is False  # nothing read from the environment
+    assert te.verify_installed_te("mxfp8") is True  # NVTE_BACKWARD_OVERRIDE checked (unset here)
     install_te(monkeypatch, te_fp32_env)
     assert te.verify_installed_te(get_recipe("fp8_blockwise")) is True
 
@@ -263,3 +266,85 @@ def test_fp8_wgrad_false_is_refused_because_te_ignores_it(te_unset):
             te.build_te_recipe(spec, te_unset)
         assert err.value.key == "fp8_wgrad"
         assert any("fp8_wgrad" in w for w in te.native_keys(spec).warnings)
+
+
+# --------------------------------------------------------------------------- NVTE_BACKWARD_OVERRIDE
+
+
+def _load_with_override(tmp_path_factory, monkeypatch, spec, value, name):
+    """TE imported with NVTE_BACKWARD_OVERRIDE=value and the recipe's own variable pinned as
+    the plugin asks (so the override is the only thing wrong)."""
+    env = dict(te.required_env(spec))
+    env[BACKWARD_OVERRIDE] = value
+    return _load(tmp_path_factory, monkeypatch, name, env)
+
+
+@pytest.mark.parametrize("value", ["high_precision", "dequantized"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_backward_override_at_import_is_refused_for_every_recipe(name, value, tmp_path_factory,
+                                                                monkeypatch):
+    """TE >= 2.15 reads NVTE_BACKWARD_OVERRIDE at import into every recipe class: block,
+    current and MXFP8 silently run their backward in high precision (or dequantized), and
+    DelayedScaling raises. The check must refuse all five, naming the variable."""
+    spec = get_recipe(name)
+    mod = _load_with_override(tmp_path_factory, monkeypatch, spec, value, f"te_bo_{name}_{value}")
+    cls = getattr(mod, te.TE_RECIPE_CLASS[spec.scaling])
+    if spec.scaling == "delayed":
+        with pytest.raises((AssertionError, ValueError), match="backward_override"):
+            te.host_built_recipe(spec, mod)  # TE's own refusal, as megatron-core would hit it
+    else:
+        assert te.host_built_recipe(spec, mod).backward_override == value  # TE silently switches
+    with pytest.raises(FP8ConfigError) as err:
+        te.verify_host_recipe(spec, mod, where="the test")
+    assert err.value.key == BACKWARD_OVERRIDE
+    text = str(err.value)
+    assert f"{BACKWARD_OVERRIDE}={value}" in text and cls.__name__ in text
+    assert "unset" in text and "\n" not in text.strip()
+    # The object the plugin builds itself pins the override off, whatever the environment.
+    assert te.build_te_recipe(spec, mod).backward_override is None
+
+
+def test_verify_installed_te_checks_the_override_for_every_recipe(tmp_path_factory, monkeypatch):
+    """Before TE 2.15 only block and current scaling had import-time state; now every recipe
+    has, so the in-process check must run for MXFP8 and delayed scaling too."""
+    spec = get_recipe("mxfp8")
+    install_te(monkeypatch, _load_with_override(tmp_path_factory, monkeypatch, spec,
+                                                "high_precision", "te_bo_installed"))
+    for name in RECIPES:
+        with pytest.raises(FP8ConfigError) as err:
+            te.verify_installed_te(name, where="the test")
+        assert err.value.key == BACKWARD_OVERRIDE, name
+
+
+def test_verify_installed_te_runs_for_mxfp8_and_delayed(monkeypatch, te_unset):
+    install_te(monkeypatch, te_unset)
+    assert te.verify_installed_te("mxfp8") is True
+    assert te.verify_installed_te("fp8_delayed") is True
+
+
+def test_recipe_mismatches_reports_a_backward_override(te_unset):
+    obj = te_unset.Float8CurrentScaling(fp8_format=te_unset.Format.HYBRID,
+                                        backward_override="dequantized")
+    assert ("backward_override", "dequantized", None) in te.recipe_mismatches(
+        obj, get_recipe("fp8_current"), check_fields=False)
+    clean = te.build_te_recipe(get_recipe("fp8_current"), te_unset)
+    assert te.recipe_mismatches(clean, get_recipe("fp8_current")) == []
+
+
+def test_an_older_te_without_backward_override_is_not_a_mismatch(te_unset):
+    """TE < 2.15 has no backward_override attribute: its backward is the recipe's own."""
+    obj = te.build_te_recipe(get_recipe("mxfp8"), te_unset)
+    fields = ("fp8_format", "margin", "enable_2d_quantization", "fp8_dpa", "fp8_mha")
+    legacy = type("MXFP8BlockScaling", (), {k: getattr(obj, k) for k in fields})()
+    assert not hasattr(legacy, "backward_override")
+    assert te.recipe_mismatches(legacy, get_recipe("mxfp8")) == []
+
+
+def test_fp8_wgrad_message_names_the_nearest_te_setting():
+    """TE has backward_override now, but for the whole backward, so fp8_wgrad: false stays
+    refused and the message points at the nearest TE setting."""
+    assert "NVTE_BACKWARD_OVERRIDE=high_precision" in te.FP8_WGRAD_IGNORED
+    assert "whole backward" in te.FP8_WGRAD_IGNORED
+    warning = next(w for w in te.native_keys(get_recipe("fp8_blockwise").replace(fp8_wgrad=False))
+                   .warnings if "fp8_wgrad" in w)
+    assert "NVTE_BACKWARD_OVERRIDE=high_precision" in warning

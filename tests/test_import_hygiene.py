@@ -7,6 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.torch_free
+
 HOSTS = ("megatron", "nemo", "nemo_run", "vllm", "transformer_engine", "lightning",
          "pytorch_lightning", "transformers")
 

@@ -67,9 +67,9 @@ def test_batch_samples_follow_percentile_and_margin(llama, percentile, margin):
 
     calib = KVScaleCalibrator(llama, percentile=percentile, margin=margin)
     update = refresh_scales(llama, forward=lambda: [llama(ids) for ids in batches], calibrator=calib)
-    assert set(update) == {f"model.layers.{i}.self_attn.{r}_scale" for i in range(2) for r in "qkv"}
+    assert set(update) == {f"model.layers.{i}.self_attn.attn.{r}_scale" for i in range(2) for r in "qkv"}
     for (i, role), amaxes in expected.items():
-        got = update[f"model.layers.{i}.self_attn.{role}_scale"]
+        got = update[f"model.layers.{i}.self_attn.attn.{role}_scale"]
         assert got.dtype == torch.float32 and got.shape == ()
         want = _nearest(amaxes, percentile) * margin / 448.0
         assert math.isclose(got.item(), want, rel_tol=1e-5), (i, role, got.item(), want)
@@ -90,7 +90,7 @@ def test_token_samples_clip_outlier_tokens(llama):
     assert not any(name.endswith("q_scale") for name in update)
     for i, amaxes in per_token.items():
         want = _nearest(amaxes, 90.0) * 1.05 / 448.0
-        got = update[f"model.layers.{i}.self_attn.k_scale"].item()
+        got = update[f"model.layers.{i}.self_attn.attn.k_scale"].item()
         assert math.isclose(got, want, rel_tol=1e-5)
         assert got < max(amaxes) * 1.05 / 448.0  # the 90th percentile is below the max
     assert update.samples["model.layers.0.self_attn.k"] == 3 * 20
@@ -108,12 +108,12 @@ def test_scales_refresh_after_a_weight_update(llama):
     finally:
         with torch.no_grad():
             layer.k_proj.weight.copy_(saved)
-    k1 = "model.layers.1.self_attn.k_scale"
+    k1 = "model.layers.1.self_attn.attn.k_scale"
     assert after[k1].item() == pytest.approx(2.0 * before[k1].item(), rel=1e-6)
     # v of that layer and everything of layer 0 (upstream of the change) stay put.
-    assert after["model.layers.1.self_attn.v_scale"].item() == before["model.layers.1.self_attn.v_scale"].item()
+    assert after["model.layers.1.self_attn.attn.v_scale"].item() == before["model.layers.1.self_attn.attn.v_scale"].item()
     for role in "qkv":
-        name = f"model.layers.0.self_attn.{role}_scale"
+        name = f"model.layers.0.self_attn.attn.{role}_scale"
         assert after[name].item() == before[name].item()
 
 
@@ -127,7 +127,7 @@ def test_attached_hooks_record_the_steps_own_forwards(llama):
             for ids in batches:  # the training step's forwards
                 llama(ids)
         update = refresh_scales(llama)
-        assert update["model.layers.1.self_attn.v_scale"].item() == pytest.approx(
+        assert update["model.layers.1.self_attn.attn.v_scale"].item() == pytest.approx(
             expected * 1.05 / 448.0, rel=1e-5)
         assert update.samples["model.layers.1.self_attn.v"] == 3
         with pytest.raises(FP8ConfigError, match="no q/k/v observed"):
@@ -155,7 +155,7 @@ def test_zero_amax_gives_scale_one():
     with torch.no_grad():
         model.model.layers[0].self_attn.v_proj.weight.zero_()
     update = refresh_scales(model, forward=lambda: model(torch.zeros(1, 4, dtype=torch.long)))
-    assert update["model.layers.0.self_attn.v_scale"].item() == 1.0
+    assert update["model.layers.0.self_attn.attn.v_scale"].item() == 1.0
 
 
 @pytest.mark.parametrize("kwargs,key", [({"percentile": 101.0}, "percentile"),
@@ -211,9 +211,9 @@ def test_megatron_core_attention(tmp_path):
     finally:
         for h in handles:
             h.remove()
-    assert set(update) == {f"model.layers.{i}.self_attn.{r}_scale" for i in range(2) for r in "kv"}
+    assert set(update) == {f"model.layers.{i}.self_attn.attn.{r}_scale" for i in range(2) for r in "kv"}
     for i in range(2):
         for role in "kv":
-            got = update[f"model.layers.{i}.self_attn.{role}_scale"].item()
+            got = update[f"model.layers.{i}.self_attn.attn.{role}_scale"].item()
             assert got == pytest.approx(seen[i][role] * 1.05 / 448.0, rel=1e-6)
 

@@ -24,9 +24,11 @@ from conftest import nemo_rl_configs
 from nemo_fp8_plugin._io import dump_yaml
 from nemo_fp8_plugin.cli import main as cli_main
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts import host_module
+from nemo_fp8_plugin.hosts import HostAdapter, get_adapter
 from nemo_fp8_plugin.hosts.nemo_rl import apply_nemo_rl, native_keys
 from nemo_fp8_plugin.registry import get_recipe
+
+pytestmark = pytest.mark.torch_free
 
 CONFIGS = nemo_rl_configs()
 VLLM = "policy.generation.vllm_cfg"
@@ -234,7 +236,7 @@ def test_output_is_idempotent(tmp_path):
     assert out.read_bytes() == first
     again = apply_nemo_rl(out, output=tmp_path / "elsewhere" / "x.yaml")
     assert again.data["policy"] == yaml.safe_load(first)["policy"]
-    assert any("nothing changed" in w for w in again.warnings)
+    assert any("no FP8 recipe requested" in w for w in again.warnings)
 
 
 def _with_native(tmp_path, native: dict, **fp8_edits):
@@ -516,8 +518,9 @@ def test_request_in_a_parent_root_key_falls_back_to_resolved_output(tmp_path):
 
 
 def test_adapter_contract():
-    adapter = host_module("nemo-rl")
-    hk = adapter.native_keys(get_recipe("fp8_blockwise"))
+    adapter = get_adapter("nemo_rl")
+    assert isinstance(adapter, HostAdapter) and adapter.name == "nemo-rl"
+    hk = adapter.spell(get_recipe("fp8_blockwise"))
     assert hk.keys["policy"]["megatron_cfg"]["fp8_cfg"] == {
         "enabled": True, "fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": False}
     assert hk.env == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
@@ -591,3 +594,110 @@ def test_generation_only_with_a_recipe_nemo_rl_cannot_generate_is_refused(tmp_pa
     with pytest.raises(FP8ConfigError) as err:
         apply_nemo_rl(eight_b(tmp_path, recipe="fp8_current", training="bf16"))
     assert err.value.key == "fp8.training" and "fp8_blockwise" in str(err.value)
+
+
+# ------------------------------------------------------------------ first/last BF16 layers in training
+
+NEMO_RL_SRC = Path("/work/shared/data/nemo_rl/src")
+
+
+def nemo_rl_model_override_functions():
+    """NeMo RL's own ``_merge_model_overrides``, ``_merge_model_override_value`` and
+    ``_validate_model_override_conflicts``, compiled from the real
+    ``nemo_rl/models/megatron/setup.py``. That module cannot be imported here (it imports
+    Megatron-Bridge, which needs Python >= 3.12 and Transformer Engine), so only these three
+    functions are taken from it, with the standard-library names they use; ``MegatronConfig``
+    is a stand-in whose annotations are read from the real ``nemo_rl/models/policy/__init__.py``
+    (the one thing ``_validate_model_override_conflicts`` asks of it)."""
+    import ast
+    import copy as copy_module
+    from collections.abc import Mapping as MappingABC
+    from dataclasses import fields, is_dataclass, replace
+    from typing import Any
+
+    setup = NEMO_RL_SRC / "nemo_rl" / "models" / "megatron" / "setup.py"
+    tree = ast.parse(setup.read_text())
+    wanted = {"_merge_model_overrides", "_merge_model_override_value",
+              "_validate_model_override_conflicts"}
+    body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    assert {n.name for n in body} == wanted
+    policy = ast.parse((NEMO_RL_SRC / "nemo_rl" / "models" / "policy" / "__init__.py").read_text())
+    cls = next(n for n in policy.body if isinstance(n, ast.ClassDef) and n.name == "MegatronConfig")
+    annotations = {n.target.id: Any for n in cls.body if isinstance(n, ast.AnnAssign)}
+    stand_in = type("MegatronConfig", (), {"__annotations__": annotations})
+    namespace = {"Mapping": MappingABC, "fields": fields, "is_dataclass": is_dataclass,
+                 "replace": replace, "copy": copy_module, "Any": Any, "MegatronConfig": stand_in}
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(setup), "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.host
+def test_first_last_layers_reach_training_through_model_overrides(tmp_path):
+    """NeMo RL merges policy.megatron_cfg.model_overrides into the Bridge model provider (a
+    megatron-core TransformerConfig) before building the model, so BF16 first/last layers are
+    expressible for training: written there, not warned about."""
+    from megatron.core.transformer import TransformerConfig
+
+    ours, warnings = apply_8b(tmp_path, bf16_layers={"first": 1, "last": 2})
+    diff = changed(ours)
+    overrides = {k.rsplit(".", 1)[1]: v for k, v in diff.items()
+                 if k.startswith(f"{MEG}.model_overrides.")}
+    assert overrides == {"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 1,
+                         "num_layers_at_end_in_bf16": 2}
+    assert (diff[f"{VLLM}.num_first_layers_in_bf16"], diff[f"{VLLM}.num_last_layers_in_bf16"]) == (1, 2)
+    assert not any("training runs them in FP8" in w for w in warnings)
+    # NeMo RL's own merge and conflict check accept it, and megatron-core validates the result.
+    fns = nemo_rl_model_override_functions()
+    out = yaml.safe_load((tmp_path / "out.yaml").read_text())
+    megatron_cfg = {**resolved(tmp_path / "out.yaml")["policy"]["megatron_cfg"]}
+    fns["_validate_model_override_conflicts"](megatron_cfg, megatron_cfg["model_overrides"])
+    provider = TransformerConfig(num_layers=8, hidden_size=256, num_attention_heads=4, bf16=True)
+    merged = fns["_merge_model_overrides"](provider, out["policy"]["megatron_cfg"]["model_overrides"])
+    fp8_cfg = megatron_cfg["fp8_cfg"]  # NeMo RL then sets these three from fp8_cfg
+    merged.fp8, merged.fp8_recipe, merged.fp8_param = (fp8_cfg["fp8"], fp8_cfg["fp8_recipe"],
+                                                      fp8_cfg["fp8_param"])
+    merged.__post_init__()
+    assert (merged.first_last_layers_bf16, merged.num_layers_at_start_in_bf16,
+            merged.num_layers_at_end_in_bf16) == (True, 1, 2)
+
+
+def test_fp8_current_preset_first_last_layers_in_native_keys():
+    hk = native_keys(get_recipe("fp8_current"))
+    assert hk.keys["policy"]["megatron_cfg"]["model_overrides"] == {
+        "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 1,
+        "num_layers_at_end_in_bf16": 1}
+    assert not any("bf16_layers.first" in w or "bf16_layers.last" in w for w in hk.warnings)
+    # generation-only BF16 layers leave training alone; per-module globs still cannot be said
+    gen = native_keys(get_recipe({"recipe": "fp8_blockwise",
+                                  "bf16_layers": {"first": 1, "applies_to": "generation"}}))
+    assert "model_overrides" not in gen.keys["policy"]["megatron_cfg"]
+    mods = native_keys(get_recipe({"recipe": "fp8_blockwise", "bf16_layers": {"modules": ["*q_proj*"]}}))
+    assert any("'*q_proj*'" in w and "training" in w for w in mods.warnings)
+
+
+@pytest.mark.parametrize("native, fp8, key", [
+    ({"num_layers_at_start_in_bf16": 2}, {"bf16_layers": {"first": 1}},
+     f"{MEG}.model_overrides.num_layers_at_start_in_bf16"),
+    ({"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 1}, {},
+     f"{MEG}.model_overrides.first_last_layers_bf16"),
+    ({"transformer": {"hidden_dropout": 0.0}}, {"bf16_layers": {"last": 1}},
+     f"{MEG}.model_overrides.transformer"),
+])
+def test_model_overrides_that_contradict_the_recipe_are_refused(tmp_path, native, fp8, key):
+    src = _with_native(tmp_path, {"policy": {"megatron_cfg": {"model_overrides": native}}}, **fp8)
+    with pytest.raises(FP8ConfigError) as err:
+        apply_nemo_rl(src)
+    assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_model_overrides_that_agree_or_are_neutral_are_kept(tmp_path):
+    src = _with_native(tmp_path, {"policy": {"megatron_cfg": {"model_overrides": {
+        "num_layers_at_start_in_bf16": 1, "first_last_layers_bf16": False, "hidden_dropout": 0.0}}}},
+        bf16_layers={"first": 1})
+    ov = apply_nemo_rl(src).data["policy"]["megatron_cfg"]["model_overrides"]
+    assert ov == {"num_layers_at_start_in_bf16": 1, "first_last_layers_bf16": True,
+                  "hidden_dropout": 0.0, "num_layers_at_end_in_bf16": 0}
+    plain = _with_native(tmp_path, {"policy": {"megatron_cfg": {"model_overrides": {
+        "first_last_layers_bf16": False}}}})
+    assert apply_nemo_rl(plain).data["policy"]["megatron_cfg"]["model_overrides"] == {
+        "first_last_layers_bf16": False}

@@ -6,9 +6,11 @@
   1, finite values saturate; torchao: scale 0), where the scale overflows fp32 (TE:
   FLT_MAX; torchao: inf), and where the tensor holds a NaN (TE ignores it in the amax).
 * MXFP8: ``MXTensor.to_mx(..., scaling_mode=RCEIL)`` agrees with TE's MXFP8 cast on
-  ordinary data. NaN propagates through its amax (TE ignores NaN), and a block with an inf
-  gets multiplier 2^-127 (TE's current kernel: 0.0), so the inf element becomes 448
-  (torchao) instead of NaN (TE).
+  ordinary data, and on a block holding an inf (both multiply by 2^-127, TE's ``exp2f_rcp``
+  since TE PR 2647, so the inf saturates to 448). NaN propagates through torchao's amax (TE
+  ignores NaN). A block whose amax is at most fp8_max * 2^-127 (scale byte 0) is multiplied
+  by 1.0 in torchao, which follows an older TE ``exp2f_rcp`` (its code cites it), so its
+  values flush to 0; TE 2.20.2 multiplies by 2^127.
 """
 
 from __future__ import annotations
@@ -116,15 +118,39 @@ def test_mxfp8_zero_block_agrees():
     assert q.scale_inv.view(torch.uint8)[0, 0] == 0  # amax 0 -> 0x00 in both
 
 
-def test_mxfp8_nan_and_inf_blocks_disagree():
-    x = torch.ones(2, 32)
+def test_mxfp8_nan_block_disagrees():
+    x = torch.ones(1, 32)
     x[0, 3] = math.nan
-    x[1, 5] = math.inf
     t = MXTensor.to_mx(x, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL)
     q = quantize_mxfp8(x)
-    ours = q.scale_inv.view(torch.uint8)[:, 0].tolist()
-    theirs = t.scale.view(torch.uint8)[:, 0].tolist()
-    assert ours[0] == 127 - 8 and theirs[0] == 255  # TE ignores the NaN (amax 1)
-    assert ours[1] == theirs[1] == 254               # inf amax -> 0xFE in both
-    assert math.isnan(float(q.data[1, 5].float()))   # TE multiplies by 0.0: inf * 0
-    assert float(t.qdata[1, 5].float()) == fp8_max("e4m3")  # torchao: 2^-127, saturates
+    assert q.scale_inv.view(torch.uint8)[0, 0] == 127 - 8  # TE ignores the NaN (amax 1)
+    assert t.scale.view(torch.uint8)[0, 0] == 255          # torchao: NaN scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mxfp8_inf_block_agrees(dtype, fmt):
+    """A block holding an inf: scale byte 0xFE and multiplier 2^-127 in both (TE's
+    exp2f_rcp since PR 2647; older TE multiplied by 0.0 and turned the inf into NaN)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 64, generator=gen) * 2.0 ** 120
+    x[0, 5], x[1, 40], x[3, 0] = math.inf, -math.inf, math.inf
+    x = x.to(dtype)
+    t = MXTensor.to_mx(x, fp8_dtype(fmt), 32, scaling_mode=ScaleCalculationMode.RCEIL)
+    q = quantize_mxfp8(x, 32, fmt)
+    assert q.scale_inv.view(torch.uint8)[0, 0] == 254
+    assert torch.equal(q.scale_inv.view(torch.uint8), t.scale.view(torch.uint8))
+    assert torch.equal(bytes_of(q.data), bytes_of(t.qdata))
+    assert float(q.data[0, 5].float()) == fp8_max(fmt)  # the inf saturates
+    assert (q.data[0, :32].float() != 0).sum() > 1       # finite values keep 2^-127-scaled codes
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mxfp8_tiny_block_disagrees(fmt):
+    x = torch.zeros(1, 32)
+    x[0, :3] = torch.tensor([2.0 ** -119, -3 * 2.0 ** -122, 2.0 ** -130])
+    t = MXTensor.to_mx(x, fp8_dtype(fmt), 32, scaling_mode=ScaleCalculationMode.RCEIL)
+    q = quantize_mxfp8(x, 32, fmt)
+    assert q.scale_inv.view(torch.uint8)[0, 0] == t.scale.view(torch.uint8)[0, 0] == 0
+    assert q.data.float()[0, :3].tolist() == [256.0, -96.0, 0.125]  # x * 2^127
+    assert (t.qdata.float() == 0).all()                            # torchao: x * 1.0

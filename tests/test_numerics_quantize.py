@@ -29,6 +29,12 @@ PATTERNS = ["zeros", "huge", "subnormal", "inf", "nan", "nan_only", "fp8_max", "
             "tiny_amax", "negative"]
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """The few tensors drawn without an explicit generator are reproducible too."""
+    torch.manual_seed(0)
+
+
 def pattern(name: str, shape, dtype: torch.dtype, fmt: str, gen: torch.Generator) -> torch.Tensor:
     """One edge tile (built in fp32, then rounded to ``dtype``)."""
     n = int(np.prod(shape))
@@ -235,6 +241,124 @@ def test_mxfp8_exact(dtype, fmt, block, shape):
     assert q.scale_inv.shape == want_e.shape
     np.testing.assert_array_equal(as_bytes(q.data), want_data)
     np.testing.assert_array_equal(q.scale_inv.view(torch.uint8).numpy(), want_e)
+
+
+# Blocks decided by TE's exp2f_rcp (TE PR 2647, pinned TE 2.20.2; NUMERICS.md): an inf in
+# the block gives scale byte 0xFE and multiplier 2^-127 (not 0: the inf saturates, finite
+# values keep their 2^-127-scaled code); a block whose amax is at most 448 * 2^-127 gives byte
+# 0x00 and multiplier 2^127 (not 1: its values are cast at full precision, not flushed).
+# (value, E4M3 byte, E5M2 byte), worked out by hand from the FP8 bit layouts.
+MX_INF_BLOCK = [
+    (math.inf, 0x7E, 0x7B),                  # saturates to +448 / +57344
+    (-math.inf, 0xFE, 0xFB),
+    (1.0, 0x00, 0x00),                       # 2^-127
+    (2.0 ** 120, 0x04, 0x20),                # 2^-7: E4M3 subnormal 4 * 2^-9, E5M2 normal
+    (-3 * 2.0 ** 125, 0xB4, 0xBA),           # -0.75
+    ((2 - 2.0 ** -7) * 2.0 ** 127, 0x40, 0x40),  # 1.9921875 rounds to 2.0
+    (2.0 ** 110, 0x00, 0x00),                # 2^-17: E5M2's half step, ties to even (0)
+    (3 * 2.0 ** 110, 0x00, 0x02),            # 1.5 * 2^-16: tie, to even code 2
+    (-0.0, 0x80, 0x80),
+    (math.nan, 0x7F, 0x7F),                  # ignored by the amax, stays NaN (sign kept)
+]
+MX_TINY_BLOCK = [
+    (2.0 ** -119, 0x78, 0x5C),               # 2^-119 * 2^127 = 256
+    (-3 * 2.0 ** -122, 0xEC, 0xD6),          # -96
+    (2.0 ** -130, 0x20, 0x30),               # fp32/bf16 subnormal -> 0.125
+    (-5 * 2.0 ** -133, 0x9A, 0xAD),          # -0.078125
+    (2.0 ** -133, 0x08, 0x24),               # bf16's smallest subnormal -> 2^-6
+    (-0.0, 0x80, 0x80),
+]
+MX_LAYOUTS = {"1x32": (1, 32), "32x1": (32, 1), "32x32": (32, 32)}
+
+
+def mx_pinned(layout: str, dtype: torch.dtype, fmt: str):
+    """``(x, expected data bytes, expected scale bytes)`` holding an inf block (scale byte
+    0xFE, filled with 1.0) and a tiny block (byte 0x00, filled with 0.0) for ``layout``."""
+    col = 1 if fmt == "e4m3" else 2
+    rows = []
+    for pinned, fill in ((MX_INF_BLOCK, 1.0), (MX_TINY_BLOCK, 0.0)):
+        vals = [v for v, *_ in pinned] + [fill] * (32 - len(pinned))
+        codes = [c[col] for c in pinned] + [0] * (32 - len(pinned))
+        rows.append((vals, codes, fill))
+    if layout == "32x32":  # each block's values in its first row, the filler elsewhere
+        x = torch.cat([torch.full((32, 32), fill) for _, _, fill in rows], dim=1)
+        want = np.zeros((32, 64), dtype=np.uint8)
+        for b, (vals, codes, _) in enumerate(rows):
+            x[0, 32 * b:32 * (b + 1)] = torch.tensor(vals)
+            want[0, 32 * b:32 * (b + 1)] = codes
+        scales = np.array([[0xFE, 0x00]], dtype=np.uint8)
+    else:
+        x = torch.tensor([vals for vals, _, _ in rows])
+        want = np.array([codes for _, codes, _ in rows], dtype=np.uint8)
+        scales = np.array([[0xFE], [0x00]], dtype=np.uint8)
+        if layout == "32x1":
+            x, want, scales = x.t().contiguous(), want.T.copy(), scales.T.copy()
+    assert torch.equal(x.to(dtype).float().nan_to_num(), x.nan_to_num())  # exact in dtype
+    x = x.to(dtype)
+    # a NaN keeps its sign bit (the bf16 conversion of torch's NaN may set it)
+    nan = torch.isnan(x).numpy()
+    want[nan] = 0x7F | (torch.signbit(x).numpy()[nan].astype(np.uint8) << 7)
+    return x, want, scales
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("layout", list(MX_LAYOUTS))
+def test_mxfp8_inf_and_tiny_blocks_follow_exp2f_rcp(dtype, fmt, layout):
+    x, want_data, want_e = mx_pinned(layout, dtype, fmt)
+    q = quantize_mxfp8(x, MX_LAYOUTS[layout], fmt)
+    np.testing.assert_array_equal(q.scale_inv.view(torch.uint8).numpy(), want_e)
+    np.testing.assert_array_equal(as_bytes(q.data), want_data)
+    # the independent numpy reference agrees
+    ref_data, ref_e = ref_mx_quantize(x.float().numpy(), MX_LAYOUTS[layout], fmt)
+    np.testing.assert_array_equal(ref_data, want_data)
+    np.testing.assert_array_equal(ref_e, want_e)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_mxfp8_tiny_block_round_trips_and_inf_block_dequantizes(fmt):
+    x, _, _ = mx_pinned("1x32", torch.float32, fmt)
+    deq = quantize_mxfp8(x, 32, fmt).dequantize()
+    # every tiny value is q * 2^-127 exactly (an old kernel's multiplier 1 gave zeros)
+    np.testing.assert_array_equal(f32_bits(deq[1].numpy()), f32_bits(x[1].numpy()))
+    inf_row = deq[0].tolist()
+    assert inf_row[0] == math.inf and inf_row[1] == -math.inf  # +-fp8_max * 2^127 overflows
+    assert inf_row[2] == 0.0 and inf_row[3] == 2.0 ** 120 and inf_row[4] == -3 * 2.0 ** 125
+    assert inf_row[5] == math.inf  # 2.0 * 2^127 = 2^128 overflows fp32
+    assert math.isnan(inf_row[9])
+
+
+def test_exp2f_rcp_multiplier_bits():
+    from nemo_fp8_plugin.numerics.scaling import e8m0_quant_multiplier
+
+    e = torch.arange(256, dtype=torch.int32)
+    bits = e8m0_quant_multiplier(e).view(torch.int32).tolist()
+    assert bits[0] == 0x7F000000 and bits[1] == 0x7E800000 and bits[127] == 0x3F800000
+    assert bits[253] == 0x00800000 and bits[254] == 0x00400000 and bits[255] == 0x7FFFFFFF
+    assert bits[:254] == [(254 - i) << 23 for i in range(254)]
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_split_data_multiply_casts_like_one_multiply(fmt):
+    """The quantizers multiply by ``e8m0_data_factors`` (no subnormal operand); the cast
+    must give the bits of ``x * exp2f_rcp(e)`` for every exponent byte."""
+    from nemo_fp8_plugin.numerics.scaling import (e8m0_data_factors, e8m0_quant_multiplier,
+                                                  saturating_cast)
+
+    gen = torch.Generator().manual_seed(11)
+    e = torch.arange(255, dtype=torch.int32)[:, None]
+    # per exponent: values around the block's own range and far below it, plus edges
+    top = ((e - 127).double() + math.log2(FMT_MAX[fmt])).clamp(max=127.99)  # log2 of the amax
+    x = torch.exp2(top - torch.rand(255, 256, generator=gen, dtype=torch.float64) * 40).float()
+    x = x * torch.randn(255, 256, generator=gen).sign()
+    assert torch.isfinite(x).all() and (x[254].abs() > 2.0 ** 110).sum() > 100
+    x[:, :4] = torch.tensor([math.inf, -math.inf, 0.0, float(torch.finfo(torch.float32).max)])
+    x[:, 4] = torch.finfo(torch.float32).tiny / 4  # a subnormal
+    m1, m2 = e8m0_data_factors(e)
+    fmax, dt = FMT_MAX[fmt], fp8_dtype(fmt)
+    split = saturating_cast(x * m1 * m2, fmax, dt).view(torch.uint8)
+    one = saturating_cast(x * e8m0_quant_multiplier(e), fmax, dt).view(torch.uint8)
+    assert torch.equal(split, one)
 
 
 def test_mxfp8_layout_and_leading_dims():

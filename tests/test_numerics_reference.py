@@ -15,6 +15,8 @@ import math
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.torch_free
+
 FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
 
@@ -151,12 +153,10 @@ def ref_e8m0(amax, fmt: str) -> int:
 
 
 def ref_mx_multiplier(e: int) -> float:
-    """TE's ``exp2f_rcp``: 2^(127 - e), except e == 0 -> 1 and e == 254 -> 0 (its bit
-    formula (254 - e) << 23 gives +0.0 there)."""
-    if e == 0:
-        return 1.0
-    if e == 254:
-        return 0.0
+    """TE's ``ptx::exp2f_rcp`` since TE PR 2647 (NUMERICS.md; TE 2.20.2): 2^(127 - e) for
+    every byte 0..254 (byte 0 -> 2^127, byte 254 -> 2^-127), NaN for 255."""
+    if e == 255:
+        return math.nan
     return 2.0 ** (127 - e)
 
 
@@ -245,6 +245,14 @@ def test_scale_from_amax_edge_cases():
     assert ref_scale(448.0, "e4m3", False, 0.0, big) == 1.0
     assert ref_scale(1e-38, "e4m3", False, 0.0, 123.0) == f32(123.0)
     assert ref_scale(3.0, "e4m3", True, 0.0, big) == 128.0  # 149.33 rounded down
+
+
+@pytest.mark.parametrize("e,want", [(0, 2.0 ** 127), (1, 2.0 ** 126), (127, 1.0),
+                                    (253, 2.0 ** -126), (254, 2.0 ** -127)])
+def test_mx_multiplier_is_exp2f_rcp(e, want):
+    # NUMERICS.md: byte 0 gives 2^127 (no special case), 0xFE gives 2^-127 (not 0)
+    assert ref_mx_multiplier(e) == want and np.float32(want) == want
+    assert math.isnan(ref_mx_multiplier(255))
 
 
 def test_e8m0_rounds_up():

@@ -3,12 +3,15 @@ our own error type naming a key. Nothing else escapes."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_fp8_plugin import FP8ConfigError, RecipeSpec
 from nemo_fp8_plugin.config import find_fp8_request
 from nemo_fp8_plugin.spec import BF16Rules, ImportanceSampling
+
+pytestmark = pytest.mark.torch_free
 
 NAMES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8", "fp8_bogus",
          "bfloat16", "bf16-mixed", ""]

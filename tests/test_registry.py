@@ -20,6 +20,8 @@ import pytest
 from nemo_fp8_plugin import FP8ConfigError, RecipeRegistryError, get_recipe, register_recipe
 from nemo_fp8_plugin.registry import RecipeRegistry, _spec_from_object, default_registry
 
+pytestmark = pytest.mark.torch_free
+
 
 def make_plugin(root: Path, dist: str, module: str, entry_points: dict[str, str], body: str) -> Path:
     pkg = root / dist

@@ -35,6 +35,7 @@ def excess(row):
     return row["token_mult_prob_error"] - 1.0
 
 
+@pytest.mark.slow
 def test_every_arm_ran_and_reported(quick):
     assert list(quick["by_arm"]) == list(ARMS)
     for arm in ARMS:
@@ -48,6 +49,7 @@ def test_every_arm_ran_and_reported(quick):
     assert "### summary" in quick["text"]
 
 
+@pytest.mark.slow
 def test_end_to_end_fp8_mismatch_is_near_bf16_and_generation_only_is_not(quick):
     arms = quick["by_arm"]
     bf16, gen, e2e = excess(arms["bf16"]), excess(arms["fp8-gen"]), excess(arms["fp8-e2e"])
@@ -57,6 +59,7 @@ def test_end_to_end_fp8_mismatch_is_near_bf16_and_generation_only_is_not(quick):
     assert arms["fp8-e2e"]["gen_kl_error"] < arms["fp8-gen"]["gen_kl_error"]
 
 
+@pytest.mark.slow
 def test_paired_first_step(quick):
     """Step 1 of fp8-gen and fp8-e2e scores the very same samples (same engine weights, same
     sampling seed); only the trainer differs, so the comparison is exact, not statistical."""
@@ -67,6 +70,7 @@ def test_paired_first_step(quick):
     assert quick["steps"]["fp8-gen-is"][0]["token_mult_prob_error"] == gen["token_mult_prob_error"]
 
 
+@pytest.mark.slow
 def test_fp8_refit_ships_about_half_the_bytes(quick):
     arms = quick["by_arm"]
     assert arms["fp8-gen"]["refit_mib"] < 0.6 * arms["bf16"]["refit_mib"]

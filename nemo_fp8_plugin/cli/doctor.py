@@ -54,7 +54,8 @@ def register(sub) -> None:
                     "Exit code 1 when the config's recipe cannot run here.")
     p.add_argument("config", nargs="?", default=None, help="a YAML config (optional)")
     p.add_argument("--hardware", default=None,
-                   help="judge the recipes for this GPU (h100, b200, ...) instead of this machine's")
+                   help="judge the recipes for this GPU (h100, b200, ...) "
+                        "instead of this machine's")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run)
 
@@ -88,7 +89,7 @@ def _version_tuple(text: str | None) -> tuple[int, ...] | None:
     return tuple(parts) or None
 
 
-def arch_of(capability: tuple[int, int]) -> str | None:
+def arch_of(capability: tuple[int, ...]) -> str | None:
     """SM capability -> the spec's architecture name (None for pre-Ada GPUs)."""
     major, minor = capability
     if major >= 10:
@@ -106,14 +107,14 @@ def gpu_info() -> dict[str, Any]:
     try:
         with warnings.catch_warnings():  # torch.cuda's pynvml deprecation notice is noise here
             warnings.simplefilter("ignore", FutureWarning)
-            import torch  # noqa: PLC0415
+            import torch
     except ImportError:
         return info
     info["torch"] = torch.__version__
     info["cuda"] = torch.version.cuda
     try:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - a broken driver is reported as "no GPU"
+    except Exception:  # a broken driver is reported as "no GPU"
         count = 0
     for i in range(count):
         cap = tuple(torch.cuda.get_device_capability(i))
@@ -127,8 +128,8 @@ def gpu_info() -> dict[str, Any]:
 def _te_recipe_module():
     """TE's recipe module as a training process would import it, or (None, reason)."""
     try:
-        from transformer_engine.common import recipe  # noqa: PLC0415
-    except Exception as exc:  # noqa: BLE001 - ImportError, or TE's own load-time checks
+        from transformer_engine.common import recipe
+    except Exception as exc:  # ImportError, or TE's own load-time checks
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".strip()
     return recipe, None
 
@@ -139,8 +140,8 @@ def _te_recipe_module():
 def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
                  te_reason: str | None, hardware_given: bool) -> dict[str, Any]:
     """One recipe's verdict: ``runnable`` (True / False / None = not checked) and why."""
-    from ..errors import FP8ConfigError  # noqa: PLC0415
-    from ..hosts.te import required_env, verify_host_recipe  # noqa: PLC0415
+    from ..errors import FP8ConfigError
+    from ..hosts.te import required_env, verify_host_recipe
 
     problems: list[str] = []
     notes: list[str] = []
@@ -148,7 +149,8 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
     runnable: bool | None = True
     if arch is None:
         runnable = None
-        not_checked.append("hardware rules: no GPU here (pass --hardware to judge for a target GPU)")
+        not_checked.append("hardware rules: no GPU here "
+                           "(pass --hardware to judge for a target GPU)")
     else:
         try:
             judged = spec.replace(hardware=arch)
@@ -200,9 +202,9 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
 
 def build_report(config: str | None = None, hardware: str | None = None) -> dict[str, Any]:
     """The doctor report (the ``--json`` output)."""
-    from ..config import resolve_config  # noqa: PLC0415
-    from ..registry import list_recipes  # noqa: PLC0415
-    from ..spec import normalize_hardware  # noqa: PLC0415
+    from ..config import resolve_config
+    from ..registry import list_recipes
+    from ..spec import normalize_hardware
 
     target = normalize_hardware(hardware, key="--hardware") if hardware else None
     if config is not None:
@@ -239,7 +241,8 @@ def render_text(report: dict[str, Any]) -> str:
     lines = [f"python {m['python']} on {m['platform']}"]
     if m["gpus"]:
         for g in m["gpus"]:
-            lines.append(f"gpu {g['index']}: {g['name']} ({g['capability']}, {g['arch'] or 'pre-Ada'})")
+            lines.append(f"gpu {g['index']}: {g['name']} "
+                         f"({g['capability']}, {g['arch'] or 'pre-Ada'})")
     else:
         lines.append("gpu: none visible")
     lines.append(f"cuda (torch build): {m['cuda'] or 'none'}")
@@ -258,12 +261,13 @@ def render_text(report: dict[str, Any]) -> str:
         for n in r["notes"]:
             lines.append(f"  note: {n}")
         for e in r["env"]:
-            state = "set" if e["set"] else (f"is {e['value']!r}" if e["value"] is not None else "unset")
+            state = "set" if e["set"] else (
+                f"is {e['value']!r}" if e["value"] is not None else "unset")
             lines.append(f"  env {e['name']}={e['needed']} needed in the training process: "
                          f"{state} in this shell")
         if r["env_effective"] is not None:
-            lines.append(f"  TE quantizer parameters in this process: "
-                         f"{'match the recipe' if r['env_effective'] else 'DO NOT match the recipe'}")
+            verdict = "match the recipe" if r["env_effective"] else "DO NOT match the recipe"
+            lines.append(f"  TE quantizer parameters in this process: {verdict}")
         for n in r["not_checked"]:
             lines.append(f"  not checked: {n}")
     for n in report["not_checked"]:
@@ -272,7 +276,7 @@ def render_text(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._io import dump_json  # noqa: PLC0415
+    from .._io import dump_json
 
     report = build_report(args.config, hardware=args.hardware)
     sys.stdout.write(dump_json(report) if args.json else render_text(report))

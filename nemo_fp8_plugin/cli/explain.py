@@ -21,6 +21,9 @@ def register(sub) -> None:
     p.add_argument("--model-config", default=None, metavar="PATH",
                    help="resolve the per-layer rules against a Hugging Face config.json (or a "
                         "checkpoint directory holding one); nothing is downloaded")
+    p.add_argument("--host", default=None,
+                   help="the host the config is for (default: detected from its shape); its "
+                        "refusals are explain's")
     p.add_argument("--strict", action="store_true",
                    help="treat unmatched or shadowed rules, and rules a host cannot express, as errors")
     p.set_defaults(run=run)
@@ -31,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from ..explain import build_report, render_text
 
     report = build_report(args.config, hardware=args.hardware, model=args.model,
-                          model_config=args.model_config, strict=args.strict)
+                          model_config=args.model_config, strict=args.strict,
+                          host=args.host)
     sys.stdout.write(dump_json(report) if args.json else render_text(report))
     return 0

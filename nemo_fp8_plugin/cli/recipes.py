@@ -11,7 +11,8 @@ def register(sub) -> None:
                        description="List every registered recipe (built-in presets and recipes "
                                    "installed packages declare) with a one-line description.")
     p.add_argument("--json", action="store_true",
-                   help="print a JSON list of objects with name, description, source and every spec field")
+                   help="print a JSON list of objects with name, description, source "
+                        "and every spec field")
     p.set_defaults(run=run)
 
 

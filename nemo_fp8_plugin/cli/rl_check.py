@@ -33,7 +33,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._io import atomic_write_text, check_output_file, dump_json
+    from .._io import check_output_file
     from ._args import name_list
     from ..errors import FP8ConfigError
     from ..registry import get_recipe
@@ -67,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from dataclasses import asdict
 
-        payload = {"settings": asdict(settings),
-                   "summary": [r.summary() for r in results],
-                   "steps": {r.arm: [asdict(s) for s in r.steps] for r in results}}
-        atomic_write_text(args.json, dump_json(payload))
+        from ..tools.harness import environment, write_json
+
+        write_json(args.json, {"environment": environment(), "settings": asdict(settings),
+                               "summary": [r.summary() for r in results],
+                               "steps": {r.name: [asdict(s) for s in r.steps] for r in results}})
     return 0

@@ -55,6 +55,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
 
+from ..capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES, te_env
+from ..capabilities import ENV_BACKWARD_OVERRIDE
 from ..errors import FP8ConfigError, HostUnavailableError
 from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
@@ -63,24 +65,13 @@ __all__ = [
     "TE_RECIPE_CLASS", "ENV_BLOCK_FP32_SCALES", "ENV_CURRENT_POW2_SCALES", "QUANTIZER_ROLES",
     "te_recipe_description", "required_env", "import_te_recipe_module", "build_te_recipe",
     "recipe_mismatches", "host_built_recipe", "verify_host_recipe", "verify_installed_te",
-    "FP8_WGRAD_IGNORED", "native_keys", "apply_file",
+    "FP8_WGRAD_IGNORED", "ENV_BACKWARD_OVERRIDE", "native_keys", "apply_file",
 ]
 
-TE_RECIPE_CLASS = {
-    "delayed": "DelayedScaling",
-    "tensorwise": "Float8CurrentScaling",
-    "block": "Float8BlockScaling",
-    "mx": "MXFP8BlockScaling",
-}
+TE_RECIPE_CLASS = {kind: row.te_class for kind, row in CAPABILITIES.items()}
 """Spec ``scaling`` -> name of the TE recipe class in ``transformer_engine.common.recipe``."""
 
-ENV_BLOCK_FP32_SCALES = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
-"""``"1"``: Float8BlockScaling's class-level quantizer parameters use fp32 scales; anything
-else (TE's default): power-of-2 scales. Read once, when TE is imported."""
 
-ENV_CURRENT_POW2_SCALES = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"
-"""``"1"``: Float8CurrentScaling defaults to power-of-2 scales; TE's default ``"0"``: fp32.
-Read once, when TE is imported."""
 
 QUANTIZER_ROLES = {
     "fp8_quant_fwd_inp": "input",
@@ -130,24 +121,20 @@ def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
                   "enable_2d_quantization": spec.weight_block == (32, 32),
                   "fp8_dpa": spec.fp8_dot_product_attention,
                   "fp8_mha": spec.fp8_multi_head_attention}
+    # TE >= 2.15 defaults every recipe's backward_override from NVTE_BACKWARD_OVERRIDE at
+    # import; the spec's backward is FP8, so the object to build pins it off (TE < 2.15 has no
+    # such field and ignores the argument: its backward is the recipe's own).
+    fields["backward_override"] = None
     return {"class": TE_RECIPE_CLASS[spec.scaling], "fields": fields, "quantizers": quantizers}
 
 
 def required_env(spec: RecipeSpec) -> dict[str, str]:
     """Environment variables the training process needs *before* TE is imported so that a
-    recipe object built by the host (megatron-core) quantizes as the spec says.
-
-    Always set for the scaling kinds TE reads one for, to either value, so a cluster-wide
-    setting cannot flip a recipe silently: block -> ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``
-    (``"1"`` for fp32 scales), tensorwise -> ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``.
-    """
-    if spec.training != "fp8":
-        return {}
-    if spec.scaling == "block":
-        return {ENV_BLOCK_FP32_SCALES: "0" if spec.pow2_scales else "1"}
-    if spec.scaling == "tensorwise":
-        return {ENV_CURRENT_POW2_SCALES: "1" if spec.pow2_scales else "0"}
-    return {}
+    recipe object built by the host (megatron-core) quantizes as the spec says: the
+    capability table's :func:`nemo_fp8_plugin.capabilities.te_env` (block ->
+    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``, tensorwise ->
+    ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``, always pinned to one value)."""
+    return te_env(spec)
 
 
 def _unsupported(spec: RecipeSpec) -> list[tuple[str, str]]:
@@ -165,10 +152,12 @@ def _unsupported(spec: RecipeSpec) -> list[tuple[str, str]]:
 
 
 FP8_WGRAD_IGNORED = (
-    "Transformer Engine 2.x has no switch for a high-precision weight-gradient GEMM: "
+    "Transformer Engine 2.x cannot run only the weight-gradient GEMM in high precision: "
     "DelayedScaling lost its override_linear_precision field (TE 2.20 accepts the argument "
-    "megatron-core still passes and ignores it) and the other recipes never had one, so the "
-    "weight gradient is computed in FP8 anyway")
+    "megatron-core still passes and ignores it), and the nearest TE setting, "
+    "NVTE_BACKWARD_OVERRIDE=high_precision (TE >= 2.15, refused by DelayedScaling), switches "
+    "the whole backward (data and weight gradients) to high precision, a different recipe; "
+    "keep fp8_wgrad: true, or set that variable yourself knowing it changes every backward GEMM")
 """Why ``fp8_wgrad: false`` cannot be honoured by TE (hence by every megatron-core host)."""
 
 
@@ -236,7 +225,7 @@ def _render(problems) -> str:
 
 _MISSING = "<missing>"
 _NUMERIC_FIELDS = ("fp8_format", "use_power_2_scales", "x_block_scaling_dim",
-                   "w_block_scaling_dim", "grad_block_scaling_dim")
+                   "w_block_scaling_dim", "grad_block_scaling_dim", "backward_override")
 
 
 def recipe_mismatches(obj: Any, spec: RecipeSpec, *,
@@ -260,6 +249,8 @@ def recipe_mismatches(obj: Any, spec: RecipeSpec, *,
         have = getattr(obj, name, _MISSING)
         if name == "fp8_format":
             have = getattr(have, "name", have)
+        if name == "backward_override" and have is _MISSING:
+            have = None  # TE < 2.15: no override exists, the backward is the recipe's own
         if have != want:
             out.append((name, have, want))
     for attr, params in desc["quantizers"].items():
@@ -287,12 +278,54 @@ def host_built_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
     return cls(fp8_format=fmt)
 
 
+_BACKWARD_MODES = {
+    "high_precision": "in high precision (the original BF16 operands) instead of FP8",
+    "dequantized": "on dequantized operands in high precision instead of FP8",
+}
+
+
+def backward_override_default(cls: Any) -> Any:
+    """The ``backward_override`` a TE recipe class defaults to (TE >= 2.15 reads it from
+    ``NVTE_BACKWARD_OVERRIDE`` when TE is imported), or None (unset, or an older TE)."""
+    field = getattr(cls, "__dataclass_fields__", {}).get("backward_override")
+    if field is not None:
+        return field.default
+    return getattr(cls, "backward_override", None)
+
+
+def _refuse_backward_override(spec: RecipeSpec, te_recipe: ModuleType, where: str) -> None:
+    cls = getattr(te_recipe, TE_RECIPE_CLASS[spec.scaling], None)
+    value = backward_override_default(cls)
+    if value is None:
+        return
+    name = TE_RECIPE_CLASS[spec.scaling]
+    if value not in _BACKWARD_MODES:
+        effect = "which Transformer Engine rejects when the recipe is built"
+    elif spec.scaling == "delayed":
+        effect = "which DelayedScaling refuses (TE raises when megatron-core builds the recipe)"
+    else:
+        effect = (f"so every {name} a host builds (megatron-core passes no backward_override) "
+                  f"would run the whole backward {_BACKWARD_MODES[value]}")
+    raise FP8ConfigError(
+        f"Transformer Engine in {where} was imported with {ENV_BACKWARD_OVERRIDE}={value}, "
+        f"{effect}; recipe {spec.name!r} trains the backward in FP8",
+        key=ENV_BACKWARD_OVERRIDE, value=value,
+        hint=f"unset {ENV_BACKWARD_OVERRIDE} in the training process's environment before it "
+             f"starts (no nemo-fp8-plugin recipe uses it)")
+
+
 def verify_host_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None, *,
                        where: str = "the training process") -> None:
-    """Fail fast when TE, as imported in this process, would quantize a host-built recipe
-    differently from ``spec`` (the fp32-scale trap). Call it inside the training process
-    before the first step; raises :class:`FP8ConfigError` naming the variable and the fix."""
-    if spec.training != "fp8" or spec.scaling not in ("block", "tensorwise"):
+    """Fail fast when TE, as imported in this process, would build a host-built recipe that
+    differs from ``spec``: an ``NVTE_BACKWARD_OVERRIDE`` read at import (TE >= 2.15, every
+    recipe) or the wrong scale rounding (the fp32-scale trap, block and current scaling).
+    Call it inside the training process before the first step; raises
+    :class:`FP8ConfigError` naming the variable and the fix."""
+    if spec.training != "fp8":
+        return
+    te_recipe = te_recipe or import_te_recipe_module()
+    _refuse_backward_override(spec, te_recipe, where)
+    if spec.scaling not in ("block", "tensorwise"):
         return
     obj = host_built_recipe(spec, te_recipe)
     problems = recipe_mismatches(obj, spec, check_fields=False)
@@ -323,15 +356,16 @@ def verify_installed_te(spec: RecipeSpec | str | Mapping[str, Any], *,
                         where: str = "the training process") -> bool:
     """:func:`verify_host_recipe` against the Transformer Engine of *this* process; call it
     in the training process before the model is built. Returns False, checking nothing,
-    when TE is not importable (emulation, CPU: no TE recipe will be built) or the recipe has
-    no import-time TE state; True when the check passed; raises :class:`FP8ConfigError`
-    naming the environment variable otherwise. ``spec`` may be a recipe name, a
+    when TE is not importable (emulation, CPU: no TE recipe will be built) or the recipe
+    does not train in FP8; True when the check passed; raises :class:`FP8ConfigError`
+    naming the environment variable otherwise. Every FP8 recipe is checked: TE >= 2.15 fixes
+    each recipe class's ``backward_override`` at import. ``spec`` may be a recipe name, a
     ``{"recipe": name, ...overrides}`` mapping or a full spec mapping (as the callbacks take)."""
     from ..registry import get_recipe  # noqa: PLC0415
 
     spec = get_recipe(spec)
-    if spec.training != "fp8" or spec.scaling not in ("block", "tensorwise"):
-        return False  # no import-time TE state decides these recipes' numerics
+    if spec.training != "fp8":
+        return False
     try:
         from transformer_engine.common import recipe as te_recipe  # noqa: PLC0415
     except ImportError:
@@ -357,16 +391,44 @@ def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False)
     Output: ``{"transformer_engine": {"class", "fields", "quantizers", "env"}}``. TE has no
     config file of its own, so the input config is not rewritten.
     """
-    from ..config import resolve_config
+    from . import apply_path  # noqa: PLC0415
 
-    _config, request = resolve_config(path, hardware=hardware)
-    if request is None:
-        raise FP8ConfigError(f"{path} asks for no FP8 recipe", key="precision",
+    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
+
+
+class TEAdapter:
+    """Transformer Engine itself, for scripts that build their own recipe object: the output
+    is a new document describing the recipe (class, fields, quantizer parameters, env), not
+    an edit of the input config."""
+
+    name = "te"
+    follows_defaults = True  # the output is a description, so a parent's request is fine
+
+    def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
+        return native_keys(spec)
+
+    def merge(self, ctx) -> ApplyResult:
+        hk = native_keys(ctx.spec)
+        out = dict(hk.keys)
+        if hk.env:
+            out["env"] = hk.env
+        data = {"transformer_engine": out}
+        return ApplyResult(data=data, warnings=list(hk.warnings), env=dict(hk.env),
+                           written=data)
+
+    def passthrough(self, ctx):
+        raise FP8ConfigError(f"{ctx.path or 'the config'} asks for no FP8 recipe", key="precision",
                              hint="add `precision: <recipe>` or an `fp8:` block")
-    hk = native_keys(request.spec)
-    if strict and hk.warnings:
-        raise FP8ConfigError(hk.warnings[0], key="--strict")
-    out = dict(hk.keys)
-    if hk.env:
-        out["env"] = hk.env
-    return ApplyResult(data={"transformer_engine": out}, warnings=hk.warnings)
+
+    def validate(self, result: ApplyResult, ctx) -> list[str]:
+        """Build the recipe with TE's own recipe module and read every field back."""
+        try:
+            te_recipe = import_te_recipe_module()
+        except HostUnavailableError as exc:
+            return [f"te: not checked ({exc})"]
+        build_te_recipe(ctx.spec, te_recipe)
+        return [f"te: {TE_RECIPE_CLASS[ctx.spec.scaling]} built and read back"]
+
+
+ADAPTER = TEAdapter()
+"""The Transformer Engine adapter (:class:`nemo_fp8_plugin.hosts.HostAdapter`)."""

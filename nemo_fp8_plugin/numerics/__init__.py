@@ -1,9 +1,10 @@
 """Pure-torch FP8 numerics: Transformer Engine's quantization bit for bit, and FP8-emulated
 training of any torch model on any device.
 
-Imports only torch and the plugin's stdlib-only modules (errors, spec; the recipe registry
-only when a recipe is named), so it runs on a machine that has nothing but torch. See
-``docs/numerics.md``.
+Imports only torch and :mod:`nemo_fp8_plugin.errors` (no recipe spec module, no registry, no
+YAML), so it runs on a machine that has nothing but torch. Recipes come in as spec objects
+(:class:`RecipeLike`, which :class:`nemo_fp8_plugin.RecipeSpec` satisfies): resolve a name
+with ``nemo_fp8_plugin.get_recipe(name)`` first. See ``docs/numerics.md``.
 
 * Quantizers (each returns a :class:`QTensor`): :func:`quantize_per_tensor` (current
   scaling), :func:`quantize_blockwise` (1x128 / 128x128 tiles, 3-D MoE stacks),
@@ -32,6 +33,7 @@ from .linear import (BF16EmulatedLinear, FP8EmulatedLinear, LayerEmulator, RoleQ
                      bf16_linear, emulated_linear)
 from .quantize import (QTensor, quantize_blockwise, quantize_mxfp8, quantize_per_tensor,
                        quantize_with_scale, tensor_amax)
+from .recipe import RecipeLike, RecipeTypeError, check_recipe
 from .scaling import scale_from_amax
 
 __all__ = [
@@ -46,5 +48,5 @@ __all__ = [
     "emulated_modules", "fp8_calibration", "fp8_states", "update_fp8_scales",
     "reset_fp8_states", "is_fp8_emulated", "set_amax_reduction_group",
     "BF16EmulatedLinear", "bf16_linear", "convert_to_bf16_emulation", "revert_bf16_emulation",
-    "is_bf16_emulated",
+    "is_bf16_emulated", "RecipeLike", "RecipeTypeError", "check_recipe",
 ]

@@ -27,7 +27,8 @@ from torch import nn
 from ..errors import FP8ConfigError
 from .delayed import DelayedScalingState
 from .linear import (BF16EmulatedLinear, FP8EmulatedLinear, LayerEmulator, bf16_linear,
-                     emulated_linear, resolve_recipe)
+                     emulated_linear)
+from .recipe import RecipeLike, check_recipe
 
 __all__ = ["convert_to_fp8_emulation", "revert_fp8_emulation", "default_module_filter",
            "convert_to_bf16_emulation", "revert_bf16_emulation", "is_bf16_emulated",
@@ -171,7 +172,7 @@ def revert_bf16_emulation(model: nn.Module) -> nn.Module:
     return model
 
 
-def convert_to_fp8_emulation(model: nn.Module, recipe,
+def convert_to_fp8_emulation(model: nn.Module, recipe: RecipeLike,
                              module_filter: Callable[[str, nn.Module], bool] | None = None
                              ) -> nn.Module:
     """Swap ``model``'s linear layers for FP8-emulated ones, in place; returns ``model``.
@@ -179,8 +180,10 @@ def convert_to_fp8_emulation(model: nn.Module, recipe,
     Args:
         model: any ``nn.Module`` (a bare ``nn.Linear`` is converted too, but then it cannot
             be swapped in its parent: use the returned module).
-        recipe: a :class:`~nemo_fp8_plugin.spec.RecipeSpec` or a registered recipe name
-            (``"fp8_blockwise"``, ``"fp8_delayed"``, ...).
+        recipe: a :class:`~nemo_fp8_plugin.spec.RecipeSpec` (or any
+            :class:`~.recipe.RecipeLike`): ``nemo_fp8_plugin.get_recipe("fp8_blockwise")``.
+            A name or mapping raises :class:`~.recipe.RecipeTypeError` (the numerics do not
+            resolve names).
         module_filter: ``(qualified_name, module) -> bool``, True to convert. Default
             :func:`default_module_filter` (everything but ``output_layer`` / ``lm_head``).
             The BF16 rules supply a filter built from ``bf16_layers``.
@@ -189,7 +192,7 @@ def convert_to_fp8_emulation(model: nn.Module, recipe,
     ``RowParallelLinear`` with tensor-parallel size 1. Already-converted modules are left as
     they are. Raises :class:`FP8ConfigError` for a tensor-parallel layer with TP > 1.
     """
-    spec = resolve_recipe(recipe)
+    spec = check_recipe(recipe)
     keep = module_filter or default_module_filter
     mcore_types = _megatron_linear_types()
     if type(model) is nn.Linear:

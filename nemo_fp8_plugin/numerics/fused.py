@@ -37,9 +37,10 @@ from typing import Callable
 import torch
 
 from .formats import check_format, check_input_dtype, fp8_dtype, fp8_max, input_dtype_max
-from .quantize import (QTensor, _expand_tiles, _tiled, check_block, quantize_blockwise,
-                       quantize_mxfp8, quantize_per_tensor, quantize_with_scale, tensor_amax)
-from .scaling import FLT_MAX, e8m0_from_amax, e8m0_quant_multiplier
+from .quantize import (QTensor, _expand_tiles, _tiled, check_block, mx_scale_tiles,
+                       quantize_blockwise, quantize_mxfp8, quantize_per_tensor,
+                       quantize_with_scale, tensor_amax)
+from .scaling import FLT_MAX, e8m0_from_amax
 
 __all__ = ["fused_enabled", "fused_mode", "quantize_blockwise_fused", "quantize_mxfp8_fused",
            "fake_quant_blockwise", "fake_quant_mxfp8", "fake_quant_per_tensor",
@@ -209,14 +210,14 @@ def _mx_exponent(x, bm, bn, fmt):
 def _mx_cast(x, *, bm, bn, fmt):
     tiles, e = _mx_exponent(x, bm, bn, fmt)
     fmax = fp8_max(fmt)
-    v = _saturate(tiles * _expand_tiles(e8m0_quant_multiplier(e)), fmax)
+    v = _saturate(mx_scale_tiles(tiles, e), fmax)
     return v.to(fp8_dtype(fmt)).reshape(x.shape), e.to(torch.uint8)
 
 
 def _mx_fq(x, *, bm, bn, fmt):
     tiles, e = _mx_exponent(x, bm, bn, fmt)
     fmax = fp8_max(fmt)
-    r = _round_to_grid((tiles * _expand_tiles(e8m0_quant_multiplier(e))).clamp(-fmax, fmax), fmt)
+    r = _round_to_grid(mx_scale_tiles(tiles, e).clamp(-fmax, fmax), fmt)
     # 2^(e - 127) from the exponent bits; e == 0 is 2^-127, a subnormal (fraction bit 22).
     # e == 255 (a NaN amax) cannot occur: the amax ignores NaN.
     bits = torch.where(e > 0, e << 23, torch.full_like(e, 1 << 22)).to(torch.int32)

@@ -31,33 +31,21 @@ from .delayed import DelayedScalingState
 from .fused import (fake_quant_blockwise, fake_quant_mxfp8, fake_quant_per_tensor,
                     fake_quant_with_scale)
 from .quantize import tensor_amax
+from .recipe import RecipeLike, check_recipe
 
-__all__ = ["FP8EmulatedLinear", "LayerEmulator", "RoleQuantizer", "emulated_linear",
-           "resolve_recipe", "ROLES", "BF16EmulatedLinear", "bf16_linear"]
+__all__ = ["FP8EmulatedLinear", "LayerEmulator", "RoleQuantizer", "emulated_linear", "ROLES",
+           "BF16EmulatedLinear", "bf16_linear"]
 
 ROLES = ("input", "weight", "grad_output")
 
 
-def resolve_recipe(recipe):
-    """A :class:`~nemo_fp8_plugin.spec.RecipeSpec`, or a registered recipe name (or a mapping
-    starting from one) resolved through the registry, imported here so numerics needs no
-    YAML at import time."""
-    from collections.abc import Mapping
-
-    from ..spec import RecipeSpec
-
-    if isinstance(recipe, RecipeSpec):
-        return recipe
-    if isinstance(recipe, (str, Mapping)):
-        from ..registry import get_recipe
-
-        return get_recipe(recipe)
-    raise FP8ConfigError(f"expected a RecipeSpec or a recipe name, got {type(recipe).__name__}",
-                         key="recipe", value=recipe)
-
-
 class RoleQuantizer:
     """Quantizes (and dequantizes to fp32) one operand role of one layer per a recipe.
+
+    Args:
+        spec: the recipe (a :class:`~nemo_fp8_plugin.spec.RecipeSpec` or any
+            :class:`~.recipe.RecipeLike`; names are resolved by ``nemo_fp8_plugin.get_recipe``).
+        role: ``input``, ``weight`` or ``grad_output``.
 
     Attributes:
         scaling: the recipe's scaling kind (``delayed``, ``tensorwise``, ``block``, ``mx``).
@@ -66,7 +54,11 @@ class RoleQuantizer:
         state: the role's :class:`DelayedScalingState` under delayed scaling, else None.
     """
 
-    def __init__(self, spec, role: str, device=None):
+    def __init__(self, spec: RecipeLike, role: str, device=None):
+        spec = check_recipe(spec, "spec")
+        if role not in ROLES:
+            raise FP8ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}",
+                                 key="role", value=role)
         self.role = role
         self.scaling = spec.scaling
         self.fmt = spec.format_for(role)
@@ -135,6 +127,10 @@ class RoleQuantizer:
 class LayerEmulator:
     """The FP8 emulation state of one linear layer: a :class:`RoleQuantizer` per role.
 
+    Args:
+        spec: the recipe (a :class:`~nemo_fp8_plugin.spec.RecipeSpec` or any
+            :class:`~.recipe.RecipeLike`; a name raises, see ``nemo_fp8_plugin.get_recipe``).
+
     Attributes:
         spec: the recipe.
         quantizers: role -> :class:`RoleQuantizer`.
@@ -143,7 +139,8 @@ class LayerEmulator:
         enabled: when False the layer runs plainly in high precision.
     """
 
-    def __init__(self, spec, device=None):
+    def __init__(self, spec: RecipeLike, device=None):
+        spec = check_recipe(spec, "spec")
         self.spec = spec
         self.quantizers = {role: RoleQuantizer(spec, role, device) for role in ROLES}
         self.calibrating = False
@@ -264,19 +261,21 @@ class FP8EmulatedLinear(nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
-        recipe: a :class:`~nemo_fp8_plugin.spec.RecipeSpec` or a registered recipe name
-            (default ``"fp8_blockwise"``).
+        recipe: the recipe, keyword only: a :class:`~nemo_fp8_plugin.spec.RecipeSpec`
+            (``recipe=nemo_fp8_plugin.get_recipe("fp8_blockwise")``) or any
+            :class:`~.recipe.RecipeLike`. A recipe name raises :class:`~.recipe.RecipeTypeError`.
 
     Attributes:
-        fp8_recipe: the resolved recipe.
+        fp8_recipe: the recipe.
         fp8_emulator: the layer's :class:`LayerEmulator`.
         fp8_states: role -> :class:`DelayedScalingState` (delayed scaling only).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
-                 dtype=None, *, recipe="fp8_blockwise"):
+                 dtype=None, *, recipe: RecipeLike):
+        recipe = check_recipe(recipe)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.fp8_recipe = resolve_recipe(recipe)
+        self.fp8_recipe = recipe
         state_device = None if device is None or torch.device(device).type == "meta" else device
         self.fp8_emulator = LayerEmulator(self.fp8_recipe, state_device)
 
@@ -285,7 +284,7 @@ class FP8EmulatedLinear(nn.Linear):
         return self.fp8_emulator.states
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe) -> "FP8EmulatedLinear":
+    def from_linear(cls, linear: nn.Linear, recipe: RecipeLike) -> "FP8EmulatedLinear":
         """A new module sharing ``linear``'s weight and bias Parameters (same objects)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                   device="meta", recipe=recipe)

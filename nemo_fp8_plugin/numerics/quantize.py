@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import FP8ConfigError
 from .formats import check_format, check_input_dtype, fp8_dtype, fp8_max, input_dtype_max
-from .scaling import (FLT_MAX, e8m0_from_amax, e8m0_quant_multiplier, nan_ignoring_abs,
+from .scaling import (FLT_MAX, e8m0_data_factors, e8m0_from_amax, nan_ignoring_abs,
                       reciprocal, saturating_cast, scale_from_amax)
 
 __all__ = ["QTensor", "quantize_per_tensor", "quantize_with_scale", "quantize_blockwise",
@@ -256,9 +256,15 @@ def mx_quantize_core(x: torch.Tensor, bm: int, bn: int, fmt: str) -> tuple[torch
     """
     tiles = _tiled(x.float(), bm, bn)
     e = e8m0_from_amax(_tile_amax(tiles), fp8_max(fmt))
-    data = saturating_cast(tiles * _expand_tiles(e8m0_quant_multiplier(e)), fp8_max(fmt),
-                           fp8_dtype(fmt))
+    data = saturating_cast(mx_scale_tiles(tiles, e), fp8_max(fmt), fp8_dtype(fmt))
     return data.reshape(x.shape), e
+
+
+def mx_scale_tiles(tiles: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``tiles * exp2f_rcp(e)`` per tile (fp32, before the cast), through
+    :func:`~.scaling.e8m0_data_factors`. Traceable."""
+    m1, m2 = e8m0_data_factors(e)
+    return tiles * _expand_tiles(m1) * _expand_tiles(m2)
 
 
 def e8m0_tensor(e: torch.Tensor) -> torch.Tensor:
@@ -277,8 +283,9 @@ def quantize_mxfp8(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
         fmt: ``"e4m3"`` (default) or ``"e5m2"``.
 
     Per block: ``e = ceil_pow2(amax * fp32(1/fp8_max))`` as the biased E8M0 exponent (amax 0
-    -> 0x00, inf -> 0xFE), ``data = sat_cast(x * 2^(127 - e))`` (TE multiplies by 1 when
-    ``e == 0``), ``scale_inv`` = the E8M0 byte, ``[..., K/32]``. TE requires dims divisible by
+    -> 0x00, inf -> 0xFE), ``data = sat_cast(x * 2^(127 - e))`` (TE's ``exp2f_rcp``: 2^127
+    for byte 0, 2^-127 for 0xFE, so an inf saturates to +-fp8_max), ``scale_inv`` = the E8M0
+    byte, ``[..., K/32]``. TE requires dims divisible by
     32; here a partial block is zero-padded like a partial block-scaling tile.
     """
     check_input_dtype(x)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["nan_ignoring_abs", "scale_from_amax", "reciprocal", "saturating_cast",
-           "e8m0_from_amax", "e8m0_quant_multiplier", "FLT_MAX"]
+           "e8m0_from_amax", "e8m0_quant_multiplier", "e8m0_data_factors", "FLT_MAX"]
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 
@@ -95,8 +95,27 @@ def e8m0_from_amax(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
 
 
 def e8m0_quant_multiplier(e: torch.Tensor) -> torch.Tensor:
-    """The factor TE multiplies data by before the cast (``ptx::exp2f_rcp``): bit pattern
-    ``(254 - e) << 23`` read as fp32, i.e. 2^(127 - e), except e == 0 -> 1.0 (and, as in
-    TE, e == 0xFE -> +0.0 and e == 0xFF -> -inf)."""
-    mult = ((254 - e) << 23).to(torch.int32).view(torch.float32)
-    return torch.where(e == 0, torch.ones_like(mult), mult)
+    """The factor TE multiplies data by before the cast, ``ptx::exp2f_rcp(e)`` as of TE PR
+    2647 (every 2.1x/2.20 release; TE 2.20.2's CuTeDSL ``exp2f_rcp`` spells it out): the bit
+    pattern ``(254 - e) << 23`` read as fp32, i.e. ``2^(127 - e)`` for every byte up to 0xFD
+    (byte 0 gives 2^127, no special case), 0xFE gives 2^-127 (``0x00400000``, a subnormal)
+    and 0xFF gives NaN. (Older TE kernels returned 1.0 for byte 0 and +0.0 for 0xFE.)"""
+    bits = ((254 - e) << 23).to(torch.int32)
+    bits = torch.where(e == 254, torch.full_like(bits, 0x00400000), bits)
+    bits = torch.where(e == 255, torch.full_like(bits, 0x7FFFFFFF), bits)
+    return bits.view(torch.float32)
+
+
+def e8m0_data_factors(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m1, m2)`` with ``(x * m1) * m2`` casting to exactly the FP8 bits of
+    ``x * e8m0_quant_multiplier(e)``, without a subnormal operand.
+
+    ``m1 = 2^(127 - e)`` except 2^-126 for e = 0xFE, and ``m2`` is 0.5 there, 1.0 elsewhere.
+    Both products are exact wherever the result can be a nonzero FP8 value (``|x * 2^-127| >=
+    2^-17`` needs ``|x| >= 2^110``, so ``x * 2^-126`` is a normal fp32); below that both
+    spellings cast to zero. The split keeps the result independent of a backend that
+    flushes subnormal operands (the 2^-127 constant) to zero.
+    """
+    m1 = e8m0_quant_multiplier(torch.where(e == 254, torch.full_like(e, 253), e))
+    m2 = torch.where(e == 254, torch.full_like(m1, 0.5), torch.ones_like(m1))
+    return m1, m2

@@ -19,11 +19,22 @@ this module does the same, framework-neutrally.
   value), so ``amax_p * margin`` maps to the top of the E4M3 range. vLLM divides by it when
   writing the cache and multiplies when reading. A layer whose samples are all zero gets
   1.0 (vLLM reads a scale <= 0 as "missing").
-* Names: ``<attention module>.{q,k,v}_scale`` in Hugging Face naming
-  (``model.layers.3.self_attn.k_scale``); vLLM's loader maps them onto its attention layers
-  (``...self_attn.attn.k_scale``), and the ``nemo_fp8`` method keeps those parameters
-  loadable across refits. Megatron names (``decoder.layers.3.self_attention``) are mapped
-  to the same Hugging Face names.
+* Names: vLLM's own parameter names, ``<attention module>.attn.{q,k,v}_scale`` with the
+  attention module in Hugging Face naming (``model.layers.3.self_attn.attn.k_scale``). vLLM
+  0.32 loads exactly these in every loader: ``AutoWeightsLoader`` models (Llama, Qwen2/3,
+  Qwen3-MoE, Mixtral) leave a name that already has ``.attn`` alone (the quantization
+  config's cache-scale mapper only adds it to ``...self_attn.{q,k,v}_scale``, and only when
+  the model has a quantization config), and ``maybe_remap_kv_scale_name`` (DeepSeek-V2/V3's
+  loop) returns a name that is a model parameter unchanged. NeMo RL writes
+  ``...self_attn.{k,v}_scale`` and ``...self_attn.attn.q_scale``, which land on the same
+  parameters. The ``nemo_fp8`` method keeps those parameters loadable across refits.
+  Megatron names (``decoder.layers.3.self_attention``) map to the same Hugging Face names.
+* Layer numbers are global. Under pipeline parallelism each stage's ``decoder.layers.<i>``
+  counts from 0, so the calibrator takes the layer's global number from megatron-core's own
+  ``TransformerLayer.layer_number`` (1-based, ``local + get_transformer_layer_offset(...)``,
+  virtual stages included; the core attention's ``layer_number`` where the layer has none),
+  or from ``layer_offset=`` for models that do not carry one. Every stage then names its
+  layers as the unsplit model does, and the max-merge across ranks never mixes two layers.
 
 **Where the hooks go**: megatron-core's core attention (``DotProductAttention`` /
 ``TEDotProductAttention`` or a subclass, a forward pre-hook on ``(query, key, value, ...)``, as
@@ -56,13 +67,15 @@ import torch
 from ..errors import FP8ConfigError, format_value
 
 __all__ = ["KVScaleCalibrator", "ScaleUpdate", "refresh_scales", "nearest_rank_percentile",
-           "vllm_attention_name", "FP8_E4M3_MAX"]
+           "vllm_attention_name", "vllm_scale_name", "merge_max", "FP8_E4M3_MAX"]
 
 FP8_E4M3_MAX = 448.0
 """Largest finite E4M3 value: ``amax_p * margin`` maps onto it."""
 
 _MCORE_ATTENTION = ("DotProductAttention", "TEDotProductAttention")
 _MEGATRON_LAYER = re.compile(r"^(?:.*?\.)?decoder\.layers\.(\d+)\.self_attention(?:\.core_attention)?$")
+# The last ``layers.<i>`` of a module name: the transformer layer index.
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 _ROLES = ("q", "k", "v")
 _WRAPPER_PREFIX = "nemo_fp8_kv_calibration:"
 
@@ -80,6 +93,12 @@ def vllm_attention_name(module_name: str) -> str:
     if found:
         return f"model.layers.{found.group(1)}.self_attn"
     return module_name
+
+
+def vllm_scale_name(attention: str, role: str) -> str:
+    """vLLM's parameter name of a scale: ``<attention module>.attn.<role>_scale``
+    (``model.layers.3.self_attn`` and ``k`` -> ``model.layers.3.self_attn.attn.k_scale``)."""
+    return f"{attention}.attn.{role}_scale"
 
 
 def nearest_rank_percentile(values: torch.Tensor, percentile: float) -> torch.Tensor:
@@ -130,17 +149,26 @@ class KVScaleCalibrator:
         sample: ``"batch"`` (default): one amax per layer per forward call (NeMo RL);
             ``"token"``: one per token (max over heads and head dim).
         fp8_max: the format's largest value. Default 448 (E4M3).
-        name_map: module name -> scale-name prefix. Default :func:`vllm_attention_name`.
+        name_map: module name (with the global layer index, see ``layer_offset``) -> the
+            Hugging Face attention module name the scales are named after (the calibrator
+            appends ``.attn.<role>_scale``, :func:`vllm_scale_name`). Default
+            :func:`vllm_attention_name`.
+        layer_offset: global index of this model's first layer, for a pipeline stage whose
+            layers do not carry megatron-core's global ``layer_number`` (a hand-split model):
+            ``layers.<i>`` becomes ``layers.<i + layer_offset>``. Default None: megatron-core
+            layers use their ``layer_number`` (global under pipeline and virtual-pipeline
+            parallelism), other models their own index.
         process_group: when ``torch.distributed`` is initialized with more than one rank,
             each rank's percentile amax is merged with the others' by max over this group
             (default: the default group), as NeMo RL does: tensor-parallel ranks see
-            different heads, pipeline ranks different layers, data-parallel ranks different
-            batches.
+            different heads, pipeline ranks different layers (named by their global
+            number), data-parallel ranks different batches.
     """
 
     def __init__(self, model: torch.nn.Module, *, percentile: float = 99.9, margin: float = 1.05,
                  include_q: bool = True, sample: str = "batch", fp8_max: float = FP8_E4M3_MAX,
-                 name_map: Callable[[str], str] | None = None, process_group: Any = None) -> None:
+                 name_map: Callable[[str], str] | None = None, layer_offset: int | None = None,
+                 process_group: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise FP8ConfigError(f"expected a torch.nn.Module, got {format_value(model)}", key="model")
         self.model = model
@@ -153,6 +181,11 @@ class KVScaleCalibrator:
         self.sample = sample
         self.include_q = bool(include_q)
         self.name_map = name_map or vllm_attention_name
+        if layer_offset is not None and (isinstance(layer_offset, bool)
+                                         or not isinstance(layer_offset, int) or layer_offset < 0):
+            raise FP8ConfigError(f"expected a layer index >= 0, got {format_value(layer_offset)}",
+                                 key="layer_offset", value=layer_offset)
+        self.layer_offset = layer_offset
         self.process_group = process_group
         self._samples: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         self._handles: list[Any] = []
@@ -166,19 +199,55 @@ class KVScaleCalibrator:
     def _find_layers(self) -> dict[torch.nn.Module, tuple[str, str]]:
         """attention module -> (kind, scale-name prefix)."""
         found: dict[torch.nn.Module, tuple[str, str]] = {}
-        for name, module in self.model.named_modules():
+        modules = dict(self.model.named_modules())
+        owner: dict[str, str] = {}
+        for name, module in modules.items():
             # Subclasses count (custom core attentions plug in through the layer spec).
             if any(c.__name__ in _MCORE_ATTENTION for c in type(module).__mro__):
-                found[module] = ("mcore", self.name_map(name))
+                kind = "mcore"
             elif (hasattr(module, "k_proj") and hasattr(module, "v_proj")
                   and hasattr(getattr(module, "config", None), "_attn_implementation")):
-                found[module] = ("hf", self.name_map(name))
+                kind = "hf"
+            else:
+                continue
+            prefix = self.name_map(self._global_name(name, module, kind, modules))
+            if prefix in owner:
+                raise FP8ConfigError(
+                    f"attention modules {owner[prefix]!r} and {name!r} both name their scales "
+                    f"{prefix!r}", key="name_map" if self.name_map is not vllm_attention_name
+                    else "model", hint="each layer needs its own global number: pass "
+                                       "layer_offset or a name_map that tells them apart")
+            owner[prefix] = name
+            found[module] = (kind, prefix)
         if not found:
             raise FP8ConfigError(
                 f"no attention module found in {type(self.model).__name__}: the calibrator hooks "
                 f"megatron-core core attention ({', '.join(_MCORE_ATTENTION)}) and Hugging Face "
                 f"attention modules (k_proj, v_proj, config._attn_implementation)", key="model")
         return found
+
+    def _global_name(self, name: str, module: torch.nn.Module, kind: str,
+                     modules: dict[str, torch.nn.Module]) -> str:
+        """``name`` with its layer index made global (see the ``layer_offset`` argument)."""
+        found = list(_LAYER_INDEX.finditer(name))
+        if not found:
+            return name
+        last = found[-1]
+        local = int(last.group(1))
+        if self.layer_offset is not None:
+            index = local + self.layer_offset
+        elif kind == "mcore":
+            # megatron-core: TransformerLayer.layer_number = local + 1 + the stage's offset
+            # (get_transformer_layer_offset); core attention gets the same number.
+            layer = modules.get(name[:last.end()].lstrip("."))
+            number = _layer_number(layer)
+            if number is None:
+                number = _layer_number(module)
+            index = local if number is None else number - 1
+        else:
+            index = local
+        start = last.start(1)
+        return f"{name[:start]}{index}{name[last.end(1):]}"
 
     @property
     def layer_names(self) -> list[str]:
@@ -274,7 +343,7 @@ class KVScaleCalibrator:
                 if role not in roles:
                     continue
                 samples = torch.cat(roles[role])
-                amaxes[f"{layer}.{role}_scale"] = float(nearest_rank_percentile(samples, self.percentile))
+                amaxes[vllm_scale_name(layer, role)] = float(nearest_rank_percentile(samples, self.percentile))
                 counts[f"{layer}.{role}"] = int(samples.numel())
         amaxes = _max_across_ranks(amaxes, self.process_group)
         for key, amax in amaxes.items():
@@ -325,7 +394,7 @@ class KVScaleCalibrator:
 def refresh_scales(model: torch.nn.Module, forward: Callable[[], Any] | None = None, *,
                    calibrator: KVScaleCalibrator | None = None, percentile: float = 99.9,
                    margin: float = 1.05, include_q: bool = True, sample: str = "batch",
-                   process_group: Any = None) -> ScaleUpdate:
+                   layer_offset: int | None = None, process_group: Any = None) -> ScaleUpdate:
     """Fresh ``{q,k,v}_scale`` tensors for every attention layer of ``model``.
 
     Call after each optimizer step. With ``forward`` (a zero-argument callable running the
@@ -334,7 +403,8 @@ def refresh_scales(model: torch.nn.Module, forward: Callable[[], Any] | None = N
     calibrator attached to ``model`` (``KVScaleCalibrator(model).attach()``), and raises
     :class:`~nemo_fp8_plugin.errors.FP8ConfigError` when there is none.
 
-    Returns a :class:`ScaleUpdate`: ``{name: 0-d fp32 tensor}`` in Hugging Face naming, with
+    Returns a :class:`ScaleUpdate`: ``{name: 0-d fp32 tensor}`` named as vLLM's parameters
+    (``model.layers.<global i>.self_attn.attn.{q,k,v}_scale``), with
     ``.seconds`` (its wall time, to report per step), ``.amax`` and ``.samples``. Append its
     items to the refit payload: ``payload + list(update.items())``.
     """
@@ -343,6 +413,7 @@ def refresh_scales(model: torch.nn.Module, forward: Callable[[], Any] | None = N
         if calibrator is None:
             calibrator = KVScaleCalibrator(model, percentile=percentile, margin=margin,
                                            include_q=include_q, sample=sample,
+                                           layer_offset=layer_offset,
                                            process_group=process_group)
         return calibrator.calibrate(forward)
     if calibrator is None:
@@ -359,11 +430,24 @@ def _max_across_ranks(amaxes: dict[str, float], group: Any) -> dict[str, float]:
         return amaxes
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, amaxes, group=group)
+    return merge_max(gathered)
+
+
+def merge_max(parts: list[dict[str, float] | None]) -> dict[str, float]:
+    """``{name: amax}`` dicts of several ranks merged: the max per name, the union of names.
+    Correct only when a name means the same layer on every rank (global layer numbers)."""
     merged: dict[str, float] = {}
-    for part in gathered:
+    for part in parts:
         for name, value in (part or {}).items():
             merged[name] = max(merged.get(name, 0.0), value)
     return merged
+
+
+def _layer_number(module: Any) -> int | None:
+    number = getattr(module, "layer_number", None)
+    if isinstance(number, int) and not isinstance(number, bool) and number >= 1:
+        return number
+    return None
 
 
 # --------------------------------------------------------------------------- Hugging Face wrapper

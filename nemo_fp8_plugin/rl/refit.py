@@ -178,9 +178,9 @@ def quantize_for_refit(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappi
             arguments. RefitLayoutError: a shard that does not split on block boundaries.
     """
     from .. import numerics
-    from ..numerics.linear import resolve_recipe
+    from ..registry import get_recipe
 
-    spec = resolve_recipe(spec)
+    spec = get_recipe(spec)
     if spec.generation != "fp8":
         yield from _items(named_tensors)
         return

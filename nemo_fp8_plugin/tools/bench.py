@@ -17,10 +17,6 @@ Benchmarks, not tests: CI never runs them.
 
 from __future__ import annotations
 
-import platform
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -28,32 +24,9 @@ from ..numerics import (FP8EmulatedLinear, fused_mode, quantize_blockwise,
                        quantize_blockwise_fused, quantize_mxfp8, quantize_mxfp8_fused)
 from ..registry import get_recipe
 from ..rl import quantize_for_refit
+from .harness import interleaved, timed, timing_summary
 
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
-
-
-def environment() -> dict:
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
-            "isa": torch.backends.cpu.get_cpu_capability()}
-
-
-def timed(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
-
-
-def interleaved(fns: dict, reps: int) -> dict[str, list[float]]:
-    """Run each callable once per round, ``reps`` rounds; returns all timings."""
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            times[name] += timed(fn, 1)
-    return times
 
 
 def bench_quantize(n: int, reps: int) -> dict:
@@ -82,8 +55,7 @@ def bench_quantize(n: int, reps: int) -> dict:
     for name, ts in times.items():
         moved = 4 if name == "clone" else 3
         gbs = elems * moved / min(ts) / 1e9
-        rows[name] = {"best_s": min(ts), "median_s": statistics.median(ts), "GB/s": gbs,
-                      "x_clone": gbs / clone_gbs}
+        rows[name] = {**timing_summary(ts), "GB/s": gbs, "x_clone": gbs / clone_gbs}
     return {"shape": [n, n], "dtype": "bfloat16", "rows": rows}
 
 
@@ -106,7 +78,7 @@ def bench_linear(n: int, tokens: int, reps: int, bf16_reps: int) -> dict:
     results = {}
     layers = {}
     for recipe in RECIPES:
-        layer = FP8EmulatedLinear(n, n, bias=False, recipe=recipe)
+        layer = FP8EmulatedLinear(n, n, bias=False, recipe=get_recipe(recipe))
         layers[recipe] = layer
 
         def emulated(xx, ww, b, layer=layer):
@@ -118,14 +90,12 @@ def bench_linear(n: int, tokens: int, reps: int, bf16_reps: int) -> dict:
         results[recipe] = run
     plain32()
     times = interleaved({"fp32": plain32} | results, reps)
-    bf16 = min(timed(plain16, bf16_reps)) if bf16_reps else float("nan")
+    bf16 = min(timed(plain16, reps=bf16_reps)) if bf16_reps else float("nan")
     t32 = min(times["fp32"])
-    rows = {"fp32": {"best_s": t32, "median_s": statistics.median(times["fp32"])},
-            "bf16": {"best_s": bf16}}
+    rows = {"fp32": timing_summary(times["fp32"]), "bf16": {"best_s": bf16}}
     for recipe in RECIPES:
-        t = min(times[recipe])
-        rows[recipe] = {"best_s": t, "median_s": statistics.median(times[recipe]),
-                        "x_fp32": t / t32, "x_bf16": t / bf16}
+        row = timing_summary(times[recipe])
+        rows[recipe] = {**row, "x_fp32": row["best_s"] / t32, "x_bf16": row["best_s"] / bf16}
     return {"M=N=K": n, "tokens": tokens, "rows": rows}
 
 
@@ -139,11 +109,6 @@ def layer_weights(layers: int, hidden: int, kv: int, ffn: int,
     return {f"model.layers.{i}.{n}.weight":
             (torch.randn(*s, generator=gen) * 0.02).bfloat16().to(device)
             for i in range(layers) for n, s in shapes.items()}
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def check_exact(weights: dict, spec) -> int:
@@ -176,7 +141,6 @@ def bench_refit(layers: int = 1, recipe: str = "fp8_blockwise", rounds: int = 4,
     def copy():
         for t in weights.values():
             t.clone()
-        sync(device)
 
     out_bytes = {}
 
@@ -186,7 +150,6 @@ def bench_refit(layers: int = 1, recipe: str = "fp8_blockwise", rounds: int = 4,
             for _, t in quantize_for_refit(weights, spec, keep_bf16=lambda n: False,
                                            fused=fused):
                 total += t.numel() * t.element_size()
-            sync(device)
             out_bytes[fused] = total
         return run
 
@@ -198,9 +161,7 @@ def bench_refit(layers: int = 1, recipe: str = "fp8_blockwise", rounds: int = 4,
             for name, fn in runs.items():
                 if name == "refit eager" and best[name] < float("inf") and rounds > 2:
                     continue  # the eager path is slow; one round is enough to place it
-                start = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - start)
+                best[name] = min(best[name], *timed(fn, device))
     copy_gbs = elems * 4 / best["copy (clone)"] / 1e9
     rows = {}
     for name, t in best.items():

@@ -26,6 +26,8 @@ from tiny_models import LLAMA, llama_state_dict
 
 import vllm
 
+pytestmark = pytest.mark.vllm
+
 SPEC = {"recipe": "fp8_blockwise", "bf16_layers": {"first": 1}}
 PROMPTS = [[1, 5 + i, (37 * i) % 512, 200 + i, 7] for i in range(4)]
 NEW_TOKENS = 16

@@ -17,6 +17,8 @@ from tiny_models import MIXTRAL, mixtral_state_dict, write_checkpoint
 
 import vllm
 
+pytestmark = pytest.mark.vllm
+
 SPEC = "fp8_blockwise"
 PROMPTS = [[1, 9 + i, (53 * i) % 512, 300 + i] for i in range(4)]
 PREFIX = "model.layers.{i}.block_sparse_moe.experts"

@@ -12,6 +12,8 @@ from tiny_models import LLAMA, llama_state_dict
 
 import vllm
 
+pytestmark = pytest.mark.vllm
+
 SPEC = {"recipe": "fp8_blockwise", "bf16_layers": {"first": 1}}
 
 

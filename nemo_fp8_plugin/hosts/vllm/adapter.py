@@ -13,8 +13,8 @@ vLLM option                        from the spec
                                    ``vllm.general_plugins`` entry point)
 ``hf_overrides.quantization_config``  scheme, tiles, ``pow2_scales``, ``ignored_layers`` and the
                                    first/last BF16 layers (``bf16_layers``), ``kv_cache_dtype``
-``kv_cache_dtype``                 ``auto``, or ``fp8_e4m3`` for ``kv_cache: fp8``
-``calculate_kv_scales``            ``false`` with an FP8 cache (scales come with each refit)
+``kv_cache_dtype``                 ``auto``, or ``fp8_e4m3`` for ``kv_cache: fp8`` (KV scales
+                                   come with each refit; vLLM 0.32 has no ``calculate_kv_scales``)
 =================================  ==============================================================
 
 Every other key is kept. The output has no ``precision`` / ``fp8`` key left, so running
@@ -22,7 +22,9 @@ Every other key is kept. The output has no ``precision`` / ``fp8`` key left, so 
 something else (``quantization: fp8``, ``kv-cache-dtype: fp8_e5m2``, its own
 ``quantization_config``) is refused with the key named. ``device: cpu`` in the config
 selects vLLM's CPU backend, where the FP8 KV cache is not requested (see
-:func:`nemo_fp8_plugin.hosts.vllm.engine_kwargs`).
+:func:`nemo_fp8_plugin.hosts.vllm.engine_kwargs`); vLLM 0.32 has no ``device`` engine
+argument (``vllm serve --config`` refuses it), so the key is read, left out of the output
+and named in a warning.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 
 from ...config import find_fp8_request, load_config
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
-from .. import ApplyResult, HostKeys
+from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
 
 __all__ = ["native_keys", "apply_file", "apply_vllm"]
 
@@ -75,18 +77,26 @@ def _canonical(value: Any) -> Any:
 
 
 def apply_vllm(config: dict, *, hardware: str | None = None) -> tuple[dict, list[str]]:
-    """Rewrite an engine-config mapping; returns ``(new mapping, warnings)``."""
+    """Rewrite an engine-config mapping; returns ``(new mapping, warnings)`` (the
+    :data:`ADAPTER` pipeline on a mapping)."""
+    result = apply_mapping(ADAPTER, config, hardware=hardware)
+    return result.data, result.warnings
+
+
+def _merge(ctx) -> ApplyResult:
     from . import engine_spelling
 
-    request = find_fp8_request(config, hardware=hardware)
-    if request is None:
-        return copy.deepcopy(config), ["no FP8 recipe requested (no `precision:` or `fp8:` naming "
-                                       "one); the config is written unchanged"]
+    config, request = ctx.raw, ctx.request
     out = copy.deepcopy(config)
     _drop_request_keys(out, request.keys)
-    _, device = _find(out, "device")
+    device_key, device = _find(out, "device")
     platform = "cpu" if device == "cpu" else None
-    kwargs, found = engine_spelling(request.spec, request.model, platform=platform)
+    kwargs, found = engine_spelling(request.spec, ctx.model, platform=platform)
+    if device_key is not None:  # vLLM 0.32's EngineArgs has no `device`
+        del out[device_key]
+        found.append(f"{device_key}: {format_value(device)} is not an engine argument of vLLM "
+                     f">= 0.32 (`vllm serve --config` refuses it; the installed vLLM build picks "
+                     f"the platform): read as the target platform and left out of the output")
     sep = _style(out)
 
     for name, value in kwargs.items():
@@ -110,16 +120,40 @@ def apply_vllm(config: dict, *, hardware: str | None = None) -> tuple[dict, list
         if key is not None:
             del out[key]
         out[name.replace("_", sep)] = value
-    return out, found
+    return ApplyResult(data=out, warnings=list(found), fmt=ctx.fmt)
 
 
 def apply_file(path: str | Path, *, hardware: str | None = None, strict: bool = False,
                **_: Any) -> ApplyResult:
     """Read a vLLM engine config (YAML or JSON) and return it with the FP8 engine arguments."""
-    path = Path(path)
-    config = load_config(path, follow_defaults=False)
-    data, found = apply_vllm(config, hardware=hardware)
-    if strict and found and find_fp8_request(config, hardware=hardware) is not None:
-        raise FP8ConfigError(found[0], key="--strict")
-    return ApplyResult(data=data, warnings=found,
-                       fmt="json" if path.suffix.lower() == ".json" else "yaml")
+    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
+
+
+class VLLMAdapter(ConfigEditAdapter):
+    """vLLM (an engine config: ``vllm serve --config`` YAML / ``vllm.LLM(**kwargs)``)."""
+
+    name = "vllm"
+
+    def spell(self, spec, ctx=None) -> HostKeys:
+        return native_keys(spec, ctx.model if ctx is not None else None)
+
+    merge = staticmethod(_merge)
+
+    def validate(self, result: ApplyResult, ctx) -> list[str]:
+        """vLLM's own ``EngineArgs`` takes the output's engine options (dashes or
+        underscores), when vLLM is importable."""
+        try:
+            from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+        except Exception as exc:  # noqa: BLE001 - vLLM's import fails in many ways
+            return [f"vllm: not checked (vLLM is not importable here: {type(exc).__name__})"]
+        kwargs = {str(k).replace("-", "_"): v for k, v in result.data.items()}
+        try:
+            EngineArgs(**kwargs)
+        except TypeError as exc:
+            raise FP8ConfigError(f"vLLM's EngineArgs refuses the output: {exc}",
+                                 key="engine config") from None
+        return [f"vllm: EngineArgs accepted {len(kwargs)} options"]
+
+
+ADAPTER = VLLMAdapter()
+"""The vLLM adapter (:class:`nemo_fp8_plugin.hosts.HostAdapter`)."""

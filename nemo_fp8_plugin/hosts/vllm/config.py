@@ -38,6 +38,10 @@ class NemoFp8Config(QuantizationConfig):
             (or ``[32, 32]``) for ``mx``.
         activation_block_size: activation group, ``[1, 128]`` / ``[1, 32]``.
         pow2_scales: block scales rounded down to powers of two (block scheme).
+        amax_epsilon: floor applied to each amax before its scale is computed (the recipe's
+            ``amax_epsilon``; block scheme: weights quantized on arrival and emulated
+            activations; vLLM's own kernels have a fixed floor, so a non-zero value is
+            refused on that backend).
         ignored_layers: modules kept in BF16, exact names or glob patterns.
         num_first_layers_in_bf16 / num_last_layers_in_bf16: leading / trailing transformer
             layers kept in BF16.
@@ -49,7 +53,7 @@ class NemoFp8Config(QuantizationConfig):
 
     def __init__(self, *, scheme: str = "block", weight_block_size: list[int] | None = None,
                  activation_block_size: list[int] | None = None, pow2_scales: bool = False,
-                 ignored_layers: list[str] | None = None, num_first_layers_in_bf16: int = 0,
+                 amax_epsilon: float = 0.0, ignored_layers: list[str] | None = None, num_first_layers_in_bf16: int = 0,
                  num_last_layers_in_bf16: int = 0, kv_cache_dtype: str = "auto",
                  backend: str = "auto") -> None:
         super().__init__()
@@ -69,6 +73,17 @@ class NemoFp8Config(QuantizationConfig):
             raise ValueError(f"nemo_fp8 quantization_config.activation_block_size: expected "
                              f"{default_a} for scheme {scheme!r}, got {self.activation_block_size}")
         self.pow2_scales = bool(pow2_scales) or scheme == "mx"
+        try:
+            self.amax_epsilon = float(amax_epsilon or 0.0)
+        except (TypeError, ValueError):
+            raise ValueError(f"nemo_fp8 quantization_config.amax_epsilon: expected a number, "
+                             f"got {amax_epsilon!r}") from None
+        if not 0.0 <= self.amax_epsilon < float("inf"):
+            raise ValueError(f"nemo_fp8 quantization_config.amax_epsilon: expected a finite "
+                             f"number >= 0, got {amax_epsilon!r}")
+        if self.amax_epsilon and scheme == "mx":
+            raise ValueError("nemo_fp8 quantization_config.amax_epsilon: MXFP8 (scheme 'mx') has "
+                             "no amax floor (E8M0 exponents come from the amax directly); use 0")
         self.ignored_layers = list(ignored_layers or [])
         self.num_first_layers_in_bf16 = int(num_first_layers_in_bf16 or 0)
         self.num_last_layers_in_bf16 = int(num_last_layers_in_bf16 or 0)
@@ -120,7 +135,8 @@ class NemoFp8Config(QuantizationConfig):
                              "(quantization_config.weight_block_size is missing)")
         ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or []
         known = {"quant_method", "fmt", "activation_scheme", "scheme", "weight_block_size",
-                 "activation_block_size", "pow2_scales", "ignored_layers", "modules_to_not_convert",
+                 "activation_block_size", "pow2_scales", "amax_epsilon", "ignored_layers",
+                 "modules_to_not_convert",
                  "num_first_layers_in_bf16", "num_last_layers_in_bf16", "kv_cache_dtype",
                  "backend", "scale_fmt"}
         unknown = sorted(k for k in config if k not in known)
@@ -132,6 +148,7 @@ class NemoFp8Config(QuantizationConfig):
             activation_block_size=_as_block(config.get("activation_block_size"),
                                             "activation_block_size"),
             pow2_scales=bool(config.get("pow2_scales", config.get("scale_fmt") == "ue8m0")),
+            amax_epsilon=config.get("amax_epsilon", 0.0),
             ignored_layers=list(ignored),
             num_first_layers_in_bf16=config.get("num_first_layers_in_bf16", 0),
             num_last_layers_in_bf16=config.get("num_last_layers_in_bf16", 0),
@@ -156,7 +173,7 @@ class NemoFp8Config(QuantizationConfig):
         self.ignored_layers = list(hf_to_vllm_mapper.apply_list(exact)) + globs
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        from vllm.model_executor.layers.attention import Attention
+        from vllm.model_executor.layers.attention import Attention, MLAAttention
         from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
         from vllm.model_executor.layers.linear import LinearBase
 
@@ -170,7 +187,9 @@ class NemoFp8Config(QuantizationConfig):
             if self.is_bf16(prefix):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
             return methods.NemoFp8MoEMethod(self, layer, prefix)
-        if isinstance(layer, Attention):
+        if isinstance(layer, (Attention, MLAAttention)):
+            # MLAAttention (DeepSeek-V3, Moonlight, Kimi) is no Attention subclass, but takes
+            # its KV-cache method from the quant config the same way (_init_kv_cache_quant).
             return methods.NemoFp8KVCacheMethod(self, prefix)
         return None
 
@@ -233,6 +252,6 @@ class NemoFp8Config(QuantizationConfig):
 
     def __repr__(self) -> str:
         return (f"NemoFp8Config(scheme={self.scheme}, weight_block_size={self.weight_block_size}, "
-                f"pow2_scales={self.pow2_scales}, ignored_layers={self.ignored_layers}, "
+                f"pow2_scales={self.pow2_scales}, amax_epsilon={self.amax_epsilon}, ignored_layers={self.ignored_layers}, "
                 f"bf16 first/last={self.num_first_layers_in_bf16}/{self.num_last_layers_in_bf16}, "
                 f"backend={self.backend})")

@@ -59,6 +59,7 @@ class _Quantizer:
         self.weight_block = tuple(config.weight_block_size)
         self.activation_block = tuple(config.activation_block_size)
         self.pow2 = config.pow2_scales
+        self.eps = float(getattr(config, "amax_epsilon", 0.0) or 0.0)
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -75,23 +76,25 @@ class _Quantizer:
         fused = w.is_cuda and w.numel() >= (1 << 20)
         if self.scheme == "block":
             fn = nx.quantize_blockwise_fused if fused else nx.quantize_blockwise
-            q = fn(w, self.weight_block, "e4m3", pow2_scales=self.pow2)
+            q = fn(w, self.weight_block, "e4m3", pow2_scales=self.pow2, eps=self.eps)
         else:
             fn = nx.quantize_mxfp8_fused if fused else nx.quantize_mxfp8
             q = fn(w, self.weight_block, "e4m3")
         return q.data, q.scale_inv
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
-        """x @ dequant(weight).T with x quantized per activation group, emulated in fp32."""
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ dequant(weight).T (+ bias) with x quantized per activation group, emulated in
+        fp32; the bias is added in fp32 before the cast to ``out_dtype``, as the trainer's
+        emulated GEMM (:func:`nemo_fp8_plugin.numerics.fp8_gemm`) and a GEMM epilogue do."""
         nx = _numerics()
         if self.scheme == "block":
             a = nx.quantize_blockwise(x, block=self.activation_block, fmt="e4m3",
-                                      pow2_scales=self.pow2)
+                                      pow2_scales=self.pow2, eps=self.eps)
         else:
             a = nx.quantize_mxfp8(x, block=self.activation_block, fmt="e4m3")
         b = nx.QTensor(data=weight, scale_inv=scale_inv, fmt="e4m3", block=self.weight_block)
-        return nx.fp8_gemm(a, b, out_dtype=out_dtype)
+        return nx.fp8_gemm(a, b, out_dtype=out_dtype, bias=bias)
 
 
 def _use_vllm_kernels(config) -> bool:
@@ -129,6 +132,177 @@ def _wrap_loader(base_loader: Callable, scale_attr: str, quantizer: _Quantizer,
 
     load.nemo_fp8_online = True  # marks the wrapper (tests and debugging)
     return load
+
+
+# --------------------------------------------------------------------------- kernel vetting
+#
+# vLLM picks its GPU kernels from the device and its environment variables. Some of those
+# choices change the numerics the recipe promises (power-of-2 instead of fp32 scales, BF16
+# instead of FP8 activations); the method looks at the kernel vLLM picked, at load time,
+# and either makes the recipe's numerics real or refuses with one line naming the key, the
+# vLLM version and what to do instead. The CPU tests run this selection with the platform's
+# capability patched (tests/vllm/test_contract.py).
+
+_MX_W8A8_LINEAR_KERNELS = frozenset({
+    "FlashInferCutlassMxfp8LinearKernel", "FlashInferCutedslMxfp8LinearKernel",
+    "FlashInferTrtllmMxfp8LinearKernel", "B12xMxfp8LinearKernel"})
+"""vLLM MXFP8 linear kernels that quantize activations to MXFP8 (W8A8), as training does.
+The others (Marlin: weight-only; Emulation: BF16 GEMM on dequantized weights; Humming:
+weight-only) keep activations in BF16 and are refused."""
+
+_MX_W8A8_MOE_BACKENDS = frozenset({"FLASHINFER_TRTLLM", "DEEPGEMM", "TRITON_MXFP8", "AITER_MXFP8"})
+"""vLLM MXFP8 fused-MoE backends (``Fp8MoeBackend`` names) with MXFP8 activations."""
+
+
+def _host() -> str:
+    """``vLLM <version> on SM<xy>`` for messages."""
+    try:
+        import vllm
+
+        version = str(vllm.__version__)
+    except Exception:  # noqa: BLE001 - only for a message
+        version = "?"
+    from vllm.platforms import current_platform
+
+    cap = current_platform.get_device_capability()
+    where = current_platform.device_name if cap is None else f"SM{cap.major}{cap.minor}"
+    return f"vLLM {version} on {where}"
+
+
+def _refuse(prefix: str, message: str, *, key: str, value: Any, hint: str) -> None:
+    from ...errors import FP8ConfigError
+
+    raise FP8ConfigError(f"{prefix}: {_host()}: {message}", key=key, value=value, hint=hint)
+
+
+def _kernel_uses_ue8m0(kernel) -> bool:
+    """Whether vLLM's block kernel turns the scales into UE8M0 (DeepGEMM with
+    ``VLLM_USE_DEEP_GEMM_E8M0=1``: weights requantized in place, activations UE8M0)."""
+    for part in (kernel, getattr(kernel, "fallback", None), getattr(kernel, "base", None)):
+        if part is not None and getattr(part, "use_deep_gemm_e8m0", False):
+            return True
+    quant = getattr(kernel, "quant_fp8", None)
+    return bool(getattr(kernel, "apply_input_quant", True) and quant is not None and quant.use_ue8m0)
+
+
+def _pow2_activation_quantizer(quant, *, deep_gemm: bool):
+    """vLLM's own activation quantizer (``QuantFP8``) with ``use_ue8m0=True``: the same
+    group shape and scale layout, scales rounded to powers of two (TE's pow2 recipe)."""
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+
+    new = QuantFP8(static=quant.static, group_shape=quant.group_shape,
+                   num_token_padding=quant.num_token_padding,
+                   column_major_scales=quant.column_major_scales,
+                   tma_aligned_scales=quant.tma_aligned_scales, use_ue8m0=True)
+    if not deep_gemm:
+        # DeepGEMM's packed int32 UE8M0 layout is for DeepGEMM only; other kernels read fp32
+        # scales (here: fp32 values that are powers of two).
+        new.use_deep_gemm_supported = False
+    return new
+
+
+def _vet_block_kernel(kernel, config, prefix: str):
+    """Make vLLM's block-FP8 linear kernel keep the recipe's scales, or refuse."""
+    name = type(kernel).__name__
+    if config.amax_epsilon:
+        _refuse(prefix, f"{name} quantizes activations with vLLM's fixed amax floor, so "
+                f"amax_epsilon={config.amax_epsilon!r} applies on the emulation backend only",
+                key="amax_epsilon", value=config.amax_epsilon,
+                hint="use amax_epsilon: 0, or quantization_config.backend: emulate")
+    if not config.pow2_scales:
+        if _kernel_uses_ue8m0(kernel):
+            _refuse(prefix, f"{name} with VLLM_USE_DEEP_GEMM_E8M0=1 requantizes the weights to "
+                    f"power-of-2 (UE8M0) scales and quantizes activations with UE8M0 scales, but "
+                    f"this recipe's scales are fp32 (pow2_scales: false)",
+                    key="VLLM_USE_DEEP_GEMM_E8M0", value="1",
+                    hint="set VLLM_USE_DEEP_GEMM_E8M0=0 before vLLM starts, as NeMo RL does "
+                         "(nemo_fp8_plugin.hosts.vllm.engine_env), or use fp8_subchannel")
+        return kernel
+    quant = getattr(kernel, "quant_fp8", None)
+    if not getattr(kernel, "apply_input_quant", True) or quant is None:
+        _refuse(prefix, f"{name} quantizes activations inside its GEMM with fp32 scales, so the "
+                f"recipe's power-of-2 activation scales cannot be applied",
+                key="pow2_scales", value=True,
+                hint="unset VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER, use fp8_blockwise (fp32 "
+                     "scales), or quantization_config.backend: emulate")
+    if not quant.use_ue8m0:
+        # vLLM's block kernels build QuantFP8(..., use_ue8m0=False): fp32 activation scales.
+        kernel.quant_fp8 = _pow2_activation_quantizer(
+            quant, deep_gemm=hasattr(kernel, "use_deep_gemm_e8m0"))
+    return kernel
+
+
+def _vet_mx_kernel(kernel, prefix: str):
+    name = type(kernel).__name__
+    if name not in _MX_W8A8_LINEAR_KERNELS:
+        _refuse(prefix, f"no MXFP8 tensor-core GEMM for this layer: vLLM picked {name}, which "
+                f"keeps activations in BF16 (weight-only or emulated), so generation would not "
+                f"run the recipe's MXFP8 GEMMs", key="scheme", value="mx",
+                hint="MXFP8 generation needs Blackwell (SM100) with FlashInfer; on Hopper use "
+                     "fp8_blockwise, or quantization_config.backend: emulate to preview MXFP8")
+    return kernel
+
+
+def _vet_block_moe(config, prefix: str) -> None:
+    """vLLM's Triton fused-MoE kernel quantizes activations with
+    ``per_token_group_quant_fp8(use_ue8m0=None)``, i.e. UE8M0 exactly when
+    ``is_deep_gemm_e8m0_used()``: the recipe's scales must agree with that."""
+    from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+
+    if config.amax_epsilon:
+        _refuse(prefix, f"the fused-MoE kernel quantizes activations with vLLM's fixed amax "
+                f"floor, so amax_epsilon={config.amax_epsilon!r} applies on the emulation backend "
+                f"only", key="amax_epsilon", value=config.amax_epsilon,
+                hint="use amax_epsilon: 0, or quantization_config.backend: emulate")
+    ue8m0 = is_deep_gemm_e8m0_used()
+    if ue8m0 and not config.pow2_scales:
+        _refuse(prefix, "with VLLM_USE_DEEP_GEMM_E8M0=1 the fused-MoE kernel quantizes "
+                "activations with UE8M0 (power-of-2) scales, but this recipe's scales are fp32 "
+                "(pow2_scales: false)", key="VLLM_USE_DEEP_GEMM_E8M0", value="1",
+                hint="set VLLM_USE_DEEP_GEMM_E8M0=0 before vLLM starts, as NeMo RL does "
+                     "(nemo_fp8_plugin.hosts.vllm.engine_env), or use fp8_subchannel")
+    if config.pow2_scales and not ue8m0:
+        _refuse(prefix, "the fused-MoE kernel quantizes activations with fp32 scales unless "
+                "DeepGEMM's E8M0 mode is active, so the recipe's power-of-2 activation scales "
+                "cannot be applied", key="pow2_scales", value=True,
+                hint="run where DeepGEMM is installed with VLLM_USE_DEEP_GEMM=1 and "
+                     "VLLM_USE_DEEP_GEMM_E8M0=1 (SM90/SM100), use fp8_blockwise, or "
+                     "quantization_config.backend: emulate")
+
+
+def _select_mx_moe_backend(moe, prefix: str):
+    """vLLM's own MXFP8 MoE backend choice (``select_mxfp8_moe_backend``), refused when its
+    experts keep activations in BF16."""
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp8 import select_mxfp8_moe_backend
+
+    try:
+        backend, experts_cls = select_mxfp8_moe_backend(config=moe)
+    except ValueError as exc:
+        _refuse(prefix, f"no MXFP8 fused-MoE backend ({exc})", key="scheme", value="mx",
+                hint="use fp8_blockwise, or quantization_config.backend: emulate")
+    if backend.name not in _MX_W8A8_MOE_BACKENDS:
+        _refuse(prefix, f"no MXFP8 fused-MoE kernel with MXFP8 activations: vLLM picked "
+                f"{backend.value} ({experts_cls.__name__}), which keeps activations in BF16",
+                key="scheme", value="mx",
+                hint="MXFP8 MoE generation needs Blackwell (SM100) with FlashInfer or DeepGEMM; "
+                     "on Hopper use fp8_blockwise, or quantization_config.backend: emulate")
+    return backend, experts_cls
+
+
+def _copy_into(current: dict[str, torch.Tensor] | None,
+               fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Refit: copy ``fresh`` into the tensors a kernel already holds (captured CUDA graphs
+    keep their addresses); a tensor whose shape or dtype changed is replaced."""
+    if current is None:
+        return dict(fresh)
+    for name, tensor in fresh.items():
+        old = current.get(name)
+        if old is not None and old.shape == tensor.shape and old.dtype == tensor.dtype:
+            if old.data_ptr() != tensor.data_ptr():
+                old.copy_(tensor)
+        else:
+            current[name] = tensor
+    return current
 
 
 # --------------------------------------------------------------------------- linear
@@ -202,7 +376,8 @@ class NemoFp8LinearMethod(LinearMethodBase):
         if self.use_vllm and self.quant_config.scheme == "mx":
             from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel
 
-            self._kernel = init_mxfp8_linear_kernel(weight_shape=(n, k))
+            self._kernel = _vet_mx_kernel(init_mxfp8_linear_kernel(weight_shape=(n, k)),
+                                          self.prefix)
         elif self.use_vllm:
             from vllm.config import get_current_vllm_config
             from vllm.model_executor.kernels.linear import init_fp8_linear_kernel
@@ -221,6 +396,7 @@ class NemoFp8LinearMethod(LinearMethodBase):
                 out_dtype=torch.get_default_dtype(),
                 module_name=type(self).__name__,
             )
+            self._kernel = _vet_block_kernel(self._kernel, self.quant_config, self.prefix)
 
     # -- kernel binding (vLLM backend)
 
@@ -274,11 +450,8 @@ class NemoFp8LinearMethod(LinearMethodBase):
             return self._kernel.apply_weights(self._view, x, bias)
         shape = x.shape
         out = self.quantizer.linear(x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale_inv,
-                                    out_dtype=x.dtype)
-        out = out.reshape(*shape[:-1], out.shape[-1])
-        if bias is not None:
-            out = out + bias
-        return out
+                                    out_dtype=x.dtype, bias=bias)
+        return out.reshape(*shape[:-1], out.shape[-1])
 
 
 class NemoBF16LinearMethod(UnquantizedLinearMethod):
@@ -303,23 +476,34 @@ class NemoBF16LinearMethod(UnquantizedLinearMethod):
 
 
 class NemoFp8MoEMethod(FusedMoEMethodBase):
-    """Fused-MoE experts in block FP8, per expert: ``w13_weight`` ``[E, 2I, H]`` and
-    ``w2_weight`` ``[E, H, I]`` float8 with per-expert ``*_weight_scale_inv`` tiles.
+    """Fused-MoE experts in block FP8 or MXFP8, per expert: ``w13_weight`` ``[E, 2I, H]`` and
+    ``w2_weight`` ``[E, H, I]`` float8 with per-expert ``*_weight_scale_inv``: fp32 per
+    128x128 tile (block) or E8M0 per 1x32 group (mx, ``[E, rows, cols/32]``).
 
-    vLLM backend: vLLM's Triton fused-MoE kernel with block-FP8 weights, which reads the
-    checkpoint layout directly (nothing to rebuild after a refit). Emulation: a loop over
-    the experts that receive tokens, each GEMM through the numerics emulation.
+    vLLM backend, block: vLLM's Triton fused-MoE kernel with block-FP8 weights, which reads
+    the checkpoint layout directly (nothing to rebuild after a refit). vLLM backend, mx: the
+    MXFP8 MoE backend vLLM's own oracle picks (``select_mxfp8_moe_backend``, as its online
+    ``mxfp8`` method), its run-time layout built beside the loadable parameters and copied in
+    place after each refit; backends that keep activations in BF16 are refused. Emulation: a
+    loop over the experts that receive tokens, each GEMM through the numerics emulation.
     """
 
     def __init__(self, quant_config, layer, prefix: str = "") -> None:
         super().__init__(layer.moe_config)
-        if quant_config.scheme != "block":
-            raise ValueError(f"nemo_fp8: {prefix}: MoE experts support the block scheme only")
         self.quant_config = quant_config
         self.prefix = prefix
         self.quantizer = _Quantizer(quant_config)
         self.use_vllm = _use_vllm_kernels(quant_config)
         self.weight_block_size = list(quant_config.weight_block_size)
+        if quant_config.scheme == "mx" and self.weight_block_size != [1, 32]:
+            raise ValueError(f"nemo_fp8: {prefix}: MXFP8 MoE experts take 1x32 weight groups, got "
+                             f"weight_block_size {self.weight_block_size}")
+        self._mx_backend = None
+        self._mx_tensors: dict[str, torch.Tensor] | None = None
+        if self.use_vllm and quant_config.scheme == "mx":
+            self._mx_backend, self.experts_cls = _select_mx_moe_backend(self.moe, prefix)
+        elif self.use_vllm:
+            _vet_block_moe(quant_config, prefix)
 
     def create_weights(self, layer, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
@@ -331,7 +515,12 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
 
         inter = intermediate_size_per_partition
         shards = self.moe.w13_num_shards
-        validate_fp8_block_shape_moe(inter, self.weight_block_size)
+        if self.quant_config.scheme == "mx":
+            if hidden_size % 32 or inter % 32:
+                raise ValueError(f"nemo_fp8 (mx): {self.prefix}: hidden size {hidden_size} and "
+                                 f"intermediate size {inter} must be multiples of 32")
+        else:
+            validate_fp8_block_shape_moe(inter, self.weight_block_size)
         layer.num_experts = num_experts
         layer.orig_dtype = params_dtype
         layer.weight_block_size = self.weight_block_size
@@ -359,7 +548,8 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
             if stem == "w13":
                 # Each of the fused w1/w3 halves has its own tile rows.
                 srows = shards * self.quantizer.scale_shape(inter, cols)[0]
-            scale = torch.nn.Parameter(torch.ones(num_experts, srows, scols, dtype=torch.float32),
+            scale = torch.nn.Parameter(torch.ones(num_experts, srows, scols,
+                                                  dtype=self.quantizer.scale_dtype),
                                        requires_grad=False)
             layer.register_parameter(f"{stem}_weight_scale_inv", scale)
             set_weight_attrs(scale, {**extra_weight_attrs,
@@ -374,6 +564,15 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         layer.w2_input_scale = None
 
     def get_fused_moe_quant_config(self, layer):
+        if self._mx_backend is not None:
+            from vllm.model_executor.layers.fused_moe.oracle.fp8 import make_fp8_moe_quant_config
+
+            t = self._mx_tensors if self._mx_tensors is not None else self._mx_layout(layer)
+            return make_fp8_moe_quant_config(
+                fp8_backend=self._mx_backend, w1_scale=t["w13_scale"], w2_scale=t["w2_scale"],
+                a1_scale=None, a2_scale=None, w1_bias=getattr(layer, "w13_bias", None),
+                w2_bias=getattr(layer, "w2_bias", None), block_shape=self.weight_block_size,
+                layer=layer)
         from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
         return fp8_w8a8_moe_quant_config(
@@ -381,15 +580,74 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
             w1_bias=getattr(layer, "w13_bias", None), w2_bias=getattr(layer, "w2_bias", None),
             block_shape=self.weight_block_size)
 
+    # -- MXFP8 on vLLM's kernels: a run-time layout beside the loadable parameters
+
+    def _mx_layout(self, layer) -> dict[str, torch.Tensor]:
+        """vLLM's kernel format of the layer's MXFP8 experts (E8M0 scales as uint8, the
+        layout ``convert_to_fp8_moe_kernel_format`` makes for the chosen backend). The
+        layer's own parameters are read, never replaced."""
+        from vllm.model_executor.layers.fused_moe.oracle.fp8 import (
+            convert_to_fp8_moe_kernel_format,
+        )
+
+        w13, w2, s13, s2 = convert_to_fp8_moe_kernel_format(
+            fp8_backend=self._mx_backend, layer=layer, w13=layer.w13_weight.data,
+            w2=layer.w2_weight.data, w13_scale=layer.w13_weight_scale_inv.data.view(torch.uint8),
+            w2_scale=layer.w2_weight_scale_inv.data.view(torch.uint8), w13_input_scale=None,
+            w2_input_scale=None)
+        return {"w13": w13, "w2": w2, "w13_scale": s13, "w2_scale": s2}
+
+    def _bind_mx(self, layer) -> None:
+        first = self._mx_tensors is None
+        self._mx_tensors = _copy_into(self._mx_tensors, self._mx_layout(layer))
+        if first:
+            from vllm.model_executor.layers.fused_moe.oracle.fp8 import make_fp8_moe_kernel
+
+            self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+            self.moe_kernel = make_fp8_moe_kernel(
+                moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                fp8_backend=self._mx_backend, experts_cls=self.experts_cls,
+                routing_tables=layer._expert_routing_tables())
+
+    def _mx_aliases_layer(self, layer) -> bool:
+        t = self._mx_tensors
+        return (t is not None and t["w13"].data_ptr() == layer.w13_weight.data_ptr()
+                and t["w2"].data_ptr() == layer.w2_weight.data_ptr()
+                and t["w13_scale"].data_ptr() == layer.w13_weight_scale_inv.data_ptr()
+                and t["w2_scale"].data_ptr() == layer.w2_weight_scale_inv.data_ptr())
+
     def process_weights_after_loading(self, layer) -> None:
-        return None
+        if self._mx_backend is not None:
+            self._bind_mx(layer)
 
     def after_refit(self, layer) -> None:
-        """Nothing to rebuild: both backends read the loadable parameters directly."""
-        return None
+        """Block and emulation read the loadable parameters directly; the MXFP8 kernel
+        layout, when it is not the parameters themselves, is rebuilt and copied in place."""
+        if self._mx_backend is not None and not self._mx_aliases_layer(layer):
+            self._bind_mx(layer)
+
+    def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
+                         input_ids: torch.Tensor | None = None):
+        assert self.moe_kernel is not None and self._mx_tensors is not None
+        return self.moe_kernel.apply_monolithic(
+            x, self._mx_tensors["w13"], self._mx_tensors["w2"], router_logits,
+            activation=layer.activation, global_num_experts=layer.global_num_experts,
+            expert_map=layer.expert_map,
+            apply_router_weight_on_input=layer.apply_router_weight_on_input,
+            num_expert_group=layer.num_expert_group, topk_group=layer.topk_group,
+            e_score_correction_bias=layer.e_score_correction_bias,
+            routed_scaling_factor=layer.routed_scaling_factor, routing_sink=layer.routing_sink)
 
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        if self._mx_backend is not None:
+            assert self.moe_kernel is not None and self._mx_tensors is not None
+            return self.moe_kernel.apply(
+                x, self._mx_tensors["w13"], self._mx_tensors["w2"], topk_weights, topk_ids,
+                activation=layer.activation, global_num_experts=layer.global_num_experts,
+                expert_map=layer.expert_map,
+                apply_router_weight_on_input=layer.apply_router_weight_on_input,
+                shared_experts=shared_experts, shared_experts_input=shared_experts_input)
         if self.use_vllm:
             from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
 
@@ -419,13 +677,12 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
             xe = x[rows]
             if on_input:
                 xe = (xe.to(torch.float32) * gate).to(x.dtype)
-            h = self.quantizer.linear(xe, layer.w13_weight[e], layer.w13_weight_scale_inv[e], x.dtype)
-            if b13 is not None:
-                h = h + b13[e]
+            # Biases are added in fp32 before the cast, as in the dense layers.
+            h = self.quantizer.linear(xe, layer.w13_weight[e], layer.w13_weight_scale_inv[e], x.dtype,
+                                      bias=None if b13 is None else b13[e])
             h = act(h)
-            y = self.quantizer.linear(h, layer.w2_weight[e], layer.w2_weight_scale_inv[e], x.dtype)
-            if b2 is not None:
-                y = y + b2[e]
+            y = self.quantizer.linear(h, layer.w2_weight[e], layer.w2_weight_scale_inv[e], x.dtype,
+                                      bias=None if b2 is None else b2[e])
             y = y.to(torch.float32)
             out.index_add_(0, rows, y if on_input else y * gate)
         return out.to(x.dtype)

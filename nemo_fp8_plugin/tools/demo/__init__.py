@@ -15,12 +15,14 @@ accumulation does, and costs the same on both sides of the ratio.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..harness import ArmRecord, Stopwatch, environment, pyplot, ratio, write_json, write_png
+
 __all__ = ["TrainSettings", "ArmResult", "load_demo_config", "run_demo", "default_config"]
+
 
 def default_config() -> Path:
     """The embedded default: ``conf/examples/demo_gpt_fp8_blockwise.yaml``."""
@@ -54,23 +56,26 @@ class TrainSettings:
 
 
 @dataclass
-class ArmResult:
-    """One training run."""
+class ArmResult(ArmRecord[float]):
+    """One training run: ``name`` is ``bf16`` or a recipe name, ``steps`` the training loss
+    of each step, ``completed`` false when Ctrl-C stopped it (see :class:`ArmRecord`)."""
 
-    name: str
-    """``bf16`` or a recipe name."""
-    losses: list[float] = field(default_factory=list)
-    """Training loss per step."""
     eval_loss: float | None = None
     """Loss on the held-out batches after training (None if interrupted before the end)."""
-    step_time_s: float | None = None
-    """Median seconds per training step."""
     bf16_modules: int = 0
     """Linear modules kept in BF16 by the recipe's rules."""
     linear_modules: int = 0
     """Linear modules in the model."""
-    completed: bool = False
-    """False when Ctrl-C stopped this arm."""
+
+    @property
+    def losses(self) -> list[float]:
+        """Training loss per step."""
+        return self.steps
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Median seconds per training step, the first steps (one-off allocation) left out."""
+        return self.steady_step_s()
 
 
 def load_demo_config(path: str | Path):
@@ -105,13 +110,6 @@ def load_demo_config(path: str | Path):
                 raise FP8ConfigError(f"must be positive, got {v!r}", key=f"{key}.{k}", value=v)
         blocks[key] = cls(**raw)
     return blocks["model"], blocks["train"], request
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 def _lr_at(step: int, train: TrainSettings) -> float:
@@ -198,7 +196,6 @@ def run_arm(result: ArmResult, spec, gpt, train: TrainSettings, data, *,
         from tqdm import tqdm
 
         bar = tqdm(total=train.steps, desc=f"{arm:>14}", unit="step", leave=True, dynamic_ncols=True)
-    times: list[float] = []
     try:
         model.train()
         for step, batch in enumerate(data.train_batches(train.steps)):
@@ -206,15 +203,15 @@ def run_arm(result: ArmResult, spec, gpt, train: TrainSettings, data, *,
                 return result
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, train)
-            t0 = time.perf_counter()
-            loss = _loss(model, batch)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
+            with Stopwatch() as sw:
+                loss = _loss(model, batch)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            result.step_seconds.append(sw.seconds)
             value = float(loss.detach())
-            result.losses.append(value)
+            result.steps.append(value)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.3f}")
@@ -224,8 +221,6 @@ def run_arm(result: ArmResult, spec, gpt, train: TrainSettings, data, *,
         result.eval_loss = sum(evals) / len(evals)
         result.completed = True
     finally:
-        # the first steps include one-off allocation; the median is the steady step time
-        result.step_time_s = _median(times[min(5, len(times) // 2):]) if times else None
         if bar is not None:
             bar.close()
     return result
@@ -257,13 +252,12 @@ def summarize(results: list[ArmResult]) -> list[dict[str, Any]]:
     base = next((r for r in results if r.name == "bf16"), None)
     rows = []
     for r in results:
-        gap = ratio = None
+        gap = None
         if base is not None and base.eval_loss and r.eval_loss is not None:
             gap = (r.eval_loss - base.eval_loss) / base.eval_loss
-        if base is not None and base.step_time_s and r.step_time_s:
-            ratio = r.step_time_s / base.step_time_s
+        step_ratio = ratio(r.step_time_s, base.step_time_s if base is not None else None)
         rows.append({"recipe": r.name, "final_loss": r.eval_loss, "loss_gap_vs_bf16": gap,
-                     "step_time_s": r.step_time_s, "step_time_vs_bf16": ratio,
+                     "step_time_s": r.step_time_s, "step_time_vs_bf16": step_ratio,
                      "bf16_modules": r.bf16_modules, "linear_modules": r.linear_modules,
                      "steps_done": len(r.losses), "completed": r.completed})
     return rows
@@ -285,26 +279,11 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult]) -> list[Path]:
     """``results.json`` and ``loss_curves.png`` in ``out_dir``, each written atomically."""
-    import json
-
-    from ..._io import atomic_write_bytes, atomic_write_text
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [atomic_write_text(out_dir / "results.json", json.dumps(report, indent=2) + "\n")]
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    written = [write_json(out_dir / "results.json", report)]
+    fig, ax = pyplot().subplots(figsize=(8, 5), dpi=110)
     for r in results:
         if not r.losses:
             continue
@@ -319,12 +298,7 @@ def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult
     ax.set_title("megatron-core GPT on CPU: BF16 vs FP8 recipes (emulated)")
     ax.grid(alpha=0.3)
     ax.legend()
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
-    plt.close(fig)
-    written.append(atomic_write_bytes(out_dir / "loss_curves.png", buf.getvalue()))
+    written.append(write_png(out_dir / "loss_curves.png", fig, bbox_inches="tight"))
     return written
 
 
@@ -337,8 +311,6 @@ def run_demo(config: str | Path | None = None, *, recipes: list[str] | None = No
     returned with ``interrupted: true``.
     """
     import dataclasses
-
-    import torch
 
     from .data import ByteBatches, stdlib_corpus
 
@@ -362,16 +334,17 @@ def run_demo(config: str | Path | None = None, *, recipes: list[str] | None = No
     results: list[ArmResult] = []
     interrupted = False
     report: dict[str, Any] = {}
+    env = environment()
 
     def snapshot():
         report.clear()
         report.update(config=str(config), model=asdict(gpt), train=asdict(train),
                       recipe_requested=request.spec.name if request else None,
-                      torch=torch.__version__, interrupted=interrupted,
+                      environment=env, interrupted=interrupted,
                       rows=summarize(results), curves={r.name: r.losses for r in results})
         return write_outputs(out_dir, report, results)
 
-    _pyplot()  # import before training: a Ctrl-C or a missing package must not strike mid-write
+    pyplot()  # import before training: a Ctrl-C or a missing package must not strike mid-write
 
     with StopRequest() as stop:
         try:

@@ -26,20 +26,24 @@ __all__ = ["GPTSettings", "init_megatron_cpu", "build_gpt", "cpu_core_attention_
 
 @dataclass(frozen=True)
 class GPTSettings:
-    """Model shape; every field is a megatron-core TransformerConfig / GPTModel argument."""
+    """Model shape (the ``model:`` block of the demo config); every field is the
+    megatron-core ``TransformerConfig`` / ``GPTModel`` argument of the same name.
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: model width; a multiple of 128 so block-scaled GEMMs have whole tiles.
+        ffn_hidden_size: MLP width (multiple of 128).
+        num_attention_heads: attention heads (head dim = hidden_size / heads).
+        seq_length: tokens per sample (bytes: the vocabulary is the 256 byte values).
+        vocab_size: byte-level vocabulary.
+    """
 
     num_layers: int = 4
-    """Transformer layers."""
     hidden_size: int = 128
-    """Model width; a multiple of 128 so block-scaled GEMMs have whole tiles."""
     ffn_hidden_size: int = 512
-    """MLP width (multiple of 128)."""
     num_attention_heads: int = 4
-    """Attention heads (head dim = hidden_size / heads)."""
     seq_length: int = 128
-    """Tokens per sample (bytes: the vocabulary is the 256 byte values)."""
     vocab_size: int = 256
-    """Byte-level vocabulary."""
 
 
 def _free_port() -> int:
