@@ -93,3 +93,48 @@ def megatron_cpu():
 
     init_megatron_cpu()
 
+
+
+# ------------------------------------------------------------------ seeding
+# Every random input in a test is drawn from a seeded generator, so that a failure reproduces
+# on any machine. torch and numpy are imported inside the helpers: the torch-free subset
+# (docs/architecture.md, "Test subsets") imports this file too.
+
+SEED = 0
+
+
+def torch_generator(seed: int = SEED):
+    """A ``torch.Generator`` seeded with ``seed``, for ``torch.randn(..., generator=g)``."""
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def numpy_rng(seed: int = SEED):
+    """A seeded ``numpy.random.Generator``."""
+    import numpy as np
+
+    return np.random.default_rng(seed)
+
+
+def seed_everything(seed: int = SEED) -> None:
+    """Seed Python's ``random`` and, where they are installed, numpy's and torch's global
+    generators (for code under test that draws from them)."""
+    import random
+
+    random.seed(seed)
+    if importlib.util.find_spec("numpy") is not None:
+        import numpy as np
+
+        np.random.seed(seed)
+    if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.manual_seed(seed)
+
+
+@pytest.fixture
+def seed_all():
+    """Seed the global generators (:func:`seed_everything`) for one test; gives the seed."""
+    seed_everything(SEED)
+    return SEED

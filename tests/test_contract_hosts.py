@@ -43,6 +43,7 @@ from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.hosts import bridge, te
 from nemo_fp8_plugin.hosts import megatron as mg
 from nemo_fp8_plugin.hosts.nemo_rl import apply_nemo_rl
+from nemo_fp8_plugin.config import load_config
 from nemo_fp8_plugin.registry import list_recipes
 
 PRESETS = [s.name for s in list_recipes()]
@@ -392,6 +393,14 @@ FREE_FORM = {
                                            "TransformerConfig fields",
 }
 
+ROOT_SECTIONS = {
+    "policy": "PolicyConfig",
+    "loss_fn": "ClippedPGLossConfig",
+}
+"""Root sections of NeMo RL's master config -> the config class that declares their keys. The
+master config itself (``nemo_rl/algorithms/grpo.py``, ``MasterConfig``) is not in the source
+snapshot; the classes are, and the test checks they exist."""
+
 NOT_IN_NEMO_RL = {}
 """Written keys NeMo RL's source neither declares nor reads, with why they are written anyway
 (none today: a new entry needs a reason)."""
@@ -408,29 +417,45 @@ def _flatten(mapping, prefix=""):
     return out
 
 
+REQUESTS = [*PRESETS,
+            {"recipe": "fp8_blockwise", "kv_cache": "fp8",
+             "bf16_layers": {"first": 1, "last": 1, "modules": ["*q_proj*"]},
+             "importance_sampling": {"truncation": "icepop", "ratio_max": 5.0}},
+            {"recipe": "mxfp8", "fp8_param": True, "importance_sampling": {"truncation": "tis"}},
+            {"recipe": "fp8_current", "pow2_scales": True},
+            {"recipe": "fp8_blockwise", "training": "bf16"}]
+"""Every preset, and requests that reach the keys presets leave alone (KV cache, module rules,
+first/last layers, truncation, stated fp8_param, pow2 current scaling, generation only)."""
+
+
 def _nemo_rl_inputs(tmp_path: Path):
-    """(label, input file) for each NeMo RL config and each plugin NeMo RL example, with
-    ``defaults:`` pointed at the real parents and the request replaced per preset."""
-    configs = sorted((NEMO_RL / "examples" / "configs").rglob("*.yaml"))
+    """(label, input file, its mapping) for each request x each NeMo RL config and each plugin
+    NeMo RL example, with ``defaults:`` pointed at the real parents."""
+    configs_dir = NEMO_RL / "examples" / "configs"
+    configs = sorted(configs_dir.rglob("*.yaml"))
     examples = sorted(EXAMPLES.glob("nemo_rl*.yaml")) + sorted(
         (REPO / "examples" / "nemo_rl").glob("*.yaml"))
     out = []
-    for preset in PRESETS:
+    for n, request in enumerate(REQUESTS):
         for path in configs + examples:
             data = yaml.safe_load(path.read_text())
-            parent_dir = (NEMO_RL / "examples" / "configs") if path in examples else path.parent
             if "defaults" in data:
                 items = data["defaults"] if isinstance(data["defaults"], list) else [data["defaults"]]
-                data["defaults"] = [str((parent_dir / d).resolve()) for d in items]
+                if path in examples:  # meant to be copied next to the NeMo RL config it names
+                    items = [str(next(configs_dir.rglob(Path(d).name))) for d in items]
+                data["defaults"] = [str((path.parent / d).resolve()) for d in items]
             for key in ("precision", "fp8"):
                 data.pop(key, None)
             if isinstance(data.get("policy"), dict) and str(
                     data["policy"].get("precision", "")).startswith(("fp8", "mxfp8")):
                 data["policy"]["precision"] = "bfloat16"
-            data["precision"] = preset
-            dest = tmp_path / f"{preset}__{path.stem}.yaml"
+            if isinstance(request, str):
+                data["precision"] = request
+            else:
+                data["fp8"] = request
+            dest = tmp_path / f"{n}__{path.stem}.yaml"
             dest.write_text(yaml.safe_dump(data, sort_keys=False))
-            out.append((f"{path.name}+{preset}", dest, data))
+            out.append((f"{path.name}+{request}", dest))
     return out
 
 
@@ -438,22 +463,32 @@ def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path):
     from megatron.core.transformer import TransformerConfig
 
     declared, read = _typed_dict_fields_and_reads(NEMO_RL / "src")
-    known = declared | read
+    classes = {n.name for p in (NEMO_RL / "src").rglob("*.py")
+               for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+               if isinstance(n, ast.ClassDef)}
+    assert set(ROOT_SECTIONS.values()) <= classes
+    known = declared | read | set(ROOT_SECTIONS)
     te_vars = set(_te_variables_from_wheel(tmp_path))
     tc_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     written: dict[str, str] = {}
     applied = 0
-    for label, src, data in _nemo_rl_inputs(tmp_path):
+    for label, src in _nemo_rl_inputs(tmp_path):
         try:
             out = apply_nemo_rl(src, output=tmp_path / "out" / src.name).data
         except FP8ConfigError:
             continue  # refused (delayed scaling, DTensor training, a contradicting FP8 twin)
         applied += 1
-        before = _flatten({k: v for k, v in data.items() if k != "precision"})
+        # The input as the plugin (and NeMo RL's OmegaConf) reads it: PyYAML alone reads 1e-8
+        # as a string, which would look like a changed optimizer.adam_eps.
+        before = _flatten(load_config(src, follow_defaults=False))
         for key, value in _flatten(out).items():
             if key != "defaults" and before.get(key, "<absent>") != value:
                 written.setdefault(key, label)
-    assert applied >= 10 and written
+    assert applied >= 30 and written
+    for key in ("policy.megatron_cfg.model_overrides.first_last_layers_bf16",
+                "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+                "policy.megatron_cfg.env_vars.NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"):
+        assert key in written, key  # the requests reach every kind of key
     unknown = {}
     for key, label in sorted(written.items()):
         container = next((c for c in FREE_FORM if key.startswith(c + ".")), None)

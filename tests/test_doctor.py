@@ -106,7 +106,8 @@ def test_unknown_recipe_in_config_exits_2(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("cap,arch", [((8, 9), "ada"), ((9, 0), "hopper"), ((10, 0), "blackwell"),
-                                      ((12, 0), "blackwell"), ((8, 0), None)])
+                                      ((10, 3), "blackwell"), ((12, 0), "blackwell_sm120"),
+                                      ((12, 1), "blackwell_sm120"), ((8, 0), None), ((7, 0), None)])
 def test_arch_of(cap, arch):
     assert doctor.arch_of(cap) == arch
 
@@ -126,3 +127,14 @@ def test_exit_code_1_when_the_configs_recipe_cannot_run_here(capsys, tmp_path):
     assert main(["doctor", str(cfg), "--hardware", "h100"]) == 1
     assert "CANNOT run here" in capsys.readouterr().out
     assert main(["doctor", "--hardware", "h100"]) == 0  # a survey of every recipe judges none
+
+
+def test_mxfp8_is_not_runnable_on_sm120(capsys):
+    """Issue 12 item 18: TE refuses MXFP8 on SM 12.0+ (`_compute_mxfp8_support`); the plugin
+    used to map sm120 to Blackwell and allow it."""
+    assert main(["doctor", "--hardware", "rtx-pro-6000", "--json"]) in (0, 1)
+    report = json.loads(capsys.readouterr().out)
+    verdict = {r["recipe"]: r for r in report["recipes"]}
+    assert verdict["mxfp8"]["runnable"] is False
+    assert any("SM 12.0" in p for p in verdict["mxfp8"]["problems"])
+    assert verdict["fp8_current"]["runnable"] is not False

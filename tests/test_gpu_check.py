@@ -58,6 +58,7 @@ def refit_script():
 # --------------------------------------------------------------------------- the whole check
 
 
+@pytest.mark.slow
 def test_whole_check_through_the_script_with_only_torch(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -192,6 +193,7 @@ def test_preset_reader_refuses_what_it_does_not_read(tmp_path):
 # --------------------------------------------------------------------------- (a) quantizers
 
 
+@pytest.mark.slow
 def test_a_mismatch_is_reported_as_failed(monkeypatch):
     from nemo_fp8_plugin import numerics
 
@@ -213,6 +215,7 @@ def test_a_mismatch_is_reported_as_failed(monkeypatch):
     assert result["status"] == "failed" and result["mismatches"]
 
 
+@pytest.mark.slow
 def test_a_fake_quant_mismatch_is_reported_as_failed(monkeypatch):
     from nemo_fp8_plugin.numerics import fused
 
@@ -544,6 +547,8 @@ def test_refit_script_refuses_an_unwritable_json_before_the_work(tmp_path, capsy
     assert err.startswith("gpu_vllm_refit: error: ") and "--json" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_refit_script_engine_args_construct_vllms_engine_args():
     """The host is the judge: vLLM 0.32's own EngineArgs takes what the script passes to
     vllm.LLM (an unknown field such as calculate_kv_scales is a TypeError there)."""

@@ -19,7 +19,7 @@ from conftest import REPO, load_te_recipe_module
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.hosts import te
 
-pytestmark = [pytest.mark.host, pytest.mark.torch_free]
+pytestmark = pytest.mark.host
 
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
 BACKWARD_OVERRIDE = "NVTE_BACKWARD_OVERRIDE"  # TE >= 2.15, read at import by every recipe class

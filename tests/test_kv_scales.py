@@ -217,3 +217,144 @@ def test_megatron_core_attention(tmp_path):
             got = update[f"model.layers.{i}.self_attn.attn.{role}_scale"].item()
             assert got == pytest.approx(seen[i][role] * 1.05 / 448.0, rel=1e-6)
 
+
+
+# --------------------------------------------------------------------------- pipeline stages
+
+
+class _FakePipelineGroup:
+    """Stands in for a pipeline process group: megatron-core asks it only for rank and size
+    (``get_pg_rank`` / ``get_pg_size``) when it numbers a stage's layers."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _gpt_stage(pp_size: int, pp_rank: int, num_layers: int = 4):
+    """A real megatron-core GPTModel, whole (pp_size 1) or one pipeline stage of it, built as
+    megatron-core builds a stage: its TransformerBlock holds decoder.layers.0..n-1 and
+    TransformerLayer adds get_transformer_layer_offset(...) to their layer_number."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_fp8_plugin.tools.demo.model import cpu_core_attention_class
+
+    config = TransformerConfig(num_layers=num_layers, hidden_size=128, ffn_hidden_size=256,
+                               num_attention_heads=4, use_cpu_initialization=True,
+                               params_dtype=torch.float32, transformer_impl="local",
+                               hidden_dropout=0.0, attention_dropout=0.0,
+                               pipeline_model_parallel_size=pp_size, pipeline_dtype=torch.float32)
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = cpu_core_attention_class()
+    groups = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
+    if pp_size > 1:
+        groups.pp = _FakePipelineGroup(pp_rank, pp_size)
+    torch.manual_seed(0)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64,
+                    max_sequence_length=16, position_embedding_type="learned_absolute",
+                    pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
+                    pg_collection=groups).eval()
+
+
+@pytest.fixture(scope="module")
+def pipeline(megatron_cpu):
+    """The whole 4-layer model and its two pipeline stages (layers 0-1 and 2-3) holding the
+    same weights, with one batch pushed through each."""
+    full, first, second = _gpt_stage(1, 0), _gpt_stage(2, 0), _gpt_stage(2, 1)
+    weights = full.state_dict()
+    for stage, offset in ((first, 0), (second, 2)):
+        mine = {}
+        for key in stage.state_dict():
+            parts = key.split(".")
+            if key.startswith("decoder.layers."):
+                parts[2] = str(int(parts[2]) + offset)
+            mine[key] = weights[".".join(parts)]
+        stage.load_state_dict(mine)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(16).unsqueeze(0).expand(2, -1)
+
+    def run_first():
+        return first(ids, pos, None)
+
+    def run_second():
+        with torch.no_grad():
+            second.set_input_tensor(run_first())
+        return second(None, None, None)
+
+    with torch.no_grad():  # the split model is the whole model
+        assert torch.equal(run_second(), full(ids, pos, None))
+    return {"full": (full, lambda: full(ids, pos, None)), "first": (first, run_first),
+            "second": (second, run_second)}
+
+
+def test_pipeline_stages_name_their_layers_globally(pipeline):
+    """Each stage's decoder.layers.<i> counts from 0; the scales must carry the global layer
+    number (megatron-core's layer_number), so that the ranks' max-merge combines every
+    layer with itself only. Merged, the two stages give exactly the whole model's scales."""
+    from nemo_fp8_plugin.rl.kv_scales import merge_max
+
+    whole = refresh_scales(pipeline["full"][0], forward=pipeline["full"][1])
+    first = refresh_scales(pipeline["first"][0], forward=pipeline["first"][1])
+    second = refresh_scales(pipeline["second"][0], forward=pipeline["second"][1])
+    names = lambda layers: {f"model.layers.{i}.self_attn.attn.{r}_scale"  # noqa: E731
+                            for i in layers for r in "qkv"}
+    assert set(whole) == names(range(4))
+    assert set(first) == names([0, 1]) and set(second) == names([2, 3])
+    assert merge_max([first.amax, second.amax]) == whole.amax
+    for name in second:
+        assert torch.equal(second[name], whole[name]), name
+
+
+def test_model_chunks_of_one_rank_keep_their_global_numbers(pipeline):
+    """Virtual pipeline stages: one rank holds several chunks (here both stages in a
+    ModuleList, names 0.decoder.layers.0 and 1.decoder.layers.0); each keeps its own global
+    layer numbers, and a rank whose chunks would share a name is refused."""
+    first, second = pipeline["first"][0], pipeline["second"][0]
+    both = torch.nn.ModuleList([first, second])
+    update = refresh_scales(both, forward=pipeline["second"][1], include_q=False)
+    assert sorted(update) == sorted(f"model.layers.{i}.self_attn.attn.{r}_scale"
+                                    for i in range(4) for r in "kv")
+    with pytest.raises(FP8ConfigError, match="both name their scales") as err:
+        KVScaleCalibrator(torch.nn.ModuleList([first, _gpt_stage(2, 0)]))
+    assert err.value.key == "model"
+
+
+def test_layer_offset_for_models_without_global_layer_numbers(llama):
+    """A hand-split model whose layers do not carry megatron's layer_number: layer_offset
+    gives its first layer's global index (the amaxes themselves do not change)."""
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
+    plain = refresh_scales(llama, forward=lambda: llama(ids))
+    shifted = refresh_scales(llama, forward=lambda: llama(ids), layer_offset=6)
+    assert set(shifted) == {f"model.layers.{i}.self_attn.attn.{r}_scale"
+                            for i in (6, 7) for r in "qkv"}
+    for name, value in plain.items():
+        assert torch.equal(shifted[name.replace("layers.0.", "layers.6.")
+                                   .replace("layers.1.", "layers.7.")], value)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(FP8ConfigError) as err:
+            KVScaleCalibrator(llama, layer_offset=bad)
+        assert err.value.key == "layer_offset"
+
+
+@pytest.mark.parametrize("module,prefix", [
+    ("model.layers.3.self_attn", "model.layers.3.self_attn"),
+    ("module.decoder.layers.7.self_attention.core_attention", "model.layers.7.self_attn"),
+])
+@pytest.mark.parametrize("role", ["q", "k", "v"])
+def test_scale_names_are_vllm_attention_parameters(module, prefix, role):
+    """vLLM 0.32's attention layer is <HF attention module>.attn and its scales are
+    parameters q_scale, k_scale, v_scale there (tests/vllm/test_kv_scale_names.py checks
+    these names against vLLM's own loaders)."""
+    from nemo_fp8_plugin.rl.kv_scales import vllm_scale_name
+
+    assert vllm_scale_name(vllm_attention_name(module), role) == f"{prefix}.attn.{role}_scale"

@@ -190,3 +190,19 @@ def test_nemo_rl_keeps_a_stated_fp64_router_and_replaces_an_inherited_one(tmp_pa
     low.write_text(stated.read_text().replace("fp64", "bf16"))
     done = cli("apply", low, "--host", "nemo-rl")
     assert done.returncode == 2 and "moe_router_dtype" in done.stderr
+
+
+def test_nemo_rl_values_are_read_with_nemo_rls_resolvers(tmp_path):
+    """`${mul:...}` is a number only once resolved with the resolvers NeMo RL registers: an
+    expert-parallel size written as an interpolation still marks the model as MoE."""
+    from nemo_fp8_plugin.hosts.nemo_rl.values import interpolated, resolved_value
+
+    cfg = {"a": 4, "b": "${mul:${a}, 2}", "c": "${max:${b}, 3}", "d": "${add:1, ${div:${a}, 2}}"}
+    assert interpolated(cfg) == {"a": 4, "b": 8, "c": 8, "d": 3.0}
+    assert resolved_value(cfg, "c") == 8 and resolved_value(cfg, "missing", 7) == 7
+    base = NEMO_RL / "grpo_math_8B_megatron.yaml"
+    moe = tmp_path / "moe.yaml"
+    moe.write_text(f"defaults: {base}\npolicy:\n  precision: fp8_blockwise\n  model_name: my-moe\n"
+                   f"  megatron_cfg:\n    expert_model_parallel_size: '${{mul:2, 4}}'\n")
+    data = run(get_adapter("nemo-rl"), load_context(moe)).data
+    assert data["policy"]["megatron_cfg"]["moe_router_dtype"] == "fp32"

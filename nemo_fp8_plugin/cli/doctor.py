@@ -90,15 +90,12 @@ def _version_tuple(text: str | None) -> tuple[int, ...] | None:
 
 
 def arch_of(capability: tuple[int, ...]) -> str | None:
-    """SM capability -> the spec's architecture name (None for pre-Ada GPUs)."""
-    major, minor = capability
-    if major >= 10:
-        return "blackwell"
-    if major == 9:
-        return "hopper"
-    if (major, minor) == (8, 9):
-        return "ada"
-    return None
+    """SM capability -> the spec's architecture name (None for GPUs without FP8), from the
+    capability table (:func:`nemo_fp8_plugin.capabilities.arch_of_capability`)."""
+    from ..capabilities import arch_of_capability
+
+    arch = arch_of_capability(capability[0], capability[1])
+    return arch.name if arch is not None and arch.fp8 else None
 
 
 def gpu_info() -> dict[str, Any]:
@@ -140,6 +137,7 @@ def _te_recipe_module():
 def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
                  te_reason: str | None, hardware_given: bool) -> dict[str, Any]:
     """One recipe's verdict: ``runnable`` (True / False / None = not checked) and why."""
+    from ..capabilities import capability
     from ..errors import FP8ConfigError
     from ..hosts.te import required_env, verify_host_recipe
 
@@ -182,7 +180,7 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
         have = os.environ.get(var)
         env.append({"name": var, "needed": want, "value": have, "set": have == want})
     effective: bool | None = None
-    if spec.training == "fp8" and spec.scaling in ("block", "tensorwise"):
+    if spec.training == "fp8" and capability(spec.scaling).te_env is not None:
         if te_module is None:
             not_checked.append(f"TE's effective quantizer parameters ({te_reason})")
         else:
@@ -266,8 +264,8 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"  env {e['name']}={e['needed']} needed in the training process: "
                          f"{state} in this shell")
         if r["env_effective"] is not None:
-            verdict = "match the recipe" if r["env_effective"] else "DO NOT match the recipe"
-            lines.append(f"  TE quantizer parameters in this process: {verdict}")
+            te_state = "match the recipe" if r["env_effective"] else "DO NOT match the recipe"
+            lines.append(f"  TE quantizer parameters in this process: {te_state}")
         for n in r["not_checked"]:
             lines.append(f"  not checked: {n}")
     for n in report["not_checked"]:

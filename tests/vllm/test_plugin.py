@@ -118,7 +118,11 @@ def test_engine_kwargs_per_recipe():
     mx = engine_kwargs("mxfp8")["hf_overrides"]["quantization_config"]
     assert mx["scheme"] == "mx" and mx["weight_block_size"] == [1, 32]
     kv = engine_kwargs({"recipe": "fp8_blockwise", "kv_cache": "fp8"})
-    assert kv["kv_cache_dtype"] == "fp8_e4m3" and kv["calculate_kv_scales"] is False
+    # vLLM 0.32's EngineArgs has no calculate_kv_scales: KV scales come with each refit.
+    assert kv["kv_cache_dtype"] == "fp8_e4m3" and "calculate_kv_scales" not in kv
+    from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs(model="m", **kv)  # vllm.LLM(**kwargs) takes every key (TypeError otherwise)
     with pytest.warns(UserWarning, match="per-tensor|tensorwise|BF16"):
         assert engine_kwargs("fp8_current") == {}
 
@@ -245,6 +249,14 @@ def test_apply_on_cpu_device_keeps_the_kv_cache_in_model_dtype():
     out, found = apply_vllm({"model": "m", "device": "cpu",
                              "fp8": {"recipe": "fp8_blockwise", "kv_cache": "fp8"}})
     assert out["kv_cache_dtype"] == "auto" and any("E5M2" in w for w in found)
+    # vLLM 0.32 has no `device` engine argument: read as the platform, left out, named.
+    assert "device" not in out and any(w.startswith("device:") for w in found)
+    from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs(**out)
+    hyphen, found = apply_vllm({"model": "m", "device": "cpu", "max-model-len": 64,
+                                "precision": "fp8_blockwise"})
+    assert "device" not in hyphen and any("device" in w for w in found)
 
 
 def test_cli_error_is_one_line_exit_2(tmp_path):

@@ -429,7 +429,10 @@ def _checks(spec: RecipeSpec, resolved: Mapping) -> None:
             value=nested, hint="set those three under model_overrides.transformer yourself and "
                                "give the fp8: block bf16_layers.applies_to: generation")
     is_ = spec.importance_sampling
-    if is_.enabled and is_.level == "sequence" and get_path(resolved, "loss_fn.token_level_loss", True):
+    from .values import resolved_value  # noqa: PLC0415 - omegaconf only when needed
+
+    if is_.enabled and is_.level == "sequence" \
+            and resolved_value(resolved, "loss_fn.token_level_loss", True):
         raise FP8ConfigError("sequence-level importance ratios need a sequence-level loss in NeMo RL",
                              key="loss_fn.token_level_loss",
                              value=get_path(resolved, "loss_fn.token_level_loss", True),
@@ -522,7 +525,9 @@ def _fp8_param_stated(resolved: Mapping) -> bool:
 
 def _moe_fallback(resolved: Mapping) -> bool | None:
     """MoE-ness read from the config when the model is unknown (expert parallelism > 1)."""
-    ep = get_path(resolved, f"{_MEGATRON}.expert_model_parallel_size")
+    from .values import resolved_value  # noqa: PLC0415 - omegaconf only when needed
+
+    ep = resolved_value(resolved, f"{_MEGATRON}.expert_model_parallel_size")
     if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1:
         return True
     return None

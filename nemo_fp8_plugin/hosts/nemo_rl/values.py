@@ -1,0 +1,57 @@
+"""Values of a NeMo RL config as NeMo RL reads them: ``${...}`` interpolations resolved.
+
+NeMo RL loads its YAML with OmegaConf and registers four resolvers (``add``, ``mul``, ``div``,
+``max``; ``nemo_rl/utils/config.py::register_omegaconf_resolvers``), so a value such as
+``make_sequence_length_divisible_by: ${mul:8, ${policy.megatron_cfg.tensor_model_parallel_size}}``
+means a number only after resolution. Checks that compare numbers read them through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...errors import FP8ConfigError
+
+__all__ = ["NEMO_RL_RESOLVERS", "interpolated", "resolved_value"]
+
+NEMO_RL_RESOLVERS = {
+    "add": lambda a, b: a + b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "max": lambda a, b: max(a, b),
+}
+"""The resolvers NeMo RL registers, by name (registered here only when missing, as NeMo RL
+itself does, so a process that imported NeMo RL keeps NeMo RL's)."""
+
+_MISSING = object()
+
+
+def interpolated(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with every interpolation resolved as NeMo RL would (OmegaConf)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415 - only configs with ${...} need it
+    from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415
+
+    for name, fn in NEMO_RL_RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+    try:
+        out = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or None
+        raise FP8ConfigError(f"cannot resolve an interpolation: {exc.msg if hasattr(exc, 'msg') else exc}",
+                             key=key) from None
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def resolved_value(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
+    """One value of ``config`` as NeMo RL reads it: resolved when it is an interpolation."""
+    from ...config import get_path  # noqa: PLC0415
+
+    value = get_path(config, dotted, _MISSING)
+    if value is _MISSING:
+        return default
+    if isinstance(value, str) and "${" in value:
+        return get_path(interpolated(config), dotted, default)
+    return value
