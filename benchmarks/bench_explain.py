@@ -128,7 +128,7 @@ def main() -> None:
                           "in_process_s": inproc, "load_average": os.getloadavg()}, indent=2))
         return
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"| command | wall s | x baseline | CPU s | x baseline | imports torch |")
+    print("| command | wall s | x baseline | CPU s | x baseline | imports torch |")
     print("|---|---|---|---|---|---|")
     for name, (wall, cpu) in rows.items():
         tf = "-" if name not in torch_free else ("no" if torch_free[name] else "YES")

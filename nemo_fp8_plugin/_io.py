@@ -1,46 +1,107 @@
-"""Output helpers: atomic file writes and stable YAML/JSON rendering."""
+"""Output helpers: atomic file writes (regular files only), and stable YAML/JSON rendering."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "dump_yaml", "dump_json",
-           "check_output_file", "check_output_dir"]
+           "check_output_file", "check_output_dir", "same_file"]
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` through a temp file in the same directory and a rename,
-    so a crash or Ctrl-C never leaves a half-written file behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "is a directory, expected a file path", str(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    so a crash or Ctrl-C never leaves a half-written file behind.
+
+    Only a regular file is ever replaced. A symbolic link is followed (the file it names is
+    written, the link stays). A character device (``/dev/null``, a terminal) or a FIFO with
+    a reader is written through, never renamed over; a FIFO nobody reads, a socket or a
+    block device is refused. Every error names ``path``, not the temp file.
+    """
+    shown = Path(path)
+    target = Path(os.path.realpath(shown))
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(shown)) from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory, expected a file path", str(shown))
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        _write_through(target, st.st_mode, data, shown)
+        return shown
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(shown)) from None
     try:
         # mkstemp creates 0600; the result should look like any file the user writes
         # (umask applied), or keep the mode of the file it replaces.
-        try:
-            mode = path.stat().st_mode & 0o7777
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
+        mode = st.st_mode & 0o7777 if st is not None else 0o666 & ~_umask()
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        os.replace(tmp, target)
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):  # disk full, quota, read-only: the user's path, not ours
+            raise OSError(exc.errno, exc.strerror, str(shown)) from None
         raise
-    return path
+    return shown
+
+
+def _temp_prefix(target: Path) -> str:
+    """``.NAME.`` for the temp file, shortened so that the temp name fits the file system's
+    name limit whenever ``NAME`` itself does (mkstemp adds 8 characters and ``.tmp``)."""
+    try:
+        limit = os.pathconf(target.parent if target.parent.exists() else ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    room = max(1, limit - len(".") - len(".") - 8 - len(".tmp"))
+    name = target.name.encode("utf-8")[:room].decode("utf-8", "ignore") or "out"
+    return f".{name}."
+
+
+def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:
+    """Write into a character device or a FIFO (a reader must be there: never block)."""
+    if stat.S_ISCHR(mode):
+        flags = os.O_WRONLY
+    elif stat.S_ISFIFO(mode):
+        flags = os.O_WRONLY | os.O_NONBLOCK
+    else:
+        kind = "a socket" if stat.S_ISSOCK(mode) else (
+            "a block device" if stat.S_ISBLK(mode) else "not a regular file")
+        raise OSError(errno.EINVAL, f"is {kind}; name a file (or - for standard output)",
+                      str(shown))
+    try:
+        fd = os.open(target, flags)
+    except OSError as err:
+        if err.errno == errno.ENXIO:
+            raise OSError(err.errno, "is a FIFO that no process is reading; nothing was written",
+                          str(shown)) from None
+        raise OSError(err.errno, err.strerror, str(shown)) from None
+    try:
+        if flags & os.O_NONBLOCK:
+            os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(shown)) from None
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:
@@ -98,7 +159,31 @@ def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
     path = Path(path)
     if path.is_dir():
         raise FP8ConfigError(f"{path} is a directory; name a file", key=key, value=str(path))
-    _check_creatable(path, key, shown=path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        # written through, never replaced (atomic_write_bytes): it must take the bytes
+        if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+            raise FP8ConfigError(f"{path} is not a regular file; name a file", key=key,
+                                 value=str(path))
+        if not os.access(path, os.W_OK):
+            raise FP8ConfigError(f"{path} is not writable", key=key, value=str(path))
+        return
+    _check_creatable(Path(os.path.realpath(path)), key, shown=path)
+
+
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two paths name one file: the same resolved path, or (hard links, bind
+    mounts) the same device and inode."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def check_output_dir(path: str | os.PathLike[str] | None, key: str) -> None:

@@ -38,9 +38,10 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
                   intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,

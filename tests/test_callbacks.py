@@ -203,11 +203,15 @@ def test_lightning_callback_refreshes_on_resume_and_runs_the_hook(tmp_path):
     assert report is not None and report.backend == "emulation" and report.passes == 3
     assert report.scales_changed == 4
     assert calls == [4, 5, 6]  # once per optimizer step after the resume
+    # The accounting is recorded and consistent; what it amounts to is a benchmark
+    # (benchmarks/bench_refresh.py, docs/performance.md), not a test: wall-clock ratios on
+    # a shared machine are not reproducible.
     stats = cb.stats
-    assert stats["steps"] == 3 and 0.0 < stats["overhead_fraction"] < 1.0
-    print(f"callback overhead: refresh {stats['refresh_seconds'] * 1e3:.1f} ms, hook "
-          f"{stats['hook_seconds'] * 1e3:.2f} ms, {100 * stats['overhead_fraction']:.1f}% of "
-          f"{stats['step_seconds'] * 1e3:.1f} ms step time")
+    assert stats["steps"] == 3
+    assert stats["step_seconds"] > 0 and stats["refresh_seconds"] > 0
+    assert stats["hook_seconds"] >= 0
+    assert stats["overhead_fraction"] == pytest.approx(
+        (stats["hook_seconds"] + stats["refresh_seconds"]) / stats["step_seconds"])
 
 
 def test_lightning_callback_leaves_a_fresh_run_alone(tmp_path):

@@ -41,6 +41,7 @@ def test_table_files_and_loss_gap(short_run):
     rows = {r["recipe"]: r for r in report["rows"]}
     assert list(rows) == ["bf16", "fp8_blockwise", "fp8_current", "mxfp8"]
     assert report["recipe_requested"] == "fp8_blockwise" and report["interrupted"] is False
+    assert report["environment"]["torch"] and report["environment"]["threads"] >= 1
     for name, row in rows.items():
         assert row["completed"] and row["steps_done"] == 60
         assert abs(row["loss_gap_vs_bf16"]) < 0.05, (name, row)

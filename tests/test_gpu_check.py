@@ -11,6 +11,7 @@ script's real argument parser, and its reading of the JSON file the script's own
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import contextlib
@@ -40,9 +41,9 @@ CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # a descriptor only: nothing below touches a GPU
 
 # What a machine with only torch lacks; blocked at interpreter start by a sitecustomize.
-NOT_ON_A_TORCH_ONLY_MACHINE = ("yaml", "omegaconf", "transformer_engine", "transformer_engine_torch",
-                               "vllm", "transformers", "safetensors", "megatron", "nemo",
-                               "nemo_run", "lightning", "matplotlib", "tqdm")
+NOT_ON_A_TORCH_ONLY_MACHINE = ("yaml", "omegaconf", "transformer_engine",
+                               "transformer_engine_torch", "vllm", "transformers", "safetensors",
+                               "megatron", "nemo", "nemo_run", "lightning", "matplotlib", "tqdm")
 
 
 def refit_script():
@@ -186,8 +187,8 @@ def test_preset_reader_refuses_what_it_does_not_read(tmp_path):
         presets.read_preset(bad)
     ok = tmp_path / "ok.yaml"
     ok.write_text("# c\na: 'q # not a comment'  # a comment\nb: {x: [], y: 1e-3, z: ~}\nc: -2\n")
-    assert presets.read_preset(ok) == {"a": "q # not a comment", "b": {"x": [], "y": 1e-3, "z": None},
-                                       "c": -2}
+    assert presets.read_preset(ok) == {"a": "q # not a comment",
+                                       "b": {"x": [], "y": 1e-3, "z": None}, "c": -2}
 
 
 # --------------------------------------------------------------------------- (a) quantizers
@@ -291,7 +292,10 @@ def _te_source_function(member: str, cls: str | None, name: str, dest: Path, **n
         body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == cls).body
     fn = next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
     ns = dict(namespace)
-    exec(compile(ast.Module([fn], []), str(path), "exec"), ns)  # noqa: S102 - TE's own source
+    # compiled as TE's file is, with postponed annotations (TE's typing names stay unneeded)
+    code = compile(ast.Module([fn], []), str(path), "exec",
+                   flags=__future__.annotations.compiler_flag)
+    exec(code, ns)
     return ns[name]
 
 
@@ -301,8 +305,6 @@ def te_standins(tmp_path_factory):
     reference's data with its scales in TE's padded GEMM layout, shaped by TE's own
     ``get_scale_shape``; ``te.Linear`` as a BF16 ``nn.Linear`` and an ``autocast`` that
     records the TE recipe objects it is given; TE's real recipe module."""
-    from typing import Iterable, Tuple
-
     from nemo_fp8_plugin import numerics
 
     dest = tmp_path_factory.mktemp("te")
@@ -310,8 +312,7 @@ def te_standins(tmp_path_factory):
                                    "round_up_to_nearest_multiple", dest)
     scale_shape = _te_source_function(
         "transformer_engine/pytorch/tensor/float8_blockwise_tensor.py", "Float8BlockQuantizer",
-        "get_scale_shape", dest, math=math, Iterable=Iterable, Tuple=Tuple,
-        round_up_to_nearest_multiple=round_up)
+        "get_scale_shape", dest, math=math, round_up_to_nearest_multiple=round_up)
 
     class BlockQuantizer:
         block_len = 128  # Float8BlockQuantizer.__init__
@@ -497,7 +498,7 @@ def test_vllm_part_runs_the_script_and_reads_its_json(monkeypatch):
     data = result["result"]
     assert data["passed"] is True and data["failures"] == []
     assert [r["step"] for r in data["records"]] == [1, 2]
-    assert data["recipe"] == "fp8_blockwise" and data["kv_cache"] == "fp8" and data["model"] == "tiny"
+    assert (data["recipe"], data["kv_cache"], data["model"]) == ("fp8_blockwise", "fp8", "tiny")
     assert seen["timeout"] == 123
     assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
     assert result["command"].endswith("--enforce-eager --json " + seen["cmd"][-1])
@@ -559,8 +560,11 @@ def test_refit_script_engine_args_construct_vllms_engine_args():
         pytest.skip(".venv-vllm is not installed here")
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('s', {str(REPO / 'scripts' / 'gpu_vllm_refit.py')!r})\n"
-        "s = importlib.util.module_from_spec(spec); sys.modules['s'] = s; spec.loader.exec_module(s)\n"
+        f"path = {str(REPO / 'scripts' / 'gpu_vllm_refit.py')!r}\n"
+        "spec = importlib.util.spec_from_file_location('s', path)\n"
+        "s = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['s'] = s\n"
+        "spec.loader.exec_module(s)\n"
         "import vllm\n"
         "for kv in ('fp8', 'auto'):\n"
         "    a = s.parse_args(['--tiny', '--kv-cache', kv, '--enforce-eager'])\n"

@@ -397,9 +397,6 @@ def test_layer_count_check_reads_the_nested_transformer(tmp_path):
     assert "model.transformer.num_layers" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason="hosts.bridge._merge (the architect's pipeline) must place "
-                                       "quant_recipe with transformer_section(out); remove this "
-                                       "mark when it does")
 def test_apply_puts_quant_recipe_in_the_nested_transformer(tmp_path):
     out = _apply(tmp_path, GPT_CONFIG_YAML).data
     assert "quant_recipe" not in out["model"]

@@ -436,9 +436,6 @@ def test_write_distributed_fields_places_them_per_layout():
         {"recipe": "fp8_blockwise", "training": "bf16"})) == []
 
 
-@pytest.mark.xfail(strict=True, reason="hosts.megatron._merge (the architect's pipeline) must "
-                                       "call write_distributed_fields(out, spec); remove this "
-                                       "mark when it does")
 def test_apply_writes_the_ddp_side(tmp_path):
     lm = _apply(tmp_path, "precision: mxfp8\nlanguage_model: {num_layers: 2}\n").data
     assert lm["fp8_param_gather"] is True and lm["reuse_grad_buf_for_mxfp8_param_ag"] is True

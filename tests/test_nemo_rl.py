@@ -232,7 +232,7 @@ def test_output_is_idempotent(tmp_path):
     out = tmp_path / "fp8.yaml"
     assert run_cli("apply", str(src), "--host", "nemo-rl", "-o", str(out)) == 0
     first = out.read_bytes()
-    assert run_cli("apply", str(out), "--host", "nemo-rl", "-o", str(out)) == 0
+    assert run_cli("apply", str(out), "--host", "nemo-rl", "--in-place") == 0
     assert out.read_bytes() == first
     again = apply_nemo_rl(out, output=tmp_path / "elsewhere" / "x.yaml")
     assert again.data["policy"] == yaml.safe_load(first)["policy"]
@@ -701,3 +701,18 @@ def test_model_overrides_that_agree_or_are_neutral_are_kept(tmp_path):
         "first_last_layers_bf16": False}}}})
     assert apply_nemo_rl(plain).data["policy"]["megatron_cfg"]["model_overrides"] == {
         "first_last_layers_bf16": False}
+
+
+def test_backward_override_in_env_vars_is_refused(tmp_path):
+    """NeMo RL applies policy.megatron_cfg.env_vars in its Megatron workers before they import
+    Transformer Engine; TE >= 2.15 then switches every recipe's backward off FP8."""
+    src = _with_native(tmp_path, {"policy": {"megatron_cfg": {"env_vars": {
+        "NVTE_BACKWARD_OVERRIDE": "high_precision"}}}})
+    with pytest.raises(FP8ConfigError) as err:
+        apply_nemo_rl(src)
+    assert err.value.key == f"{MEG}.env_vars.NVTE_BACKWARD_OVERRIDE"
+    assert "\n" not in str(err.value) and "backward" in str(err.value)
+    # generation-only FP8 trains in BF16: the variable changes nothing there
+    gen = _with_native(tmp_path, {"policy": {"megatron_cfg": {"env_vars": {
+        "NVTE_BACKWARD_OVERRIDE": "high_precision"}}}}, training="bf16")
+    apply_nemo_rl(gen)

@@ -47,6 +47,7 @@ def test_every_arm_ran_and_reported(quick):
         assert len(quick["steps"][arm]) == quick["settings"]["steps"]
         assert f"### arm `{arm}`" in quick["text"]
     assert "### summary" in quick["text"]
+    assert quick["environment"]["torch"] and quick["environment"]["threads"] >= 1
 
 
 @pytest.mark.slow

@@ -38,15 +38,23 @@ modules to ``bf16_layers`` rules), :mod:`.report` (text and heat map); this modu
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from contextlib import closing
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import FP8ConfigError
 from ..rules.names import layer_index
 from .activations import SAMPLE_TEXTS, activation_stats, join_activation_names, load_samples
-from .metrics import (DEFAULT_THRESHOLD_DB, OUTPUT_MARGIN_DB, ErrorStats, is_flagged,
-                      resolve_recipes, summarize, weight_stats)
+from .metrics import (
+    DEFAULT_THRESHOLD_DB,
+    OUTPUT_MARGIN_DB,
+    ErrorStats,
+    is_flagged,
+    resolve_recipes,
+    summarize,
+    weight_stats,
+)
 from .report import render_text, write_heatmap
 from .scan import checkpoint_files, iter_tensors, natural_key, progress_bar, scan_headers
 from .suggest import suggest_bf16_layers, suggestion_yaml

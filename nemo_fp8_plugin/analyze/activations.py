@@ -11,8 +11,9 @@ operands quantized. The activation modules' names are joined to the checkpoint's
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import FP8ConfigError
 from ..rules.names import builtin_high_precision

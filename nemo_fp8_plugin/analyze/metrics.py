@@ -11,8 +11,9 @@ tensor SQNR is below the threshold minus :data:`OUTPUT_MARGIN_DB` (:func:`is_fla
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import FP8ConfigError
 
@@ -109,7 +110,7 @@ def quantize_dequantize(x, spec, role: str):
     return q.dequantize()
 
 
-def stats_for(mats, specs, role: str, into: dict[str, "ErrorStats"] | None = None):
+def stats_for(mats, specs, role: str, into: dict[str, ErrorStats] | None = None):
     """Error of ``mats`` (2-D tensors) under each recipe, quantizing once per distinct
     quantizer."""
     out = into if into is not None else {}

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from ..errors import FP8ConfigError
 from ..rules.names import builtin_high_precision

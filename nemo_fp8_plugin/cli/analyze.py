@@ -38,9 +38,9 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._io import check_output_file, dump_json
-    from ._args import name_list
     from ..analyze import DEFAULT_THRESHOLD_DB, analyze_checkpoint, render_text, write_heatmap
     from ..errors import FP8ConfigError
+    from ._args import name_list
 
     recipes = name_list(args.recipes, "--recipes")
     if args.samples is not None and not args.activations:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def register(sub) -> None:
@@ -12,16 +13,26 @@ def register(sub) -> None:
     p = sub.add_parser(
         "apply", help="rewrite a config into a host's native FP8 keys",
         description="Rewrite a config that says `precision: <recipe>` (or has an `fp8:` block) "
-                    "into the host's own keys. Every other key is kept; running it on its own "
-                    "output changes nothing; a config that already sets conflicting native FP8 "
-                    "keys is refused. `nemo-fp8 explain` shows the same result before you write it.")
-    p.add_argument("config", help="path to a YAML config")
+                    "into the host's own keys. Only the keys the host needs change: comments, "
+                    "key order, quoting, number spelling and blank lines of the file stay as "
+                    "written. Running it on its own output changes nothing; a config that "
+                    "already sets conflicting native FP8 keys is refused. `nemo-fp8 explain` "
+                    "shows the same result before you write it.")
+    p.add_argument("config", help="path to a YAML (or JSON) config")
     # `nemo_rl` is how the package and its docs spell NeMo RL; accept it next to `nemo-rl`.
     p.add_argument("--host", required=True, choices=list(HOSTS),
                    type=lambda name: name.replace("_", "-") if name.replace("_", "-") in HOSTS
                    else name, help="target host")
-    p.add_argument("-o", "--output", default=None,
-                   help="output file (written atomically); default: standard output")
+    where = p.add_argument_group("where the result goes (default: standard output)")
+    where.add_argument("-o", "--output", default=None, metavar="PATH",
+                       help="write the result to PATH, atomically (`-`: standard output; a "
+                            "name ending in .json writes JSON); PATH may not be CONFIG or a "
+                            "file its defaults: chain names")
+    where.add_argument("--in-place", action="store_true",
+                       help="edit CONFIG itself, atomically (a parent named by its defaults: "
+                            "is never written)")
+    where.add_argument("--diff", action="store_true",
+                       help="print a unified diff of CONFIG and the result; write nothing")
     p.add_argument("--hardware", default=None,
                    help="target GPU (h100, h200, b200, ...) or architecture for the hardware checks")
     p.add_argument("--model", default=None, metavar="NAME",
@@ -40,24 +51,111 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._io import atomic_write_text, dump_json, dump_yaml
+    from .._io import atomic_write_text, check_output_file
     from ..hosts import get_adapter, load_context
     from ..hosts import run as run_pipeline
+    from ..roundtrip import render, unified_diff
 
+    target = _target(args)
+    check_output_file(target, "--in-place" if args.in_place else "--output")
     adapter = get_adapter(args.host)
     ctx = load_context(args.config, hardware=args.hardware, model=args.model,
-                       model_config=args.model_config, output=args.output, strict=args.strict)
+                       model_config=args.model_config, output=target, strict=args.strict)
+    if target is not None and not args.in_place:
+        _refuse_own_files(Path(args.config), target, ctx.raw)
     result = run_pipeline(adapter, ctx)
     checks = adapter.validate(result, ctx) if args.validate and result.requested else []
-    fmt = "json" if (args.output or "").endswith(".json") else result.fmt
-    text = dump_json(result.data) if fmt == "json" else dump_yaml(result.data)
+    source = _read_text(Path(args.config))
+    written, removed = result.written or {}, list(result.removed)
+    # An edit of the input is applied to the file as written, keeping all the pipeline does
+    # not change. Transformer Engine's output is a new document, which its adapter reports
+    # as written whole.
+    edit = result.written is not result.data
+    fmt = "json" if target is not None and target.suffix.lower() == ".json" else result.fmt
+    text = render(source, raw=ctx.raw, data=result.data, written=written, removed=removed,
+                  source_fmt=ctx.fmt, fmt=fmt, edit=edit, where=str(args.config))
     for w in result.warnings + result.notes:
         print(f"nemo-fp8 apply: warning: {w}", file=sys.stderr)
     for line in checks:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
-    if args.output:
-        atomic_write_text(args.output, text)
-        print(f"wrote {args.output}", file=sys.stderr)
+    if args.diff:
+        sys.stdout.write(unified_diff(source, text, name=str(args.config),
+                                      label=f"nemo-fp8 apply --host {adapter.name}"))
+    elif target is not None:
+        if args.in_place and text == source:
+            print(f"{args.config} unchanged", file=sys.stderr)
+            return 0
+        atomic_write_text(target, text)
+        print(f"wrote {target}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _target(args: argparse.Namespace) -> Path | None:
+    """The file the result is written to (None: standard output)."""
+    from ..errors import FP8ConfigError
+
+    output = None if args.output in (None, "-") else Path(args.output)
+    if args.diff and (output is not None or args.in_place):
+        raise FP8ConfigError("--diff prints the change and writes nothing",
+                             key="--output" if output is not None else "--in-place",
+                             hint="drop --diff to write, or drop the output")
+    if args.in_place:
+        config = Path(args.config)
+        if args.output == "-" or (output is not None and not _same(output, config)):
+            raise FP8ConfigError("--in-place writes CONFIG itself", key="--output",
+                                 value=args.output, hint="drop -o, or drop --in-place")
+        return config
+    return output
+
+
+def _same(a: Path, b: Path) -> bool:
+    from .._io import same_file
+
+    return same_file(a, b)
+
+
+def _refuse_own_files(config: Path, target: Path, raw) -> None:
+    """``-o`` naming the input, or a file of its ``defaults:`` chain, would overwrite what the
+    result was made from (a parent overwritten by its child's result makes the chain loop)."""
+    from ..errors import FP8ConfigError
+
+    if not target.exists():
+        return
+    if _same(target, config):
+        raise FP8ConfigError("names the input config; the result would overwrite it",
+                             key="--output", value=str(target),
+                             hint="write another file, or pass --in-place to edit the config")
+    for parent in _defaults_chain(config, raw):
+        if _same(target, parent):
+            raise FP8ConfigError(f"names {parent}, a parent of {config} through defaults:; "
+                                 f"overwriting it would change (or loop) the chain",
+                                 key="--output", value=str(target), hint="write another file")
+
+
+_CHAIN_LIMIT = 64
+
+
+def _defaults_chain(config: Path, raw) -> list[Path]:
+    """Every file the ``defaults:`` chain of ``config`` names, parents first read for their
+    own ``defaults:`` (only when the output exists, so the common case parses nothing)."""
+    from ..config import _defaults_paths, _read_mapping
+
+    out: list[Path] = []
+    todo = [(config, raw)]
+    while todo and len(out) < _CHAIN_LIMIT:
+        here, mapping = todo.pop()
+        parents = _defaults_paths(mapping.get("defaults"), here) if "defaults" in mapping \
+            else None
+        for parent in parents or []:
+            if parent.is_file() and not any(_same(parent, seen) for seen in out):
+                out.append(parent)
+                todo.append((parent, _read_mapping(parent)))
+    return out
+
+
+def _read_text(path: Path) -> str:
+    """The config as written, newlines untouched (the safe loader has accepted it)."""
+    with open(path, encoding="utf-8", newline="") as fh:
+        return fh.read()

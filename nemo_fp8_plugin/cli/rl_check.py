@@ -34,10 +34,10 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._io import check_output_file
-    from ._args import name_list
     from ..errors import FP8ConfigError
     from ..registry import get_recipe
     from ..tools.rl_check import ARMS, FULL, QUICK, render_tables, run_check, with_overrides
+    from ._args import name_list
 
     check_output_file(args.json, "--json")
     arms = tuple(name_list(args.arms, "--arms", noun="arm",

@@ -323,7 +323,9 @@ def _megatron_model_fields(config: Mapping[str, Any]) -> Mapping[str, Any] | Non
     """A ``model:`` / ``language_model:`` section with megatron-core sizes."""
     for name in ("language_model", "model"):
         node = config.get(name)
-        for candidate in (node, node.get("config") if isinstance(node, Mapping) else None):
+        nested = [node.get(k) for k in ("config", "transformer")] if isinstance(node, Mapping) \
+            else []
+        for candidate in (node, *nested):
             if isinstance(candidate, Mapping) and isinstance(candidate.get("num_layers"), int) \
                     and isinstance(candidate.get("hidden_size"), int):
                 return candidate

@@ -15,6 +15,10 @@ TE has four FP8 recipe classes: ``DelayedScaling`` (scaling ``delayed``),
   ``Float8BlockScaling(use_f32_scales=True)`` still quantizes with power-of-2 scales when
   the variable was unset at import, and megatron-core builds its own recipe object from
   ``fp8_recipe='blockwise'`` with only ``fp8_format``.
+* TE >= 2.15 also defaults every recipe class's ``backward_override`` from
+  ``NVTE_BACKWARD_OVERRIDE`` at import (``high_precision`` / ``dequantized``: the whole
+  backward leaves FP8; ``DelayedScaling`` raises). Objects built here pin it to None;
+  :func:`verify_host_recipe` refuses a TE imported with it set, for every recipe.
 
 How this module makes fp32 block scales take effect and never run the wrong ones:
 

@@ -20,8 +20,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..numerics import (FP8EmulatedLinear, fused_mode, quantize_blockwise,
-                       quantize_blockwise_fused, quantize_mxfp8, quantize_mxfp8_fused)
+from ..numerics import (
+    FP8EmulatedLinear,
+    fused_mode,
+    quantize_blockwise,
+    quantize_blockwise_fused,
+    quantize_mxfp8,
+    quantize_mxfp8_fused,
+)
 from ..registry import get_recipe
 from ..rl import quantize_for_refit
 from .harness import interleaved, timed, timing_summary

@@ -21,9 +21,10 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .._io import atomic_write_bytes, atomic_write_text, dump_json
 
@@ -65,7 +66,7 @@ class Stopwatch:
         self.seconds: float = 0.0
         self._start: float | None = None
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         sync(self.device)
         self._start = time.perf_counter()
         return self
@@ -104,7 +105,8 @@ def timed(fn: Callable[[], Any], device=None, *, reps: int = 1, warmup: int = 0)
     return samples
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], reps: int, device=None) -> dict[str, list[float]]:
+def interleaved(fns: dict[str, Callable[[], Any]], reps: int,
+                device=None) -> dict[str, list[float]]:
     """Each callable once per round, ``reps`` rounds; every timing of each.
 
     Interleaving puts a figure and its baseline under the same machine load (the project's

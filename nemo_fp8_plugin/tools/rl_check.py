@@ -42,8 +42,9 @@ short supervised warm-up, as RL starts from an instruction-tuned model).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -340,8 +341,8 @@ def render_tables(results: list[ArmResult], settings: CheckSettings, every: int 
         lines.append("")
     lines.append("### summary\n")
     lines.append("| arm | token_mult_prob_error, mean (worst step) | gen_kl_error, mean | final "
-                 "reward (greedy, held out; start {:.3f}) | refit + refresh, share of step time | "
-                 "refit payload |".format(results[0].initial_eval_reward if results else 0))
+                 f"reward (greedy, held out; start {results[0].initial_eval_reward if results else 0:.3f}) | refit + refresh, share of step time | "
+                 "refit payload |")
     lines.append("|---|---:|---:|---:|---:|---:|")
     for res in results:
         s = res.summary()

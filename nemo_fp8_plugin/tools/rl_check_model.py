@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

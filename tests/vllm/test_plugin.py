@@ -96,7 +96,15 @@ def test_apply_output_is_parsed_by_vllms_config_machinery(tmp_path, tiny_llama_d
     quant = vcfg.quant_config
     assert isinstance(quant, NemoFp8Config)
     assert quant.weight_block_size == [128, 128] and quant.scheme == "block"
-    assert quant.num_first_layers_in_bf16 == 1 and quant.ignored_layers == ["*down_proj"]
+    # The rules as vLLM applies them (spelled as patterns and counts, or as exact module
+    # names when apply reads the model's config.json: either way the same layers).
+    quant.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                    "gate_up_proj": ["gate_proj", "up_proj"]}
+    quant._num_layers = 3
+    assert quant.is_bf16("model.layers.0.self_attn.qkv_proj")  # bf16_layers.first = 1
+    assert quant.is_bf16("model.layers.2.mlp.down_proj")  # *down_proj
+    assert not quant.is_bf16("model.layers.1.self_attn.qkv_proj")
+    assert not quant.is_bf16("model.layers.2.mlp.gate_up_proj")
     assert vcfg.cache_config.cache_dtype == "auto"
 
 
@@ -219,7 +227,7 @@ def test_apply_keeps_keys_and_style_and_is_idempotent():
     assert out["hf-overrides"]["rope_scaling"] == {"type": "linear", "factor": 2.0}
     assert "hf_overrides" not in out and "kv_cache_dtype" not in out
     again, notes = apply_vllm(out)
-    assert again == out and "unchanged" in notes[0]
+    assert again == out and "no FP8 recipe requested" in notes[0]
     underscored, _ = apply_vllm({"model": "m", "fp8": "fp8_blockwise"})
     assert "hf_overrides" in underscored and "kv_cache_dtype" in underscored
 

@@ -25,8 +25,11 @@ callback and :func:`mixed_precision_config` need.
 ``reuse_grad_buf_for_mxfp8_param_ag``            MXFP8 with FP8 parameters (Bridge requires it)
 =============================================  =============================================
 
-Per-module BF16 rules go to ``model.quant_recipe`` (the model provider is a megatron-core
-``TransformerConfig``; ``setup`` does not overwrite it). The TE environment variable
+Per-module BF16 rules go to ``quant_recipe`` of the model's TransformerConfig (``setup`` does
+not overwrite it): ``model.quant_recipe`` for a model provider (a megatron-core
+``TransformerConfig`` subclass), ``model.transformer.quant_recipe`` for a ``GPTModelConfig`` /
+``HybridModelConfig``, the other form ``ConfigContainer.model`` takes
+(:func:`transformer_section`, :func:`transformer_config_of`). The TE environment variable
 (:func:`nemo_fp8_plugin.hosts.te.required_env`) must be exported by the launch script:
 Bridge's own ``env_vars`` are applied after Transformer Engine is imported, too late for the
 variables TE reads at import. Two places check it inside the training process: the recipes
@@ -318,11 +321,11 @@ def _merge(ctx) -> ApplyResult:
                              key="mixed_precision", value=current)
     out = _replace_request(config, request.keys, block)
     if "quant_recipe" in hk.keys:
-        model = out.setdefault("model", {})
-        if not isinstance(model, dict):
-            raise FP8ConfigError("cannot place per-module rules: model is not a mapping", key="model")
-        merge_native(model, {"quant_recipe": _quant_recipe_yaml(hk.keys["quant_recipe"])},
-                     where="model.")
+        # model: is a provider (itself a TransformerConfig) or, on Bridge HEAD, a
+        # GPTModelConfig holding it under model.transformer.
+        section, where = transformer_section(out)
+        merge_native(section, {"quant_recipe": _quant_recipe_yaml(hk.keys["quant_recipe"])},
+                     where=where)
     notes = [f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
              f"applied after Transformer Engine is imported); stock Bridge builds this "
              f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."

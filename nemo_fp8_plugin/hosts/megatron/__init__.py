@@ -22,8 +22,11 @@ environment                             ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` (
 
 megatron-core builds its TE recipe object itself from these fields (``fp8_utils.get_fp8_recipe``),
 passing only the format (and the delayed-scaling history settings), so spec settings it
-has no field for are *dropped*: ``amax_epsilon``, ``reduce_amax: false``, ``margin`` outside
-delayed scaling, non-default block tiles, MXFP8 32x32 weight tiles, ``pow2_scales`` under
+has no field for are *dropped*: ``amax_epsilon``, ``reduce_amax: false``, a field the
+recipe's branch of ``get_fp8_recipe`` never reads (``margin`` and the history outside delayed
+scaling; in 0.16.1 ``fp8_dot_product_attention`` outside delayed/tensorwise and
+``fp8_multi_head_attention`` outside delayed: read from the installed source by
+:mod:`.source`), non-default block tiles, MXFP8 32x32 weight tiles, ``pow2_scales`` under
 delayed scaling, and ``fp8_wgrad: false`` (megatron-core 0.16 passes it to TE only for
 delayed scaling, as ``override_linear_precision``, which TE 2.x ignores).
 :func:`dropped_settings` lists them; ``apply_file`` refuses a config that asks for one,
@@ -104,7 +107,10 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
     if not spec.fp8_wgrad:
         # megatron-core 0.16 reads fp8_wgrad only to build DelayedScaling's
         # override_linear_precision; the other recipes never see it.
-        out.append(("fp8_wgrad", "megatron-core passes fp8_wgrad to Transformer Engine only as "
+        from .source import honoured_fp8_fields  # noqa: PLC0415
+
+        out.append(("fp8_wgrad", f"{honoured_fp8_fields().label} passes fp8_wgrad to Transformer "
+                                 "Engine only as "
                                  "DelayedScaling's override_linear_precision, which TE 2.x "
                                  "ignores, so the weight gradient would run in FP8 anyway; TE "
                                  "has no weight-gradient-only switch, the nearest setting, "
@@ -148,7 +154,9 @@ def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
         out.append((key, f"{honoured.label}'s get_fp8_recipe passes {field} to Transformer "
                          f"Engine {where}, not for {recipe}; "
                          + (f"use {' or '.join(instead)} for it, or " if instead else "")
-                         + f"remove {key} (preset value {neutral!r})"))
+                         + f"remove {key} (the neutral value is "
+                         + (str(neutral).lower() if isinstance(neutral, bool) else repr(neutral))
+                         + ")"))
     return out
 
 
@@ -546,6 +554,7 @@ def _merge(ctx) -> ApplyResult:
     conflicting = tuple(k for k in CONFLICTING_FIELDS
                         if k != "quant_recipe" or "quant_recipe" not in hk.keys)
     merge_native(section, hk.keys, where=where, conflicting=conflicting)
+    write_distributed_fields(out, spec)  # the DDP side (fp8_param_gather, MXFP8 buffer reuse)
     notes = [f"megatron: export {var}={value} in the training process's environment "
              f"before Transformer Engine is imported; megatron-core does not check it: "
              f"a script building its config with nemo_fp8_plugin.hosts.megatron."

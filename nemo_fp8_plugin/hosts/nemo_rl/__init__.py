@@ -20,6 +20,9 @@ is_mx,pow2_weight_scaling_factors,                         ``pow2_scales``, ``kv
 pow2_activation_scaling_factors,kv_cache_dtype}``
 ``policy.generation.vllm_cfg.{num_first_layers_in_bf16,    ``bf16_layers`` (through
 num_last_layers_in_bf16,quantization_ignored_layer_kws}``  :func:`nemo_fp8_plugin.rules.to_nemo_rl`)
+``policy.megatron_cfg.model_overrides.                     ``bf16_layers.first`` / ``last`` on
+{first_last_layers_bf16,num_layers_at_start_in_bf16,       the training side (NeMo RL merges
+num_layers_at_end_in_bf16}``                               model_overrides into the provider)
 ``loss_fn.{use_importance_sampling_correction,             ``importance_sampling``
 sequence_level_importance_ratios,
 truncated_importance_sampling_type,
@@ -417,6 +420,16 @@ def _checks(spec: RecipeSpec, resolved: Mapping) -> None:
                 raise FP8ConfigError("is false, but MXFP8 scales are powers of two (NeMo RL refuses "
                                      "the combination)", key=key, value=False,
                                      hint="remove the key")
+    override = get_path(resolved, f"{_MEGATRON}.env_vars.NVTE_BACKWARD_OVERRIDE")
+    if spec.training == "fp8" and override is not None:
+        # NeMo RL exports env_vars in its Megatron workers before they import TE, which
+        # (>= 2.15) then defaults every recipe's backward_override from it.
+        raise FP8ConfigError(
+            f"makes Transformer Engine (>= 2.15) run the whole backward of {spec.name} "
+            f"{'in high precision' if override == 'high_precision' else 'off FP8'} (and refuse "
+            f"delayed scaling), silently changing the recipe",
+            key=f"{_MEGATRON}.env_vars.NVTE_BACKWARD_OVERRIDE", value=override,
+            hint="remove it: no nemo-fp8-plugin recipe uses it")
     rules = spec.bf16_layers
     nested = get_path(resolved, f"{_MEGATRON}.model_overrides.transformer")
     if spec.training == "fp8" and rules.acts_on("training") and (rules.first or rules.last) \

@@ -718,7 +718,7 @@ class NemoFp8KVCacheMethod(BaseKVCacheMethod):
     layer's run-time scales once and then deletes the parameters, so a later
     ``load_weights`` has nowhere to write. This method runs the same copy and puts the same
     parameter objects back, so each refit can load fresh scales (names
-    ``<layer>.self_attn.{k,v,q}_scale``, as :func:`nemo_fp8_plugin.rl.refresh_scales` returns
+    ``<layer>.self_attn.attn.{k,v,q}_scale``, as :func:`nemo_fp8_plugin.rl.refresh_scales` returns
     them) and :func:`finish_refit` re-applies them.
     """
 

@@ -155,7 +155,7 @@ class StopRequest:
         self.requested = False
         self._previous = None
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         import signal
         import threading
 

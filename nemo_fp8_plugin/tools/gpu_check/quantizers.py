@@ -84,7 +84,8 @@ def check_quantizers(device: torch.device, *, quick: bool = False, recipes=None,
                     for fused in (False, True):
                         got = _quantize(numerics, spec, block, fmt, x.to(device), fused=fused)
                         ok = _qtensor_equal(ref, got)
-                        row = {"recipe": spec.name, "role": role, "dtype": str(dtype).split(".")[-1],
+                        row = {"recipe": spec.name, "role": role,
+                               "dtype": str(dtype).split(".")[-1],
                                "case": case, "fused": fused, "bit_exact": ok}
                         results.append(row)
                         if not ok:

@@ -53,4 +53,5 @@ def check_refit(device: torch.device, *, layers: int = 4, quick: bool = False) -
         exact &= torch.equal(ref[name + "_scale_inv"].view(torch.int32),
                              produced[name + "_scale_inv"].cpu().view(torch.int32))
     return {"status": "ok" if exact else "failed", "elements": elements, "bit_exact": bool(exact),
-            "refit_gb_s": refit_gbs, "copy_gb_s": copy_gbs, "ratio_vs_copy": ratio(refit_gbs, copy_gbs)}
+            "refit_gb_s": refit_gbs, "copy_gb_s": copy_gbs,
+            "ratio_vs_copy": ratio(refit_gbs, copy_gbs)}

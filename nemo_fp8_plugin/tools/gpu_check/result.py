@@ -37,6 +37,6 @@ class Deadline:
     def passed(self) -> bool:
         return self.left() <= 0
 
-    def share(self, fraction: float) -> "Deadline":
+    def share(self, fraction: float) -> Deadline:
         """A deadline ``fraction`` of the remaining time from now (never after this one)."""
         return Deadline(max(0.0, self.left()) * fraction)

@@ -45,7 +45,8 @@ def import_te() -> tuple[TEModules | None, str | None]:
         from transformer_engine.common import recipe
         from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
     except Exception as exc:  # without libcuda TE raises OSError/RuntimeError, not ImportError
-        return None, f"Transformer Engine is not importable here ({type(exc).__name__}: {exc})"[:300]
+        why = f"Transformer Engine is not importable here ({type(exc).__name__}: {exc})"
+        return None, why[:300]
     return TEModules(te, tex, Float8BlockQuantizer, recipe), None
 
 
@@ -53,7 +54,8 @@ def _modules(te_modules: TEModules | None) -> tuple[TEModules | None, str | None
     return (te_modules, None) if te_modules is not None else import_te()
 
 
-def unpad_te_scales(scale_inv: torch.Tensor, block_dim: int, rows: int, scale_cols: int) -> torch.Tensor:
+def unpad_te_scales(scale_inv: torch.Tensor, block_dim: int, rows: int,
+                    scale_cols: int) -> torch.Tensor:
     """TE's GEMM-ready block scales in the plain layout of the reference: ``[M, ceil(K/128)]``
     for 1x128 tiles (``block_dim`` 1), ``[ceil(M/128), ceil(K/128)]`` for 128x128 (2).
 
