@@ -177,21 +177,46 @@ def _recipe_section(request: FP8Request) -> dict[str, Any]:
     }
 
 
-def render_text(report: dict[str, Any]) -> str:
+_HOST_SIDES = {"vllm": ("generation",), "nemo-rl": ("training", "generation")}
+"""The sides of the layer table a host runs (training only when not listed)."""
+
+_WIDTH = 100
+"""Text view width: recipe fields are packed into lines of this many characters."""
+
+_LONG_VALUE = 120
+"""A value spelled longer than this is abridged in the default text view (``--full``: whole)."""
+
+
+def render_text(report: dict[str, Any], *, all_hosts: bool = False, full: bool = False,
+                host_given: bool = False) -> str:
+    """The report for a person: warnings first, then the recipe, the model and its layer
+    table, then what ``apply`` writes for the config's own host (detected, or ``--host``),
+    other hosts in one line each. ``all_hosts`` shows every host's keys; ``full`` also lists
+    every recipe field on its own line and every value whole; ``host_given``: the host came
+    from ``--host``, not from the config's shape. ``--json`` has everything."""
+    own = report.get("host")
+    hosts = report.get("hosts", {})
     lines = [f"config: {report['config']}"]
     recipe = report.get("recipe")
     if recipe is None:
         lines += [f"warning: {w}" for w in report.get("warnings", [])]
         return "\n".join(lines) + "\n"
+    if own is not None:
+        how = "--host" if host_given else "detected from the config's shape; --host NAME to choose"
+        lines.append(f"host: {own} ({how})")
+    else:
+        lines.append("host: none detected from the config's shape (--host NAME shows one)")
+    lines += [f"warning: {w}" for w in report.get("warnings", [])]
+    if own in hosts:
+        lines += [f"warning: {_with_host(w, own)}" for w in hosts[own].get("warnings", [])]
     lines.append(f"recipe: {recipe['name']}  (requested by {', '.join(report['keys'])}; "
                  f"{report['recipe_source']})")
     lines.append(f"  {recipe['description']}")
-    for key, value in recipe.items():
-        if key in ("name", "description"):
-            continue
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={v}" for k, v in value.items())
-        lines.append(f"  {key:<26} {value}")
+    fields = [(k, v) for k, v in recipe.items() if k not in ("name", "description")]
+    if full:
+        lines += [f"  {k:<26} {_spell(v, full=True)}" for k, v in fields]
+    else:
+        lines += _packed([f"{k}: {_spell(v, full=False)}" for k, v in fields], indent="  ")
     model = report.get("model_description")
     if model is not None:
         lines.append(f"model: {model['name']} ({model['family']}, {model['num_layers']} layers"
@@ -200,28 +225,85 @@ def render_text(report: dict[str, Any]) -> str:
     if report.get("layers"):
         from .rules import render_layer_table
 
-        lines += render_layer_table(report["layers"])
-    for host, section in report.get("hosts", {}).items():
-        own = " (this config's host)" if host == report.get("host") else ""
-        if "refused" in section:
-            lines.append(f"host {host}{own}: refused: {section['refused']}")
-            continue
-        lines.append(f"host {host}{own}: apply --host {host} writes")
-        for key, value in _flatten(section.get("keys", {})):
-            lines.append(f"  {key} = {value}")
-        for key in section.get("removed", []):
-            lines.append(f"  {key} (removed)")
-        for key, value in section.get("env", {}).items():
-            lines.append(f"  env {key}={value}")
-        for w in section.get("warnings", []):
-            lines.append(f"  warning: {w}")
-        for n in section.get("notes", []):
-            lines.append(f"  note: {n}")
-    for w in report.get("warnings", []):
-        lines.append(f"warning: {w}")
-    for n in report.get("notes", []):
-        lines.append(f"note: {n}")
+        sides = (_HOST_SIDES.get(own, ("training",)) if own else ("training", "generation")) \
+            if not (all_hosts or full) else ("training", "generation")
+        lines += render_layer_table(d for d in report["layers"] if d["side"] in sides)
+        hidden = sorted({d["side"] for d in report["layers"]} - set(sides))
+        if hidden:
+            lines.append(f"({' and '.join(hidden)} side not shown: {own} does not run it; "
+                         f"--all-hosts shows it)")
+    lines += [f"note: {n}" for n in report.get("notes", [])]
+    shown = list(hosts) if (all_hosts or full) else [h for h in hosts if h == own]
+    for host in shown:
+        lines += _host_lines(host, hosts[host], own=host == own, full=full,
+                             warnings=host != own)
+    rest = [h for h in hosts if h not in shown]
+    if rest:
+        summary = ", ".join(_host_summary(hosts[h], h) for h in rest)
+        label = "other hosts" if shown else "hosts"
+        lines.append(f"{label} (--host NAME or --all-hosts shows their keys): {summary}")
     return "\n".join(lines) + "\n"
+
+
+def _host_lines(host: str, section: dict[str, Any], *, own: bool, full: bool,
+                warnings: bool) -> list[str]:
+    """One host's section: what ``apply --host`` writes, in the spelling it writes it."""
+    if "refused" in section:
+        return [f"apply --host {host}: refused: {section['refused']}"]
+    lines = [f"apply --host {host} writes{' (this config' + chr(39) + 's host)' if own else ''}:"]
+    for key, value in _flatten(section.get("keys", {})):
+        lines.append(f"  {key}: {_spell(value, full=full)}")
+    if section.get("removed"):
+        lines.append(f"  removes: {', '.join(section['removed'])}")
+    for key, value in section.get("env", {}).items():
+        lines.append(f"  env: {key}={value} (in the training process's environment)")
+    if warnings:
+        lines += [f"  warning: {w}" for w in section.get("warnings", [])]
+    lines += [f"  note: {n}" for n in section.get("notes", [])]
+    return lines
+
+
+def _host_summary(section: dict[str, Any], host: str) -> str:
+    if "refused" in section:
+        return f"{host} (refused)"
+    count = sum(1 for _ in _flatten(section.get("keys", {})))
+    warned = len(section.get("warnings", []))
+    more = f", {warned} warning{'s' if warned != 1 else ''}" if warned else ""
+    return f"{host} ({count} key{'s' if count != 1 else ''}{more})"
+
+
+def _with_host(warning: str, host: str) -> str:
+    return warning if host in warning else f"{host}: {warning}"
+
+
+def _spell(value: Any, *, full: bool) -> str:
+    """``value`` as YAML spells it in flow style (``true``, ``null``, ``'1'``, ``[128, 128]``):
+    the spelling ``apply`` writes. A long list is abridged unless ``full``."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, allow_unicode=True,
+                          sort_keys=False).strip()
+    if text.endswith("\n..."):
+        text = text[:-4].strip()
+    elif text.endswith("..."):
+        text = text[:-3].strip()
+    if full or len(text) <= _LONG_VALUE or not isinstance(value, list) or len(value) < 3:
+        return text
+    first, last = (_spell(v, full=True) for v in (value[0], value[-1]))
+    return f"[{first}, ..., {last}]  ({len(value)} items; --full lists them)"
+
+
+def _packed(items: list[str], *, indent: str) -> list[str]:
+    lines: list[str] = []
+    line = ""
+    for item in items:
+        if line and len(indent) + len(line) + 2 + len(item) > _WIDTH:
+            lines.append(indent + line)
+            line = ""
+        line = f"{line}  {item}" if line else item
+    if line:
+        lines.append(indent + line)
+    return lines
 
 
 def _flatten(mapping: dict, prefix: str = ""):

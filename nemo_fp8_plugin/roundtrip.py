@@ -170,6 +170,9 @@ def _kinds() -> tuple[type, type]:
         Constructor.add_constructor("tag:yaml.org,2002:null", Constructor.construct_spelled_null)
         Constructor.add_constructor("tag:yaml.org,2002:bool", Constructor.construct_spelled_bool)
         Representer.add_representer(SpelledNull, Representer.represent_spelled)
+        # a null apply writes reads as one (ruamel's default is an empty value)
+        Representer.add_representer(type(None), lambda self, data: self.represent_scalar(
+            "tag:yaml.org,2002:null", "null"))
         Representer.add_representer(SpelledBool, Representer.represent_spelled)
         _KINDS.update(constructor=Constructor, representer=Representer, null=SpelledNull)
     return _KINDS["constructor"], _KINDS["representer"]

@@ -348,7 +348,7 @@ def engine_args(args: argparse.Namespace, spec, model_path: str, device: str) ->
 
 
 def result_payload(args: argparse.Namespace, spec, device: str, engine_s: float,
-            records: list[StepRecord], failures: list[str]) -> dict[str, Any]:
+                   records: list[StepRecord], failures: list[str]) -> dict[str, Any]:
     """What ``--json`` holds: the run's settings and machine, the records and the verdict."""
     from nemo_fp8_plugin.tools.harness import environment
 

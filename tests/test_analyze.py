@@ -142,6 +142,7 @@ def _llama_like(path: Path, *, planted: str | None = "model.layers.2.mlp.down_pr
     return path
 
 
+@pytest.mark.slow
 def test_planted_outlier_layer_is_flagged_and_suggested(tmp_path):
     ckpt = _llama_like(tmp_path / "ckpt")
     report = analyze_checkpoint(ckpt, recipes=["fp8_blockwise", "fp8_current", "mxfp8"],
@@ -175,6 +176,7 @@ def test_planted_outlier_layer_is_flagged_and_suggested(tmp_path):
         "decoder.layers.2.mlp.linear_fc2"]
 
 
+@pytest.mark.slow
 def test_cli_text_prints_ready_to_paste_yaml(tmp_path):
     ckpt = _llama_like(tmp_path / "ckpt")
     out = cli("analyze", ckpt / "model.safetensors", "--recipes", "fp8_blockwise", "--no-progress")
@@ -186,6 +188,7 @@ def test_cli_text_prints_ready_to_paste_yaml(tmp_path):
                             "bf16_layers": {"modules": ["model.layers.2.mlp.down_proj"]}}}
 
 
+@pytest.mark.slow
 def test_activations_flag_an_outlier_input_channel(tmp_path):
     """Inputs matter too. As in real LLMs, one hidden-state channel is 1e6x the others (planted
     through the input norm's weight) and the projections reading it hold small weights on it:

@@ -13,11 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import pytest
 
-pytestmark = pytest.mark.slow  # one end-to-end `nemo-fp8 bench --quick`
-
-
+@pytest.mark.slow
 def test_bench_quick_reports_every_ratio(tmp_path):
     out = tmp_path / "bench.json"
     # eager kernels: this checks the plumbing, not speed, and skips minutes of compiling

@@ -264,6 +264,7 @@ def test_recipe_fields_at_the_top_level_are_refused(tmp_path):
     assert_one_line_error(out, "pow2_scales:", "fp8: {recipe: fp8_blockwise")
 
 
+@pytest.mark.slow
 def test_analyze_with_nothing_to_analyze_is_an_error_naming_the_tensors(tmp_path):
     import torch
     from safetensors.torch import save_file

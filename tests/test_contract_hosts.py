@@ -159,6 +159,7 @@ def _host_state(spec, module):
         return ("refused by TE", type(exc).__name__)
 
 
+@pytest.mark.slow
 def test_every_te_variable_against_every_preset(te_variables, tmp_path_factory, monkeypatch):
     """For each variable and value TE's recipe module distinguishes, and each preset: the
     plugin's check refuses (naming the variable) exactly when the object megatron-core would

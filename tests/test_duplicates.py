@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,6 +22,7 @@ def _duplicate_report(target: Path) -> subprocess.CompletedProcess:
         capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_host_adapters_share_no_copied_code():
     out = _duplicate_report(ROOT / "nemo_fp8_plugin" / "hosts")
     assert out.returncode == 0, out.stdout + out.stderr

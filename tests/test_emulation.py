@@ -14,19 +14,31 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_numerics_reference import decode, ref_block_quantize, ref_mx_quantize, ref_tensor_quantize
 from torch import nn
 
 from nemo_fp8_plugin import get_recipe
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.numerics import (BF16EmulatedLinear, FP8EmulatedLinear,
-                                      convert_to_bf16_emulation, convert_to_fp8_emulation,
-                                      emulated_modules, fp8_calibration, fp8_states, fused_mode,
-                                      is_bf16_emulated, is_fp8_emulated, quantize_blockwise,
-                                      quantize_mxfp8, quantize_per_tensor, reset_fp8_states,
-                                      revert_bf16_emulation, revert_fp8_emulation,
-                                      set_amax_reduction_group, update_fp8_scales)
-from test_numerics_reference import (decode, ref_block_quantize, ref_mx_quantize,
-                                     ref_tensor_quantize)
+from nemo_fp8_plugin.numerics import (
+    BF16EmulatedLinear,
+    FP8EmulatedLinear,
+    convert_to_bf16_emulation,
+    convert_to_fp8_emulation,
+    emulated_modules,
+    fp8_calibration,
+    fp8_states,
+    fused_mode,
+    is_bf16_emulated,
+    is_fp8_emulated,
+    quantize_blockwise,
+    quantize_mxfp8,
+    quantize_per_tensor,
+    reset_fp8_states,
+    revert_bf16_emulation,
+    revert_fp8_emulation,
+    set_amax_reduction_group,
+    update_fp8_scales,
+)
 
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
 
@@ -92,7 +104,8 @@ def test_three_gemms_follow_the_recipe(recipe):
     else:
         w_col = ref_fake_quant(layer.weight.t(), spec, "weight", scale)
     want_dx = dyq @ w_col.t()
-    rowwise_grad = spec.block_for("grad_output") is not None and spec.block_for("grad_output")[0] == 1
+    grad_block = spec.block_for("grad_output")
+    rowwise_grad = grad_block is not None and grad_block[0] == 1
     dy_col = ref_fake_quant(dy.t(), spec, "grad_output", scale) if rowwise_grad else dyq.t()
     rowwise_in = spec.block_for("input") is not None and spec.block_for("input")[0] == 1
     x_col = ref_fake_quant(x.t(), spec, "input", scale) if rowwise_in else xq.t()
@@ -197,7 +210,8 @@ def test_convert_and_revert_keep_parameters_and_state_dict():
     keys = list(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     convert_to_fp8_emulation(model, get_recipe("fp8_blockwise"))
-    assert isinstance(model.block[0], FP8EmulatedLinear) and isinstance(model.block[2], FP8EmulatedLinear)
+    assert isinstance(model.block[0], FP8EmulatedLinear)
+    assert isinstance(model.block[2], FP8EmulatedLinear)
     assert type(model.lm_head) is nn.Linear          # vocabulary projection stays high precision
     assert [n for n, _ in emulated_modules(model)] == ["block.0", "block.2"]
     assert {n: p for n, p in model.named_parameters()} == params
@@ -324,7 +338,8 @@ def test_delayed_states_calibration_and_refresh():
     assert torch.equal(y_cal, plain(x))
     assert update_fp8_scales(model) == 6
     w_state = model[0].fp8_states["weight"]
-    assert float(w_state.scale) == pytest.approx(448.0 / model[0].weight.abs().max().item(), rel=1e-6)
+    w_amax = model[0].weight.abs().max().item()
+    assert float(w_state.scale) == pytest.approx(448.0 / w_amax, rel=1e-6)
     assert float(model[0].fp8_states["grad_output"].scale) == 1.0  # no backward ran
     assert reset_fp8_states(model) == 6 and float(w_state.scale) == 1.0
     assert set_amax_reduction_group(model, None) == 6  # amaxes stay local (the default)

@@ -7,17 +7,21 @@ Uses megatron-core 0.16.1 as installed: a one-rank gloo group, ``initialize_mode
 
 from __future__ import annotations
 
-
+import megatron.core  # noqa: F401 - a real host; missing it is a failure
 import pytest
 import torch
 
-from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.numerics import (LayerEmulator, convert_to_fp8_emulation, emulated_linear,
-                                      emulated_modules, fused_mode, is_fp8_emulated,
-                                      revert_fp8_emulation)
 from nemo_fp8_plugin import get_recipe
-
-import megatron.core as megatron_core  # noqa: E402 - a real host; missing it is a failure
+from nemo_fp8_plugin.errors import FP8ConfigError
+from nemo_fp8_plugin.numerics import (
+    LayerEmulator,
+    convert_to_fp8_emulation,
+    emulated_linear,
+    emulated_modules,
+    fused_mode,
+    is_fp8_emulated,
+    revert_fp8_emulation,
+)
 
 pytestmark = pytest.mark.host
 
@@ -145,8 +149,12 @@ def test_default_filter_keeps_output_layer_high_precision(megatron_env):
 
 
 def test_megatron_bf16_emulation(megatron_env):
-    from nemo_fp8_plugin.numerics import (bf16_linear, convert_to_bf16_emulation,
-                                          is_bf16_emulated, revert_bf16_emulation)
+    from nemo_fp8_plugin.numerics import (
+        bf16_linear,
+        convert_to_bf16_emulation,
+        is_bf16_emulated,
+        revert_bf16_emulation,
+    )
 
     mlp = _mlp(_config())
     x = torch.randn(16, 2, 128, generator=torch.Generator().manual_seed(4))

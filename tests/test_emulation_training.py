@@ -80,6 +80,7 @@ def bf16_run():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.slow
 def test_fp8_emulated_training_tracks_bf16(bf16_run, recipe):
     start, bf16_final = bf16_run
     assert bf16_final < 0.3 * start

@@ -169,8 +169,8 @@ def test_presets_read_without_pyyaml_equal_pyyaml_and_the_registry():
     from nemo_fp8_plugin.spec import RecipeSpec
 
     paths = presets.preset_paths()
-    assert {p.stem for p in paths} == {"fp8_delayed", "fp8_current", "fp8_subchannel",
-                                       "fp8_blockwise", "mxfp8"}
+    assert {"fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise",
+            "mxfp8"} <= {p.stem for p in paths}
     for path in paths:
         mine = presets.read_preset(path)
         assert mine == load_yaml_file(path), path.name

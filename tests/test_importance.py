@@ -20,8 +20,12 @@ from hypothesis import strategies as st
 
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.rl import importance_weights, mismatch_metrics
-from nemo_fp8_plugin.rl.importance import (gen_kl_error, kl_estimate, policy_kl_error,
-                                           truncation_window)
+from nemo_fp8_plugin.rl.importance import (
+    gen_kl_error,
+    kl_estimate,
+    policy_kl_error,
+    truncation_window,
+)
 
 INF = float("inf")
 NAN = float("nan")
@@ -39,7 +43,8 @@ def nrl_masked_mean(values, mask, dim=None, global_normalization_factor=None):
 
 
 def nrl_calculate_kl(logprobs, logprobs_reference, kl_type="k3"):
-    # algorithms/utils.py:72 and 83-90 (the mismatch metrics pass no clamps, loss_functions.py:420-421)
+    # algorithms/utils.py:72 and 83-90; the mismatch metrics pass no clamps
+    # (loss_functions.py:420-421)
     logr = logprobs_reference - logprobs
     if kl_type == "k1":
         return -logr
@@ -191,12 +196,10 @@ def test_every_mode_matches_nemo_rl_bit_for_bit_on_finite_fp32_input(seed, level
     train, gen, mask = random_batch(seed)
     nrl = nemo_rl(train, gen, mask, seq_level=level == "sequence", tis_type=trunc,
                   ratio=None if trunc is None else rmax, ratio_min=rmin)
-    w = importance_weights(train, gen, mask, level, trunc, rmax,
-                           truncation_window(trunc, rmax, rmin)[0] if trunc else None)
+    w = importance_weights(train, gen, mask, level, trunc, rmax, rmin)
     exact(w, loss_weights(nrl))
     m = mismatch_metrics(train, gen, mask, level=level, truncation=trunc, ratio_max=rmax,
-                         ratio_min=rmin if trunc != "icepop" and trunc != "seq-mask-tis"
-                         else truncation_window(trunc, rmax, rmin)[0])
+                         ratio_min=rmin)
     assert m["token_mult_prob_error"] == nrl["token_mult_prob_error"]
     if trunc is not None:
         assert m["is_oob_ratio"] == m["truncated_fraction"] == pytest.approx(
@@ -299,7 +302,8 @@ def test_tis_clamps_to_window_with_zero_default_floor():
     gen = lp(0.2, 0.2, 0.2, 0.1)[None]  # raw weights 3, 1, 0.25, 4
     mask = torch.ones(1, 4)
     # NeMo RL: tis_min defaults to 0.0 (loss_functions.py:598-600)
-    close(importance_weights(train, gen, mask, truncation="tis", ratio_max=2.0), [[2.0, 1.0, 0.25, 2.0]])
+    close(importance_weights(train, gen, mask, truncation="tis", ratio_max=2.0),
+          [[2.0, 1.0, 0.25, 2.0]])
     close(importance_weights(train, gen, mask, truncation="tis", ratio_max=2.0, ratio_min=0.5),
           [[2.0, 1.0, 0.5, 2.0]])
 
@@ -822,8 +826,9 @@ def test_any_input_gives_finite_nonnegative_weights_and_finite_metrics(data, lev
     assert m["token_mult_prob_error"] >= 1.0 and m["gen_kl_error"] >= 0.0
     assert 0.0 <= m["truncated_fraction"] <= 1.0 and 0.0 <= m["nonfinite_fraction"] <= 1.0
     assert not any(math.isnan(v) for v in m.values())
-    # where NeMo RL's formula is defined (finite padding, a valid token), the weights agree
-    if (torch.isfinite(train) & torch.isfinite(gen)).all() and mask.any() and truncation != "tis":
+    # with finite padding (where NeMo RL's sequence sum is not poisoned) the weights agree
+    pad = ~mask
+    if torch.isfinite(train[pad]).all() and torch.isfinite(gen[pad]).all():
         lo = truncation_window(truncation, ratio_max)[0]
         nrl = nemo_rl(train, gen, mask, sample, seq_level=level == "sequence",
                       tis_type=truncation, ratio=None if truncation is None else ratio_max,

@@ -12,7 +12,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -66,8 +65,10 @@ def test_batch_samples_follow_percentile_and_margin(llama, percentile, margin):
                 expected.setdefault((i, role), []).append(t.abs().max().item())
 
     calib = KVScaleCalibrator(llama, percentile=percentile, margin=margin)
-    update = refresh_scales(llama, forward=lambda: [llama(ids) for ids in batches], calibrator=calib)
-    assert set(update) == {f"model.layers.{i}.self_attn.attn.{r}_scale" for i in range(2) for r in "qkv"}
+    update = refresh_scales(llama, forward=lambda: [llama(ids) for ids in batches],
+                            calibrator=calib)
+    assert set(update) == {f"model.layers.{i}.self_attn.attn.{r}_scale"
+                           for i in range(2) for r in "qkv"}
     for (i, role), amaxes in expected.items():
         got = update[f"model.layers.{i}.self_attn.attn.{role}_scale"]
         assert got.dtype == torch.float32 and got.shape == ()
@@ -111,7 +112,8 @@ def test_scales_refresh_after_a_weight_update(llama):
     k1 = "model.layers.1.self_attn.attn.k_scale"
     assert after[k1].item() == pytest.approx(2.0 * before[k1].item(), rel=1e-6)
     # v of that layer and everything of layer 0 (upstream of the change) stay put.
-    assert after["model.layers.1.self_attn.attn.v_scale"].item() == before["model.layers.1.self_attn.attn.v_scale"].item()
+    v1 = "model.layers.1.self_attn.attn.v_scale"
+    assert after[v1].item() == before[v1].item()
     for role in "qkv":
         name = f"model.layers.0.self_attn.attn.{role}_scale"
         assert after[name].item() == before[name].item()
@@ -211,7 +213,8 @@ def test_megatron_core_attention(tmp_path):
     finally:
         for h in handles:
             h.remove()
-    assert set(update) == {f"model.layers.{i}.self_attn.attn.{r}_scale" for i in range(2) for r in "kv"}
+    assert set(update) == {f"model.layers.{i}.self_attn.attn.{r}_scale"
+                           for i in range(2) for r in "kv"}
     for i in range(2):
         for role in "kv":
             got = update[f"model.layers.{i}.self_attn.attn.{role}_scale"].item()

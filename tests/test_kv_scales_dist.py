@@ -9,6 +9,7 @@ import json
 import os
 import socket
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -27,6 +28,7 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_amax_is_merged_across_ranks_by_max(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

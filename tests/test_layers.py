@@ -22,7 +22,7 @@ from conftest import IN_CI, REPO
 if not IN_CI:  # CI installs the `test` extra; a missing linter there is a failure, not a skip
     pytest.importorskip("importlinter")
 
-import grimp  # noqa: E402 - an import-linter dependency, checked just above
+import grimp  # an import-linter dependency, checked just above
 
 PACKAGE = "nemo_fp8_plugin"
 
@@ -33,10 +33,16 @@ def test_import_layer_contract_holds():
     """`lint-imports` with the contracts in pyproject.toml (run in a child process: the
     linter puts the working directory on sys.path)."""
     proc = subprocess.run(
-        [sys.executable, "-c",
-         "import sys; from importlinter.cli import lint_imports; "
-         "sys.exit(lint_imports(no_cache=True, no_logo=True))"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from importlinter.cli import lint_imports; "
+            "sys.exit(lint_imports(no_cache=True, no_logo=True))",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -48,7 +54,8 @@ def _function_level_lines(path: Path) -> set[int]:
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             nested = in_function or isinstance(
-                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+            )
             if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
                 lines.add(child.lineno)
             visit(child, nested)

@@ -14,10 +14,10 @@ import random
 import numpy as np
 import pytest
 import torch
+from test_numerics_reference import RefDelayedState, ref_tensor_quantize
 
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.numerics import DelayedScalingState, quantize_with_scale
-from test_numerics_reference import RefDelayedState, ref_tensor_quantize
 
 
 def bits(t) -> np.ndarray:
@@ -155,6 +155,7 @@ def _reduce_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_amax_all_reduce_across_ranks(tmp_path):
     """TE reduce_amax: every rank ends up with the same scale, from the largest amax."""
     import torch.multiprocessing as mp

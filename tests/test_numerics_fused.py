@@ -17,14 +17,22 @@ import warnings
 
 import pytest
 import torch
-
-from nemo_fp8_plugin.numerics import fused as fused_mod
-from nemo_fp8_plugin.numerics import (fake_quant_blockwise, fake_quant_per_tensor, fp8_dtype,
-                                      fp8_max, fused_mode,
-                                      quantize_blockwise, quantize_blockwise_fused,
-                                      quantize_mxfp8, quantize_mxfp8_fused, quantize_per_tensor,
-                                      quantize_with_scale)
 from test_numerics_quantize import MX_LAYOUTS, edge_tensor, mx_pinned
+
+from nemo_fp8_plugin.numerics import (
+    fake_quant_blockwise,
+    fake_quant_per_tensor,
+    fp8_dtype,
+    fp8_max,
+    fused_mode,
+    quantize_blockwise,
+    quantize_blockwise_fused,
+    quantize_mxfp8,
+    quantize_mxfp8_fused,
+    quantize_per_tensor,
+    quantize_with_scale,
+)
+from nemo_fp8_plugin.numerics import fused as fused_mod
 
 
 @pytest.fixture(autouse=True)

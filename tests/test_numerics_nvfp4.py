@@ -33,9 +33,16 @@ import torch
 
 from conftest import upstream_file
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.numerics.nvfp4 import (E2M1_VALUES, RHT_SIGNS, NVFP4Tensor,
-                                            dequantize_nvfp4, pack_e2m1, quantize_nvfp4,
-                                            rht_matrix, unpack_e2m1)
+from nemo_fp8_plugin.numerics.nvfp4 import (
+    E2M1_VALUES,
+    RHT_SIGNS,
+    NVFP4Tensor,
+    dequantize_nvfp4,
+    pack_e2m1,
+    quantize_nvfp4,
+    rht_matrix,
+    unpack_e2m1,
+)
 
 TE_WHEEL = "transformer_engine-2.20.2-*.whl"
 REF_MEMBER = "transformer_engine/pytorch/custom_recipes/reference_nvfp4.py"
@@ -270,6 +277,46 @@ def make_input(case: str, dtype: torch.dtype, shape=(48, 64), seed: int = 0) -> 
         x = (torch.rand(m, k, generator=g) * 2 - 1) * groups.repeat_interleave(16, 1)
         x[:, ::16] = groups
         x[0, 0] = 2688.0
+    elif case == "thresholds_global":
+        # Inexact global scale: each group / tile gets a chosen E4M3 decode scale s (its max
+        # is s / multiplier), and the other elements sit within an ulp of tie / multiplier,
+        # where multiplier = 1 / (s * global_decode): the order of TE's roundings of the
+        # element multiplier decides the E2M1 code.
+        gamax = torch.tensor(1392.0)
+        enc = torch.tensor(2688.0) / gamax
+        mult = enc * (torch.tensor(1.0) / torch.tensor(6.0))
+        codes = torch.randint(0x20, 0x60, (-(-m // 16), k // 16), generator=g, dtype=torch.uint8)
+        sc = codes.view(torch.float8_e4m3fn).float().repeat_interleave(16, 0)[:m]
+        elem = (torch.tensor(1.0) / (sc * (torch.tensor(1.0) / enc))).repeat_interleave(16, 1)
+        pool = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 3.0, 4.0])
+        t = pool[torch.randint(0, len(pool), (m, k), generator=g)]
+        t = t * (torch.randint(0, 2, (m, k), generator=g) * 2 - 1)
+        x = (t / elem).to(dtype).float()
+        fi = torch.finfo(dtype)
+        ulp = torch.exp2(torch.floor(torch.log2(x.abs()))) * fi.eps
+        x = x + ulp * torch.randint(-1, 2, (m, k), generator=g)
+        x[:, ::16] = (sc / mult).repeat_interleave(16, 1)[:, ::16]
+        x[0, 0] = gamax
+    elif case == "scale_ties_global":
+        # The same with an inexact global scale: group amaxes whose product with the fp32
+        # multiplier (448 * 6 / amax) * fp32(1/6) lands on or a few ulps around an E4M3
+        # midpoint, so the order of TE's roundings decides the E4M3 scale.
+        # 1392 (exact in every input dtype) is a global amax for which
+        # fl(fl(2688 / 1392) * fl(1/6)) != fl(fl(2688 / 1392) / 6).
+        gamax = torch.tensor(1392.0)
+        enc = torch.tensor(2688.0) / gamax
+        mult = enc * (torch.tensor(1.0) / torch.tensor(6.0))
+        assert mult != enc / torch.tensor(6.0)
+        e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        mids = (e4m3[1:] + e4m3[:-1]) / 2
+        base = (mids / mult).to(dtype).float()
+        amaxes = torch.cat([base] + [torch.nextafter(base, torch.full_like(base, d * 1e30))
+                                     for d in (1, -1)]).to(dtype).float()
+        amaxes = amaxes[(amaxes > 0) & (amaxes <= gamax)]
+        groups = amaxes[torch.randint(0, len(amaxes), (m, k // 16), generator=g)]
+        x = (torch.rand(m, k, generator=g) * 2 - 1) * groups.repeat_interleave(16, 1)
+        x[:, ::16] = groups
+        x[0, 0] = gamax
     elif case == "zeros":
         x = torch.zeros(m, k)
     elif case == "neg_zeros":
@@ -312,7 +359,8 @@ def make_input(case: str, dtype: torch.dtype, shape=(48, 64), seed: int = 0) -> 
     return x.reshape(*shape[:-1], k).to(dtype)
 
 
-CASES = ["randn", "heavy_tail", "thresholds", "thresholds_pow2", "scale_ties", "zeros",
+CASES = ["randn", "heavy_tail", "thresholds", "thresholds_pow2", "thresholds_global", "scale_ties",
+         "scale_ties_global", "zeros",
          "neg_zeros", "zero_groups", "huge", "huge_and_tiny", "subnormal",
          "e4m3_subnormal_scales", "nan", "nan_only", "inf", "neg_inf", "nan_inf"]
 
@@ -561,14 +609,22 @@ def test_bad_arguments_name_the_argument(kwargs, key, words):
     with pytest.raises(FP8ConfigError) as err:
         quantize_nvfp4(**kwargs)
     assert err.value.key == key
-    assert words in str(err.value) and f"`{key}`" in str(err.value) or key in str(err.value)
-    assert "\n" not in str(err.value)
+    msg = str(err.value)
+    assert words in msg and f"`{key}`" in msg, msg
+    assert "\n" not in msg
 
 
 def test_dequantize_refuses_other_types():
     with pytest.raises(FP8ConfigError) as err:
         dequantize_nvfp4(torch.zeros(4, 16))
     assert err.value.key == "q"
+
+
+def test_needs_no_grad_and_keeps_the_input():
+    x = make_input("randn", torch.float32).requires_grad_()
+    before = x.detach().clone()
+    q = quantize_nvfp4(x, (16, 16), rht=True, global_amax=torch.tensor(9.0, requires_grad=True))
+    assert not q.global_amax.requires_grad and torch.equal(x.detach(), before)
 
 
 def test_list_block_and_empty_tensor():

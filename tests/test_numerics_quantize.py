@@ -14,13 +14,24 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_numerics_reference import (
+    FMT_MAX,
+    fp8_table,
+    ref_block_quantize,
+    ref_mx_quantize,
+    ref_tensor_quantize,
+)
 
 from nemo_fp8_plugin import get_recipe
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.numerics import (QTensor, fp8_dtype, quantize_blockwise, quantize_mxfp8,
-                                      quantize_per_tensor, quantize_with_scale)
-from test_numerics_reference import (FMT_MAX, fp8_table, ref_block_quantize, ref_mx_quantize,
-                                     ref_tensor_quantize)
+from nemo_fp8_plugin.numerics import (
+    QTensor,
+    fp8_dtype,
+    quantize_blockwise,
+    quantize_mxfp8,
+    quantize_per_tensor,
+    quantize_with_scale,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 FMTS = ["e4m3", "e5m2"]
@@ -342,8 +353,11 @@ def test_exp2f_rcp_multiplier_bits():
 def test_split_data_multiply_casts_like_one_multiply(fmt):
     """The quantizers multiply by ``e8m0_data_factors`` (no subnormal operand); the cast
     must give the bits of ``x * exp2f_rcp(e)`` for every exponent byte."""
-    from nemo_fp8_plugin.numerics.scaling import (e8m0_data_factors, e8m0_quant_multiplier,
-                                                  saturating_cast)
+    from nemo_fp8_plugin.numerics.scaling import (
+        e8m0_data_factors,
+        e8m0_quant_multiplier,
+        saturating_cast,
+    )
 
     gen = torch.Generator().manual_seed(11)
     e = torch.arange(255, dtype=torch.int32)[:, None]
@@ -366,7 +380,8 @@ def test_mxfp8_layout_and_leading_dims():
     q = quantize_mxfp8(x)
     assert q.data.shape == (2, 3, 64) and q.scale_inv.shape == (2, 3, 2)
     flat = quantize_mxfp8(x.reshape(6, 64))
-    assert torch.equal(q.scale_inv.view(torch.uint8).reshape(6, 2), flat.scale_inv.view(torch.uint8))
+    assert torch.equal(q.scale_inv.view(torch.uint8).reshape(6, 2),
+                       flat.scale_inv.view(torch.uint8))
 
 
 # --------------------------------------------------------------------------- dequantize

@@ -121,7 +121,8 @@ def ref_block_quantize(x: np.ndarray, block, fmt: str, pow2: bool, eps: float,
                 scaled = (tile.astype(np.float32) * scale).astype(np.float32)
             mx = FMT_MAX[fmt]
             scaled = np.where(np.isnan(scaled), scaled, np.clip(scaled, -mx, mx))
-            data[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = ref_cast(scaled, fmt).reshape(tile.shape)
+            rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
+            data[rows, cols] = ref_cast(scaled, fmt).reshape(tile.shape)
             sinv[i, j] = ref_scale_inv(scale)
     return data, sinv
 
@@ -175,7 +176,8 @@ def ref_mx_quantize(x: np.ndarray, block, fmt: str):
                 scaled = (tile.astype(np.float32) * f32(ref_mx_multiplier(e))).astype(np.float32)
             mx = FMT_MAX[fmt]
             scaled = np.where(np.isnan(scaled), scaled, np.clip(scaled, -mx, mx))
-            data[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = ref_cast(scaled, fmt).reshape(tile.shape)
+            rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
+            data[rows, cols] = ref_cast(scaled, fmt).reshape(tile.shape)
             scales[i, j] = e
     return data, scales
 

@@ -59,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     target = _target(args)
     check_output_file(target, "--in-place" if args.in_place else "--output")
     adapter = get_adapter(args.host)
+    # --diff shows the edit --in-place would make (relative references stay as they are)
     ctx = load_context(args.config, hardware=args.hardware, model=args.model,
-                       model_config=args.model_config, output=target, strict=args.strict)
+                       model_config=args.model_config, strict=args.strict,
+                       output=Path(args.config) if args.diff else target)
     if target is not None and not args.in_place:
         _refuse_own_files(Path(args.config), target, ctx.raw)
     result = run_pipeline(adapter, ctx)

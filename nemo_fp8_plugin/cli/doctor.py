@@ -4,7 +4,10 @@ Reports, for the machine it runs on:
 
 * GPU architecture and CUDA (from torch, when torch is installed), and the versions of
   torch, Transformer Engine, megatron-core, NeMo, NeMo-Run, Megatron-Bridge and vLLM (from
-  package metadata: no host is imported);
+  package metadata: no host is imported), and of this plugin;
+* whether the plugin's entry points (NeMo-Run's ``nemo_run.cli``, vLLM's
+  ``vllm.general_plugins``) are visible to those hosts here, and which recipes other packages
+  add through the ``nemo_fp8_plugin.recipes`` group;
 * for each recipe (the one CONFIG asks for, else every registered recipe): whether it can run
   here under the hardware rules (MXFP8 needs Blackwell; block scaling needs Hopper with CUDA
   >= 12.9 or Blackwell with power-of-2 scales; ...) and the Transformer Engine version;
@@ -44,6 +47,14 @@ MIN_TE = {"tensorwise": (2, 2), "block": (2, 3), "mx": (2, 1), "delayed": (1, 0)
 MIN_CUDA_BLOCK = (12, 9)
 """Block-scaled GEMMs on Hopper need cuBLAS from CUDA 12.9."""
 
+ENTRY_POINTS = (
+    ("nemo_run.cli", "fp8", "nemo_fp8_plugin.hosts.nemo2.factories", "nemo-run",
+     "NeMo-Run loads it when the `nemo` command starts (the <model>_<recipe> factories)"),
+    ("vllm.general_plugins", "nemo_fp8", "nemo_fp8_plugin.hosts.vllm:register", "vllm",
+     "vLLM loads it in every process it starts (the nemo_fp8 quantization method)"),
+)
+"""The plugin's own entry points: (group, name, target, host package, what loading does)."""
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -74,6 +85,49 @@ def package_versions() -> dict[str, str | None]:
                 break
             except metadata.PackageNotFoundError:
                 continue
+    return out
+
+
+def plugin_info() -> dict[str, Any]:
+    """This plugin's version and where it is imported from."""
+    from pathlib import Path
+
+    import nemo_fp8_plugin
+
+    try:
+        installed: str | None = metadata.version("nemo-fp8-plugin")
+    except metadata.PackageNotFoundError:
+        installed = None
+    return {"version": getattr(nemo_fp8_plugin, "__version__", None), "installed": installed,
+            "path": str(Path(nemo_fp8_plugin.__file__).parent)}
+
+
+def entry_points(versions: dict[str, str | None]) -> list[dict[str, Any]]:
+    """Whether each of the plugin's entry points is visible to the host that loads it (package
+    metadata only: nothing is loaded), and the recipes other packages add."""
+    out: list[dict[str, Any]] = []
+    for group, name, target, host, loads in ENTRY_POINTS:
+        found = [ep for ep in metadata.entry_points(group=group) if ep.name == name]
+        visible = any(ep.value == target for ep in found)
+        problems = []
+        if not visible:
+            problems.append(f"not visible: install the package (`pip install nemo-fp8-plugin`, or "
+                            f"`pip install -e .` in a checkout) so {host} can find it"
+                            if not found else f"{group} {name} names {found[0].value}, not "
+                            f"{target} (another package, or a stale install)")
+        if host == "vllm" and os.environ.get("VLLM_PLUGINS") is not None and name not in {
+                p.strip() for p in os.environ["VLLM_PLUGINS"].split(",")}:
+            problems.append(f"VLLM_PLUGINS={os.environ['VLLM_PLUGINS']!r} leaves {name} out: "
+                            "vLLM will not load it")
+        out.append({"group": group, "name": name, "target": target, "visible": visible,
+                    "host": host, "host_version": versions.get(host), "loads": loads,
+                    "problems": problems})
+    from ..registry import ENTRY_POINT_GROUP
+
+    others = [{"name": ep.name, "target": ep.value,
+               "distribution": ep.dist.name if ep.dist is not None else None}
+              for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    out.append({"group": ENTRY_POINT_GROUP, "recipes": others})
     return out
 
 
@@ -152,7 +206,9 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
     else:
         try:
             judged = spec.replace(hardware=arch)
-            notes += [f"{f.key}: {f.message}" for f in judged.findings() if f.level == "warning"]
+            # a finding that points at this command is checked below, not advised
+            notes += [f"{f.key}: {f.message}" for f in judged.findings()
+                      if f.level == "warning" and "nemo-fp8 doctor" not in f.message]
         except FP8ConfigError as err:
             runnable = False
             problems.append(str(err))
@@ -227,6 +283,8 @@ def build_report(config: str | None = None, hardware: str | None = None) -> dict
                     "gpus": gpu["gpus"], "arch": gpu["arch"], "cuda": gpu["cuda"],
                     "target_arch": arch},
         "packages": versions,
+        "plugin": plugin_info(),
+        "entry_points": entry_points(versions),
         "config": config,
         "recipes": [check_recipe(s, arch, versions, gpu, te_module, te_reason, target is not None)
                     for s in specs],
@@ -246,6 +304,22 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append(f"cuda (torch build): {m['cuda'] or 'none'}")
     for name, version in report["packages"].items():
         lines.append(f"{name:<18} {version or 'not installed'}")
+    plugin = report["plugin"]
+    lines.append(f"{'nemo-fp8-plugin':<18} {plugin['version']} (imported from {plugin['path']}"
+                 + ("" if plugin["installed"] else "; not installed as a package") + ")")
+    for ep in report["entry_points"]:
+        if "recipes" in ep:
+            names = ", ".join(f"{r['name']} ({r['distribution']})" for r in ep["recipes"])
+            lines.append(f"entry point group {ep['group']}: "
+                         + (f"recipes from other packages: {names}" if names
+                            else "no other package adds recipes"))
+            continue
+        state = "visible" if ep["visible"] else "NOT visible"
+        host = (f"{ep['host']} {ep['host_version']} is installed: {ep['loads']}"
+                if ep["host_version"] else f"{ep['host']} is not installed here")
+        lines.append(f"entry point {ep['group']} {ep['name']}: {state}; {host}")
+        for p in ep["problems"]:
+            lines.append(f"  problem: {p}")
     if report["config"]:
         lines.append(f"config: {report['config']}")
         if not report["recipes"]:

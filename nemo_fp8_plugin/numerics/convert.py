@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
 from ..errors import FP8ConfigError
 from .delayed import DelayedScalingState
-from .linear import (BF16EmulatedLinear, FP8EmulatedLinear, LayerEmulator, bf16_linear,
-                     emulated_linear)
+from .linear import (
+    BF16EmulatedLinear,
+    FP8EmulatedLinear,
+    LayerEmulator,
+    bf16_linear,
+    emulated_linear,
+)
 from .recipe import RecipeLike, check_recipe
 
 __all__ = ["convert_to_fp8_emulation", "revert_fp8_emulation", "default_module_filter",
@@ -74,7 +79,7 @@ def _tp_size(module: nn.Module) -> int:
     if group is not None:
         try:
             return group.size()
-        except Exception:  # noqa: BLE001 - a placeholder group
+        except Exception:
             pass
     out_sz = getattr(module, "output_size", None)
     out_part = getattr(module, "output_size_per_partition", None)

@@ -67,7 +67,7 @@ class DelayedScalingState:
         """``fp8_max * 2^-margin``, the value an amax is mapped to (exact in fp32)."""
         return fp8_max(self.fmt) * 2.0 ** (-self.margin)
 
-    def to(self, device) -> "DelayedScalingState":
+    def to(self, device) -> DelayedScalingState:
         """Move the state tensors (in place) and return self."""
         self.amax_history = self.amax_history.to(device)
         self.scale = self.scale.to(device)

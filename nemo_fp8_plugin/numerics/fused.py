@@ -32,14 +32,23 @@ import contextlib
 import os
 import threading
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .formats import check_format, check_input_dtype, fp8_dtype, fp8_max, input_dtype_max
-from .quantize import (QTensor, _expand_tiles, _tiled, check_block, mx_scale_tiles,
-                       quantize_blockwise, quantize_mxfp8, quantize_per_tensor,
-                       quantize_with_scale, tensor_amax)
+from .quantize import (
+    QTensor,
+    _expand_tiles,
+    _tiled,
+    check_block,
+    mx_scale_tiles,
+    quantize_blockwise,
+    quantize_mxfp8,
+    quantize_per_tensor,
+    quantize_with_scale,
+    tensor_amax,
+)
 from .scaling import FLT_MAX, e8m0_from_amax
 
 __all__ = ["fused_enabled", "fused_mode", "quantize_blockwise_fused", "quantize_mxfp8_fused",
@@ -84,8 +93,8 @@ def fused_mode(enabled: bool, min_numel: int | None = None):
 def _specialize(impl: Callable, name: str, **static) -> Callable:
     """A fresh function (own code object) calling ``impl(*args, **static)``."""
     namespace: dict = {}
-    source = "def {0}(*args):\n    return _impl(*args, **_static)\n".format(name)
-    exec(compile(source, f"<nemo_fp8_plugin fused {name}>", "exec"),  # noqa: S102 - fixed text
+    source = f"def {name}(*args):\n    return _impl(*args, **_static)\n"
+    exec(compile(source, f"<nemo_fp8_plugin fused {name}>", "exec"),
          {"_impl": impl, "_static": static}, namespace)
     return namespace[name]
 
@@ -125,7 +134,7 @@ def _run(kind: str, impl: Callable, static: dict, args: tuple, eager: Callable):
         _signature(a) for a in args if isinstance(a, torch.Tensor))
     try:
         return _compiled(key, impl, static)(*args)
-    except Exception as exc:  # noqa: BLE001 - any backend failure means: run eagerly
+    except Exception as exc:
         _disable(exc)
         return eager()
 
@@ -268,7 +277,7 @@ def quantize_blockwise_fused(x: torch.Tensor, block=(1, 128), fmt: str = "e4m3",
     try:
         key = ("block_cast", tuple(sorted(static.items())), _signature(x2))
         data, sinv = _compiled(key, _block_cast, static)(x2)
-    except Exception as exc:  # noqa: BLE001 - any backend failure means: run eagerly
+    except Exception as exc:
         _disable(exc)
         return eager()
     lead = x.shape[:-2]
@@ -295,7 +304,7 @@ def quantize_mxfp8_fused(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTenso
     try:
         key = ("mx_cast", tuple(sorted(static.items())), _signature(x2))
         data, e = _compiled(key, _mx_cast, static)(x2)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         _disable(exc)
         return eager()
     lead = x.shape[:-2]

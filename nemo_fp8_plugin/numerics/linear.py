@@ -28,8 +28,12 @@ from torch import nn
 
 from ..errors import FP8ConfigError
 from .delayed import DelayedScalingState
-from .fused import (fake_quant_blockwise, fake_quant_mxfp8, fake_quant_per_tensor,
-                    fake_quant_with_scale)
+from .fused import (
+    fake_quant_blockwise,
+    fake_quant_mxfp8,
+    fake_quant_per_tensor,
+    fake_quant_with_scale,
+)
 from .quantize import tensor_amax
 from .recipe import RecipeLike, check_recipe
 
@@ -151,7 +155,7 @@ class LayerEmulator:
         """role -> delayed-scaling state (empty unless the recipe uses delayed scaling)."""
         return {r: q.state for r, q in self.quantizers.items() if q.state is not None}
 
-    def to(self, device) -> "LayerEmulator":
+    def to(self, device) -> LayerEmulator:
         for state in self.states.values():
             state.to(device)
         return self
@@ -284,7 +288,7 @@ class FP8EmulatedLinear(nn.Linear):
         return self.fp8_emulator.states
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: RecipeLike) -> "FP8EmulatedLinear":
+    def from_linear(cls, linear: nn.Linear, recipe: RecipeLike) -> FP8EmulatedLinear:
         """A new module sharing ``linear``'s weight and bias Parameters (same objects)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                   device="meta", recipe=recipe)
@@ -365,7 +369,7 @@ class BF16EmulatedLinear(nn.Linear):
     bf16_emulated = True
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "BF16EmulatedLinear":
+    def from_linear(cls, linear: nn.Linear) -> BF16EmulatedLinear:
         """A new module sharing ``linear``'s weight and bias Parameters (same objects)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                   device="meta")

@@ -15,6 +15,8 @@ Rounding to E2M1 is round-to-nearest with ties to the even code (so 0.25 -> 0, 0
 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); a negative value that rounds to zero keeps
 its sign (code 8), ``-0.0`` and NaN give code 0. Amaxes propagate NaN (``torch.amax``), so
 one NaN makes the whole tensor's scales NaN and its codes 0; inf gives a global amax of inf.
+A NaN scale is written as the canonical E4M3 NaN ``0x7F`` (the sign bit TE's reference leaves
+on one depends on torch's CPU SIMD lanes, so it carries no meaning).
 
 The optional random Hadamard transform (RHT, TE applies it to the wgrad operands) multiplies
 every 16 consecutive elements of the last dim by ``diag(signs) @ H16 / 4`` (Sylvester H16,
@@ -135,7 +137,7 @@ def nvfp4_global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     amax = global_amax.float()
     enc = torch.full_like(amax, _E4M3_MAX * E2M1_MAX) / amax  # tensor / tensor: exact rounding
     enc = torch.clamp(enc, max=_FLT_MAX)
-    return enc
+    return torch.where(enc == 0, torch.ones_like(enc), enc)
 
 
 def _sylvester(n: int) -> torch.Tensor:
@@ -276,6 +278,7 @@ def _check_global_amax(global_amax, device) -> torch.Tensor:
 # --------------------------------------------------------------------------- quantize
 
 
+@torch.no_grad()
 def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, global_amax=None, rht: bool = False,
                    stochastic: bool = False,
                    generator: torch.Generator | None = None) -> NVFP4Tensor:

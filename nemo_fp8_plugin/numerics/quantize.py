@@ -26,8 +26,15 @@ import torch.nn.functional as F
 
 from ..errors import FP8ConfigError
 from .formats import check_format, check_input_dtype, fp8_dtype, fp8_max, input_dtype_max
-from .scaling import (FLT_MAX, e8m0_data_factors, e8m0_from_amax, nan_ignoring_abs,
-                      reciprocal, saturating_cast, scale_from_amax)
+from .scaling import (
+    FLT_MAX,
+    e8m0_data_factors,
+    e8m0_from_amax,
+    nan_ignoring_abs,
+    reciprocal,
+    saturating_cast,
+    scale_from_amax,
+)
 
 __all__ = ["QTensor", "quantize_per_tensor", "quantize_with_scale", "quantize_blockwise",
            "quantize_mxfp8", "tensor_amax", "check_block"]
@@ -249,7 +256,8 @@ def quantize_blockwise(x: torch.Tensor, block=(1, 128), fmt: str = "e4m3",
 # --------------------------------------------------------------------------- MXFP8
 
 
-def mx_quantize_core(x: torch.Tensor, bm: int, bn: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def mx_quantize_core(x: torch.Tensor, bm: int, bn: int,
+                     fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8-quantize ``[..., M, K]`` with dims multiples of ``(bm, bn)``.
 
     Returns ``(data, e)`` with ``e`` the biased E8M0 exponents as int32. Traceable.

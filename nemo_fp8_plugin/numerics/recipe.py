@@ -86,7 +86,7 @@ def check_recipe(recipe: object, key: str = "recipe") -> RecipeLike:
             f"expected a recipe spec (nemo_fp8_plugin.RecipeSpec), got "
             f"{type(recipe).__name__} {format_value(recipe)} without {', '.join(missing)}",
             key=key, value=recipe, hint="build one with nemo_fp8_plugin.get_recipe(name)")
-    scaling = getattr(recipe, "scaling")
+    scaling = recipe.scaling
     if scaling not in SCALING_KINDS:
         raise FP8ConfigError(f"unknown scaling kind {format_value(scaling)}; the numerics "
                              f"implement {', '.join(SCALING_KINDS)}", key=f"{key}.scaling",

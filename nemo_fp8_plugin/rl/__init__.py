@@ -8,12 +8,22 @@ does not pay for the others.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the lazily loaded names, for type checkers and IDEs
+    from .export import export_fp8_checkpoint
+    from .importance import (gen_kl_error, importance_weights, kl_estimate, mismatch_metrics,
+                             policy_kl_error)
+    from .kv_scales import KVScaleCalibrator, refresh_scales
+    from .refit import RefitLayoutError, quantize_for_refit
 
 # public name -> submodule that defines it
 _EXPORTS = {
     "importance_weights": "importance",
     "mismatch_metrics": "importance",
+    "gen_kl_error": "importance",
+    "policy_kl_error": "importance",
+    "kl_estimate": "importance",
     "quantize_for_refit": "refit",
     "RefitLayoutError": "refit",
     "export_fp8_checkpoint": "export",

@@ -60,7 +60,8 @@ import sys
 import time
 import weakref
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -73,14 +74,16 @@ FP8_E4M3_MAX = 448.0
 """Largest finite E4M3 value: ``amax_p * margin`` maps onto it."""
 
 _MCORE_ATTENTION = ("DotProductAttention", "TEDotProductAttention")
-_MEGATRON_LAYER = re.compile(r"^(?:.*?\.)?decoder\.layers\.(\d+)\.self_attention(?:\.core_attention)?$")
+_MEGATRON_LAYER = re.compile(
+    r"^(?:.*?\.)?decoder\.layers\.(\d+)\.self_attention(?:\.core_attention)?$")
 # The last ``layers.<i>`` of a module name: the transformer layer index.
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 _ROLES = ("q", "k", "v")
 _WRAPPER_PREFIX = "nemo_fp8_kv_calibration:"
 
 # Calibrators currently attached, by model (refresh_scales(model) finds them here).
-_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, KVScaleCalibrator]" = weakref.WeakKeyDictionary()
+_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, KVScaleCalibrator] = \
+    weakref.WeakKeyDictionary()
 
 
 def vllm_attention_name(module_name: str) -> str:
@@ -170,7 +173,8 @@ class KVScaleCalibrator:
                  name_map: Callable[[str], str] | None = None, layer_offset: int | None = None,
                  process_group: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
-            raise FP8ConfigError(f"expected a torch.nn.Module, got {format_value(model)}", key="model")
+            raise FP8ConfigError(f"expected a torch.nn.Module, got {format_value(model)}",
+                                 key="model")
         self.model = model
         self.percentile = _check_float("percentile", percentile, 0.0, 100.0)
         self.margin = _check_float("margin", margin, 1e-6, 1e6)
@@ -187,12 +191,14 @@ class KVScaleCalibrator:
                                  key="layer_offset", value=layer_offset)
         self.layer_offset = layer_offset
         self.process_group = process_group
-        self._samples: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        self._samples: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list))
         self._handles: list[Any] = []
         self._hf_configs: list[tuple[Any, str]] = []
         self._layers = self._find_layers()
         self.last_seconds = 0.0
-        """Wall time of the last :meth:`scales` / :meth:`calibrate` (calibration forward included)."""
+        """Wall time of the last :meth:`scales` / :meth:`calibrate` (calibration forward
+        included)."""
 
     # ------------------------------------------------------------------ discovery
 
@@ -276,7 +282,7 @@ class KVScaleCalibrator:
             self._record(layer, q, k, v, (2, 3))
         return hook
 
-    def attach(self) -> "KVScaleCalibrator":
+    def attach(self) -> KVScaleCalibrator:
         """Install the hooks; they record every forward call until :meth:`detach`."""
         if self._handles or self._hf_configs:
             return self
@@ -312,7 +318,7 @@ class KVScaleCalibrator:
         if _ATTACHED.get(self.model) is self:
             del _ATTACHED[self.model]
 
-    def __enter__(self) -> "KVScaleCalibrator":
+    def __enter__(self) -> KVScaleCalibrator:
         return self.attach()
 
     def __exit__(self, *exc) -> None:
@@ -343,7 +349,8 @@ class KVScaleCalibrator:
                 if role not in roles:
                     continue
                 samples = torch.cat(roles[role])
-                amaxes[vllm_scale_name(layer, role)] = float(nearest_rank_percentile(samples, self.percentile))
+                amaxes[vllm_scale_name(layer, role)] = float(
+                    nearest_rank_percentile(samples, self.percentile))
                 counts[f"{layer}.{role}"] = int(samples.numel())
         amaxes = _max_across_ranks(amaxes, self.process_group)
         for key, amax in amaxes.items():
@@ -373,7 +380,8 @@ class KVScaleCalibrator:
         self.last_seconds = result.seconds
         return result
 
-    def as_step_hook(self, forward: Callable[[Any], Any] | None = None) -> Callable[[Any, Any], ScaleUpdate]:
+    def as_step_hook(self, forward: Callable[[Any], Any] | None = None
+                     ) -> Callable[[Any, Any], ScaleUpdate]:
         """A ``hook(trainer_or_context, module)`` for the training callbacks' after-optimizer-step
         slot (:mod:`nemo_fp8_plugin.hosts.refresh`): calibrates with ``forward(module)`` when given,
         else turns the samples the attached hooks saw during the step into scales. The last

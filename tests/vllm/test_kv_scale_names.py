@@ -146,14 +146,17 @@ def _hf_scales(config: dict, state_dict) -> dict[str, float]:
     from nemo_fp8_plugin.rl import refresh_scales
 
     if config["model_type"] == "llama":
-        from transformers import LlamaConfig as Config, LlamaForCausalLM as Model
+        from transformers import LlamaConfig as Config
+        from transformers import LlamaForCausalLM as Model
     else:
-        from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
+        from transformers import MixtralConfig as Config
+        from transformers import MixtralForCausalLM as Model
     torch.manual_seed(0)
     model = Model(Config(**config)).eval()
     if state_dict is not None:
         model.load_state_dict({k: v.float() for k, v in state_dict.items()})
-    ids = torch.randint(0, config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, config["vocab_size"], (2, 12),
+                        generator=torch.Generator().manual_seed(1))
     update = refresh_scales(model, forward=lambda: model(ids))
     return {name: float(value) for name, value in update.items()}
 
