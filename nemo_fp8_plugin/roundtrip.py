@@ -174,7 +174,8 @@ def _kinds() -> tuple[type, type]:
         Representer.add_representer(type(None), lambda self, data: self.represent_scalar(
             "tag:yaml.org,2002:null", "null"))
         Representer.add_representer(SpelledBool, Representer.represent_spelled)
-        _KINDS.update(constructor=Constructor, representer=Representer, null=SpelledNull)
+        _KINDS.update(constructor=Constructor, representer=Representer, null=SpelledNull,
+                      bool=SpelledBool)
     return _KINDS["constructor"], _KINDS["representer"]
 
 
@@ -547,4 +548,11 @@ def _to_rt(value: Any, like: Any) -> Any:
     if isinstance(value, str) and isinstance(like, (DoubleQuotedScalarString,
                                                     SingleQuotedScalarString)):
         return type(like)(value)
+    spelled = _KINDS["bool"]
+    if isinstance(value, bool) and isinstance(like, spelled) and like.text:
+        out = spelled(value)
+        word = "true" if value else "false"
+        out.text = word.upper() if like.text.isupper() else (
+            word.title() if like.text[0].isupper() else word)
+        return out
     return value

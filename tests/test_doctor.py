@@ -138,3 +138,52 @@ def test_mxfp8_is_not_runnable_on_sm120(capsys):
     assert verdict["mxfp8"]["runnable"] is False
     assert any("SM 12.0" in p for p in verdict["mxfp8"]["problems"])
     assert verdict["fp8_current"]["runnable"] is not False
+
+
+# --------------------------------------------------------------------------- issue 15 item 4
+
+
+def test_reports_the_plugin_version_and_its_entry_points(capsys):
+    import nemo_fp8_plugin
+
+    report = _json(capsys)
+    assert report["plugin"]["version"] == nemo_fp8_plugin.__version__
+    groups = {ep["group"]: ep for ep in report["entry_points"]}
+    assert set(groups) == {"nemo_run.cli", "vllm.general_plugins", "nemo_fp8_plugin.recipes"}
+    # the test environment installs the package, so NeMo-Run and vLLM would find both
+    assert groups["nemo_run.cli"]["visible"] and groups["vllm.general_plugins"]["visible"]
+    assert groups["nemo_run.cli"]["host_version"] == metadata.version("nemo-run")
+    assert groups["nemo_fp8_plugin.recipes"]["recipes"] == []
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert f"nemo-fp8-plugin    {nemo_fp8_plugin.__version__}" in text
+    assert "entry point nemo_run.cli fp8: visible" in text
+    assert "entry point vllm.general_plugins nemo_fp8: visible" in text
+    assert "no other package adds recipes" in text
+
+
+def test_an_entry_point_vllm_would_skip_is_a_problem(capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    vllm = next(ep for ep in _json(capsys)["entry_points"]
+                if ep["group"] == "vllm.general_plugins")
+    assert any("VLLM_PLUGINS" in p for p in vllm["problems"])
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin,nemo_fp8")
+    vllm = next(ep for ep in _json(capsys)["entry_points"]
+                if ep["group"] == "vllm.general_plugins")
+    assert vllm["problems"] == []
+
+
+def test_an_invisible_entry_point_says_how_to_install(capsys, monkeypatch):
+    real = metadata.entry_points
+    monkeypatch.setattr(doctor.metadata, "entry_points",
+                        lambda group: [] if group == "nemo_run.cli" else real(group=group))
+    nemo_run = next(ep for ep in _json(capsys)["entry_points"] if ep["group"] == "nemo_run.cli")
+    assert nemo_run["visible"] is False and "pip install" in nemo_run["problems"][0]
+
+
+def test_doctor_never_advises_running_itself(capsys):
+    assert main(["doctor", "--hardware", "h100"]) == 0
+    text = capsys.readouterr().out
+    assert "nemo-fp8 doctor" not in text
+    assert "not checked: CUDA version" in text  # the check that note pointed at, made here
+    assert text.splitlines()[-1].startswith("summary: cannot: mxfp8")

@@ -344,6 +344,13 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"  not checked: {n}")
     for n in report["not_checked"]:
         lines.append(f"not checked: {n}")
+    if len(report["recipes"]) > 1:
+        groups = {v: [r["recipe"] for r in report["recipes"] if r["runnable"] is v]
+                  for v in (True, False, None)}
+        parts = [f"{label}: {', '.join(groups[v])}" for v, label in
+                 ((True, "can run here"), (False, "cannot"), (None, "not fully checked"))
+                 if groups[v]]
+        lines.append(f"summary: {'; '.join(parts)}")
     return "\n".join(lines) + "\n"
 
 

@@ -55,6 +55,7 @@ from .linear import (
                       bf16_linear,
                       emulated_linear,
 )
+from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from .quantize import (
                       QTensor,
                       quantize_blockwise,
@@ -79,4 +80,5 @@ __all__ = [
     "reset_fp8_states", "is_fp8_emulated", "set_amax_reduction_group",
     "BF16EmulatedLinear", "bf16_linear", "convert_to_bf16_emulation", "revert_bf16_emulation",
     "is_bf16_emulated", "RecipeLike", "RecipeTypeError", "check_recipe",
+    "quantize_nvfp4", "dequantize_nvfp4",
 ]

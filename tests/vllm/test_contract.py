@@ -375,13 +375,20 @@ def test_block_kernel_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m
     fake_gpu(sm, deep_gemm_installed=deep_gemm_installed, e8m0=e8m0)
     expected = "DeepGemmFp8BlockScaledMMKernel" if deep_gemm_installed else "CutlassFp8BlockScaledMMKernel"
     pow2 = get_recipe(recipe).pow2_scales
-    if recipe == "fp8_blockwise" and deep_gemm_installed and e8m0:
-        # DeepGEMM E8M0 would requantize the fp32 block scales to powers of two: refused.
+    refusal = None
+    if deep_gemm_installed and sm >= 100 and not pow2:
+        # DeepGEMM's Blackwell kernels take UE8M0 scale factors only (fp32 ones are cast).
+        refusal = ("VLLM_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM=0")
+    elif deep_gemm_installed and sm >= 100 and not e8m0:
+        refusal = ("VLLM_USE_DEEP_GEMM_E8M0", "unset VLLM_USE_DEEP_GEMM_E8M0")
+    elif deep_gemm_installed and e8m0 and not pow2:
+        # DeepGEMM E8M0 would requantize the fp32 block scales to powers of two.
+        refusal = ("VLLM_USE_DEEP_GEMM_E8M0", "VLLM_USE_DEEP_GEMM_E8M0=0")
+        assert engine_env(recipe) == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}  # what avoids it
+    if refusal:
         with pytest.raises(FP8ConfigError) as err:
             _linear(vllm_env, recipe)
-        _assert_refusal(err, "VLLM_USE_DEEP_GEMM_E8M0", expected, f"SM{sm}", "VLLM_USE_DEEP_GEMM_E8M0=0")
-        # ... and engine_env(recipe) is the setting that avoids it.
-        assert engine_env(recipe) == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+        _assert_refusal(err, refusal[0], expected, f"SM{sm}", refusal[1])
         return
     layer = _linear(vllm_env, recipe)
     kernel = layer.quant_method._kernel
@@ -420,17 +427,21 @@ def test_pow2_activation_scales_are_those_of_the_recipe(vllm_env, fake_gpu):
 def test_flashinfer_block_kernel(vllm_env, fake_gpu):
     """FlashInfer's block kernel quantizes activations itself (fp32 scales; its DeepGEMM
     branch follows VLLM_USE_DEEP_GEMM_E8M0): pow2 activation scales are refused there."""
-    fake_gpu(100, deep_gemm_installed=True, e8m0=False, flashinfer_block=True)
+    name = "FlashInferFp8DeepGEMMDynamicBlockScaledKernel"
+    fake_gpu(90, deep_gemm_installed=True, e8m0=False, flashinfer_block=True)
     layer = _linear(vllm_env, "fp8_blockwise")
-    assert type(layer.quant_method._kernel).__name__ == "FlashInferFp8DeepGEMMDynamicBlockScaledKernel"
+    assert type(layer.quant_method._kernel).__name__ == name
     with pytest.raises(FP8ConfigError) as err:
         _linear(vllm_env, "fp8_subchannel")
-    _assert_refusal(err, "pow2_scales", "FlashInferFp8DeepGEMMDynamicBlockScaledKernel", "SM100",
-                    "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER")
-    fake_gpu(100, deep_gemm_installed=True, e8m0=True, flashinfer_block=True)
+    _assert_refusal(err, "pow2_scales", name, "SM90", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER")
+    fake_gpu(90, deep_gemm_installed=True, e8m0=True, flashinfer_block=True)
     with pytest.raises(FP8ConfigError) as err:
         _linear(vllm_env, "fp8_blockwise")
-    _assert_refusal(err, "VLLM_USE_DEEP_GEMM_E8M0", "FlashInferFp8DeepGEMMDynamicBlockScaledKernel")
+    _assert_refusal(err, "VLLM_USE_DEEP_GEMM_E8M0", name)
+    fake_gpu(100, deep_gemm_installed=True, e8m0=False, flashinfer_block=True)
+    with pytest.raises(FP8ConfigError) as err:  # its DeepGEMM branch on Blackwell: UE8M0 only
+        _linear(vllm_env, "fp8_blockwise")
+    _assert_refusal(err, "VLLM_USE_DEEP_GEMM", name, "SM100")
 
 
 def test_amax_epsilon_is_refused_on_vllm_kernels(vllm_env, fake_gpu):

@@ -195,13 +195,17 @@ def engine_env(spec) -> dict[str, str]:
     """Environment variables to set before vLLM starts, so its kernels keep the recipe's
     numerics (they are read at start-up, so they cannot travel as engine arguments).
 
-    A block recipe with fp32 scales (``fp8_blockwise``) needs ``VLLM_USE_DEEP_GEMM_E8M0=0``:
-    vLLM 0.32 defaults it to 1, and where DeepGEMM is installed (SM90/SM100) its block-FP8
+    A block recipe with fp32 scales (``fp8_blockwise``) needs ``VLLM_USE_DEEP_GEMM_E8M0=0``
+    on Hopper: vLLM 0.32 defaults it to 1, and where DeepGEMM is installed its block-FP8
     kernel then requantizes the weights to power-of-2 (UE8M0) scales and quantizes
-    activations with UE8M0 scales (NeMo RL sets the same variable). Power-of-2 recipes
-    (``fp8_subchannel``) and MXFP8 need nothing. The ``nemo_fp8`` method refuses to load when
-    the kernel vLLM picked would change the recipe's numerics, naming the variable; this
-    mapping is what avoids the refusal. Returns ``{}`` when nothing is needed.
+    activations with UE8M0 scales (NeMo RL sets the same variable). On Blackwell DeepGEMM
+    takes UE8M0 scale factors only and the method asks for ``VLLM_USE_DEEP_GEMM=0`` instead
+    (CUTLASS keeps fp32 block scales); a recipe stating ``hardware: blackwell`` with fp32
+    block scales is refused by the recipe itself (TE needs power-of-2 block scales there).
+    Power-of-2 recipes (``fp8_subchannel``) and MXFP8 need nothing (vLLM's defaults). The
+    ``nemo_fp8`` method refuses to load when the kernel vLLM picked would change the
+    recipe's numerics, naming the variable; this mapping is what avoids the refusal.
+    Returns ``{}`` when nothing is needed.
     """
     from ...registry import get_recipe
 

@@ -175,12 +175,30 @@ def _refuse(prefix: str, message: str, *, key: str, value: Any, hint: str) -> No
     raise FP8ConfigError(f"{prefix}: {_host()}: {message}", key=key, value=value, hint=hint)
 
 
+def _deep_gemm_part(kernel):
+    """The DeepGEMM kernel inside vLLM's block kernel (itself, or the DeepGEMM branch of
+    FlashInfer's dynamic kernel), or None."""
+    for part in (kernel, getattr(kernel, "fallback", None), getattr(kernel, "base", None)):
+        if part is not None and hasattr(part, "use_deep_gemm_e8m0"):
+            return part
+    return None
+
+
+def _blackwell_class() -> bool:
+    """SM100 and later: DeepGEMM's FP8 GEMMs there take UE8M0 scale factors only (its
+    layout step casts fp32 ones; vLLM's ``fp8_gemm_nt`` with E8M0 off asks it not to cast,
+    which its host check refuses)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.has_device_capability(100)
+
+
 def _kernel_uses_ue8m0(kernel) -> bool:
     """Whether vLLM's block kernel turns the scales into UE8M0 (DeepGEMM with
     ``VLLM_USE_DEEP_GEMM_E8M0=1``: weights requantized in place, activations UE8M0)."""
-    for part in (kernel, getattr(kernel, "fallback", None), getattr(kernel, "base", None)):
-        if part is not None and getattr(part, "use_deep_gemm_e8m0", False):
-            return True
+    deep = _deep_gemm_part(kernel)
+    if deep is not None and deep.use_deep_gemm_e8m0:
+        return True
     quant = getattr(kernel, "quant_fp8", None)
     return bool(getattr(kernel, "apply_input_quant", True) and quant is not None and quant.use_ue8m0)
 
@@ -209,6 +227,21 @@ def _vet_block_kernel(kernel, config, prefix: str):
                 f"amax_epsilon={config.amax_epsilon!r} applies on the emulation backend only",
                 key="amax_epsilon", value=config.amax_epsilon,
                 hint="use amax_epsilon: 0, or quantization_config.backend: emulate")
+    deep = _deep_gemm_part(kernel)
+    if deep is not None and _blackwell_class():
+        if not config.pow2_scales:
+            _refuse(prefix, f"{name} runs DeepGEMM, whose Blackwell kernels take power-of-2 "
+                    f"(UE8M0) scale factors only, but this recipe's scales are fp32 "
+                    f"(pow2_scales: false)", key="VLLM_USE_DEEP_GEMM", value="1",
+                    hint="use fp8_subchannel (Blackwell training needs power-of-2 block "
+                         "scales too), or set VLLM_USE_DEEP_GEMM=0 before vLLM starts (CUTLASS "
+                         "keeps fp32 block scales)")
+        if not deep.use_deep_gemm_e8m0:
+            _refuse(prefix, f"{name} runs DeepGEMM, whose Blackwell kernels take UE8M0 scale "
+                    f"factors only, but VLLM_USE_DEEP_GEMM_E8M0=0 asks it for fp32 ones",
+                    key="VLLM_USE_DEEP_GEMM_E8M0", value="0",
+                    hint="unset VLLM_USE_DEEP_GEMM_E8M0 (vLLM's default is 1), or set "
+                         "VLLM_USE_DEEP_GEMM=0")
     if not config.pow2_scales:
         if _kernel_uses_ue8m0(kernel):
             _refuse(prefix, f"{name} with VLLM_USE_DEEP_GEMM_E8M0=1 requantizes the weights to "
@@ -227,8 +260,7 @@ def _vet_block_kernel(kernel, config, prefix: str):
                      "scales), or quantization_config.backend: emulate")
     if not quant.use_ue8m0:
         # vLLM's block kernels build QuantFP8(..., use_ue8m0=False): fp32 activation scales.
-        kernel.quant_fp8 = _pow2_activation_quantizer(
-            quant, deep_gemm=hasattr(kernel, "use_deep_gemm_e8m0"))
+        kernel.quant_fp8 = _pow2_activation_quantizer(quant, deep_gemm=deep is kernel)
     return kernel
 
 
