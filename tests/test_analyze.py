@@ -245,6 +245,7 @@ def test_suggestion_shapes():
 # --------------------------------------------------------------------------- odd input
 
 
+@pytest.mark.slow
 def test_odd_tensors_are_skipped_or_handled(tmp_path):
     extra = {
         "model.layers.0.extra.bias_like.weight": torch.randn(64),

@@ -115,6 +115,7 @@ def test_console_script_is_installed():
     assert out.returncode == 0 and "fp8_blockwise" in out.stdout
 
 
+@pytest.mark.slow
 def test_example_configs_explain():
     for path in sorted((REPO / "conf" / "examples").glob("*.yaml")):
         out = cli("explain", path, "--json")
@@ -234,6 +235,7 @@ def test_native_fp8_switch_at_the_root_points_to_model(tmp_path):
     lambda d: ["rl-check", "--quick", "--json", d],
     lambda d: ["analyze", d / "none.safetensors", "--plot", d / "adir.png"],
 ])
+@pytest.mark.slow
 def test_bad_output_paths_fail_before_any_work(tmp_path, args_of):
     (tmp_path / "afile").write_text("keep me")
     (tmp_path / "adir.png").mkdir()
@@ -245,10 +247,12 @@ def test_bad_output_paths_fail_before_any_work(tmp_path, args_of):
 
 @pytest.mark.parametrize("args", [["demo", "--recipes", ","], ["rl-check", "--arms", ","],
                                   ["rl-check", "--arms", ""]])
+@pytest.mark.slow
 def test_empty_name_lists_are_refused(args):
     assert_one_line_error(cli(*args), args[1])
 
 
+@pytest.mark.slow
 def test_demo_refuses_keys_it_would_ignore(tmp_path):
     out = cli("demo", write(tmp_path, "precision: fp8_blockwise\ntrian: {steps: 5}\n"), "--steps", "1")
     assert_one_line_error(out, "trian:", "did you mean 'train'")
@@ -291,5 +295,6 @@ def test_a_misspelt_request_key_is_pointed_out(tmp_path):
 @pytest.mark.parametrize("args, key", [(["rl-check", "--recipe", "fp8_blokwise"], "--recipe:"),
                                        (["analyze", "nothing", "--recipes", "fp8_blokwise"],
                                         "--recipes:")])
+@pytest.mark.slow
 def test_recipe_flags_are_named_in_their_errors(args, key):
     assert_one_line_error(cli(*args), key, "did you mean 'fp8_blockwise'")

@@ -460,6 +460,7 @@ def _nemo_rl_inputs(tmp_path: Path):
     return out
 
 
+@pytest.mark.slow
 def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path):
     from megatron.core.transformer import TransformerConfig
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.host  # the demo trains a megatron-core GPT
+# every test starts `nemo-fp8 demo`, which trains a megatron-core GPT or fails after importing it
+pytestmark = [pytest.mark.host, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
 
@@ -33,7 +34,6 @@ def short_run(tmp_path_factory):
     return proc, out
 
 
-@pytest.mark.slow
 def test_table_files_and_loss_gap(short_run):
     proc, out = short_run
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -58,7 +58,6 @@ def test_table_files_and_loss_gap(short_run):
     assert "gap vs BF16" in proc.stdout and str(out) in proc.stdout
 
 
-@pytest.mark.slow
 def test_ctrl_c_leaves_a_partial_valid_result(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.Popen([str(BIN / "nemo-fp8"), "demo", "--no-progress", "--steps", "40",

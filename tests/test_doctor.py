@@ -112,6 +112,7 @@ def test_arch_of(cap, arch):
     assert doctor.arch_of(cap) == arch
 
 
+@pytest.mark.slow
 def test_doctor_imports_no_host():
     code = ("import sys; from nemo_fp8_plugin.cli.doctor import build_report; build_report(); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "

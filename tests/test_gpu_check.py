@@ -149,6 +149,7 @@ def test_an_unwritable_out_is_refused_before_the_work(tmp_path, capsys):
     assert "--out" in err and "is a directory" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_cuda_requested_without_a_gpu_exits_2(tmp_path):
     if torch.cuda.is_available():
         return  # this file is about the CPU machine; on a GPU the script runs for real

@@ -20,49 +20,49 @@ with ``nemo_fp8_plugin.get_recipe(name)`` first. See ``docs/numerics.md``.
 from __future__ import annotations
 
 from .convert import (
-                      convert_to_bf16_emulation,
-                      convert_to_fp8_emulation,
-                      default_module_filter,
-                      emulated_modules,
-                      fp8_calibration,
-                      fp8_states,
-                      is_bf16_emulated,
-                      is_fp8_emulated,
-                      reset_fp8_states,
-                      revert_bf16_emulation,
-                      revert_fp8_emulation,
-                      set_amax_reduction_group,
-                      update_fp8_scales,
+    convert_to_bf16_emulation,
+    convert_to_fp8_emulation,
+    default_module_filter,
+    emulated_modules,
+    fp8_calibration,
+    fp8_states,
+    is_bf16_emulated,
+    is_fp8_emulated,
+    reset_fp8_states,
+    revert_bf16_emulation,
+    revert_fp8_emulation,
+    set_amax_reduction_group,
+    update_fp8_scales,
 )
 from .delayed import DelayedScalingState
 from .formats import FORMATS, check_format, fp8_dtype, fp8_max
 from .fused import (
-                      compile_failed,
-                      fake_quant_blockwise,
-                      fake_quant_mxfp8,
-                      fake_quant_per_tensor,
-                      fused_enabled,
-                      fused_mode,
-                      quantize_blockwise_fused,
-                      quantize_mxfp8_fused,
+    compile_failed,
+    fake_quant_blockwise,
+    fake_quant_mxfp8,
+    fake_quant_per_tensor,
+    fused_enabled,
+    fused_mode,
+    quantize_blockwise_fused,
+    quantize_mxfp8_fused,
 )
 from .gemm import fp8_gemm
 from .linear import (
-                      BF16EmulatedLinear,
-                      FP8EmulatedLinear,
-                      LayerEmulator,
-                      RoleQuantizer,
-                      bf16_linear,
-                      emulated_linear,
+    BF16EmulatedLinear,
+    FP8EmulatedLinear,
+    LayerEmulator,
+    RoleQuantizer,
+    bf16_linear,
+    emulated_linear,
 )
 from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from .quantize import (
-                      QTensor,
-                      quantize_blockwise,
-                      quantize_mxfp8,
-                      quantize_per_tensor,
-                      quantize_with_scale,
-                      tensor_amax,
+    QTensor,
+    quantize_blockwise,
+    quantize_mxfp8,
+    quantize_per_tensor,
+    quantize_with_scale,
+    tensor_amax,
 )
 from .recipe import RecipeLike, RecipeTypeError, check_recipe
 from .scaling import scale_from_amax

@@ -79,7 +79,7 @@ def _tp_size(module: nn.Module) -> int:
     if group is not None:
         try:
             return group.size()
-        except Exception:
+        except Exception:  # a placeholder group without size()
             pass
     out_sz = getattr(module, "output_size", None)
     out_part = getattr(module, "output_size_per_partition", None)

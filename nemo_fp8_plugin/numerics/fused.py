@@ -94,7 +94,7 @@ def _specialize(impl: Callable, name: str, **static) -> Callable:
     """A fresh function (own code object) calling ``impl(*args, **static)``."""
     namespace: dict = {}
     source = f"def {name}(*args):\n    return _impl(*args, **_static)\n"
-    exec(compile(source, f"<nemo_fp8_plugin fused {name}>", "exec"),
+    exec(compile(source, f"<nemo_fp8_plugin fused {name}>", "exec"),  # fixed source text
          {"_impl": impl, "_static": static}, namespace)
     return namespace[name]
 
@@ -134,7 +134,7 @@ def _run(kind: str, impl: Callable, static: dict, args: tuple, eager: Callable):
         _signature(a) for a in args if isinstance(a, torch.Tensor))
     try:
         return _compiled(key, impl, static)(*args)
-    except Exception as exc:
+    except Exception as exc:  # any backend failure means: run eagerly
         _disable(exc)
         return eager()
 
@@ -277,7 +277,7 @@ def quantize_blockwise_fused(x: torch.Tensor, block=(1, 128), fmt: str = "e4m3",
     try:
         key = ("block_cast", tuple(sorted(static.items())), _signature(x2))
         data, sinv = _compiled(key, _block_cast, static)(x2)
-    except Exception as exc:
+    except Exception as exc:  # any backend failure means: run eagerly
         _disable(exc)
         return eager()
     lead = x.shape[:-2]
@@ -304,7 +304,7 @@ def quantize_mxfp8_fused(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTenso
     try:
         key = ("mx_cast", tuple(sorted(static.items())), _signature(x2))
         data, e = _compiled(key, _mx_cast, static)(x2)
-    except Exception as exc:
+    except Exception as exc:  # any backend failure means: run eagerly
         _disable(exc)
         return eager()
     lead = x.shape[:-2]

@@ -293,8 +293,8 @@ def quantize_mxfp8(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
     Per block: ``e = ceil_pow2(amax * fp32(1/fp8_max))`` as the biased E8M0 exponent (amax 0
     -> 0x00, inf -> 0xFE), ``data = sat_cast(x * 2^(127 - e))`` (TE's ``exp2f_rcp``: 2^127
     for byte 0, 2^-127 for 0xFE, so an inf saturates to +-fp8_max), ``scale_inv`` = the E8M0
-    byte, ``[..., K/32]``. TE requires dims divisible by
-    32; here a partial block is zero-padded like a partial block-scaling tile.
+    byte, ``[..., K/32]``. TE requires dims divisible by 32; here a partial block is
+    zero-padded like a partial block-scaling tile.
     """
     check_input_dtype(x)
     fmt = check_format(fmt)

@@ -35,43 +35,44 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import os
-import re
 import tempfile
 import textwrap
-import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
-import yaml
-
 import vllm
+
 # Modules that evaluate CUDA capabilities at import time are imported here, on the real
 # (CPU) platform, before any test patches it.
 import vllm._custom_ops as vllm_ops
-import vllm.model_executor.kernels.linear as linear_kernels
 import vllm.model_executor.kernels.linear.mxfp8.flashinfer as mxfp8_flashinfer
 import vllm.model_executor.kernels.linear.scaled_mm.cutlass as cutlass_kernels
 import vllm.model_executor.kernels.linear.scaled_mm.flashinfer as block_flashinfer
-import vllm.model_executor.layers.fused_moe.oracle.fp8  # noqa: F401
-import vllm.model_executor.layers.fused_moe.oracle.mxfp8  # noqa: F401
-import vllm.model_executor.layers.quantization.online.fp8  # noqa: F401
-import vllm.model_executor.layers.quantization.online.mxfp8  # noqa: F401
-import vllm.model_executor.models.mixtral  # noqa: F401
+import vllm.model_executor.layers.fused_moe.oracle.fp8
+import vllm.model_executor.layers.fused_moe.oracle.mxfp8
+import vllm.model_executor.layers.quantization.online.fp8
+import vllm.model_executor.layers.quantization.online.mxfp8
+import vllm.model_executor.models.mixtral
 import vllm.utils.deep_gemm as deep_gemm
+import yaml
 from vllm import envs
 from vllm.platforms import PlatformEnum, current_platform
 from vllm.platforms.interface import DeviceCapability
 
-from tiny_models import LLAMA, MIXTRAL, llama_state_dict, mixtral_state_dict, write_checkpoint
-
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts.vllm import (QUANT_METHOD, TESTED_VLLM, engine_env, engine_kwargs,
-                                        quantization_config)
+from nemo_fp8_plugin.hosts.vllm import (
+    QUANT_METHOD,
+    TESTED_VLLM,
+    engine_env,
+    engine_kwargs,
+    quantization_config,
+)
 from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
 from nemo_fp8_plugin.registry import get_recipe, list_recipes
+from tiny_models import LLAMA, MIXTRAL, llama_state_dict, mixtral_state_dict, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(s.name for s in list_recipes())
@@ -170,7 +171,8 @@ def test_every_engine_config_is_accepted_by_vllm(source, recipe, kv, tmp_path, t
     assert cli.hf_overrides == args.hf_overrides
 
     if not fp8_generation:
-        assert args.quantization is None and not (args.hf_overrides or {}).get("quantization_config")
+        assert args.quantization is None
+        assert not (args.hf_overrides or {}).get("quantization_config")
         return
     # 3. vLLM's quantization registry: the registered nemo_fp8 parses what we wrote.
     assert args.quantization == QUANT_METHOD
@@ -197,18 +199,17 @@ def test_every_engine_config_is_accepted_by_vllm(source, recipe, kv, tmp_path, t
 
 def test_pyproject_floor_is_the_tested_vllm_and_its_apis_exist():
     """Item 15: the `vllm` extra's floor is the release whose APIs the code uses."""
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
     assert extras["vllm"] == [f"vllm>={TESTED_VLLM}"]
     from packaging.version import Version
 
     assert Version(vllm.__version__) >= Version(TESTED_VLLM)
     # The APIs the method imports (all introduced by vLLM's 2026 refactors).
-    from vllm.model_executor.kernels.linear import (init_fp8_linear_kernel,  # noqa: F401
-                                                    init_mxfp8_linear_kernel)
+    from vllm.model_executor.kernels.linear import init_fp8_linear_kernel, init_mxfp8_linear_kernel  # noqa: F401
     from vllm.model_executor.layers.attention import Attention, MLAAttention  # noqa: F401
     from vllm.model_executor.layers.fused_moe import RoutedExperts  # noqa: F401
-    from vllm.model_executor.layers.fused_moe.oracle.mxfp8 import (  # noqa: F401
-        select_mxfp8_moe_backend)
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp8 import select_mxfp8_moe_backend  # noqa: F401
     assert TESTED_VLLM in (REPO / "docs" / "hosts" / "vllm.md").read_text()
 
 
@@ -224,7 +225,7 @@ def _cuda_support_deep_gemm():
             for item in node.body:
                 if isinstance(item, ast.FunctionDef) and item.name == "support_deep_gemm":
                     namespace: dict = {}
-                    exec(textwrap.dedent(ast.get_source_segment(text, item)), namespace)  # noqa: S102
+                    exec(textwrap.dedent(ast.get_source_segment(text, item)), namespace)
                     return classmethod(namespace["support_deep_gemm"])
     raise AssertionError("CudaPlatformBase.support_deep_gemm not found in vllm/platforms/cuda.py")
 
@@ -260,8 +261,10 @@ def fake_gpu(monkeypatch):
             lambda c, device_id=0: DeviceCapability(sm // 10, sm % 10)))
         monkeypatch.setattr(cls, "support_deep_gemm", _cuda_support_deep_gemm())
         monkeypatch.setattr(vllm_ops, "cutlass_scaled_mm_supports_fp8", _csrc_supports_fp8)
-        monkeypatch.setattr(vllm_ops, "cutlass_scaled_mm_supports_block_fp8", _csrc_supports_block_fp8)
-        monkeypatch.setattr(cutlass_kernels, "CUTLASS_BLOCK_FP8_SUPPORTED", _csrc_supports_block_fp8(sm))
+        monkeypatch.setattr(vllm_ops, "cutlass_scaled_mm_supports_block_fp8",
+                            _csrc_supports_block_fp8)
+        monkeypatch.setattr(cutlass_kernels, "CUTLASS_BLOCK_FP8_SUPPORTED",
+                            _csrc_supports_block_fp8(sm))
         monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")  # vLLM 0.32's defaults, spelled out
         monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "1" if e8m0 else "0")
         monkeypatch.setenv("VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "1" if flashinfer_block else "0")
@@ -290,7 +293,8 @@ def vllm_env(tmp_path_factory):
     from vllm.distributed import parallel_state as ps
     from vllm.engine.arg_utils import EngineArgs
 
-    ckpt = write_checkpoint(tmp_path_factory.mktemp("contract-mixtral"), MIXTRAL, mixtral_state_dict())
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("contract-mixtral"), MIXTRAL,
+                            mixtral_state_dict())
     vcfg = EngineArgs(model=str(ckpt), dtype="bfloat16", max_model_len=128,
                       enforce_eager=True, skip_tokenizer_init=True).create_engine_config()
     started = not torch.distributed.is_initialized()
@@ -373,7 +377,8 @@ def _activation_quantizer(kernel):
 def test_block_kernel_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m0, recipe):
     """Items 5 and 6: vLLM's choice for each recipe, and what the method does with it."""
     fake_gpu(sm, deep_gemm_installed=deep_gemm_installed, e8m0=e8m0)
-    expected = "DeepGemmFp8BlockScaledMMKernel" if deep_gemm_installed else "CutlassFp8BlockScaledMMKernel"
+    expected = ("DeepGemmFp8BlockScaledMMKernel" if deep_gemm_installed
+                else "CutlassFp8BlockScaledMMKernel")
     pow2 = get_recipe(recipe).pow2_scales
     refusal = None
     if deep_gemm_installed and sm >= 100 and not pow2:
@@ -396,7 +401,8 @@ def test_block_kernel_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m
     quant = _activation_quantizer(kernel)
     # The activation scales the kernel will compute are the recipe's: pow2 or fp32.
     assert quant.use_ue8m0 is bool(pow2)
-    assert getattr(kernel, "use_deep_gemm_e8m0", False) is bool(pow2 and deep_gemm_installed and e8m0)
+    ue8m0 = bool(pow2 and deep_gemm_installed and e8m0)
+    assert getattr(kernel, "use_deep_gemm_e8m0", False) is ue8m0
 
 
 def test_pow2_activation_scales_are_those_of_the_recipe(vllm_env, fake_gpu):
@@ -485,7 +491,8 @@ def test_cutlass_weight_processing_keeps_parameters_and_scales(vllm_env, fake_gp
     new = (0.08 * torch.randn(256, 256, generator=gen)).bfloat16()
     layer.weight.weight_loader(layer.weight, new, 1)  # a refit of the `up` shard
     method.after_refit(layer)
-    ref2 = quantize_blockwise(torch.cat([gate, new]), block=(128, 128), pow2_scales=spec.pow2_scales)
+    ref2 = quantize_blockwise(torch.cat([gate, new]), block=(128, 128),
+                              pow2_scales=spec.pow2_scales)
     assert {n: (id(p), p.data_ptr()) for n, p in layer.named_parameters()} == ids
     assert method._view is view and torch.equal(view.weight_scale_inv.data, ref2.scale_inv)
     assert torch.equal(view.weight.data.view(torch.uint8), ref2.data.view(torch.uint8))
@@ -553,7 +560,8 @@ def test_mx_kernel_selection(vllm_env, fake_gpu, sm, flashinfer, expected, accep
     ref = quantize_mxfp8(torch.cat([gate, up]), block=(1, 32))
     assert {n: (id(p), p.data_ptr()) for n, p in layer.named_parameters()} == ids
     assert torch.equal(layer.weight.data.view(torch.uint8), ref.data.view(torch.uint8))
-    assert torch.equal(layer.weight_scale_inv.data.view(torch.uint8), ref.scale_inv.view(torch.uint8))
+    assert torch.equal(layer.weight_scale_inv.data.view(torch.uint8),
+                       ref.scale_inv.view(torch.uint8))
     assert method._view.weight.data_ptr() == layer.weight.data_ptr()
     assert method._view.weight_scale.numel() >= ref.scale_inv.numel()  # swizzled, padded
 
@@ -597,7 +605,8 @@ def test_mx_moe_backend_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, a
         return
     layer = _moe(vllm_env, "mxfp8")
     method = layer.quant_method
-    assert method._mx_backend.name == "DEEPGEMM" and method.experts_cls.__name__ == "DeepGemmExperts"
+    assert method._mx_backend.name == "DEEPGEMM"
+    assert method.experts_cls.__name__ == "DeepGemmExperts"
     assert layer.w13_weight_scale_inv.dtype == torch.float8_e8m0fnu
     assert tuple(layer.w13_weight_scale_inv.shape) == (4, 512, 8)
 
@@ -620,7 +629,8 @@ def test_mla_attention_gets_the_kv_cache_method(vllm_env):
     torch.nn.Module.__init__(layer)
     layer.kv_cache_dtype = "fp8_e4m3"
     with _building(vllm_env):
-        _init_kv_cache_quant(layer, NemoFp8Config.from_config(qcfg), "model.layers.0.self_attn.mla_attn")
+        _init_kv_cache_quant(layer, NemoFp8Config.from_config(qcfg),
+                             "model.layers.0.self_attn.mla_attn")
     assert isinstance(layer.quant_method, NemoFp8KVCacheMethod)
     k_scale = layer.k_scale
     k_scale.data.fill_(0.25)
@@ -724,7 +734,8 @@ def test_amax_epsilon_reaches_the_engine(vllm_env):
     gate[:128, :128] *= 1e-4  # one tile with amax < eps
     layer = _loaded_linear(vllm_env, "fp8_blockwise", gate, up, amax_epsilon=1e-3)
     trainer = dict(quantize_for_refit([("model.layers.1.mlp.gate_proj.weight", gate),
-                                       ("model.layers.1.mlp.up_proj.weight", up)], spec, num_layers=4))
+                                       ("model.layers.1.mlp.up_proj.weight", up)], spec,
+                                      num_layers=4))
     want_w = torch.cat([trainer["model.layers.1.mlp.gate_proj.weight"],
                         trainer["model.layers.1.mlp.up_proj.weight"]])
     want_s = torch.cat([trainer["model.layers.1.mlp.gate_proj.weight_scale_inv"],

@@ -74,8 +74,8 @@ class EmulatedExperts(torch.nn.Module):
             tokens, slot = torch.where(top_k_index == e)
             if tokens.numel() == 0:
                 continue
-            h = _linear(hidden_states[tokens], _qt(self.w13.data[e], self.w13.scale_inv[e], self.mx),
-                        self.mx)
+            w13 = _qt(self.w13.data[e], self.w13.scale_inv[e], self.mx)
+            h = _linear(hidden_states[tokens], w13, self.mx)
             gate, up = h.chunk(2, dim=-1)
             y = _linear(self.act(gate) * up, _qt(self.w2.data[e], self.w2.scale_inv[e], self.mx),
                         self.mx)

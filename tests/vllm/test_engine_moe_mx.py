@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_engine_moe import PREFIX, _engine, check_against, experts_of, trainer_model
+
 from tiny_models import MIXTRAL, mixtral_state_dict, write_checkpoint
 
 RECIPE = "mxfp8"

@@ -574,6 +574,8 @@ def _rewrite_defaults(value: Any, source: Path, output: Path | None) -> Any:
         target = os.path.abspath(source.parent / item)
         if output is None:
             out.append(target)
+        elif os.path.abspath(output.parent / item) == target:  # resolves as written: kept
+            out.append(item)
         else:
             out.append(Path(os.path.relpath(target, os.path.abspath(output.parent))).as_posix())
     return out[0] if isinstance(value, str) else out

@@ -177,8 +177,9 @@ def engine_kwargs(spec, model=None, *, platform: str | None = None) -> dict[str,
     ``{"quantization": "nemo_fp8", "hf_overrides": {"quantization_config": {...}},
     "kv_cache_dtype": "auto" | "fp8_e4m3"}`` (every key an argument of vLLM 0.32's
     ``EngineArgs``); an empty mapping when the recipe keeps generation in BF16. Environment
-    variables vLLM reads at start-up are not engine arguments: see :func:`engine_env`. Warnings (rules vLLM cannot express,
-    the CPU KV-cache trap) are issued with :func:`warnings.warn`.
+    variables vLLM reads at start-up are not engine arguments: see :func:`engine_env`.
+    Warnings (rules vLLM cannot express, the CPU KV-cache trap) are issued with
+    :func:`warnings.warn`.
 
     Known trap, handled: vLLM's CPU build keeps an FP8 KV cache as E5M2 (older releases rewrite
     ``fp8_e4m3`` to ``fp8_e5m2`` silently; 0.32 needs AVX-512 or AMX for it), so with

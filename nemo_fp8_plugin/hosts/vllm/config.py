@@ -53,9 +53,9 @@ class NemoFp8Config(QuantizationConfig):
 
     def __init__(self, *, scheme: str = "block", weight_block_size: list[int] | None = None,
                  activation_block_size: list[int] | None = None, pow2_scales: bool = False,
-                 amax_epsilon: float = 0.0, ignored_layers: list[str] | None = None, num_first_layers_in_bf16: int = 0,
-                 num_last_layers_in_bf16: int = 0, kv_cache_dtype: str = "auto",
-                 backend: str = "auto") -> None:
+                 amax_epsilon: float = 0.0, ignored_layers: list[str] | None = None,
+                 num_first_layers_in_bf16: int = 0, num_last_layers_in_bf16: int = 0,
+                 kv_cache_dtype: str = "auto", backend: str = "auto") -> None:
         super().__init__()
         if scheme not in ("block", "mx"):
             raise ValueError(f"nemo_fp8 quantization_config.scheme: expected 'block' or 'mx', "
@@ -252,6 +252,7 @@ class NemoFp8Config(QuantizationConfig):
 
     def __repr__(self) -> str:
         return (f"NemoFp8Config(scheme={self.scheme}, weight_block_size={self.weight_block_size}, "
-                f"pow2_scales={self.pow2_scales}, amax_epsilon={self.amax_epsilon}, ignored_layers={self.ignored_layers}, "
+                f"pow2_scales={self.pow2_scales}, amax_epsilon={self.amax_epsilon}, "
+                f"ignored_layers={self.ignored_layers}, "
                 f"bf16 first/last={self.num_first_layers_in_bf16}/{self.num_last_layers_in_bf16}, "
                 f"backend={self.backend})")

@@ -200,7 +200,8 @@ def _kernel_uses_ue8m0(kernel) -> bool:
     if deep is not None and deep.use_deep_gemm_e8m0:
         return True
     quant = getattr(kernel, "quant_fp8", None)
-    return bool(getattr(kernel, "apply_input_quant", True) and quant is not None and quant.use_ue8m0)
+    return bool(getattr(kernel, "apply_input_quant", True) and quant is not None
+                and quant.use_ue8m0)
 
 
 def _pow2_activation_quantizer(quant, *, deep_gemm: bool):
@@ -710,8 +711,8 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
             if on_input:
                 xe = (xe.to(torch.float32) * gate).to(x.dtype)
             # Biases are added in fp32 before the cast, as in the dense layers.
-            h = self.quantizer.linear(xe, layer.w13_weight[e], layer.w13_weight_scale_inv[e], x.dtype,
-                                      bias=None if b13 is None else b13[e])
+            h = self.quantizer.linear(xe, layer.w13_weight[e], layer.w13_weight_scale_inv[e],
+                                      x.dtype, bias=None if b13 is None else b13[e])
             h = act(h)
             y = self.quantizer.linear(h, layer.w2_weight[e], layer.w2_weight_scale_inv[e], x.dtype,
                                       bias=None if b2 is None else b2[e])
