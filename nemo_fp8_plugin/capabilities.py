@@ -19,17 +19,21 @@ from typing import Literal, Protocol
 __all__ = [
     "ScalingKind", "SCALING_KINDS", "Side", "Arch", "ARCHS", "ARCH_NAMES", "FP8_MAX",
     "RecipeCapability", "CAPABILITIES", "capability", "ENV_BLOCK_FP32_SCALES",
-    "ENV_CURRENT_POW2_SCALES", "ENV_BACKWARD_OVERRIDE", "te_env", "arch_by_name",
-    "arch_of_capability", "hardware_problems", "HardwareProblem",
+    "ENV_CURRENT_POW2_SCALES", "ENV_BACKWARD_OVERRIDE", "ENV_NVFP4", "te_env", "arch_by_name",
+    "arch_of_capability", "arch_label", "hardware_problems", "HardwareProblem", "NEAREST",
+    "side_summary", "NVFP4_GENERATION_REFUSAL", "token_alignment", "dimension_problems",
+    "DimensionProblem",
 ]
 
-ScalingKind = Literal["delayed", "tensorwise", "block", "mx"]
+ScalingKind = Literal["delayed", "tensorwise", "block", "mx", "nvfp4"]
 """How scales are chosen. delayed: one per tensor from an amax history (TE DelayedScaling);
 tensorwise: one per tensor from its own amax (TE Float8CurrentScaling); block: one fp32 (or
 power-of-2) scale per 1x128 or 128x128 tile (TE Float8BlockScaling, DeepSeek-V3); mx: one E8M0
-scale per 32 elements (OCP MXFP8, TE MXFP8BlockScaling)."""
+scale per 32 elements (OCP MXFP8, TE MXFP8BlockScaling); nvfp4: E2M1 (FP4) elements, one E4M3
+scale per 1x16 group (16x16 tile for weights) under an fp32 per-tensor scale (TE
+NVFP4BlockScaling)."""
 
-SCALING_KINDS: tuple[ScalingKind, ...] = ("delayed", "tensorwise", "block", "mx")
+SCALING_KINDS: tuple[ScalingKind, ...] = ("delayed", "tensorwise", "block", "mx", "nvfp4")
 """Every :data:`ScalingKind`, in the order recipes are listed."""
 
 Side = Literal["training", "generation"]
@@ -51,6 +55,26 @@ Read once, when TE is imported."""
 ENV_BACKWARD_OVERRIDE = "NVTE_BACKWARD_OVERRIDE"
 """TE >= 2.15: ``high_precision`` or ``dequantized`` switches the whole backward of every
 recipe away from FP8 (``DelayedScaling`` raises). No preset wants it set."""
+
+ENV_NVFP4 = {
+    "disable_rht": "NVTE_NVFP4_DISABLE_RHT",
+    "disable_stochastic_rounding": "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING",
+    "disable_2d_quantization": "NVTE_NVFP4_DISABLE_2D_QUANTIZATION",
+    "row_scaled_activation": "NVTE_NVFP4_ROW_SCALED_ACTIVATION",
+    "nvfp4_4over6": "NVTE_NVFP4_4OVER6",
+    "nvfp4_4over6_e4m3_use_256": "NVTE_NVFP4_4OVER6_E4M3_USE_256",
+    "nvfp4_4over6_err_mode": "NVTE_NVFP4_4OVER6_ERR_MODE",
+}
+"""TE 2.20 ``NVFP4BlockScaling`` field -> the variable its class default is read from when TE
+is imported (megatron-core builds ``NVFP4BlockScaling()`` with no arguments, so these decide
+the Hadamard transform, stochastic rounding, 2D weight tiles and "4over6" of every host-built
+NVFP4 recipe)."""
+
+NVFP4_GENERATION_REFUSAL = (
+    "vLLM serves NVFP4 only from an NVFP4 checkpoint in ModelOpt or compressed-tensors format "
+    "on Blackwell (SM100), and the plugin neither exports one nor has NVFP4 kernels in its "
+    "nemo_fp8 method")
+"""Why ``nvfp4`` never generates (vLLM, NeMo RL): generation stays BF16."""
 
 
 @dataclass(frozen=True)
@@ -132,13 +156,26 @@ class RecipeCapability:
         tiles: ``(activation, weight, gradient)`` default tile shapes, None per tensor.
         allowed_tiles: per role, the tile shapes the recipe accepts.
         history: whether scales come from an amax history (only delayed scaling).
-        scale_format: ``"fp32"`` (scale may be power-of-2 rounded) or ``"e8m0"``.
+        scale_format: ``"fp32"`` (scale may be power-of-2 rounded), ``"e8m0"`` or ``"e4m3"``
+            (NVFP4: E4M3 block scales under one fp32 scale per tensor).
         training_archs: architectures Transformer Engine trains this recipe on.
         generation_archs: architectures where vLLM 0.32 has real FP8 kernels for it (empty:
             the plugin's vLLM path has no such layout).
         vllm_generation: whether the plugin's ``nemo_fp8`` vLLM method serves it.
         nemo_rl_generation: whether NeMo RL's own FP8 generation path serves it.
         te_env: the TE variable whose value decides this recipe's scales at TE import, or None.
+        megatron_field: the megatron-core field ``megatron_recipe`` goes to: ``fp8_recipe``, or
+            ``fp4_recipe`` for NVFP4 (with ``fp4: e2m1``; the FP8 fields stay off).
+        token_align: what the token count (the product of the leading dims of a GEMM input, per
+            rank) must be a multiple of: TE 2.20's ``get_align_size_for_quantization`` (16 for
+            per-tensor and block FP8, which also covers ``assert_dim_for_fp8_exec``'s 8; 32 for
+            MXFP8; 128 for NVFP4).
+        dim_align: what hidden and intermediate sizes (per rank) must be multiples of, or TE
+            refuses the GEMM: 16 (``assert_dim_for_fp8_exec``), 32 (MXFP8 ``is_quantizable``;
+            NVFP4: 16-element groups and the 16-byte TMA rows of FP4 GEMM operands, 32 values,
+            megatron-core ``get_fp4_align_size``).
+        tile_align: a larger multiple that fills every scale tile (block scaling: 128); a size
+            off it runs with partial tiles, at a cost (a warning), or None.
     """
 
     scaling: ScalingKind
@@ -148,12 +185,16 @@ class RecipeCapability:
     allowed_tiles: tuple[frozenset[tuple[int, int]], frozenset[tuple[int, int]],
                          frozenset[tuple[int, int]]]
     history: bool
-    scale_format: Literal["fp32", "e8m0"]
+    scale_format: Literal["fp32", "e8m0", "e4m3"]
     training_archs: frozenset[str]
     generation_archs: frozenset[str]
     vllm_generation: bool
     nemo_rl_generation: bool
     te_env: str | None
+    megatron_field: Literal["fp8_recipe", "fp4_recipe"] = "fp8_recipe"
+    token_align: int = 16
+    dim_align: int = 16
+    tile_align: int | None = None
 
     @property
     def block(self) -> int | None:
@@ -183,7 +224,8 @@ CAPABILITIES: dict[str, RecipeCapability] = {
         # emulation, which needs power-of-2 scales (see hardware_problems).
         training_archs=frozenset({"hopper", "blackwell"}),
         generation_archs=frozenset({"hopper", "blackwell", "blackwell_sm120"}),
-        vllm_generation=True, nemo_rl_generation=True, te_env=ENV_BLOCK_FP32_SCALES),
+        vllm_generation=True, nemo_rl_generation=True, te_env=ENV_BLOCK_FP32_SCALES,
+        tile_align=128),
     "mx": RecipeCapability(
         "mx", "MXFP8BlockScaling", "mxfp8", ((1, 32), (1, 32), (1, 32)),
         (frozenset({(1, 32)}), frozenset({(1, 32), (32, 32)}), frozenset({(1, 32)})),
@@ -191,7 +233,16 @@ CAPABILITIES: dict[str, RecipeCapability] = {
         # vLLM's MXFP8 linear kernels need SM100 (FlashInfer); on SM90 it falls back to
         # weight-only Marlin or emulation without an error.
         generation_archs=frozenset({"blackwell"}), vllm_generation=True,
-        nemo_rl_generation=True, te_env=None),
+        nemo_rl_generation=True, te_env=None, token_align=32, dim_align=32),
+    "nvfp4": RecipeCapability(
+        "nvfp4", "NVFP4BlockScaling", "nvfp4", ((1, 16), (16, 16), (1, 16)),
+        (frozenset({(1, 16)}), frozenset({(16, 16), (1, 16)}), frozenset({(1, 16)})),
+        history=False, scale_format="e4m3",
+        # TE's own gate (check_nvfp4_support) is SM >= 10.0; the plugin trains NVFP4 on the
+        # data-center Blackwells (SM100/SM103) only, where NVIDIA's NVFP4 recipes are run.
+        training_archs=frozenset({"blackwell"}), generation_archs=frozenset(),
+        vllm_generation=False, nemo_rl_generation=False, te_env=None,
+        megatron_field="fp4_recipe", token_align=128, dim_align=32),
 }
 """Scaling kind -> :class:`RecipeCapability`."""
 
@@ -213,6 +264,21 @@ class _SpecLike(Protocol):
     def pow2_scales(self) -> bool: ...
     @property
     def fp8_dot_product_attention(self) -> bool: ...
+    @property
+    def weight_block(self) -> tuple[int, int] | None: ...
+    @property
+    def name(self) -> str: ...
+
+
+def nvfp4_te_fields(spec: _SpecLike) -> dict[str, bool | str]:
+    """The ``NVFP4BlockScaling`` fields an ``nvfp4`` spec means: TE's default NVFP4 training
+    recipe (Hadamard transform on the wgrad operands, stochastic rounding of gradients, no
+    row-scaled activations, no "4over6"), with 16x16 weight tiles unless ``weight_block`` is
+    [1, 16] (``disable_2d_quantization``)."""
+    return {"disable_rht": False, "disable_stochastic_rounding": False,
+            "disable_2d_quantization": tuple(spec.weight_block or ()) != (16, 16),
+            "row_scaled_activation": False, "nvfp4_4over6": "none",
+            "nvfp4_4over6_e4m3_use_256": "all", "nvfp4_4over6_err_mode": "MAE"}
 
 
 def te_env(spec: _SpecLike) -> dict[str, str]:
@@ -222,10 +288,15 @@ def te_env(spec: _SpecLike) -> dict[str, str]:
     Always set, to either value, for the scaling kinds TE reads one for, so a cluster-wide
     setting cannot flip a recipe silently: block -> ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``
     (``"1"`` for fp32 scales), tensorwise -> ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``
-    (``"1"`` for power-of-2 scales). Empty when training is not FP8.
+    (``"1"`` for power-of-2 scales), nvfp4 -> every variable of :data:`ENV_NVFP4`. Empty when
+    training is not FP8.
     """
     if spec.training != "fp8":
         return {}
+    if spec.scaling == "nvfp4":
+        # Every NVFP4 class default TE reads at import, pinned to the value the spec means.
+        return {ENV_NVFP4[f]: ("1" if v else "0") if isinstance(v, bool) else str(v)
+                for f, v in nvfp4_te_fields(spec).items()}
     var = CAPABILITIES[spec.scaling].te_env
     if var == ENV_BLOCK_FP32_SCALES:
         return {var: "0" if spec.pow2_scales else "1"}
@@ -241,51 +312,246 @@ class HardwareProblem:
     Attributes:
         level: ``"error"`` or ``"warning"``.
         key: the spec field to change (``hardware``, ``pow2_scales``, ...).
-        message: one sentence naming the GPU generation and what to use instead.
+        message: one sentence naming the GPU generation, what cannot run there, the nearest
+            recipe that can and the exact YAML change.
         side: the side it concerns, or None for both.
+        recipe: the nearest recipe that runs there (None: the fix is a field, or nothing runs).
+        change: the exact YAML change, e.g. ``fp8: {recipe: fp8_subchannel}`` (None: no FP8
+            recipe runs there at all).
     """
 
     level: Literal["error", "warning"]
     key: str
     message: str
     side: Side | None = None
+    recipe: str | None = None
+    change: str | None = None
+
+
+_LABELS = {"ampere": "Ampere (SM80)", "ada": "Ada (SM89)", "hopper": "Hopper (SM90)",
+           "blackwell": "Blackwell (SM100/SM103)",
+           "blackwell_sm120": "Blackwell SM 12.0 (RTX PRO 6000)"}
+
+
+def arch_label(arch: str) -> str:
+    """``"Hopper (SM90)"`` for ``"hopper"``: how messages name a GPU generation."""
+    return _LABELS.get(arch, arch)
+
+
+NEAREST: dict[tuple[str, str, str], str] = {
+    # (scaling kind, architecture, "rl" | "train") -> the preset to move to when the kind's
+    # training cannot run there ("rl": the recipe also generates in FP8, so the replacement
+    # must have a vLLM FP8 path on that architecture).
+    ("mx", "hopper", "rl"): "fp8_blockwise",
+    ("mx", "hopper", "train"): "fp8_subchannel",
+    ("nvfp4", "hopper", "train"): "fp8_subchannel",
+    ("nvfp4", "hopper", "rl"): "fp8_blockwise",
+    **{(kind, arch, use): "fp8_current" for kind in ("block", "mx", "nvfp4")
+       for arch in ("ada", "blackwell_sm120") for use in ("rl", "train")},
+}
+"""The nearest built-in recipe that trains where a scaling kind cannot (checked against the
+table itself in ``tests/test_retarget.py``: each runs there). Block scaling with fp32 scales on
+Blackwell is fixed in place (``pow2_scales: true``) or by ``fp8_subchannel``."""
+
+_GENERATION_NEAREST = {("mx", "hopper"): "fp8_blockwise", ("mx", "blackwell_sm120"): "fp8_blockwise"}
+"""Where a kind's vLLM FP8 generation cannot run but block FP8 generation can."""
+
+
+def _change(spec: _SpecLike, recipe: str | None = None, **fields: str) -> str:
+    """The ``fp8:`` block that moves ``spec`` to ``recipe`` (or changes ``fields`` in place),
+    keeping what the user chose for each side."""
+    items = [f"recipe: {recipe or spec.name}"]
+    if recipe is not None:
+        if spec.training == "bf16":
+            items.append("training: bf16")
+        if spec.generation == "bf16" and recipe != "nvfp4":
+            items.append("generation: bf16")
+    items += [f"{k}: {v}" for k, v in fields.items()]
+    return "fp8: {" + ", ".join(items) + "}"
+
+
+def _training_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | None, dict]:
+    """(why training cannot run on ``arch`` or None, the nearest recipe, the in-place fix)."""
+    cap = CAPABILITIES[spec.scaling]
+    label = arch_label(arch)
+    if arch in cap.training_archs:
+        if spec.scaling == "block" and arch == "blackwell" and not spec.pow2_scales:
+            return ("on Blackwell Transformer Engine emulates block scaling with MXFP8 and "
+                    "needs power-of-2 scales; fp32 block scales cannot run there",
+                    "fp8_subchannel", {"pow2_scales": "true"})
+        return None, None, {}
+    use = "rl" if spec.generation == "fp8" and cap.vllm_generation else "train"
+    near = NEAREST.get((spec.scaling, arch, use))
+    if spec.scaling == "mx":
+        why = ("MXFP8 training needs Blackwell (SM100/SM103)" + (
+            "; Transformer Engine refuses MXFP8 on SM 12.0+" if arch == "blackwell_sm120"
+            else "") + f", so it cannot run on {label}")
+    elif spec.scaling == "nvfp4":
+        why = (f"NVFP4 training needs the Blackwell data-center GPUs (SM100/SM103: B200, GB200, "
+               f"B300, GB300); it cannot run on {label}")
+    else:
+        why = f"{cap.te_class} training cannot run on {label}"
+    return why, near, {}
+
+
+def _generation_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | None]:
+    cap = CAPABILITIES[spec.scaling]
+    if spec.generation != "fp8" or not cap.vllm_generation or arch in cap.generation_archs:
+        return None, None
+    what = "MXFP8" if spec.scaling == "mx" else "block FP8"
+    return (f"vLLM's {what} kernels do not run on {arch_label(arch)} (vLLM 0.32 falls back to "
+            f"weight-only or emulated kernels without an error)",
+            _GENERATION_NEAREST.get((spec.scaling, arch)))
 
 
 def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
-    """What stops ``spec`` on ``arch`` (an :data:`ARCH_NAMES` value), side by side."""
-    cap = CAPABILITIES[spec.scaling]
+    """What stops ``spec`` on ``arch`` (an :data:`ARCHS` name), each problem with the nearest
+    recipe that runs there and the exact YAML change (:attr:`HardwareProblem.change`).
+
+    A recipe whose training and generation both fail with the same way out gets one problem,
+    so a config moved between GPU generations gets one message."""
+    label = arch_label(arch)
+    if not any(a.name == arch and a.fp8 for a in ARCHS):
+        return [HardwareProblem(
+            "error", "hardware", f"{label} GPUs have no FP8 tensor cores, so no FP8 (or FP4) "
+            f"recipe runs there: train and generate in BF16 (remove the FP8 request: the "
+            f"precision/fp8 key) or target Ada (SM89), Hopper (SM90) or Blackwell (SM100)")]
     out: list[HardwareProblem] = []
-    label = {"ada": "Ada (SM89)", "hopper": "Hopper (SM90)", "blackwell": "Blackwell (SM100)",
-             "blackwell_sm120": "Blackwell SM 12.0 (RTX PRO 6000)"}.get(arch, arch)
     training = spec.training == "fp8"
-    generation = spec.generation == "fp8"
-    if training and arch not in cap.training_archs:
-        if spec.scaling == "mx":
-            msg = (f"MXFP8 training needs Blackwell (SM100/SM103); Transformer Engine cannot run "
-                   f"it on {label} (use fp8_blockwise or fp8_subchannel on Hopper, "
-                   f"fp8_current elsewhere)")
+    t_why, t_near, t_fix = _training_verdict(spec, arch) if training else (None, None, {})
+    g_why, g_near = _generation_verdict(spec, arch)
+    if t_why and g_why and (t_near == g_near or g_near is None):
+        instead = t_near
+        change = _change(spec, instead) if instead else None
+        msg = (f"{spec.name} cannot run on {label}: {t_why}, and {g_why}; "
+               + (f"the nearest recipe that runs there is {instead}: `{change}`" if instead
+                  else "no FP8 recipe of this kind runs there"))
+        return [HardwareProblem("error", "hardware", msg, None, instead, change)]
+    if t_why:
+        if t_fix:
+            fix = _change(spec, None, **t_fix)
+            alt = _change(spec, t_near)
+            msg = (f"{t_why} (recipe {spec.name}); set `{fix}`, or use {t_near}: `{alt}`")
+            out.append(HardwareProblem("error", next(iter(t_fix)), msg, "training", t_near, fix))
         else:
-            msg = (f"{cap.te_class} training cannot run on {label} (use fp8_current or "
-                   f"fp8_delayed there)")
-        out.append(HardwareProblem("error", "hardware", msg, "training"))
-    elif training and spec.scaling == "block" and arch == "blackwell" and not spec.pow2_scales:
-        out.append(HardwareProblem(
-            "error", "pow2_scales",
-            "on Blackwell Transformer Engine emulates block scaling with MXFP8 and needs "
-            "power-of-2 scales; fp32 block scales cannot run there (use fp8_subchannel, or set "
-            "pow2_scales: true)", "training"))
+            change = _change(spec, t_near) if t_near else None
+            msg = (f"{t_why} (recipe {spec.name}); "
+                   + (f"the nearest recipe that trains there is {t_near}: `{change}`" if t_near
+                      else "no FP8 training recipe of this kind runs there"))
+            out.append(HardwareProblem("error", "hardware", msg, "training", t_near, change))
     elif training and spec.scaling == "block" and arch == "hopper":
         out.append(HardwareProblem(
             "warning", "hardware", "block scaling on Hopper needs CUDA >= 12.9 (cuBLAS "
             "block-scaled GEMMs); `nemo-fp8 doctor` checks it", "training"))
-    if generation and cap.vllm_generation and arch not in cap.generation_archs:
-        what = "MXFP8" if spec.scaling == "mx" else "block FP8"
-        out.append(HardwareProblem(
-            "error", "hardware",
-            f"vLLM's {what} kernels do not run on {label} (vLLM 0.32 falls back to weight-only "
-            f"or emulated kernels without an error); generate with fp8_blockwise there, or "
-            f"set generation: bf16", "generation"))
+    if g_why:
+        if g_near:
+            change = _change(spec, g_near)
+            msg = (f"{g_why} (recipe {spec.name}); the nearest recipe that generates there is "
+                   f"{g_near}: `{change}`, or keep training as it is and set "
+                   f"`{_change(spec, None, generation='bf16')}`")
+        else:
+            change = _change(spec, None, generation="bf16")
+            msg = f"{g_why} (recipe {spec.name}); generate in BF16 there: `{change}`"
+        out.append(HardwareProblem("error", "hardware", msg, "generation", g_near, change))
     if spec.fp8_dot_product_attention and arch == "ada":
         out.append(HardwareProblem("warning", "fp8_dot_product_attention",
                                    "FP8 attention kernels target Hopper and Blackwell"))
+    return out
+
+
+def side_summary(spec: _SpecLike, arch: str) -> dict[str, str]:
+    """What each side runs on ``arch``, in words: ``{"training": ..., "generation": ...}``."""
+    cap = CAPABILITIES[spec.scaling]
+    label = arch_label(arch)
+    problems = {p.side: p for p in hardware_problems(spec, arch) if p.level == "error"}
+    both = problems.get(None)
+    out: dict[str, str] = {}
+    if spec.training != "fp8":
+        out["training"] = "BF16 (training: bf16)"
+    elif both or "training" in problems:
+        out["training"] = f"cannot run on {label}"
+    elif spec.scaling == "block" and arch == "blackwell":
+        out["training"] = (f"{cap.te_class} (power-of-2 scales), which Transformer Engine runs "
+                           f"with MXFP8 kernels on {label}")
+    else:
+        out["training"] = f"{cap.te_class} on {label}"
+    if spec.generation != "fp8":
+        out["generation"] = "BF16 (generation: bf16)"
+    elif not cap.vllm_generation:
+        out["generation"] = (f"BF16: vLLM has no FP8 path for {spec.scaling} scaling here "
+                             f"(block FP8 and MXFP8 only)")
+    elif both or "generation" in problems:
+        out["generation"] = f"cannot run on {label}"
+    else:
+        what = "MXFP8 (1x32 E8M0 scales)" if spec.scaling == "mx" else "block FP8 (128x128 weights)"
+        out["generation"] = f"vLLM {what} on {label}"
+    return out
+
+
+# --------------------------------------------------------------------------- alignment
+
+
+def token_alignment(scaling: str, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
+                    context_parallel: int = 1) -> int:
+    """What a training sequence length must be a multiple of for ``scaling``'s GEMMs: the
+    token count each rank hands a GEMM must be a multiple of the kind's ``token_align`` (TE's
+    ``get_align_size_for_quantization``; ``assert_dim_for_fp8_exec`` raises below 8), and
+    sequence parallelism splits the sequence over the ``tensor_parallel`` ranks, context
+    parallelism (load-balanced) into ``2 * context_parallel`` chunks."""
+    need = CAPABILITIES[scaling].token_align
+    if sequence_parallel and tensor_parallel > 1:
+        need *= tensor_parallel
+    if context_parallel > 1:
+        need *= 2 * context_parallel
+    return need
+
+
+@dataclass(frozen=True)
+class DimensionProblem:
+    """A model dimension (per rank) that a recipe's GEMMs cannot take.
+
+    Attributes:
+        level: ``"error"`` (cannot run) or ``"warning"`` (runs with partial tiles).
+        key: the dimension's name (``hidden_size``, ``ffn_hidden_size``, ...) or the parallel
+            size that makes it impossible (``tensor_model_parallel_size``).
+        message: one sentence with the sizes and what they must be multiples of.
+    """
+
+    level: Literal["error", "warning"]
+    key: str
+    message: str
+
+
+def dimension_problems(scaling: str, dims: dict[str, int], *,
+                       tensor_parallel: int = 1) -> list[DimensionProblem]:
+    """Hidden and intermediate sizes (``dims``, whole-model values) that break ``scaling``
+    once split over ``tensor_parallel`` ranks: a size TP does not divide, or a per-rank size
+    that is not a multiple of the kind's ``dim_align`` (per-tensor kinds: 16, from
+    ``assert_dim_for_fp8_exec``)."""
+    cap = CAPABILITIES[scaling]
+    out: list[DimensionProblem] = []
+    tp = max(int(tensor_parallel or 1), 1)
+    for name, size in dims.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            continue
+        # hidden_size is the input of the column-parallel GEMMs (whole on every rank); the
+        # intermediate sizes are split over TP (the input of the row-parallel GEMM).
+        split = tp if name != "hidden_size" else 1
+        if size % split:
+            out.append(DimensionProblem("error", "tensor_model_parallel_size",
+                                        f"{name} {size} is not divisible by tensor parallel "
+                                        f"size {tp}"))
+            continue
+        local = size // split
+        where = f"{name} {size}" + (f" / TP {tp} = {local}" if split > 1 else "")
+        for need, level in ((cap.dim_align, "error"), (cap.tile_align, "warning")):
+            if need is None or local % need == 0:
+                continue
+            tail = ("partial tiles run, at a cost" if level == "warning" else
+                    f"Transformer Engine's {cap.te_class} GEMMs refuse it")
+            # A size that fits whole but not per rank is the TP size's fault.
+            blame = "tensor_model_parallel_size" if split > 1 and size % need == 0 else name
+            out.append(DimensionProblem(level, blame, f"{where} is not a multiple of {need} "
+                                                      f"({scaling} scaling; {tail})"))
+            break
     return out

@@ -36,7 +36,8 @@ def detect_host(config: Mapping[str, Any]) -> str | None:
         return "bridge"
     if isinstance(config.get("model"), str) and any(k in config for k in _VLLM_ENGINE_KEYS):
         return "vllm"
-    if isinstance(config.get("model"), Mapping) or isinstance(config.get("language_model"), Mapping):
+    if isinstance(config.get("model"), Mapping) \
+            or isinstance(config.get("language_model"), Mapping):
         return "megatron"
     return None
 
@@ -53,14 +54,14 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
     contradicting the recipe is refused whichever host it belongs to. ``strict`` turns every
     rule and host warning into an :class:`FP8ConfigError`.
     """
-    from .hosts import ADAPTERS, get_adapter, load_context  # noqa: PLC0415
+    from .hosts import ADAPTERS, get_adapter, load_context
 
     ctx = load_context(path, hardware=hardware, model=model, model_config=model_config)
     own = get_adapter(host).name if host is not None else detect_host(ctx.resolved)
     report: dict[str, Any] = {"config": str(path), "host": own}
     request = ctx.request
     if request is None:
-        from .hosts import NO_REQUEST  # noqa: PLC0415
+        from .hosts import NO_REQUEST
 
         warning = NO_REQUEST
         near_misses = _near_request_keys(dict(ctx.resolved))
@@ -76,8 +77,9 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
         report["model_description"] = description.summary()
         for finding in request.spec.check_dims(description.dims()):
             if finding.level == "error":  # MXFP8 cannot run on a partial 32-element block
-                raise FP8ConfigError(finding.message, key=finding.key,
-                                     hint=f"recipe {request.spec.name!r} on model {description.name}")
+                raise FP8ConfigError(
+                    finding.message, key=finding.key,
+                    hint=f"recipe {request.spec.name!r} on model {description.name}")
             report["warnings"].append(f"{finding.key}: {finding.message}")
         try:
             layers, rule_warnings, notes = _layers_section(request.spec, description)
@@ -139,7 +141,7 @@ def _layers_section(spec, description) -> tuple[list[dict], list[str], list[str]
 def _hosts_section(ctx, own: str | None, names: list[str]) -> dict[str, Any]:
     """Every host's result of the apply pipeline on this config, the config's own host
     first. The own host's refusals propagate (``apply`` would refuse the same way)."""
-    from .hosts import get_adapter, run  # noqa: PLC0415
+    from .hosts import get_adapter, run
 
     out: dict[str, Any] = {}
     for name in ([own] if own else []) + [n for n in names if n != own]:
@@ -207,7 +209,7 @@ def render_text(report: dict[str, Any], *, all_hosts: bool = False, full: bool =
     else:
         lines.append("host: none detected from the config's shape (--host NAME shows one)")
     lines += [f"warning: {w}" for w in report.get("warnings", [])]
-    if own in hosts:
+    if own is not None and own in hosts:
         lines += [f"warning: {_with_host(w, own)}" for w in hosts[own].get("warnings", [])]
     lines.append(f"recipe: {recipe['name']}  (requested by {', '.join(report['keys'])}; "
                  f"{report['recipe_source']})")

@@ -108,8 +108,8 @@ def _edit_yaml(source: str, raw: Any, data: Any, written: Mapping[str, Any],
     differs = _first_difference(plain, raw)
     if differs is not None:
         raise FP8ConfigError(
-            f"ruamel.yaml (which apply edits the file with) reads this value differently from "
-            f"the safe loader, so the file cannot be edited in place", key=differs or None,
+            "ruamel.yaml (which apply edits the file with) reads this value differently from "
+            "the safe loader, so the file cannot be edited in place", key=differs or None,
             value=where, hint="spell the value the way YAML 1.2 reads it (true/false, not "
                               "yes/no/on/off; 0o17, not 017), or write -o OUT.json")
     indent, base = _best_indent(doc, source)
@@ -286,7 +286,7 @@ def _reads_as(text: str, data: Any) -> bool:
     from .registry import _safe_loader
 
     try:
-        got = yaml.load(text, Loader=_safe_loader())  # noqa: S506 - a SafeLoader subclass
+        got = yaml.load(text, Loader=_safe_loader())
     except Exception:  # what we wrote does not parse: not this text
         return False
     return _first_difference(got if got is not None else {}, data) is None

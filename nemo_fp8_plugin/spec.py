@@ -10,7 +10,9 @@ pay for torch.
 
 Transformer Engine (TE) names are given for each field. The TE recipe classes are
 ``DelayedScaling`` (scaling="delayed"), ``Float8CurrentScaling`` ("tensorwise"),
-``Float8BlockScaling`` ("block") and ``MXFP8BlockScaling`` ("mx").
+``Float8BlockScaling`` ("block"), ``MXFP8BlockScaling`` ("mx") and ``NVFP4BlockScaling``
+("nvfp4", FP4 elements: the "fp8" of ``training``/``generation`` then means the recipe's
+quantized format).
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ SCALING_KINDS = _caps.SCALING_KINDS
 scale from an amax history (TE DelayedScaling); tensorwise: per-tensor scale from the tensor's
 own amax (TE Float8CurrentScaling); block: one fp32 scale per 1x128 or 128x128 tile (TE
 Float8BlockScaling, DeepSeek-V3); mx: one E8M0 scale per 32 elements (OCP MXFP8, TE
-MXFP8BlockScaling)."""
+MXFP8BlockScaling); nvfp4: E2M1 elements, one E4M3 scale per 1x16 group or 16x16 weight tile
+and an fp32 scale per tensor (TE NVFP4BlockScaling)."""
 
-FP8_FORMATS = ("e4m3", "hybrid")
+FP8_FORMATS = ("e4m3", "hybrid", "e2m1")
 """e4m3: every FP8 tensor is E4M3 (TE Format.E4M3). hybrid: forward tensors (inputs,
-weights) E4M3, backward tensors (output gradients) E5M2 (TE Format.HYBRID). Pure E5M2
-is refused, as TE refuses it."""
+weights) E4M3, backward tensors (output gradients) E5M2 (TE Format.HYBRID). e2m1: every
+tensor is FP4 E2M1 (TE Format.E2M1, ``fp4_format``), the format of ``scaling: nvfp4`` and
+only of it. Pure E5M2 is refused, as TE refuses it."""
 
 FP8_MAX = _caps.FP8_MAX
 """Largest finite magnitude of each element format."""
@@ -74,11 +78,8 @@ def normalize_hardware(value: Any, key: str = "hardware") -> str | None:
         raise FP8ConfigError(f"unknown hardware {format_value(value)}", key=key, value=value,
                              hint=f"use an architecture ({', '.join(HARDWARE_ARCHS)}), a GPU "
                                   f"name such as h100, h200, b200, or a capability such as sm90")
-    if not arch.fp8:
-        raise FP8ConfigError(f"{value} is an {arch.name.capitalize()} GPU (SM{arch.sm[0][0]}"
-                             f"{arch.sm[0][1]}), which has no FP8 tensor cores", key=key,
-                             value=value, hint="FP8 needs Ada (SM89), Hopper (SM90) or Blackwell "
-                                               "(SM100); train in BF16 on this GPU")
+    # An Ampere GPU is a valid target that nothing runs on: the hardware findings say so (and
+    # what to do), so explain can report it rather than refuse the flag.
     return arch.name
 
 
@@ -337,8 +338,9 @@ class RecipeSpec:
 
     scaling: _caps.ScalingKind
     """Scaling strategy, one of :data:`SCALING_KINDS`. TE class: delayed -> DelayedScaling,
-    tensorwise -> Float8CurrentScaling, block -> Float8BlockScaling, mx -> MXFP8BlockScaling.
-    megatron-core ``fp8_recipe``: delayed, tensorwise, blockwise, mxfp8."""
+    tensorwise -> Float8CurrentScaling, block -> Float8BlockScaling, mx -> MXFP8BlockScaling,
+    nvfp4 -> NVFP4BlockScaling. megatron-core ``fp8_recipe``: delayed, tensorwise, blockwise,
+    mxfp8; nvfp4 is megatron-core's ``fp4_recipe: nvfp4`` (with ``fp4: e2m1``, FP8 off)."""
 
     description: str = ""
     """One line shown by ``nemo-fp8 recipes``."""
@@ -346,20 +348,23 @@ class RecipeSpec:
     fp8_format: str = "hybrid"
     """``"e4m3"`` or ``"hybrid"`` (default). Forward tensors are always E4M3 (max 448); output
     gradients are E4M3 under e4m3 and E5M2 (max 57344) under hybrid. TE ``fp8_format``
-    (Format.E4M3 / Format.HYBRID); megatron-core ``fp8``."""
+    (Format.E4M3 / Format.HYBRID); megatron-core ``fp8``. ``"e2m1"`` (FP4, max 6) for
+    ``scaling: nvfp4`` and only there: TE ``fp4_format`` (Format.E2M1); megatron-core ``fp4``."""
 
     activation_block: tuple[int, int] | None = None
     """Tile shape of activation (GEMM input) scales: None (default) = one scale per tensor;
-    [1, 128] for block; [1, 32] for mx. TE ``x_block_scaling_dim`` 1 (1x128) or 2 (128x128)."""
+    [1, 128] for block; [1, 32] for mx; [1, 16] for nvfp4. TE ``x_block_scaling_dim`` 1
+    (1x128) or 2 (128x128)."""
 
     weight_block: tuple[int, int] | None = None
     """Tile shape of weight scales: None (default) = per tensor; [128, 128] or [1, 128] for
     block (TE ``w_block_scaling_dim`` 2 or 1); [1, 32] or [32, 32] for mx (TE
-    ``enable_2d_quantization``). vLLM ``weight_block_size``."""
+    ``enable_2d_quantization``); [16, 16] or [1, 16] for nvfp4 (TE
+    ``disable_2d_quantization`` false / true). vLLM ``weight_block_size``."""
 
     gradient_block: tuple[int, int] | None = None
     """Tile shape of output-gradient scales: None (default) = per tensor; [1, 128] for block
-    (TE ``grad_block_scaling_dim`` 1); [1, 32] for mx."""
+    (TE ``grad_block_scaling_dim`` 1); [1, 32] for mx; [1, 16] for nvfp4."""
 
     pow2_scales: bool = False
     """Round every scale down to a power of two (clear its 23 mantissa bits). Default false.
@@ -496,6 +501,13 @@ class RecipeSpec:
                        "gradient_block": {(1, 128), (128, 128)}}
             default = {"activation_block": "[1, 128]", "weight_block": "[128, 128]",
                        "gradient_block": "[1, 128]"}
+        elif self.scaling == "nvfp4":
+            # TE's NVFP4BlockScaling: 1x16 groups for activations and gradients, 16x16 tiles
+            # for weights unless disable_2d_quantization (1x16 for every tensor).
+            allowed = {"activation_block": {(1, 16)}, "weight_block": {(16, 16), (1, 16)},
+                       "gradient_block": {(1, 16)}}
+            default = {"activation_block": "[1, 16]", "weight_block": "[16, 16]",
+                       "gradient_block": "[1, 16]"}
         else:
             allowed = {"activation_block": {(1, 32)}, "weight_block": {(1, 32), (32, 32)},
                        "gradient_block": {(1, 32)}}
@@ -516,6 +528,28 @@ class RecipeSpec:
                                      f"2D-scaled operands", key=two_d[1], value=[128, 128])
 
     def _check_combinations(self) -> None:
+        if (self.scaling == "nvfp4") != (self.fp8_format == "e2m1"):
+            if self.scaling == "nvfp4":
+                raise FP8ConfigError(f"NVFP4 elements are FP4 E2M1 (TE fp4_format E2M1); "
+                                     f"{self.fp8_format!r} is an FP8 format",
+                                     key="fp8_format", value=self.fp8_format, hint="use e2m1")
+            raise FP8ConfigError(f"e2m1 (FP4) is the element format of scaling: nvfp4 only, not "
+                                 f"of {self.scaling}", key="fp8_format", value="e2m1",
+                                 hint="use e4m3 or hybrid, or scaling: nvfp4")
+        if self.scaling == "nvfp4":
+            if self.pow2_scales:
+                raise FP8ConfigError("NVFP4 block scales are E4M3 under an fp32 per-tensor scale, "
+                                     "not powers of two", key="pow2_scales", value=True,
+                                     hint="set pow2_scales: false, or use mxfp8 (E8M0 scales)")
+            if self.fp8_dot_product_attention:
+                raise FP8ConfigError("Transformer Engine's NVFP4BlockScaling has no FP4/FP8 "
+                                     "attention (fp8_dpa is always false there)",
+                                     key="fp8_dot_product_attention", value=True)
+            if self.generation == "fp8":
+                raise FP8ConfigError(f"nvfp4 cannot generate: {_caps.NVFP4_GENERATION_REFUSAL}",
+                                     key="generation", value="fp8",
+                                     hint="set generation: bf16 (NVFP4 training, BF16 rollouts), "
+                                          "or use mxfp8 for FP8 rollouts on Blackwell")
         if self.scaling == "mx" and not self.pow2_scales:
             raise FP8ConfigError("MXFP8 scales are E8M0 (powers of two); pow2_scales must be true",
                                  key="pow2_scales", value=False)
@@ -548,34 +582,32 @@ class RecipeSpec:
         return [Finding(p.level, p.key, p.message)
                 for p in _caps.hardware_problems(self, self.hardware)]
 
-    def check_dims(self, dims: Mapping[str, int]) -> list[Finding]:
-        """Divisibility of named GEMM dimensions (hidden_size, ffn_hidden_size, ...) by the tiles.
+    def check_dims(self, dims: Mapping[str, int], *, tensor_parallel: int = 1) -> list[Finding]:
+        """Divisibility of named GEMM dimensions (hidden_size, ffn_hidden_size, ...), split
+        over ``tensor_parallel`` ranks, by what the recipe's GEMMs need
+        (:func:`nemo_fp8_plugin.capabilities.dimension_problems`).
 
-        Block scaling wants multiples of 128 (partial tiles work but waste a scale and, in
-        vLLM's block-FP8 path, are refused for N); MXFP8 requires multiples of 32.
+        Every FP8 GEMM needs multiples of 16 (TE ``assert_dim_for_fp8_exec``), MXFP8 and NVFP4
+        of 32 (errors); block scaling wants multiples of 128 (partial tiles work but waste a
+        scale and, in vLLM's block-FP8 path, are refused for N: a warning). Keys are
+        ``model.<name>``, or ``tensor_model_parallel_size`` when the TP split is at fault.
         """
-        out: list[Finding] = []
-        need = {"block": 128, "mx": 32}.get(self.scaling)
-        if need is None:
-            return out
-        for name, size in dims.items():
-            if isinstance(size, int) and size > 0 and size % need:
-                level = "error" if self.scaling == "mx" else "warning"
-                out.append(Finding(level, f"model.{name}",
-                                   f"{size} is not a multiple of {need} ({self.scaling} scaling tiles)"))
-        return out
+        found = _caps.dimension_problems(self.scaling, dict(dims), tensor_parallel=tensor_parallel)
+        return [Finding(p.level, p.key if p.key == "tensor_model_parallel_size" else f"model.{p.key}",
+                        p.message) for p in found]
 
     # ------------------------------------------------------------------ derived views
 
     @property
     def forward_format(self) -> str:
-        """Element format of inputs and weights: always ``"e4m3"``."""
-        return "e4m3"
+        """Element format of inputs and weights: ``"e4m3"`` (``"e2m1"`` for nvfp4)."""
+        return "e2m1" if self.fp8_format == "e2m1" else "e4m3"
 
     @property
     def gradient_format(self) -> str:
-        """Element format of output gradients: ``"e5m2"`` under hybrid, else ``"e4m3"``."""
-        return "e5m2" if self.fp8_format == "hybrid" else "e4m3"
+        """Element format of output gradients: ``"e5m2"`` under hybrid, ``"e2m1"`` for nvfp4,
+        else ``"e4m3"``."""
+        return {"hybrid": "e5m2", "e2m1": "e2m1"}.get(self.fp8_format, "e4m3")
 
     def format_for(self, role: str) -> str:
         """Element format for a GEMM operand role: ``input``, ``weight`` or ``grad_output``."""

@@ -7,7 +7,6 @@ README's first command (figures in docs/performance.md).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -34,7 +34,8 @@ def register(sub) -> None:
     where.add_argument("--diff", action="store_true",
                        help="print a unified diff of CONFIG and the result; write nothing")
     p.add_argument("--hardware", default=None,
-                   help="target GPU (h100, h200, b200, ...) or architecture for the hardware checks")
+                   help="target GPU (h100, h200, b200, ...) or architecture for the hardware "
+                        "checks")
     p.add_argument("--model", default=None, metavar="NAME",
                    help="resolve the per-layer rules against this built-in model, overriding the "
                         "model the config names (as explain does)")

@@ -17,7 +17,8 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the whole report as JSON (every host, every module)")
     p.add_argument("--hardware", default=None,
-                   help="target GPU (h100, h200, b200, ...) or architecture for the hardware checks")
+                   help="target GPU (h100, h200, b200, ...) or architecture for the hardware "
+                        "checks")
     p.add_argument("--model", default=None, metavar="NAME",
                    help="resolve the per-layer rules against this built-in model (HF id or short "
                         "name such as llama3.1-8b), overriding the model the config names")
@@ -33,7 +34,8 @@ def register(sub) -> None:
                    help="every detail: each recipe field on its own line, long values whole, "
                         "every host")
     p.add_argument("--strict", action="store_true",
-                   help="treat unmatched or shadowed rules, and rules a host cannot express, as errors")
+                   help="treat unmatched or shadowed rules, and rules a host cannot express, as "
+                        "errors")
     p.set_defaults(run=run)
 
 
