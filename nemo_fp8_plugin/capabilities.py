@@ -370,10 +370,14 @@ def _change(spec: _SpecLike, recipe: str | None = None, **fields: str) -> str:
     return "fp8: {" + ", ".join(items) + "}"
 
 
+def _needs(archs: frozenset[str]) -> str:
+    names = [arch_label(a.name) for a in ARCHS if a.name in archs]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def _training_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | None, dict]:
     """(why training cannot run on ``arch`` or None, the nearest recipe, the in-place fix)."""
     cap = CAPABILITIES[spec.scaling]
-    label = arch_label(arch)
     if arch in cap.training_archs:
         if spec.scaling == "block" and arch == "blackwell" and not spec.pow2_scales:
             return ("on Blackwell Transformer Engine emulates block scaling with MXFP8 and "
@@ -383,14 +387,13 @@ def _training_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | Non
     use = "rl" if spec.generation == "fp8" and cap.vllm_generation else "train"
     near = NEAREST.get((spec.scaling, arch, use))
     if spec.scaling == "mx":
-        why = ("MXFP8 training needs Blackwell (SM100/SM103)" + (
-            "; Transformer Engine refuses MXFP8 on SM 12.0+" if arch == "blackwell_sm120"
-            else "") + f", so it cannot run on {label}")
+        why = "MXFP8 training needs Blackwell (SM100/SM103)" + (
+            "; Transformer Engine refuses MXFP8 on SM 12.0+" if arch == "blackwell_sm120" else "")
     elif spec.scaling == "nvfp4":
-        why = (f"NVFP4 training needs the Blackwell data-center GPUs (SM100/SM103: B200, GB200, "
-               f"B300, GB300); it cannot run on {label}")
+        why = ("NVFP4 training needs the Blackwell data-center GPUs (SM100/SM103: B200, GB200, "
+               "B300, GB300)")
     else:
-        why = f"{cap.te_class} training cannot run on {label}"
+        why = f"{cap.te_class} training needs {_needs(cap.training_archs)}"
     return why, near, {}
 
 
@@ -399,8 +402,8 @@ def _generation_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | N
     if spec.generation != "fp8" or not cap.vllm_generation or arch in cap.generation_archs:
         return None, None
     what = "MXFP8" if spec.scaling == "mx" else "block FP8"
-    return (f"vLLM's {what} kernels do not run on {arch_label(arch)} (vLLM 0.32 falls back to "
-            f"weight-only or emulated kernels without an error)",
+    return (f"vLLM's {what} kernels need {_needs(cap.generation_archs)} (vLLM 0.32 falls back "
+            f"to weight-only or emulated kernels elsewhere, without an error)",
             _GENERATION_NEAREST.get((spec.scaling, arch)))
 
 
@@ -408,8 +411,9 @@ def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
     """What stops ``spec`` on ``arch`` (an :data:`ARCHS` name), each problem with the nearest
     recipe that runs there and the exact YAML change (:attr:`HardwareProblem.change`).
 
-    A recipe whose training and generation both fail with the same way out gets one problem,
-    so a config moved between GPU generations gets one message."""
+    A recipe whose training and generation both fail gets one problem naming the recipe that
+    trains there (its generation follows that recipe), so a config moved between GPU
+    generations gets one message."""
     label = arch_label(arch)
     if not any(a.name == arch and a.fp8 for a in ARCHS):
         return [HardwareProblem(
@@ -420,39 +424,42 @@ def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
     training = spec.training == "fp8"
     t_why, t_near, t_fix = _training_verdict(spec, arch) if training else (None, None, {})
     g_why, g_near = _generation_verdict(spec, arch)
-    if t_why and g_why and (t_near == g_near or g_near is None):
-        instead = t_near
-        change = _change(spec, instead) if instead else None
+    if t_why and g_why and not t_fix:
+        change = _change(spec, t_near) if t_near else None
         msg = (f"{spec.name} cannot run on {label}: {t_why}, and {g_why}; "
-               + (f"the nearest recipe that runs there is {instead}: `{change}`" if instead
-                  else "no FP8 recipe of this kind runs there"))
-        return [HardwareProblem("error", "hardware", msg, None, instead, change)]
+               + (f"the nearest recipe that runs there is {t_near}: `{change}`" if t_near
+                  else "no FP8 recipe runs there"))
+        return [HardwareProblem("error", "hardware", msg, None, t_near, change)]
     if t_why:
         if t_fix:
             fix = _change(spec, None, **t_fix)
             alt = _change(spec, t_near)
-            msg = (f"{t_why} (recipe {spec.name}); set `{fix}`, or use {t_near}: `{alt}`")
+            msg = (f"{spec.name} cannot train on {label}: {t_why}; set `{fix}`, or use "
+                   f"{t_near}: `{alt}`")
             out.append(HardwareProblem("error", next(iter(t_fix)), msg, "training", t_near, fix))
         else:
             change = _change(spec, t_near) if t_near else None
-            msg = (f"{t_why} (recipe {spec.name}); "
+            msg = (f"{spec.name} cannot train on {label}: {t_why}; "
                    + (f"the nearest recipe that trains there is {t_near}: `{change}`" if t_near
-                      else "no FP8 training recipe of this kind runs there"))
+                      else "no FP8 training recipe runs there"))
             out.append(HardwareProblem("error", "hardware", msg, "training", t_near, change))
     elif training and spec.scaling == "block" and arch == "hopper":
         out.append(HardwareProblem(
             "warning", "hardware", "block scaling on Hopper needs CUDA >= 12.9 (cuBLAS "
             "block-scaled GEMMs); `nemo-fp8 doctor` checks it", "training"))
     if g_why:
-        if g_near:
+        bf16 = _change(spec, None, generation="bf16")
+        if g_near and not training:
             change = _change(spec, g_near)
-            msg = (f"{g_why} (recipe {spec.name}); the nearest recipe that generates there is "
-                   f"{g_near}: `{change}`, or keep training as it is and set "
-                   f"`{_change(spec, None, generation='bf16')}`")
+            msg = (f"{spec.name} cannot generate on {label}: {g_why}; the nearest recipe that "
+                   f"generates there is {g_near}: `{change}`")
         else:
-            change = _change(spec, None, generation="bf16")
-            msg = f"{g_why} (recipe {spec.name}); generate in BF16 there: `{change}`"
-        out.append(HardwareProblem("error", "hardware", msg, "generation", g_near, change))
+            change = bf16 if training else None
+            msg = (f"{spec.name} cannot generate on {label}: {g_why}; "
+                   + (f"generate in BF16 there: `{change}`" if training
+                      else "no FP8 generation runs there"))
+        out.append(HardwareProblem("error", "hardware", msg, "generation",
+                                   g_near if not training else None, change))
     if spec.fp8_dot_product_attention and arch == "ada":
         out.append(HardwareProblem("warning", "fp8_dot_product_attention",
                                    "FP8 attention kernels target Hopper and Blackwell"))

@@ -159,8 +159,9 @@ def _spec_from_object(obj: Any, name: str, source: str) -> RecipeSpec:
     return obj
 
 
-# Built-ins in the order users meet them: per-tensor first, then tiles, then MX.
-_BUILTIN_ORDER = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8")
+# Built-ins in the order users meet them: per-tensor first, then tiles, then MX, then FP4.
+_BUILTIN_ORDER = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8",
+                  "nvfp4")
 
 
 def _load_builtins(registry: RecipeRegistry) -> None:

@@ -371,7 +371,8 @@ class RecipeSpec:
     TE: ``Float8CurrentScaling.use_power_2_scales`` / ``not Float8BlockScaling.use_f32_scales``,
     i.e. the quantizer parameters ``fp8_quant_{fwd_inp,fwd_weight,bwd_grad}.power_2_scale``,
     which TE fixes at import from ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` /
-    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``. Always true for mx (E8M0 scales are powers of two)."""
+    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``. Always true for mx (E8M0 scales are powers of two),
+    always false for nvfp4 (E4M3 block scales)."""
 
     amax_epsilon: float = 0.0
     """Floor applied to amax before the scale is computed: ``amax = max(amax, eps)``.
@@ -410,11 +411,14 @@ class RecipeSpec:
     false. megatron-core ``fp8_param``; NeMo 2 ``fp8_param_gather``."""
 
     training: str = "fp8"
-    """Precision of the training GEMMs: ``"fp8"`` (default) or ``"bf16"``. ``bf16`` with
-    ``generation: fp8`` is NeMo RL's generation-only FP8 mode."""
+    """Precision of the training GEMMs: ``"fp8"`` (default: the recipe's quantized format,
+    FP4 for nvfp4) or ``"bf16"``. ``bf16`` with ``generation: fp8`` is NeMo RL's
+    generation-only FP8 mode."""
 
     generation: str = "fp8"
-    """Precision of the generation engine's GEMMs (vLLM): ``"fp8"`` (default) or ``"bf16"``."""
+    """Precision of the generation engine's GEMMs (vLLM): ``"fp8"`` (default) or ``"bf16"``.
+    nvfp4 refuses ``fp8`` (no NVFP4 generation path: see
+    :data:`nemo_fp8_plugin.capabilities.NVFP4_GENERATION_REFUSAL`)."""
 
     kv_cache: str = "auto"
     """Generation KV cache dtype: ``"auto"`` (default, the model dtype) or ``"fp8"`` (E4M3,
@@ -428,9 +432,11 @@ class RecipeSpec:
 
     hardware: str | None = None
     """Target GPU architecture (``ada``, ``hopper``, ``blackwell``, ``blackwell_sm120``; GPU
-    names such as ``h100``, ``nvidia-smi`` names and ``sm90``-style capabilities are accepted,
-    Ampere and older refused). Default None: hardware rules are checked only when it is
-    stated. Rules: :func:`nemo_fp8_plugin.capabilities.hardware_problems`."""
+    names such as ``h100``, ``nvidia-smi`` names and ``sm90``-style capabilities are accepted;
+    an Ampere GPU such as ``a100`` is accepted and then refused by the hardware rules, since it
+    has no FP8). Default None: hardware rules are checked only when it is stated. Rules, with
+    the nearest recipe that runs and the YAML change:
+    :func:`nemo_fp8_plugin.capabilities.hardware_problems`."""
 
     # Fields whose values users may set from YAML (everything but the identity).
     OVERRIDABLE = (

@@ -2,7 +2,11 @@
 
 TE has four FP8 recipe classes: ``DelayedScaling`` (scaling ``delayed``),
 ``Float8CurrentScaling`` (``tensorwise``), ``Float8BlockScaling`` (``block``) and
-``MXFP8BlockScaling`` (``mx``). Two facts make building them by hand unsafe:
+``MXFP8BlockScaling`` (``mx``), and one FP4 class, ``NVFP4BlockScaling`` (``nvfp4``: its
+Hadamard transform, stochastic rounding, 2D weight tiles and "4over6" are class defaults read
+from ``NVTE_NVFP4_*`` at import, :data:`nemo_fp8_plugin.capabilities.ENV_NVFP4`, and its
+per-role ``fp4_quant_*`` parameters are derived from them in ``__post_init__``). Two facts make
+building them by hand unsafe:
 
 * TE's recipe dataclasses accept unknown keyword arguments without complaint, so a
   misspelt or version-dependent field is silently ignored. :func:`build_te_recipe`
@@ -60,7 +64,7 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from ..capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES, te_env
-from ..capabilities import ENV_BACKWARD_OVERRIDE
+from ..capabilities import ENV_BACKWARD_OVERRIDE, ENV_NVFP4, nvfp4_te_fields
 from ..errors import FP8ConfigError, HostUnavailableError
 from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
@@ -84,7 +88,10 @@ QUANTIZER_ROLES = {
 }
 """TE quantizer-parameter attribute -> the GEMM operand role it quantizes."""
 
-_FORMAT = {"hybrid": "HYBRID", "e4m3": "E4M3"}
+_FORMAT = {"hybrid": "HYBRID", "e4m3": "E4M3", "e2m1": "E2M1"}
+
+NVFP4_QUANTIZERS = ("fp4_quant_fwd_inp", "fp4_quant_fwd_weight", "fp4_quant_bwd_grad")
+"""``NVFP4BlockScaling``'s per-role quantizer parameters (derived from its fields)."""
 
 
 def _block_dim(block) -> int:
@@ -120,6 +127,22 @@ def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
                   "grad_block_scaling_dim": _block_dim(spec.gradient_block)}
         quantizers = {attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
                       for attr in QUANTIZER_ROLES}
+    elif spec.scaling == "nvfp4":
+        # TE 2.20 NVFP4BlockScaling: FP4 elements, E4M3 block scales, attention not quantized.
+        te = nvfp4_te_fields(spec)
+        fields = {"fp4_format": fmt, "fp8_format": "E4M3", **te, "fp8_dpa": False,
+                  "fp8_mha": False}
+        rht, sr, two_d = (not te["disable_rht"], not te["disable_stochastic_rounding"],
+                          not te["disable_2d_quantization"])
+        # What __post_init__ derives (read back, never set: a TE deriving them otherwise fails).
+        quantizers = {
+            "fp4_quant_fwd_inp": {"random_hadamard_transform": rht, "stochastic_rounding": False,
+                                  "fp4_2d_quantization": False},
+            "fp4_quant_fwd_weight": {"random_hadamard_transform": False,
+                                     "stochastic_rounding": False, "fp4_2d_quantization": two_d},
+            "fp4_quant_bwd_grad": {"random_hadamard_transform": rht, "stochastic_rounding": sr,
+                                   "fp4_2d_quantization": False},
+        }
     else:  # mx
         fields = {"fp8_format": fmt, "margin": spec.margin,
                   "enable_2d_quantization": spec.weight_block == (32, 32),
@@ -144,7 +167,7 @@ def required_env(spec: RecipeSpec) -> dict[str, str]:
 def _unsupported(spec: RecipeSpec) -> list[tuple[str, str]]:
     """(spec key, reason) for settings TE's recipe for this scaling kind has no field for."""
     out = []
-    if spec.scaling in ("delayed", "mx") and spec.amax_epsilon:
+    if spec.scaling in ("delayed", "mx", "nvfp4") and spec.amax_epsilon:
         out.append(("amax_epsilon", f"TE's {TE_RECIPE_CLASS[spec.scaling]} has no amax epsilon"))
     if spec.scaling == "delayed" and spec.pow2_scales:
         out.append(("pow2_scales", "TE's DelayedScaling has no power-of-2 scale option"))
@@ -202,13 +225,17 @@ def build_te_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
                                    key="scaling", value=spec.scaling,
                                    hint="upgrade transformer-engine")
     kwargs = dict(desc["fields"])
-    kwargs["fp8_format"] = te_recipe.Format[kwargs["fp8_format"]]
+    for name in ("fp8_format", "fp4_format"):
+        if name in kwargs:
+            kwargs[name] = te_recipe.Format[kwargs[name]]
     try:
         obj = cls(**kwargs)
     except (AssertionError, TypeError, ValueError) as exc:
         raise FP8ConfigError(f"Transformer Engine refuses {desc['class']}({_kw(desc['fields'])}): "
                              f"{exc}", key="scaling", value=spec.scaling) from None
     for attr, params in desc["quantizers"].items():
+        if attr in NVFP4_QUANTIZERS:
+            continue  # derived by NVFP4BlockScaling.__post_init__: read back below, not set
         # Recipe.__setattr__ is a plain setattr; TE's recipe states read these per instance.
         setattr(obj, attr, te_recipe.QParams(**params))
     problems = recipe_mismatches(obj, spec)
@@ -229,7 +256,8 @@ def _render(problems) -> str:
 
 _MISSING = "<missing>"
 _NUMERIC_FIELDS = ("fp8_format", "use_power_2_scales", "x_block_scaling_dim",
-                   "w_block_scaling_dim", "grad_block_scaling_dim", "backward_override")
+                   "w_block_scaling_dim", "grad_block_scaling_dim", "backward_override",
+                   "fp4_format", *ENV_NVFP4)
 
 
 def recipe_mismatches(obj: Any, spec: RecipeSpec, *,
@@ -251,7 +279,7 @@ def recipe_mismatches(obj: Any, spec: RecipeSpec, *,
         if name == "use_f32_scales" or (not check_fields and name not in _NUMERIC_FIELDS):
             continue
         have = getattr(obj, name, _MISSING)
-        if name == "fp8_format":
+        if name in ("fp8_format", "fp4_format"):
             have = getattr(have, "name", have)
         if name == "backward_override" and have is _MISSING:
             have = None  # TE < 2.15: no override exists, the backward is the recipe's own
@@ -273,6 +301,8 @@ def host_built_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
     te_recipe = te_recipe or import_te_recipe_module()
     desc = te_recipe_description(spec)
     cls = getattr(te_recipe, desc["class"])
+    if spec.scaling == "nvfp4":
+        return cls()  # megatron-core 0.16 fp4_utils.get_fp4_recipe: NVFP4BlockScaling()
     fmt = te_recipe.Format[desc["fields"]["fp8_format"]]
     if spec.scaling == "tensorwise":
         return cls(fp8_format=fmt, fp8_dpa=spec.fp8_dot_product_attention)
@@ -318,6 +348,31 @@ def _refuse_backward_override(spec: RecipeSpec, te_recipe: ModuleType, where: st
              f"starts (no nemo-fp8-plugin recipe uses it)")
 
 
+def _refuse_nvfp4_defaults(spec: RecipeSpec, te_recipe: ModuleType, where: str) -> None:
+    """The ``NVFP4BlockScaling`` class defaults TE fixed from ``NVTE_NVFP4_*`` at import,
+    against the fields the spec means (read from the class, not an instance: a bad value makes
+    the constructor assert, and the variable is what to name)."""
+    cls = getattr(te_recipe, "NVFP4BlockScaling", None)
+    if cls is None:
+        raise HostUnavailableError("this Transformer Engine has no NVFP4BlockScaling",
+                                   key="scaling", value="nvfp4",
+                                   hint="upgrade transformer-engine (>= 2.7)")
+    declared = getattr(cls, "__dataclass_fields__", {})
+    want_env = required_env(spec)
+    for field, want in nvfp4_te_fields(spec).items():
+        have = declared[field].default if field in declared else getattr(cls, field, _MISSING)
+        if have == want:
+            continue
+        var = ENV_NVFP4[field]
+        raise FP8ConfigError(
+            f"Transformer Engine in {where} would build NVFP4BlockScaling with {field}={have!r} "
+            f"(fixed from {var} when TE was imported; {var}={os.environ.get(var)!r} in this "
+            f"process now), but recipe {spec.name!r} needs {field}={want!r}",
+            key=var, value=os.environ.get(var),
+            hint=f"set {var}={want_env[var]} (or unset it) in the training process's "
+                 f"environment before it starts")
+
+
 def verify_host_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None, *,
                        where: str = "the training process") -> None:
     """Fail fast when TE, as imported in this process, would build a host-built recipe that
@@ -329,6 +384,9 @@ def verify_host_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None, *,
         return
     te_recipe = te_recipe or import_te_recipe_module()
     _refuse_backward_override(spec, te_recipe, where)
+    if spec.scaling == "nvfp4":
+        _refuse_nvfp4_defaults(spec, te_recipe, where)
+        return
     if spec.scaling not in ("block", "tensorwise"):
         return
     obj = host_built_recipe(spec, te_recipe)

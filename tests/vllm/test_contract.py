@@ -74,6 +74,8 @@ from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
 from nemo_fp8_plugin.registry import get_recipe, list_recipes
 from tiny_models import LLAMA, MIXTRAL, llama_state_dict, mixtral_state_dict, write_checkpoint
 
+pytestmark = pytest.mark.vllm
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(s.name for s in list_recipes())
 EXAMPLES = sorted(p for p in (REPO / "conf" / "examples").glob("*.yaml") if "vllm" in p.name)

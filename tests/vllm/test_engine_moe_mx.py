@@ -18,6 +18,9 @@ from test_engine_moe import PREFIX, _engine, check_against, experts_of, trainer_
 
 from tiny_models import MIXTRAL, mixtral_state_dict, write_checkpoint
 
+# slow: an MXFP8 MoE engine start and its refits (~35 s)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 RECIPE = "mxfp8"
 
 

@@ -162,6 +162,7 @@ def _hf_scales(config: dict, state_dict) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.slow
 def test_real_models_load_the_calibrated_scales(tmp_path, arch):
     config = LLAMA if arch == "llama" else MIXTRAL
     weights = llama_state_dict() if arch == "llama" else None

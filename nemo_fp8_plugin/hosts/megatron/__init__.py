@@ -3,8 +3,12 @@
 =====================================  ==========================================================
 ``TransformerConfig`` field             from the spec
 =====================================  ==========================================================
-``fp8``                                 ``fp8_format`` (``e4m3`` / ``hybrid``)
-``fp8_recipe``                          ``scaling``: delayed, tensorwise, blockwise, mxfp8
+``fp8``                                 ``fp8_format`` (``e4m3`` / ``hybrid``); null for nvfp4
+``fp8_recipe``                          ``scaling``: delayed, tensorwise, blockwise, mxfp8 (null
+                                        for nvfp4)
+``fp4``, ``fp4_recipe``, ``fp4_param``  nvfp4 only: ``e2m1``, ``nvfp4``, ``fp8_param``
+                                        (megatron-core 0.16.1 has them; FP8 and FP4 exclude
+                                        each other, so the FP8 fields are off)
 ``fp8_margin``, ``fp8_amax_history_len``, ``margin``, ``amax_history_len``, ``amax_compute_algo``
 ``fp8_amax_compute_algo``               (megatron-core reads them for delayed scaling only)
 ``fp8_wgrad``                           ``fp8_wgrad`` (always true: false is refused, see below)
@@ -70,10 +74,15 @@ __all__ = ["FP8_RECIPE", "FP8_FIELDS", "BF16_FIELDS", "PRECISION_CONFIG_FP8_FIEL
            "quant_recipe_object", "bf16_quant_recipe", "bf16_patterns", "apply_config",
            "apply_file", "section_path", "model_for_rules", "check_layer_counts", "merge_native",
            "remove_request_keys", "DDP_FIELDS", "ddp_config_fields", "optimizer_config_fields",
-           "build_ddp_config", "write_distributed_fields"]
+           "build_ddp_config", "write_distributed_fields", "FP4_FIELDS"]
 
 FP8_RECIPE = {kind: row.megatron_recipe for kind, row in CAPABILITIES.items()}
-"""Spec ``scaling`` -> megatron-core ``fp8_recipe``."""
+"""Spec ``scaling`` -> megatron-core ``fp8_recipe`` (for nvfp4: its ``fp4_recipe``, see
+:data:`FP4_FIELDS`)."""
+
+FP4_FIELDS = ("fp4", "fp4_recipe", "fp4_param")
+"""``TransformerConfig`` FP4 fields, written for nvfp4 (``fp4: e2m1``, ``fp4_recipe: nvfp4``,
+``fp4_param`` from the spec's ``fp8_param``)."""
 
 FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
               "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp8_param")
@@ -263,6 +272,8 @@ def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
     if spec.training != "fp8":
         return HostKeys(keys={}, warnings=[
             "megatron: training: bf16 in this recipe, so megatron-core gets no FP8 keys"])
+    if spec.scaling == "nvfp4":
+        return _fp4_fields(spec, model)
     keys: dict[str, Any] = {
         "fp8": spec.fp8_format,
         "fp8_recipe": FP8_RECIPE[spec.scaling],
@@ -282,6 +293,21 @@ def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
 
 
 
+def _fp4_fields(spec: RecipeSpec, model=None) -> HostKeys:
+    """nvfp4: megatron-core's FP4 fields with FP8 off (``TransformerConfig.__post_init__``
+    refuses both; ``get_fp4_recipe`` builds ``NVFP4BlockScaling()`` from TE's defaults, which
+    the environment of :func:`~nemo_fp8_plugin.hosts.te.required_env` pins). The FP8 recipe
+    fields are inert without ``fp8`` and left alone, but for ``fp8_recipe`` (null: none)."""
+    keys: dict[str, Any] = {"fp8": None, "fp8_recipe": None, "fp8_param": False,
+                            "fp4": "e2m1", "fp4_recipe": FP8_RECIPE["nvfp4"],
+                            "fp4_param": spec.fp8_param}
+    rules = _rules_keys(spec, model)
+    keys.update(rules.keys)
+    warnings = [f"megatron: {key}: {reason}; dropped" for key, reason in dropped_settings(spec)]
+    warnings += list(rules.warnings)
+    return HostKeys(keys=keys, warnings=warnings, env=required_env(spec))
+
+
 PRECISION_CONFIG_FP8_FIELDS = (
     "fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
     "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention",
@@ -299,6 +325,8 @@ def precision_config_fields(spec: RecipeSpec, model=None, *, host: str) -> HostK
                                            "precision config gets no FP8 fields"])
     mc = transformer_config_fields(spec, model)
     keys = {k: mc.keys[k] for k in PRECISION_CONFIG_FP8_FIELDS if k in mc.keys}
+    if spec.scaling == "nvfp4":  # NeMo 2.7.3 and Bridge 0.6.2 both have fp4 and fp4_recipe
+        keys.update({k: mc.keys[k] for k in ("fp4", "fp4_recipe")})
     keys.update(ddp_config_fields(spec))
     if "quant_recipe" in mc.keys:
         keys["quant_recipe"] = mc.keys["quant_recipe"]
@@ -317,7 +345,8 @@ def ddp_config_fields(spec: RecipeSpec) -> dict[str, bool]:
     optimizer warns for MXFP8 without both). Empty when training is not FP8."""
     if spec.training != "fp8":
         return {}
-    return {"fp8_param_gather": spec.fp8_param,
+    fp8 = spec.scaling != "nvfp4"  # FP4 parameters are TransformerConfig.fp4_param
+    return {"fp8_param_gather": fp8 and spec.fp8_param,
             "reuse_grad_buf_for_mxfp8_param_ag": spec.scaling == "mx" and spec.fp8_param}
 
 
@@ -327,7 +356,7 @@ def optimizer_config_fields(spec: RecipeSpec) -> dict[str, Any]:
     Empty when training is not FP8."""
     if spec.training != "fp8":
         return {}
-    return {"fp8_recipe": FP8_RECIPE[spec.scaling],
+    return {"fp8_recipe": FP8_RECIPE[spec.scaling] if spec.scaling != "nvfp4" else None,
             "reuse_grad_buf_for_mxfp8_param_ag": ddp_config_fields(spec)[
                 "reuse_grad_buf_for_mxfp8_param_ag"]}
 
@@ -470,7 +499,7 @@ def _construct(factory, kwargs: dict[str, Any], spec: RecipeSpec):
         return factory(**kwargs)
     except (ValueError, AssertionError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        key = next((k for k in (*BF16_FIELDS, *FP8_FIELDS) if k in msg), None)
+        key = next((k for k in (*BF16_FIELDS, *FP8_FIELDS, *FP4_FIELDS) if k in msg), None)
         raise FP8ConfigError(f"megatron-core refuses recipe {spec.name!r}: {msg}", key=key) from exc
 
 
@@ -551,8 +580,7 @@ def _merge(ctx) -> ApplyResult:
                              key=path[0], value=section)
     where = f"{path[0]}."
     # A quant_recipe of our own is compared like any key; someone else's contradicts ours.
-    conflicting = tuple(k for k in CONFLICTING_FIELDS
-                        if k != "quant_recipe" or "quant_recipe" not in hk.keys)
+    conflicting = tuple(k for k in CONFLICTING_FIELDS if k not in hk.keys)
     merge_native(section, hk.keys, where=where, conflicting=conflicting)
     write_distributed_fields(out, spec)  # the DDP side (fp8_param_gather, MXFP8 buffer reuse)
     notes = [f"megatron: export {var}={value} in the training process's environment "

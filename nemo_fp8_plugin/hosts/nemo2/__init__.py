@@ -21,13 +21,18 @@ So FP8 set on ``model.config`` is silently lost; this adapter only ever writes t
 ``fp8_param_gather``                          ``fp8_param`` (NeMo's name; it sets ``fp8_param`` too)
 ``reuse_grad_buf_for_mxfp8_param_ag``         true for MXFP8 with FP8 parameters (as NeMo's
                                               ``bf16_with_mxfp8_mixed``)
+``fp4``, ``fp4_recipe``                       nvfp4: ``e2m1``, ``nvfp4`` (NeMo 2.7.3's plugin has
+                                              them; ``fp8`` is null and ``fp8_recipe`` null)
 ``precision``, ``params_dtype``,              kept from the recipe's plugin; a new plugin gets
 ``pipeline_dtype``, ``autocast_enabled``,     NeMo's ``bf16_mixed`` values
 ``grad_reduce_in_fp32``
 ===========================================  ================================================
 
 Per-module BF16 rules (``bf16_layers.modules``) have no plugin argument; they go on
-``model.config.quant_recipe``, which the strategy does not overwrite.
+``model.config.quant_recipe``, which the strategy does not overwrite. Likewise FP4 parameters
+(nvfp4's ``fp8_param``): NeMo 2.7.3's ``MegatronMixedPrecision`` has ``fp4`` and
+``fp4_recipe`` but no ``fp4_param``, and the strategy copies only its ``DtypeConfig`` fields,
+so ``model.config.fp4_param`` (a megatron-core ``TransformerConfig`` field) is kept.
 
 The environment variable of :func:`nemo_fp8_plugin.hosts.te.required_env` belongs in the
 executor (``executor.env_vars`` in NeMo-Run, or the shell for ``--direct`` runs); nothing here
@@ -81,10 +86,22 @@ plugin yet. Dtypes are import paths: NeMo-Run's YAML loader resolves ``torch.bfl
 the dtype, while the ``{_target_: torch.bfloat16, _call_: false}`` form its ``--to-yaml``
 writes cannot be loaded back."""
 
+MODEL_CONFIG_FIELDS = ("quant_recipe", "fp4_param")
+"""Keys of :func:`plugin_fields` that go on ``model.config``, not on the plugin."""
+
+
 def plugin_fields(spec: RecipeSpec, model=None) -> HostKeys:
-    """``MegatronMixedPrecision`` FP8 arguments for ``spec`` (plain data), plus
-    ``quant_recipe`` (for ``model.config``) when per-module rules need one."""
-    return precision_config_fields(spec, model, host="nemo2")
+    """``MegatronMixedPrecision`` FP8 arguments for ``spec`` (plain data), plus the
+    ``model.config`` fields of :data:`MODEL_CONFIG_FIELDS` (``quant_recipe`` when per-module
+    rules need one, ``fp4_param`` for nvfp4)."""
+    hk = precision_config_fields(spec, model, host="nemo2")
+    if spec.training == "fp8" and spec.scaling == "nvfp4":
+        hk.keys["fp4_param"] = spec.fp8_param
+    return hk
+
+
+def _plugin_only(keys: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in keys.items() if k not in MODEL_CONFIG_FIELDS}
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
@@ -96,10 +113,13 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
         return hk
     fields = dict(hk.keys)
     quant = fields.pop("quant_recipe", None)
+    fp4_param = fields.pop("fp4_param", None)
     keys: dict[str, Any] = {"trainer": {"plugins": {"_target_": PLUGIN_TARGET,
                                                     **copy.deepcopy(BF16_MIXED), **fields}}}
     if quant is not None:
         keys["model"] = {"config": {"quant_recipe": quant_recipe_yaml(quant)}}
+    if fp4_param is not None:
+        keys.setdefault("model", {}).setdefault("config", {})["fp4_param"] = fp4_param
     return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
 
 
@@ -150,7 +170,7 @@ def plugin_config(spec: RecipeSpec, model=None, base: Mapping[str, Any] | None =
     from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision  # noqa: PLC0415
 
     hk = plugin_fields(spec, model)
-    fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
+    fields = _plugin_only(hk.keys)
     args = {k: _dtype(v) for k, v in (base or BF16_MIXED).items()}
     return run.Config(MegatronMixedPrecision, **args, **fields)
 
@@ -198,7 +218,7 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
                              key="trainer")
     plugins = getattr(trainer, "plugins", None)
     plugin = _find_plugin(plugins)
-    fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
+    fields = _plugin_only(hk.keys)
     if plugin is None:
         new = plugin_config(spec, model)
         if isinstance(plugins, list):
@@ -206,7 +226,7 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
         else:
             trainer.plugins = new
     else:
-        if getattr(plugin, "fp4", None):  # FP4 and FP8 are exclusive in megatron-core
+        if getattr(plugin, "fp4", None) and "fp4" not in fields:  # FP4, FP8: exclusive
             raise ConflictingKeyError(f"the recipe's precision plugin already sets fp4="
                                  f"{plugin.fp4!r}", key="trainer.plugins.fp4")
         for key, value in fields.items():
@@ -216,6 +236,8 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
 
         recipe.model.config.quant_recipe = run.Config(
             bf16_quant_recipe, patterns=bf16_patterns(hk.keys["quant_recipe"]))
+    if "fp4_param" in hk.keys:
+        recipe.model.config.fp4_param = hk.keys["fp4_param"]
     if callback:
         callbacks = list(getattr(trainer, "callbacks", None) or [])
         callbacks.append(callback_config(spec))
@@ -269,7 +291,7 @@ def _merge(ctx) -> ApplyResult:
     _refuse(spec, prefix="fp8." if "fp8" in request.keys else "")
     check_layer_counts(config, request)
     hk = plugin_fields(spec, ctx.model)
-    fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
+    fields = _plugin_only(hk.keys)
     out = remove_request_keys(config, request.keys)
     trainer = out.setdefault("trainer", {})
     if not isinstance(trainer, dict):
@@ -292,18 +314,22 @@ def _merge(ctx) -> ApplyResult:
                              key="trainer.plugins", value=plugins,
                              hint=f"NeMo 2 FP8 needs _target_: {PLUGIN_TARGET}")
     # NeMo's deprecated alias; a different value would contradict fp8_param_gather.
-    if "fp8_params" in plugin and plugin["fp8_params"] not in (None, spec.fp8_param):
+    if "fp8_params" in plugin and plugin["fp8_params"] not in (
+            None, fields.get("fp8_param_gather", spec.fp8_param)):
         raise ConflictingKeyError(f"already set to {format_value(plugin['fp8_params'])}",
                              key=f"{where}fp8_params", value=plugin["fp8_params"])
-    merge_native(plugin, fields, where=where, conflicting=("fp4",))
-    if "quant_recipe" in hk.keys:
+    merge_native(plugin, fields, where=where,
+                 conflicting=() if "fp4" in fields else ("fp4",))
+    model_fields = {k: hk.keys[k] for k in MODEL_CONFIG_FIELDS if k in hk.keys}
+    if model_fields:
         model = out.setdefault("model", {})
         cfg = model.setdefault("config", {}) if isinstance(model, dict) else None
         if not isinstance(cfg, dict):
-            raise FP8ConfigError("cannot place per-module rules: model.config is not a mapping",
-                                 key="model.config")
-        merge_native(cfg, {"quant_recipe": quant_recipe_yaml(hk.keys["quant_recipe"])},
-                     where="model.config.")
+            raise FP8ConfigError("cannot place per-module rules or fp4_param: model.config is "
+                                 "not a mapping", key="model.config")
+        if "quant_recipe" in model_fields:
+            model_fields["quant_recipe"] = quant_recipe_yaml(model_fields["quant_recipe"])
+        merge_native(cfg, model_fields, where="model.config.")
     notes = [f"nemo2: set {var}={value} in the executor's env_vars (or the shell, for "
              f"--direct runs), and add the start-of-training check: "
              f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]"
