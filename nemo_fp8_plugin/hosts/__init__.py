@@ -91,6 +91,8 @@ class ApplyResult:
             is a new document rather than an edit (Transformer Engine).
         removed: dotted keys of the input that ``data`` drops (the request keys it consumed).
         requested: whether the config asked for a recipe (False: ``data`` is the input).
+        runtime: which code applies these keys when the job runs (the host's own FP8 path,
+            or this package's), so nobody believes a path runs that does not.
     """
 
     data: Any
@@ -101,11 +103,12 @@ class ApplyResult:
     written: dict[str, Any] | None = None
     removed: list[str] = field(default_factory=list)
     requested: bool = True
+    runtime: str = ""
 
     def summary(self) -> dict[str, Any]:
         """The host section of ``explain --json``."""
         out: dict[str, Any] = {"keys": self.written or {}}
-        for name in ("removed", "env", "warnings", "notes"):
+        for name in ("removed", "env", "warnings", "notes", "runtime"):
             value = getattr(self, name)
             if value:
                 out[name] = value
@@ -352,6 +355,8 @@ def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
                                   value=err.value, hint=err.hint) from None
     if result.written is None:
         result.written, result.removed = diff_written(ctx.raw, result.data)
+    if not result.runtime:
+        result.runtime = getattr(adapter, "runtime", "")
     if ctx.strict and result.warnings:
         more = f" (and {len(result.warnings) - 1} more)" if len(result.warnings) > 1 else ""
         raise FP8ConfigError(result.warnings[0] + more, key="--strict",

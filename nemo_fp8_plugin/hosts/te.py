@@ -464,6 +464,8 @@ class TEAdapter:
     an edit of the input config."""
 
     name = "te"
+    runtime = ("your script constructs Transformer Engine's recipe from this description; "
+               "nemo_fp8_plugin.hosts.te.build_te_recipe builds it and reads every field back")
     follows_defaults = True  # the output is a description, so a parent's request is fine
 
     def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:

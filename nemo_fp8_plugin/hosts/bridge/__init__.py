@@ -25,6 +25,12 @@ callback and :func:`mixed_precision_config` need.
 ``reuse_grad_buf_for_mxfp8_param_ag``            MXFP8 with FP8 parameters (Bridge requires it)
 =============================================  =============================================
 
+``nvfp4`` is Bridge's own registered ``bf16_with_nvfp4_mixed`` (``fp4: e2m1``,
+``fp4_recipe: nvfp4``, ``fp4_param_gather``; :data:`BRIDGE_RECIPES`): ``apply`` writes
+``mixed_precision: bf16_with_nvfp4_mixed`` when the spec has exactly its fields (else the
+expanded block, with ``fp4_param_gather`` for ``fp8_param``), and :func:`register` adds no
+duplicate of it.
+
 Per-module BF16 rules go to ``quant_recipe`` of the model's TransformerConfig (``setup`` does
 not overwrite it): ``model.quant_recipe`` for a model provider (a megatron-core
 ``TransformerConfig`` subclass), ``model.transformer.quant_recipe`` for a ``GPTModelConfig`` /
@@ -84,10 +90,41 @@ def base_fields(kind: str = "bf16") -> dict[str, Any]:
 
 _BASE_NAMES = {"bf16_mixed": "bf16", "bf16-mixed": "bf16", "fp16_mixed": "fp16", "fp16-mixed": "fp16"}
 
+BRIDGE_RECIPES = {"nvfp4": "bf16_with_nvfp4_mixed"}
+"""Plugin recipe -> the Megatron-Bridge recipe (0.6.2 and HEAD) registered with the same
+fields, used instead of registering a duplicate."""
+
+BRIDGE_RECIPE_FIELDS = {
+    "bf16_with_nvfp4_mixed": {"fp8": None, "fp4": "e2m1", "fp4_recipe": "nvfp4",
+                              "fp8_param_gather": False, "fp4_param_gather": True,
+                              "first_last_layers_bf16": False, "num_layers_at_start_in_bf16": 0,
+                              "num_layers_at_end_in_bf16": 0,
+                              "reuse_grad_buf_for_mxfp8_param_ag": False},
+}
+"""The fields each recipe of :data:`BRIDGE_RECIPES` sets on ``bf16_mixed()`` (checked against
+Bridge 0.6.2's own function in ``tests/test_nvfp4_hosts.py``)."""
+
+
 def mixed_precision_fields(spec: RecipeSpec, model=None) -> HostKeys:
     """Bridge ``MixedPrecisionConfig`` FP8 fields for ``spec`` (plain data), plus
-    ``quant_recipe`` (for ``model.quant_recipe``) when per-module rules need one."""
-    return precision_config_fields(spec, model, host="bridge")
+    ``quant_recipe`` (for ``model.quant_recipe``) when per-module rules need one; for nvfp4
+    also ``fp4_param_gather`` (Bridge's name for FP4 parameters, kept in sync with
+    ``fp4_param``)."""
+    hk = precision_config_fields(spec, model, host="bridge")
+    if spec.training == "fp8" and spec.scaling == "nvfp4":
+        hk.keys["fp4_param_gather"] = spec.fp8_param
+    return hk
+
+
+def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:
+    """Bridge's own recipe with exactly ``spec``'s mixed-precision fields (``fp8_recipe`` is
+    inert without ``fp8``), or None."""
+    name = BRIDGE_RECIPES.get(spec.scaling if spec.scaling == "nvfp4" else spec.name)
+    if name is None or spec.training != "fp8":
+        return None
+    fields = {k: v for k, v in mixed_precision_fields(spec, model).keys.items()
+              if k not in ("quant_recipe", "fp8_recipe")}
+    return name if fields == BRIDGE_RECIPE_FIELDS[name] else None
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
@@ -97,8 +134,9 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
         return hk
     fields = dict(hk.keys)
     quant = fields.pop("quant_recipe", None)
-    keys: dict[str, Any] = {"mixed_precision": {"_target_": MIXED_PRECISION_TARGET,
-                                                **base_fields("bf16"), **fields}}
+    own = bridge_recipe_name(spec, model)
+    keys: dict[str, Any] = {"mixed_precision": own or {"_target_": MIXED_PRECISION_TARGET,
+                                                       **base_fields("bf16"), **fields}}
     if quant is not None:
         keys["model"] = {"quant_recipe": _quant_recipe_yaml(quant)}
     return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
@@ -145,7 +183,9 @@ def mixed_precision_config(spec: RecipeSpec | str | Mapping, model=None, *,
     verify_installed_te(spec, where="the Megatron-Bridge training process")
     mp = _mp_module(mp_module)
     hk = mixed_precision_fields(spec, model)
-    cfg = mp.bf16_mixed()
+    own = BRIDGE_RECIPES.get(spec.scaling if spec.scaling == "nvfp4" else spec.name)
+    # Start from Bridge's own recipe where it has one (nvfp4: bf16_with_nvfp4_mixed).
+    cfg = getattr(mp, own)() if own and hasattr(mp, own) else mp.bf16_mixed()
     for key, value in hk.keys.items():
         if key == "quant_recipe":
             continue  # a model field, not a mixed-precision one
@@ -168,7 +208,11 @@ def register(mp_module: ModuleType | None = None, *, names: list[str] | None = N
 
     mp = _mp_module(mp_module)
     table = mp.MIXED_PRECISION_RECIPES
-    wanted = names if names is not None else [s.name for s in list_recipes()]
+    # A recipe Bridge already registers under its own name (nvfp4: bf16_with_nvfp4_mixed) is
+    # not registered twice.
+    wanted = names if names is not None else [
+        s.name for s in list_recipes()
+        if BRIDGE_RECIPES.get(s.scaling if s.scaling == "nvfp4" else s.name) is None]
     added: list[str] = []
     for name in wanted:
         factory = _bridge_factory(name, mp)
@@ -303,7 +347,12 @@ def _merge(ctx) -> ApplyResult:
     if "mixed_precision" in request.keys:
         current = None  # it named one of our recipes: replaced by the block
     fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
-    if current is None or isinstance(current, str):
+    own = bridge_recipe_name(spec, ctx.model)
+    notes: list[str] = []
+    if own is not None and (current is None or current == own
+                            or _BASE_NAMES.get(current) == "bf16"):
+        block: Any = own  # Bridge's own registered recipe, by name
+    elif current is None or isinstance(current, str):
         if current is not None and current not in _BASE_NAMES:
             raise ConflictingKeyError(f"already names the Megatron-Bridge recipe {current!r}, which "
                                  f"conflicts with FP8 recipe {spec.name!r}", key="mixed_precision",
@@ -326,11 +375,15 @@ def _merge(ctx) -> ApplyResult:
         section, where = transformer_section(out)
         merge_native(section, {"quant_recipe": _quant_recipe_yaml(hk.keys["quant_recipe"])},
                      where=where)
-    notes = [f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
-             f"applied after Transformer Engine is imported); stock Bridge builds this "
-             f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."
-             f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start"
-             for var, value in hk.env.items()]
+    if spec.scaling == "nvfp4" and own is None:
+        notes.append(f"bridge: {spec.name} as requested differs from Megatron-Bridge's "
+                     f"bf16_with_nvfp4_mixed (BF16 layers, FP4 parameters or the base), so the "
+                     f"MixedPrecisionConfig block is written instead of that name")
+    notes += [f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
+              f"applied after Transformer Engine is imported); stock Bridge builds this "
+              f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."
+              f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start"
+              for var, value in hk.env.items()]
     return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
 
 
@@ -359,6 +412,9 @@ class BridgeAdapter(ConfigEditAdapter):
     """Megatron-Bridge (a ``mixed_precision`` block of ``MixedPrecisionConfig`` fields)."""
 
     name = "bridge"
+    runtime = ("Megatron-Bridge's own MixedPrecisionConfig applies these fields at setup; this "
+               "package runs in training only through FP8ScaleRefreshBridgeCallback, or when "
+               "the script calls nemo_fp8_plugin.hosts.bridge.register()")
 
     def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
         return native_keys(spec, ctx.model if ctx is not None else None)
@@ -374,7 +430,14 @@ class BridgeAdapter(ConfigEditAdapter):
         except Exception as exc:  # noqa: BLE001 - Bridge's import needs TE and a GPU build
             return [f"bridge: not checked (Megatron-Bridge is not importable here: "
                     f"{type(exc).__name__})"]
-        block = {k: v for k, v in (result.data.get("mixed_precision") or {}).items()
+        named = result.data.get("mixed_precision")
+        if isinstance(named, str):  # Bridge's own recipe, by name
+            from megatron.bridge.training.mixed_precision import (  # noqa: PLC0415
+                get_mixed_precision_config)
+
+            get_mixed_precision_config(named)
+            return [f"bridge: Megatron-Bridge resolves mixed_precision: {named}"]
+        block = {k: v for k, v in (named or {}).items()
                  if k != "_target_" and not isinstance(v, Mapping)}
         try:
             MixedPrecisionConfig(**block)

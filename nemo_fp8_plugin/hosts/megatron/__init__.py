@@ -644,6 +644,9 @@ class MegatronAdapter(ConfigEditAdapter):
     """megatron-core (``TransformerConfig`` fields in a YAML ``model:`` section)."""
 
     name = "megatron"
+    runtime = ("megatron-core builds Transformer Engine's recipe from these TransformerConfig "
+               "fields (fp8_utils.get_fp8_recipe); no code of this package runs unless the "
+               "training script calls nemo_fp8_plugin.hosts.megatron.build_transformer_config")
 
     def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
         return transformer_config_fields(spec, ctx.model if ctx is not None else None)

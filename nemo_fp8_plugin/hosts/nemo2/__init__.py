@@ -368,6 +368,9 @@ class NeMo2Adapter(ConfigEditAdapter):
     """NeMo 2 (NeMo-Run YAML; a ``MegatronMixedPrecision`` plugin in ``trainer.plugins``)."""
 
     name = "nemo2"
+    runtime = ("NeMo's own MegatronMixedPrecision plugin copies these fields onto the model, "
+               "optimizer and DDP configs; this package runs in training only through the "
+               "<recipe>_callback factories (TE check, scale refresh)")
 
     def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
         return native_keys(spec, ctx.model if ctx is not None else None)

@@ -699,6 +699,10 @@ class NeMoRLAdapter:
     ``resolve``: write the fully merged config instead of an overlay of the input file."""
 
     name = "nemo-rl"
+    runtime = ("NeMo RL's own FP8 paths: Megatron fp8_cfg for training, its init_fp8 patching "
+               "of vLLM's fp8 method for generation (refit and KV scales inside its workers), "
+               "ClippedPGLossFn for importance sampling; the plugin's nemo_fp8 vLLM method, "
+               "refit quantizer and IS functions are not used")
     follows_defaults = True
 
     def __init__(self, resolve: bool = False):

@@ -133,6 +133,9 @@ class VLLMAdapter(ConfigEditAdapter):
     """vLLM (an engine config: ``vllm serve --config`` YAML / ``vllm.LLM(**kwargs)``)."""
 
     name = "vllm"
+    runtime = ("vLLM loads this package's nemo_fp8 quantization method (entry point "
+               "nemo_fp8_plugin.hosts.vllm:register), so the package must be installed where "
+               "vLLM runs; in-place refit goes through its worker extension")
 
     def spell(self, spec, ctx=None) -> HostKeys:
         return native_keys(spec, ctx.model if ctx is not None else None)
