@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import FP8ConfigError, format_value, suggest
+from .errors import LIMITS, FP8ConfigError, check_limit, format_value, suggest
 from .registry import RecipeRegistry, default_registry, load_yaml_file
 from .spec import RecipeSpec, normalize_hardware
 
 __all__ = ["STANDARD_PRECISIONS", "FP8Request", "load_config", "deep_merge", "find_fp8_request",
-           "resolve_config", "get_path", "FP8_BLOCK_EXTRA_KEYS", "load_config_chain"]
+           "resolve_config", "get_path", "FP8_BLOCK_EXTRA_KEYS", "load_config_chain",
+           "regular_file"]
 
 STANDARD_PRECISIONS = frozenset({
     # torch dtypes as NeMo RL / Megatron write them
@@ -59,11 +60,16 @@ class FP8Request:
         keys: dotted keys that carried the request, e.g. ``("policy.precision",)`` or
             ``("precision", "fp8")``; host adapters consume exactly these.
         model: the model the config names for per-layer resolution, or None.
+        hardware: the target architecture stated by ``--hardware`` or ``fp8.hardware``
+            (normalized: ``hopper``, ``blackwell``, ...), or None.
+        hardware_key: where it was stated (``--hardware`` or ``fp8.hardware``), or None.
     """
 
     spec: RecipeSpec
     keys: tuple[str, ...]
     model: str | None = None
+    hardware: str | None = None
+    hardware_key: str | None = None
 
 
 def get_path(mapping: Any, path: tuple[str, ...] | str, default: Any = None) -> Any:
@@ -104,12 +110,16 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     """One YAML file, parsed safely; every problem an :class:`FP8ConfigError` naming it."""
     if path.is_dir():
         raise FP8ConfigError(f"{path} is a directory; name a YAML config file", value=str(path))
-    if not path.is_file():
+    if not path.exists():
         raise FP8ConfigError(f"config file not found: {path}", key=None, value=str(path))
     try:
-        data = load_yaml_file(path)
+        data = load_yaml_file(path)  # a FIFO or device is refused there, before any read
+    except FP8ConfigError:
+        raise
     except UnicodeDecodeError:
         raise FP8ConfigError(f"{path} is not a UTF-8 text file") from None
+    except OSError:
+        raise  # unreadable (permissions, I/O): the CLI names the path
     except Exception as exc:  # yaml.YAMLError and friends; the file is the user's
         msg = str(exc).replace("\n", " ")
         raise FP8ConfigError(f"{path} is not valid YAML: {msg}") from None
@@ -121,22 +131,66 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-def _merge_chain(data: dict[str, Any], path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+def regular_file(path: str | Path, *, key: str | None, what: str = "file") -> Path:
+    """``path`` if it names a regular file (symlinks followed); else an
+    :class:`FP8ConfigError` naming ``key``. Read nothing that is not one: a FIFO blocks its
+    reader until someone writes, ``/dev/zero`` never ends."""
+    import stat
+
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FP8ConfigError(f"{what} not found: {path}", key=key, value=str(path)) from None
+    except OSError as exc:
+        raise FP8ConfigError(f"cannot read {path}: {exc.strerror or exc}", key=key,
+                             value=str(path)) from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) \
+            else "a special file"
+        raise FP8ConfigError(f"{path} is {kind}, not a regular {what}", key=key, value=str(path))
+    return path
+
+
+class _Chain:
+    """One command's walk of a ``defaults:`` chain: each file parsed once (a parent two
+    children share is not read twice), and the walk bounded (``LIMITS.defaults_*``)."""
+
+    def __init__(self) -> None:
+        self.parsed: dict[Path, dict[str, Any]] = {}
+        self.references = 0
+
+    def read(self, path: Path) -> dict[str, Any]:
+        key = path.resolve()
+        if key not in self.parsed:
+            self.parsed[key] = _read_mapping(path)
+        return self.parsed[key]
+
+
+def _merge_chain(data: dict[str, Any], path: Path, chain: tuple[Path, ...],
+                 state: _Chain | None = None) -> dict[str, Any]:
     """``data`` (the parsed ``path``) with its ``defaults:`` parents merged in, parent-first."""
     if "defaults" not in data:
         return data
     parents = _defaults_paths(data["defaults"], path)
     if parents is None:
         return data
+    state = state or _Chain()
     resolved = path.resolve()
     if resolved in chain:
         raise FP8ConfigError(f"defaults chain loops back to {path}", key="defaults")
+    check_limit(len(chain) + 1, LIMITS.defaults_depth, f"defaults chain of {path} is too "
+                f"long: files deep", key="defaults")
     merged: dict[str, Any] = {}
     for parent in parents:
-        if not parent.is_file():
-            raise FP8ConfigError(f"parent config {data['defaults']!r} not found (looked for {parent})",
-                                 key="defaults", value=data["defaults"])
-        merged = deep_merge(merged, load_config(parent, _chain=chain + (resolved,)))
+        state.references += 1
+        check_limit(state.references, LIMITS.defaults_files, f"defaults chain of {path} names "
+                    f"too many parent files", key="defaults")
+        if not parent.exists():
+            raise FP8ConfigError(f"parent config {format_value(data['defaults'])} not found "
+                                 f"(looked for {parent})", key="defaults", value=data["defaults"])
+        parsed = copy.deepcopy(state.read(parent))
+        merged = deep_merge(merged, _merge_chain(parsed, parent, chain + (resolved,), state))
     child = {k: v for k, v in data.items() if k != "defaults"}
     return deep_merge(merged, child)
 
@@ -150,26 +204,48 @@ def load_config(path: str | Path, *, follow_defaults: bool = True,
 
 
 def load_config_chain(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(as written, with its defaults: chain merged)``, the file parsed once; the second
-    is the first itself when there is no chain (callers must not mutate either)."""
+    """``(as written, with its defaults: chain merged)``, each file of the chain parsed once;
+    the second is the first itself when there is no chain (callers must not mutate either)."""
     path = Path(path)
     raw = _read_mapping(path)
-    return raw, _merge_chain(copy.deepcopy(raw), path, ())
+    state = _Chain()
+    state.parsed[path.resolve()] = raw
+    return raw, _merge_chain(copy.deepcopy(raw), path, (), state)
+
+
+_NUMERIC_PRECISIONS = (16, 32, 64)
+"""Lightning's integer precisions (``precision: 16``), which pass through like their names."""
+
+
+def _unknown_recipe(reg: RecipeRegistry, value: Any, key: str) -> FP8ConfigError:
+    """The error for a value that names no recipe. Bare ``fp8`` gets what to write instead of
+    the nearest name by spelling (``mxfp8``, another format altogether): it is NeMo RL's vLLM
+    spelling (``policy.generation.vllm_cfg.precision: fp8``), which runs block FP8."""
+    err = reg.unknown(value, key=key)
+    if isinstance(value, str) and value.strip().lower().replace("-", "_") in ("fp8", "fp8_mixed"):
+        err = FP8ConfigError(err.bare_message, key=key, value=value, hint=(
+            "`fp8` alone is NeMo RL's vLLM spelling, not one recipe; write fp8_blockwise for "
+            "the block FP8 NeMo RL generation runs, or one of: " + ", ".join(reg.names())))
+    return err
 
 
 def _precision_recipe(value: Any, key: str) -> str | None:
-    """The recipe a precision value names, None for a standard precision."""
-    if value is None or isinstance(value, (bool, int, float)):
+    """The recipe a precision value names; None for nothing or a standard (non-FP8)
+    precision. Anything else is refused: a value that is neither must not read as "no FP8
+    requested"."""
+    reg = default_registry()
+    if value is None or (type(value) is int and value in _NUMERIC_PRECISIONS):
         return None
     if not isinstance(value, str):
-        raise FP8ConfigError(f"expected a precision name, got {format_value(value)}", key=key,
-                             value=value)
-    reg = default_registry()
+        raise FP8ConfigError(f"expected a recipe or precision name, got {format_value(value)}",
+                             key=key, value=value,
+                             hint=f"a recipe ({', '.join(reg.names())}), a precision such as "
+                                  f"bf16 or bf16-mixed, or nothing")
     if value in reg:
         return value
     if value.strip().lower() in STANDARD_PRECISIONS or value.startswith("${"):
         return None
-    raise reg.unknown(value, key=key)
+    raise _unknown_recipe(reg, value, key)
 
 
 _RECIPE_ONLY_FIELDS = ("pow2_scales", "bf16_layers", "fp8_format", "activation_block",
@@ -197,15 +273,19 @@ def _bridge_recipe(value: str, reg: RecipeRegistry) -> str | None:
             return name
     squashed = value.replace("-", "_").lower()
     if squashed.startswith(("fp8", "mxfp8")) and suggest(squashed, reg.names()) is not None:
-        raise reg.unknown(value, key="mixed_precision")
+        raise _unknown_recipe(reg, value, "mixed_precision")
     return None
 
 
-def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) -> FP8Request | None:
+def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None,
+                     check_hardware: bool = True) -> FP8Request | None:
     """The FP8 recipe a config asks for, or None when it asks for none.
 
     ``hardware`` (a GPU name or architecture) overrides ``fp8.hardware`` for validation.
-    Raises :class:`FP8ConfigError` naming the key for every mistake.
+    ``check_hardware=False`` (``explain``, ``doctor``: they report what cannot run rather than
+    refuse) leaves the target out of the spec and only in :attr:`FP8Request.hardware`; the
+    spelling of the target is still checked. Raises :class:`FP8ConfigError` naming the key
+    for every mistake.
     """
     if not isinstance(config, Mapping):
         raise FP8ConfigError(f"a config must be a mapping, got {format_value(config)}")
@@ -220,6 +300,12 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
         bridge_name = _bridge_recipe(bridge_value, reg)
         if bridge_name is not None:
             named.append(("mixed_precision", bridge_name))
+    elif bridge_value is not None and not isinstance(bridge_value, Mapping):
+        # Bridge's field holds a recipe name or a MixedPrecisionConfig block, nothing else.
+        raise FP8ConfigError(f"expected a recipe name or a mapping, got "
+                             f"{format_value(bridge_value)}", key="mixed_precision",
+                             value=bridge_value, hint=f"a recipe ({', '.join(reg.names())}), "
+                             f"a Megatron-Bridge recipe such as bf16_mixed, or its block")
 
     block = config.get("fp8")
     overrides: dict[str, Any] = {}
@@ -227,7 +313,7 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
     if block is not None:
         if isinstance(block, str):
             if block not in reg:
-                err = reg.unknown(block, key="fp8")
+                err = _unknown_recipe(reg, block, "fp8")
                 if block.strip().lower() in _NATIVE_FP8_VALUES:
                     # megatron-core's and NeMo's own `fp8: hybrid|e4m3` switch, at the root
                     err = FP8ConfigError(err.bare_message, key="fp8", value=block, hint=(
@@ -254,7 +340,7 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
                     raise FP8ConfigError(f"expected a recipe name, got {format_value(block['recipe'])}",
                                          key="fp8.recipe", value=block["recipe"])
                 if block["recipe"] not in reg:
-                    raise reg.unknown(block["recipe"], key="fp8.recipe")
+                    raise _unknown_recipe(reg, block["recipe"], "fp8.recipe")
                 named.append(("fp8.recipe", block["recipe"]))
             elif not named:
                 raise FP8ConfigError("is required: the fp8 block must start from a registered recipe",
@@ -277,8 +363,14 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
         raise FP8ConfigError(f"conflicting recipes: {where}", key=named[1][0], value=named[1][1],
                              hint="name one recipe, or make every key name the same one")
     spec = reg.get(distinct[0])
+    target = target_key = None
     if hardware is not None:
-        overrides["hardware"] = normalize_hardware(hardware, key="--hardware")
+        overrides["hardware"] = target = normalize_hardware(hardware, key="--hardware")
+        target_key = "--hardware"
+    elif isinstance(block, Mapping) and block.get("hardware") is not None:
+        target, target_key = normalize_hardware(block["hardware"], key="fp8.hardware"), "fp8.hardware"
+    if not check_hardware:
+        overrides.pop("hardware", None)
     if overrides:
         try:
             spec = spec.with_overrides(overrides, prefix="fp8")
@@ -296,7 +388,7 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None) 
         keys = keys + ("fp8",)
     if model is None:
         model = _model_named_by_host(config)
-    return FP8Request(spec=spec, keys=keys, model=model)
+    return FP8Request(spec=spec, keys=keys, model=model, hardware=target, hardware_key=target_key)
 
 
 def _model_named_by_host(config: Mapping[str, Any]) -> str | None:

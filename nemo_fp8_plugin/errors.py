@@ -11,13 +11,72 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["FP8ConfigError", "RecipeRegistryError", "HostUnavailableError", "ConflictingKeyError",
-           "format_value", "suggest"]
+           "format_value", "suggest", "LIMITS", "Limits", "check_limit"]
+
+
+class Limits:
+    """Ceilings on every size a user's input controls that drives work (docs/refusals.md).
+
+    Each is far above any real config or model (the largest ones the plugin knows have 126
+    layers, 384 experts, a few thousand YAML nodes and defaults chains three files deep), so
+    only a mistake or a hostile file reaches one; past it, the command refuses with one line
+    naming the key instead of running for hours or exhausting memory. Tests lower them with
+    ``monkeypatch.setattr(LIMITS, name, n)``.
+    """
+
+    config_bytes: int = 16 * 2**20
+    """Largest config file read (YAML or JSON), in bytes."""
+    yaml_depth: int = 64
+    """Deepest nesting of mappings and lists in a config."""
+    yaml_nodes: int = 200_000
+    """Most values in a config once its aliases are expanded (what every later step walks)."""
+    yaml_aliases: int = 1_000
+    """Most alias references (``*name``) in a config."""
+    defaults_depth: int = 16
+    """Longest NeMo RL ``defaults:`` chain (a file, its parent, the parent's parent...)."""
+    defaults_files: int = 64
+    """Most files a ``defaults:`` chain may name in all."""
+    layers: int = 4_096
+    """Most transformer layers of a model description."""
+    experts: int = 4_096
+    """Most MoE experts per layer of a model description."""
+    modules: int = 2_000_000
+    """Most per-module decisions a model description may need (layers x linear modules)."""
+
+
+LIMITS = Limits()
+"""The ceilings in force (:class:`Limits`)."""
+
+
+def check_limit(count: int, limit: int, what: str, *, key: str | None, hint: str | None = None,
+                value: Any = None) -> None:
+    """Refuse ``count`` above ``limit`` with one line naming ``key`` and the limit."""
+    if count > limit:
+        raise FP8ConfigError(f"{what}: {count} is more than the limit of {limit}", key=key,
+                             value=value if value is not None else count,
+                             hint=hint or "see docs/refusals.md (limits)")
 
 
 def format_value(value: Any, limit: int = 80) -> str:
-    """A short, quoted rendering of a config value for error messages."""
-    text = repr(value)
+    """A short, quoted rendering of a config value for error messages.
+
+    Bounded in time and memory whatever the value: containers are shown a few items and
+    levels deep (``reprlib``), never rendered whole and then cut, so a value YAML aliases
+    blew up to millions of items (or a string of megabytes) costs no more than a small one.
+    """
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 3, limit, limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = short.maxfrozenset = 6
+    try:
+        text = short.repr(value)
+    except Exception:  # noqa: BLE001 - a user object whose __repr__ fails: say what it is
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_SUGGEST_MAX_LEN = 200
 
 
 def suggest(word: Any, choices: Iterable[Any]) -> str | None:
@@ -29,7 +88,8 @@ def suggest(word: Any, choices: Iterable[Any]) -> str | None:
     import difflib
 
     choices = [c for c in choices if isinstance(c, str)]
-    word = str(word)
+    if not isinstance(word, str) or len(word) > _SUGGEST_MAX_LEN:
+        return None  # a list or a page of text is no misspelling (and str() of it is unbounded)
     found: list[str] = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if found:
         return found[0]

@@ -56,7 +56,9 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
     """
     from .hosts import ADAPTERS, get_adapter, load_context
 
-    ctx = load_context(path, hardware=hardware, model=model, model_config=model_config)
+    # A target the recipe cannot run on is reported below (an error only under --strict).
+    ctx = load_context(path, hardware=hardware, model=model, model_config=model_config,
+                       check_hardware=False)
     own = get_adapter(host).name if host is not None else detect_host(ctx.resolved)
     report: dict[str, Any] = {"config": str(path), "host": own}
     request = ctx.request
@@ -70,12 +72,18 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
         report.update(recipe=None, keys=[], warnings=[warning])
         return report
     report.update(_recipe_section(request))
+    if request.hardware is not None:
+        _hardware_section(report, request, hardware)
     report["warnings"] += list(ctx.model_notes)
     description = ctx.model
     if description is not None:
+        from .hosts.alignment import dimension_findings
+        from .hosts.nemo_rl.values import resolved_value
+
         report["model"] = description.name
         report["model_description"] = description.summary()
-        for finding in request.spec.check_dims(description.dims()):
+        for finding in dimension_findings(request.spec, description, ctx.resolved,
+                                          resolved_value):
             if finding.level == "error":  # MXFP8 cannot run on a partial 32-element block
                 raise FP8ConfigError(
                     finding.message, key=finding.key,
@@ -88,11 +96,35 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
         report["layers"] = layers
         report["warnings"] += rule_warnings
         if notes:
-            report["notes"] = notes
+            report.setdefault("notes", []).extend(notes)
     report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
     if strict:
         _raise_strict(report)
     return report
+
+
+def _hardware_section(report: dict[str, Any], request: FP8Request, flag: str | None) -> None:
+    """``report["hardware"]``: what each side runs on the stated target and what cannot run,
+    with the nearest recipe and the YAML change; every problem is also a warning (an error
+    under ``--strict``), so ``explain`` reports a config moved to another GPU rather than
+    refusing it (``apply`` refuses, ``doctor`` exits 1)."""
+    from .capabilities import arch_label, hardware_problems, side_summary
+
+    spec, arch = request.spec, request.hardware
+    target = flag if request.hardware_key == "--hardware" else None
+    name = target or arch_label(arch)
+    problems = hardware_problems(spec, arch)
+    report["recipe"]["hardware"] = arch
+    report["hardware"] = {
+        "target": arch, "stated_by": request.hardware_key, "gpu": target,
+        "runs": side_summary(spec, arch),
+        "problems": [{"level": p.level, "key": p.key, "side": p.side, "message": p.message,
+                      "recipe": p.recipe, "change": p.change} for p in problems],
+    }
+    report["warnings"] += [f"{request.hardware_key} {name}: {p.message}" for p in problems]
+    runs = report["hardware"]["runs"]
+    report.setdefault("notes", []).append(
+        f"on {name}: training runs {runs['training']}; generation runs {runs['generation']}")
 
 
 def _near_request_keys(config: dict) -> list[str]:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import FP8ConfigError, RecipeRegistryError, format_value, suggest
+from .errors import LIMITS, FP8ConfigError, RecipeRegistryError, check_limit, format_value, suggest
 from .spec import RecipeSpec
 
 __all__ = ["ENTRY_POINT_GROUP", "RecipeRegistry", "default_registry", "get_recipe",
@@ -49,25 +49,11 @@ def _safe_loader() -> type[Any]:
         base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
         class Loader(base):  # type: ignore[misc, valid-type]
-            def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-                # PyYAML keeps the last of two equal keys; a config that says `precision:`
-                # twice is a mistake to report, not a choice to make silently.
-                if isinstance(node, yaml.MappingNode):
-                    seen: dict[Any, Any] = {}
-                    for key_node, _ in node.value:
-                        if key_node.tag == "tag:yaml.org,2002:merge":
-                            continue
-                        key = self.construct_object(key_node, deep=True)
-                        try:
-                            first = seen.setdefault(key, key_node)
-                        except TypeError:  # an unhashable key; the base class reports it
-                            continue
-                        if first is not key_node:
-                            raise yaml.constructor.ConstructorError(
-                                "while constructing a mapping", node.start_mark,
-                                f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
-                                key_node.start_mark)
-                return super().construct_mapping(node, deep=deep)
+            def construct_document(self, node: Any) -> Any:
+                # Checked on the composed node graph, before anything is built from it, so
+                # that nothing later (merging, copying, error messages) walks an unchecked one.
+                _check_document(self, node)
+                return super().construct_document(node)
 
         Loader.yaml_implicit_resolvers = {k: list(v) for k, v in base.yaml_implicit_resolvers.items()}
         Loader.add_implicit_resolver(
@@ -82,12 +68,106 @@ def _safe_loader() -> type[Any]:
     return _LOADER
 
 
-def load_yaml_file(path: Path) -> Any:
-    """Parse a YAML file safely (no Python object tags; YAML 1.2 floats)."""
+def _check_document(loader: Any, root: Any) -> None:
+    """Refuse, naming the dotted key, what PyYAML would otherwise accept silently or expand
+    without bound: a key given twice in one mapping, at any depth (both lines named; PyYAML
+    keeps the last), nesting deeper than ``LIMITS.yaml_depth``, more than
+    ``LIMITS.yaml_aliases`` alias references, or more than ``LIMITS.yaml_nodes`` values once
+    aliases are expanded (a "billion laughs" document is a few lines long). Iterative, so a
+    deep document cannot exhaust the Python stack here."""
     import yaml
 
-    with open(path, encoding="utf-8") as fh:
-        return yaml.load(fh, Loader=_safe_loader())  # noqa: S506 - a SafeLoader subclass
+    where = getattr(root.start_mark, "name", None) or "the document"
+    nodes = aliases = 0
+    seen: set[int] = set()
+    stack: list[tuple[Any, int, str, bool]] = [(root, 0, "", False)]
+    while stack:
+        node, depth, path, inside = stack.pop()  # inside: below an alias already counted
+        nodes += 1
+        if nodes > LIMITS.yaml_nodes:
+            check_limit(nodes, LIMITS.yaml_nodes, f"{where} holds too many values (aliases "
+                        f"expanded); counted", key=path or None)
+        again = id(node) in seen
+        if again and not inside:
+            aliases += 1
+            check_limit(aliases, LIMITS.yaml_aliases, f"{where} repeats anchors too often: "
+                        f"alias references", key=path or None)
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            continue
+        if depth >= LIMITS.yaml_depth:
+            raise FP8ConfigError(f"{where} nests mappings and lists more than "
+                                 f"{LIMITS.yaml_depth} levels deep (line "
+                                 f"{node.start_mark.line + 1})", key=path or None,
+                                 hint="see docs/refusals.md (limits)")
+        inside = inside or again
+        children: list[tuple[Any, int, str, bool]] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = [(item, depth + 1, f"{path}[{i}]", inside)
+                        for i, item in enumerate(node.value)]
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges, by design
+                    children.append((value_node, depth + 1, path, inside))
+                    continue
+                label = path
+                if isinstance(key_node, yaml.ScalarNode):
+                    key = loader.construct_object(key_node)
+                    text = str(key)
+                    text = text if len(text) <= 80 else text[:77] + "..."
+                    label = f"{path}.{text}" if path else text
+                    try:
+                        earlier = first.setdefault(key, key_node)
+                    except TypeError:  # unhashable; the constructor reports it
+                        earlier = key_node
+                    if earlier is not key_node:
+                        # PyYAML keeps the last of two equal keys; a config that says
+                        # `precision:` twice is a mistake to report, not a choice to make.
+                        raise FP8ConfigError(
+                            f"duplicate key in {where}: line {key_node.start_mark.line + 1}, "
+                            f"column {key_node.start_mark.column + 1}; first at line "
+                            f"{earlier.start_mark.line + 1}, column "
+                            f"{earlier.start_mark.column + 1}", key=label,
+                            hint="keep one of them")
+                else:
+                    children.append((key_node, depth + 1, path, inside))
+                children.append((value_node, depth + 1, label, inside))
+        stack.extend(reversed(children))
+
+
+def load_yaml_file(path: Path) -> Any:
+    """Parse a YAML file safely (no Python object tags; YAML 1.2 floats), within
+    :data:`~nemo_fp8_plugin.errors.LIMITS`.
+
+    Only a regular file is read: it is opened without blocking and checked before a byte is
+    read, so a FIFO or a device named as a config is refused instead of hanging the command
+    (or reading ``/dev/zero`` forever). Raises :class:`FP8ConfigError` for those and for every
+    limit; PyYAML's own errors and ``UnicodeDecodeError`` propagate for the caller to word.
+    """
+    import io
+    import os
+    import stat
+
+    import yaml
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as fh:
+        mode = os.fstat(fh.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) \
+                else "a special file"
+            raise FP8ConfigError(f"{path} is {kind}, not a regular file; name a YAML config file",
+                                 value=str(path))
+        data = fh.read(LIMITS.config_bytes + 1)
+    check_limit(len(data), LIMITS.config_bytes, f"{path} is too large: bytes", key=None)
+    stream = io.StringIO(data.decode("utf-8"))
+    stream.name = str(path)  # type: ignore[misc]  # PyYAML's marks (line numbers) name the file
+    try:
+        return yaml.load(stream, Loader=_safe_loader())  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:  # the pure-Python composer recurses per level, below our check
+        raise FP8ConfigError(f"{path} nests mappings and lists too deeply to read",
+                             hint="see docs/refusals.md (limits)") from None
 
 
 class RecipeRegistry:

@@ -15,8 +15,9 @@ the file it read instead of printing a fresh rendering of the result:
    end of its existing parent mapping, a new parent at the end of the file. Comments that
    followed an edited or removed entry (they introduce the next key) move with the edit so
    they still precede what they described.
-3. ruamel normalises a few things it cannot keep (trailing blanks, a missing final newline,
-   ``False`` spelled ``false``) on every line it re-emits. The edited document is therefore
+3. ruamel normalises a few things it cannot keep on every line it re-emits (trailing blanks,
+   blank lines holding spaces, a missing final newline, the spacing before a comment, the
+   last digit of some floats). The edited document is therefore
    carried back onto the file as written, a three-way merge whose base is ruamel's own
    emission of the unedited file: every line the edit did not touch comes from the input byte
    for byte.
@@ -45,8 +46,15 @@ _INDENTS = ((2, 2, 0), (2, 4, 2), (4, 4, 0), (4, 6, 2), (4, 4, 2), (3, 3, 0))
 """(mapping, sequence, offset) indentations tried, in order, for the one ruamel re-emits the
 file with (ruamel keeps one global setting, not each node's own)."""
 
+MAX_LINES = 50_000
+"""The longest file edited in place (ruamel's round trip is pure Python: ~1 s per 3,000 lines);
+a longer one is refused rather than left running."""
+
 _FLOW_LIST_WIDTH = 60
 """A new list of scalars is written in flow style (``[128, 128]``) when it fits this."""
+
+_FLOW_MAPPING_WIDTH = 100
+"""A flow mapping (``{a: 1}``) that keys were added to turns block style past this width."""
 
 
 def render(source: str, *, raw: Any, data: Any, written: Mapping[str, Any] | None,
@@ -103,6 +111,11 @@ def edit_yaml(source: str, *, raw: Any, data: Any, written: Mapping[str, Any],
 
 def _edit_yaml(source: str, raw: Any, data: Any, written: Mapping[str, Any],
                removed: Sequence[str], where: str) -> str:
+    lines = source.count("\n") + 1
+    if lines > MAX_LINES:
+        raise FP8ConfigError(f"{where} has {lines} lines; apply edits files of up to "
+                             f"{MAX_LINES} lines in place",
+                             hint="write the result as JSON with -o OUT.json")
     doc = _rt_load(source, where)
     plain = _plain(doc)
     differs = _first_difference(plain, raw)
@@ -110,9 +123,32 @@ def _edit_yaml(source: str, raw: Any, data: Any, written: Mapping[str, Any],
         raise FP8ConfigError(
             "ruamel.yaml (which apply edits the file with) reads this value differently from "
             "the safe loader, so the file cannot be edited in place", key=differs or None,
-            value=where, hint="spell the value the way YAML 1.2 reads it (true/false, not "
-                              "yes/no/on/off; 0o17, not 017), or write -o OUT.json")
+            value=where, hint="quote the value, or spell a boolean true/false (not yes/no/on/"
+                              "off), so both read it alike; or write -o OUT.json")
     indent, base = _best_indent(doc, source)
+    newline = "\r\n" if source.count("\r\n") * 2 > source.count("\n") else "\n"
+    fallback = None
+    # A file that mixes indentations (ruamel re-emits with one) is tried with the others too,
+    # so the lines the edit touches are emitted in the indentation they have there.
+    for attempt in (indent, *(i for i in _INDENTS if i != indent)):
+        if attempt != indent:
+            doc = _rt_load(source, where)
+            base = _dump(doc, attempt)
+        _edit(doc, written, removed, data, where)
+        edited = _dump(doc, attempt)
+        merged = _carry_over(source, base, edited, newline)
+        if merged is not None and _reads_as(merged, data):
+            return merged
+        if fallback is None and _reads_as(edited, data):
+            fallback = edited  # ruamel's own rendering: every line's meaning, not its spelling
+    if fallback is not None:
+        return fallback
+    raise FP8ConfigError(f"apply could not edit {where} in place without changing what it means",
+                         hint="write the result as JSON with -o OUT.json, and report this file")
+
+
+def _edit(doc: Any, written: Mapping[str, Any], removed: Sequence[str], data: Any,
+          where: str) -> None:
     for dotted in removed:
         path = _resolve(doc, dotted)
         if path is None:
@@ -120,14 +156,6 @@ def _edit_yaml(source: str, raw: Any, data: Any, written: Mapping[str, Any],
                                  key=dotted, value=where)
         _delete(doc, path)
     _apply_written(doc, written, data)
-    edited = _dump(doc, indent)
-    newline = "\r\n" if source.count("\r\n") * 2 > source.count("\n") else "\n"
-    merged = _carry_over(source, base, edited, newline)
-    for text in (merged, edited):
-        if text is not None and _reads_as(text, data):
-            return text
-    raise FP8ConfigError(f"apply could not edit {where} in place without changing what it means",
-                         hint="write the result as JSON with -o OUT.json, and report this file")
 
 
 _KINDS: dict[str, Any] = {}
@@ -218,20 +246,44 @@ def _dump(doc: Any, indent: tuple[int, int, int]) -> str:
 
 def _best_indent(doc: Any, source: str) -> tuple[tuple[int, int, int], str]:
     """The indentation whose re-emission of the unedited ``doc`` is closest to ``source``,
-    and that emission (the base of the three-way merge)."""
-    want = [line.rstrip() for line in source.splitlines()]
+    and that emission (the base of the three-way merge). The one the file's own lines
+    suggest is tried first; the others only while none re-emits the file line for line."""
+    from collections import Counter
+
+    want = Counter(line.rstrip() for line in source.splitlines())
+    enough = sum(want.values()) // 100  # a few respelled lines are not an indentation's fault
     best: tuple[int, tuple[int, int, int], str] | None = None
-    for indent in _INDENTS:
+    guess = _guess_indent(source)
+    for indent in sorted(_INDENTS, key=lambda i: i != guess):
         text = _dump(doc, indent)
-        got = [line.rstrip() for line in text.splitlines()]
-        matcher = difflib.SequenceMatcher(None, want, got, autojunk=False)
-        misses = len(want) + len(got) - 2 * sum(b.size for b in matcher.get_matching_blocks())
+        got = Counter(line.rstrip() for line in text.splitlines())
+        misses = sum(((want - got) + (got - want)).values())
         if best is None or misses < best[0]:
             best = (misses, indent, text)
-        if misses == 0:
+        if misses <= enough:
             break
     assert best is not None
     return best[1], best[2]
+
+
+def _guess_indent(source: str) -> tuple[int, int, int]:
+    """(mapping, sequence, offset) from the file's first nested mapping and first sequence."""
+    mapping, offset = None, None
+    lines = [ln for ln in source.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    for above, line in zip(lines, lines[1:]):
+        depth_above = len(above) - len(above.lstrip(" "))
+        depth = len(line) - len(line.lstrip(" "))
+        if not above.split("#")[0].rstrip().endswith(":"):
+            continue
+        if line.lstrip().startswith("- "):
+            offset = depth - depth_above if offset is None else offset
+        elif depth > depth_above and mapping is None:
+            mapping = depth - depth_above
+        if mapping is not None and offset is not None:
+            break
+    mapping = mapping or 2
+    offset = offset if offset in (0, 2) else 0
+    return mapping, mapping + offset if offset else mapping, offset
 
 
 def _carry_over(source: str, base: str, edited: str, newline: str) -> str | None:
@@ -448,7 +500,12 @@ def _take_following(container: Any, key: Any) -> str:
     lines, which introduce the next entry); its own end-of-line comment stays."""
     holder, hkey = _tail(container, key)
     token = _token(holder, hkey)
-    if token is None or "\n" not in token.value:
+    if token is None:
+        return ""
+    if _block_scalar(holder[hkey]):  # it ended its own last line: every line follows it
+        _set_token(holder, hkey, None)
+        return token.value
+    if "\n" not in token.value:
         return ""
     head, rest = token.value.split("\n", 1)
     if head.strip():
@@ -465,9 +522,15 @@ def _put_following(container: Any, key: Any, rest: str) -> None:
     holder, hkey = _tail(container, key)
     token = _token(holder, hkey)
     if token is None:
-        _set_token(holder, hkey, _comment("\n" + rest))
+        _set_token(holder, hkey, _comment(rest if _block_scalar(holder[hkey]) else "\n" + rest))
     else:
         token.value = (token.value if token.value.endswith("\n") else token.value + "\n") + rest
+
+
+def _block_scalar(value: Any) -> bool:
+    from ruamel.yaml.scalarstring import FoldedScalarString, LiteralScalarString
+
+    return isinstance(value, (LiteralScalarString, FoldedScalarString))
 
 
 def _put_before_first(container: Any, rest: str) -> None:
@@ -507,7 +570,16 @@ def _apply_written(node: Any, written: Mapping[Any, Any], data: Mapping[Any, Any
         new = data[key]
         if key in node and isinstance(node[key], CommentedMap) and isinstance(new, Mapping) \
                 and isinstance(value, Mapping) and value:
+            had = len(node[key])
             _apply_written(node[key], value, new)
+            if node[key].fa.flow_style() and len(node[key]) > had \
+                    and len(_flow_text(new)) > _FLOW_MAPPING_WIDTH:
+                node[key].fa.set_block_style()  # keys added: one a line, not one long line
+                token = _token(node, key)
+                if token is not None and token.value.startswith("#"):  # now after `key:`
+                    from ruamel.yaml.error import CommentMark
+
+                    token.start_mark = CommentMark(0)
             continue
         if key in node:
             rest = _take_following(node, key)
@@ -518,6 +590,14 @@ def _apply_written(node: Any, written: Mapping[Any, Any], data: Mapping[Any, Any
             rest = _take_following(node, last) if last is not None else ""
             node[key] = _to_rt(new, like=None)
             _put_following(node, key, rest)
+
+
+def _flow_text(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_flow_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_flow_text(v) for v in value) + "]"
+    return str(value)
 
 
 def _to_rt(value: Any, like: Any) -> Any:

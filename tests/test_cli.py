@@ -189,12 +189,13 @@ def test_duplicate_keys_are_refused_with_both_lines(tmp_path):
 def test_mxfp8_on_a_model_with_partial_32_blocks_is_an_error(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                               "num_hidden_layers": 4, "hidden_size": 1000,
-                               "intermediate_size": 3000, "num_attention_heads": 8,
+                               "num_hidden_layers": 4, "hidden_size": 1008,
+                               "intermediate_size": 3024, "num_attention_heads": 8,
                                "num_key_value_heads": 4, "vocab_size": 1000}))
     out = cli("explain", write(tmp_path, "precision: mxfp8\n"), "--model-config", cfg)
-    assert_one_line_error(out, "model.hidden_size", "1000", "32")
-    # block scaling only warns: partial 128-tiles work, at a cost
+    assert_one_line_error(out, "model.hidden_size", "1008", "32")
+    # block scaling only warns: partial 128-tiles work, at a cost (1008 is 16-aligned, as
+    # every FP8 GEMM needs)
     out = cli("explain", write(tmp_path, "precision: fp8_blockwise\n"), "--model-config", cfg)
     assert out.returncode == 0 and "not a multiple of 128" in out.stdout, out.stderr
 
@@ -211,10 +212,17 @@ def test_bridge_hyphenated_alias_and_typos(tmp_path):
 
 
 def test_hardware_flag_is_blamed_as_the_flag(tmp_path):
-    out = cli("explain", write(tmp_path, "precision: mxfp8\n"), "--hardware", "h100")
+    # apply refuses (exit 2), naming the flag or the key; explain reports (exit 0) and
+    # refuses only under --strict (issue 13 item 4; tests/test_retarget.py per GPU)
+    out = cli("apply", write(tmp_path, "precision: mxfp8\n"), "--host", "megatron",
+              "--hardware", "h100")
     assert_one_line_error(out, "--hardware:", "Blackwell")
-    out = cli("explain", write(tmp_path, "fp8: {recipe: mxfp8, hardware: h100}\n"))
+    out = cli("apply", write(tmp_path, "fp8: {recipe: mxfp8, hardware: h100}\n"), "--host", "te")
     assert_one_line_error(out, "fp8.hardware:")
+    out = cli("explain", write(tmp_path, "precision: mxfp8\n"), "--hardware", "h100")
+    assert out.returncode == 0 and "--hardware h100: mxfp8 cannot run" in out.stdout
+    out = cli("explain", write(tmp_path, "fp8: {recipe: mxfp8, hardware: h100}\n"), "--strict")
+    assert_one_line_error(out, "--strict:", "fp8.hardware")
 
 
 def test_host_accepts_the_package_spelling_of_nemo_rl():

@@ -345,7 +345,11 @@ def test_megatron_examples_with_every_preset_build(name, preset, tmp_path):
     for key, value in (("num_layers", 4), ("hidden_size", 128), ("num_attention_heads", 4)):
         kwargs.setdefault(key, value)
     cfg = mg._construct(TransformerConfig, mg._objects(kwargs), get_recipe(preset))
-    assert cfg.fp8_recipe == mg.FP8_RECIPE[get_recipe(preset).scaling]
+    scaling = get_recipe(preset).scaling
+    # nvfp4 is megatron-core's fp4_recipe (FP8 off), the others its fp8_recipe
+    field = "fp4_recipe" if scaling == "nvfp4" else "fp8_recipe"
+    assert getattr(cfg, field) == mg.FP8_RECIPE[scaling]
+    assert (cfg.fp8 is None) == (scaling == "nvfp4") and (cfg.fp4 is None) == (scaling != "nvfp4")
     _check_fields_are_honoured(kwargs, f"{name}+{preset}")
 
 
@@ -570,6 +574,9 @@ def test_bridge_both_model_forms_for_every_preset(form, tmp_path, monkeypatch):
     from test_host_bridge import GPTModelConfigStandIn
 
     mp = _bridge_mixed_precision(tmp_path, monkeypatch)
+    # Bridge's finalize() asks the installed TE for >= 2.7 when fp4 is set; the TE of the
+    # contract is the 2.20.2 wheel (not installable here), which is.
+    monkeypatch.setattr(mp, "is_te_min_version", lambda version, *a, **k: True)
     for name in PRESETS:
         spec = get_recipe(name)
         base = TransformerConfig(**MODEL)
@@ -583,7 +590,9 @@ def test_bridge_both_model_forms_for_every_preset(form, tmp_path, monkeypatch):
         for key, value in bridge.mixed_precision_fields(spec).keys.items():
             if hasattr(TransformerConfig, key) or key in {f.name for f in dataclasses.fields(tc)}:
                 assert getattr(tc, key) == value, (name, key)
-        assert ddp.fp8_param_gather == spec.fp8_param
+        assert ddp.fp8_param_gather == (spec.fp8_param and spec.scaling != "nvfp4")
+        if spec.scaling == "nvfp4":  # FP4 parameters are the TransformerConfig's fp4_param
+            assert (tc.fp4, tc.fp4_recipe, tc.fp4_param) == ("e2m1", "nvfp4", spec.fp8_param)
         dataclasses.replace(tc)  # megatron-core's validation of what Bridge pushed
         _check_fields_are_honoured(dataclasses.asdict(tc), f"bridge {form} {name}")
         state = types.SimpleNamespace(train_state=types.SimpleNamespace(step=0),
@@ -599,5 +608,8 @@ def test_bridge_example_with_every_preset(preset, tmp_path):
     path = tmp_path / "bridge.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     block = bridge.apply_file(path).data["mixed_precision"]
+    if get_recipe(preset).scaling == "nvfp4":  # Bridge's own registered recipe, by name
+        assert block == bridge.BRIDGE_RECIPES["nvfp4"]
+        return
     assert block["fp8_recipe"] == mg.FP8_RECIPE[get_recipe(preset).scaling]
     _check_fields_are_honoured(block, f"bridge example {preset}")

@@ -98,7 +98,7 @@ def test_the_host_section_spells_what_apply_writes(example, tmp_path, capsys):
 def test_warnings_come_first(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("precision: fp8_blockwise\nfp8: {bf16_layers: {first: 1}}\n"
-                   "model: {num_layers: 4, hidden_size: 250}\n")
+                   "model: {num_layers: 4, hidden_size: 1040}\n")
     lines = explain(capsys, cfg).splitlines()
     assert lines[1].startswith("host: megatron")
     warnings = [i for i, ln in enumerate(lines) if ln.startswith("warning:")]

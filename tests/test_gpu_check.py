@@ -84,13 +84,13 @@ def test_whole_check_through_the_script_with_only_torch(tmp_path):
     # every way the emulation fake-quantizes, eager and compiled, row- and column-wise
     assert {row["fn"] for row in fake_quant} == {
         "fake_quant_blockwise", "fake_quant_mxfp8", "fake_quant_per_tensor",
-        "fake_quant_with_scale"}
+        "fake_quant_with_scale", "dequantize_nvfp4"}
     assert {row["fused"] for row in fake_quant} == {False, True}
     assert {row["case"] for row in fake_quant} == {"random", "edges"}
     assert {row["recipe"] for row in fake_quant} == {s.name for s in list_recipes()}
     tiles = {tuple(row["tile"]) for row in fake_quant if row["tile"]}
-    assert {(1, 128), (128, 1), (128, 128), (1, 32), (32, 1)} <= tiles
-    assert {row["fmt"] for row in fake_quant} == {"e4m3", "e5m2"}
+    assert {(1, 128), (128, 1), (128, 128), (1, 32), (32, 1), (1, 16), (16, 16)} <= tiles
+    assert {row["fmt"] for row in fake_quant} == {"e4m3", "e5m2", "e2m1"}
     assert parts["refit"]["status"] == "ok" and parts["refit"]["bit_exact"] is True
     assert parts["refit"]["refit_gb_s"] > 0 and parts["refit"]["copy_gb_s"] > 0
     assert parts["gemm"] == {"status": "skipped", "seconds": parts["gemm"]["seconds"],
@@ -238,6 +238,7 @@ def test_a_fake_quant_mismatch_is_reported_as_failed(monkeypatch):
     assert bad and all(row["fn"] == "fake_quant_mxfp8" and row["differing"] == 1 for row in bad)
     assert {row["fused"] for row in bad} == {False, True}
     assert all(row["bit_exact"] for row in result["fake_quant"] if row["fn"] != "fake_quant_mxfp8")
+    assert any(row["fn"] == "dequantize_nvfp4" for row in result["fake_quant"])
     assert bad[0] in result["mismatches"]
 
 

@@ -82,6 +82,7 @@ def installed_plugin(tmp_path_factory):
     return target
 
 
+@pytest.mark.slow
 def test_third_party_recipe_is_listed(installed_plugin):
     out = run_cli(["recipes", "--json"], installed_plugin)
     assert out.returncode == 0, out.stderr
@@ -95,6 +96,7 @@ def test_third_party_recipe_is_listed(installed_plugin):
     assert "acme_block" in text.stdout and "1x128 weight tiles (third-party)" in text.stdout
 
 
+@pytest.mark.slow
 def test_third_party_recipe_usable_in_a_config(installed_plugin, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("precision: acme_block\n")
@@ -103,6 +105,7 @@ def test_third_party_recipe_usable_in_a_config(installed_plugin, tmp_path):
     assert json.loads(out.stdout)["recipe"]["name"] == "acme_block"
 
 
+@pytest.mark.slow
 def test_duplicate_of_a_builtin_is_refused(tmp_path):
     target = tmp_path / "site"
     pkg = make_plugin(tmp_path, "evil-fp8", "evil_fp8", {"fp8_blockwise": "evil_fp8:R"},
@@ -115,6 +118,7 @@ def test_duplicate_of_a_builtin_is_refused(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_duplicate_between_two_plugins_names_both(tmp_path):
     target = tmp_path / "site"
     for dist, mod in (("one-fp8", "one_fp8"), ("two-fp8", "two_fp8")):
@@ -125,6 +129,7 @@ def test_duplicate_between_two_plugins_names_both(tmp_path):
     assert "one-fp8" in out.stderr and "two-fp8" in out.stderr and "shared_name" in out.stderr
 
 
+@pytest.mark.slow
 def test_broken_plugin_is_named(tmp_path):
     target = tmp_path / "site"
     pip_install_target(make_plugin(tmp_path, "broken-fp8", "broken_fp8", {"b": "broken_fp8:make"},

@@ -105,6 +105,10 @@ def quantize_dequantize(x, spec, role: str):
         q = quantize_per_tensor(x, "e4m3", pow2_scales=spec.pow2_scales)
     elif spec.scaling == "block":
         q = quantize_blockwise(x, block=block, fmt="e4m3", pow2_scales=spec.pow2_scales)
+    elif spec.scaling == "nvfp4":  # TE's NVFP4, bit-exact (forward operands: no RHT)
+        from ..numerics import quantize_nvfp4
+
+        q = quantize_nvfp4(x, tuple(block))
     else:
         q = quantize_mxfp8(x, block=block, fmt="e4m3")
     return q.dequantize()

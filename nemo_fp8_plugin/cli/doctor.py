@@ -41,8 +41,9 @@ PACKAGES = {
 }
 """Reported package -> distribution names that provide it (first installed one wins)."""
 
-MIN_TE = {"tensorwise": (2, 2), "block": (2, 3), "mx": (2, 1), "delayed": (1, 0)}
-"""Oldest Transformer Engine megatron-core 0.16 accepts for each scaling kind."""
+MIN_TE = {"tensorwise": (2, 2), "block": (2, 3), "mx": (2, 1), "delayed": (1, 0), "nvfp4": (2, 7)}
+"""Oldest Transformer Engine megatron-core 0.16 accepts for each scaling kind (NVFP4:
+``fp4_utils.get_fp4_recipe`` needs TE >= 2.7.0.dev0)."""
 
 MIN_CUDA_BLOCK = (12, 9)
 """Block-scaled GEMMs on Hopper need cuBLAS from CUDA 12.9."""
@@ -236,7 +237,9 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
         have = os.environ.get(var)
         env.append({"name": var, "needed": want, "value": have, "set": have == want})
     effective: bool | None = None
-    if spec.training == "fp8" and capability(spec.scaling).te_env is not None:
+    # NVFP4's TE defaults come from NVTE_NVFP4_* at import, as block/current scaling's do.
+    if spec.training == "fp8" and (capability(spec.scaling).te_env is not None
+                                   or spec.scaling == "nvfp4"):
         if te_module is None:
             not_checked.append(f"TE's effective quantizer parameters ({te_reason})")
         else:
@@ -256,19 +259,29 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
 
 def build_report(config: str | None = None, hardware: str | None = None) -> dict[str, Any]:
     """The doctor report (the ``--json`` output)."""
-    from ..config import resolve_config
     from ..registry import list_recipes
     from ..spec import normalize_hardware
 
     target = normalize_hardware(hardware, key="--hardware") if hardware else None
+    stated, dims = None, []
     if config is not None:
-        _cfg, request = resolve_config(config)
+        from ..hosts import load_context
+        from ..hosts.alignment import dimension_findings
+        from ..hosts.nemo_rl.values import resolved_value
+
+        # A target the config states that its recipe cannot run on is a verdict (exit 1),
+        # not bad input; model sizes the recipe's GEMMs cannot take are one too.
+        ctx = load_context(config, check_hardware=False)
+        request = ctx.request
         specs = [request.spec] if request is not None else []
+        stated = request.hardware if request is not None else None
+        if request is not None and ctx.model is not None:
+            dims = dimension_findings(request.spec, ctx.model, ctx.resolved, resolved_value)
     else:
         specs = list_recipes()
     versions = package_versions()
     gpu = gpu_info()
-    arch = target or gpu["arch"]
+    arch = target or gpu["arch"] or stated
     te_module, te_reason = (None, "Transformer Engine is not installed")
     if versions.get("transformer-engine"):
         te_module, te_reason = _te_recipe_module()
@@ -286,10 +299,22 @@ def build_report(config: str | None = None, hardware: str | None = None) -> dict
         "plugin": plugin_info(),
         "entry_points": entry_points(versions),
         "config": config,
-        "recipes": [check_recipe(s, arch, versions, gpu, te_module, te_reason, target is not None)
-                    for s in specs],
+        "recipes": [_with_dims(check_recipe(s, arch, versions, gpu, te_module, te_reason,
+                                             target is not None), dims) for s in specs],
         "not_checked": machine_not_checked,
     }
+
+
+def _with_dims(verdict: dict[str, Any], dims) -> dict[str, Any]:
+    """A recipe's verdict with the model dimensions its GEMMs cannot take (errors: it cannot
+    run, whatever the GPU) and those that cost (warnings)."""
+    for f in dims:
+        if f.level == "error":
+            verdict["runnable"] = False
+            verdict["problems"].append(f"{f.key}: {f.message}")
+        else:
+            verdict["notes"].append(f"{f.key}: {f.message}")
+    return verdict
 
 
 def render_text(report: dict[str, Any]) -> str:

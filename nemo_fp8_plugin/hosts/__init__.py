@@ -240,17 +240,19 @@ def available_hosts() -> list[str]:
 
 def load_context(path: str | Path, *, hardware: str | None = None, model: str | None = None,
                  model_config: str | Path | None = None, output: str | Path | None = None,
-                 strict: bool = False) -> HostContext:
+                 strict: bool = False, check_hardware: bool = True) -> HostContext:
     """Read ``path`` once (its ``defaults:`` chain too), find the request and the model.
 
     ``model`` (a built-in model name) or ``model_config`` (a Hugging Face ``config.json`` or a
     checkpoint directory holding one) override the model the config names.
+    ``check_hardware=False``: a target the recipe cannot run on is reported by the caller
+    (``explain``, ``doctor``), not refused here (:func:`~nemo_fp8_plugin.config.find_fp8_request`).
     """
     from ..config import find_fp8_request, load_config_chain  # noqa: PLC0415
 
     path = Path(path)
     raw, resolved = load_config_chain(path)
-    request = find_fp8_request(resolved, hardware=hardware)
+    request = find_fp8_request(resolved, hardware=hardware, check_hardware=check_hardware)
     found, notes = (None, ()) if request is None else _model_of(request, resolved, path, model,
                                                                   model_config)
     block = resolved.get("fp8")

@@ -11,9 +11,10 @@ runs the one import below before it builds or loads its config::
 
 :func:`register` adds every recipe of the plugin's registry with Bridge's own ``register``
 decorator (so ``fp8_blockwise`` and its hyphenated alias ``fp8-blockwise`` resolve), refuses
-a name Bridge or another package already uses, and allows ``_target_`` values under
-``nemo_fp8_plugin.`` in Bridge YAML (``register_allowed_target_prefix``), which the
-callback and :func:`mixed_precision_config` need.
+a name Bridge or another package already uses, and allows in Bridge YAML exactly the
+``_target_`` callables of :mod:`nemo_fp8_plugin.hosts.targets` (:data:`ALLOWED_TARGETS`:
+the ``quant_recipe`` builder and :func:`mixed_precision_config`), through Bridge's exact
+allow-list, or that module as a prefix on a Bridge without one; never the package prefix.
 
 =============================================  =============================================
 ``MixedPrecisionConfig`` field                  from the spec
@@ -61,15 +62,30 @@ from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_pa
 from ..megatron import (check_layer_counts, dropped_settings, merge_native,
                         precision_config_fields, remove_request_keys)
 
-__all__ = ["MIXED_PRECISION_TARGET", "TARGET_PREFIX", "mixed_precision_fields", "native_keys",
+__all__ = ["MIXED_PRECISION_TARGET", "MIXED_PRECISION_TARGETS", "TARGET_PREFIX", "ALLOWED_TARGETS",
+           "QUANT_RECIPE_TARGET", "mixed_precision_fields", "native_keys",
            "mixed_precision_config", "register", "apply_config", "apply_file",
            "transformer_config_of", "transformer_config_path", "transformer_section"]
 
 MIXED_PRECISION_TARGET = "megatron.bridge.training.mixed_precision.MixedPrecisionConfig"
 """Import path of Bridge's ``MixedPrecisionConfig`` (the ``_target_`` of the YAML block)."""
 
-TARGET_PREFIX = "nemo_fp8_plugin"
-"""Module prefix :func:`register` adds to Bridge's ``_target_`` allow-list."""
+MIXED_PRECISION_TARGETS = frozenset({MIXED_PRECISION_TARGET,
+                                     "megatron.bridge.training.config.MixedPrecisionConfig"})
+"""Every import path of that class (Bridge's ``training.config`` re-exports it): the only
+``_target_`` a ``mixed_precision`` block the FP8 fields are merged into may name."""
+
+TARGET_PREFIX = "nemo_fp8_plugin.hosts.targets"
+"""The module :func:`register` allows as a ``_target_`` prefix on a Bridge without an exact
+allow-list (:mod:`nemo_fp8_plugin.hosts.targets` imports nothing, so nothing but its own
+callables lies under it)."""
+
+QUANT_RECIPE_TARGET = f"{TARGET_PREFIX}.bf16_quant_recipe"
+"""The ``_target_`` of the ``quant_recipe`` the YAML carries per-module BF16 rules in."""
+
+ALLOWED_TARGETS = (QUANT_RECIPE_TARGET, f"{TARGET_PREFIX}.mixed_precision_config")
+"""The exact ``_target_`` values :func:`register` adds to Bridge's allow-list: the callables of
+:mod:`nemo_fp8_plugin.hosts.targets` (``tests/test_targets.py`` checks they match)."""
 
 def _dtype(name: str) -> dict[str, Any]:
     return {"_target_": f"torch.{name}", "_call_": False}
@@ -145,8 +161,7 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
 def _quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
     from ..megatron import bf16_patterns  # noqa: PLC0415
 
-    return {"_target_": "nemo_fp8_plugin.hosts.megatron.bf16_quant_recipe",
-            "patterns": bf16_patterns(mapping)}
+    return {"_target_": QUANT_RECIPE_TARGET, "patterns": bf16_patterns(mapping)}
 
 
 # --------------------------------------------------------------------------- with Bridge
@@ -196,8 +211,8 @@ def mixed_precision_config(spec: RecipeSpec | str | Mapping, model=None, *,
 def register(mp_module: ModuleType | None = None, *, names: list[str] | None = None,
              instantiate_module: ModuleType | None = None) -> list[str]:
     """Register recipes (default: every recipe of the plugin's registry) into Bridge's
-    ``MIXED_PRECISION_RECIPES`` with Bridge's ``register`` decorator, and allow
-    ``nemo_fp8_plugin.`` ``_target_`` values. Idempotent; a name another package already
+    ``MIXED_PRECISION_RECIPES`` with Bridge's ``register`` decorator, and allow the
+    :data:`ALLOWED_TARGETS` ``_target_`` values. Idempotent; a name another package already
     registered is refused with :class:`RecipeRegistryError` naming both. Returns the names
     added (aliases included).
 
@@ -254,7 +269,15 @@ def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
 
             raise HostUnavailableError(f"Megatron-Bridge's instantiate_utils is not importable "
                                        f"({exc})") from None
-    instantiate_module.register_allowed_target_prefix(TARGET_PREFIX)
+    # Exact callables where Bridge has the exact list (0.6.2: megatron-core's
+    # target_allowlist.add_exact); else the one module holding only them. Never the package
+    # prefix: it would allow nemo_fp8_plugin.<module>.os.system.
+    allowlist = getattr(instantiate_module, "target_allowlist", None)
+    if callable(getattr(allowlist, "add_exact", None)):
+        for target in ALLOWED_TARGETS:
+            allowlist.add_exact(target)
+    else:
+        instantiate_module.register_allowed_target_prefix(TARGET_PREFIX)
 
 
 def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
@@ -360,6 +383,13 @@ def _merge(ctx) -> ApplyResult:
         block = {"_target_": MIXED_PRECISION_TARGET,
                  **base_fields(_BASE_NAMES.get(current, "bf16")), **copy.deepcopy(fields)}
     elif isinstance(current, Mapping):
+        target = current.get("_target_")
+        if target is not None and target not in MIXED_PRECISION_TARGETS:
+            # The fields would become keyword arguments of whatever the path names.
+            raise FP8ConfigError(f"names {format_value(target)}, not Megatron-Bridge's "
+                                 f"MixedPrecisionConfig", key="mixed_precision._target_",
+                                 value=target, hint=f"the FP8 fields go into Bridge's own "
+                                 f"class: _target_: {MIXED_PRECISION_TARGET}, or no _target_")
         block = copy.deepcopy(dict(current))
         merge_native(block, fields, where="mixed_precision.", conflicting=("fp4",))
         if block.get("fp8_param") not in (None, spec.fp8_param):

@@ -123,10 +123,11 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
 
 
-QUANT_RECIPE_TARGET = "nemo_fp8_plugin.hosts.megatron.bf16_quant_recipe"
+QUANT_RECIPE_TARGET = "nemo_fp8_plugin.hosts.targets.bf16_quant_recipe"
 """Module-level function NeMo-Run YAML calls to build megatron-core's ``RecipeConfig`` from
 the BF16 glob patterns (NeMo-Run's YAML cannot call a static method such as
-``RecipeConfig.from_config_dict`` nor pass it a nested mapping)."""
+``RecipeConfig.from_config_dict`` nor pass it a nested mapping); in
+:mod:`nemo_fp8_plugin.hosts.targets`, the one module a ``_target_`` of this package names."""
 
 
 def quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
@@ -269,8 +270,29 @@ def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
 # --------------------------------------------------------------------------- YAML
 
 
+PLUGIN_TARGETS = frozenset({PLUGIN_TARGET,
+                            "nemo.lightning.pytorch.plugins.MegatronMixedPrecision",
+                            "nemo.lightning.MegatronMixedPrecision"})
+"""Every import path of NeMo's ``MegatronMixedPrecision`` (the class and NeMo's two
+re-exports of it); ``tests/test_host_nemo2.py`` resolves each to the one class."""
+
+
 def _is_plugin_mapping(node: Any) -> bool:
-    return isinstance(node, Mapping) and str(node.get("_target_", "")).endswith("MegatronMixedPrecision")
+    """Whether ``node`` is NeMo's ``MegatronMixedPrecision`` block, by the exact import path
+    of its ``_target_``. FP8 fields go into NeMo's own plugin only: a ``_target_`` that merely
+    ends like it (``evil.MegatronMixedPrecision``) names another callable, and is refused
+    rather than taken for it or passed over."""
+    if not isinstance(node, Mapping):
+        return False
+    target = node.get("_target_")
+    if target in PLUGIN_TARGETS:
+        return True
+    if isinstance(target, str) and "MegatronMixedPrecision" in target.rsplit(".", 1)[-1]:
+        raise FP8ConfigError(f"names {format_value(target)}, not NeMo's MegatronMixedPrecision",
+                             key="trainer.plugins._target_", value=target,
+                             hint=f"the FP8 fields go into NeMo's own plugin: _target_: "
+                                  f"{PLUGIN_TARGET}")
+    return False
 
 
 def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,

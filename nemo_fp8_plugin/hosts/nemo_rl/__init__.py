@@ -37,7 +37,21 @@ What each recipe means here (NeMo RL's vLLM path has block FP8 and MXFP8 only):
 * ``fp8_blockwise``: block FP8 (E4M3, fp32 scales) for training and generation.
 * ``fp8_subchannel``: block FP8 on both sides with power-of-2 scales (HYBRID training,
   vLLM ``pow2_*_scaling_factors``).
-* ``mxfp8``: ``fp8_recipe: mxfp8`` and vLLM ``is_mx: true``.
+* ``mxfp8``: ``fp8_recipe: mxfp8`` and vLLM ``is_mx: true`` with power-of-2 scales (NeMo RL
+  refuses anything else for MXFP8); ``fp8: {recipe: mxfp8, training: bf16}`` is NVIDIA's
+  MXFP8 rollouts (BF16 training, MXFP8 generation on Blackwell, modules kept out of FP8 by
+  ``quantization_ignored_layer_kws`` from the BF16 rules). Block FP8 training with MXFP8
+  generation (a native ``is_mx: true`` next to ``fp8_blockwise``, or a native blockwise
+  ``fp8_cfg`` next to MXFP8 generation) is refused: the trainer's 128x128 block scales
+  cannot become 1x32 E8M0 scales without requantizing from high precision.
+* ``nvfp4``: training only. ``fp8_cfg`` carries FP8 alone (NeMo RL copies ``fp8``,
+  ``fp8_recipe`` and ``fp8_param`` from it onto the provider), so ``fp4: e2m1``,
+  ``fp4_recipe: nvfp4`` and ``fp4_param`` go to ``policy.megatron_cfg.model_overrides``,
+  which NeMo RL merges into the Megatron-Bridge provider (a megatron-core
+  ``TransformerConfig``) before it builds the model, with ``fp8_cfg`` left disabled and the
+  ``NVTE_NVFP4_*`` variables in ``env_vars``. Generation stays BF16
+  (:data:`nemo_fp8_plugin.capabilities.NVFP4_GENERATION_REFUSAL`). NeMo RL's sequence packer
+  pads for its ``fp8_cfg`` recipes only, so nvfp4 with ``sequence_packing`` is refused.
 * ``fp8_current``: tensorwise FP8 training with BF16 generation, and a warning that the two
   sides then differ (the importance-sampling correction stays on to absorb it).
 * ``fp8_delayed``: refused; delayed scales come from an amax history that goes stale when
@@ -69,7 +83,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES, te_env
+from ...capabilities import (CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES,
+                             NVFP4_GENERATION_REFUSAL, te_env, token_alignment)
 from ...config import FP8Request, find_fp8_request, get_path, load_config
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
@@ -166,9 +181,20 @@ def _is_moe(model: Any) -> bool | None:
 
 
 FP8_PARAM_WARNING = (
-    "NeMo RL: fp8_param is written false although recipe {name} sets it: FP8 parameters can "
-    "make token_mult_prob_error NaN in NeMo RL (NVIDIA-NeMo/RL issue 1164) and NVIDIA's NeMo RL "
-    "FP8 configs all use fp8_param: false; state fp8_param: true in the fp8: block to keep it")
+    "NeMo RL: {key} is written false although recipe {name} sets fp8_param: low-precision "
+    "parameters can make token_mult_prob_error NaN in NeMo RL (NVIDIA-NeMo/RL issue 1164) and "
+    "NVIDIA's NeMo RL FP8 configs all use fp8_param: false; state fp8_param: true in the fp8: "
+    "block to keep it")
+
+BLOCK_MX_REFUSAL = (
+    "block FP8 training with MXFP8 generation cannot work: the trainer's 128x128 block scales "
+    "cannot become the 1x32 E8M0 scales vLLM's MXFP8 layers take without requantizing the "
+    "weights from high precision, so rollouts and training would not see the same weights "
+    "(NeMo RL refuses the combination)")
+"""Why ``fp8_blockwise`` / ``fp8_subchannel`` training and MXFP8 rollouts do not mix."""
+
+NVFP4_OVERRIDES = ("fp4", "fp4_recipe", "fp4_param")
+"""``model_overrides`` keys (megatron-core ``TransformerConfig`` FP4 fields) nvfp4 writes."""
 
 
 def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool = False) -> HostKeys:
@@ -198,11 +224,19 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
     generation = _generation_fp8(spec)
     if training:
         fp8_param = spec.fp8_param and fp8_param_stated
+        nvfp4 = spec.scaling == "nvfp4"
         if spec.fp8_param and not fp8_param:
-            warnings.append(FP8_PARAM_WARNING.format(name=spec.name))
-        put(f"{_MEGATRON}.fp8_cfg", {"enabled": True, "fp8": spec.fp8_format,
-                                     "fp8_recipe": TRAINING_RECIPE[spec.scaling],
-                                     "fp8_param": fp8_param})
+            warnings.append(FP8_PARAM_WARNING.format(
+                name=spec.name, key="model_overrides.fp4_param" if nvfp4 else "fp8_cfg.fp8_param"))
+        if nvfp4:
+            # fp8_cfg is FP8 only; the provider's FP4 fields come through model_overrides,
+            # which NeMo RL merges before it applies fp8_cfg (left disabled: FP4 xor FP8).
+            for name, value in zip(NVFP4_OVERRIDES, ("e2m1", "nvfp4", fp8_param)):
+                put(f"{_MEGATRON}.model_overrides.{name}", value)
+        else:
+            put(f"{_MEGATRON}.fp8_cfg", {"enabled": True, "fp8": spec.fp8_format,
+                                         "fp8_recipe": TRAINING_RECIPE[spec.scaling],
+                                         "fp8_param": fp8_param})
         # Every variable TE reads for this recipe, pinned either way (a cluster-wide
         # `=1` must not flip fp32 scales to power-of-2 or back): the capability table's.
         env.update(te_env(spec))
@@ -220,7 +254,10 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
                 put(f"{_VLLM}.pow2_weight_scaling_factors", True)
                 put(f"{_VLLM}.pow2_activation_scaling_factors", True)
         else:
+            # NVIDIA's MXFP8 rollout keys: NeMo RL takes power-of-2 (E8M0) scales only.
             put(f"{_VLLM}.is_mx", True)
+            put(f"{_VLLM}.pow2_weight_scaling_factors", True)
+            put(f"{_VLLM}.pow2_activation_scaling_factors", True)
         put(f"{_VLLM}.kv_cache_dtype", "fp8" if spec.kv_cache == "fp8" else "auto")
     elif spec.generation == "fp8":
         warnings.append(f"NeMo RL generates in FP8 with block or MXFP8 scaling only; "
@@ -281,6 +318,7 @@ _ABSENT = {
     "num_first_layers_in_bf16": 0, "num_last_layers_in_bf16": 0,
     "quantization_ignored_layer_kws": [], "use_importance_sampling_correction": False,
     "sequence_level_importance_ratios": False, "first_last_layers_bf16": False,
+    "fp4_param": False,
 }
 
 
@@ -308,8 +346,8 @@ def _same(key: str, have: Any, want: Any) -> bool:
         return norm.get(have, have) == norm.get(want, want)
     if leaf == "quantization_ignored_layer_kws":
         return isinstance(have, (list, tuple)) and sorted(map(str, have)) == sorted(map(str, want))
-    if leaf in (FP32_SCALES_ENV, POW2_CURRENT_ENV):
-        return have is not None and str(have).strip() == want
+    if ".env_vars." in key:  # environment values are strings, however YAML spelled them
+        return have is not None and str(have).strip() == str(want)
     if isinstance(want, bool) or isinstance(have, bool):
         return have is want
     if isinstance(want, (int, float)) and isinstance(have, (int, float)):
@@ -337,8 +375,8 @@ def _neutral(key: str, have: Any, resolved: Mapping) -> bool:
         return have == "auto"
     if leaf == "quantization_ignored_layer_kws":
         return have == [] or have == ()
-    if leaf in (FP32_SCALES_ENV, POW2_CURRENT_ENV):
-        return False
+    if ".env_vars." in key:
+        return False  # a variable set otherwise is a choice the recipe contradicts
     if leaf.startswith("truncated_importance_sampling"):
         return False  # None was handled above
     return have is False or have == 0
@@ -420,6 +458,20 @@ def _checks(spec: RecipeSpec, resolved: Mapping) -> None:
                 raise FP8ConfigError("is false, but MXFP8 scales are powers of two (NeMo RL refuses "
                                      "the combination)", key=key, value=False,
                                      hint="remove the key")
+    from .values import resolved_value  # noqa: PLC0415 - omegaconf only when needed
+
+    fp8_cfg_on = resolved_value(resolved, f"{_MEGATRON}.fp8_cfg.enabled") is True
+    if spec.training == "fp8" and spec.scaling == "block" \
+            and resolved_value(resolved, f"{_VLLM}.is_mx") is True:
+        raise FP8ConfigError(BLOCK_MX_REFUSAL, key=f"{_VLLM}.is_mx", value=True,
+                             hint="generate with the training recipe (remove is_mx), or train "
+                                  "in BF16 for MXFP8 rollouts: fp8: {recipe: mxfp8, training: bf16}")
+    if _generation_fp8(spec) and spec.scaling == "mx" and fp8_cfg_on and resolved_value(
+            resolved, f"{_MEGATRON}.fp8_cfg.fp8_recipe", "blockwise") == "blockwise":
+        raise FP8ConfigError(BLOCK_MX_REFUSAL, key=f"{_MEGATRON}.fp8_cfg.fp8_recipe",
+                             value="blockwise",
+                             hint="train with mxfp8 too (fp8: mxfp8, Blackwell), or in BF16: "
+                                  "fp8: {recipe: mxfp8, training: bf16} with fp8_cfg disabled")
     override = get_path(resolved, f"{_MEGATRON}.env_vars.NVTE_BACKWARD_OVERRIDE")
     if spec.training == "fp8" and override is not None:
         # NeMo RL exports env_vars in its Megatron workers before they import TE, which
@@ -442,8 +494,6 @@ def _checks(spec: RecipeSpec, resolved: Mapping) -> None:
             value=nested, hint="set those three under model_overrides.transformer yourself and "
                                "give the fp8: block bf16_layers.applies_to: generation")
     is_ = spec.importance_sampling
-    from .values import resolved_value  # noqa: PLC0415 - omegaconf only when needed
-
     if is_.enabled and is_.level == "sequence" \
             and resolved_value(resolved, "loss_fn.token_level_loss", True):
         raise FP8ConfigError("sequence-level importance ratios need a sequence-level loss in NeMo RL",
@@ -508,6 +558,10 @@ def _desired(spec: RecipeSpec, hk: HostKeys, *, rl: bool = True) -> list[tuple[s
     if spec.training == "fp8":
         # No BF16 training layers asked for: a native first_last_layers_bf16: true contradicts.
         guards.append((f"{_MEGATRON}.model_overrides.first_last_layers_bf16", False))
+        if spec.scaling == "nvfp4":  # FP4 and FP8 exclude each other in megatron-core
+            guards.append((f"{_MEGATRON}.fp8_cfg.enabled", False))
+        else:  # a native FP4 override contradicts an FP8 recipe
+            guards.append((f"{_MEGATRON}.model_overrides.fp4", None))
     if not rl:
         return [entry for entry in want if entry[0].startswith(_MEGATRON)] + [
             (k, v, False) for k, v in guards if k not in decided]
@@ -678,12 +732,93 @@ def _merge(ctx, resolve: bool) -> ApplyResult:
         if written:
             _set_path(out, key, want)
 
+    _check_alignment(spec, ctx, out, notes, warnings)
+    if spec.scaling == "nvfp4" and spec.training == "fp8":
+        notes.append(f"nemo-rl: {spec.name} trains in NVFP4 and generates in BF16 "
+                     f"({NVFP4_GENERATION_REFUSAL}); the importance-sampling correction "
+                     f"absorbs the difference")
+
     for key in consumed:
         if key == "policy.precision":
             _set_path(out, key, "bfloat16")
         else:
             _delete_path(out, key)
     return ApplyResult(data=out, warnings=warnings, notes=notes, env=dict(hk.env))
+
+
+SEQUENCE_KEY = "policy.make_sequence_length_divisible_by"
+"""What NeMo RL pads unpacked training sequences to a multiple of."""
+
+_PACKING_DIVISOR = {"block": 128, "mx": 32}
+"""What NeMo RL's packer pads packed sequences to for an ``fp8_cfg`` recipe (16 for the
+others; ``nemo_rl/models/megatron/data.py``, ``_get_pack_sequence_parameters_for_megatron``),
+before the TP (sequence parallel) and 2 x CP factors."""
+
+
+def _check_alignment(spec: RecipeSpec, ctx, out: dict, notes: list[str],
+                     warnings: list[str]) -> None:
+    """The token and model-dimension alignment FP8/FP4 training needs, before the run.
+
+    Model sizes split over TP that the recipe's GEMMs cannot take are refused (warnings for
+    block tiles). Packed sequences: NeMo RL pads them itself for its ``fp8_cfg`` recipes, so
+    nothing is written; nvfp4 reaches the model through ``model_overrides``, which the packer
+    does not know, so packing is refused. Unpacked: ``make_sequence_length_divisible_by`` (and
+    ``dynamic_batching.sequence_length_round`` when dynamic batching is on) must be a multiple
+    of :func:`~nemo_fp8_plugin.capabilities.token_alignment`; unset or a divisor of it
+    (too small) is raised to it, with a note; anything else cannot work and is refused."""
+    if spec.training != "fp8":
+        return
+    from ..alignment import dimension_findings, parallel_sizes  # noqa: PLC0415
+    from .values import resolved_value  # noqa: PLC0415
+
+    resolved = ctx.resolved
+    if ctx.model is not None:
+        for f in dimension_findings(spec, ctx.model, resolved, resolved_value):
+            if f.level == "error":
+                raise FP8ConfigError(f"{f.message} (model {ctx.model.name})",
+                                     key=f.key if "parallel" in f.key else "policy.model_name",
+                                     hint=f"recipe {spec.name!r}: use a tensor parallel size "
+                                          f"that keeps every per-rank size a multiple, or "
+                                          f"another recipe")
+            warnings.append(f"{f.key}: {f.message}")
+    sizes = parallel_sizes(resolved, resolved_value)
+    need = token_alignment(spec.scaling, tensor_parallel=sizes.tensor_parallel,
+                           sequence_parallel=sizes.sequence_parallel,
+                           context_parallel=sizes.context_parallel)
+    why = (f"{spec.name}'s GEMMs need the tokens per rank to be a multiple of "
+           f"{CAPABILITIES[spec.scaling].token_align} (Transformer Engine)"
+           + (f", times TP {sizes.tensor_parallel} with sequence parallelism"
+              if sizes.sequence_parallel else "")
+           + (f", times 2 x CP {sizes.context_parallel}" if sizes.context_parallel > 1 else ""))
+    if resolved_value(resolved, "policy.sequence_packing.enabled", False) is True:
+        if spec.scaling == "nvfp4":
+            raise FP8ConfigError(
+                f"NeMo RL pads packed sequences for its fp8_cfg recipes only, and {spec.name} "
+                f"reaches the model through model_overrides, so packed batches would not be "
+                f"aligned: {why}, i.e. {need}", key="policy.sequence_packing.enabled",
+                value=True, hint="set policy.sequence_packing.enabled: false (apply then sets "
+                                 f"{SEQUENCE_KEY})")
+        divisor = _PACKING_DIVISOR.get(spec.scaling, 16)
+        notes.append(f"nemo-rl: sequence packing is on, and NeMo RL pads packed sequences to a "
+                     f"multiple of {divisor} (x TP with sequence parallelism, x 2 CP) for "
+                     f"fp8_cfg recipes itself; {SEQUENCE_KEY} is left as it is")
+        return
+    keys = [SEQUENCE_KEY]
+    if resolved_value(resolved, "policy.dynamic_batching.enabled", False) is True:
+        keys.append("policy.dynamic_batching.sequence_length_round")
+    for key in keys:
+        value = resolved_value(resolved, key)
+        written = get_path(resolved, key)
+        shown = f"{written} (= {value})" if written != value else f"{value}"
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)
+                             and value >= 1 and need % value == 0 and value < need):
+            _set_path(out, key, need)
+            notes.append(f"nemo-rl: {key} set to {need} (was "
+                         f"{'unset' if value is None else shown}): {why}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1 or value % need:
+            raise FP8ConfigError(f"{shown} cannot work: {why}, so it must be a multiple of "
+                                 f"{need}", key=key, value=written,
+                                 hint=f"use {need} or a multiple of it")
 
 
 def apply_file(path: str | Path, *, hardware: str | None = None, strict: bool = False,

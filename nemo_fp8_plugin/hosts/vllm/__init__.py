@@ -104,6 +104,14 @@ def engine_spelling(spec, model=None, *, platform: str | None = None) -> tuple[d
 
     spec = get_recipe(spec)
     found: list[str] = []
+    if spec.scaling == "nvfp4":
+        from ...capabilities import NVFP4_GENERATION_REFUSAL
+        from ...errors import FP8ConfigError
+
+        raise FP8ConfigError(f"vLLM cannot generate with nvfp4: {NVFP4_GENERATION_REFUSAL}",
+                             key="scaling", value="nvfp4",
+                             hint="serve the model in BF16 (no recipe in the vLLM config), or use "
+                                  "mxfp8 for FP8 generation on Blackwell")
     if spec.generation != "fp8":
         return {}, ["generation: bf16 in this recipe; vLLM runs in the model dtype"]
     if spec.scaling not in ("block", "mx"):

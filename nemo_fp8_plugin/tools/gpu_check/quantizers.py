@@ -80,6 +80,15 @@ def check_quantizers(device: torch.device, *, quick: bool = False, recipes=None,
             block, fmt = spec.block_for(role), spec.format_for(role)
             for dtype in (torch.float32, torch.bfloat16):
                 for case, x in edge_inputs(rows, cols, dtype, seed=len(results)).items():
+                    if spec.scaling == "nvfp4":  # FP4: quantize_nvfp4 and its dequantize
+                        row, fq = _check_nvfp4(numerics, spec, role, x, device)
+                        row.update(case=case, dtype=str(dtype).split(".")[-1])
+                        results.append(row)
+                        for r in fq:
+                            r.update(case=case, dtype=str(dtype).split(".")[-1])
+                        fake_quant.extend(fq)
+                        mismatches += [r for r in [row, *fq] if not r["bit_exact"]]
+                        continue
                     ref = _quantize(numerics, spec, block, fmt, x, fused=False)
                     for fused in (False, True):
                         got = _quantize(numerics, spec, block, fmt, x.to(device), fused=fused)
@@ -178,6 +187,27 @@ def _check_fake_quant(numerics, spec, block, fmt, x: torch.Tensor, device) -> li
             rows.append({"fn": name, "tile": list(tile) if tile else None, "fmt": fmt,
                          "fused": fused, "bit_exact": differing == 0, "differing": differing})
     return rows
+
+
+def _nvfp4_equal(a, b) -> bool:
+    return (torch.equal(a.data.cpu(), b.data.cpu())
+            and torch.equal(a.scale_inv.cpu().view(torch.uint8), b.scale_inv.cpu().view(torch.uint8))
+            and torch.equal(a.global_amax.cpu().view(torch.int32),
+                            b.global_amax.cpu().view(torch.int32)))
+
+
+def _check_nvfp4(numerics, spec, role: str, x: torch.Tensor, device) -> tuple[dict, list[dict]]:
+    """``quantize_nvfp4`` on the device vs the CPU (data, E4M3 scales, global amax bytes), and
+    its ``dequantize`` (the emulation's fake-quantization), with TE's layout: the role's tile,
+    and the Hadamard transform on the wgrad operands (inputs, gradients)."""
+    block, rht = tuple(spec.block_for(role)), role != "weight"
+    ref = numerics.quantize_nvfp4(x, block, rht=rht)
+    got = numerics.quantize_nvfp4(x.to(device), block, rht=rht)
+    row = {"recipe": spec.name, "role": role, "fused": False, "bit_exact": _nvfp4_equal(ref, got)}
+    differing = _fp32_differing(numerics.dequantize_nvfp4(ref), numerics.dequantize_nvfp4(got))
+    fq = {"recipe": spec.name, "role": role, "fn": "dequantize_nvfp4", "tile": list(block),
+          "fmt": "e2m1", "fused": False, "bit_exact": differing == 0, "differing": differing}
+    return row, [fq]
 
 
 def _quantize(numerics, spec, block, fmt, x, *, fused: bool):
