@@ -136,9 +136,10 @@ def _edit_yaml(source: str, raw: Any, data: Any, written: Mapping[str, Any],
             base = _dump(doc, attempt)
         _edit(doc, written, removed, data, where)
         edited = _dump(doc, attempt)
-        merged = _carry_over(source, base, edited, newline)
-        if merged is not None and _reads_as(merged, data):
-            return merged
+        for ruamel_tail in (False, True) if not source.endswith("\n") else (False,):
+            merged = _carry_over(source, base, edited, newline, ruamel_tail=ruamel_tail)
+            if merged is not None and _reads_as(merged, data):
+                return merged
         if fallback is None and _reads_as(edited, data):
             fallback = edited  # ruamel's own rendering: every line's meaning, not its spelling
     if fallback is not None:
@@ -286,21 +287,33 @@ def _guess_indent(source: str) -> tuple[int, int, int]:
     return mapping, mapping + offset if offset else mapping, offset
 
 
-def _carry_over(source: str, base: str, edited: str, newline: str) -> str | None:
+def _carry_over(source: str, base: str, edited: str, newline: str, *,
+                ruamel_tail: bool = False) -> str | None:
     """Three-way merge: the changes from ``base`` (ruamel's emission of the unedited file) to
     ``edited`` applied to ``source``; every line outside a change comes from ``source``.
     None when a change touches a line ruamel re-emits other than as written (beyond trailing
-    blanks): the caller then takes ``edited`` as it is."""
+    blanks): the caller then takes ``edited`` as it is. ``ruamel_tail``: the lines ruamel
+    respelled at the very end of the file are taken as ruamel wrote them (a block scalar that
+    ended a file without a final newline is ``|-`` once keys follow it)."""
     mine = source.splitlines(keepends=True)
     old = base.splitlines(keepends=True)
     new = edited.splitlines(keepends=True)
     # anchor[b]: the last source line that base line b stands for (equal but for trailing
-    # blanks, or the end of a run ruamel respelled); respelled[b]: b is in such a run
+    # blanks, or the end of a run ruamel respelled); respelled[b]: b is in such a run;
+    # theirs[b]: b is written as ruamel writes it
     anchor: dict[int, int] = {}
     respelled: set[int] = set()
+    theirs: set[int] = set()
+    skip = (0, 0)  # the source lines ruamel's tail stands for
     same = difflib.SequenceMatcher(None, [s.rstrip() for s in mine], [s.rstrip() for s in old],
-                                   autojunk=False)
-    for tag, i1, i2, j1, j2 in same.get_opcodes():
+                                   autojunk=False).get_opcodes()
+    last = max((n for n, op in enumerate(same) if op[0] == "replace"), default=None)
+    if ruamel_tail and last is not None and all(op[0] == "equal" for op in same[last + 1:]):
+        _, i1, i2, j1, j2 = same[last]
+        theirs.update(range(j1, j2))
+        skip = (i1, i2)
+        same = same[:last] + same[last + 1:]
+    for tag, i1, i2, j1, j2 in same:
         if tag == "equal":
             for k in range(j2 - j1):
                 anchor[j1 + k] = i1 + k
@@ -312,8 +325,12 @@ def _carry_over(source: str, base: str, edited: str, newline: str) -> str | None
     changes = difflib.SequenceMatcher(None, old, new, autojunk=False)
     for tag, i1, i2, j1, j2 in changes.get_opcodes():
         if tag == "equal":
-            for b in range(i1, i2):
-                if b in anchor:
+            for k, b in enumerate(range(i1, i2)):
+                if b in theirs:
+                    out.extend(mine[pos:skip[0]])
+                    pos = max(pos, skip[1])
+                    out.append(new[j1 + k])
+                elif b in anchor:
                     out.extend(mine[pos:anchor[b] + 1])
                     pos = anchor[b] + 1
             continue

@@ -638,6 +638,7 @@ def _config_text(draw, st) -> str:
     return text + draw(st.sampled_from(["\n", "", "\n\n"]))
 
 
+@pytest.mark.slow
 def test_generated_configs_edit_only_their_written_keys(capsys):
     """Generated files (comments, blank lines, every scalar spelling, flow and block styles,
     both list indentations, block scalars): apply edits only the written keys and the request,
@@ -648,7 +649,7 @@ def test_generated_configs_edit_only_their_written_keys(capsys):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    @settings(max_examples=1000, deadline=None,
+    @settings(max_examples=1500, deadline=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     @given(st.data(), st.sampled_from(["megatron", "nemo2", "bridge"]))
     def check(data, host):

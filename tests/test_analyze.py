@@ -328,3 +328,26 @@ def test_progress_bar_on_stderr(tmp_path, capsys):
     analyze_checkpoint(ckpt, recipes=["fp8_current"], progress=True)
     err = capsys.readouterr().err
     assert "weights" in err and "tensor" in err
+
+
+# --------------------------------------------------------------------------- the docs' figures
+
+_DOC = Path(__file__).resolve().parents[1] / "docs" / "analyze.md"
+_BEGIN, _END = "<!-- analyze-output: begin -->", "<!-- analyze-output: end -->"
+
+
+def test_docs_show_a_real_run(tmp_path):
+    """docs/analyze.md's example output is this run's output, character for character (the
+    planted-outlier checkpoint above, two recipes). NEMO_FP8_UPDATE_DOCS=1 rewrites the page."""
+    ckpt = _llama_like(tmp_path / "ckpt", layers=2, planted="model.layers.1.mlp.down_proj")
+    out = cli("analyze", ckpt, "--recipes", "fp8_blockwise,mxfp8", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == "", out.stderr  # no third-party noise on the terminal
+    text = out.stdout.replace(str(ckpt), "CHECKPOINT")
+    block = f"{_BEGIN}\n```text\n$ nemo-fp8 analyze CHECKPOINT --recipes fp8_blockwise,mxfp8\n{text}```\n{_END}"
+    page = _DOC.read_text()
+    start, end = page.index(_BEGIN), page.index(_END) + len(_END)
+    if os.environ.get("NEMO_FP8_UPDATE_DOCS") == "1":
+        _DOC.write_text(page[:start] + block + page[end:])
+        page = _DOC.read_text()
+    assert page[start:start + len(block)] == block, block

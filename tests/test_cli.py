@@ -99,6 +99,7 @@ def test_no_request_is_reported_not_refused(tmp_path):
     assert json.loads(out.stdout)["recipe"] is None
 
 
+@pytest.mark.slow
 def test_help_on_every_command():
     assert cli("--help").returncode == 0
     names = set(build_parser()._subparsers._group_actions[0].choices)  # noqa: SLF001

@@ -87,6 +87,7 @@ print(json.dumps(sorted(k for k, v in sys.modules.items() if v is not None)))
 """
 
 
+@pytest.mark.slow
 def test_numerics_loads_without_spec_registry_yaml_or_any_other_plugin_module():
     blocked = ("yaml", "omegaconf", "nemo_fp8_plugin.spec", "nemo_fp8_plugin.registry",
                *_package_modules_except("nemo_fp8_plugin.errors", "nemo_fp8_plugin.numerics"))
@@ -166,6 +167,7 @@ print(json.dumps(sorted(k for k, v in sys.modules.items() if v is not None)))
 """
 
 
+@pytest.mark.slow
 def test_numerics_and_refit_need_only_torch():
     loaded = _run("import json\n" + CODE.format(blocked=BLOCKED))
     roots = {m.split(".")[0] for m in loaded}

@@ -66,13 +66,43 @@ def load_samples(samples: str | Path | None) -> tuple[list[str] | None, list[lis
     return lines, None
 
 
+def _quiet_import(name: str):
+    """Import a third-party package with its import-time noise (deprecation warnings, a
+    torchao shared-library notice printed through logging) logged at debug level instead of
+    reaching the user's terminal."""
+    import importlib
+    import io
+    import logging
+    import warnings
+    from contextlib import redirect_stderr
+
+    log = logging.getLogger(__name__)
+    buffer = io.StringIO()
+    quiet = [logging.getLogger(n) for n in ("torchao", "transformers", "torch")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(record=True) as caught, redirect_stderr(buffer):
+            warnings.simplefilter("always")
+            module = importlib.import_module(name)
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
+    for w in caught:
+        log.debug("while importing %s: %s", name, w.message)
+    if buffer.getvalue().strip():
+        log.debug("while importing %s: %s", name, buffer.getvalue().strip())
+    return module
+
+
 def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress: bool | None):
     """Per linear module (HF name) and recipe, the quantization error of its inputs and of
     its GEMM's output (input and weight both quantized), and run information."""
     import torch
 
     try:
-        import transformers
+        transformers = _quiet_import("transformers")
     except ImportError:
         raise FP8ConfigError("--activations needs the transformers package", key="--activations",
                              hint="pip install transformers") from None

@@ -39,12 +39,15 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
     shown = rows if len(rows) <= max_rows else sorted(rows, key=worst)[:max_rows]
     if len(shown) < len(rows):
         lines.append(f"the {len(shown)} modules with the lowest SQNR (all {len(rows)} with --json):")
-    cw = 16 if has_act else 8
-    head = f"  {'module':<{width}}  " + "  ".join(f"{n[:cw]:>{cw}}" for n in recipes)
+    # Full recipe names as headers: a column is as wide as its name or its cells.
+    cw = max([16 if has_act else 8] + [len(n) for n in recipes])
+    head = f"  {'module':<{width}}  " + "  ".join(f"{n:>{cw}}" for n in recipes)
     lines.append(head)
-    lines.append("  (dB: the lower of the tensor's SQNR and its worst row's"
-                 + ("; weight/input/GEMM output, the output judged at the threshold - "
-                    f"{OUTPUT_MARGIN_DB:g} dB" if has_act else "") + "; * = flagged)")
+    lines.append("  legend: each cell is a module's SQNR in dB under that recipe, the lower of the "
+                 "whole tensor's and its worst row's"
+                 + ("; cells read weight/input/GEMM output, the output judged at the threshold - "
+                    f"{OUTPUT_MARGIN_DB:g} dB" if has_act else "")
+                 + "; - = quantized exactly (no error to measure); * = flagged")
     for r in shown:
         cells = []
         for n in recipes:
@@ -61,11 +64,13 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
             lines.append(f"skipped ({why}): {shown_names}")
     for n in recipes:
         s = report["summary"][n]
-        text = f"{n}: {s['flagged']} flagged"
+        text = f"{n}: {s['flagged']} of {len(rows)} modules flagged"
         for word in ("weight", "input", "output"):
             if f"min_{word}_sqnr_db" in s:
-                text += (f"; {word} SQNR median {_fmt_db(s[f'median_{word}_sqnr_db']).strip()} dB, "
-                         f"lowest {_fmt_db(s[f'min_{word}_sqnr_db']).strip()} dB "
+                lowest = "tensor" if word == "output" else "tensor or row"
+                text += (f"; {word}: median over modules of the tensor SQNR "
+                         f"{_fmt_db(s[f'median_{word}_sqnr_db']).strip()} dB, lowest {lowest} "
+                         f"SQNR {_fmt_db(s[f'min_{word}_sqnr_db']).strip()} dB "
                          f"({s[f'worst_{word}_module']})")
         lines.append(text)
         if report["suggestions"][n]:
