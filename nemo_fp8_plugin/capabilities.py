@@ -108,7 +108,8 @@ ARCHS: tuple[Arch, ...] = (
 """GPU generations, oldest first."""
 
 ARCH_NAMES: tuple[str, ...] = tuple(a.name for a in ARCHS if a.fp8)
-"""Architectures that have FP8 (what ``hardware:`` accepts)."""
+"""Architectures that have FP8 (what messages offer; an Ampere target such as ``a100`` is
+accepted too, and :func:`hardware_problems` says nothing runs there)."""
 
 
 def arch_by_name(name: str) -> Arch | None:
@@ -315,7 +316,8 @@ class HardwareProblem:
         message: one sentence naming the GPU generation, what cannot run there, the nearest
             recipe that can and the exact YAML change.
         side: the side it concerns, or None for both.
-        recipe: the nearest recipe that runs there (None: the fix is a field, or nothing runs).
+        recipe: the recipe :attr:`change` leads to, one that runs there (the same recipe when
+            the fix is a field, e.g. ``pow2_scales: true``; None when nothing runs there).
         change: the exact YAML change, e.g. ``fp8: {recipe: fp8_subchannel}`` (None: no FP8
             recipe runs there at all).
     """
@@ -437,7 +439,7 @@ def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
             alt = _change(spec, t_near)
             msg = (f"{spec.name} cannot train on {label}: {t_why}; set `{fix}`, or use "
                    f"{t_near}: `{alt}`")
-            out.append(HardwareProblem("error", next(iter(t_fix)), msg, "training", t_near, fix))
+            out.append(HardwareProblem("error", next(iter(t_fix)), msg, "training", spec.name, fix))
         else:
             change = _change(spec, t_near) if t_near else None
             msg = (f"{spec.name} cannot train on {label}: {t_why}; "

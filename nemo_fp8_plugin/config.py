@@ -30,7 +30,7 @@ from .spec import RecipeSpec, normalize_hardware
 
 __all__ = ["STANDARD_PRECISIONS", "FP8Request", "load_config", "deep_merge", "find_fp8_request",
            "resolve_config", "get_path", "FP8_BLOCK_EXTRA_KEYS", "load_config_chain",
-           "regular_file"]
+           "regular_file", "regular_entries", "safetensors_files"]
 
 STANDARD_PRECISIONS = frozenset({
     # torch dtypes as NeMo RL / Megatron write them
@@ -152,6 +152,70 @@ def regular_file(path: str | Path, *, key: str | None, what: str = "file") -> Pa
     return path
 
 
+_INDEX_BYTES = 64 * 2**20
+"""Largest ``model.safetensors.index.json`` read (DeepSeek-V3's, 91k tensors, is 9 MB)."""
+
+
+def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
+    """The safetensors shards of a Hugging Face checkpoint directory, checked before any is
+    opened: with ``model.safetensors.index.json``, the files its ``weight_map`` names, each
+    a plain file name of ``directory`` (``../x``, ``sub/x`` or an absolute path, which would
+    read files elsewhere, is refused) and a regular file (symlinks followed); without one,
+    the directory's regular ``*.safetensors`` files. Raises :class:`FP8ConfigError` naming ``key``; an empty list
+    when there are none."""
+    import json
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if not index.exists() and not index.is_symlink():
+        return sorted(f for f in directory.glob("*.safetensors") if f.is_file())
+    regular_file(index, key=key, what="safetensors index")
+    try:
+        with open(index, "rb") as fh:
+            text = fh.read(_INDEX_BYTES + 1)
+        check_limit(len(text), _INDEX_BYTES, f"{index} is too large: bytes", key=key)
+        weight_map = json.loads(text.decode("utf-8"))["weight_map"]
+    except FP8ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FP8ConfigError(f"{index} is not a readable safetensors index "
+                             f"({type(exc).__name__}: {format_value(str(exc))})", key=key,
+                             value=str(index)) from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise FP8ConfigError(f"{index}: weight_map must map tensor names to file names",
+                             key=key, value=str(index))
+    files: list[Path] = []
+    for name in dict.fromkeys(weight_map.values()):
+        shard = directory / name
+        # By name, not by resolved target: a Hugging Face cache snapshot links every shard
+        # to a blob elsewhere, which its owner put there; the index may only name entries.
+        if Path(name).name != name or name in ("", ".", "..") or "\\" in name:
+            raise FP8ConfigError(f"{index} names {format_value(name)}, which is not a file of "
+                                 f"{directory}", key=key, value=name,
+                                 hint="index entries are file names inside the checkpoint")
+        if not shard.exists():
+            raise FP8ConfigError(f"{index} names {format_value(name)}, which is not in "
+                                 f"{directory}", key=key, value=str(shard))
+        files.append(regular_file(shard, key=key, what="safetensors shard"))
+    return files
+
+
+def regular_entries(directory: str | Path, *, key: str) -> None:
+    """Refuse a directory a library will read files from (transformers' ``from_pretrained``)
+    when one of its entries is a FIFO, socket or device: opening one would block or never
+    end, inside code that cannot be told not to."""
+    import stat
+
+    for entry in Path(directory).iterdir():
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            continue  # a dangling link is not read either
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            regular_file(entry, key=key)
+
+
 class _Chain:
     """One command's walk of a ``defaults:`` chain: each file parsed once (a parent two
     children share is not read twice), and the walk bounded (``LIMITS.defaults_*``)."""
@@ -237,7 +301,7 @@ def _precision_recipe(value: Any, key: str) -> str | None:
     if value is None or (type(value) is int and value in _NUMERIC_PRECISIONS):
         return None
     if not isinstance(value, str):
-        raise FP8ConfigError(f"expected a recipe or precision name, got {format_value(value)}",
+        raise FP8ConfigError(f"expected a precision name or a recipe, got {format_value(value)}",
                              key=key, value=value,
                              hint=f"a recipe ({', '.join(reg.names())}), a precision such as "
                                   f"bf16 or bf16-mixed, or nothing")

@@ -40,7 +40,7 @@ class Limits:
     """Most transformer layers of a model description."""
     experts: int = 4_096
     """Most MoE experts per layer of a model description."""
-    modules: int = 2_000_000
+    modules: int = 1_000_000
     """Most per-module decisions a model description may need (layers x linear modules)."""
 
 
@@ -54,7 +54,7 @@ def check_limit(count: int, limit: int, what: str, *, key: str | None, hint: str
     if count > limit:
         raise FP8ConfigError(f"{what}: {count} is more than the limit of {limit}", key=key,
                              value=value if value is not None else count,
-                             hint=hint or "see docs/refusals.md (limits)")
+                             hint=hint or "limits: docs/refusals.md")
 
 
 def format_value(value: Any, limit: int = 80) -> str:
@@ -71,7 +71,7 @@ def format_value(value: Any, limit: int = 80) -> str:
     short.maxlist = short.maxtuple = short.maxdict = short.maxset = short.maxfrozenset = 6
     try:
         text = short.repr(value)
-    except Exception:  # noqa: BLE001 - a user object whose __repr__ fails: say what it is
+    except Exception:  # a user object whose __repr__ fails: say what it is
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

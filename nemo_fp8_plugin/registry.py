@@ -68,6 +68,11 @@ def _safe_loader() -> type[Any]:
     return _LOADER
 
 
+def _short(path: str) -> str:
+    """A dotted key path short enough for one line (deep paths keep both ends)."""
+    return path if len(path) <= 120 else f"{path[:40]}...{path[-77:]}"
+
+
 def _check_document(loader: Any, root: Any) -> None:
     """Refuse, naming the dotted key, what PyYAML would otherwise accept silently or expand
     without bound: a key given twice in one mapping, at any depth (both lines named; PyYAML
@@ -86,20 +91,20 @@ def _check_document(loader: Any, root: Any) -> None:
         nodes += 1
         if nodes > LIMITS.yaml_nodes:
             check_limit(nodes, LIMITS.yaml_nodes, f"{where} holds too many values (aliases "
-                        f"expanded); counted", key=path or None)
+                        f"expanded); counted", key=None)
         again = id(node) in seen
         if again and not inside:
             aliases += 1
             check_limit(aliases, LIMITS.yaml_aliases, f"{where} repeats anchors too often: "
-                        f"alias references", key=path or None)
+                        f"alias references", key=_short(path) or None)
         seen.add(id(node))
         if isinstance(node, yaml.ScalarNode):
             continue
         if depth >= LIMITS.yaml_depth:
             raise FP8ConfigError(f"{where} nests mappings and lists more than "
                                  f"{LIMITS.yaml_depth} levels deep (line "
-                                 f"{node.start_mark.line + 1})", key=path or None,
-                                 hint="see docs/refusals.md (limits)")
+                                 f"{node.start_mark.line + 1})", key=_short(path) or None,
+                                 hint="limits: docs/refusals.md")
         inside = inside or again
         children: list[tuple[Any, int, str, bool]] = []
         if isinstance(node, yaml.SequenceNode):
@@ -125,10 +130,11 @@ def _check_document(loader: Any, root: Any) -> None:
                         # PyYAML keeps the last of two equal keys; a config that says
                         # `precision:` twice is a mistake to report, not a choice to make.
                         raise FP8ConfigError(
-                            f"duplicate key in {where}: line {key_node.start_mark.line + 1}, "
+                            f"duplicate key {format_value(key)} in {where}: line "
+                            f"{key_node.start_mark.line + 1}, "
                             f"column {key_node.start_mark.column + 1}; first at line "
                             f"{earlier.start_mark.line + 1}, column "
-                            f"{earlier.start_mark.column + 1}", key=label,
+                            f"{earlier.start_mark.column + 1}", key=_short(label),
                             hint="keep one of them")
                 else:
                     children.append((key_node, depth + 1, path, inside))
@@ -167,7 +173,7 @@ def load_yaml_file(path: Path) -> Any:
         return yaml.load(stream, Loader=_safe_loader())  # noqa: S506 - a SafeLoader subclass
     except RecursionError:  # the pure-Python composer recurses per level, below our check
         raise FP8ConfigError(f"{path} nests mappings and lists too deeply to read",
-                             hint="see docs/refusals.md (limits)") from None
+                             hint="limits: docs/refusals.md") from None
 
 
 class RecipeRegistry:

@@ -305,14 +305,17 @@ def _carry_over(source: str, base: str, edited: str, newline: str, *,
     respelled: set[int] = set()
     theirs: set[int] = set()
     skip = (0, 0)  # the source lines ruamel's tail stands for
-    same = difflib.SequenceMatcher(None, [s.rstrip() for s in mine], [s.rstrip() for s in old],
-                                   autojunk=False).get_opcodes()
+    same: list[tuple[str, int, int, int, int]] = list(difflib.SequenceMatcher(
+        None, [s.rstrip() for s in mine], [s.rstrip() for s in old], autojunk=False).get_opcodes())
     last = max((n for n, op in enumerate(same) if op[0] == "replace"), default=None)
     if ruamel_tail and last is not None and all(op[0] == "equal" for op in same[last + 1:]):
         _, i1, i2, j1, j2 = same[last]
-        theirs.update(range(j1, j2))
-        skip = (i1, i2)
-        same = same[:last] + same[last + 1:]
+        header = mine[i2 - 1].rstrip()
+        if header.endswith(("|", ">")) and old[j2 - 1].rstrip() == header + "-":
+            theirs.add(j2 - 1)
+            skip = (i2 - 1, i2)
+            rest = [("replace", i1, i2 - 1, j1, j2 - 1)] if i2 - 1 > i1 and j2 - 1 > j1 else []
+            same = same[:last] + rest + same[last + 1:]
     for tag, i1, i2, j1, j2 in same:
         if tag == "equal":
             for k in range(j2 - j1):

@@ -13,6 +13,7 @@ NeMo RL itself cannot be installed (HOSTS.md), so outputs are resolved the way i
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -737,3 +738,90 @@ def test_backward_override_in_env_vars_is_refused(tmp_path):
     gen = _with_native(tmp_path, {"policy": {"megatron_cfg": {"env_vars": {
         "NVTE_BACKWARD_OVERRIDE": "high_precision"}}}}, training="bf16")
     apply_nemo_rl(gen)
+
+
+# ------------------------------------------------------------------ MXFP8 rollouts (issue 13, item 2)
+
+
+def test_mxfp8_rollouts_give_nvidias_keys(tmp_path):
+    """BF16 training, MXFP8 generation: precision fp8, is_mx, power-of-2 scales (NeMo RL's
+    init_fp8 refuses anything else for MXFP8), attention projections kept out by keyword."""
+    ours, warnings = apply_8b(tmp_path, recipe="mxfp8", training="bf16",
+                              bf16_layers={"modules": ["*q_proj*", "*k_proj*", "*v_proj*",
+                                                       "*o_proj*"]})
+    assert changed(ours) == {
+        f"{VLLM}.precision": "fp8", f"{VLLM}.is_mx": True,
+        f"{VLLM}.pow2_weight_scaling_factors": True, f"{VLLM}.pow2_activation_scaling_factors": True,
+        f"{VLLM}.quantization_ignored_layer_kws": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        **IS_ON}
+    assert ours[f"{MEG}.fp8_cfg.enabled"] is False and warnings == []
+    # the keys NeMo RL's own init_fp8 checks for MXFP8 (its source, read with ast)
+    src = Path("/work/shared/data/nemo_rl/src/nemo_rl/models/generation/vllm/quantization/fp8.py")
+    import ast
+
+    fn = next(n for n in ast.walk(ast.parse(src.read_text()))
+              if isinstance(n, ast.FunctionDef) and n.name == "init_fp8")
+    refused_if_false = {c.args[0].value for n in ast.walk(fn) if isinstance(n, ast.Compare)
+                        and isinstance(n.ops[0], ast.Is) and isinstance(n.comparators[0], ast.Constant)
+                        and n.comparators[0].value is False
+                        for c in [n.left] if isinstance(c, ast.Call) and c.args}
+    assert refused_if_false == {"pow2_weight_scaling_factors", "pow2_activation_scaling_factors"}
+    assert all(ours[f"{VLLM}.{k}"] is True for k in refused_if_false)
+
+
+@pytest.mark.parametrize("native, fp8, key", [
+    ({"policy": {"generation": {"vllm_cfg": {"is_mx": True}}}}, {}, f"{VLLM}.is_mx"),
+    ({"policy": {"megatron_cfg": {"fp8_cfg": {"enabled": True, "fp8_recipe": "blockwise"}}}},
+     {"recipe": "mxfp8", "training": "bf16"}, f"{MEG}.fp8_cfg.fp8_recipe"),
+    ({"policy": {"megatron_cfg": {"fp8_cfg": {"enabled": True, "fp8_recipe": "blockwise"}}}},
+     {"recipe": "mxfp8"}, f"{MEG}.fp8_cfg.fp8_recipe"),
+])
+def test_block_training_with_mxfp8_generation_is_refused_with_the_reason(tmp_path, native, fp8,
+                                                                         key):
+    src = _with_native(tmp_path, native, **fp8)
+    with pytest.raises(FP8ConfigError) as err:
+        apply_nemo_rl(src)
+    assert err.value.key == key and "128x128" in str(err.value) and "1x32 E8M0" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------ per-module training rules (item 3)
+
+
+def test_model_overrides_cannot_carry_a_per_module_quant_recipe():
+    """NeMo RL's only per-module route on its Megatron side would be model_overrides.quant_recipe:
+    its own merge (`_merge_model_overrides`, from its source) keeps the nested mapping as a
+    plain dict on the provider, and megatron-core then calls `.match()` on it when it builds the
+    model. So the plugin does not write it, and says training runs those modules in FP8."""
+    import ast
+    import copy as copy_module
+    import dataclasses
+    from collections.abc import Mapping
+    from typing import Any
+
+    from megatron.core.quantization.utils import get_quant_config_or_none
+    from megatron.core.transformer import TransformerConfig
+
+    from nemo_fp8_plugin.hosts import megatron as mg
+
+    tree = ast.parse(Path("/work/shared/data/nemo_rl/src/nemo_rl/models/megatron/setup.py").read_text())
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+            and n.name in ("_merge_model_overrides", "_merge_model_override_value")]
+    scope = {"Mapping": Mapping, "Any": Any, "copy": copy_module, "replace": dataclasses.replace,
+             "is_dataclass": dataclasses.is_dataclass, "fields": dataclasses.fields}
+    exec(compile(ast.Module(body=defs, type_ignores=[]), "setup.py", "exec"), scope)
+    spec = get_recipe({"recipe": "fp8_blockwise", "bf16_layers": {"modules": ["*linear_proj"]}})
+    mapping = mg.transformer_config_fields(spec).keys["quant_recipe"]
+    merged = scope["_merge_model_overrides"](
+        TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4),
+        {"quant_recipe": mapping})
+    assert isinstance(merged.quant_recipe, dict)  # survives the merge, as a dict
+    with pytest.raises(AttributeError, match="match"):
+        get_quant_config_or_none("decoder.layers.0.self_attention.linear_proj", merged.quant_recipe)
+    # the real RecipeConfig would have worked: the dict is the problem, not the rule
+    assert get_quant_config_or_none("decoder.layers.0.self_attention.linear_proj",
+                                    mg.quant_recipe_object(mapping)) is not None
+    # what the plugin writes instead: nothing per module for training, and a warning
+    hk = native_keys(spec)
+    assert "quant_recipe" not in json.dumps(hk.keys)
+    assert any("training runs the modules it matches in FP8" in w for w in hk.warnings)

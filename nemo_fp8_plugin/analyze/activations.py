@@ -110,13 +110,18 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
     if not (model_dir / "config.json").is_file():
         raise FP8ConfigError(f"--activations builds the model from {model_dir / 'config.json'}, "
                              f"which does not exist", key="--activations", value=str(model_dir))
+    from ..config import regular_entries
+
+    regular_entries(model_dir, key="--activations")  # transformers would block on a FIFO
     texts, token_ids = load_samples(samples)
     try:
         config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         archs = getattr(config, "architectures", None) or []
         cls = (transformers.AutoModelForCausalLM if any(a.endswith("ForCausalLM") for a in archs)
                else transformers.AutoModel)
-        model = cls.from_pretrained(str(model_dir), local_files_only=True).float()
+        # safetensors only: never a pickle (pytorch_model.bin) found beside or instead of it
+        model = cls.from_pretrained(str(model_dir), local_files_only=True,
+                                    use_safetensors=True).float()
     except Exception as exc:  # transformers raises many types for an unusable config/weights
         raise FP8ConfigError(f"transformers cannot build the model in {model_dir} on this machine "
                              f"({type(exc).__name__}: {exc})", key="--activations",

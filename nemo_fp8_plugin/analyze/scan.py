@@ -8,7 +8,6 @@ in memory, never the model.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Iterable, Iterator
@@ -30,26 +29,15 @@ _EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|word_embeddings|position_embed
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The ``.safetensors`` files of a checkpoint (a file, or a directory with or without a
     ``model.safetensors.index.json``)."""
+    from ..config import regular_file, safetensors_files
+
     path = Path(path).expanduser()
-    if path.is_file():
-        return [path]
+    if path.exists() and not path.is_dir():
+        return [regular_file(path, key="CHECKPOINT", what="checkpoint file")]  # no FIFO
     if not path.is_dir():
         raise FP8ConfigError(f"checkpoint not found: {path}", key="CHECKPOINT", value=str(path))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise FP8ConfigError(f"{index} is not a readable safetensors index ({exc})",
-                                 key="CHECKPOINT", value=str(index)) from None
-        files = [path / n for n in names]
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise FP8ConfigError(f"{index} names {missing[0].name}, which is not in {path}",
-                                 key="CHECKPOINT", value=str(missing[0]))
-        return files
-    files = sorted(path.glob("*.safetensors"))
+    # Index entries stay inside the directory; only regular files are opened.
+    files = safetensors_files(path, key="CHECKPOINT")
     if not files:
         raise FP8ConfigError(f"no .safetensors files in {path}", key="CHECKPOINT", value=str(path),
                              hint="analyze reads Hugging Face safetensors checkpoints")

@@ -369,15 +369,17 @@ def _refuse_nvfp4_defaults(spec: RecipeSpec, te_recipe: ModuleType, where: str) 
             f"(fixed from {var} when TE was imported; {var}={os.environ.get(var)!r} in this "
             f"process now), but recipe {spec.name!r} needs {field}={want!r}",
             key=var, value=os.environ.get(var),
-            hint=f"set {var}={want_env[var]} (or unset it) in the training process's "
-                 f"environment before it starts")
+            hint=f"set {var}={want_env[var]} in the training process's environment before it "
+                 f"starts (NeMo RL: policy.megatron_cfg.env_vars; NeMo-Run: executor env_vars; "
+                 f"Megatron-Bridge / torchrun: the launch script)")
 
 
 def verify_host_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None, *,
                        where: str = "the training process") -> None:
     """Fail fast when TE, as imported in this process, would build a host-built recipe that
     differs from ``spec``: an ``NVTE_BACKWARD_OVERRIDE`` read at import (TE >= 2.15, every
-    recipe) or the wrong scale rounding (the fp32-scale trap, block and current scaling).
+    recipe), the wrong scale rounding (the fp32-scale trap, block and current scaling), or
+    ``NVFP4BlockScaling`` class defaults fixed from another ``NVTE_NVFP4_*`` value (nvfp4).
     Call it inside the training process before the first step; raises
     :class:`FP8ConfigError` naming the variable and the fix."""
     if spec.training != "fp8":

@@ -70,20 +70,24 @@ class ExportResult:
 def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
     if config is None and source_dir is not None:
         config = source_dir / "config.json"
-        if not config.is_file():
+        if not config.exists():
             raise FP8ConfigError(f"{source_dir} has no config.json", key="config",
                                  hint="pass config= (the model's Hugging Face config)")
     if config is None:
         raise FP8ConfigError("a state dict needs the model's Hugging Face config", key="config",
                              hint="pass config= (a mapping or a path to config.json)")
     if isinstance(config, (str, os.PathLike)):
+        from ..config import regular_file
+
         path = Path(config)
         if path.is_dir():
             path = path / "config.json"
+        regular_file(path, key="config", what="config.json")
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise FP8ConfigError(f"cannot read {path}: {exc}", key="config", value=str(path)) from None
+            raise FP8ConfigError(f"cannot read {path}: {format_value(str(exc))}", key="config",
+                                 value=str(path)) from None
     if hasattr(config, "to_dict"):
         config = config.to_dict()
     if not isinstance(config, Mapping):
@@ -101,12 +105,10 @@ def _num_layers(config: Mapping[str, Any]) -> int | None:
 
 
 def _safetensors_files(source: Path) -> list[Path]:
-    index = source / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = list(dict.fromkeys(weight_map.values()))
-        return [source / f for f in files]
-    files = sorted(source.glob("*.safetensors"))
+    from ..config import safetensors_files
+
+    # Index entries stay inside the directory; only regular files are opened (a FIFO blocks).
+    files = safetensors_files(source, key="source")
     if not files:
         other = [p.name for p in source.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
         hint = ("convert it to safetensors first (transformers: save_pretrained(..., "
@@ -180,7 +182,8 @@ class _ShardWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.pending or any(name in names for _, names in self.files):
-            raise FP8ConfigError(f"tensor {name!r} appears twice in the source", key=name)
+            raise FP8ConfigError(f"tensor {format_value(name)} appears twice in the source",
+                                 key=name)
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + size > self.max_bytes:
             self.flush()
@@ -236,7 +239,22 @@ def export_fp8_checkpoint(source: Mapping[str, torch.Tensor] | str | os.PathLike
     """
     from ..registry import get_recipe
 
-    spec = get_recipe(spec)
+    if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
+        raise FP8ConfigError(f"expected a directory path, got {format_value(out_dir)}",
+                             key="out_dir", value=out_dir)
+    for key, flag in (("overwrite", overwrite), ("copy_other_files", copy_other_files)):
+        if not isinstance(flag, bool):  # "false" is a mistake, not True
+            raise FP8ConfigError(f"expected True or False, got {format_value(flag)}", key=key,
+                                 value=flag)
+    if not (config is None or isinstance(config, (Mapping, str, os.PathLike))
+            or hasattr(config, "to_dict")):
+        raise FP8ConfigError(f"expected a mapping, a config.json path or None, got "
+                             f"{format_value(config)}", key="config")
+    try:
+        spec = get_recipe(spec)
+    except FP8ConfigError as err:  # the argument is `spec`
+        key = "spec" if err.key in (None, "recipe") else f"spec.{err.key}"
+        raise FP8ConfigError(err.bare_message, key=key, value=err.value, hint=err.hint) from None
     if spec.generation != "fp8" or spec.scaling not in ("block", "mx"):
         raise FP8ConfigError(f"recipe {spec.name!r} has no FP8 generation checkpoint format "
                              f"(scaling: {spec.scaling}, generation: {spec.generation})",

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from ..errors import FP8ConfigError
+from ..errors import FP8ConfigError, format_value
 
 __all__ = ["quantize_for_refit", "RefitLayoutError", "default_is_linear_weight",
            "row_parallel_shard_dim", "scale_name"]
@@ -85,10 +85,54 @@ def scale_name(name: str, spec=None, *, mx_scale_layout: str = "nemo_fp8") -> st
 
 
 def _items(named_tensors) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(named_tensors, Mapping):
-        yield from named_tensors.items()
-    else:
-        yield from named_tensors
+    pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    for i, item in enumerate(pairs):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            what = (f"{format_value(item[0])}: {type(item[1]).__name__}"
+                    if isinstance(item, tuple) and len(item) == 2 else format_value(item))
+            raise FP8ConfigError(f"item {i} is not a (name, torch.Tensor) pair: {what}",
+                                 key="named_tensors")
+        yield item
+
+
+def _answer(value, key: str) -> bool:
+    """A callback's yes/no; a string (``"false"``) is a mistake, not True."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise FP8ConfigError(f"returned {format_value(value)}, expected True or False", key=key,
+                             value=value)
+    return bool(value)
+
+
+def _check_args(named_tensors, keep_bf16, num_layers, tp_rank, tp_size, shard_dim,
+                is_linear_weight, mx_scale_layout, fused) -> None:
+    """Every argument of :func:`quantize_for_refit` by type and range, named when wrong
+    (``fused="false"`` is a mistake, not True)."""
+    if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not (
+            isinstance(named_tensors, Mapping) or hasattr(named_tensors, "__iter__")):
+        raise FP8ConfigError(f"expected (name, tensor) pairs or a mapping, got "
+                             f"{format_value(named_tensors)}", key="named_tensors")
+    for key, fn in (("keep_bf16", keep_bf16), ("is_linear_weight", is_linear_weight)):
+        if fn is not None and not callable(fn):
+            raise FP8ConfigError(f"expected a function or None, got {format_value(fn)}",
+                                 key=key, value=fn)
+    for key, value, low in (("num_layers", num_layers, 1), ("tp_rank", tp_rank, 0),
+                            ("tp_size", tp_size, 1)):
+        if value is not None and (type(value) is not int or value < low):
+            raise FP8ConfigError(f"expected an integer >= {low} or None, got "
+                                 f"{format_value(value)}", key=key, value=value)
+    if not (shard_dim is None or callable(shard_dim) or isinstance(shard_dim, Mapping)
+            or (type(shard_dim) is int and shard_dim in (0, 1))):
+        raise FP8ConfigError(f"expected 0, 1, a mapping, a function or None, got "
+                             f"{format_value(shard_dim)}", key="shard_dim", value=shard_dim)
+    if not isinstance(mx_scale_layout, str) or mx_scale_layout not in ("nemo_fp8",
+                                                                        "compressed_tensors"):
+        raise FP8ConfigError(f"expected 'nemo_fp8' or 'compressed_tensors', got "
+                             f"{format_value(mx_scale_layout)}", key="mx_scale_layout",
+                             value=mx_scale_layout)
+    if fused is not None and not isinstance(fused, bool):
+        raise FP8ConfigError(f"expected True, False or None, got {format_value(fused)}",
+                             key="fused", value=fused)
 
 
 def _keep_bf16_from_rules(spec, num_layers):
@@ -104,12 +148,17 @@ def _resolve_shard_dim(shard_dim, name: str, tensor: torch.Tensor) -> int:
     if shard_dim is None:
         return row_parallel_shard_dim(name, tensor)
     if callable(shard_dim):
-        return int(shard_dim(name, tensor))
-    if isinstance(shard_dim, Mapping):
-        if name in shard_dim:
-            return int(shard_dim[name])
-        return row_parallel_shard_dim(name, tensor)
-    return int(shard_dim)
+        dim = shard_dim(name, tensor)
+    elif isinstance(shard_dim, Mapping):
+        if name not in shard_dim:
+            return row_parallel_shard_dim(name, tensor)
+        dim = shard_dim[name]
+    else:
+        dim = shard_dim
+    if type(dim) is not int:  # "1" or 1.0 is a mistake to name, not a dim to guess
+        raise RefitLayoutError(f"{name}: shard_dim must be 0 or 1, got {format_value(dim)}",
+                               key="shard_dim", value=dim)
+    return dim
 
 
 def _check_shard(name: str, tensor: torch.Tensor, block: tuple[int, int], tp_rank, tp_size,
@@ -180,7 +229,13 @@ def quantize_for_refit(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappi
     from .. import numerics
     from ..registry import get_recipe
 
-    spec = get_recipe(spec)
+    _check_args(named_tensors, keep_bf16, num_layers, tp_rank, tp_size, shard_dim,
+                is_linear_weight, mx_scale_layout, fused)
+    try:
+        spec = get_recipe(spec)
+    except FP8ConfigError as err:  # the argument is `spec`
+        key = "spec" if err.key in (None, "recipe") else f"spec.{err.key}"
+        raise FP8ConfigError(err.bare_message, key=key, value=err.value, hint=err.hint) from None
     if spec.generation != "fp8":
         yield from _items(named_tensors)
         return
@@ -205,7 +260,8 @@ def quantize_for_refit(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappi
     min_numel = numerics.fused._state["min_numel"]
 
     for name, tensor in _items(named_tensors):
-        if (tensor.dtype in _FP8_DTYPES or not is_linear(name, tensor) or keep(name)):
+        if (tensor.dtype in _FP8_DTYPES or not _answer(is_linear(name, tensor), "is_linear_weight")
+                or _answer(keep(name), "keep_bf16")):
             yield name, tensor
             continue
         if sharded:

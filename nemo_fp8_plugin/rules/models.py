@@ -22,7 +22,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..errors import FP8ConfigError, format_value
+from ..errors import LIMITS, FP8ConfigError, check_limit, format_value
 from .names import layer_index
 
 __all__ = ["ModelDescription", "describe_model", "from_hf_config", "from_transformer_config",
@@ -153,6 +153,10 @@ def _build(name: str, family: str, *, num_layers: int, hidden_size: int, ffn_hid
            moe_ffn_hidden_size: int = 0, num_shared_experts: int = 0, mla: bool = False,
            q_lora: bool = False, gated: bool = True, vllm_quantizes_router: bool = False,
            source: str = "built-in") -> ModelDescription:
+    # Names are built per layer and expert (3 linears each): bound the product, not only each.
+    check_limit(num_layers * (3 * len(moe_layers) * num_experts // max(num_layers, 1) + 16),
+                LIMITS.modules, f"{source}: {num_layers} layers x {num_experts} experts: linear "
+                f"modules", key="num_experts" if num_experts else "num_layers")
     mg_map: list[tuple[str, tuple[str, ...]]] = []
     units: list[tuple[str, tuple[str, ...]]] = []
     hf_all: list[str] = []
@@ -283,6 +287,7 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
                              hint=f"supported: {', '.join(HF_MODEL_TYPES)}; for a Megatron model "
                                   f"give its TransformerConfig fields")
     layers = _get_int(cfg, "num_hidden_layers", source, minimum=1)
+    check_limit(layers, LIMITS.layers, f"{source}: transformer layers", key="num_hidden_layers")
     hidden = _get_int(cfg, "hidden_size", source, minimum=1)
     ffn = _get_int(cfg, "intermediate_size", source, minimum=1)
     if model_type in _LLAMA_LIKE:
@@ -290,6 +295,7 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
                       source=source)
     if model_type == "qwen3_moe":
         experts = _get_int(cfg, "num_experts", source, minimum=1)
+        check_limit(experts, LIMITS.experts, f"{source}: experts", key="num_experts")
         moe_ffn = _get_int(cfg, "moe_intermediate_size", source, minimum=1)
         step = _get_int(cfg, "decoder_sparse_step", source, default=1, minimum=1)
         dense = cfg.get("mlp_only_layers") or []
@@ -302,6 +308,7 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
                       moe_ffn_hidden_size=moe_ffn, vllm_quantizes_router=True, source=source)
     # DeepSeek-V2/V3 style: MLA attention, first_k_dense_replace dense layers, then MoE.
     experts = _get_int(cfg, "n_routed_experts", source, default=None)
+    check_limit(experts, LIMITS.experts, f"{source}: experts", key="n_routed_experts")
     moe_ffn = _get_int(cfg, "moe_intermediate_size", source, default=None)
     shared = _get_int(cfg, "n_shared_experts", source, default=None)
     first_dense = _get_int(cfg, "first_k_dense_replace", source, default=0)
@@ -334,12 +341,14 @@ def from_transformer_config(cfg: Any, *, name: str = "megatron-gpt",
         return value
 
     layers = integer("num_layers", None, 1)
+    check_limit(layers, LIMITS.layers, "transformer layers", key="model.num_layers")
     hidden = integer("hidden_size", None, 1)
     if not layers or not hidden:
         raise FP8ConfigError("a Megatron model description needs num_layers and hidden_size",
                              key="model.num_layers" if not layers else "model.hidden_size")
     ffn = integer("ffn_hidden_size", None) or 4 * hidden
     experts = integer("num_moe_experts", None)
+    check_limit(experts, LIMITS.experts, "experts", key="model.num_moe_experts")
     moe_ffn = integer("moe_ffn_hidden_size", None) or (ffn if experts else 0)
     shared_size = integer("moe_shared_expert_intermediate_size", None)
     freq = get("moe_layer_freq", 1)

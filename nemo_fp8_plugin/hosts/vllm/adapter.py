@@ -61,6 +61,20 @@ def _find(config: dict, name: str) -> tuple[str | None, Any]:
     return None, None
 
 
+def _refuse_two_spellings(config: dict) -> None:
+    """vLLM reads ``max-model-len`` and ``max_model_len`` as one option, and keeps one of
+    the two silently: a config giving both is refused, naming both."""
+    first: dict[str, str] = {}
+    for key in config:
+        if not isinstance(key, str):
+            continue
+        other = first.setdefault(key.replace("-", "_"), key)
+        if other != key:
+            raise FP8ConfigError(f"the same vLLM option as {format_value(other)} (vLLM reads "
+                                 f"dashes and underscores alike and keeps one)", key=key,
+                                 value=config[key], hint="keep one of the two spellings")
+
+
 def _drop_request_keys(config: dict, keys: tuple[str, ...]) -> None:
     for dotted in keys:
         parts = dotted.split(".")
@@ -87,6 +101,7 @@ def _merge(ctx) -> ApplyResult:
     from . import engine_spelling
 
     config, request = ctx.raw, ctx.request
+    _refuse_two_spellings(config)
     out = copy.deepcopy(config)
     _drop_request_keys(out, request.keys)
     device_key, device = _find(out, "device")
