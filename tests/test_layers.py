@@ -167,3 +167,85 @@ def test_no_import_cycle_in_the_package():
 
     no_parent = {a: {b for b in bs if not is_parent(a, b)} for a, bs in every.items()}
     assert cycles(nodes, no_parent) == [], "import cycle through function-level imports"
+
+
+# Top-level names that a test module marked torch_free must not import (outside its tests
+# marked host): torch, and the hosts, which all import torch.
+TORCH_OR_HOST = frozenset(
+    {
+        "torch",
+        "torchao",
+        "transformers",
+        "megatron",
+        "nemo",
+        "nemo_run",
+        "nemo_rl",
+        "transformer_engine",
+        "lightning",
+        "pytorch_lightning",
+        "vllm",
+    }
+)
+
+
+def _mark_names(node: ast.expr) -> set[str]:
+    """``{"slow", "host"}`` for ``pytest.mark.slow``, ``[pytest.mark.host, ...]``, and
+    ``pytest.mark.x(...)``."""
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return set().union(*(_mark_names(e) for e in node.elts))
+    if isinstance(node, ast.Call):
+        node = node.func
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "mark"
+    ):
+        return {node.attr}
+    return set()
+
+
+def _imported_roots(node: ast.AST) -> set[tuple[str, int]]:
+    """(top-level package, line) of every absolute import under ``node``, TYPE_CHECKING
+    blocks left out."""
+    found: set[tuple[str, int]] = set()
+    for child in ast.walk(node):
+        if (
+            isinstance(child, ast.If)
+            and isinstance(child.test, ast.Name)
+            and child.test.id == "TYPE_CHECKING"
+        ):
+            child.body = []
+        if isinstance(child, ast.Import):
+            found |= {(a.name.split(".")[0], child.lineno) for a in child.names}
+        elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+            found.add((child.module.split(".")[0], child.lineno))
+    return found
+
+
+def test_torch_free_test_modules_import_no_torch_or_host():
+    """A static check of the `torch_free` marker (docs/architecture.md, "Test subsets"): the
+    module's own imports, and those of each of its tests not marked `host`, name neither torch
+    nor a host. What the plugin's modules import is the import contracts' business; running
+    the subset where torch is blocked (the fourth command there) checks the rest."""
+    offenders = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        module_marks: set[str] = set()
+        for stmt in tree.body:
+            if isinstance(stmt, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in stmt.targets
+            ):
+                module_marks |= _mark_names(stmt.value)
+        if "torch_free" not in module_marks:
+            continue
+        for stmt in tree.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                marks = set().union(*(_mark_names(d) for d in stmt.decorator_list))
+                if not stmt.name.startswith("test_") or "host" in marks:
+                    continue  # helpers are judged by the tests that call them
+            elif isinstance(stmt, ast.ClassDef):
+                continue
+            for root, line in _imported_roots(stmt):
+                if root in TORCH_OR_HOST:
+                    offenders.append(f"{path.relative_to(REPO)}:{line}: {root}")
+    assert not offenders, "torch_free modules import torch or a host:\n" + "\n".join(offenders)

@@ -788,6 +788,7 @@ def test_block_training_with_mxfp8_generation_is_refused_with_the_reason(tmp_pat
 # ------------------------------------------------------------------ per-module training rules (item 3)
 
 
+@pytest.mark.host
 def test_model_overrides_cannot_carry_a_per_module_quant_recipe():
     """NeMo RL's only per-module route on its Megatron side would be model_overrides.quant_recipe:
     its own merge (`_merge_model_overrides`, from its source) keeps the nested mapping as a

@@ -39,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
     from ._args import name_list
 
     recipes = name_list(args.recipes, "--recipes")
+    if args.steps is not None and not 1 <= args.steps <= 100_000:  # the config's own range
+        from ..errors import FP8ConfigError
+
+        raise FP8ConfigError(f"must be in [1, 100000], got {args.steps}", key="--steps",
+                             value=args.steps)
     check_output_dir(args.out, "--out")
     with warnings.catch_warnings():
         for pattern in _EXPECTED_CPU_WARNINGS:

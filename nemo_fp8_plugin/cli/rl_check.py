@@ -46,8 +46,13 @@ def run(args: argparse.Namespace) -> int:
         if arm not in ARMS:
             raise FP8ConfigError(f"unknown arm {arm!r}", key="--arms", value=arm,
                                  hint=f"one of {', '.join(ARMS)}")
-    if args.steps is not None and args.steps < 1:
-        raise FP8ConfigError("must be at least 1", key="--steps", value=args.steps)
+    if args.steps is not None and not 1 <= args.steps <= 100_000:
+        raise FP8ConfigError(f"must be in [1, 100000], got {args.steps}", key="--steps",
+                             value=args.steps)
+    # torch seeds each stream with seed + 1 ... seed + 4: keep all of them in its range
+    if args.seed is not None and not 0 <= args.seed <= 2**32 - 5:
+        raise FP8ConfigError(f"must be in [0, {2**32 - 5}], got {args.seed}", key="--seed",
+                             value=args.seed)
     if args.recipe is not None:
         try:
             spec = get_recipe(args.recipe)

@@ -183,7 +183,10 @@ class KVScaleCalibrator:
             raise FP8ConfigError(f"expected 'batch' or 'token', got {format_value(sample)}",
                                  key="sample", value=sample)
         self.sample = sample
-        self.include_q = bool(include_q)
+        if not isinstance(include_q, bool):  # "false" is a mistake, not True
+            raise FP8ConfigError(f"expected True or False, got {format_value(include_q)}",
+                                 key="include_q", value=include_q)
+        self.include_q = include_q
         self.name_map = name_map or vllm_attention_name
         if layer_offset is not None and (isinstance(layer_offset, bool)
                                          or not isinstance(layer_offset, int) or layer_offset < 0):
@@ -416,6 +419,15 @@ def refresh_scales(model: torch.nn.Module, forward: Callable[[], Any] | None = N
     ``.seconds`` (its wall time, to report per step), ``.amax`` and ``.samples``. Append its
     items to the refit payload: ``payload + list(update.items())``.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise FP8ConfigError(f"expected a torch.nn.Module, got {format_value(model)}",
+                             key="model")
+    if forward is not None and not callable(forward):
+        raise FP8ConfigError(f"expected a zero-argument function or None, got "
+                             f"{format_value(forward)}", key="forward")
+    if calibrator is not None and not isinstance(calibrator, KVScaleCalibrator):
+        raise FP8ConfigError(f"expected a KVScaleCalibrator or None, got "
+                             f"{format_value(calibrator)}", key="calibrator")
     calibrator = calibrator or _ATTACHED.get(model)
     if forward is not None:
         if calibrator is None:

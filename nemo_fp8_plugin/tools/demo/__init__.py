@@ -81,7 +81,7 @@ class ArmResult(ArmRecord[float]):
 def load_demo_config(path: str | Path):
     """The demo's YAML: ``precision``/``fp8`` (the recipe of interest), ``model``, ``train``."""
     from ...config import resolve_config
-    from ...errors import FP8ConfigError
+    from ...errors import FP8ConfigError, format_value
     from .model import GPTSettings
 
     config, request = resolve_config(path)
@@ -97,7 +97,7 @@ def load_demo_config(path: str | Path):
     for key, cls in (("model", GPTSettings), ("train", TrainSettings)):
         raw = config.get(key) or {}
         if not isinstance(raw, dict):
-            raise FP8ConfigError(f"expected a mapping, got {raw!r}", key=key)
+            raise FP8ConfigError(f"expected a mapping, got {format_value(raw)}", key=key)
         allowed = set(cls.__dataclass_fields__)
         for k, v in raw.items():
             if k not in allowed:
@@ -105,11 +105,54 @@ def load_demo_config(path: str | Path):
                                      hint=f"valid keys: {', '.join(sorted(allowed))}")
             want = type(getattr(cls(), k))
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
-                raise FP8ConfigError(f"expected a {want.__name__}, got {v!r}", key=f"{key}.{k}", value=v)
+                raise FP8ConfigError(f"expected a {want.__name__}, got {format_value(v)}",
+                                     key=f"{key}.{k}", value=v)
             if v <= 0 and k != "weight_decay":
-                raise FP8ConfigError(f"must be positive, got {v!r}", key=f"{key}.{k}", value=v)
+                raise FP8ConfigError(f"must be positive, got {format_value(v)}", key=f"{key}.{k}",
+                                     value=v)
         blocks[key] = cls(**raw)
+    _check_ranges(blocks["model"], blocks["train"])
     return blocks["model"], blocks["train"], request
+
+
+_DEMO_RANGES = {
+    # key: (low, high); far beyond what a CPU demo runs, short of what crashes or never ends
+    "model.num_layers": (1, 64), "model.hidden_size": (1, 8192),
+    "model.ffn_hidden_size": (1, 32768), "model.num_attention_heads": (1, 128),
+    "model.seq_length": (2, 8192), "model.vocab_size": (256, 65536),  # 256: byte tokens
+    "train.steps": (1, 100_000), "train.micro_batch_size": (1, 4096), "train.lr": (0, 10.0),
+    "train.warmup_steps": (1, 100_000), "train.weight_decay": (0.0, 10.0),
+    "train.grad_clip": (0, 1e6), "train.seed": (0, 2**32 - 2),  # seed + 1 seeds the batches
+    "train.eval_batches": (1, 10_000), "train.corpus_bytes": (1, 10**9),
+}
+"""Inclusive ranges of the demo config's values (``lr`` and ``grad_clip`` must also be > 0)."""
+
+
+def _check_ranges(gpt, train) -> None:
+    """Every value of the demo config in range, with the key named: out-of-range seeds,
+    sizes and rates otherwise surface as tracebacks from torch or megatron-core, or as a
+    model no machine holds."""
+    from ...errors import FP8ConfigError
+
+    for key, (low, high) in _DEMO_RANGES.items():
+        section, name = key.split(".")
+        value = getattr(gpt if section == "model" else train, name)
+        if not low <= value <= high:
+            raise FP8ConfigError(f"must be in [{low}, {high}], got {value}", key=key, value=value)
+    if gpt.hidden_size % gpt.num_attention_heads:
+        raise FP8ConfigError(f"must be a multiple of model.num_attention_heads "
+                             f"({gpt.num_attention_heads}), got {gpt.hidden_size}",
+                             key="model.hidden_size", value=gpt.hidden_size)
+    params = gpt.num_layers * (4 * gpt.hidden_size ** 2 + 2 * gpt.hidden_size *
+                               gpt.ffn_hidden_size) + gpt.vocab_size * gpt.hidden_size
+    if params > 2 * 10**9:
+        raise FP8ConfigError(f"the model would have about {params / 1e9:.1f}B parameters, more "
+                             f"than the 2B a CPU demo holds", key="model.num_layers",
+                             value=gpt.num_layers, hint="shrink num_layers or hidden_size")
+    if train.micro_batch_size * gpt.seq_length > 2**22:
+        raise FP8ConfigError(f"{train.micro_batch_size} x {gpt.seq_length} tokens per step is "
+                             f"more than {2**22}", key="train.micro_batch_size",
+                             value=train.micro_batch_size)
 
 
 def _lr_at(step: int, train: TrainSettings) -> float:
