@@ -111,6 +111,7 @@ def _hardware_section(report: dict[str, Any], request: FP8Request, flag: str | N
     from .capabilities import arch_label, hardware_problems, side_summary
 
     spec, arch = request.spec, request.hardware
+    assert arch is not None
     target = flag if request.hardware_key == "--hardware" else None
     name = target or arch_label(arch)
     problems = hardware_problems(spec, arch)
@@ -124,7 +125,7 @@ def _hardware_section(report: dict[str, Any], request: FP8Request, flag: str | N
     report["warnings"] += [f"{request.hardware_key} {name}: {p.message}" for p in problems]
     runs = report["hardware"]["runs"]
     report.setdefault("notes", []).append(
-        f"on {name}: training runs {runs['training']}; generation runs {runs['generation']}")
+        f"on {name}: training: {runs['training']}; generation: {runs['generation']}")
 
 
 def _near_request_keys(config: dict) -> list[str]:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import ast
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import nemo_rl_configs, upstream_file
-from nemo_fp8_plugin import FP8ConfigError, get_recipe
+from nemo_fp8_plugin import FP8ConfigError
 from nemo_fp8_plugin.capabilities import CAPABILITIES, SCALING_KINDS, token_alignment
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.hosts.alignment import parallel_sizes
@@ -183,7 +182,8 @@ def test_parallel_sizes_resolve_interpolations():
     config = {"policy": {"megatron_cfg": {"tensor_model_parallel_size": "${mul:2, 2}",
                                           "sequence_parallel": True}}}
     sizes = parallel_sizes(config, resolved_value)
-    assert (sizes.tensor_parallel, sizes.sequence_parallel, sizes.expert_tensor_parallel) == (4, True, 4)
+    assert (sizes.tensor_parallel, sizes.sequence_parallel,
+            sizes.expert_tensor_parallel) == (4, True, 4)
 
 
 # --------------------------------------------------------------------------- explain, doctor
@@ -206,7 +206,8 @@ def test_explain_and_doctor_report_model_sizes_before_the_run(tmp_path, capsys):
     assert "model.hidden_size" in capsys.readouterr().err
     assert main(["doctor", str(cfg), "--json"]) == 1
     verdict = json.loads(capsys.readouterr().out)["recipes"][0]
-    assert verdict["runnable"] is False and any("model.hidden_size" in p for p in verdict["problems"])
+    assert verdict["runnable"] is False
+    assert any("model.hidden_size" in p for p in verdict["problems"])
 
 
 def test_a_megatron_tp_split_is_judged_by_explain_and_doctor(tmp_path, capsys):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, load_te_recipe_module, nemo_rl_configs, upstream_file
+from conftest import load_te_recipe_module, nemo_rl_configs, upstream_file
 from nemo_fp8_plugin import FP8ConfigError, RecipeSpec, get_recipe, list_recipes
 from nemo_fp8_plugin.capabilities import CAPABILITIES, ENV_NVFP4, NVFP4_GENERATION_REFUSAL
 from nemo_fp8_plugin.cli import main
@@ -79,7 +79,8 @@ def test_e2m1_is_nvfp4s_format_only():
 
 
 def test_generation_refusal_names_modelopt_and_blackwell():
-    assert "ModelOpt" in NVFP4_GENERATION_REFUSAL and "compressed-tensors" in NVFP4_GENERATION_REFUSAL
+    assert "ModelOpt" in NVFP4_GENERATION_REFUSAL
+    assert "compressed-tensors" in NVFP4_GENERATION_REFUSAL
     assert "Blackwell" in NVFP4_GENERATION_REFUSAL
 
 
@@ -198,7 +199,9 @@ def test_fp8_recipes_refuse_a_native_fp4(tmp_path):
 def test_nemo2_megatron_mixed_precision_takes_the_fp4_fields():
     from megatron.core.transformer import TransformerConfig
     from nemo.lightning.pytorch.plugins.mixed_precision import (
-        MegatronMixedPrecision, update_config_with_dtype_overrides)
+        MegatronMixedPrecision,
+        update_config_with_dtype_overrides,
+    )
 
     from nemo_fp8_plugin.hosts import nemo2
 
@@ -404,7 +407,8 @@ def test_analyze_quantizes_nvfp4_with_quantize_nvfp4():
     spec = get_recipe("nvfp4")
     assert torch.equal(quantize_dequantize(x, spec, "weight"),
                        quantize_nvfp4(x, (16, 16)).dequantize())
-    assert torch.equal(quantize_dequantize(x, spec, "input"), quantize_nvfp4(x, (1, 16)).dequantize())
+    assert torch.equal(quantize_dequantize(x, spec, "input"),
+                       quantize_nvfp4(x, (1, 16)).dequantize())
 
 
 @pytest.mark.parametrize("hardware, runnable", [("h100", False), ("b200", None), ("gb300", None),

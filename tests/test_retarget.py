@@ -14,8 +14,14 @@ import pytest
 import yaml
 
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
-from nemo_fp8_plugin.capabilities import (ARCHS, CAPABILITIES, NEAREST, arch_by_name,
-                                          hardware_problems, side_summary)
+from nemo_fp8_plugin.capabilities import (
+    ARCHS,
+    CAPABILITIES,
+    NEAREST,
+    arch_by_name,
+    hardware_problems,
+    side_summary,
+)
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.config import find_fp8_request
 from nemo_fp8_plugin.registry import list_recipes
@@ -33,7 +39,8 @@ SPELLINGS = {
     "NVIDIA H100 80GB HBM3": "hopper", "NVIDIA H200": "hopper", "NVIDIA B200": "blackwell",
     "NVIDIA GB200": "blackwell", "NVIDIA B300 SXM6 AC": "blackwell", "NVIDIA GB300": "blackwell",
     "NVIDIA RTX PRO 6000 Blackwell Server Edition": "blackwell_sm120",
-    "NVIDIA L40S": "ada", "NVIDIA RTX 6000 Ada Generation": "ada", "NVIDIA A100-SXM4-80GB": "ampere",
+    "NVIDIA L40S": "ada", "NVIDIA RTX 6000 Ada Generation": "ada",
+    "NVIDIA A100-SXM4-80GB": "ampere",
     "sm90": "hopper", "sm_90": "hopper", "SM100": "blackwell", "sm103": "blackwell",
     "sm120": "blackwell_sm120", "sm89": "ada", "sm80": "ampere", "Hopper": "hopper",
 }

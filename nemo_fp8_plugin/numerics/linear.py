@@ -34,6 +34,7 @@ from .fused import (
     fake_quant_per_tensor,
     fake_quant_with_scale,
 )
+from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from .quantize import tensor_amax
 from .recipe import RecipeLike, check_recipe
 
@@ -110,7 +111,17 @@ class RoleQuantizer:
             return fake_quant_per_tensor(t, self.fmt, self.pow2, self.eps)
         if self.scaling == "block":
             return fake_quant_blockwise(t, self.block, self.fmt, self.pow2, self.eps)
+        if self.scaling == "nvfp4":
+            return self._nvfp4(t, self.block, rht=False)
         return fake_quant_mxfp8(t, self.block, self.fmt)
+
+    def _nvfp4(self, t: torch.Tensor, block, *, rht: bool) -> torch.Tensor:
+        # TE's NVFP4BlockScaling: stochastic rounding on gradients, the random Hadamard
+        # transform on both operands of the weight-gradient GEMM (the column-wise copies of
+        # the input and the gradient). The transform is undone after dequantizing: the two
+        # operands' H^T H cancels in the GEMM, so this is that GEMM's product exactly.
+        q = quantize_nvfp4(t, tuple(block), rht=rht, stochastic=self.role == "grad_output")
+        return dequantize_nvfp4(q, torch.float32, undo_rht=rht)
 
     def columnwise(self, t: torch.Tensor, rowwise_result: torch.Tensor | None) -> torch.Tensor:
         """fp32 fake-quantized ``t.T`` (tiles along the first dim of ``t``), ``[C, R]``.
@@ -123,6 +134,8 @@ class RoleQuantizer:
                 raise RuntimeError("column-wise copy needs the row-wise result")
             return rowwise_result.t()
         transposed_tile = (self.block[1], self.block[0])
+        if self.scaling == "nvfp4":  # quantized again from t.T with 1x16 groups, RHT on
+            return self._nvfp4(t.t().contiguous(), self.block, rht=True)
         if self.scaling == "block":
             return fake_quant_blockwise(t, transposed_tile, self.fmt, self.pow2, self.eps).t()
         return fake_quant_mxfp8(t, transposed_tile, self.fmt).t()

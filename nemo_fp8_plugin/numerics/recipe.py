@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # for readers and type checkers only: RecipeSpec satisfies Re
 
 __all__ = ["RecipeLike", "RecipeTypeError", "check_recipe", "SCALING_KINDS"]
 
-SCALING_KINDS = ("delayed", "tensorwise", "block", "mx")
+SCALING_KINDS = ("delayed", "tensorwise", "block", "mx", "nvfp4")
 """The scaling kinds the quantizers implement (``RecipeSpec.scaling``)."""
 
 _FIELDS = ("name", "scaling", "pow2_scales", "amax_epsilon", "amax_history_len",
