@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["FP8ConfigError", "RecipeRegistryError", "HostUnavailableError", "ConflictingKeyError",
-           "format_value", "suggest", "LIMITS", "Limits", "check_limit"]
+           "format_value", "suggest", "LIMITS", "Limits", "check_limit", "one_line"]
 
 
 class Limits:
@@ -79,6 +79,15 @@ def format_value(value: Any, limit: int = 80) -> str:
 _SUGGEST_MAX_LEN = 200
 
 
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable (newlines, and the separators
+    ``str.splitlines`` also breaks on, such as ``\x1e`` or ``\u2028``) escaped: an error is
+    one line whatever the key or value a user wrote into it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def suggest(word: Any, choices: Iterable[Any]) -> str | None:
     """The choice a misspelt ``word`` most likely meant, or None.
 
@@ -122,7 +131,7 @@ class FP8ConfigError(ValueError):
         text = f"{self.key}: {self.bare_message}" if self.key else self.bare_message
         if self.hint:
             text += f" ({self.hint})"
-        return text
+        return one_line(text)
 
     def with_prefix(self, prefix: str) -> FP8ConfigError:
         """The same error re-keyed under ``prefix`` (``"fp8"`` turns ``margin`` into

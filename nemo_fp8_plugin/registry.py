@@ -168,7 +168,7 @@ def load_yaml_file(path: Path) -> Any:
         data = fh.read(LIMITS.config_bytes + 1)
     check_limit(len(data), LIMITS.config_bytes, f"{path} is too large: bytes", key=None)
     stream = io.StringIO(data.decode("utf-8"))
-    stream.name = str(path)  # type: ignore[misc]  # PyYAML's marks (line numbers) name the file
+    stream.name = str(path)  # PyYAML's marks (line numbers) name the file
     try:
         return yaml.load(stream, Loader=_safe_loader())  # noqa: S506 - a SafeLoader subclass
     except RecursionError:  # the pure-Python composer recurses per level, below our check

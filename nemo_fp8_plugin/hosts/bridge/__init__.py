@@ -373,7 +373,7 @@ def _merge(ctx) -> ApplyResult:
     own = bridge_recipe_name(spec, ctx.model)
     notes: list[str] = []
     if own is not None and (current is None or current == own
-                            or _BASE_NAMES.get(current) == "bf16"):
+                            or (isinstance(current, str) and _BASE_NAMES.get(current) == "bf16")):
         block: Any = own  # Bridge's own registered recipe, by name
     elif current is None or isinstance(current, str):
         if current is not None and current not in _BASE_NAMES:
@@ -384,7 +384,8 @@ def _merge(ctx) -> ApplyResult:
                  **base_fields(_BASE_NAMES.get(current, "bf16")), **copy.deepcopy(fields)}
     elif isinstance(current, Mapping):
         target = current.get("_target_")
-        if target is not None and target not in MIXED_PRECISION_TARGETS:
+        if target is not None and (not isinstance(target, str)
+                                   or target not in MIXED_PRECISION_TARGETS):
             # The fields would become keyword arguments of whatever the path names.
             raise FP8ConfigError(f"names {format_value(target)}, not Megatron-Bridge's "
                                  f"MixedPrecisionConfig", key="mixed_precision._target_",

@@ -285,9 +285,11 @@ def _is_plugin_mapping(node: Any) -> bool:
     if not isinstance(node, Mapping):
         return False
     target = node.get("_target_")
+    if not isinstance(target, str):
+        return False
     if target in PLUGIN_TARGETS:
         return True
-    if isinstance(target, str) and "MegatronMixedPrecision" in target.rsplit(".", 1)[-1]:
+    if "MegatronMixedPrecision" in target.rsplit(".", 1)[-1]:
         raise FP8ConfigError(f"names {format_value(target)}, not NeMo's MegatronMixedPrecision",
                              key="trainer.plugins._target_", value=target,
                              hint=f"the FP8 fields go into NeMo's own plugin: _target_: "
