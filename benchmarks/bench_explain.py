@@ -74,11 +74,13 @@ def run_cli(args: list[str], repeat: int) -> tuple[float, float]:
 
 
 def imports_torch(args: list[str]) -> bool:
-    code = ("import sys, runpy, contextlib, io\n"
-            f"sys.argv = ['nemo-fp8', *{args!r}]\n"
-            "from nemo_fp8_plugin.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()): main(sys.argv[1:])\n"
-            "print('torch' in sys.modules)\n")
+    code = (
+        "import sys, runpy, contextlib, io\n"
+        f"sys.argv = ['nemo-fp8', *{args!r}]\n"
+        "from nemo_fp8_plugin.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(sys.argv[1:])\n"
+        "print('torch' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1] == "True"
 
@@ -110,29 +112,66 @@ def main() -> None:
         cmds = {
             "python -c pass (baseline)": ["-c", "pass"],
             "nemo-fp8 recipes": ["-m", "nemo_fp8_plugin", "recipes"],
-            "nemo-fp8 explain (example, Llama-3.1-8B)": ["-m", "nemo_fp8_plugin", "explain", str(EXAMPLE)],
-            "nemo-fp8 apply --host megatron": ["-m", "nemo_fp8_plugin", "apply", str(EXAMPLE),
-                                               "--host", "megatron"],
-            "nemo-fp8 explain (Llama-3.1-70B, 80 layers)": ["-m", "nemo_fp8_plugin", "explain", str(big)],
-            "nemo-fp8 explain --json (DeepSeek-V3)": ["-m", "nemo_fp8_plugin", "explain", str(dsv3),
-                                                      "--json"],
+            "nemo-fp8 explain (example, Llama-3.1-8B)": [
+                "-m",
+                "nemo_fp8_plugin",
+                "explain",
+                str(EXAMPLE),
+            ],
+            "nemo-fp8 apply --host megatron": [
+                "-m",
+                "nemo_fp8_plugin",
+                "apply",
+                str(EXAMPLE),
+                "--host",
+                "megatron",
+            ],
+            "nemo-fp8 explain (Llama-3.1-70B, 80 layers)": [
+                "-m",
+                "nemo_fp8_plugin",
+                "explain",
+                str(big),
+            ],
+            "nemo-fp8 explain --json (DeepSeek-V3)": [
+                "-m",
+                "nemo_fp8_plugin",
+                "explain",
+                str(dsv3),
+                "--json",
+            ],
         }
         rows = {name: run_cli(cmd, args.repeat) for name, cmd in cmds.items()}
         base = rows["python -c pass (baseline)"]
-        torch_free = {name: not imports_torch(cmd[2:]) for name, cmd in cmds.items()
-                      if cmd[:2] == ["-m", "nemo_fp8_plugin"]}
-        inproc = {"build_report + render_text, Llama-3.1-70B": in_process(big, args.repeat),
-                  "build_report + render_text, DeepSeek-V3": in_process(dsv3, args.repeat)}
+        torch_free = {
+            name: not imports_torch(cmd[2:])
+            for name, cmd in cmds.items()
+            if cmd[:2] == ["-m", "nemo_fp8_plugin"]
+        }
+        inproc = {
+            "build_report + render_text, Llama-3.1-70B": in_process(big, args.repeat),
+            "build_report + render_text, DeepSeek-V3": in_process(dsv3, args.repeat),
+        }
     if args.json:
-        print(json.dumps({"processes_wall_cpu_s": rows, "torch_free": torch_free,
-                          "in_process_s": inproc, "load_average": os.getloadavg()}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "processes_wall_cpu_s": rows,
+                    "torch_free": torch_free,
+                    "in_process_s": inproc,
+                    "load_average": os.getloadavg(),
+                },
+                indent=2,
+            )
+        )
         return
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("| command | wall s | x baseline | CPU s | x baseline | imports torch |")
     print("|---|---|---|---|---|---|")
     for name, (wall, cpu) in rows.items():
         tf = "-" if name not in torch_free else ("no" if torch_free[name] else "YES")
-        print(f"| {name} | {wall:.3f} | {wall / base[0]:.1f} | {cpu:.3f} | {cpu / base[1]:.1f} | {tf} |")
+        print(
+            f"| {name} | {wall:.3f} | {wall / base[0]:.1f} | {cpu:.3f} | {cpu / base[1]:.1f} | {tf} |"
+        )
     print()
     print(f"| in process | wall (s, median of {args.repeat}) |")
     print("|---|---|")

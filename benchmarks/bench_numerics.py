@@ -22,8 +22,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, smoke run only")
     parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--skip-bf16", action="store_true",
-                        help="skip the plain bf16 linear (minutes on CPUs without native bf16)")
+    parser.add_argument(
+        "--skip-bf16",
+        action="store_true",
+        help="skip the plain bf16 linear (minutes on CPUs without native bf16)",
+    )
     args = parser.parse_args()
     env = environment()
     result = run_numerics(quick=args.quick, skip_bf16=args.skip_bf16)

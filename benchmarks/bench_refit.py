@@ -28,8 +28,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="quarter-width layers")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--check", action="store_true",
-                        help="verify fused == CPU eager reference first")
+    parser.add_argument(
+        "--check", action="store_true", help="verify fused == CPU eager reference first"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     env = environment(args.device)

@@ -46,9 +46,10 @@ def _module(width: int):
     import lightning.pytorch as pl
 
     torch.manual_seed(0)
-    net = convert_to_fp8_emulation(nn.Sequential(nn.Linear(width, width), nn.GELU(),
-                                                 nn.Linear(width, width)),
-                                   get_recipe("fp8_delayed"))
+    net = convert_to_fp8_emulation(
+        nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)),
+        get_recipe("fp8_delayed"),
+    )
 
     class Lit(pl.LightningModule):
         def __init__(self):
@@ -70,10 +71,17 @@ def _module(width: int):
 def _fit(root: Path, width: int, data, max_steps: int, callbacks, ckpt: Path | None = None):
     import lightning.pytorch as pl
 
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks,
-                         default_root_dir=str(root))
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=str(root),
+    )
     trainer.fit(_module(width), data, ckpt_path=None if ckpt is None else str(ckpt))
     return trainer
 
@@ -93,8 +101,11 @@ def run(steps: int, rounds: int, width: int, batch: int, calibration_steps: int)
             _fit(root, width, data, 3 + steps, [], ckpt)
 
         def with_callback():
-            cb = FP8ScaleRefreshCallback("fp8_delayed", calibration_steps=calibration_steps,
-                                         after_optimizer_step=lambda trainer, module: None)
+            cb = FP8ScaleRefreshCallback(
+                "fp8_delayed",
+                calibration_steps=calibration_steps,
+                after_optimizer_step=lambda trainer, module: None,
+            )
             _fit(root, width, data, 3 + steps, [cb], ckpt)
             stats.append(dict(cb.stats))
 
@@ -102,26 +113,36 @@ def run(steps: int, rounds: int, width: int, batch: int, calibration_steps: int)
         stats.clear()
         times = interleaved({"baseline": baseline, "callback": with_callback}, rounds)
     best = {name: min(ts) for name, ts in times.items()}
-    return {"steps": steps, "rounds": rounds, "width": width, "batch": batch,
-            "calibration_steps": calibration_steps,
-            "fit_s": {name: {"best": best[name], "median": statistics.median(ts)}
-                      for name, ts in times.items()},
-            "fit_ratio": ratio(best["callback"], best["baseline"]),
-            "callback_stats": {k: statistics.median(s[k] for s in stats) for k in STAT_KEYS}}
+    return {
+        "steps": steps,
+        "rounds": rounds,
+        "width": width,
+        "batch": batch,
+        "calibration_steps": calibration_steps,
+        "fit_s": {
+            name: {"best": best[name], "median": statistics.median(ts)}
+            for name, ts in times.items()
+        },
+        "fit_ratio": ratio(best["callback"], best["baseline"]),
+        "callback_stats": {k: statistics.median(s[k] for s in stats) for k in STAT_KEYS},
+    }
 
 
 def render(result: dict, env: dict) -> str:
     cb = result["callback_stats"]
-    return "\n".join([
-        f"# bench_refresh  torch {env['torch']}  threads {env['threads']}  "
-        f"width {result['width']}  batch {result['batch']}  {result['steps']} resumed steps x "
-        f"{result['rounds']} rounds",
-        f"resumed fit, best of rounds: baseline {result['fit_s']['baseline']['best']:.3f} s, "
-        f"with the callback {result['fit_s']['callback']['best']:.3f} s "
-        f"(x{result['fit_ratio']:.3f})",
-        f"callback accounting (median): refresh {cb['refresh_seconds'] * 1e3:.1f} ms, "
-        f"hook {cb['hook_seconds'] * 1e3:.3f} ms, steps {cb['step_seconds']:.3f} s, "
-        f"overhead fraction {100 * cb['overhead_fraction']:.2f}%"])
+    return "\n".join(
+        [
+            f"# bench_refresh  torch {env['torch']}  threads {env['threads']}  "
+            f"width {result['width']}  batch {result['batch']}  {result['steps']} resumed steps x "
+            f"{result['rounds']} rounds",
+            f"resumed fit, best of rounds: baseline {result['fit_s']['baseline']['best']:.3f} s, "
+            f"with the callback {result['fit_s']['callback']['best']:.3f} s "
+            f"(x{result['fit_ratio']:.3f})",
+            f"callback accounting (median): refresh {cb['refresh_seconds'] * 1e3:.1f} ms, "
+            f"hook {cb['hook_seconds'] * 1e3:.3f} ms, steps {cb['step_seconds']:.3f} s, "
+            f"overhead fraction {100 * cb['overhead_fraction']:.2f}%",
+        ]
+    )
 
 
 def main() -> None:
@@ -130,8 +151,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per arm")
     parser.add_argument("--width", type=int, default=512, help="width of the two linear layers")
     parser.add_argument("--batch", type=int, default=64, help="rows per step")
-    parser.add_argument("--calibration-steps", type=int, default=4,
-                        help="calibration passes of the refresh")
+    parser.add_argument(
+        "--calibration-steps", type=int, default=4, help="calibration passes of the refresh"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if min(args.steps, args.rounds, args.width, args.batch, args.calibration_steps) < 1:

@@ -17,14 +17,30 @@ from .spec import BF16Rules, ImportanceSampling, RecipeSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "__version__", "FP8ConfigError", "HostUnavailableError", "RecipeRegistryError",
-    "ENTRY_POINT_GROUP", "get_recipe", "list_recipes", "register_recipe",
-    "BF16Rules", "ImportanceSampling", "RecipeSpec",
+    "__version__",
+    "FP8ConfigError",
+    "HostUnavailableError",
+    "RecipeRegistryError",
+    "ENTRY_POINT_GROUP",
+    "get_recipe",
+    "list_recipes",
+    "register_recipe",
+    "BF16Rules",
+    "ImportanceSampling",
+    "RecipeSpec",
 ]
 
 # Subpackages that import torch (or a host) load lazily, on attribute access.
-_LAZY_SUBMODULES = {"numerics", "rl", "rules", "hosts", "analyze", "config", "capabilities",
-                    "tools"}
+_LAZY_SUBMODULES = {
+    "numerics",
+    "rl",
+    "rules",
+    "hosts",
+    "analyze",
+    "config",
+    "capabilities",
+    "tools",
+}
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from . import analyze, capabilities, config, hosts, numerics, rl, rules, tools  # noqa: F401

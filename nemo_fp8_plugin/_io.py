@@ -10,8 +10,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "dump_yaml", "dump_json",
-           "check_output_file", "check_output_dir", "same_file"]
+__all__ = [
+    "atomic_write_text",
+    "atomic_write_bytes",
+    "dump_yaml",
+    "dump_json",
+    "check_output_file",
+    "check_output_dir",
+    "same_file",
+]
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
@@ -81,23 +88,28 @@ def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:
     elif stat.S_ISFIFO(mode):
         flags = os.O_WRONLY | os.O_NONBLOCK
     else:
-        kind = "a socket" if stat.S_ISSOCK(mode) else (
-            "a block device" if stat.S_ISBLK(mode) else "not a regular file")
-        raise OSError(errno.EINVAL, f"is {kind}; name a file (or - for standard output)",
-                      str(shown))
+        kind = (
+            "a socket"
+            if stat.S_ISSOCK(mode)
+            else ("a block device" if stat.S_ISBLK(mode) else "not a regular file")
+        )
+        raise OSError(
+            errno.EINVAL, f"is {kind}; name a file (or - for standard output)", str(shown)
+        )
     try:
         fd = os.open(target, flags)
     except OSError as err:
         if err.errno == errno.ENXIO:
-            raise OSError(err.errno, "is a FIFO that no process is reading; nothing was written",
-                          str(shown)) from None
+            raise OSError(
+                err.errno, "is a FIFO that no process is reading; nothing was written", str(shown)
+            ) from None
         raise OSError(err.errno, err.strerror, str(shown)) from None
     try:
         if flags & os.O_NONBLOCK:
             os.set_blocking(fd, True)
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except OSError as err:
         raise OSError(err.errno, err.strerror, str(shown)) from None
     finally:
@@ -119,8 +131,14 @@ def dump_yaml(data: Any) -> str:
     import yaml
 
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-    return yaml.dump(data, Dumper=dumper, sort_keys=False, default_flow_style=False,
-                     allow_unicode=True, width=100)
+    return yaml.dump(
+        data,
+        Dumper=dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=100,
+    )
 
 
 def dump_json(data: Any) -> str:
@@ -141,11 +159,13 @@ def _check_creatable(path: Path, key: str, *, shown: Path) -> None:
 
     base = _nearest_existing(path.parent)
     if not base.is_dir():
-        raise FP8ConfigError(f"{base} is not a directory, so {shown} cannot be created",
-                             key=key, value=str(shown))
+        raise FP8ConfigError(
+            f"{base} is not a directory, so {shown} cannot be created", key=key, value=str(shown)
+        )
     if not os.access(base, os.W_OK | os.X_OK):
-        raise FP8ConfigError(f"{base} is not writable, so {shown} cannot be written",
-                             key=key, value=str(shown))
+        raise FP8ConfigError(
+            f"{base} is not writable, so {shown} cannot be written", key=key, value=str(shown)
+        )
 
 
 def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
@@ -166,8 +186,9 @@ def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
     if mode is not None and not stat.S_ISREG(mode):
         # written through, never replaced (atomic_write_bytes): it must take the bytes
         if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
-            raise FP8ConfigError(f"{path} is not a regular file; name a file", key=key,
-                                 value=str(path))
+            raise FP8ConfigError(
+                f"{path} is not a regular file; name a file", key=key, value=str(path)
+            )
         if not os.access(path, os.W_OK):
             raise FP8ConfigError(f"{path} is not writable", key=key, value=str(path))
         return

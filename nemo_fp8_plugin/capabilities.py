@@ -17,11 +17,31 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 __all__ = [
-    "ScalingKind", "SCALING_KINDS", "Side", "Arch", "ARCHS", "ARCH_NAMES", "FP8_MAX",
-    "RecipeCapability", "CAPABILITIES", "capability", "ENV_BLOCK_FP32_SCALES",
-    "ENV_CURRENT_POW2_SCALES", "ENV_BACKWARD_OVERRIDE", "ENV_NVFP4", "te_env", "arch_by_name",
-    "arch_of_capability", "arch_label", "hardware_problems", "HardwareProblem", "NEAREST",
-    "side_summary", "NVFP4_GENERATION_REFUSAL", "token_alignment", "dimension_problems",
+    "ScalingKind",
+    "SCALING_KINDS",
+    "Side",
+    "Arch",
+    "ARCHS",
+    "ARCH_NAMES",
+    "FP8_MAX",
+    "RecipeCapability",
+    "CAPABILITIES",
+    "capability",
+    "ENV_BLOCK_FP32_SCALES",
+    "ENV_CURRENT_POW2_SCALES",
+    "ENV_BACKWARD_OVERRIDE",
+    "ENV_NVFP4",
+    "te_env",
+    "arch_by_name",
+    "arch_of_capability",
+    "arch_label",
+    "hardware_problems",
+    "HardwareProblem",
+    "NEAREST",
+    "side_summary",
+    "NVFP4_GENERATION_REFUSAL",
+    "token_alignment",
+    "dimension_problems",
     "DimensionProblem",
 ]
 
@@ -73,7 +93,8 @@ NVFP4 recipe)."""
 NVFP4_GENERATION_REFUSAL = (
     "vLLM serves NVFP4 only from an NVFP4 checkpoint in ModelOpt or compressed-tensors format "
     "on Blackwell (SM100), and the plugin neither exports one nor has NVFP4 kernels in its "
-    "nemo_fp8 method")
+    "nemo_fp8 method"
+)
 """Why ``nvfp4`` never generates (vLLM, NeMo RL): generation stays BF16."""
 
 
@@ -95,15 +116,22 @@ class Arch:
 
 
 ARCHS: tuple[Arch, ...] = (
-    Arch("ampere", ((8, 0), (8, 6), (8, 7)), ("a100", "a800", "a10", "a10g", "a30", "a40",
-                                            "rtx3090", "rtxa6000"), fp8=False),
+    Arch(
+        "ampere",
+        ((8, 0), (8, 6), (8, 7)),
+        ("a100", "a800", "a10", "a10g", "a30", "a40", "rtx3090", "rtxa6000"),
+        fp8=False,
+    ),
     Arch("ada", ((8, 9),), ("l4", "l40", "l40s", "rtx4090", "rtx6000ada")),
     Arch("hopper", ((9, 0),), ("h100", "h200", "h800", "h20", "gh200")),
     Arch("blackwell", ((10, 0), (10, 3)), ("b100", "b200", "b300", "gb200", "gb300")),
     # SM 12.x: RTX PRO 6000 Blackwell and GeForce RTX 50: FP8 tensor cores, but Transformer
     # Engine refuses MXFP8 there (`_compute_mxfp8_support`: "not supported on 12.0+").
-    Arch("blackwell_sm120", ((12, 0), (12, 1)), ("rtxpro6000", "rtx5090", "rtx5080", "dgxspark",
-                                                 "gb10")),
+    Arch(
+        "blackwell_sm120",
+        ((12, 0), (12, 1)),
+        ("rtxpro6000", "rtx5090", "rtx5080", "dgxspark", "gb10"),
+    ),
 )
 """GPU generations, oldest first."""
 
@@ -117,7 +145,7 @@ def arch_by_name(name: str) -> Arch | None:
     (``"H100"``, ``"NVIDIA H100 80GB HBM3"``, ``"sm_100"``), or None."""
     text = name.strip().lower().replace("-", "").replace(" ", "").replace("_", "")
     if text.startswith("nvidia"):
-        text = text[len("nvidia"):]
+        text = text[len("nvidia") :]
     for arch in ARCHS:
         if text == arch.name.replace("_", ""):
             return arch
@@ -125,8 +153,11 @@ def arch_by_name(name: str) -> Arch | None:
             return arch
     # nvidia-smi names carry memory sizes and form factors after the model ("NVIDIA H100 80GB
     # HBM3"): the longest GPU name the text starts with wins, so "a100" beats "a10".
-    names = sorted(((gpu, arch) for arch in ARCHS for gpu in arch.gpus),
-                   key=lambda item: len(item[0]), reverse=True)
+    names = sorted(
+        ((gpu, arch) for arch in ARCHS for gpu in arch.gpus),
+        key=lambda item: len(item[0]),
+        reverse=True,
+    )
     for gpu, arch in names:
         if text.startswith(gpu):
             return arch
@@ -183,8 +214,9 @@ class RecipeCapability:
     te_class: str
     megatron_recipe: str
     tiles: tuple[tuple[int, int] | None, tuple[int, int] | None, tuple[int, int] | None]
-    allowed_tiles: tuple[frozenset[tuple[int, int]], frozenset[tuple[int, int]],
-                         frozenset[tuple[int, int]]]
+    allowed_tiles: tuple[
+        frozenset[tuple[int, int]], frozenset[tuple[int, int]], frozenset[tuple[int, int]]
+    ]
     history: bool
     scale_format: Literal["fp32", "e8m0", "e4m3"]
     training_archs: frozenset[str]
@@ -209,41 +241,87 @@ _ALL_FP8 = frozenset({"ada", "hopper", "blackwell", "blackwell_sm120"})
 
 CAPABILITIES: dict[str, RecipeCapability] = {
     "delayed": RecipeCapability(
-        "delayed", "DelayedScaling", "delayed", (None, None, None), (_NONE, _NONE, _NONE),
-        history=True, scale_format="fp32", training_archs=_ALL_FP8,
-        generation_archs=frozenset(), vllm_generation=False, nemo_rl_generation=False,
-        te_env=None),
+        "delayed",
+        "DelayedScaling",
+        "delayed",
+        (None, None, None),
+        (_NONE, _NONE, _NONE),
+        history=True,
+        scale_format="fp32",
+        training_archs=_ALL_FP8,
+        generation_archs=frozenset(),
+        vllm_generation=False,
+        nemo_rl_generation=False,
+        te_env=None,
+    ),
     "tensorwise": RecipeCapability(
-        "tensorwise", "Float8CurrentScaling", "tensorwise", (None, None, None),
-        (_NONE, _NONE, _NONE), history=False, scale_format="fp32", training_archs=_ALL_FP8,
-        generation_archs=frozenset(), vllm_generation=False, nemo_rl_generation=False,
-        te_env=ENV_CURRENT_POW2_SCALES),
+        "tensorwise",
+        "Float8CurrentScaling",
+        "tensorwise",
+        (None, None, None),
+        (_NONE, _NONE, _NONE),
+        history=False,
+        scale_format="fp32",
+        training_archs=_ALL_FP8,
+        generation_archs=frozenset(),
+        vllm_generation=False,
+        nemo_rl_generation=False,
+        te_env=ENV_CURRENT_POW2_SCALES,
+    ),
     "block": RecipeCapability(
-        "block", "Float8BlockScaling", "blockwise", ((1, 128), (128, 128), (1, 128)),
-        (frozenset({(1, 128), (128, 128)}),) * 3, history=False, scale_format="fp32",
+        "block",
+        "Float8BlockScaling",
+        "blockwise",
+        ((1, 128), (128, 128), (1, 128)),
+        (frozenset({(1, 128), (128, 128)}),) * 3,
+        history=False,
+        scale_format="fp32",
         # Hopper natively (cuBLAS >= 12.9 block-scaled GEMMs); Blackwell by TE's MXFP8
         # emulation, which needs power-of-2 scales (see hardware_problems).
         training_archs=frozenset({"hopper", "blackwell"}),
         generation_archs=frozenset({"hopper", "blackwell", "blackwell_sm120"}),
-        vllm_generation=True, nemo_rl_generation=True, te_env=ENV_BLOCK_FP32_SCALES,
-        tile_align=128),
+        vllm_generation=True,
+        nemo_rl_generation=True,
+        te_env=ENV_BLOCK_FP32_SCALES,
+        tile_align=128,
+    ),
     "mx": RecipeCapability(
-        "mx", "MXFP8BlockScaling", "mxfp8", ((1, 32), (1, 32), (1, 32)),
+        "mx",
+        "MXFP8BlockScaling",
+        "mxfp8",
+        ((1, 32), (1, 32), (1, 32)),
         (frozenset({(1, 32)}), frozenset({(1, 32), (32, 32)}), frozenset({(1, 32)})),
-        history=False, scale_format="e8m0", training_archs=frozenset({"blackwell"}),
+        history=False,
+        scale_format="e8m0",
+        training_archs=frozenset({"blackwell"}),
         # vLLM's MXFP8 linear kernels need SM100 (FlashInfer); on SM90 it falls back to
         # weight-only Marlin or emulation without an error.
-        generation_archs=frozenset({"blackwell"}), vllm_generation=True,
-        nemo_rl_generation=True, te_env=None, token_align=32, dim_align=32),
+        generation_archs=frozenset({"blackwell"}),
+        vllm_generation=True,
+        nemo_rl_generation=True,
+        te_env=None,
+        token_align=32,
+        dim_align=32,
+    ),
     "nvfp4": RecipeCapability(
-        "nvfp4", "NVFP4BlockScaling", "nvfp4", ((1, 16), (16, 16), (1, 16)),
+        "nvfp4",
+        "NVFP4BlockScaling",
+        "nvfp4",
+        ((1, 16), (16, 16), (1, 16)),
         (frozenset({(1, 16)}), frozenset({(16, 16), (1, 16)}), frozenset({(1, 16)})),
-        history=False, scale_format="e4m3",
+        history=False,
+        scale_format="e4m3",
         # TE's own gate (check_nvfp4_support) is SM >= 10.0; the plugin trains NVFP4 on the
         # data-center Blackwells (SM100/SM103) only, where NVIDIA's NVFP4 recipes are run.
-        training_archs=frozenset({"blackwell"}), generation_archs=frozenset(),
-        vllm_generation=False, nemo_rl_generation=False, te_env=None,
-        megatron_field="fp4_recipe", token_align=128, dim_align=32),
+        training_archs=frozenset({"blackwell"}),
+        generation_archs=frozenset(),
+        vllm_generation=False,
+        nemo_rl_generation=False,
+        te_env=None,
+        megatron_field="fp4_recipe",
+        token_align=128,
+        dim_align=32,
+    ),
 }
 """Scaling kind -> :class:`RecipeCapability`."""
 
@@ -276,10 +354,15 @@ def nvfp4_te_fields(spec: _SpecLike) -> dict[str, bool | str]:
     recipe (Hadamard transform on the wgrad operands, stochastic rounding of gradients, no
     row-scaled activations, no "4over6"), with 16x16 weight tiles unless ``weight_block`` is
     [1, 16] (``disable_2d_quantization``)."""
-    return {"disable_rht": False, "disable_stochastic_rounding": False,
-            "disable_2d_quantization": tuple(spec.weight_block or ()) != (16, 16),
-            "row_scaled_activation": False, "nvfp4_4over6": "none",
-            "nvfp4_4over6_e4m3_use_256": "all", "nvfp4_4over6_err_mode": "MAE"}
+    return {
+        "disable_rht": False,
+        "disable_stochastic_rounding": False,
+        "disable_2d_quantization": tuple(spec.weight_block or ()) != (16, 16),
+        "row_scaled_activation": False,
+        "nvfp4_4over6": "none",
+        "nvfp4_4over6_e4m3_use_256": "all",
+        "nvfp4_4over6_err_mode": "MAE",
+    }
 
 
 def te_env(spec: _SpecLike) -> dict[str, str]:
@@ -296,8 +379,10 @@ def te_env(spec: _SpecLike) -> dict[str, str]:
         return {}
     if spec.scaling == "nvfp4":
         # Every NVFP4 class default TE reads at import, pinned to the value the spec means.
-        return {ENV_NVFP4[f]: ("1" if v else "0") if isinstance(v, bool) else str(v)
-                for f, v in nvfp4_te_fields(spec).items()}
+        return {
+            ENV_NVFP4[f]: ("1" if v else "0") if isinstance(v, bool) else str(v)
+            for f, v in nvfp4_te_fields(spec).items()
+        }
     var = CAPABILITIES[spec.scaling].te_env
     if var == ENV_BLOCK_FP32_SCALES:
         return {var: "0" if spec.pow2_scales else "1"}
@@ -330,9 +415,13 @@ class HardwareProblem:
     change: str | None = None
 
 
-_LABELS = {"ampere": "Ampere (SM80)", "ada": "Ada (SM89)", "hopper": "Hopper (SM90)",
-           "blackwell": "Blackwell (SM100/SM103)",
-           "blackwell_sm120": "Blackwell SM 12.0 (RTX PRO 6000)"}
+_LABELS = {
+    "ampere": "Ampere (SM80)",
+    "ada": "Ada (SM89)",
+    "hopper": "Hopper (SM90)",
+    "blackwell": "Blackwell (SM100/SM103)",
+    "blackwell_sm120": "Blackwell SM 12.0 (RTX PRO 6000)",
+}
 
 
 def arch_label(arch: str) -> str:
@@ -348,14 +437,21 @@ NEAREST: dict[tuple[str, str, str], str] = {
     ("mx", "hopper", "train"): "fp8_subchannel",
     ("nvfp4", "hopper", "train"): "fp8_subchannel",
     ("nvfp4", "hopper", "rl"): "fp8_blockwise",
-    **{(kind, arch, use): "fp8_current" for kind in ("block", "mx", "nvfp4")
-       for arch in ("ada", "blackwell_sm120") for use in ("rl", "train")},
+    **{
+        (kind, arch, use): "fp8_current"
+        for kind in ("block", "mx", "nvfp4")
+        for arch in ("ada", "blackwell_sm120")
+        for use in ("rl", "train")
+    },
 }
 """The nearest built-in recipe that trains where a scaling kind cannot (checked against the
-table itself in ``tests/test_retarget.py``: each runs there). Block scaling with fp32 scales on
+table itself in ``tests/hosts/test_retarget.py``: each runs there). Block scaling with fp32 scales on
 Blackwell is fixed in place (``pow2_scales: true``) or by ``fp8_subchannel``."""
 
-_GENERATION_NEAREST = {("mx", "hopper"): "fp8_blockwise", ("mx", "blackwell_sm120"): "fp8_blockwise"}
+_GENERATION_NEAREST = {
+    ("mx", "hopper"): "fp8_blockwise",
+    ("mx", "blackwell_sm120"): "fp8_blockwise",
+}
 """Where a kind's vLLM FP8 generation cannot run but block FP8 generation can."""
 
 
@@ -377,24 +473,29 @@ def _needs(archs: frozenset[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def _training_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | None,
-                                                          dict[str, str]]:
+def _training_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | None, dict[str, str]]:
     """(why training cannot run on ``arch`` or None, the nearest recipe, the in-place fix)."""
     cap = CAPABILITIES[spec.scaling]
     if arch in cap.training_archs:
         if spec.scaling == "block" and arch == "blackwell" and not spec.pow2_scales:
-            return ("on Blackwell Transformer Engine emulates block scaling with MXFP8 and "
-                    "needs power-of-2 scales; fp32 block scales cannot run there",
-                    "fp8_subchannel", {"pow2_scales": "true"})
+            return (
+                "on Blackwell Transformer Engine emulates block scaling with MXFP8 and "
+                "needs power-of-2 scales; fp32 block scales cannot run there",
+                "fp8_subchannel",
+                {"pow2_scales": "true"},
+            )
         return None, None, {}
     use = "rl" if spec.generation == "fp8" and cap.vllm_generation else "train"
     near = NEAREST.get((spec.scaling, arch, use))
     if spec.scaling == "mx":
         why = "MXFP8 training needs Blackwell (SM100/SM103)" + (
-            "; Transformer Engine refuses MXFP8 on SM 12.0+" if arch == "blackwell_sm120" else "")
+            "; Transformer Engine refuses MXFP8 on SM 12.0+" if arch == "blackwell_sm120" else ""
+        )
     elif spec.scaling == "nvfp4":
-        why = ("NVFP4 training needs the Blackwell data-center GPUs (SM100/SM103: B200, GB200, "
-               "B300, GB300)")
+        why = (
+            "NVFP4 training needs the Blackwell data-center GPUs (SM100/SM103: B200, GB200, "
+            "B300, GB300)"
+        )
     else:
         why = f"{cap.te_class} training needs {_needs(cap.training_archs)}"
     return why, near, {}
@@ -405,9 +506,11 @@ def _generation_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | N
     if spec.generation != "fp8" or not cap.vllm_generation or arch in cap.generation_archs:
         return None, None
     what = "MXFP8" if spec.scaling == "mx" else "block FP8"
-    return (f"vLLM's {what} kernels need {_needs(cap.generation_archs)} (vLLM 0.32 falls back "
-            f"to weight-only or emulated kernels elsewhere, without an error)",
-            _GENERATION_NEAREST.get((spec.scaling, arch)))
+    return (
+        f"vLLM's {what} kernels need {_needs(cap.generation_archs)} (vLLM 0.32 falls back "
+        f"to weight-only or emulated kernels elsewhere, without an error)",
+        _GENERATION_NEAREST.get((spec.scaling, arch)),
+    )
 
 
 def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
@@ -419,53 +522,82 @@ def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
     generations gets one message."""
     label = arch_label(arch)
     if not any(a.name == arch and a.fp8 for a in ARCHS):
-        return [HardwareProblem(
-            "error", "hardware", f"{label} GPUs have no FP8 tensor cores, so no FP8 (or FP4) "
-            f"recipe runs there: train and generate in BF16 (remove the FP8 request: the "
-            f"precision/fp8 key) or target Ada (SM89), Hopper (SM90) or Blackwell (SM100)")]
+        return [
+            HardwareProblem(
+                "error",
+                "hardware",
+                f"{label} GPUs have no FP8 tensor cores, so no FP8 (or FP4) "
+                f"recipe runs there: train and generate in BF16 (remove the FP8 request: the "
+                f"precision/fp8 key) or target Ada (SM89), Hopper (SM90) or Blackwell (SM100)",
+            )
+        ]
     out: list[HardwareProblem] = []
     training = spec.training == "fp8"
     t_why, t_near, t_fix = _training_verdict(spec, arch) if training else (None, None, {})
     g_why, g_near = _generation_verdict(spec, arch)
     if t_why and g_why and not t_fix:
         change = _change(spec, t_near) if t_near else None
-        msg = (f"{spec.name} cannot run on {label}: {t_why}, and {g_why}; "
-               + (f"the nearest recipe that runs there is {t_near}: `{change}`" if t_near
-                  else "no FP8 recipe runs there"))
+        msg = f"{spec.name} cannot run on {label}: {t_why}, and {g_why}; " + (
+            f"the nearest recipe that runs there is {t_near}: `{change}`"
+            if t_near
+            else "no FP8 recipe runs there"
+        )
         return [HardwareProblem("error", "hardware", msg, None, t_near, change)]
     if t_why:
         if t_fix:
             fix = _change(spec, None, **t_fix)
             alt = _change(spec, t_near)
-            msg = (f"{spec.name} cannot train on {label}: {t_why}; set `{fix}`, or use "
-                   f"{t_near}: `{alt}`")
+            msg = (
+                f"{spec.name} cannot train on {label}: {t_why}; set `{fix}`, or use "
+                f"{t_near}: `{alt}`"
+            )
             out.append(HardwareProblem("error", next(iter(t_fix)), msg, "training", spec.name, fix))
         else:
             change = _change(spec, t_near) if t_near else None
-            msg = (f"{spec.name} cannot train on {label}: {t_why}; "
-                   + (f"the nearest recipe that trains there is {t_near}: `{change}`" if t_near
-                      else "no FP8 training recipe runs there"))
+            msg = f"{spec.name} cannot train on {label}: {t_why}; " + (
+                f"the nearest recipe that trains there is {t_near}: `{change}`"
+                if t_near
+                else "no FP8 training recipe runs there"
+            )
             out.append(HardwareProblem("error", "hardware", msg, "training", t_near, change))
     elif training and spec.scaling == "block" and arch == "hopper":
-        out.append(HardwareProblem(
-            "warning", "hardware", "block scaling on Hopper needs CUDA >= 12.9 (cuBLAS "
-            "block-scaled GEMMs); `nemo-fp8 doctor` checks it", "training"))
+        out.append(
+            HardwareProblem(
+                "warning",
+                "hardware",
+                "block scaling on Hopper needs CUDA >= 12.9 (cuBLAS "
+                "block-scaled GEMMs); `nemo-fp8 doctor` checks it",
+                "training",
+            )
+        )
     if g_why:
         bf16 = _change(spec, None, generation="bf16")
         if g_near and not training:
             change = _change(spec, g_near)
-            msg = (f"{spec.name} cannot generate on {label}: {g_why}; the nearest recipe that "
-                   f"generates there is {g_near}: `{change}`")
+            msg = (
+                f"{spec.name} cannot generate on {label}: {g_why}; the nearest recipe that "
+                f"generates there is {g_near}: `{change}`"
+            )
         else:
             change = bf16 if training else None
-            msg = (f"{spec.name} cannot generate on {label}: {g_why}; "
-                   + (f"generate in BF16 there: `{change}`" if training
-                      else "no FP8 generation runs there"))
-        out.append(HardwareProblem("error", "hardware", msg, "generation",
-                                   g_near if not training else None, change))
+            msg = f"{spec.name} cannot generate on {label}: {g_why}; " + (
+                f"generate in BF16 there: `{change}`"
+                if training
+                else "no FP8 generation runs there"
+            )
+        out.append(
+            HardwareProblem(
+                "error", "hardware", msg, "generation", g_near if not training else None, change
+            )
+        )
     if spec.fp8_dot_product_attention and arch == "ada":
-        out.append(HardwareProblem("warning", "fp8_dot_product_attention",
-                                   "FP8 attention kernels target Hopper and Blackwell"))
+        out.append(
+            HardwareProblem(
+                "warning",
+                "fp8_dot_product_attention",
+                "FP8 attention kernels target Hopper and Blackwell",
+            )
+        )
     return out
 
 
@@ -481,15 +613,18 @@ def side_summary(spec: _SpecLike, arch: str) -> dict[str, str]:
     elif both or "training" in problems:
         out["training"] = f"cannot run on {label}"
     elif spec.scaling == "block" and arch == "blackwell":
-        out["training"] = (f"{cap.te_class} (power-of-2 scales), which Transformer Engine runs "
-                           f"with MXFP8 kernels on {label}")
+        out["training"] = (
+            f"{cap.te_class} (power-of-2 scales), which Transformer Engine runs "
+            f"with MXFP8 kernels on {label}"
+        )
     else:
         out["training"] = f"{cap.te_class} on {label}"
     if spec.generation != "fp8":
         out["generation"] = "BF16 (generation: bf16)"
     elif not cap.vllm_generation:
-        out["generation"] = (f"BF16: vLLM has no FP8 path for {spec.scaling} scaling here "
-                             f"(block FP8 and MXFP8 only)")
+        out["generation"] = (
+            f"BF16: vLLM has no FP8 path for {spec.scaling} scaling here (block FP8 and MXFP8 only)"
+        )
     elif both or "generation" in problems:
         out["generation"] = f"cannot run on {label}"
     else:
@@ -501,8 +636,13 @@ def side_summary(spec: _SpecLike, arch: str) -> dict[str, str]:
 # --------------------------------------------------------------------------- alignment
 
 
-def token_alignment(scaling: str, *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                    context_parallel: int = 1) -> int:
+def token_alignment(
+    scaling: str,
+    *,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    context_parallel: int = 1,
+) -> int:
     """What a training sequence length must be a multiple of for ``scaling``'s GEMMs: the
     token count each rank hands a GEMM must be a multiple of the kind's ``token_align`` (TE's
     ``get_align_size_for_quantization``; ``assert_dim_for_fp8_exec`` raises below 8), and
@@ -532,8 +672,9 @@ class DimensionProblem:
     message: str
 
 
-def dimension_problems(scaling: str, dims: dict[str, int], *,
-                       tensor_parallel: int = 1) -> list[DimensionProblem]:
+def dimension_problems(
+    scaling: str, dims: dict[str, int], *, tensor_parallel: int = 1
+) -> list[DimensionProblem]:
     """Hidden and intermediate sizes (``dims``, whole-model values) that break ``scaling``
     once split over ``tensor_parallel`` ranks: a size TP does not divide, or a per-rank size
     that is not a multiple of the kind's ``dim_align`` (per-tensor kinds: 16, from
@@ -548,9 +689,13 @@ def dimension_problems(scaling: str, dims: dict[str, int], *,
         # intermediate sizes are split over TP (the input of the row-parallel GEMM).
         split = tp if name != "hidden_size" else 1
         if size % split:
-            out.append(DimensionProblem("error", "tensor_model_parallel_size",
-                                        f"{name} {size} is not divisible by tensor parallel "
-                                        f"size {tp}"))
+            out.append(
+                DimensionProblem(
+                    "error",
+                    "tensor_model_parallel_size",
+                    f"{name} {size} is not divisible by tensor parallel size {tp}",
+                )
+            )
             continue
         local = size // split
         where = f"{name} {size}" + (f" / TP {tp} = {local}" if split > 1 else "")
@@ -558,11 +703,17 @@ def dimension_problems(scaling: str, dims: dict[str, int], *,
         for need, level in ((cap.dim_align, "error"), (cap.tile_align, "warning")):
             if need is None or local % need == 0:
                 continue
-            tail = ("partial tiles run, at a cost" if level == "warning" else
-                    f"Transformer Engine's {cap.te_class} GEMMs refuse it")
+            tail = (
+                "partial tiles run, at a cost"
+                if level == "warning"
+                else f"Transformer Engine's {cap.te_class} GEMMs refuse it"
+            )
             # A size that fits whole but not per rank is the TP size's fault.
             blame = "tensor_model_parallel_size" if split > 1 and size % need == 0 else name
-            out.append(DimensionProblem(level, blame, f"{where} is not a multiple of {need} "
-                                                      f"({scaling} scaling; {tail})"))
+            out.append(
+                DimensionProblem(
+                    level, blame, f"{where} is not a multiple of {need} ({scaling} scaling; {tail})"
+                )
+            )
             break
     return out

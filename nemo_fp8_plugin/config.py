@@ -28,18 +28,51 @@ from .errors import LIMITS, FP8ConfigError, check_limit, format_value, suggest
 from .registry import RecipeRegistry, default_registry, load_yaml_file
 from .spec import RecipeSpec, normalize_hardware
 
-__all__ = ["STANDARD_PRECISIONS", "FP8Request", "load_config", "deep_merge", "find_fp8_request",
-           "resolve_config", "get_path", "FP8_BLOCK_EXTRA_KEYS", "load_config_chain",
-           "regular_file", "regular_entries", "safetensors_files"]
+__all__ = [
+    "STANDARD_PRECISIONS",
+    "FP8Request",
+    "load_config",
+    "deep_merge",
+    "find_fp8_request",
+    "resolve_config",
+    "get_path",
+    "FP8_BLOCK_EXTRA_KEYS",
+    "load_config_chain",
+    "regular_file",
+    "regular_entries",
+    "safetensors_files",
+    "HOST_SECTIONS",
+    "check_sections",
+]
 
-STANDARD_PRECISIONS = frozenset({
-    # torch dtypes as NeMo RL / Megatron write them
-    "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float", "float64",
-    "fp64", "double", "16", "32", "64",
-    # Lightning precision strings (NeMo 2)
-    "bf16-mixed", "16-mixed", "32-true", "bf16-true", "16-true", "64-true", "transformer-engine",
-    "transformer-engine-float16",
-})
+STANDARD_PRECISIONS = frozenset(
+    {
+        # torch dtypes as NeMo RL / Megatron write them
+        "bfloat16",
+        "bf16",
+        "float16",
+        "fp16",
+        "half",
+        "float32",
+        "fp32",
+        "float",
+        "float64",
+        "fp64",
+        "double",
+        "16",
+        "32",
+        "64",
+        # Lightning precision strings (NeMo 2)
+        "bf16-mixed",
+        "16-mixed",
+        "32-true",
+        "bf16-true",
+        "16-true",
+        "64-true",
+        "transformer-engine",
+        "transformer-engine-float16",
+    }
+)
 """Precision values that are not FP8 recipes and pass through untouched."""
 
 FP8_BLOCK_EXTRA_KEYS = ("recipe", "model")
@@ -126,8 +159,9 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise FP8ConfigError(f"{path} must hold a mapping at the top level, got "
-                             f"{type(data).__name__}")
+        raise FP8ConfigError(
+            f"{path} must hold a mapping at the top level, got {type(data).__name__}"
+        )
     return data
 
 
@@ -143,11 +177,17 @@ def regular_file(path: str | Path, *, key: str | None, what: str = "file") -> Pa
     except FileNotFoundError:
         raise FP8ConfigError(f"{what} not found: {path}", key=key, value=str(path)) from None
     except OSError as exc:
-        raise FP8ConfigError(f"cannot read {path}: {exc.strerror or exc}", key=key,
-                             value=str(path)) from None
+        raise FP8ConfigError(
+            f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
+        ) from None
     if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) \
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
             else "a special file"
+        )
         raise FP8ConfigError(f"{path} is {kind}, not a regular {what}", key=key, value=str(path))
     return path
 
@@ -178,25 +218,36 @@ def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
     except FP8ConfigError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FP8ConfigError(f"{index} is not a readable safetensors index "
-                             f"({type(exc).__name__}: {format_value(str(exc))})", key=key,
-                             value=str(index)) from None
+        raise FP8ConfigError(
+            f"{index} is not a readable safetensors index "
+            f"({type(exc).__name__}: {format_value(str(exc))})",
+            key=key,
+            value=str(index),
+        ) from None
     if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise FP8ConfigError(f"{index}: weight_map must map tensor names to file names",
-                             key=key, value=str(index))
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise FP8ConfigError(
+            f"{index}: weight_map must map tensor names to file names", key=key, value=str(index)
+        )
     files: list[Path] = []
     for name in dict.fromkeys(weight_map.values()):
         shard = directory / name
         # By name, not by resolved target: a Hugging Face cache snapshot links every shard
         # to a blob elsewhere, which its owner put there; the index may only name entries.
         if Path(name).name != name or name in ("", ".", "..") or "\\" in name:
-            raise FP8ConfigError(f"{index} names {format_value(name)}, which is not a file of "
-                                 f"{directory}", key=key, value=name,
-                                 hint="index entries are file names inside the checkpoint")
+            raise FP8ConfigError(
+                f"{index} names {format_value(name)}, which is not a file of {directory}",
+                key=key,
+                value=name,
+                hint="index entries are file names inside the checkpoint",
+            )
         if not shard.exists():
-            raise FP8ConfigError(f"{index} names {format_value(name)}, which is not in "
-                                 f"{directory}", key=key, value=str(shard))
+            raise FP8ConfigError(
+                f"{index} names {format_value(name)}, which is not in {directory}",
+                key=key,
+                value=str(shard),
+            )
         files.append(regular_file(shard, key=key, what="safetensors shard"))
     return files
 
@@ -231,8 +282,9 @@ class _Chain:
         return self.parsed[key]
 
 
-def _merge_chain(data: dict[str, Any], path: Path, chain: tuple[Path, ...],
-                 state: _Chain | None = None) -> dict[str, Any]:
+def _merge_chain(
+    data: dict[str, Any], path: Path, chain: tuple[Path, ...], state: _Chain | None = None
+) -> dict[str, Any]:
     """``data`` (the parsed ``path``) with its ``defaults:`` parents merged in, parent-first."""
     if "defaults" not in data:
         return data
@@ -243,24 +295,36 @@ def _merge_chain(data: dict[str, Any], path: Path, chain: tuple[Path, ...],
     resolved = path.resolve()
     if resolved in chain:
         raise FP8ConfigError(f"defaults chain loops back to {path}", key="defaults")
-    check_limit(len(chain) + 1, LIMITS.defaults_depth, f"defaults chain of {path} is too "
-                f"long: files deep", key="defaults")
+    check_limit(
+        len(chain) + 1,
+        LIMITS.defaults_depth,
+        f"defaults chain of {path} is too long: files deep",
+        key="defaults",
+    )
     merged: dict[str, Any] = {}
     for parent in parents:
         state.references += 1
-        check_limit(state.references, LIMITS.defaults_files, f"defaults chain of {path} names "
-                    f"too many parent files", key="defaults")
+        check_limit(
+            state.references,
+            LIMITS.defaults_files,
+            f"defaults chain of {path} names too many parent files",
+            key="defaults",
+        )
         if not parent.exists():
-            raise FP8ConfigError(f"parent config {format_value(data['defaults'])} not found "
-                                 f"(looked for {parent})", key="defaults", value=data["defaults"])
+            raise FP8ConfigError(
+                f"parent config {format_value(data['defaults'])} not found (looked for {parent})",
+                key="defaults",
+                value=data["defaults"],
+            )
         parsed = copy.deepcopy(state.read(parent))
         merged = deep_merge(merged, _merge_chain(parsed, parent, chain + (resolved,), state))
     child = {k: v for k, v in data.items() if k != "defaults"}
     return deep_merge(merged, child)
 
 
-def load_config(path: str | Path, *, follow_defaults: bool = True,
-                _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+def load_config(
+    path: str | Path, *, follow_defaults: bool = True, _chain: tuple[Path, ...] = ()
+) -> dict[str, Any]:
     """Read a YAML config file safely, merging its NeMo RL ``defaults:`` chain parent-first."""
     path = Path(path)
     data = _read_mapping(path)
@@ -287,9 +351,15 @@ def _unknown_recipe(reg: RecipeRegistry, value: Any, key: str) -> FP8ConfigError
     spelling (``policy.generation.vllm_cfg.precision: fp8``), which runs block FP8."""
     err = reg.unknown(value, key=key)
     if isinstance(value, str) and value.strip().lower().replace("-", "_") in ("fp8", "fp8_mixed"):
-        err = FP8ConfigError(err.bare_message, key=key, value=value, hint=(
-            "`fp8` alone is NeMo RL's vLLM spelling, not one recipe; write fp8_blockwise for "
-            "the block FP8 NeMo RL generation runs, or one of: " + ", ".join(reg.names())))
+        err = FP8ConfigError(
+            err.bare_message,
+            key=key,
+            value=value,
+            hint=(
+                "`fp8` alone is NeMo RL's vLLM spelling, not one recipe; write fp8_blockwise for "
+                "the block FP8 NeMo RL generation runs, or one of: " + ", ".join(reg.names())
+            ),
+        )
     return err
 
 
@@ -301,10 +371,13 @@ def _precision_recipe(value: Any, key: str) -> str | None:
     if value is None or (type(value) is int and value in _NUMERIC_PRECISIONS):
         return None
     if not isinstance(value, str):
-        raise FP8ConfigError(f"expected a precision name or a recipe, got {format_value(value)}",
-                             key=key, value=value,
-                             hint=f"a recipe ({', '.join(reg.names())}), a precision such as "
-                                  f"bf16 or bf16-mixed, or nothing")
+        raise FP8ConfigError(
+            f"expected a precision name or a recipe, got {format_value(value)}",
+            key=key,
+            value=value,
+            hint=f"a recipe ({', '.join(reg.names())}), a precision such as "
+            f"bf16 or bf16-mixed, or nothing",
+        )
     if value in reg:
         return value
     if value.strip().lower() in STANDARD_PRECISIONS or value.startswith("${"):
@@ -312,9 +385,18 @@ def _precision_recipe(value: Any, key: str) -> str | None:
     raise _unknown_recipe(reg, value, key)
 
 
-_RECIPE_ONLY_FIELDS = ("pow2_scales", "bf16_layers", "fp8_format", "activation_block",
-                       "weight_block", "gradient_block", "amax_epsilon", "amax_history_len",
-                       "amax_compute_algo", "importance_sampling")
+_RECIPE_ONLY_FIELDS = (
+    "pow2_scales",
+    "bf16_layers",
+    "fp8_format",
+    "activation_block",
+    "weight_block",
+    "gradient_block",
+    "amax_epsilon",
+    "amax_history_len",
+    "amax_compute_algo",
+    "importance_sampling",
+)
 """Recipe fields no host spells the same way at a config's top level (megatron-core's own
 ``fp8_margin``, ``fp8_amax_history_len`` ... live under ``model:``), so finding one there next
 to ``precision:`` means it was meant for the ``fp8:`` block."""
@@ -341,8 +423,49 @@ def _bridge_recipe(value: str, reg: RecipeRegistry) -> str | None:
     return None
 
 
-def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None,
-                     check_hardware: bool = True) -> FP8Request | None:
+_MAP, _LIST, _STR = "a mapping", "a list of mappings", "a string"
+
+HOST_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
+    "nemo2": {"trainer": (_MAP,), "trainer.plugins": (_MAP, _LIST), "model": (_MAP,),
+              "model.config": (_MAP,)},
+    "bridge": {"model": (_MAP,), "model.transformer": (_MAP,)},
+    "megatron": {"model": (_MAP,), "language_model": (_MAP,), "ddp": (_MAP,)},
+    "nemo-rl": {"policy": (_MAP,), "policy.megatron_cfg": (_MAP,),
+                "policy.megatron_cfg.fp8_cfg": (_MAP,), "policy.megatron_cfg.env_vars": (_MAP,),
+                "policy.megatron_cfg.model_overrides": (_MAP,),
+                "policy.megatron_cfg.optimizer": (_MAP,), "policy.dtensor_cfg": (_MAP,),
+                "policy.generation": (_MAP,), "policy.generation.vllm_cfg": (_MAP,),
+                "loss_fn": (_MAP,)},
+    "vllm": {"model": (_STR,), "hf_overrides": (_MAP,), "hf-overrides": (_MAP,),
+             "hf_overrides.quantization_config": (_MAP,),
+             "hf-overrides.quantization_config": (_MAP,)},
+    "te": {},
+}
+"""Per host, the sections its adapter reads or writes and what each must be when present
+(null is always accepted, as is a ``${...}`` interpolation): checked before anything is
+merged, so that a list where a mapping belongs is refused naming the key instead of being
+overwritten or passed over."""
+
+
+def check_sections(host: str, config: Mapping[str, Any]) -> None:
+    """Refuse a section of ``config`` whose type is not what ``host`` reads there
+    (:data:`HOST_SECTIONS`), naming the dotted key."""
+    for path, kinds in HOST_SECTIONS.get(host, {}).items():
+        value = get_path(config, path)
+        if value is None or (isinstance(value, str) and value.startswith("${")):
+            continue
+        ok = ((_MAP in kinds and isinstance(value, Mapping))
+              or (_STR in kinds and isinstance(value, str))
+              or (_LIST in kinds and isinstance(value, list)
+                  and all(isinstance(v, Mapping) for v in value)))
+        if not ok:
+            raise FP8ConfigError(f"expected {' or '.join(kinds)}, got {format_value(value)}",
+                                 key=path, value=value, hint=f"{host} reads this section")
+
+
+def find_fp8_request(
+    config: Mapping[str, Any], *, hardware: str | None = None, check_hardware: bool = True
+) -> FP8Request | None:
     """The FP8 recipe a config asks for, or None when it asks for none.
 
     ``hardware`` (a GPU name or architecture) overrides ``fp8.hardware`` for validation.
@@ -366,10 +489,13 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None,
             named.append(("mixed_precision", bridge_name))
     elif bridge_value is not None and not isinstance(bridge_value, Mapping):
         # Bridge's field holds a recipe name or a MixedPrecisionConfig block, nothing else.
-        raise FP8ConfigError(f"expected a recipe name or a mapping, got "
-                             f"{format_value(bridge_value)}", key="mixed_precision",
-                             value=bridge_value, hint=f"a recipe ({', '.join(reg.names())}), "
-                             f"a Megatron-Bridge recipe such as bf16_mixed, or its block")
+        raise FP8ConfigError(
+            f"expected a recipe name or a mapping, got {format_value(bridge_value)}",
+            key="mixed_precision",
+            value=bridge_value,
+            hint=f"a recipe ({', '.join(reg.names())}), "
+            f"a Megatron-Bridge recipe such as bf16_mixed, or its block",
+        )
 
     block = config.get("fp8")
     overrides: dict[str, Any] = {}
@@ -380,10 +506,16 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None,
                 err = _unknown_recipe(reg, block, "fp8")
                 if block.strip().lower() in _NATIVE_FP8_VALUES:
                     # megatron-core's and NeMo's own `fp8: hybrid|e4m3` switch, at the root
-                    err = FP8ConfigError(err.bare_message, key="fp8", value=block, hint=(
-                        f"{block!r} is megatron-core's own fp8 format switch: it belongs under "
-                        "model: (or language_model:); at the root, fp8 names one of our "
-                        f"recipes: {', '.join(reg.names())}"))
+                    err = FP8ConfigError(
+                        err.bare_message,
+                        key="fp8",
+                        value=block,
+                        hint=(
+                            f"{block!r} is megatron-core's own fp8 format switch: it belongs under "
+                            "model: (or language_model:); at the root, fp8 names one of our "
+                            f"recipes: {', '.join(reg.names())}"
+                        ),
+                    )
                 raise err
             named.append(("fp8", block))
         elif isinstance(block, Mapping):
@@ -391,48 +523,73 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None,
             for k in block:
                 if not isinstance(k, str) or k not in allowed:
                     near = suggest(k, sorted(allowed))
-                    raise FP8ConfigError("unknown key", key=f"fp8.{k}",
-                                         hint=f"did you mean {near!r}?" if near
-                                         else f"valid keys: {', '.join(sorted(allowed))}")
+                    raise FP8ConfigError(
+                        "unknown key",
+                        key=f"fp8.{k}",
+                        hint=f"did you mean {near!r}?"
+                        if near
+                        else f"valid keys: {', '.join(sorted(allowed))}",
+                    )
             overrides = {k: v for k, v in block.items() if k not in FP8_BLOCK_EXTRA_KEYS}
             model = block.get("model")
             if model is not None and not isinstance(model, str):
-                raise FP8ConfigError(f"expected a model name or config.json path, got "
-                                     f"{format_value(model)}", key="fp8.model", value=model)
+                raise FP8ConfigError(
+                    f"expected a model name or config.json path, got {format_value(model)}",
+                    key="fp8.model",
+                    value=model,
+                )
             if "recipe" in block:
                 if not isinstance(block["recipe"], str):
-                    raise FP8ConfigError(f"expected a recipe name, got {format_value(block['recipe'])}",
-                                         key="fp8.recipe", value=block["recipe"])
+                    raise FP8ConfigError(
+                        f"expected a recipe name, got {format_value(block['recipe'])}",
+                        key="fp8.recipe",
+                        value=block["recipe"],
+                    )
                 if block["recipe"] not in reg:
                     raise _unknown_recipe(reg, block["recipe"], "fp8.recipe")
                 named.append(("fp8.recipe", block["recipe"]))
             elif not named:
-                raise FP8ConfigError("is required: the fp8 block must start from a registered recipe",
-                                     key="fp8.recipe",
-                                     hint=f"valid recipes: {', '.join(reg.names())}")
+                raise FP8ConfigError(
+                    "is required: the fp8 block must start from a registered recipe",
+                    key="fp8.recipe",
+                    hint=f"valid recipes: {', '.join(reg.names())}",
+                )
         else:
-            raise FP8ConfigError(f"expected a recipe name or a mapping, got {format_value(block)}",
-                                 key="fp8", value=block)
+            raise FP8ConfigError(
+                f"expected a recipe name or a mapping, got {format_value(block)}",
+                key="fp8",
+                value=block,
+            )
 
     if not named:
         return None
     for key in _RECIPE_ONLY_FIELDS:
         if key in config:  # read by no host at the top level: the recipe would silently lack it
             raise FP8ConfigError(
-                "a recipe field at the top level is read by nothing", key=key, value=config[key],
-                hint=f"put it in the fp8 block: fp8: {{recipe: {named[0][1]}, {key}: ...}}")
+                "a recipe field at the top level is read by nothing",
+                key=key,
+                value=config[key],
+                hint=f"put it in the fp8 block: fp8: {{recipe: {named[0][1]}, {key}: ...}}",
+            )
     distinct = sorted({name for _, name in named})
     if len(distinct) > 1:
         where = ", ".join(f"{k}={n!r}" for k, n in named)
-        raise FP8ConfigError(f"conflicting recipes: {where}", key=named[1][0], value=named[1][1],
-                             hint="name one recipe, or make every key name the same one")
+        raise FP8ConfigError(
+            f"conflicting recipes: {where}",
+            key=named[1][0],
+            value=named[1][1],
+            hint="name one recipe, or make every key name the same one",
+        )
     spec = reg.get(distinct[0])
     target = target_key = None
     if hardware is not None:
         overrides["hardware"] = target = normalize_hardware(hardware, key="--hardware")
         target_key = "--hardware"
     elif isinstance(block, Mapping) and block.get("hardware") is not None:
-        target, target_key = normalize_hardware(block["hardware"], key="fp8.hardware"), "fp8.hardware"
+        target, target_key = (
+            normalize_hardware(block["hardware"], key="fp8.hardware"),
+            "fp8.hardware",
+        )
     if not check_hardware:
         overrides.pop("hardware", None)
     if overrides:
@@ -440,13 +597,20 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None,
             spec = spec.with_overrides(overrides, prefix="fp8")
         except FP8ConfigError as err:
             # A hardware finding comes from the command line unless the fp8 block said it.
-            from_flag = hardware is not None and (err.key or "").endswith("hardware") \
-                and not (isinstance(block, Mapping) and "hardware" in block
-                         and block["hardware"] == hardware)
+            from_flag = (
+                hardware is not None
+                and (err.key or "").endswith("hardware")
+                and not (
+                    isinstance(block, Mapping)
+                    and "hardware" in block
+                    and block["hardware"] == hardware
+                )
+            )
             if not from_flag:
                 raise
-            raise FP8ConfigError(err.bare_message, key="--hardware", value=hardware,
-                                 hint=err.hint) from None
+            raise FP8ConfigError(
+                err.bare_message, key="--hardware", value=hardware, hint=err.hint
+            ) from None
     keys = tuple(dict.fromkeys(k.split(".recipe")[0] for k, _ in named))
     if block is not None and "fp8" not in keys:
         keys = keys + ("fp8",)
@@ -457,16 +621,22 @@ def find_fp8_request(config: Mapping[str, Any], *, hardware: str | None = None,
 
 def _model_named_by_host(config: Mapping[str, Any]) -> str | None:
     """The model name a host config carries in its own keys, if any."""
-    for path in (("policy", "model_name"), ("model", "name"), ("model_name",),
-                 ("model", "pretrained_model_name_or_path"), ("hf_model_id",)):
+    for path in (
+        ("policy", "model_name"),
+        ("model", "name"),
+        ("model_name",),
+        ("model", "pretrained_model_name_or_path"),
+        ("hf_model_id",),
+    ):
         value = get_path(config, path)
         if isinstance(value, str) and value and not value.startswith("${"):
             return value
     return None
 
 
-def resolve_config(path: str | Path, *,
-                   hardware: str | None = None) -> tuple[dict[str, Any], FP8Request | None]:
+def resolve_config(
+    path: str | Path, *, hardware: str | None = None
+) -> tuple[dict[str, Any], FP8Request | None]:
     """Load ``path`` (following ``defaults:``) and find its FP8 request."""
     config = load_config(path)
     return config, find_fp8_request(config, hardware=hardware)

@@ -10,8 +10,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["FP8ConfigError", "RecipeRegistryError", "HostUnavailableError", "ConflictingKeyError",
-           "format_value", "suggest", "LIMITS", "Limits", "check_limit", "one_line"]
+__all__ = [
+    "FP8ConfigError",
+    "RecipeRegistryError",
+    "HostUnavailableError",
+    "ConflictingKeyError",
+    "format_value",
+    "suggest",
+    "LIMITS",
+    "Limits",
+    "check_limit",
+    "one_line",
+]
 
 
 class Limits:
@@ -48,13 +58,23 @@ LIMITS = Limits()
 """The ceilings in force (:class:`Limits`)."""
 
 
-def check_limit(count: int, limit: int, what: str, *, key: str | None, hint: str | None = None,
-                value: Any = None) -> None:
+def check_limit(
+    count: int,
+    limit: int,
+    what: str,
+    *,
+    key: str | None,
+    hint: str | None = None,
+    value: Any = None,
+) -> None:
     """Refuse ``count`` above ``limit`` with one line naming ``key`` and the limit."""
     if count > limit:
-        raise FP8ConfigError(f"{what}: {count} is more than the limit of {limit}", key=key,
-                             value=value if value is not None else count,
-                             hint=hint or "limits: docs/refusals.md")
+        raise FP8ConfigError(
+            f"{what}: {count} is more than the limit of {limit}",
+            key=key,
+            value=value if value is not None else count,
+            hint=hint or "limits: docs/refusals.md",
+        )
 
 
 def format_value(value: Any, limit: int = 80) -> str:
@@ -119,8 +139,9 @@ class FP8ConfigError(ValueError):
         hint: an actionable suggestion appended to the message, or ``None``.
     """
 
-    def __init__(self, message: str, *, key: str | None = None, value: Any = None,
-                 hint: str | None = None):
+    def __init__(
+        self, message: str, *, key: str | None = None, value: Any = None, hint: str | None = None
+    ):
         self.key = key
         self.value = value
         self.hint = hint

@@ -16,10 +16,22 @@ if TYPE_CHECKING:
 
 __all__ = ["build_report", "render_text", "detect_host"]
 
-_VLLM_ENGINE_KEYS = ("tensor_parallel_size", "tensor-parallel-size", "max_model_len",
-                     "max-model-len", "gpu_memory_utilization", "gpu-memory-utilization",
-                     "quantization", "kv_cache_dtype", "kv-cache-dtype", "served_model_name",
-                     "served-model-name", "enforce_eager", "enforce-eager", "dtype")
+_VLLM_ENGINE_KEYS = (
+    "tensor_parallel_size",
+    "tensor-parallel-size",
+    "max_model_len",
+    "max-model-len",
+    "gpu_memory_utilization",
+    "gpu-memory-utilization",
+    "quantization",
+    "kv_cache_dtype",
+    "kv-cache-dtype",
+    "served_model_name",
+    "served-model-name",
+    "enforce_eager",
+    "enforce-eager",
+    "dtype",
+)
 
 
 def detect_host(config: Mapping[str, Any]) -> str | None:
@@ -36,15 +48,22 @@ def detect_host(config: Mapping[str, Any]) -> str | None:
         return "bridge"
     if isinstance(config.get("model"), str) and any(k in config for k in _VLLM_ENGINE_KEYS):
         return "vllm"
-    if isinstance(config.get("model"), Mapping) \
-            or isinstance(config.get("language_model"), Mapping):
+    if isinstance(config.get("model"), Mapping) or isinstance(
+        config.get("language_model"), Mapping
+    ):
         return "megatron"
     return None
 
 
-def build_report(path: str | Path, *, hardware: str | None = None, model: str | None = None,
-                 model_config: str | Path | None = None, strict: bool = False,
-                 host: str | None = None) -> dict[str, Any]:
+def build_report(
+    path: str | Path,
+    *,
+    hardware: str | None = None,
+    model: str | None = None,
+    model_config: str | Path | None = None,
+    strict: bool = False,
+    host: str | None = None,
+) -> dict[str, Any]:
     """The report ``nemo-fp8 explain`` prints; the ``--json`` output is exactly this.
 
     ``model`` (a built-in model name) or ``model_config`` (a Hugging Face ``config.json`` or
@@ -57,8 +76,9 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
     from .hosts import ADAPTERS, get_adapter, load_context
 
     # A target the recipe cannot run on is reported below (an error only under --strict).
-    ctx = load_context(path, hardware=hardware, model=model, model_config=model_config,
-                       check_hardware=False)
+    ctx = load_context(
+        path, hardware=hardware, model=model, model_config=model_config, check_hardware=False
+    )
     own = get_adapter(host).name if host is not None else detect_host(ctx.resolved)
     report: dict[str, Any] = {"config": str(path), "host": own}
     request = ctx.request
@@ -82,12 +102,13 @@ def build_report(path: str | Path, *, hardware: str | None = None, model: str | 
 
         report["model"] = description.name
         report["model_description"] = description.summary()
-        for finding in dimension_findings(request.spec, description, ctx.resolved,
-                                          resolved_value):
+        for finding in dimension_findings(request.spec, description, ctx.resolved, resolved_value):
             if finding.level == "error":  # MXFP8 cannot run on a partial 32-element block
                 raise FP8ConfigError(
-                    finding.message, key=finding.key,
-                    hint=f"recipe {request.spec.name!r} on model {description.name}")
+                    finding.message,
+                    key=finding.key,
+                    hint=f"recipe {request.spec.name!r} on model {description.name}",
+                )
             report["warnings"].append(f"{finding.key}: {finding.message}")
         try:
             layers, rule_warnings, notes = _layers_section(request.spec, description)
@@ -117,15 +138,27 @@ def _hardware_section(report: dict[str, Any], request: FP8Request, flag: str | N
     problems = hardware_problems(spec, arch)
     report["recipe"]["hardware"] = arch
     report["hardware"] = {
-        "target": arch, "stated_by": request.hardware_key, "gpu": target,
+        "target": arch,
+        "stated_by": request.hardware_key,
+        "gpu": target,
         "runs": side_summary(spec, arch),
-        "problems": [{"level": p.level, "key": p.key, "side": p.side, "message": p.message,
-                      "recipe": p.recipe, "change": p.change} for p in problems],
+        "problems": [
+            {
+                "level": p.level,
+                "key": p.key,
+                "side": p.side,
+                "message": p.message,
+                "recipe": p.recipe,
+                "change": p.change,
+            }
+            for p in problems
+        ],
     }
     report["warnings"] += [f"{request.hardware_key} {name}: {p.message}" for p in problems]
     runs = report["hardware"]["runs"]
     report.setdefault("notes", []).append(
-        f"on {name}: training: {runs['training']}; generation: {runs['generation']}")
+        f"on {name}: training: {runs['training']}; generation: {runs['generation']}"
+    )
 
 
 def _near_request_keys(config: dict) -> list[str]:
@@ -135,8 +168,10 @@ def _near_request_keys(config: dict) -> list[str]:
 
     reg = default_registry()
     out = []
-    for section, keys in ((config, ("precision", "mixed_precision", "fp8")),
-                          (config.get("policy"), ("precision",))):
+    for section, keys in (
+        (config, ("precision", "mixed_precision", "fp8")),
+        (config.get("policy"), ("precision",)),
+    ):
         if not isinstance(section, dict):
             continue
         for key, value in section.items():
@@ -156,10 +191,17 @@ def _layers_section(spec, description) -> tuple[list[dict], list[str], list[str]
 
     resolutions = {side: resolve(spec, description, side) for side in SIDES}
     layers = [d.to_dict() for side in SIDES for d in resolutions[side].decisions]
-    active = [s for s in SIDES if spec.bf16_layers.acts_on(s)
-              and (spec.training if s == "training" else spec.generation) == "fp8"]
-    nowhere = set.intersection(*(set(resolutions[s].unmatched_rules) for s in active)) \
-        if active else set()
+    active = [
+        s
+        for s in SIDES
+        if spec.bf16_layers.acts_on(s)
+        and (spec.training if s == "training" else spec.generation) == "fp8"
+    ]
+    nowhere = (
+        set.intersection(*(set(resolutions[s].unmatched_rules) for s in active))
+        if active
+        else set()
+    )
     warnings, notes = [], []
     for label in sorted(nowhere):
         warnings.append(f"{label} matches no module of {description.name} (a typo?)")
@@ -195,8 +237,11 @@ def _raise_strict(report: dict[str, Any]) -> None:
         found += [w if f"host {host}" in w else f"{host}: {w}" for w in section.get("warnings", [])]
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise FP8ConfigError(found[0] + more, key="--strict",
-                             hint="fix the rules, or drop --strict to see every warning")
+        raise FP8ConfigError(
+            found[0] + more,
+            key="--strict",
+            hint="fix the rules, or drop --strict to see every warning",
+        )
 
 
 def _recipe_section(request: FP8Request) -> dict[str, Any]:
@@ -222,8 +267,9 @@ _LONG_VALUE = 120
 """A value spelled longer than this is abridged in the default text view (``--full``: whole)."""
 
 
-def render_text(report: dict[str, Any], *, all_hosts: bool = False, full: bool = False,
-                host_given: bool = False) -> str:
+def render_text(
+    report: dict[str, Any], *, all_hosts: bool = False, full: bool = False, host_given: bool = False
+) -> str:
     """The report for a person: warnings first, then the recipe, the model and its layer
     table, then what ``apply`` writes for the config's own host (detected, or ``--host``),
     other hosts in one line each. ``all_hosts`` shows every host's keys; ``full`` also lists
@@ -244,8 +290,10 @@ def render_text(report: dict[str, Any], *, all_hosts: bool = False, full: bool =
     lines += [f"warning: {w}" for w in report.get("warnings", [])]
     if own is not None and own in hosts:
         lines += [f"warning: {_with_host(w, own)}" for w in hosts[own].get("warnings", [])]
-    lines.append(f"recipe: {recipe['name']}  (requested by {', '.join(report['keys'])}; "
-                 f"{report['recipe_source']})")
+    lines.append(
+        f"recipe: {recipe['name']}  (requested by {', '.join(report['keys'])}; "
+        f"{report['recipe_source']})"
+    )
     lines.append(f"  {recipe['description']}")
     fields = [(k, v) for k, v in recipe.items() if k not in ("name", "description")]
     if full:
@@ -254,24 +302,30 @@ def render_text(report: dict[str, Any], *, all_hosts: bool = False, full: bool =
         lines += _packed([f"{k}: {_spell(v, full=False)}" for k, v in fields], indent="  ")
     model = report.get("model_description")
     if model is not None:
-        lines.append(f"model: {model['name']} ({model['family']}, {model['num_layers']} layers"
-                     + (f", {model['num_experts']} experts" if model["num_experts"] else "")
-                     + f"; {model['source']})")
+        lines.append(
+            f"model: {model['name']} ({model['family']}, {model['num_layers']} layers"
+            + (f", {model['num_experts']} experts" if model["num_experts"] else "")
+            + f"; {model['source']})"
+        )
     if report.get("layers"):
         from .rules import render_layer_table
 
-        sides = (_HOST_SIDES.get(own, ("training",)) if own else ("training", "generation")) \
-            if not (all_hosts or full) else ("training", "generation")
+        sides = (
+            (_HOST_SIDES.get(own, ("training",)) if own else ("training", "generation"))
+            if not (all_hosts or full)
+            else ("training", "generation")
+        )
         lines += render_layer_table(d for d in report["layers"] if d["side"] in sides)
         hidden = sorted({d["side"] for d in report["layers"]} - set(sides))
         if hidden:
-            lines.append(f"({' and '.join(hidden)} side not shown: {own} does not run it; "
-                         f"--all-hosts shows it)")
+            lines.append(
+                f"({' and '.join(hidden)} side not shown: {own} does not run it; "
+                f"--all-hosts shows it)"
+            )
     lines += [f"note: {n}" for n in report.get("notes", [])]
     shown = list(hosts) if (all_hosts or full) else [h for h in hosts if h == own]
     for host in shown:
-        lines += _host_lines(host, hosts[host], own=host == own, full=full,
-                             warnings=host != own)
+        lines += _host_lines(host, hosts[host], own=host == own, full=full, warnings=host != own)
     rest = [h for h in hosts if h not in shown]
     if rest:
         summary = ", ".join(_host_summary(hosts[h], h) for h in rest)
@@ -280,8 +334,9 @@ def render_text(report: dict[str, Any], *, all_hosts: bool = False, full: bool =
     return "\n".join(lines) + "\n"
 
 
-def _host_lines(host: str, section: dict[str, Any], *, own: bool, full: bool,
-                warnings: bool) -> list[str]:
+def _host_lines(
+    host: str, section: dict[str, Any], *, own: bool, full: bool, warnings: bool
+) -> list[str]:
     """One host's section: what ``apply --host`` writes, in the spelling it writes it."""
     if "refused" in section:
         return [f"apply --host {host}: refused: {section['refused']}"]
@@ -316,8 +371,9 @@ def _spell(value: Any, *, full: bool) -> str:
     the spelling ``apply`` writes. A long list is abridged unless ``full``."""
     import yaml
 
-    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, allow_unicode=True,
-                          sort_keys=False).strip()
+    text = yaml.safe_dump(
+        value, default_flow_style=True, width=1 << 20, allow_unicode=True, sort_keys=False
+    ).strip()
     if text.endswith("\n..."):
         text = text[:-4].strip()
     elif text.endswith("..."):

@@ -18,8 +18,15 @@ from typing import Any
 from .errors import LIMITS, FP8ConfigError, RecipeRegistryError, check_limit, format_value, suggest
 from .spec import RecipeSpec
 
-__all__ = ["ENTRY_POINT_GROUP", "RecipeRegistry", "default_registry", "get_recipe",
-           "list_recipes", "register_recipe", "preset_dir"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "RecipeRegistry",
+    "default_registry",
+    "get_recipe",
+    "list_recipes",
+    "register_recipe",
+    "preset_dir",
+]
 
 ENTRY_POINT_GROUP = "nemo_fp8_plugin.recipes"
 
@@ -55,15 +62,21 @@ def _safe_loader() -> type[Any]:
                 _check_document(self, node)
                 return super().construct_document(node)
 
-        Loader.yaml_implicit_resolvers = {k: list(v) for k, v in base.yaml_implicit_resolvers.items()}
+        Loader.yaml_implicit_resolvers = {
+            k: list(v) for k, v in base.yaml_implicit_resolvers.items()
+        }
         Loader.add_implicit_resolver(
             "tag:yaml.org,2002:float",
-            re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+            re.compile(
+                r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
                        |\.[0-9_]+(?:[eE][-+][0-9]+)?
                        |[-+]?\.(?:inf|Inf|INF)
-                       |\.(?:nan|NaN|NAN))$""", re.X),
-            list("-+0123456789."))
+                       |\.(?:nan|NaN|NAN))$""",
+                re.X,
+            ),
+            list("-+0123456789."),
+        )
         _LOADER = Loader
     return _LOADER
 
@@ -90,26 +103,38 @@ def _check_document(loader: Any, root: Any) -> None:
         node, depth, path, inside = stack.pop()  # inside: below an alias already counted
         nodes += 1
         if nodes > LIMITS.yaml_nodes:
-            check_limit(nodes, LIMITS.yaml_nodes, f"{where} holds too many values (aliases "
-                        f"expanded); counted", key=None)
+            check_limit(
+                nodes,
+                LIMITS.yaml_nodes,
+                f"{where} holds too many values (aliases expanded); counted",
+                key=None,
+            )
         again = id(node) in seen
         if again and not inside:
             aliases += 1
-            check_limit(aliases, LIMITS.yaml_aliases, f"{where} repeats anchors too often: "
-                        f"alias references", key=_short(path) or None)
+            check_limit(
+                aliases,
+                LIMITS.yaml_aliases,
+                f"{where} repeats anchors too often: alias references",
+                key=_short(path) or None,
+            )
         seen.add(id(node))
         if isinstance(node, yaml.ScalarNode):
             continue
         if depth >= LIMITS.yaml_depth:
-            raise FP8ConfigError(f"{where} nests mappings and lists more than "
-                                 f"{LIMITS.yaml_depth} levels deep (line "
-                                 f"{node.start_mark.line + 1})", key=_short(path) or None,
-                                 hint="limits: docs/refusals.md")
+            raise FP8ConfigError(
+                f"{where} nests mappings and lists more than "
+                f"{LIMITS.yaml_depth} levels deep (line "
+                f"{node.start_mark.line + 1})",
+                key=_short(path) or None,
+                hint="limits: docs/refusals.md",
+            )
         inside = inside or again
         children: list[tuple[Any, int, str, bool]] = []
         if isinstance(node, yaml.SequenceNode):
-            children = [(item, depth + 1, f"{path}[{i}]", inside)
-                        for i, item in enumerate(node.value)]
+            children = [
+                (item, depth + 1, f"{path}[{i}]", inside) for i, item in enumerate(node.value)
+            ]
         elif isinstance(node, yaml.MappingNode):
             first: dict[Any, Any] = {}
             for key_node, value_node in node.value:
@@ -134,8 +159,10 @@ def _check_document(loader: Any, root: Any) -> None:
                             f"{key_node.start_mark.line + 1}, "
                             f"column {key_node.start_mark.column + 1}; first at line "
                             f"{earlier.start_mark.line + 1}, column "
-                            f"{earlier.start_mark.column + 1}", key=_short(label),
-                            hint="keep one of them")
+                            f"{earlier.start_mark.column + 1}",
+                            key=_short(label),
+                            hint="keep one of them",
+                        )
                 else:
                     children.append((key_node, depth + 1, path, inside))
                 children.append((value_node, depth + 1, label, inside))
@@ -161,19 +188,26 @@ def load_yaml_file(path: Path) -> Any:
     with os.fdopen(fd, "rb") as fh:
         mode = os.fstat(fh.fileno()).st_mode
         if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) \
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(mode)
                 else "a special file"
-            raise FP8ConfigError(f"{path} is {kind}, not a regular file; name a YAML config file",
-                                 value=str(path))
+            )
+            raise FP8ConfigError(
+                f"{path} is {kind}, not a regular file; name a YAML config file", value=str(path)
+            )
         data = fh.read(LIMITS.config_bytes + 1)
     check_limit(len(data), LIMITS.config_bytes, f"{path} is too large: bytes", key=None)
     stream = io.StringIO(data.decode("utf-8"))
     stream.name = str(path)  # PyYAML's marks (line numbers) name the file
     try:
-        return yaml.load(stream, Loader=_safe_loader())  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(stream, Loader=_safe_loader())  # a SafeLoader subclass
     except RecursionError:  # the pure-Python composer recurses per level, below our check
-        raise FP8ConfigError(f"{path} nests mappings and lists too deeply to read",
-                             hint="limits: docs/refusals.md") from None
+        raise FP8ConfigError(
+            f"{path} nests mappings and lists too deeply to read", hint="limits: docs/refusals.md"
+        ) from None
 
 
 class RecipeRegistry:
@@ -190,7 +224,9 @@ class RecipeRegistry:
         if spec.name in self._specs:
             raise RecipeRegistryError(
                 f"recipe {spec.name!r} is defined twice: by {self._sources[spec.name]} and by {source}",
-                key=spec.name, hint="uninstall or rename one of them")
+                key=spec.name,
+                hint="uninstall or rename one of them",
+            )
         self._specs[spec.name] = spec
         self._sources[spec.name] = source
 
@@ -205,8 +241,9 @@ class RecipeRegistry:
         names = list(self._specs)
         near = suggest(name, names)
         hint = (f"did you mean {near!r}? " if near else "") + f"valid recipes: {', '.join(names)}"
-        return FP8ConfigError(f"unknown FP8 recipe {format_value(name)}", key=key, value=name,
-                              hint=hint)
+        return FP8ConfigError(
+            f"unknown FP8 recipe {format_value(name)}", key=key, value=name, hint=hint
+        )
 
     def source(self, name: str) -> str:
         return self._sources[name]
@@ -228,16 +265,19 @@ def _spec_from_object(obj: Any, name: str, source: str) -> RecipeSpec:
         except FP8ConfigError as err:
             raise RecipeRegistryError(f"{source} failed to build its recipe: {err}") from None
         except Exception as exc:  # a broken plugin must say which plugin it is
-            raise RecipeRegistryError(f"{source} failed to build its recipe: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+            raise RecipeRegistryError(
+                f"{source} failed to build its recipe: {type(exc).__name__}: {exc}"
+            ) from exc
     if isinstance(obj, Mapping):
         try:
             obj = RecipeSpec.from_mapping({"name": name, **obj})
         except FP8ConfigError as err:
             raise RecipeRegistryError(f"{source} declares an invalid recipe: {err}") from None
     if not isinstance(obj, RecipeSpec):
-        raise RecipeRegistryError(f"{source} provides {format_value(obj)}; expected a RecipeSpec, "
-                                  "a mapping, or a zero-argument callable returning one")
+        raise RecipeRegistryError(
+            f"{source} provides {format_value(obj)}; expected a RecipeSpec, "
+            "a mapping, or a zero-argument callable returning one"
+        )
     if obj.name != name:
         # The entry-point name is the public name; a spec derived from a preset keeps the
         # preset's name unless renamed, so rename rather than refuse.
@@ -246,8 +286,7 @@ def _spec_from_object(obj: Any, name: str, source: str) -> RecipeSpec:
 
 
 # Built-ins in the order users meet them: per-tensor first, then tiles, then MX, then FP4.
-_BUILTIN_ORDER = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8",
-                  "nvfp4")
+_BUILTIN_ORDER = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8", "nvfp4")
 
 
 def _load_builtins(registry: RecipeRegistry) -> None:
@@ -261,7 +300,9 @@ def _load_builtins(registry: RecipeRegistry) -> None:
         except FP8ConfigError as err:
             raise RecipeRegistryError(f"{source} is invalid: {err}") from None
         if spec.name != path.stem:
-            raise RecipeRegistryError(f"{source} names itself {spec.name!r}; the file name must match")
+            raise RecipeRegistryError(
+                f"{source} names itself {spec.name!r}; the file name must match"
+            )
         registry.register(spec, source)
 
 
@@ -312,7 +353,9 @@ def default_registry(*, reload: bool = False) -> RecipeRegistry:
         return _default
 
 
-def register_recipe(spec: RecipeSpec | Mapping[str, Any] | Callable[[], Any], *, source: str | None = None) -> RecipeSpec:
+def register_recipe(
+    spec: RecipeSpec | Mapping[str, Any] | Callable[[], Any], *, source: str | None = None
+) -> RecipeSpec:
     """Register a recipe from Python (for code that cannot declare an entry point)."""
     if isinstance(spec, Mapping):
         name = spec.get("name")
@@ -345,13 +388,14 @@ def get_recipe(recipe: str | Mapping[str, Any] | RecipeSpec) -> RecipeSpec:
     if isinstance(recipe, RecipeSpec):
         return recipe
     if isinstance(recipe, str) and recipe.lstrip().startswith("{"):
-        import json  # noqa: PLC0415 - only for the JSON form
+        import json  # only for the JSON form
 
         try:
             recipe = json.loads(recipe)
         except ValueError as exc:
-            raise FP8ConfigError(f"not a valid JSON recipe mapping: {exc}", key="recipe",
-                                 value=recipe) from None
+            raise FP8ConfigError(
+                f"not a valid JSON recipe mapping: {exc}", key="recipe", value=recipe
+            ) from None
     reg = default_registry()
     if isinstance(recipe, str):
         return reg.get(recipe)
@@ -360,12 +404,16 @@ def get_recipe(recipe: str | Mapping[str, Any] | RecipeSpec) -> RecipeSpec:
         if "recipe" not in overrides:
             if "name" in overrides and "scaling" in overrides:  # a full spec.to_dict()
                 return RecipeSpec.from_mapping(overrides)
-            raise FP8ConfigError("a recipe mapping must start from a registered name",
-                                 key="recipe", hint=f"valid recipes: {', '.join(reg.names())}")
+            raise FP8ConfigError(
+                "a recipe mapping must start from a registered name",
+                key="recipe",
+                hint=f"valid recipes: {', '.join(reg.names())}",
+            )
         base = reg.get(overrides.pop("recipe"))
         return base.with_overrides(overrides)
-    raise FP8ConfigError(f"expected a recipe name or mapping, got {format_value(recipe)}",
-                         key="recipe", value=recipe)
+    raise FP8ConfigError(
+        f"expected a recipe name or mapping, got {format_value(recipe)}", key="recipe", value=recipe
+    )
 
 
 def list_recipes() -> list[RecipeSpec]:

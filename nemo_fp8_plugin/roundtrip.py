@@ -57,8 +57,18 @@ _FLOW_MAPPING_WIDTH = 100
 """A flow mapping (``{a: 1}``) that keys were added to turns block style past this width."""
 
 
-def render(source: str, *, raw: Any, data: Any, written: Mapping[str, Any] | None,
-           removed: Sequence[str], source_fmt: str, fmt: str, edit: bool, where: str) -> str:
+def render(
+    source: str,
+    *,
+    raw: Any,
+    data: Any,
+    written: Mapping[str, Any] | None,
+    removed: Sequence[str],
+    source_fmt: str,
+    fmt: str,
+    edit: bool,
+    where: str,
+) -> str:
     """The text ``apply`` writes.
 
     Args:
@@ -81,15 +91,19 @@ def render(source: str, *, raw: Any, data: Any, written: Mapping[str, Any] | Non
         return source
     if source_fmt == "json":  # JSON read, YAML asked for: nothing to keep but the data
         return dump_yaml(data)
-    return edit_yaml(source, raw=raw, data=data, written=written or {}, removed=removed,
-                     where=where)
+    return edit_yaml(
+        source, raw=raw, data=data, written=written or {}, removed=removed, where=where
+    )
 
 
 def unified_diff(before: str, after: str, *, name: str, label: str) -> str:
     """``diff -u`` of the input and what ``apply`` would write (empty when they are equal)."""
-    lines = difflib.unified_diff(before.splitlines(keepends=True),
-                                 after.splitlines(keepends=True),
-                                 fromfile=name, tofile=f"{name} ({label})")
+    lines = difflib.unified_diff(
+        before.splitlines(keepends=True),
+        after.splitlines(keepends=True),
+        fromfile=name,
+        tofile=f"{name} ({label})",
+    )
     out = []
     for line in lines:
         out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
@@ -99,32 +113,46 @@ def unified_diff(before: str, after: str, *, name: str, label: str) -> str:
 # --------------------------------------------------------------------------- YAML editing
 
 
-def edit_yaml(source: str, *, raw: Any, data: Any, written: Mapping[str, Any],
-              removed: Sequence[str], where: str) -> str:
+def edit_yaml(
+    source: str,
+    *,
+    raw: Any,
+    data: Any,
+    written: Mapping[str, Any],
+    removed: Sequence[str],
+    where: str,
+) -> str:
     """``source`` with ``written`` set and ``removed`` dropped, every other line kept."""
     try:
         return _edit_yaml(source, raw, data, written, removed, where)
     except RecursionError:
-        raise FP8ConfigError(f"{where} is nested too deeply to be edited in place",
-                             hint="write the result as JSON with -o OUT.json") from None
+        raise FP8ConfigError(
+            f"{where} is nested too deeply to be edited in place",
+            hint="write the result as JSON with -o OUT.json",
+        ) from None
 
 
-def _edit_yaml(source: str, raw: Any, data: Any, written: Mapping[str, Any],
-               removed: Sequence[str], where: str) -> str:
+def _edit_yaml(
+    source: str, raw: Any, data: Any, written: Mapping[str, Any], removed: Sequence[str], where: str
+) -> str:
     lines = source.count("\n") + 1
     if lines > MAX_LINES:
-        raise FP8ConfigError(f"{where} has {lines} lines; apply edits files of up to "
-                             f"{MAX_LINES} lines in place",
-                             hint="write the result as JSON with -o OUT.json")
+        raise FP8ConfigError(
+            f"{where} has {lines} lines; apply edits files of up to {MAX_LINES} lines in place",
+            hint="write the result as JSON with -o OUT.json",
+        )
     doc = _rt_load(source, where)
     plain = _plain(doc)
     differs = _first_difference(plain, raw)
     if differs is not None:
         raise FP8ConfigError(
             "ruamel.yaml (which apply edits the file with) reads this value differently from "
-            "the safe loader, so the file cannot be edited in place", key=differs or None,
-            value=where, hint="quote the value, or spell a boolean true/false (not yes/no/on/"
-                              "off), so both read it alike; or write -o OUT.json")
+            "the safe loader, so the file cannot be edited in place",
+            key=differs or None,
+            value=where,
+            hint="quote the value, or spell a boolean true/false (not yes/no/on/"
+            "off), so both read it alike; or write -o OUT.json",
+        )
     indent, base = _best_indent(doc, source)
     newline = "\r\n" if source.count("\r\n") * 2 > source.count("\n") else "\n"
     fallback = None
@@ -144,17 +172,21 @@ def _edit_yaml(source: str, raw: Any, data: Any, written: Mapping[str, Any],
             fallback = edited  # ruamel's own rendering: every line's meaning, not its spelling
     if fallback is not None:
         return fallback
-    raise FP8ConfigError(f"apply could not edit {where} in place without changing what it means",
-                         hint="write the result as JSON with -o OUT.json, and report this file")
+    raise FP8ConfigError(
+        f"apply could not edit {where} in place without changing what it means",
+        hint="write the result as JSON with -o OUT.json, and report this file",
+    )
 
 
-def _edit(doc: Any, written: Mapping[str, Any], removed: Sequence[str], data: Any,
-          where: str) -> None:
+def _edit(
+    doc: Any, written: Mapping[str, Any], removed: Sequence[str], data: Any, where: str
+) -> None:
     for dotted in removed:
         path = _resolve(doc, dotted)
         if path is None:
-            raise FP8ConfigError("apply cannot find this key in the file to remove it",
-                                 key=dotted, value=where)
+            raise FP8ConfigError(
+                "apply cannot find this key in the file to remove it", key=dotted, value=where
+            )
         _delete(doc, path)
     _apply_written(doc, written, data)
 
@@ -200,11 +232,13 @@ def _kinds() -> tuple[type, type]:
         Constructor.add_constructor("tag:yaml.org,2002:bool", Constructor.construct_spelled_bool)
         Representer.add_representer(SpelledNull, Representer.represent_spelled)
         # a null apply writes reads as one (ruamel's default is an empty value)
-        Representer.add_representer(type(None), lambda self, data: self.represent_scalar(
-            "tag:yaml.org,2002:null", "null"))
+        Representer.add_representer(
+            type(None), lambda self, data: self.represent_scalar("tag:yaml.org,2002:null", "null")
+        )
         Representer.add_representer(SpelledBool, Representer.represent_spelled)
-        _KINDS.update(constructor=Constructor, representer=Representer, null=SpelledNull,
-                      bool=SpelledBool)
+        _KINDS.update(
+            constructor=Constructor, representer=Representer, null=SpelledNull, bool=SpelledBool
+        )
     return _KINDS["constructor"], _KINDS["representer"]
 
 
@@ -230,8 +264,10 @@ def _rt_load(source: str, where: str) -> Any:
         raise
     except Exception as exc:  # ruamel's own errors; the safe loader accepted the file
         msg = " ".join(str(exc).split())[:300]
-        raise FP8ConfigError(f"ruamel.yaml (which apply edits the file with) cannot read {where}: "
-                             f"{msg}", hint="write the result as JSON with -o OUT.json") from None
+        raise FP8ConfigError(
+            f"ruamel.yaml (which apply edits the file with) cannot read {where}: {msg}",
+            hint="write the result as JSON with -o OUT.json",
+        ) from None
     if doc is None:
         doc = CommentedMap()
     if not isinstance(doc, CommentedMap):
@@ -287,8 +323,9 @@ def _guess_indent(source: str) -> tuple[int, int, int]:
     return mapping, mapping + offset if offset else mapping, offset
 
 
-def _carry_over(source: str, base: str, edited: str, newline: str, *,
-                ruamel_tail: bool = False) -> str | None:
+def _carry_over(
+    source: str, base: str, edited: str, newline: str, *, ruamel_tail: bool = False
+) -> str | None:
     """Three-way merge: the changes from ``base`` (ruamel's emission of the unedited file) to
     ``edited`` applied to ``source``; every line outside a change comes from ``source``.
     None when a change touches a line ruamel re-emits other than as written (beyond trailing
@@ -305,17 +342,20 @@ def _carry_over(source: str, base: str, edited: str, newline: str, *,
     respelled: set[int] = set()
     theirs: set[int] = set()
     skip = (0, 0)  # the source lines ruamel's tail stands for
-    same: list[tuple[str, int, int, int, int]] = list(difflib.SequenceMatcher(
-        None, [s.rstrip() for s in mine], [s.rstrip() for s in old], autojunk=False).get_opcodes())
+    same: list[tuple[str, int, int, int, int]] = list(
+        difflib.SequenceMatcher(
+            None, [s.rstrip() for s in mine], [s.rstrip() for s in old], autojunk=False
+        ).get_opcodes()
+    )
     last = max((n for n, op in enumerate(same) if op[0] == "replace"), default=None)
-    if ruamel_tail and last is not None and all(op[0] == "equal" for op in same[last + 1:]):
+    if ruamel_tail and last is not None and all(op[0] == "equal" for op in same[last + 1 :]):
         _, i1, i2, j1, j2 = same[last]
         header = mine[i2 - 1].rstrip()
         if header.endswith(("|", ">")) and old[j2 - 1].rstrip() == header + "-":
             theirs.add(j2 - 1)
             skip = (i2 - 1, i2)
             rest = [("replace", i1, i2 - 1, j1, j2 - 1)] if i2 - 1 > i1 and j2 - 1 > j1 else []
-            same = same[:last] + rest + same[last + 1:]
+            same = same[:last] + rest + same[last + 1 :]
     for tag, i1, i2, j1, j2 in same:
         if tag == "equal":
             for k in range(j2 - j1):
@@ -330,18 +370,18 @@ def _carry_over(source: str, base: str, edited: str, newline: str, *,
         if tag == "equal":
             for k, b in enumerate(range(i1, i2)):
                 if b in theirs:
-                    out.extend(mine[pos:skip[0]])
+                    out.extend(mine[pos : skip[0]])
                     pos = max(pos, skip[1])
                     out.append(new[j1 + k])
                 elif b in anchor:
-                    out.extend(mine[pos:anchor[b] + 1])
+                    out.extend(mine[pos : anchor[b] + 1])
                     pos = anchor[b] + 1
             continue
         if respelled.intersection(range(i1, i2)):
             return None
         touched = [anchor[b] for b in range(i1, i2) if b in anchor]
         if touched:
-            out.extend(mine[pos:touched[0]])  # lines only the source has, before the change
+            out.extend(mine[pos : touched[0]])  # lines only the source has, before the change
             pos = touched[-1] + 1
         for line in new[j1:j2]:
             out.append(line[:-1] + newline if newline != "\n" and line.endswith("\n") else line)
@@ -430,8 +470,9 @@ def _first_difference(a: Any, b: Any) -> str | None:
                     return found
             return None
         if isinstance(x, (list, tuple)) or isinstance(y, (list, tuple)):
-            if not (isinstance(x, (list, tuple)) and isinstance(y, (list, tuple))) \
-                    or len(x) != len(y):
+            if not (isinstance(x, (list, tuple)) and isinstance(y, (list, tuple))) or len(x) != len(
+                y
+            ):
                 return where
             if (id(x), id(y)) in seen:
                 return None
@@ -467,7 +508,7 @@ def _resolve(doc: Any, dotted: str) -> list[Any] | None:
         for key in node:
             text = str(key)
             if rest.startswith(text + "."):
-                found = walk(node[key], rest[len(text) + 1:])
+                found = walk(node[key], rest[len(text) + 1 :])
                 if found is not None:
                     return [key, *found]
         return None
@@ -478,8 +519,11 @@ def _resolve(doc: Any, dotted: str) -> list[Any] | None:
 def _is_block(node: Any) -> bool:
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-    return isinstance(node, (CommentedMap, CommentedSeq)) and len(node) > 0 \
+    return (
+        isinstance(node, (CommentedMap, CommentedSeq))
+        and len(node) > 0
         and not node.fa.flow_style()
+    )
 
 
 def _last(node: Any) -> Any:
@@ -588,12 +632,20 @@ def _apply_written(node: Any, written: Mapping[Any, Any], data: Mapping[Any, Any
 
     for key, value in written.items():
         new = data[key]
-        if key in node and isinstance(node[key], CommentedMap) and isinstance(new, Mapping) \
-                and isinstance(value, Mapping) and value:
+        if (
+            key in node
+            and isinstance(node[key], CommentedMap)
+            and isinstance(new, Mapping)
+            and isinstance(value, Mapping)
+            and value
+        ):
             had = len(node[key])
             _apply_written(node[key], value, new)
-            if node[key].fa.flow_style() and len(node[key]) > had \
-                    and len(_flow_text(new)) > _FLOW_MAPPING_WIDTH:
+            if (
+                node[key].fa.flow_style()
+                and len(node[key]) > had
+                and len(_flow_text(new)) > _FLOW_MAPPING_WIDTH
+            ):
                 node[key].fa.set_block_style()  # keys added: one a line, not one long line
                 token = _token(node, key)
                 if token is not None and token.value.startswith("#"):  # now after `key:`
@@ -638,21 +690,27 @@ def _to_rt(value: Any, like: Any) -> Any:
         if isinstance(like, CommentedSeq):
             flow = like.fa.flow_style()
         else:
-            flow = all(v is None or isinstance(v, (bool, int, float, str)) for v in value) \
+            flow = (
+                all(v is None or isinstance(v, (bool, int, float, str)) for v in value)
                 and len(repr(list(value))) <= _FLOW_LIST_WIDTH
+            )
         if flow:
             seq.fa.set_flow_style()
         else:
             seq.fa.set_block_style()
         return seq
-    if isinstance(value, str) and isinstance(like, (DoubleQuotedScalarString,
-                                                    SingleQuotedScalarString)):
+    if isinstance(value, str) and isinstance(
+        like, (DoubleQuotedScalarString, SingleQuotedScalarString)
+    ):
         return type(like)(value)
     spelled = _KINDS["bool"]
     if isinstance(value, bool) and isinstance(like, spelled) and like.text:
         out = spelled(value)
         word = "true" if value else "false"
-        out.text = word.upper() if like.text.isupper() else (
-            word.title() if like.text[0].isupper() else word)
+        out.text = (
+            word.upper()
+            if like.text.isupper()
+            else (word.title() if like.text[0].isupper() else word)
+        )
         return out
     return value

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar, cast
+from typing import Any, TypeVar, cast
 
-from .errors import FP8ConfigError, format_value, suggest
 from . import capabilities as _caps
+from .errors import FP8ConfigError, format_value, suggest
 
 _T = TypeVar("_T")
 
@@ -71,13 +71,21 @@ def normalize_hardware(value: Any, key: str = "hardware") -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise FP8ConfigError(f"expected a GPU name or architecture, got {format_value(value)}",
-                             key=key, value=value, hint=f"one of {', '.join(HARDWARE_ARCHS)}")
+        raise FP8ConfigError(
+            f"expected a GPU name or architecture, got {format_value(value)}",
+            key=key,
+            value=value,
+            hint=f"one of {', '.join(HARDWARE_ARCHS)}",
+        )
     arch = _caps.arch_by_name(value)
     if arch is None:
-        raise FP8ConfigError(f"unknown hardware {format_value(value)}", key=key, value=value,
-                             hint=f"use an architecture ({', '.join(HARDWARE_ARCHS)}), a GPU "
-                                  f"name such as h100, h200, b200, or a capability such as sm90")
+        raise FP8ConfigError(
+            f"unknown hardware {format_value(value)}",
+            key=key,
+            value=value,
+            hint=f"use an architecture ({', '.join(HARDWARE_ARCHS)}), a GPU "
+            f"name such as h100, h200, b200, or a capability such as sm90",
+        )
     # An Ampere GPU is a valid target that nothing runs on: the hardware findings say so (and
     # what to do), so explain can report it rather than refuse the flag.
     return arch.name
@@ -95,7 +103,9 @@ def _bool(key: str, value: Any) -> bool:
 def _int(key: str, value: Any, lo: int, hi: int) -> int:
     # bool is an int subclass in Python; `margin: true` is a mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise FP8ConfigError(f"expected an integer, got {format_value(value)}", key=key, value=value)
+        raise FP8ConfigError(
+            f"expected an integer, got {format_value(value)}", key=key, value=value
+        )
     if not lo <= value <= hi:
         raise FP8ConfigError(f"must be between {lo} and {hi}, got {value}", key=key, value=value)
     return value
@@ -108,13 +118,15 @@ def _float(key: str, value: Any, lo: float, hi: float, *, optional: bool = False
         raise FP8ConfigError(f"expected a number, got {format_value(value)}", key=key, value=value)
     value = float(value)
     if not math.isfinite(value) or not lo <= value <= hi:
-        raise FP8ConfigError(f"must be a finite number between {lo} and {hi}, got {value}",
-                             key=key, value=value)
+        raise FP8ConfigError(
+            f"must be a finite number between {lo} and {hi}, got {value}", key=key, value=value
+        )
     return cast(float, value)
 
 
-def _choice(key: str, value: Any, choices: Collection[Any], *,
-            optional: bool = False) -> str | None:
+def _choice(
+    key: str, value: Any, choices: Collection[Any], *, optional: bool = False
+) -> str | None:
     if value is None and optional:
         return None
     if isinstance(value, str) and value in choices:
@@ -122,18 +134,28 @@ def _choice(key: str, value: Any, choices: Collection[Any], *,
     shown = [c for c in choices if c is not None]
     near = suggest(value, shown) if isinstance(value, str) else None
     hint = f"did you mean {near!r}?" if near else None
-    raise FP8ConfigError(f"expected one of {', '.join(map(str, shown))}, got {format_value(value)}",
-                         key=key, value=value, hint=hint)
+    raise FP8ConfigError(
+        f"expected one of {', '.join(map(str, shown))}, got {format_value(value)}",
+        key=key,
+        value=value,
+        hint=hint,
+    )
 
 
 def _block(key: str, value: Any) -> tuple[int, int] | None:
     if value is None:
         return None
-    if (isinstance(value, (list, tuple)) and len(value) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         return (int(value[0]), int(value[1]))
-    raise FP8ConfigError(f"expected a tile shape [rows, cols] such as [1, 128], got "
-                         f"{format_value(value)}", key=key, value=value)
+    raise FP8ConfigError(
+        f"expected a tile shape [rows, cols] such as [1, 128], got {format_value(value)}",
+        key=key,
+        value=value,
+    )
 
 
 def _str_tuple(key: str, value: Any) -> tuple[str, ...]:
@@ -142,13 +164,17 @@ def _str_tuple(key: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)):
-        raise FP8ConfigError(f"expected a list of glob patterns, got {format_value(value)}",
-                             key=key, value=value)
+        raise FP8ConfigError(
+            f"expected a list of glob patterns, got {format_value(value)}", key=key, value=value
+        )
     out = []
     for i, item in enumerate(value):
         if not isinstance(item, str) or not item.strip():
-            raise FP8ConfigError(f"expected a non-empty glob pattern, got {format_value(item)}",
-                                 key=f"{key}[{i}]", value=item)
+            raise FP8ConfigError(
+                f"expected a non-empty glob pattern, got {format_value(item)}",
+                key=f"{key}[{i}]",
+                value=item,
+            )
         out.append(item.strip())
     return tuple(out)
 
@@ -156,13 +182,20 @@ def _str_tuple(key: str, value: Any) -> tuple[str, ...]:
 def _check_keys(prefix: str, mapping: Mapping[Any, Any], allowed: Collection[str]) -> None:
     for k in mapping:
         if not isinstance(k, str):
-            raise FP8ConfigError(f"keys must be strings, got {format_value(k)}",
-                                 key=f"{prefix}.{k}" if prefix else str(k), value=k)
+            raise FP8ConfigError(
+                f"keys must be strings, got {format_value(k)}",
+                key=f"{prefix}.{k}" if prefix else str(k),
+                value=k,
+            )
         if k not in allowed:
             near = suggest(k, allowed)
-            raise FP8ConfigError("unknown key", key=f"{prefix}.{k}" if prefix else k,
-                                 hint=f"did you mean {near!r}?" if near
-                                 else f"valid keys: {', '.join(sorted(allowed))}")
+            raise FP8ConfigError(
+                "unknown key",
+                key=f"{prefix}.{k}" if prefix else k,
+                hint=f"did you mean {near!r}?"
+                if near
+                else f"valid keys: {', '.join(sorted(allowed))}",
+            )
 
 
 @dataclass(frozen=True)
@@ -215,12 +248,17 @@ class BF16Rules:
         object.__setattr__(self, "first", _int("first", self.first, 0, 100_000))
         object.__setattr__(self, "last", _int("last", self.last, 0, 100_000))
         object.__setattr__(self, "modules", _str_tuple("modules", self.modules))
-        object.__setattr__(self, "applies_to",
-                           _choice("applies_to", self.applies_to, ("training", "generation", "both")))
+        object.__setattr__(
+            self,
+            "applies_to",
+            _choice("applies_to", self.applies_to, ("training", "generation", "both")),
+        )
         seen = set()
         for i, pat in enumerate(self.modules):
             if pat in seen:
-                raise FP8ConfigError(f"pattern {pat!r} is listed twice", key=f"modules[{i}]", value=pat)
+                raise FP8ConfigError(
+                    f"pattern {pat!r} is listed twice", key=f"modules[{i}]", value=pat
+                )
             seen.add(pat)
 
     @property
@@ -233,20 +271,26 @@ class BF16Rules:
         return self.applies_to in ("both", side)
 
     @classmethod
-    def from_mapping(cls, value: Any, base: "BF16Rules | None" = None) -> "BF16Rules":
+    def from_mapping(cls, value: Any, base: BF16Rules | None = None) -> BF16Rules:
         """Build from YAML. Keys given override ``base`` field by field."""
         base = base or cls()
         if value is None:
             return base
         if not isinstance(value, Mapping):
-            raise FP8ConfigError(f"expected a mapping with keys {', '.join(cls.FIELDS)}, got "
-                                 f"{format_value(value)}", value=value)
+            raise FP8ConfigError(
+                f"expected a mapping with keys {', '.join(cls.FIELDS)}, got {format_value(value)}",
+                value=value,
+            )
         _check_keys("", value, cls.FIELDS)
         return _wrap(lambda: dataclasses.replace(base, **dict(value)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"first": self.first, "last": self.last, "modules": list(self.modules),
-                "applies_to": self.applies_to}
+        return {
+            "first": self.first,
+            "last": self.last,
+            "modules": list(self.modules),
+            "applies_to": self.applies_to,
+        }
 
 
 @dataclass(frozen=True)
@@ -285,25 +329,37 @@ class ImportanceSampling:
     def __post_init__(self) -> None:
         object.__setattr__(self, "enabled", _bool("enabled", self.enabled))
         object.__setattr__(self, "level", _choice("level", self.level, ("token", "sequence")))
-        object.__setattr__(self, "truncation", _choice(
-            "truncation", self.truncation, ("tis", "icepop", "seq-mask-tis"), optional=True))
+        object.__setattr__(
+            self,
+            "truncation",
+            _choice(
+                "truncation", self.truncation, ("tis", "icepop", "seq-mask-tis"), optional=True
+            ),
+        )
         object.__setattr__(self, "ratio_max", _float("ratio_max", self.ratio_max, 1e-6, 1e6))
-        object.__setattr__(self, "ratio_min",
-                           _float("ratio_min", self.ratio_min, 0.0, 1e6, optional=True))
+        object.__setattr__(
+            self, "ratio_min", _float("ratio_min", self.ratio_min, 0.0, 1e6, optional=True)
+        )
         if self.ratio_min is not None and self.ratio_min > self.ratio_max:
-            raise FP8ConfigError(f"ratio_min ({self.ratio_min}) exceeds ratio_max ({self.ratio_max})",
-                                 key="ratio_min", value=self.ratio_min)
+            raise FP8ConfigError(
+                f"ratio_min ({self.ratio_min}) exceeds ratio_max ({self.ratio_max})",
+                key="ratio_min",
+                value=self.ratio_min,
+            )
 
     @classmethod
-    def from_mapping(cls, value: Any, base: "ImportanceSampling | None" = None) -> "ImportanceSampling":
+    def from_mapping(cls, value: Any, base: ImportanceSampling | None = None) -> ImportanceSampling:
         base = base or cls()
         if value is None:
             return base
         if isinstance(value, bool):  # `importance_sampling: false` is the natural shorthand
             return dataclasses.replace(base, enabled=value)
         if not isinstance(value, Mapping):
-            raise FP8ConfigError(f"expected true, false or a mapping with keys "
-                                 f"{', '.join(cls.FIELDS)}, got {format_value(value)}", value=value)
+            raise FP8ConfigError(
+                f"expected true, false or a mapping with keys "
+                f"{', '.join(cls.FIELDS)}, got {format_value(value)}",
+                value=value,
+            )
         _check_keys("", value, cls.FIELDS)
         return _wrap(lambda: dataclasses.replace(base, **dict(value)))
 
@@ -440,11 +496,28 @@ class RecipeSpec:
 
     # Fields whose values users may set from YAML (everything but the identity).
     OVERRIDABLE = (
-        "scaling", "description", "fp8_format", "activation_block", "weight_block",
-        "gradient_block", "pow2_scales", "amax_epsilon", "amax_history_len",
-        "amax_compute_algo", "margin", "reduce_amax", "fp8_wgrad", "fp8_dot_product_attention",
-        "fp8_multi_head_attention", "fp8_param", "training", "generation", "kv_cache",
-        "bf16_layers", "importance_sampling", "hardware",
+        "scaling",
+        "description",
+        "fp8_format",
+        "activation_block",
+        "weight_block",
+        "gradient_block",
+        "pow2_scales",
+        "amax_epsilon",
+        "amax_history_len",
+        "amax_compute_algo",
+        "margin",
+        "reduce_amax",
+        "fp8_wgrad",
+        "fp8_dot_product_attention",
+        "fp8_multi_head_attention",
+        "fp8_param",
+        "training",
+        "generation",
+        "kv_cache",
+        "bf16_layers",
+        "importance_sampling",
+        "hardware",
     )
 
     def __post_init__(self) -> None:
@@ -452,26 +525,43 @@ class RecipeSpec:
             object.__setattr__(self, k, v)
 
         if not isinstance(self.name, str) or not self.name.strip():
-            raise FP8ConfigError(f"a recipe needs a non-empty name, got {format_value(self.name)}",
-                                 key="name", value=self.name)
+            raise FP8ConfigError(
+                f"a recipe needs a non-empty name, got {format_value(self.name)}",
+                key="name",
+                value=self.name,
+            )
         if not isinstance(self.description, str):
-            raise FP8ConfigError(f"expected a string, got {format_value(self.description)}",
-                                 key="description", value=self.description)
+            raise FP8ConfigError(
+                f"expected a string, got {format_value(self.description)}",
+                key="description",
+                value=self.description,
+            )
         if self.fp8_format == "e5m2":
-            raise FP8ConfigError("pure E5M2 is refused: forward tensors need E4M3's precision",
-                                 key="fp8_format", value="e5m2",
-                                 hint="use 'hybrid' for E5M2 gradients with E4M3 forward")
+            raise FP8ConfigError(
+                "pure E5M2 is refused: forward tensors need E4M3's precision",
+                key="fp8_format",
+                value="e5m2",
+                hint="use 'hybrid' for E5M2 gradients with E4M3 forward",
+            )
         set_("scaling", _choice("scaling", self.scaling, SCALING_KINDS))
         set_("fp8_format", _choice("fp8_format", self.fp8_format, FP8_FORMATS))
         for key in ("activation_block", "weight_block", "gradient_block"):
             set_(key, _block(key, getattr(self, key)))
-        for key in ("pow2_scales", "reduce_amax", "fp8_wgrad", "fp8_dot_product_attention",
-                    "fp8_multi_head_attention", "fp8_param"):
+        for key in (
+            "pow2_scales",
+            "reduce_amax",
+            "fp8_wgrad",
+            "fp8_dot_product_attention",
+            "fp8_multi_head_attention",
+            "fp8_param",
+        ):
             set_(key, _bool(key, getattr(self, key)))
         set_("amax_epsilon", _float("amax_epsilon", self.amax_epsilon, 0.0, 1e30))
         set_("amax_history_len", _int("amax_history_len", self.amax_history_len, 1, 1 << 20))
-        set_("amax_compute_algo", _choice("amax_compute_algo", self.amax_compute_algo,
-                                          ("max", "most_recent")))
+        set_(
+            "amax_compute_algo",
+            _choice("amax_compute_algo", self.amax_compute_algo, ("max", "most_recent")),
+        )
         set_("margin", _int("margin", self.margin, 0, 64))
         set_("training", _choice("training", self.training, ("fp8", "bf16")))
         set_("generation", _choice("generation", self.generation, ("fp8", "bf16")))
@@ -479,9 +569,12 @@ class RecipeSpec:
         if not isinstance(self.bf16_layers, BF16Rules):
             set_("bf16_layers", _prefixed("bf16_layers", BF16Rules.from_mapping, self.bf16_layers))
         if not isinstance(self.importance_sampling, ImportanceSampling):
-            set_("importance_sampling", _prefixed("importance_sampling",
-                                                  ImportanceSampling.from_mapping,
-                                                  self.importance_sampling))
+            set_(
+                "importance_sampling",
+                _prefixed(
+                    "importance_sampling", ImportanceSampling.from_mapping, self.importance_sampling
+                ),
+            )
         set_("hardware", normalize_hardware(self.hardware))
         self._check_tiles()
         self._check_combinations()
@@ -492,101 +585,167 @@ class RecipeSpec:
     # ------------------------------------------------------------------ validation
 
     def _check_tiles(self) -> None:
-        blocks = {"activation_block": self.activation_block, "weight_block": self.weight_block,
-                  "gradient_block": self.gradient_block}
+        blocks = {
+            "activation_block": self.activation_block,
+            "weight_block": self.weight_block,
+            "gradient_block": self.gradient_block,
+        }
         if self.scaling in ("delayed", "tensorwise"):
             for key, blk in blocks.items():
                 if blk is not None:
-                    raise FP8ConfigError(f"per-tensor scaling ({self.scaling}) has no tiles; got "
-                                         f"{list(blk)}", key=key, value=list(blk),
-                                         hint="remove it or use scaling: block")
+                    raise FP8ConfigError(
+                        f"per-tensor scaling ({self.scaling}) has no tiles; got {list(blk)}",
+                        key=key,
+                        value=list(blk),
+                        hint="remove it or use scaling: block",
+                    )
             return
         if self.scaling == "block":
-            allowed = {"activation_block": {(1, 128), (128, 128)},
-                       "weight_block": {(1, 128), (128, 128)},
-                       "gradient_block": {(1, 128), (128, 128)}}
-            default = {"activation_block": "[1, 128]", "weight_block": "[128, 128]",
-                       "gradient_block": "[1, 128]"}
+            allowed = {
+                "activation_block": {(1, 128), (128, 128)},
+                "weight_block": {(1, 128), (128, 128)},
+                "gradient_block": {(1, 128), (128, 128)},
+            }
+            default = {
+                "activation_block": "[1, 128]",
+                "weight_block": "[128, 128]",
+                "gradient_block": "[1, 128]",
+            }
         elif self.scaling == "nvfp4":
             # TE's NVFP4BlockScaling: 1x16 groups for activations and gradients, 16x16 tiles
             # for weights unless disable_2d_quantization (1x16 for every tensor).
-            allowed = {"activation_block": {(1, 16)}, "weight_block": {(16, 16), (1, 16)},
-                       "gradient_block": {(1, 16)}}
-            default = {"activation_block": "[1, 16]", "weight_block": "[16, 16]",
-                       "gradient_block": "[1, 16]"}
+            allowed = {
+                "activation_block": {(1, 16)},
+                "weight_block": {(16, 16), (1, 16)},
+                "gradient_block": {(1, 16)},
+            }
+            default = {
+                "activation_block": "[1, 16]",
+                "weight_block": "[16, 16]",
+                "gradient_block": "[1, 16]",
+            }
         else:
-            allowed = {"activation_block": {(1, 32)}, "weight_block": {(1, 32), (32, 32)},
-                       "gradient_block": {(1, 32)}}
-            default = {"activation_block": "[1, 32]", "weight_block": "[1, 32]",
-                       "gradient_block": "[1, 32]"}
+            allowed = {
+                "activation_block": {(1, 32)},
+                "weight_block": {(1, 32), (32, 32)},
+                "gradient_block": {(1, 32)},
+            }
+            default = {
+                "activation_block": "[1, 32]",
+                "weight_block": "[1, 32]",
+                "gradient_block": "[1, 32]",
+            }
         for key, blk in blocks.items():
             if blk is None or blk not in allowed[key]:
                 shown = "missing" if blk is None else f"{list(blk)} is not supported"
-                raise FP8ConfigError(f"{shown} for scaling: {self.scaling}", key=key,
-                                     value=None if blk is None else list(blk),
-                                     hint=f"use {default[key]}; allowed: "
-                                          f"{', '.join(str(list(b)) for b in sorted(allowed[key]))}")
+                raise FP8ConfigError(
+                    f"{shown} for scaling: {self.scaling}",
+                    key=key,
+                    value=None if blk is None else list(blk),
+                    hint=f"use {default[key]}; allowed: "
+                    f"{', '.join(str(list(b)) for b in sorted(allowed[key]))}",
+                )
         if self.scaling == "block":
             two_d = [k for k, b in blocks.items() if b == (128, 128)]
             if len(two_d) > 1:
                 # cuBLAS has no 2D-by-2D block-scaled GEMM; TE asserts the same.
-                raise FP8ConfigError(f"{' and '.join(two_d)} are both 128x128: no GEMM takes two "
-                                     f"2D-scaled operands", key=two_d[1], value=[128, 128])
+                raise FP8ConfigError(
+                    f"{' and '.join(two_d)} are both 128x128: no GEMM takes two 2D-scaled operands",
+                    key=two_d[1],
+                    value=[128, 128],
+                )
 
     def _check_combinations(self) -> None:
         if (self.scaling == "nvfp4") != (self.fp8_format == "e2m1"):
             if self.scaling == "nvfp4":
-                raise FP8ConfigError(f"NVFP4 elements are FP4 E2M1 (TE fp4_format E2M1); "
-                                     f"{self.fp8_format!r} is an FP8 format",
-                                     key="fp8_format", value=self.fp8_format, hint="use e2m1")
-            raise FP8ConfigError(f"e2m1 (FP4) is the element format of scaling: nvfp4 only, not "
-                                 f"of {self.scaling}", key="fp8_format", value="e2m1",
-                                 hint="use e4m3 or hybrid, or scaling: nvfp4")
+                raise FP8ConfigError(
+                    f"NVFP4 elements are FP4 E2M1 (TE fp4_format E2M1); "
+                    f"{self.fp8_format!r} is an FP8 format",
+                    key="fp8_format",
+                    value=self.fp8_format,
+                    hint="use e2m1",
+                )
+            raise FP8ConfigError(
+                f"e2m1 (FP4) is the element format of scaling: nvfp4 only, not of {self.scaling}",
+                key="fp8_format",
+                value="e2m1",
+                hint="use e4m3 or hybrid, or scaling: nvfp4",
+            )
         if self.scaling == "nvfp4":
             if self.pow2_scales:
-                raise FP8ConfigError("NVFP4 block scales are E4M3 under an fp32 per-tensor scale, "
-                                     "not powers of two", key="pow2_scales", value=True,
-                                     hint="set pow2_scales: false, or use mxfp8 (E8M0 scales)")
+                raise FP8ConfigError(
+                    "NVFP4 block scales are E4M3 under an fp32 per-tensor scale, not powers of two",
+                    key="pow2_scales",
+                    value=True,
+                    hint="set pow2_scales: false, or use mxfp8 (E8M0 scales)",
+                )
             if self.fp8_dot_product_attention:
-                raise FP8ConfigError("Transformer Engine's NVFP4BlockScaling has no FP4/FP8 "
-                                     "attention (fp8_dpa is always false there)",
-                                     key="fp8_dot_product_attention", value=True)
+                raise FP8ConfigError(
+                    "Transformer Engine's NVFP4BlockScaling has no FP4/FP8 "
+                    "attention (fp8_dpa is always false there)",
+                    key="fp8_dot_product_attention",
+                    value=True,
+                )
             if self.generation == "fp8":
-                raise FP8ConfigError(f"nvfp4 cannot generate: {_caps.NVFP4_GENERATION_REFUSAL}",
-                                     key="generation", value="fp8",
-                                     hint="set generation: bf16 (NVFP4 training, BF16 rollouts), "
-                                          "or use mxfp8 for FP8 rollouts on Blackwell")
+                raise FP8ConfigError(
+                    f"nvfp4 cannot generate: {_caps.NVFP4_GENERATION_REFUSAL}",
+                    key="generation",
+                    value="fp8",
+                    hint="set generation: bf16 (NVFP4 training, BF16 rollouts), "
+                    "or use mxfp8 for FP8 rollouts on Blackwell",
+                )
         if self.scaling == "mx" and not self.pow2_scales:
-            raise FP8ConfigError("MXFP8 scales are E8M0 (powers of two); pow2_scales must be true",
-                                 key="pow2_scales", value=False)
+            raise FP8ConfigError(
+                "MXFP8 scales are E8M0 (powers of two); pow2_scales must be true",
+                key="pow2_scales",
+                value=False,
+            )
         if self.fp8_multi_head_attention and not self.fp8_dot_product_attention:
-            raise FP8ConfigError("needs fp8_dot_product_attention: true", key="fp8_multi_head_attention",
-                                 value=True)
+            raise FP8ConfigError(
+                "needs fp8_dot_product_attention: true", key="fp8_multi_head_attention", value=True
+            )
         if self.scaling == "block" and self.fp8_dot_product_attention:
-            raise FP8ConfigError("Transformer Engine's block recipe has no FP8 attention",
-                                 key="fp8_dot_product_attention", value=True)
-        if self.scaling == "delayed" and (self.bf16_layers.first or self.bf16_layers.last) \
-                and self.bf16_layers.acts_on("training"):
+            raise FP8ConfigError(
+                "Transformer Engine's block recipe has no FP8 attention",
+                key="fp8_dot_product_attention",
+                value=True,
+            )
+        if (
+            self.scaling == "delayed"
+            and (self.bf16_layers.first or self.bf16_layers.last)
+            and self.bf16_layers.acts_on("training")
+        ):
             which = "first" if self.bf16_layers.first else "last"
             count = getattr(self.bf16_layers, which)
-            raise FP8ConfigError(f"{count} layer(s) in BF16 cannot be combined with delayed "
-                                 "scaling (megatron-core refuses the combination)",
-                                 key=f"bf16_layers.{which}", value=count,
-                                 hint="use fp8_current or fp8_blockwise, or set applies_to: generation")
+            raise FP8ConfigError(
+                f"{count} layer(s) in BF16 cannot be combined with delayed "
+                "scaling (megatron-core refuses the combination)",
+                key=f"bf16_layers.{which}",
+                value=count,
+                hint="use fp8_current or fp8_blockwise, or set applies_to: generation",
+            )
         if self.training == "bf16" and self.generation == "bf16":
-            raise FP8ConfigError("training and generation are both bf16: nothing runs in FP8",
-                                 key="training", value="bf16")
+            raise FP8ConfigError(
+                "training and generation are both bf16: nothing runs in FP8",
+                key="training",
+                value="bf16",
+            )
         if self.kv_cache == "fp8" and self.generation != "fp8":
-            raise FP8ConfigError("an FP8 KV cache needs FP8 generation", key="kv_cache", value="fp8",
-                                 hint="set generation: fp8 or kv_cache: auto")
+            raise FP8ConfigError(
+                "an FP8 KV cache needs FP8 generation",
+                key="kv_cache",
+                value="fp8",
+                hint="set generation: fp8 or kv_cache: auto",
+            )
 
     def findings(self) -> list[Finding]:
         """Hardware findings for the stated target (errors make the spec invalid), from the
         capability table (:func:`nemo_fp8_plugin.capabilities.hardware_problems`)."""
         if self.hardware is None:
             return []
-        return [Finding(p.level, p.key, p.message)
-                for p in _caps.hardware_problems(self, self.hardware)]
+        return [
+            Finding(p.level, p.key, p.message) for p in _caps.hardware_problems(self, self.hardware)
+        ]
 
     def check_dims(self, dims: Mapping[str, int], *, tensor_parallel: int = 1) -> list[Finding]:
         """Divisibility of named GEMM dimensions (hidden_size, ffn_hidden_size, ...), split
@@ -599,8 +758,14 @@ class RecipeSpec:
         ``model.<name>``, or ``tensor_model_parallel_size`` when the TP split is at fault.
         """
         found = _caps.dimension_problems(self.scaling, dict(dims), tensor_parallel=tensor_parallel)
-        return [Finding(p.level, p.key if p.key == "tensor_model_parallel_size" else f"model.{p.key}",
-                        p.message) for p in found]
+        return [
+            Finding(
+                p.level,
+                p.key if p.key == "tensor_model_parallel_size" else f"model.{p.key}",
+                p.message,
+            )
+            for p in found
+        ]
 
     # ------------------------------------------------------------------ derived views
 
@@ -625,8 +790,11 @@ class RecipeSpec:
         """Scale tile for a GEMM operand role (None = per tensor)."""
         if role not in _ROLES:
             raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
-        return {"input": self.activation_block, "weight": self.weight_block,
-                "grad_output": self.gradient_block}[role]
+        return {
+            "input": self.activation_block,
+            "weight": self.weight_block,
+            "grad_output": self.gradient_block,
+        }[role]
 
     # ------------------------------------------------------------------ (de)serialisation
 
@@ -644,30 +812,35 @@ class RecipeSpec:
             out[key] = value
         return out
 
-    def replace(self, **changes: Any) -> "RecipeSpec":
+    def replace(self, **changes: Any) -> RecipeSpec:
         """A validated copy with ``changes`` applied (nested blocks merge field by field)."""
         return self.with_overrides(changes)
 
-    def with_overrides(self, overrides: Mapping[str, Any], *, prefix: str = "") -> "RecipeSpec":
+    def with_overrides(self, overrides: Mapping[str, Any], *, prefix: str = "") -> RecipeSpec:
         """A validated copy with YAML-style overrides; errors are keyed under ``prefix``."""
         allowed = set(self.OVERRIDABLE) | {"name"}
         try:
             _check_keys("", overrides, allowed)
             kwargs = dict(overrides)
             if "bf16_layers" in kwargs and not isinstance(kwargs["bf16_layers"], BF16Rules):
-                kwargs["bf16_layers"] = _prefixed("bf16_layers", BF16Rules.from_mapping,
-                                                  kwargs["bf16_layers"], self.bf16_layers)
-            if "importance_sampling" in kwargs and not isinstance(kwargs["importance_sampling"],
-                                                                  ImportanceSampling):
+                kwargs["bf16_layers"] = _prefixed(
+                    "bf16_layers", BF16Rules.from_mapping, kwargs["bf16_layers"], self.bf16_layers
+                )
+            if "importance_sampling" in kwargs and not isinstance(
+                kwargs["importance_sampling"], ImportanceSampling
+            ):
                 kwargs["importance_sampling"] = _prefixed(
-                    "importance_sampling", ImportanceSampling.from_mapping,
-                    kwargs["importance_sampling"], self.importance_sampling)
+                    "importance_sampling",
+                    ImportanceSampling.from_mapping,
+                    kwargs["importance_sampling"],
+                    self.importance_sampling,
+                )
             return _wrap(lambda: dataclasses.replace(self, **kwargs))
         except FP8ConfigError as err:
             raise err.with_prefix(prefix) if prefix else err from None
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any], *, prefix: str = "") -> "RecipeSpec":
+    def from_mapping(cls, mapping: Mapping[str, Any], *, prefix: str = "") -> RecipeSpec:
         """A spec from a complete mapping (the format of ``conf/recipes/*.yaml``)."""
         try:
             if not isinstance(mapping, Mapping):
@@ -677,11 +850,14 @@ class RecipeSpec:
                 if required not in mapping:
                     raise FP8ConfigError("is required", key=required)
             kwargs = dict(mapping)
-            kwargs["bf16_layers"] = _prefixed("bf16_layers", BF16Rules.from_mapping,
-                                              kwargs.get("bf16_layers"))
-            kwargs["importance_sampling"] = _prefixed("importance_sampling",
-                                                      ImportanceSampling.from_mapping,
-                                                      kwargs.get("importance_sampling"))
+            kwargs["bf16_layers"] = _prefixed(
+                "bf16_layers", BF16Rules.from_mapping, kwargs.get("bf16_layers")
+            )
+            kwargs["importance_sampling"] = _prefixed(
+                "importance_sampling",
+                ImportanceSampling.from_mapping,
+                kwargs.get("importance_sampling"),
+            )
             return _wrap(lambda: cls(**kwargs))
         except FP8ConfigError as err:
             raise err.with_prefix(prefix) if prefix else err from None

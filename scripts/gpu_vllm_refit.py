@@ -43,12 +43,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
-                  intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=64, vocab_size=1024,
-                  max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-                  torch_dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1,
-                  eos_token_id=2, hidden_act="silu", initializer_range=0.05)
+TINY_LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=1024,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    torch_dtype="bfloat16",
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    hidden_act="silu",
+    initializer_range=0.05,
+)
 """The ``--tiny`` model: head_dim 64, every GEMM dimension a multiple of 128."""
 
 
@@ -56,31 +70,54 @@ TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="Hugging Face model id or local checkpoint directory")
     src.add_argument("--tiny", action="store_true", help="a small random Llama written locally")
-    p.add_argument("--recipe", default="fp8_blockwise",
-                   help="recipe name (fp8_blockwise, fp8_subchannel, mxfp8 on Blackwell)")
-    p.add_argument("--kv-cache", choices=("auto", "fp8"), default="auto",
-                   help="fp8: FP8 E4M3 KV cache with per-layer scales refreshed every step")
+    p.add_argument(
+        "--recipe",
+        default="fp8_blockwise",
+        help="recipe name (fp8_blockwise, fp8_subchannel, mxfp8 on Blackwell)",
+    )
+    p.add_argument(
+        "--kv-cache",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="fp8: FP8 E4M3 KV cache with per-layer scales refreshed every step",
+    )
     p.add_argument("--steps", type=int, default=3, help="simulated RL steps (refits)")
-    p.add_argument("--lr", type=float, default=2e-3,
-                   help="stand-in optimizer step, as a fraction of each weight's std")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=2e-3,
+        help="stand-in optimizer step, as a fraction of each weight's std",
+    )
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt")
     p.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--max-mult-prob-error", type=float, default=1.1,
-                   help="fail above this token_mult_prob_error vs the FP8-emulated trainer")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA-graph capture or torch.compile in the engine (a faster start; "
-                        "the GPU check's tiny run uses it)")
+    p.add_argument(
+        "--max-mult-prob-error",
+        type=float,
+        default=1.1,
+        help="fail above this token_mult_prob_error vs the FP8-emulated trainer",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA-graph capture or torch.compile in the engine (a faster start; "
+        "the GPU check's tiny run uses it)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH",
-                   help="write the records and the verdict here (atomically)")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write the records and the verdict here (atomically)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.prompts < 1 or args.max_tokens < 1:
         p.error("--steps, --prompts and --max-tokens must be >= 1")
@@ -108,7 +145,9 @@ def simulated_step(named: Iterable[tuple[str, Any]], lr: float, seed: int) -> No
         if gen is None or gen.device != param.device:
             gen = torch.Generator(device=param.device).manual_seed(seed)
         with torch.no_grad():
-            noise = torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32)
+            noise = torch.randn(
+                param.shape, generator=gen, device=param.device, dtype=torch.float32
+            )
             param.add_((lr * param.float().std() * noise).to(param.dtype))
 
 
@@ -150,8 +189,10 @@ class StepRecord:
 
 def summarize(records: list[StepRecord], max_mult_prob_error: float) -> tuple[str, list[str]]:
     """A table of the records and the list of failures (empty = pass)."""
-    head = ("step  quantize_s  load_s  kv_s   payload MB (bf16 MB)  gen tok/s  "
-            "mult_prob_err fp8/bf16 trainer  kl fp8/bf16  refit |dlogp|")
+    head = (
+        "step  quantize_s  load_s  kv_s   payload MB (bf16 MB)  gen tok/s  "
+        "mult_prob_err fp8/bf16 trainer  kl fp8/bf16  refit |dlogp|"
+    )
     lines = [head]
     failures = []
     for r in records:
@@ -163,10 +204,13 @@ def summarize(records: list[StepRecord], max_mult_prob_error: float) -> tuple[st
             f"{fp8.get('token_mult_prob_error', float('nan')):>13.4f} / "
             f"{bf16.get('token_mult_prob_error', float('nan')):<13.4f}  "
             f"{fp8.get('gen_kl_error', float('nan')):.2e}/{bf16.get('gen_kl_error', float('nan')):.2e}  "
-            f"{r.refit_changed_logprobs:.4f}")
+            f"{r.refit_changed_logprobs:.4f}"
+        )
         if not fp8.get("token_mult_prob_error", float("inf")) <= max_mult_prob_error:
-            failures.append(f"step {r.step}: token_mult_prob_error vs the FP8-emulated trainer "
-                            f"{fp8.get('token_mult_prob_error')} > {max_mult_prob_error}")
+            failures.append(
+                f"step {r.step}: token_mult_prob_error vs the FP8-emulated trainer "
+                f"{fp8.get('token_mult_prob_error')} > {max_mult_prob_error}"
+            )
         if not r.refit_changed_logprobs > 0:
             failures.append(f"step {r.step}: the refit left the engine's logprobs unchanged")
     return "\n".join(lines), failures
@@ -182,8 +226,10 @@ def write_tiny_model(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(torch.bfloat16)
     (directory / "config.json").write_text(json.dumps(TINY_LLAMA, indent=2))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(directory / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(directory / "model.safetensors"),
+    )
     return directory
 
 
@@ -195,8 +241,9 @@ def sample(llm, prompts: list[list[int]], max_tokens: int, seed: int):
     import torch
     import vllm
 
-    params = vllm.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=0,
-                                 detokenize=False)
+    params = vllm.SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=0, detokenize=False
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     found = []
     for prompt, out in zip(prompts, outs):
@@ -212,9 +259,13 @@ def rescore(llm, samples) -> list[Any]:
     import vllm
 
     params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p + t} for p, t, _ in samples], params, use_tqdm=False)
-    return [torch.tensor([d[tok].logprob for d, tok in zip(o.prompt_logprobs[len(p):], t)])
-            for o, (p, t, _) in zip(outs, samples)]
+    outs = llm.generate(
+        [{"prompt_token_ids": p + t} for p, t, _ in samples], params, use_tqdm=False
+    )
+    return [
+        torch.tensor([d[tok].logprob for d, tok in zip(o.prompt_logprobs[len(p) :], t)])
+        for o, (p, t, _) in zip(outs, samples)
+    ]
 
 
 def trainer_logprobs(model, samples):
@@ -245,8 +296,19 @@ def padded(samples) -> Any:
     return out
 
 
-def run_steps(llm, trainer, emulated, spec, prompts: list[list[int]], *, steps: int, lr: float,
-              max_tokens: int, seed: int, kv_forward=None) -> list[StepRecord]:
+def run_steps(
+    llm,
+    trainer,
+    emulated,
+    spec,
+    prompts: list[list[int]],
+    *,
+    steps: int,
+    lr: float,
+    max_tokens: int,
+    seed: int,
+    kv_forward=None,
+) -> list[StepRecord]:
     """The refit loop on an existing engine and trainer (also what the CPU test drives).
 
     ``trainer`` is the BF16 model the optimizer steps; ``emulated`` shares its parameters under
@@ -275,17 +337,24 @@ def run_steps(llm, trainer, emulated, spec, prompts: list[list[int]], *, steps: 
         with Stopwatch(device) as load:
             llm.collective_rpc("nemo_fp8_load_weights", args=(payload,))
         again = rescore(llm, previous)
-        changed = float(torch.cat([(a - lp).abs()
-                                   for a, (_, _, lp) in zip(again, previous)]).mean())
+        changed = float(
+            torch.cat([(a - lp).abs() for a, (_, _, lp) in zip(again, previous)]).mean()
+        )
         with Stopwatch(device) as generate:
             samples = sample(llm, prompts, max_tokens, seed + step)
         gen = padded(samples)
         train_bf16, mask = trainer_logprobs(trainer, samples)
-        record = StepRecord(step=step, quantize_s=quantize.seconds, load_s=load.seconds,
-                            kv_refresh_s=kv_s, fp8_payload_bytes=payload_bytes(payload),
-                            bf16_payload_bytes=bf16_payload_bytes(named),
-                            generate_s=generate.seconds,
-                            tokens=int(mask.sum()), refit_changed_logprobs=changed)
+        record = StepRecord(
+            step=step,
+            quantize_s=quantize.seconds,
+            load_s=load.seconds,
+            kv_refresh_s=kv_s,
+            fp8_payload_bytes=payload_bytes(payload),
+            bf16_payload_bytes=bf16_payload_bytes(named),
+            generate_s=generate.seconds,
+            tokens=int(mask.sum()),
+            refit_changed_logprobs=changed,
+        )
         record.vs_bf16_trainer = _floats(mismatch_metrics(train_bf16, gen, mask))
         if emulated is not None:
             train_fp8, _ = trainer_logprobs(emulated, samples)
@@ -306,8 +375,13 @@ def emulated_twin(trainer, spec):
     from nemo_fp8_plugin.rules import module_filter
 
     twin = copy.deepcopy(trainer)
-    convert_to_fp8_emulation(twin, spec, module_filter=module_filter(
-        spec, num_layers=trainer.config.num_hidden_layers, side="training"))
+    convert_to_fp8_emulation(
+        twin,
+        spec,
+        module_filter=module_filter(
+            spec, num_layers=trainer.config.num_hidden_layers, side="training"
+        ),
+    )
 
     class Twin(torch.nn.Module):
         def __init__(self):
@@ -330,9 +404,13 @@ def engine_args(args: argparse.Namespace, spec, model_path: str, device: str) ->
     from nemo_fp8_plugin.hosts.vllm import engine_kwargs
     from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
 
-    kwargs = dict(model=model_path, tensor_parallel_size=args.tp, seed=args.seed,
-                  worker_extension_cls=WORKER_EXTENSION,
-                  **engine_kwargs(spec, platform="cpu" if device == "cpu" else None))
+    kwargs = dict(
+        model=model_path,
+        tensor_parallel_size=args.tp,
+        seed=args.seed,
+        worker_extension_cls=WORKER_EXTENSION,
+        **engine_kwargs(spec, platform="cpu" if device == "cpu" else None),
+    )
     # vLLM 0.32's EngineArgs has no calculate_kv_scales (vllm.LLM raises TypeError on it);
     # the KV/Q scales come with every refit (refresh_scales), which is what the run tests.
     kwargs.pop("calculate_kv_scales", None)
@@ -347,15 +425,28 @@ def engine_args(args: argparse.Namespace, spec, model_path: str, device: str) ->
     return kwargs
 
 
-def result_payload(args: argparse.Namespace, spec, device: str, engine_s: float,
-                   records: list[StepRecord], failures: list[str]) -> dict[str, Any]:
+def result_payload(
+    args: argparse.Namespace,
+    spec,
+    device: str,
+    engine_s: float,
+    records: list[StepRecord],
+    failures: list[str],
+) -> dict[str, Any]:
     """What ``--json`` holds: the run's settings and machine, the records and the verdict."""
     from nemo_fp8_plugin.tools.harness import environment
 
-    return {"recipe": spec.name, "kv_cache": spec.kv_cache, "device": device,
-            "model": "tiny" if args.tiny else args.model, "environment": environment(device),
-            "engine_start_s": engine_s, "records": [asdict(r) for r in records],
-            "failures": failures, "passed": not failures}
+    return {
+        "recipe": spec.name,
+        "kv_cache": spec.kv_cache,
+        "device": device,
+        "model": "tiny" if args.tiny else args.model,
+        "environment": environment(device),
+        "engine_start_s": engine_s,
+        "records": [asdict(r) for r in records],
+        "failures": failures,
+        "passed": not failures,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,8 +473,11 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_vllm_refit: error: --device cuda: no CUDA device here", file=sys.stderr)
         return 2
     if device == "cpu" and not args.tiny:
-        print("gpu_vllm_refit: a real model on CPU is not what this script is for; use --tiny "
-              "(or tests/vllm) on CPU", file=sys.stderr)
+        print(
+            "gpu_vllm_refit: a real model on CPU is not what this script is for; use --tiny "
+            "(or tests/vllm) on CPU",
+            file=sys.stderr,
+        )
         return 2
     spec = spec_for(args)
     model_path = args.model
@@ -402,15 +496,28 @@ def main(argv: list[str] | None = None) -> int:
     prompts = random_prompts(args.prompts, trainer.config.vocab_size, args.seed)
     ids = torch.tensor(prompts, device=device)
     kv_forward = (lambda: trainer(ids)) if args.kv_cache == "fp8" else None
-    records = run_steps(llm, trainer, emulated, spec, prompts, steps=args.steps, lr=args.lr,
-                        max_tokens=args.max_tokens, seed=args.seed, kv_forward=kv_forward)
+    records = run_steps(
+        llm,
+        trainer,
+        emulated,
+        spec,
+        prompts,
+        steps=args.steps,
+        lr=args.lr,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        kv_forward=kv_forward,
+    )
     table, failures = summarize(records, args.max_mult_prob_error)
-    print(f"model {model_path}  recipe {spec.name}  kv_cache {spec.kv_cache}  device {device}  "
-          f"engine start {engine_start.seconds:.1f}s")
+    print(
+        f"model {model_path}  recipe {spec.name}  kv_cache {spec.kv_cache}  device {device}  "
+        f"engine start {engine_start.seconds:.1f}s"
+    )
     print(table)
     if args.json:
-        write_json(args.json, result_payload(args, spec, device, engine_start.seconds, records,
-                                            failures))
+        write_json(
+            args.json, result_payload(args, spec, device, engine_start.seconds, records, failures)
+        )
     for failure in failures:
         print(f"FAIL: {failure}", file=sys.stderr)
     return 1 if failures else 0

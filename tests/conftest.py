@@ -25,6 +25,7 @@ _hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
 if IN_CI:
     _hypothesis_settings.load_profile("ci")
 
+
 def _has_vllm() -> bool:
     # By distribution, not find_spec: with tests/ on sys.path, tests/vllm itself would
     # look like an importable package named vllm.
@@ -76,8 +77,9 @@ def te_recipe_module(tmp_path_factory):
 
 
 def load_te_recipe_module(dest: Path, name: str = "te_recipe_under_test"):
-    path = upstream_file("transformer_engine-2.20.2-*.whl",
-                         "transformer_engine/common/recipe/__init__.py", dest)
+    path = upstream_file(
+        "transformer_engine-2.20.2-*.whl", "transformer_engine/common/recipe/__init__.py", dest
+    )
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -92,7 +94,6 @@ def megatron_cpu():
     from nemo_fp8_plugin.tools.demo.model import init_megatron_cpu
 
     init_megatron_cpu()
-
 
 
 # ------------------------------------------------------------------ seeding

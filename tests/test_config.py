@@ -16,23 +16,27 @@ def request(cfg, **kw):
     return find_fp8_request(cfg, **kw)
 
 
-@pytest.mark.parametrize("cfg, keys", [
-    ({"precision": "fp8_blockwise"}, ("precision",)),
-    ({"policy": {"precision": "fp8_blockwise"}}, ("policy.precision",)),
-    ({"mixed_precision": "fp8_blockwise"}, ("mixed_precision",)),
-    ({"fp8": "fp8_blockwise"}, ("fp8",)),
-    ({"fp8": {"recipe": "fp8_blockwise"}}, ("fp8",)),
-    ({"precision": "fp8_blockwise", "fp8": {"recipe": "fp8_blockwise"}}, ("precision", "fp8")),
-    ({"precision": "fp8_blockwise", "fp8": {"pow2_scales": False}}, ("precision", "fp8")),
-])
+@pytest.mark.parametrize(
+    "cfg, keys",
+    [
+        ({"precision": "fp8_blockwise"}, ("precision",)),
+        ({"policy": {"precision": "fp8_blockwise"}}, ("policy.precision",)),
+        ({"mixed_precision": "fp8_blockwise"}, ("mixed_precision",)),
+        ({"fp8": "fp8_blockwise"}, ("fp8",)),
+        ({"fp8": {"recipe": "fp8_blockwise"}}, ("fp8",)),
+        ({"precision": "fp8_blockwise", "fp8": {"recipe": "fp8_blockwise"}}, ("precision", "fp8")),
+        ({"precision": "fp8_blockwise", "fp8": {"pow2_scales": False}}, ("precision", "fp8")),
+    ],
+)
 def test_request_keys(cfg, keys):
     req = request(cfg)
     assert req.spec.name == "fp8_blockwise"
     assert req.keys == keys
 
 
-@pytest.mark.parametrize("value", ["bfloat16", "bf16-mixed", "16-mixed", "float32", 32, None,
-                                   "${policy.dtype}"])
+@pytest.mark.parametrize(
+    "value", ["bfloat16", "bf16-mixed", "16-mixed", "float32", 32, None, "${policy.dtype}"]
+)
 def test_standard_precisions_pass_through(value):
     assert request({"precision": value}) is None
     assert request({"policy": {"precision": value}}) is None
@@ -43,30 +47,59 @@ def test_bridge_names_that_are_not_ours_pass_through():
 
 
 def test_overrides_apply():
-    req = request({"fp8": {"recipe": "fp8_blockwise", "pow2_scales": True,
-                           "bf16_layers": {"first": 1, "last": 1}}})
+    req = request(
+        {
+            "fp8": {
+                "recipe": "fp8_blockwise",
+                "pow2_scales": True,
+                "bf16_layers": {"first": 1, "last": 1},
+            }
+        }
+    )
     assert req.spec.pow2_scales is True
     assert (req.spec.bf16_layers.first, req.spec.bf16_layers.last) == (1, 1)
     assert req.spec == get_recipe("fp8_blockwise").replace(
-        pow2_scales=True, bf16_layers={"first": 1, "last": 1})
+        pow2_scales=True, bf16_layers={"first": 1, "last": 1}
+    )
 
 
-@pytest.mark.parametrize("cfg, key, text", [
-    ({"precision": "fp8_bogus"}, "precision", "valid recipes: fp8_delayed"),
-    ({"policy": {"precision": "fp8_blokwise"}}, "policy.precision", "did you mean 'fp8_blockwise'"),
-    ({"fp8": {"recipe": "fp9"}}, "fp8.recipe", "valid recipes"),
-    ({"fp8": {"pow2_scales": True}}, "fp8.recipe", "must start from a registered recipe"),
-    ({"fp8": {"recipe": "fp8_blockwise", "pow2": True}}, "fp8.pow2", "did you mean 'pow2_scales'"),
-    ({"fp8": {"recipe": "fp8_blockwise", "margin": "x"}}, "fp8.margin", "expected an integer"),
-    ({"fp8": 3}, "fp8", "expected a recipe name or a mapping"),
-    ({"precision": ["fp8_blockwise"]}, "precision", "expected a precision name"),
-    ({"precision": "fp8_blockwise", "fp8": {"recipe": "fp8_current"}}, "fp8.recipe", "conflicting"),
-    ({"precision": "fp8_current", "policy": {"precision": "fp8_blockwise"}}, "policy.precision",
-     "conflicting"),
-    ({"fp8": {"recipe": "fp8_blockwise", "hardware": "b200"}}, "fp8.pow2_scales", "Blackwell"),
-    ({"fp8": {"recipe": "fp8_blockwise", "bf16_layers": {"modules": "*a_proj*", "x": 1}}},
-     "fp8.bf16_layers.x", "unknown key"),
-])
+@pytest.mark.parametrize(
+    "cfg, key, text",
+    [
+        ({"precision": "fp8_bogus"}, "precision", "valid recipes: fp8_delayed"),
+        (
+            {"policy": {"precision": "fp8_blokwise"}},
+            "policy.precision",
+            "did you mean 'fp8_blockwise'",
+        ),
+        ({"fp8": {"recipe": "fp9"}}, "fp8.recipe", "valid recipes"),
+        ({"fp8": {"pow2_scales": True}}, "fp8.recipe", "must start from a registered recipe"),
+        (
+            {"fp8": {"recipe": "fp8_blockwise", "pow2": True}},
+            "fp8.pow2",
+            "did you mean 'pow2_scales'",
+        ),
+        ({"fp8": {"recipe": "fp8_blockwise", "margin": "x"}}, "fp8.margin", "expected an integer"),
+        ({"fp8": 3}, "fp8", "expected a recipe name or a mapping"),
+        ({"precision": ["fp8_blockwise"]}, "precision", "expected a precision name"),
+        (
+            {"precision": "fp8_blockwise", "fp8": {"recipe": "fp8_current"}},
+            "fp8.recipe",
+            "conflicting",
+        ),
+        (
+            {"precision": "fp8_current", "policy": {"precision": "fp8_blockwise"}},
+            "policy.precision",
+            "conflicting",
+        ),
+        ({"fp8": {"recipe": "fp8_blockwise", "hardware": "b200"}}, "fp8.pow2_scales", "Blackwell"),
+        (
+            {"fp8": {"recipe": "fp8_blockwise", "bf16_layers": {"modules": "*a_proj*", "x": 1}}},
+            "fp8.bf16_layers.x",
+            "unknown key",
+        ),
+    ],
+)
 def test_errors_name_the_key(cfg, key, text):
     with pytest.raises(FP8ConfigError) as info:
         request(cfg)
@@ -85,10 +118,18 @@ def test_hardware_argument_overrides_and_validates():
 
 
 def test_model_named_by_host_keys():
-    assert request({"precision": "fp8_blockwise",
-                    "policy": {"model_name": "meta-llama/Llama-3.1-8B-Instruct"}}).model == \
-        "meta-llama/Llama-3.1-8B-Instruct"
-    assert request({"fp8": {"recipe": "fp8_blockwise", "model": "llama3.1-8b"}}).model == "llama3.1-8b"
+    assert (
+        request(
+            {
+                "precision": "fp8_blockwise",
+                "policy": {"model_name": "meta-llama/Llama-3.1-8B-Instruct"},
+            }
+        ).model
+        == "meta-llama/Llama-3.1-8B-Instruct"
+    )
+    assert (
+        request({"fp8": {"recipe": "fp8_blockwise", "model": "llama3.1-8b"}}).model == "llama3.1-8b"
+    )
 
 
 def test_real_nemo_rl_chain_is_merged_parent_first():
@@ -109,7 +150,8 @@ def test_defaults_relative_to_file(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "base.yaml").write_text("a: 1\nb: {c: 2, d: 3}\nprecision: bfloat16\n")
     (tmp_path / "sub" / "child.yaml").write_text(
-        "defaults: ../base.yaml\nb: {c: 5}\nprecision: fp8_current\n")
+        "defaults: ../base.yaml\nb: {c: 5}\nprecision: fp8_current\n"
+    )
     cfg, req = resolve_config(tmp_path / "sub" / "child.yaml")
     assert cfg == {"a": 1, "b": {"c": 5, "d": 3}, "precision": "fp8_current"}
     assert req.spec.name == "fp8_current"
@@ -127,16 +169,21 @@ def test_defaults_errors(tmp_path):
 
 
 def test_hydra_style_defaults_are_left_alone(tmp_path):
-    (tmp_path / "h.yaml").write_text("defaults:\n  - _self_\n  - model: llama\nprecision: fp8_current\n")
+    (tmp_path / "h.yaml").write_text(
+        "defaults:\n  - _self_\n  - model: llama\nprecision: fp8_current\n"
+    )
     cfg = load_config(tmp_path / "h.yaml")
     assert cfg["defaults"] == ["_self_", {"model": "llama"}]
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("precision: [unclosed\n", "not valid YAML"),
-    ("- a\n- b\n", "mapping at the top level"),
-    ("!!python/object/apply:os.system ['echo pwned']\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("precision: [unclosed\n", "not valid YAML"),
+        ("- a\n- b\n", "mapping at the top level"),
+        ("!!python/object/apply:os.system ['echo pwned']\n", "not valid YAML"),
+    ],
+)
 def test_bad_files(tmp_path, text, fragment):
     path = tmp_path / "bad.yaml"
     path.write_text(text)

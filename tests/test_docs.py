@@ -27,8 +27,10 @@ from conftest import REPO
 BIN = Path(sys.executable).parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 SKIP = re.compile(r"<!--\s*doc-test:\s*skip\s+(?P<reason>[^>]*?)\s*-->")
-QUICK = {"demo": ["--steps", "3", "--recipes", "fp8_blockwise", "--no-progress"],
-         "rl-check": ["--quick"]}
+QUICK = {
+    "demo": ["--steps", "3", "--recipes", "fp8_blockwise", "--no-progress"],
+    "rl-check": ["--quick"],
+}
 
 
 @dataclass
@@ -79,7 +81,9 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second():
 
 def test_skipped_blocks_say_why():
     for c in SKIPPED:
-        assert len(c.skip_reason) >= 10, f"{c.page.name}:{c.line}: give the reason a block cannot run"
+        assert len(c.skip_reason) >= 10, (
+            f"{c.page.name}:{c.line}: give the reason a block cannot run"
+        )
 
 
 def _argv(text: str, tmp: Path) -> list[str]:
@@ -94,8 +98,10 @@ def _argv(text: str, tmp: Path) -> list[str]:
     elif head == "python":
         argv[0] = sys.executable
     else:
-        raise AssertionError(f"doc command {text!r} runs neither nemo-fp8, nemo nor python; "
-                             "mark its block with <!-- doc-test: skip REASON -->")
+        raise AssertionError(
+            f"doc command {text!r} runs neither nemo-fp8, nemo nor python; "
+            "mark its block with <!-- doc-test: skip REASON -->"
+        )
     return argv
 
 
@@ -107,8 +113,9 @@ def _run(cmd: DocCommand, tmp: Path):
         if (REPO / entry).exists() and not (tmp / entry).exists():
             (tmp / entry).symlink_to(REPO / entry)
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
-    proc = subprocess.run(_argv(cmd.text, tmp), cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        _argv(cmd.text, tmp), cwd=tmp, env=env, capture_output=True, text=True, timeout=900
+    )
     return cmd, proc
 
 
@@ -117,9 +124,14 @@ def test_every_doc_command_runs(tmp_path):
     assert RUNNABLE, "no runnable doc commands found"
     # `nemo` commands spend most of their time importing NeMo; run everything side by side.
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda ic: _run(ic[1], tmp_path / f"c{ic[0]}"), enumerate(RUNNABLE)))
-    failures = [f"{c.page.relative_to(REPO)}:{c.line}: `{c.text}` exited {p.returncode}\n"
-                f"{p.stderr[-1500:]}" for c, p in results if p.returncode != 0]
+        results = list(
+            pool.map(lambda ic: _run(ic[1], tmp_path / f"c{ic[0]}"), enumerate(RUNNABLE))
+        )
+    failures = [
+        f"{c.page.relative_to(REPO)}:{c.line}: `{c.text}` exited {p.returncode}\n{p.stderr[-1500:]}"
+        for c, p in results
+        if p.returncode != 0
+    ]
     assert not failures, "\n\n".join(failures)
 
 
@@ -132,8 +144,13 @@ def test_skipped_commands_name_a_real_file_or_tool(cmd):
         return  # another project's launcher (vllm serve, uv run in a NeMo RL checkout)
     script = REPO / argv[1]
     assert script.is_file(), f"{cmd.page.name}:{cmd.line}: {argv[1]} does not exist"
-    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-1000:]
     for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):
         assert flag in proc.stdout, f"{cmd.page.name}:{cmd.line}: {script.name} has no {flag}"

@@ -11,16 +11,23 @@ import pytest
 
 pytestmark = pytest.mark.torch_free
 
-HOSTS = ("megatron", "nemo", "nemo_run", "vllm", "transformer_engine", "lightning",
-         "pytorch_lightning", "transformers")
+HOSTS = (
+    "megatron",
+    "nemo",
+    "nemo_run",
+    "vllm",
+    "transformer_engine",
+    "lightning",
+    "pytorch_lightning",
+    "transformers",
+)
 
 
 def modules_after(code: str, blocked: tuple[str, ...] = ()) -> set[str]:
     prelude = ""
     if blocked:
         # Make the blocked packages unimportable, as on a machine that lacks them.
-        prelude = ("import sys\n"
-                   f"for m in {blocked!r}: sys.modules[m] = None\n")
+        prelude = f"import sys\nfor m in {blocked!r}: sys.modules[m] = None\n"
     probe = prelude + code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -32,15 +39,19 @@ def roots(mods: set[str]) -> set[str]:
 
 
 def test_import_package_imports_no_host_and_no_torch():
-    mods = roots(modules_after("import nemo_fp8_plugin; nemo_fp8_plugin.get_recipe('fp8_blockwise')"))
+    mods = roots(
+        modules_after("import nemo_fp8_plugin; nemo_fp8_plugin.get_recipe('fp8_blockwise')")
+    )
     assert not mods & set(HOSTS), mods & set(HOSTS)
     assert "torch" not in mods
 
 
 def test_config_commands_do_not_import_torch():
-    code = ("from nemo_fp8_plugin.cli import main\n"
-            "import contextlib, io\n"
-            "with contextlib.redirect_stdout(io.StringIO()): main(['recipes', '--json'])\n")
+    code = (
+        "from nemo_fp8_plugin.cli import main\n"
+        "import contextlib, io\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['recipes', '--json'])\n"
+    )
     mods = roots(modules_after(code))
     assert "torch" not in mods and not mods & set(HOSTS)
 

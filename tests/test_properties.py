@@ -13,36 +13,88 @@ from nemo_fp8_plugin.spec import BF16Rules, ImportanceSampling
 
 pytestmark = pytest.mark.torch_free
 
-NAMES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8", "fp8_bogus",
-         "bfloat16", "bf16-mixed", ""]
+NAMES = [
+    "fp8_delayed",
+    "fp8_current",
+    "fp8_subchannel",
+    "fp8_blockwise",
+    "mxfp8",
+    "fp8_bogus",
+    "bfloat16",
+    "bf16-mixed",
+    "",
+]
 FIELDS = list(RecipeSpec.OVERRIDABLE) + ["recipe", "model", "pow2", "bf16_layer"]
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-    st.sampled_from(NAMES + ["e4m3", "hybrid", "e5m2", "block", "mx", "delayed", "tensorwise",
-                             "auto", "fp8", "bf16", "h100", "b200", "max", "most_recent",
-                             "tis", "icepop", "token", "sequence", "both", "*a_proj*"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 70), 1 << 70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(
+        NAMES
+        + [
+            "e4m3",
+            "hybrid",
+            "e5m2",
+            "block",
+            "mx",
+            "delayed",
+            "tensorwise",
+            "auto",
+            "fp8",
+            "bf16",
+            "h100",
+            "b200",
+            "max",
+            "most_recent",
+            "tis",
+            "icepop",
+            "token",
+            "sequence",
+            "both",
+            "*a_proj*",
+        ]
+    ),
 )
 values = st.recursive(
     scalars,
     lambda inner: st.one_of(
         st.lists(inner, max_size=3),
-        st.dictionaries(st.one_of(st.sampled_from(list(BF16Rules.FIELDS)
-                                                  + list(ImportanceSampling.FIELDS)),
-                                  st.text(max_size=6), st.integers()), inner, max_size=4)),
-    max_leaves=8)
+        st.dictionaries(
+            st.one_of(
+                st.sampled_from(list(BF16Rules.FIELDS) + list(ImportanceSampling.FIELDS)),
+                st.text(max_size=6),
+                st.integers(),
+            ),
+            inner,
+            max_size=4,
+        ),
+    ),
+    max_leaves=8,
+)
 fp8_blocks = st.one_of(
-    st.dictionaries(st.sampled_from(FIELDS), values, max_size=6),
-    st.sampled_from(NAMES), values)
+    st.dictionaries(st.sampled_from(FIELDS), values, max_size=6), st.sampled_from(NAMES), values
+)
 configs = st.fixed_dictionaries(
     {},
-    optional={"precision": st.one_of(st.sampled_from(NAMES), values),
-              "fp8": fp8_blocks,
-              "mixed_precision": st.one_of(st.sampled_from(NAMES), values),
-              "policy": st.one_of(st.fixed_dictionaries({}, optional={
-                  "precision": st.one_of(st.sampled_from(NAMES), values),
-                  "model_name": values}), values)})
+    optional={
+        "precision": st.one_of(st.sampled_from(NAMES), values),
+        "fp8": fp8_blocks,
+        "mixed_precision": st.one_of(st.sampled_from(NAMES), values),
+        "policy": st.one_of(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "precision": st.one_of(st.sampled_from(NAMES), values),
+                    "model_name": values,
+                },
+            ),
+            values,
+        ),
+    },
+)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

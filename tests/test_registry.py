@@ -23,12 +23,15 @@ from nemo_fp8_plugin.registry import RecipeRegistry, _spec_from_object, default_
 pytestmark = pytest.mark.torch_free
 
 
-def make_plugin(root: Path, dist: str, module: str, entry_points: dict[str, str], body: str) -> Path:
+def make_plugin(
+    root: Path, dist: str, module: str, entry_points: dict[str, str], body: str
+) -> Path:
     pkg = root / dist
     (pkg / module).mkdir(parents=True)
     (pkg / module / "__init__.py").write_text(textwrap.dedent(body))
     eps = "\n".join(f'{name} = "{target}"' for name, target in entry_points.items())
-    (pkg / "pyproject.toml").write_text(textwrap.dedent(f"""\
+    (pkg / "pyproject.toml").write_text(
+        textwrap.dedent(f"""\
         [build-system]
         requires = ["setuptools>=61"]
         build-backend = "setuptools.build_meta"
@@ -41,20 +44,43 @@ def make_plugin(root: Path, dist: str, module: str, entry_points: dict[str, str]
         packages = ["{module}"]
 
         [project.entry-points."nemo_fp8_plugin.recipes"]
-        """) + eps + "\n")
+        """)
+        + eps
+        + "\n"
+    )
     return pkg
 
 
 def pip_install_target(pkg: Path, target: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--no-build-isolation", "--target", str(target), str(pkg)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(pkg),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
 
 
 def run_cli(args, target: Path):
     env = dict(os.environ, PYTHONPATH=str(target) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "nemo_fp8_plugin", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_fp8_plugin", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 PLUGIN_BODY = """
@@ -75,9 +101,13 @@ PLUGIN_BODY = """
 def installed_plugin(tmp_path_factory):
     root = tmp_path_factory.mktemp("plugin")
     target = root / "site"
-    pkg = make_plugin(root, "acme-fp8-recipes", "acme_fp8",
-                      {"acme_block": "acme_fp8:tiny_block", "acme_e4m3": "acme_fp8:AS_MAPPING"},
-                      PLUGIN_BODY)
+    pkg = make_plugin(
+        root,
+        "acme-fp8-recipes",
+        "acme_fp8",
+        {"acme_block": "acme_fp8:tiny_block", "acme_e4m3": "acme_fp8:AS_MAPPING"},
+        PLUGIN_BODY,
+    )
     pip_install_target(pkg, target)
     return target
 
@@ -108,8 +138,13 @@ def test_third_party_recipe_usable_in_a_config(installed_plugin, tmp_path):
 @pytest.mark.slow
 def test_duplicate_of_a_builtin_is_refused(tmp_path):
     target = tmp_path / "site"
-    pkg = make_plugin(tmp_path, "evil-fp8", "evil_fp8", {"fp8_blockwise": "evil_fp8:R"},
-                      'R = {"scaling": "tensorwise"}\n')
+    pkg = make_plugin(
+        tmp_path,
+        "evil-fp8",
+        "evil_fp8",
+        {"fp8_blockwise": "evil_fp8:R"},
+        'R = {"scaling": "tensorwise"}\n',
+    )
     pip_install_target(pkg, target)
     out = run_cli(["recipes"], target)
     assert out.returncode == 2
@@ -122,8 +157,12 @@ def test_duplicate_of_a_builtin_is_refused(tmp_path):
 def test_duplicate_between_two_plugins_names_both(tmp_path):
     target = tmp_path / "site"
     for dist, mod in (("one-fp8", "one_fp8"), ("two-fp8", "two_fp8")):
-        pip_install_target(make_plugin(tmp_path, dist, mod, {"shared_name": f"{mod}:R"},
-                                       'R = {"scaling": "tensorwise"}\n'), target)
+        pip_install_target(
+            make_plugin(
+                tmp_path, dist, mod, {"shared_name": f"{mod}:R"}, 'R = {"scaling": "tensorwise"}\n'
+            ),
+            target,
+        )
     out = run_cli(["recipes", "--json"], target)
     assert out.returncode == 2
     assert "one-fp8" in out.stderr and "two-fp8" in out.stderr and "shared_name" in out.stderr
@@ -132,8 +171,16 @@ def test_duplicate_between_two_plugins_names_both(tmp_path):
 @pytest.mark.slow
 def test_broken_plugin_is_named(tmp_path):
     target = tmp_path / "site"
-    pip_install_target(make_plugin(tmp_path, "broken-fp8", "broken_fp8", {"b": "broken_fp8:make"},
-                                   "def make():\n    raise RuntimeError('boom')\n"), target)
+    pip_install_target(
+        make_plugin(
+            tmp_path,
+            "broken-fp8",
+            "broken_fp8",
+            {"b": "broken_fp8:make"},
+            "def make():\n    raise RuntimeError('boom')\n",
+        ),
+        target,
+    )
     out = run_cli(["recipes"], target)
     assert out.returncode == 2
     assert "broken-fp8" in out.stderr and "boom" in out.stderr

@@ -22,21 +22,55 @@ def test_five_builtins_in_order():
 # What each preset must say, from the issue and from the host presets it mirrors
 # (NeMo 2's mixed_precision.py, NeMo RL's fp8 configs, TE's recipe classes).
 EXPECTED = {
-    "fp8_delayed": dict(scaling="delayed", fp8_format="hybrid", amax_history_len=1024,
-                        amax_compute_algo="max", margin=0, pow2_scales=False,
-                        activation_block=None, weight_block=None, gradient_block=None,
-                        fp8_param=True),
-    "fp8_current": dict(scaling="tensorwise", fp8_format="hybrid", pow2_scales=False,
-                        activation_block=None, weight_block=None, fp8_param=True),
-    "fp8_subchannel": dict(scaling="block", fp8_format="hybrid", pow2_scales=True,
-                           activation_block=(1, 128), weight_block=(128, 128),
-                           gradient_block=(1, 128), fp8_param=False),
-    "fp8_blockwise": dict(scaling="block", fp8_format="e4m3", pow2_scales=False,
-                          activation_block=(1, 128), weight_block=(128, 128),
-                          gradient_block=(1, 128), fp8_param=False, training="fp8",
-                          generation="fp8", kv_cache="auto"),
-    "mxfp8": dict(scaling="mx", fp8_format="e4m3", pow2_scales=True, activation_block=(1, 32),
-                  weight_block=(1, 32), gradient_block=(1, 32)),
+    "fp8_delayed": dict(
+        scaling="delayed",
+        fp8_format="hybrid",
+        amax_history_len=1024,
+        amax_compute_algo="max",
+        margin=0,
+        pow2_scales=False,
+        activation_block=None,
+        weight_block=None,
+        gradient_block=None,
+        fp8_param=True,
+    ),
+    "fp8_current": dict(
+        scaling="tensorwise",
+        fp8_format="hybrid",
+        pow2_scales=False,
+        activation_block=None,
+        weight_block=None,
+        fp8_param=True,
+    ),
+    "fp8_subchannel": dict(
+        scaling="block",
+        fp8_format="hybrid",
+        pow2_scales=True,
+        activation_block=(1, 128),
+        weight_block=(128, 128),
+        gradient_block=(1, 128),
+        fp8_param=False,
+    ),
+    "fp8_blockwise": dict(
+        scaling="block",
+        fp8_format="e4m3",
+        pow2_scales=False,
+        activation_block=(1, 128),
+        weight_block=(128, 128),
+        gradient_block=(1, 128),
+        fp8_param=False,
+        training="fp8",
+        generation="fp8",
+        kv_cache="auto",
+    ),
+    "mxfp8": dict(
+        scaling="mx",
+        fp8_format="e4m3",
+        pow2_scales=True,
+        activation_block=(1, 32),
+        weight_block=(1, 32),
+        gradient_block=(1, 32),
+    ),
 }
 
 
@@ -96,32 +130,35 @@ def test_roles():
     assert get_recipe("fp8_current").block_for("input") is None
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"fp8_format": "e5m2"}, "fp8_format"),
-    ({"fp8_format": "e4m4"}, "fp8_format"),
-    ({"scaling": "rowwise"}, "scaling"),
-    ({"pow2_scales": "yes"}, "pow2_scales"),
-    ({"margin": True}, "margin"),
-    ({"margin": -1}, "margin"),
-    ({"amax_history_len": 0}, "amax_history_len"),
-    ({"activation_block": [1, 64]}, "activation_block"),
-    ({"weight_block": [128]}, "weight_block"),
-    ({"activation_block": [128, 128]}, "weight_block"),  # 2D x 2D GEMM does not exist
-    ({"kv_cache": "fp8_e5m2"}, "kv_cache"),
-    ({"training": "bf16", "generation": "bf16"}, "training"),
-    ({"generation": "bf16", "kv_cache": "fp8"}, "kv_cache"),
-    ({"fp8_dot_product_attention": True}, "fp8_dot_product_attention"),
-    ({"bf16_layers": {"first": -2}}, "bf16_layers.first"),
-    ({"bf16_layers": {"modules": ["*a_proj*", "*a_proj*"]}}, "bf16_layers.modules[1]"),
-    ({"bf16_layers": {"modules": [3]}}, "bf16_layers.modules[0]"),
-    ({"bf16_layers": {"frist": 1}}, "bf16_layers.frist"),
-    ({"bf16_layers": {"applies_to": "inference"}}, "bf16_layers.applies_to"),
-    ({"importance_sampling": {"truncation": "clip"}}, "importance_sampling.truncation"),
-    ({"importance_sampling": {"ratio_max": float("nan")}}, "importance_sampling.ratio_max"),
-    ({"importance_sampling": {"ratio_min": 3.0}}, "importance_sampling.ratio_min"),
-    ({"hardware": "tpu"}, "hardware"),
-    ({"pow2scales": True}, "pow2scales"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"fp8_format": "e5m2"}, "fp8_format"),
+        ({"fp8_format": "e4m4"}, "fp8_format"),
+        ({"scaling": "rowwise"}, "scaling"),
+        ({"pow2_scales": "yes"}, "pow2_scales"),
+        ({"margin": True}, "margin"),
+        ({"margin": -1}, "margin"),
+        ({"amax_history_len": 0}, "amax_history_len"),
+        ({"activation_block": [1, 64]}, "activation_block"),
+        ({"weight_block": [128]}, "weight_block"),
+        ({"activation_block": [128, 128]}, "weight_block"),  # 2D x 2D GEMM does not exist
+        ({"kv_cache": "fp8_e5m2"}, "kv_cache"),
+        ({"training": "bf16", "generation": "bf16"}, "training"),
+        ({"generation": "bf16", "kv_cache": "fp8"}, "kv_cache"),
+        ({"fp8_dot_product_attention": True}, "fp8_dot_product_attention"),
+        ({"bf16_layers": {"first": -2}}, "bf16_layers.first"),
+        ({"bf16_layers": {"modules": ["*a_proj*", "*a_proj*"]}}, "bf16_layers.modules[1]"),
+        ({"bf16_layers": {"modules": [3]}}, "bf16_layers.modules[0]"),
+        ({"bf16_layers": {"frist": 1}}, "bf16_layers.frist"),
+        ({"bf16_layers": {"applies_to": "inference"}}, "bf16_layers.applies_to"),
+        ({"importance_sampling": {"truncation": "clip"}}, "importance_sampling.truncation"),
+        ({"importance_sampling": {"ratio_max": float("nan")}}, "importance_sampling.ratio_max"),
+        ({"importance_sampling": {"ratio_min": 3.0}}, "importance_sampling.ratio_min"),
+        ({"hardware": "tpu"}, "hardware"),
+        ({"pow2scales": True}, "pow2scales"),
+    ],
+)
 def test_invalid_overrides_name_the_key(overrides, key):
     with pytest.raises(FP8ConfigError) as info:
         get_recipe("fp8_blockwise").with_overrides(overrides)
@@ -139,8 +176,9 @@ def test_delayed_with_first_last_bf16_is_refused():
         get_recipe({"recipe": "fp8_delayed", "bf16_layers": {"first": 1}})
     assert info.value.key == "bf16_layers.first"
     # Generation-only rules do not touch Megatron, so they are fine with delayed scaling.
-    spec = get_recipe({"recipe": "fp8_delayed",
-                       "bf16_layers": {"first": 1, "applies_to": "generation"}})
+    spec = get_recipe(
+        {"recipe": "fp8_delayed", "bf16_layers": {"first": 1, "applies_to": "generation"}}
+    )
     assert spec.bf16_layers.first == 1
 
 
@@ -163,16 +201,19 @@ def test_mapping_overrides_merge_nested_fields():
     assert spec.importance_sampling.enabled is False
 
 
-@pytest.mark.parametrize("hw, name, level", [
-    ("b200", "fp8_blockwise", "error"),     # fp32 block scales cannot run on Blackwell
-    ("h100", "mxfp8", "error"),             # MXFP8 needs SM100
-    ("l40s", "fp8_subchannel", "error"),    # block scaling needs Hopper+
-    ("h200", "fp8_blockwise", "warning"),   # CUDA >= 12.9 reminder
-    ("gb200", "mxfp8", None),
-    ("b200", "fp8_subchannel", None),       # pow2 block scales are fine on Blackwell
-    ("h100", "fp8_current", None),
-    ("ada", "fp8_delayed", None),
-])
+@pytest.mark.parametrize(
+    "hw, name, level",
+    [
+        ("b200", "fp8_blockwise", "error"),  # fp32 block scales cannot run on Blackwell
+        ("h100", "mxfp8", "error"),  # MXFP8 needs SM100
+        ("l40s", "fp8_subchannel", "error"),  # block scaling needs Hopper+
+        ("h200", "fp8_blockwise", "warning"),  # CUDA >= 12.9 reminder
+        ("gb200", "mxfp8", None),
+        ("b200", "fp8_subchannel", None),  # pow2 block scales are fine on Blackwell
+        ("h100", "fp8_current", None),
+        ("ada", "fp8_delayed", None),
+    ],
+)
 def test_hardware_rules(hw, name, level):
     if level == "error":
         with pytest.raises(FP8ConfigError) as info:

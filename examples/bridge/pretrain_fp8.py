@@ -10,7 +10,9 @@ Transformer Engine was imported without the variable the recipe needs.
 
 import argparse
 
-import nemo_fp8_plugin.hosts.bridge as fp8; fp8.register()  # noqa: E702 - the one import
+import nemo_fp8_plugin.hosts.bridge as fp8
+
+fp8.register()
 from megatron.bridge.recipes.llama import llama3_8b_pretrain_config
 from megatron.bridge.training.gpt_step import forward_step
 from megatron.bridge.training.pretrain import pretrain

@@ -15,13 +15,22 @@ for spec in list_recipes():
     cfg = build_transformer_config(spec, **MODEL)
     env = transformer_config_fields(spec).env
     # nvfp4 is megatron-core's FP4 (fp4: e2m1, fp4_recipe: nvfp4), with the FP8 fields off
-    fmt, recipe = (("fp4", cfg.fp4), ("fp4_recipe", cfg.fp4_recipe)) if cfg.fp4 else \
-        (("fp8", cfg.fp8), ("fp8_recipe", cfg.fp8_recipe))
-    print(f"{spec.name:<15} {fmt[0]}={fmt[1]:<6} {recipe[0]}={recipe[1]:<10} "
-          f"bf16 layers={cfg.num_layers_at_start_in_bf16 if cfg.first_last_layers_bf16 else 0}"
-          f"+{cfg.num_layers_at_end_in_bf16 if cfg.first_last_layers_bf16 else 0} "
-          f"fp8_param={cfg.fp8_param} env={env or '-'}")
+    fmt, recipe = (
+        (("fp4", cfg.fp4), ("fp4_recipe", cfg.fp4_recipe))
+        if cfg.fp4
+        else (("fp8", cfg.fp8), ("fp8_recipe", cfg.fp8_recipe))
+    )
+    print(
+        f"{spec.name:<15} {fmt[0]}={fmt[1]:<6} {recipe[0]}={recipe[1]:<10} "
+        f"bf16 layers={cfg.num_layers_at_start_in_bf16 if cfg.first_last_layers_bf16 else 0}"
+        f"+{cfg.num_layers_at_end_in_bf16 if cfg.first_last_layers_bf16 else 0} "
+        f"fp8_param={cfg.fp8_param} env={env or '-'}"
+    )
 
 # Per-module rules become megatron-core's RecipeConfig (applied by Transformer Engine modules).
 spec = get_recipe({"recipe": "fp8_blockwise", "bf16_layers": {"modules": ["*.linear_qkv"]}})
-print(type(build_transformer_config(spec, **MODEL).quant_recipe).__name__, "for", spec.bf16_layers.modules)
+print(
+    type(build_transformer_config(spec, **MODEL).quant_recipe).__name__,
+    "for",
+    spec.bf16_layers.modules,
+)

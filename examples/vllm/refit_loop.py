@@ -18,21 +18,35 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: tensors by reference
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
-import vllm  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import torch
+import vllm
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from nemo_fp8_plugin import get_recipe  # noqa: E402
-from nemo_fp8_plugin.rl import (importance_weights, mismatch_metrics,  # noqa: E402
-                                quantize_for_refit, refresh_scales)
-from nemo_fp8_plugin.hosts.vllm import engine_kwargs  # noqa: E402
-from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION  # noqa: E402
+from nemo_fp8_plugin import get_recipe
+from nemo_fp8_plugin.hosts.vllm import engine_kwargs
+from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
+from nemo_fp8_plugin.rl import (
+    importance_weights,
+    mismatch_metrics,
+    quantize_for_refit,
+    refresh_scales,
+)
 
-CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
-              intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, vocab_size=512, torch_dtype="bfloat16",
-              tie_word_embeddings=False, initializer_range=0.05)
+CONFIG = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=512,
+    torch_dtype="bfloat16",
+    tie_word_embeddings=False,
+    initializer_range=0.05,
+)
 
 
 def main() -> None:
@@ -45,28 +59,44 @@ def main() -> None:
     torch.manual_seed(0)
     trainer = LlamaForCausalLM(LlamaConfig(**CONFIG))
     (ckpt / "config.json").write_text(json.dumps(CONFIG))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in trainer.state_dict().items()},
-              str(ckpt / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in trainer.state_dict().items()},
+        str(ckpt / "model.safetensors"),
+    )
     trainer.to(device)
 
-    llm = vllm.LLM(model=str(ckpt), worker_extension_cls=WORKER_EXTENSION,  # FP8: refit entry
-                   skip_tokenizer_init=True, max_model_len=128, seed=0,
-                   **({"dtype": "bfloat16", "gpu_memory_utilization": 0.4} if on_gpu else
-                      {"dtype": "float32", "enforce_eager": True}),
-                   **engine_kwargs(spec, platform=device))  # FP8: the engine arguments
+    llm = vllm.LLM(
+        model=str(ckpt),
+        worker_extension_cls=WORKER_EXTENSION,  # FP8: refit entry
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        seed=0,
+        **(
+            {"dtype": "bfloat16", "gpu_memory_utilization": 0.4}
+            if on_gpu
+            else {"dtype": "float32", "enforce_eager": True}
+        ),
+        **engine_kwargs(spec, platform=device),
+    )  # FP8: the engine arguments
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
     prompts = torch.randint(4, CONFIG["vocab_size"], (4, 8)).tolist()
-    params = vllm.SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, detokenize=False,
-                                 ignore_eos=True)
+    params = vllm.SamplingParams(
+        max_tokens=16, temperature=1.0, logprobs=0, detokenize=False, ignore_eos=True
+    )
 
     for step in range(3):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-        gen_lp = torch.tensor([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                               for o in outs], device=device)
+        gen_lp = torch.tensor(
+            [
+                [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                for o in outs
+            ],
+            device=device,
+        )
         ids = torch.tensor(seqs, device=device)
-        logits = trainer(ids).logits[:, len(prompts[0]) - 1:-1].float()
-        train_lp = torch.log_softmax(logits, -1).gather(-1, ids[:, len(prompts[0]):, None])[..., 0]
+        logits = trainer(ids).logits[:, len(prompts[0]) - 1 : -1].float()
+        train_lp = torch.log_softmax(logits, -1).gather(-1, ids[:, len(prompts[0]) :, None])[..., 0]
         mask = torch.ones_like(train_lp, dtype=torch.bool)
         reward = torch.randn(len(seqs), 1, device=device)  # your verifier here
         weights = importance_weights(train_lp.detach(), gen_lp, mask)  # FP8: mismatch correction
@@ -76,14 +106,21 @@ def main() -> None:
         optimizer.zero_grad()
 
         # FP8: quantize on the trainer (half the bytes of BF16), refresh the KV scales, refit.
-        payload = list(quantize_for_refit(trainer.state_dict().items(), spec,
-                                          num_layers=CONFIG["num_hidden_layers"]))
-        scales = refresh_scales(trainer, forward=lambda: trainer(ids))
-        result = llm.collective_rpc("nemo_fp8_load_weights", args=(payload + list(scales.items()),))[0]
+        payload = list(
+            quantize_for_refit(
+                trainer.state_dict().items(), spec, num_layers=CONFIG["num_hidden_layers"]
+            )
+        )
+        scales = refresh_scales(trainer, forward=lambda ids=ids: trainer(ids))
+        result = llm.collective_rpc(
+            "nemo_fp8_load_weights", args=(payload + list(scales.items()),)
+        )[0]
         metrics = mismatch_metrics(train_lp.detach(), gen_lp, mask)
-        print(f"step {step}: loss {loss.item():+.4f}  token_mult_prob_error "
-              f"{float(metrics['token_mult_prob_error']):.4f}  refit {result['seconds'] * 1e3:.1f} ms  "
-              f"kv refresh {scales.seconds * 1e3:.1f} ms")
+        print(
+            f"step {step}: loss {loss.item():+.4f}  token_mult_prob_error "
+            f"{float(metrics['token_mult_prob_error']):.4f}  refit {result['seconds'] * 1e3:.1f} ms  "
+            f"kv refresh {scales.seconds * 1e3:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ modules to ``bf16_layers`` rules), :mod:`.report` (text and heat map); this modu
 (:func:`analyze_checkpoint`).
 """
 
-
 from __future__ import annotations
 
 import math
@@ -59,15 +58,30 @@ from .report import render_text, write_heatmap
 from .scan import checkpoint_files, iter_tensors, natural_key, progress_bar, scan_headers
 from .suggest import suggest_bf16_layers, suggestion_yaml
 
-__all__ = ["DEFAULT_THRESHOLD_DB", "OUTPUT_MARGIN_DB", "SAMPLE_TEXTS", "analyze_checkpoint",
-           "checkpoint_files", "suggest_bf16_layers", "suggestion_yaml", "render_text",
-           "write_heatmap", "ErrorStats"]
+__all__ = [
+    "DEFAULT_THRESHOLD_DB",
+    "OUTPUT_MARGIN_DB",
+    "SAMPLE_TEXTS",
+    "analyze_checkpoint",
+    "checkpoint_files",
+    "suggest_bf16_layers",
+    "suggestion_yaml",
+    "render_text",
+    "write_heatmap",
+    "ErrorStats",
+]
 
 
-def analyze_checkpoint(checkpoint: str | Path, *, recipes: Iterable[Any] | None = None,
-                       threshold_db: float = DEFAULT_THRESHOLD_DB, activations: bool = False,
-                       samples: str | Path | None = None, max_tokens: int = 128,
-                       progress: bool | None = None) -> dict[str, Any]:
+def analyze_checkpoint(
+    checkpoint: str | Path,
+    *,
+    recipes: Iterable[Any] | None = None,
+    threshold_db: float = DEFAULT_THRESHOLD_DB,
+    activations: bool = False,
+    samples: str | Path | None = None,
+    max_tokens: int = 128,
+    progress: bool | None = None,
+) -> dict[str, Any]:
     """Analyze a safetensors checkpoint; returns the report ``--json`` prints.
 
     Args:
@@ -81,13 +95,18 @@ def analyze_checkpoint(checkpoint: str | Path, *, recipes: Iterable[Any] | None 
         max_tokens: tokens per sample (longer ones are truncated).
         progress: show a progress bar on stderr (None: only on a terminal).
     """
-    if not isinstance(threshold_db, (int, float)) or isinstance(threshold_db, bool) \
-            or not math.isfinite(threshold_db):
-        raise FP8ConfigError(f"expected a number of dB, got {threshold_db!r}", key="--threshold",
-                             value=threshold_db)
+    if (
+        not isinstance(threshold_db, (int, float))
+        or isinstance(threshold_db, bool)
+        or not math.isfinite(threshold_db)
+    ):
+        raise FP8ConfigError(
+            f"expected a number of dB, got {threshold_db!r}", key="--threshold", value=threshold_db
+        )
     if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise FP8ConfigError(f"expected a positive integer, got {max_tokens!r}", key="--max-tokens",
-                             value=max_tokens)
+        raise FP8ConfigError(
+            f"expected a positive integer, got {max_tokens!r}", key="--max-tokens", value=max_tokens
+        )
     specs = resolve_recipes(recipes)
     checkpoint = Path(checkpoint).expanduser()
     files = checkpoint_files(checkpoint)
@@ -101,22 +120,36 @@ def analyze_checkpoint(checkpoint: str | Path, *, recipes: Iterable[Any] | None 
     with closing(weights):  # closes the open file if a tensor cannot be read
         for _, name, shape, dtype, tensor in weights:
             if not bool(torch.isfinite(tensor).all()):
-                skipped.append({"name": name, "shape": shape, "dtype": dtype,
-                                "reason": "non-finite values"})
+                skipped.append(
+                    {"name": name, "shape": shape, "dtype": dtype, "reason": "non-finite values"}
+                )
                 continue
             module = name[: -len(".weight")]
             stats = weight_stats(tensor, specs)
             del tensor
-            rows.append({"module": module, "layer": layer_index(module), "shape": shape,
-                         "dtype": dtype, "weights": {k: v.to_dict() for k, v in stats.items()}})
+            rows.append(
+                {
+                    "module": module,
+                    "layer": layer_index(module),
+                    "shape": shape,
+                    "dtype": dtype,
+                    "weights": {k: v.to_dict() for k, v in stats.items()},
+                }
+            )
 
     if not rows:  # a report of nothing would read as "all clear"
         why = "; ".join(f"{s['name']} ({s['reason']})" for s in skipped[:5])
         more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
-        raise FP8ConfigError("no linear weight to analyze" + (
-            f": every 2-D weight was skipped: {why}{more}" if skipped else
-            ": the checkpoint holds no 2-D floating-point `.weight` tensor"),
-            key="CHECKPOINT", value=str(checkpoint))
+        raise FP8ConfigError(
+            "no linear weight to analyze"
+            + (
+                f": every 2-D weight was skipped: {why}{more}"
+                if skipped
+                else ": the checkpoint holds no 2-D floating-point `.weight` tensor"
+            ),
+            key="CHECKPOINT",
+            value=str(checkpoint),
+        )
     rows.sort(key=lambda r: natural_key(r["module"]))
     act_info = None
     if activations:
@@ -137,14 +170,22 @@ def analyze_checkpoint(checkpoint: str | Path, *, recipes: Iterable[Any] | None 
                 flagged.append(r["module"])
                 r.setdefault("flagged", []).append(spec.name)
         suggestions[spec.name] = suggest_bf16_layers(modules, flagged)
-        summary[spec.name] = {"flagged": len(flagged), **summarize(rows, spec.name, "weights", "weight")}
+        summary[spec.name] = {
+            "flagged": len(flagged),
+            **summarize(rows, spec.name, "weights", "weight"),
+        }
         if any("activations" in r for r in rows):
             summary[spec.name].update(summarize(rows, spec.name, "activations", "input"))
             summary[spec.name].update(summarize(rows, spec.name, "outputs", "output"))
     report: dict[str, Any] = {
-        "checkpoint": str(checkpoint), "files": [str(f) for f in files],
-        "recipes": [s.name for s in specs], "threshold_db": float(threshold_db),
-        "modules": rows, "skipped": skipped, "summary": summary, "suggestions": suggestions,
+        "checkpoint": str(checkpoint),
+        "files": [str(f) for f in files],
+        "recipes": [s.name for s in specs],
+        "threshold_db": float(threshold_db),
+        "modules": rows,
+        "skipped": skipped,
+        "summary": summary,
+        "suggestions": suggestions,
     }
     if act_info is not None:
         report["activations"] = act_info

@@ -45,7 +45,9 @@ def load_samples(samples: str | Path | None) -> tuple[list[str] | None, list[lis
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise FP8ConfigError(f"cannot read {path} ({exc})", key="--samples", value=str(path)) from None
+        raise FP8ConfigError(
+            f"cannot read {path} ({exc})", key="--samples", value=str(path)
+        ) from None
     if path.suffix == ".json":
         try:
             data = json.loads(text)
@@ -53,16 +55,25 @@ def load_samples(samples: str | Path | None) -> tuple[list[str] | None, list[lis
             raise FP8ConfigError(f"{path} is not valid JSON ({exc})", key="--samples") from None
         if isinstance(data, dict):
             data = data.get("input_ids")
-        if (isinstance(data, list) and data and all(isinstance(s, list) and s for s in data)
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                        for s in data for t in s)):
+        if (
+            isinstance(data, list)
+            and data
+            and all(isinstance(s, list) and s for s in data)
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for s in data for t in s
+            )
+        ):
             return None, data
-        raise FP8ConfigError(f"{path}: expected a JSON list of token-id lists (or "
-                             f"{{\"input_ids\": [...]}})", key="--samples", value=str(path))
+        raise FP8ConfigError(
+            f'{path}: expected a JSON list of token-id lists (or {{"input_ids": [...]}})',
+            key="--samples",
+            value=str(path),
+        )
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
-        raise FP8ConfigError(f"{path} holds no text (one sample per line)", key="--samples",
-                             value=str(path))
+        raise FP8ConfigError(
+            f"{path} holds no text (one sample per line)", key="--samples", value=str(path)
+        )
     return lines, None
 
 
@@ -104,12 +115,19 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
     try:
         transformers = _quiet_import("transformers")
     except ImportError:
-        raise FP8ConfigError("--activations needs the transformers package", key="--activations",
-                             hint="pip install transformers") from None
+        raise FP8ConfigError(
+            "--activations needs the transformers package",
+            key="--activations",
+            hint="pip install transformers",
+        ) from None
     model_dir = checkpoint if checkpoint.is_dir() else checkpoint.parent
     if not (model_dir / "config.json").is_file():
-        raise FP8ConfigError(f"--activations builds the model from {model_dir / 'config.json'}, "
-                             f"which does not exist", key="--activations", value=str(model_dir))
+        raise FP8ConfigError(
+            f"--activations builds the model from {model_dir / 'config.json'}, "
+            f"which does not exist",
+            key="--activations",
+            value=str(model_dir),
+        )
     from ..config import regular_entries
 
     regular_entries(model_dir, key="--activations")  # transformers would block on a FIFO
@@ -117,30 +135,47 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
     try:
         config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         archs = getattr(config, "architectures", None) or []
-        cls = (transformers.AutoModelForCausalLM if any(a.endswith("ForCausalLM") for a in archs)
-               else transformers.AutoModel)
+        cls = (
+            transformers.AutoModelForCausalLM
+            if any(a.endswith("ForCausalLM") for a in archs)
+            else transformers.AutoModel
+        )
         # safetensors only: never a pickle (pytorch_model.bin) found beside or instead of it
-        model = cls.from_pretrained(str(model_dir), local_files_only=True,
-                                    use_safetensors=True).float()
+        model = cls.from_pretrained(
+            str(model_dir), local_files_only=True, use_safetensors=True
+        ).float()
     except Exception as exc:  # transformers raises many types for an unusable config/weights
-        raise FP8ConfigError(f"transformers cannot build the model in {model_dir} on this machine "
-                             f"({type(exc).__name__}: {exc})", key="--activations",
-                             value=str(model_dir)) from None
+        raise FP8ConfigError(
+            f"transformers cannot build the model in {model_dir} on this machine "
+            f"({type(exc).__name__}: {exc})",
+            key="--activations",
+            value=str(model_dir),
+        ) from None
     model.eval()
     if texts is not None:
         try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                str(model_dir), local_files_only=True
+            )
         except Exception as exc:
-            raise FP8ConfigError(f"no usable tokenizer in {model_dir} ({exc}); pass token ids "
-                                 f"with --samples FILE.json", key="--samples") from None
-        batches = [tokenizer(t, return_tensors="pt", truncation=True, max_length=max_tokens)["input_ids"]
-                   for t in texts]
+            raise FP8ConfigError(
+                f"no usable tokenizer in {model_dir} ({exc}); pass token ids "
+                f"with --samples FILE.json",
+                key="--samples",
+            ) from None
+        batches = [
+            tokenizer(t, return_tensors="pt", truncation=True, max_length=max_tokens)["input_ids"]
+            for t in texts
+        ]
     else:
         vocab = getattr(config, "vocab_size", None)
         for ids in token_ids:
             if vocab and max(ids) >= vocab:
-                raise FP8ConfigError(f"token id {max(ids)} is outside the vocabulary ({vocab})",
-                                     key="--samples", value=max(ids))
+                raise FP8ConfigError(
+                    f"token id {max(ids)} is outside the vocabulary ({vocab})",
+                    key="--samples",
+                    value=max(ids),
+                )
         batches = [torch.tensor([ids[:max_tokens]]) for ids in token_ids]
 
     stats: dict[str, dict[str, ErrorStats]] = {}
@@ -149,7 +184,9 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
     hooks = []
     groups: dict[tuple, list] = {}
     for spec in specs:
-        groups.setdefault((quantizer_key(spec, "input"), quantizer_key(spec, "weight")), []).append(spec)
+        groups.setdefault((quantizer_key(spec, "input"), quantizer_key(spec, "weight")), []).append(
+            spec
+        )
     weight_dq: dict[tuple[str, tuple], Any] = {}
 
     def make_hook(name: str):
@@ -177,6 +214,7 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
                 for spec in group:
                     per_in.setdefault(spec.name, ErrorStats()).add(x2, dq_x, row_sig)
                     per_out.setdefault(spec.name, ErrorStats()).add(y, y_q, y_sig)
+
         return hook
 
     for name, module in model.named_modules():

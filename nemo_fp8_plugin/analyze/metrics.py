@@ -17,9 +17,20 @@ from typing import Any
 
 from ..errors import FP8ConfigError
 
-__all__ = ["DEFAULT_THRESHOLD_DB", "OUTPUT_MARGIN_DB", "KINDS", "ErrorStats", "quantizer_key",
-           "quantize_dequantize", "stats_for", "weight_stats", "resolve_recipes", "is_flagged",
-           "judged", "summarize"]
+__all__ = [
+    "DEFAULT_THRESHOLD_DB",
+    "OUTPUT_MARGIN_DB",
+    "KINDS",
+    "ErrorStats",
+    "quantizer_key",
+    "quantize_dequantize",
+    "stats_for",
+    "weight_stats",
+    "resolve_recipes",
+    "is_flagged",
+    "judged",
+    "summarize",
+]
 
 DEFAULT_THRESHOLD_DB = 25.0
 """Flag a module whose SQNR under a recipe is below this (dB). E4M3's 3 mantissa bits give
@@ -67,7 +78,9 @@ class ErrorStats:
         self.noise += float(row_err.double().sum())
         nz = row_sig > 0
         if bool(nz.any()):
-            self.max_rel_err = max(self.max_rel_err, float((row_err[nz] / row_sig[nz]).sqrt().max()))
+            self.max_rel_err = max(
+                self.max_rel_err, float((row_err[nz] / row_sig[nz]).sqrt().max())
+            )
         self.rows += int(xf.shape[0])
 
     @property
@@ -78,9 +91,11 @@ class ErrorStats:
     def to_dict(self) -> dict[str, Any]:
         """``sqnr_db`` is None when there is no noise at all (``exact``) or no signal."""
         db, row = self.sqnr_db, self.min_row_sqnr_db
-        out: dict[str, Any] = {"sqnr_db": round(db, 4) if math.isfinite(db) else None,
-                               "max_rel_err": self.max_rel_err,
-                               "min_row_sqnr_db": round(row, 4) if math.isfinite(row) else None}
+        out: dict[str, Any] = {
+            "sqnr_db": round(db, 4) if math.isfinite(db) else None,
+            "max_rel_err": self.max_rel_err,
+            "min_row_sqnr_db": round(row, 4) if math.isfinite(row) else None,
+        }
         if self.noise == 0.0 and self.signal > 0:
             out["exact"] = True
         return out
@@ -150,7 +165,9 @@ def resolve_recipes(recipes: Iterable[Any] | None):
         try:
             spec = get_recipe(r)
         except FP8ConfigError as err:  # the user typed it in --recipes, so name that
-            raise FP8ConfigError(err.bare_message, key="--recipes", value=r, hint=err.hint) from None
+            raise FP8ConfigError(
+                err.bare_message, key="--recipes", value=r, hint=err.hint
+            ) from None
         if spec.name not in [s.name for s in out]:
             out.append(spec)
     if not out:
@@ -163,8 +180,10 @@ def is_flagged(row: dict[str, Any], recipe: str, threshold_db: float) -> bool:
     (tensor; a single token's output row can be small by cancellation, so it is reported but
     not judged)."""
     for kind in ("weights", "activations"):
-        if kind in row and any(v is not None and v < threshold_db for v in
-                               (row[kind][recipe]["sqnr_db"], row[kind][recipe]["min_row_sqnr_db"])):
+        if kind in row and any(
+            v is not None and v < threshold_db
+            for v in (row[kind][recipe]["sqnr_db"], row[kind][recipe]["min_row_sqnr_db"])
+        ):
             return True
     if "outputs" in row:
         v = row["outputs"][recipe]["sqnr_db"]
@@ -186,12 +205,21 @@ def judged(stats: dict[str, Any], kind: str) -> float | None:
 
 def summarize(rows, recipe: str, kind: str, word: str) -> dict[str, Any]:
     """Lowest (tensor or row) SQNR with its module, and the median tensor SQNR."""
-    lows = [(v, r["module"]) for r in rows if kind in r
-            for v in (judged(r[kind][recipe], kind),) if v is not None]
-    med = sorted(v for r in rows if kind in r
-                 for v in (r[kind][recipe]["sqnr_db"],) if v is not None)
+    lows = [
+        (v, r["module"])
+        for r in rows
+        if kind in r
+        for v in (judged(r[kind][recipe], kind),)
+        if v is not None
+    ]
+    med = sorted(
+        v for r in rows if kind in r for v in (r[kind][recipe]["sqnr_db"],) if v is not None
+    )
     if not lows:
         return {}
     low, module = min(lows)
-    return {f"min_{word}_sqnr_db": low, f"worst_{word}_module": module,
-            f"median_{word}_sqnr_db": med[len(med) // 2] if med else None}
+    return {
+        f"min_{word}_sqnr_db": low,
+        f"worst_{word}_module": module,
+        f"median_{word}_sqnr_db": med[len(med) // 2] if med else None,
+    }

@@ -22,9 +22,11 @@ def _fmt_db(v) -> str:
 def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
     recipes = report["recipes"]
     rows = report["modules"]
-    lines = [f"checkpoint: {report['checkpoint']} ({len(report['files'])} file(s), "
-             f"{len(rows)} linear weights, {len(report['skipped'])} tensors skipped)",
-             f"threshold: {report['threshold_db']} dB (flag a module below it under a recipe)"]
+    lines = [
+        f"checkpoint: {report['checkpoint']} ({len(report['files'])} file(s), "
+        f"{len(rows)} linear weights, {len(report['skipped'])} tensors skipped)",
+        f"threshold: {report['threshold_db']} dB (flag a module below it under a recipe)",
+    ]
     has_act = any("activations" in r for r in rows)
     if report.get("activations"):
         a = report["activations"]
@@ -38,20 +40,30 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
 
     shown = rows if len(rows) <= max_rows else sorted(rows, key=worst)[:max_rows]
     if len(shown) < len(rows):
-        lines.append(f"the {len(shown)} modules with the lowest SQNR (all {len(rows)} with --json):")
+        lines.append(
+            f"the {len(shown)} modules with the lowest SQNR (all {len(rows)} with --json):"
+        )
     # Full recipe names as headers: a column is as wide as its name or its cells.
     cw = max([16 if has_act else 8] + [len(n) for n in recipes])
     head = f"  {'module':<{width}}  " + "  ".join(f"{n:>{cw}}" for n in recipes)
     lines.append(head)
-    lines.append("  legend: each cell is a module's SQNR in dB under that recipe, the lower of the "
-                 "whole tensor's and its worst row's"
-                 + ("; cells read weight/input/GEMM output, the output judged at the threshold - "
-                    f"{OUTPUT_MARGIN_DB:g} dB" if has_act else "")
-                 + "; - = quantized exactly (no error to measure); * = flagged")
+    lines.append(
+        "  legend: each cell is a module's SQNR in dB under that recipe, the lower of the "
+        "whole tensor's and its worst row's"
+        + (
+            "; cells read weight/input/GEMM output, the output judged at the threshold - "
+            f"{OUTPUT_MARGIN_DB:g} dB"
+            if has_act
+            else ""
+        )
+        + "; - = quantized exactly (no error to measure); * = flagged"
+    )
     for r in shown:
         cells = []
         for n in recipes:
-            cell = "/".join(_fmt_db(judged(r[kind][n], kind)).strip() for kind in KINDS if kind in r)
+            cell = "/".join(
+                _fmt_db(judged(r[kind][n], kind)).strip() for kind in KINDS if kind in r
+            )
             cells.append(f"{cell + ('*' if n in r.get('flagged', []) else ' '):>{cw + 1}}")
         lines.append(f"  {r['module']:<{width}} " + " ".join(cells))
     if report["skipped"]:
@@ -60,7 +72,9 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
             reasons.setdefault(s["reason"], []).append(s["name"])
         for why, names in reasons.items():
             # a NaN weight must be visible by name; long lists of norms and biases need not be
-            shown_names = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            shown_names = ", ".join(names[:3]) + (
+                f" and {len(names) - 3} more" if len(names) > 3 else ""
+            )
             lines.append(f"skipped ({why}): {shown_names}")
     for n in recipes:
         s = report["summary"][n]
@@ -68,10 +82,12 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
         for word in ("weight", "input", "output"):
             if f"min_{word}_sqnr_db" in s:
                 lowest = "tensor" if word == "output" else "tensor or row"
-                text += (f"; {word}: median over modules of the tensor SQNR "
-                         f"{_fmt_db(s[f'median_{word}_sqnr_db']).strip()} dB, lowest {lowest} "
-                         f"SQNR {_fmt_db(s[f'min_{word}_sqnr_db']).strip()} dB "
-                         f"({s[f'worst_{word}_module']})")
+                text += (
+                    f"; {word}: median over modules of the tensor SQNR "
+                    f"{_fmt_db(s[f'median_{word}_sqnr_db']).strip()} dB, lowest {lowest} "
+                    f"SQNR {_fmt_db(s[f'min_{word}_sqnr_db']).strip()} dB "
+                    f"({s[f'worst_{word}_module']})"
+                )
         lines.append(text)
         if report["suggestions"][n]:
             lines.append("  suggested config:")
@@ -123,14 +139,28 @@ def write_heatmap(report: dict[str, Any], path: str | Path, *, max_rows: int = 4
     fig, ax = plt.subplots(figsize=(width, height))
     try:
         shown = np.clip(data, 0.0, 45.0)
-        im = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", cmap="viridis", vmin=0, vmax=45,
-                       interpolation="nearest")
+        im = ax.imshow(
+            np.ma.masked_invalid(shown),
+            aspect="auto",
+            cmap="viridis",
+            vmin=0,
+            vmax=45,
+            interpolation="nearest",
+        )
         thr = report["threshold_db"]
-        limits = np.array([thr - OUTPUT_MARGIN_DB if kind == "outputs" else thr for _, kind in columns])
+        limits = np.array(
+            [thr - OUTPUT_MARGIN_DB if kind == "outputs" else thr for _, kind in columns]
+        )
         below = np.argwhere(np.nan_to_num(data, nan=np.inf) < limits[None, :])
         if len(below):
-            ax.scatter(below[:, 1], below[:, 0], marker="x", color="red", s=18,
-                       label=f"flagged (< {thr:g} dB; outputs < {thr - OUTPUT_MARGIN_DB:g} dB)")
+            ax.scatter(
+                below[:, 1],
+                below[:, 0],
+                marker="x",
+                color="red",
+                s=18,
+                label=f"flagged (< {thr:g} dB; outputs < {thr - OUTPUT_MARGIN_DB:g} dB)",
+            )
             ax.legend(loc="upper right", fontsize=7, framealpha=0.8)
         ax.set_xticks(range(len(columns)), labels, fontsize=7)
         ax.set_yticks(range(len(names)), names, fontsize=6)

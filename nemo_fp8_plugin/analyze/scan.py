@@ -17,13 +17,22 @@ from typing import Any
 from ..errors import FP8ConfigError
 from ..rules.names import builtin_high_precision
 
-__all__ = ["checkpoint_files", "open_checkpoint_file", "skip_reason", "scan_headers",
-           "iter_tensors", "progress_bar", "natural_key"]
+__all__ = [
+    "checkpoint_files",
+    "open_checkpoint_file",
+    "skip_reason",
+    "scan_headers",
+    "iter_tensors",
+    "progress_bar",
+    "natural_key",
+]
 
 _FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 _FP8_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0"}
-_EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|word_embeddings|position_embeddings|"
-                        r"token_type_embeddings|wte|wpe|embeddings?)(?:\.|$)")
+_EMBEDDING = re.compile(
+    r"(?:^|\.)(?:embed_tokens|word_embeddings|position_embeddings|"
+    r"token_type_embeddings|wte|wpe|embeddings?)(?:\.|$)"
+)
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -39,8 +48,12 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     # Index entries stay inside the directory; only regular files are opened.
     files = safetensors_files(path, key="CHECKPOINT")
     if not files:
-        raise FP8ConfigError(f"no .safetensors files in {path}", key="CHECKPOINT", value=str(path),
-                             hint="analyze reads Hugging Face safetensors checkpoints")
+        raise FP8ConfigError(
+            f"no .safetensors files in {path}",
+            key="CHECKPOINT",
+            value=str(path),
+            hint="analyze reads Hugging Face safetensors checkpoints",
+        )
     return files
 
 
@@ -50,8 +63,9 @@ def open_checkpoint_file(file: Path):
     try:
         return safe_open(str(file), framework="pt")
     except Exception as exc:  # safetensors raises its own error types; the file is the user's
-        raise FP8ConfigError(f"{file} is not a readable safetensors file ({exc})",
-                             key="CHECKPOINT", value=str(file)) from None
+        raise FP8ConfigError(
+            f"{file} is not a readable safetensors file ({exc})", key="CHECKPOINT", value=str(file)
+        ) from None
 
 
 def skip_reason(name: str, shape: list[int], dtype: str) -> str | None:
@@ -91,18 +105,23 @@ def scan_headers(files: list[Path]) -> tuple[list[tuple[Path, str, list[int], st
                     if reason is None:
                         todo.append((file, name, shape, dtype))
                     elif reason != "not a weight":
-                        skipped.append({"name": name, "shape": shape, "dtype": dtype,
-                                        "reason": reason})
+                        skipped.append(
+                            {"name": name, "shape": shape, "dtype": dtype, "reason": reason}
+                        )
             except FP8ConfigError:
                 raise
             except Exception as exc:
-                raise FP8ConfigError(f"{file} is not a readable safetensors file ({exc})",
-                                     key="CHECKPOINT", value=str(file)) from None
+                raise FP8ConfigError(
+                    f"{file} is not a readable safetensors file ({exc})",
+                    key="CHECKPOINT",
+                    value=str(file),
+                ) from None
     return todo, skipped
 
 
-def iter_tensors(todo: Iterable[tuple[Path, str, list[int], str]]
-                 ) -> Iterator[tuple[Path, str, list[int], str, Any]]:
+def iter_tensors(
+    todo: Iterable[tuple[Path, str, list[int], str]],
+) -> Iterator[tuple[Path, str, list[int], str, Any]]:
     """``(file, name, shape, dtype, tensor)`` for each ``(file, name, shape, dtype)`` of
     :func:`scan_headers`, reading one tensor at a time; a file stays open while its tensors
     are read. Close the generator (``contextlib.closing``) if the loop may stop early."""
@@ -116,8 +135,9 @@ def iter_tensors(todo: Iterable[tuple[Path, str, list[int], str]]
             try:
                 tensor = handles[file].get_tensor(name)
             except Exception as exc:
-                raise FP8ConfigError(f"{file}: cannot read tensor {name} ({exc})", key="CHECKPOINT",
-                                     value=str(file)) from None
+                raise FP8ConfigError(
+                    f"{file}: cannot read tensor {name} ({exc})", key="CHECKPOINT", value=str(file)
+                ) from None
             yield file, name, shape, dtype, tensor
             del tensor  # the next tensor is read only once the caller has let this one go
     finally:
@@ -130,8 +150,15 @@ def progress_bar(iterable, total: int, desc: str, enabled: bool | None):
         from tqdm import tqdm
     except ImportError:  # the analyze extra brings tqdm; without it, no bar
         return iterable
-    return tqdm(iterable, total=total, desc=desc, unit="tensor", file=sys.stderr,
-                disable=None if enabled is None else not enabled, leave=False)
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit="tensor",
+        file=sys.stderr,
+        disable=None if enabled is None else not enabled,
+        leave=False,
+    )
 
 
 def natural_key(name: str) -> list:

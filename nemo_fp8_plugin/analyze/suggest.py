@@ -45,9 +45,14 @@ def suggest_bf16_layers(modules: list[str], flagged: Iterable[str]) -> dict[str,
                 last += 1
             else:
                 break
-    covered_layers = set(range(first)) | set(range(layers[-1] + 1 - last, layers[-1] + 1) if last else ())
-    rest_units = [u for u in dict.fromkeys(_unit(m) for m in modules if m in flagged)
-                  if layer_index(u) not in covered_layers]
+    covered_layers = set(range(first)) | set(
+        range(layers[-1] + 1 - last, layers[-1] + 1) if last else ()
+    )
+    rest_units = [
+        u
+        for u in dict.fromkeys(_unit(m) for m in modules if m in flagged)
+        if layer_index(u) not in covered_layers
+    ]
     from ..rules.resolve import template
 
     all_units = list(dict.fromkeys(_unit(m) for m in modules))

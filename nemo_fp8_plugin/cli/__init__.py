@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nemo-fp8",
         description="FP8 recipes for NeMo 2, Megatron-Bridge, megatron-core, NeMo RL and vLLM, "
-                    "from one line of YAML.")
+        "from one line of YAML.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -39,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # torch.cuda warns at import whenever the (NeMo-installed) pynvml package is present;
     # it is about torch's environment, not the user's command, and would top every output.
-    warnings.filterwarnings("ignore", message="The pynvml package is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message="The pynvml package is deprecated", category=FutureWarning
+    )
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

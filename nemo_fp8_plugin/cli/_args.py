@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def name_list(text: str | None, key: str, *, noun: str = "recipe",
-              hint: str | None = None) -> list[str] | None:
+def name_list(
+    text: str | None, key: str, *, noun: str = "recipe", hint: str | None = None
+) -> list[str] | None:
     """``"a, b"`` -> ``["a", "b"]``; None when the flag was not given. A flag given with no
     name at all (``--recipes ""`` or ``","``) is an error, not a silent "all of them"."""
     from ..errors import FP8ConfigError

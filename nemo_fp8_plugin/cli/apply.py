@@ -11,43 +11,73 @@ def register(sub) -> None:
     from ..hosts import HOSTS
 
     p = sub.add_parser(
-        "apply", help="rewrite a config into a host's native FP8 keys",
+        "apply",
+        help="rewrite a config into a host's native FP8 keys",
         description="Rewrite a config that says `precision: <recipe>` (or has an `fp8:` block) "
-                    "into the host's own keys. Only the keys the host needs change: comments, "
-                    "key order, quoting, number spelling and blank lines of the file stay as "
-                    "written. Running it on its own output changes nothing; a config that "
-                    "already sets conflicting native FP8 keys is refused. `nemo-fp8 explain` "
-                    "shows the same result before you write it.")
+        "into the host's own keys. Only the keys the host needs change: comments, "
+        "key order, quoting, number spelling and blank lines of the file stay as "
+        "written. Running it on its own output changes nothing; a config that "
+        "already sets conflicting native FP8 keys is refused. `nemo-fp8 explain` "
+        "shows the same result before you write it.",
+    )
     p.add_argument("config", help="path to a YAML (or JSON) config")
     # `nemo_rl` is how the package and its docs spell NeMo RL; accept it next to `nemo-rl`.
-    p.add_argument("--host", required=True, choices=list(HOSTS),
-                   type=lambda name: name.replace("_", "-") if name.replace("_", "-") in HOSTS
-                   else name, help="target host")
+    p.add_argument(
+        "--host",
+        required=True,
+        choices=list(HOSTS),
+        type=lambda name: name.replace("_", "-") if name.replace("_", "-") in HOSTS else name,
+        help="target host",
+    )
     where = p.add_argument_group("where the result goes (default: standard output)")
-    where.add_argument("-o", "--output", default=None, metavar="PATH",
-                       help="write the result to PATH, atomically (`-`: standard output; a "
-                            "name ending in .json writes JSON); PATH may not be CONFIG or a "
-                            "file its defaults: chain names")
-    where.add_argument("--in-place", action="store_true",
-                       help="edit CONFIG itself, atomically (a parent named by its defaults: "
-                            "is never written)")
-    where.add_argument("--diff", action="store_true",
-                       help="print a unified diff of CONFIG and the result; write nothing")
-    p.add_argument("--hardware", default=None,
-                   help="target GPU (h100, h200, b200, ...) or architecture for the hardware "
-                        "checks")
-    p.add_argument("--model", default=None, metavar="NAME",
-                   help="resolve the per-layer rules against this built-in model, overriding the "
-                        "model the config names (as explain does)")
-    p.add_argument("--model-config", default=None, metavar="PATH",
-                   help="resolve the per-layer rules against a Hugging Face config.json (or a "
-                        "checkpoint directory holding one)")
-    p.add_argument("--strict", action="store_true",
-                   help="treat rules the host cannot express as errors")
-    p.add_argument("--validate", action="store_true",
-                   help="also feed the result to the host's own code where the host is installed "
-                        "(megatron-core's TransformerConfig, vLLM's EngineArgs, NeMo's plugin, "
-                        "TE's recipe) and say what was checked")
+    where.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        metavar="PATH",
+        help="write the result to PATH, atomically (`-`: standard output; a "
+        "name ending in .json writes JSON); PATH may not be CONFIG or a "
+        "file its defaults: chain names",
+    )
+    where.add_argument(
+        "--in-place",
+        action="store_true",
+        help="edit CONFIG itself, atomically (a parent named by its defaults: is never written)",
+    )
+    where.add_argument(
+        "--diff",
+        action="store_true",
+        help="print a unified diff of CONFIG and the result; write nothing",
+    )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="target GPU (h100, h200, b200, ...) or architecture for the hardware checks",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="resolve the per-layer rules against this built-in model, overriding the "
+        "model the config names (as explain does)",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        metavar="PATH",
+        help="resolve the per-layer rules against a Hugging Face config.json (or a "
+        "checkpoint directory holding one)",
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="treat rules the host cannot express as errors"
+    )
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="also feed the result to the host's own code where the host is installed "
+        "(megatron-core's TransformerConfig, vLLM's EngineArgs, NeMo's plugin, "
+        "TE's recipe) and say what was checked",
+    )
     p.set_defaults(run=run)
 
 
@@ -61,9 +91,14 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(target, "--in-place" if args.in_place else "--output")
     adapter = get_adapter(args.host)
     # --diff shows the edit --in-place would make (relative references stay as they are)
-    ctx = load_context(args.config, hardware=args.hardware, model=args.model,
-                       model_config=args.model_config, strict=args.strict,
-                       output=Path(args.config) if args.diff else target)
+    ctx = load_context(
+        args.config,
+        hardware=args.hardware,
+        model=args.model,
+        model_config=args.model_config,
+        strict=args.strict,
+        output=Path(args.config) if args.diff else target,
+    )
     if target is not None and not args.in_place:
         _refuse_own_files(Path(args.config), target, ctx.raw)
     result = run_pipeline(adapter, ctx)
@@ -75,15 +110,27 @@ def run(args: argparse.Namespace) -> int:
     # as written whole.
     edit = result.written is not result.data
     fmt = "json" if target is not None and target.suffix.lower() == ".json" else result.fmt
-    text = render(source, raw=ctx.raw, data=result.data, written=written, removed=removed,
-                  source_fmt=ctx.fmt, fmt=fmt, edit=edit, where=str(args.config))
+    text = render(
+        source,
+        raw=ctx.raw,
+        data=result.data,
+        written=written,
+        removed=removed,
+        source_fmt=ctx.fmt,
+        fmt=fmt,
+        edit=edit,
+        where=str(args.config),
+    )
     for w in result.warnings + result.notes:
         print(f"nemo-fp8 apply: warning: {w}", file=sys.stderr)
     for line in checks:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
     if args.diff:
-        sys.stdout.write(unified_diff(source, text, name=str(args.config),
-                                      label=f"nemo-fp8 apply --host {adapter.name}"))
+        sys.stdout.write(
+            unified_diff(
+                source, text, name=str(args.config), label=f"nemo-fp8 apply --host {adapter.name}"
+            )
+        )
     elif target is not None:
         if args.in_place and text == source:
             print(f"{args.config} unchanged", file=sys.stderr)
@@ -101,14 +148,20 @@ def _target(args: argparse.Namespace) -> Path | None:
 
     output = None if args.output in (None, "-") else Path(args.output)
     if args.diff and (output is not None or args.in_place):
-        raise FP8ConfigError("--diff prints the change and writes nothing",
-                             key="--output" if output is not None else "--in-place",
-                             hint="drop --diff to write, or drop the output")
+        raise FP8ConfigError(
+            "--diff prints the change and writes nothing",
+            key="--output" if output is not None else "--in-place",
+            hint="drop --diff to write, or drop the output",
+        )
     if args.in_place:
         config = Path(args.config)
         if args.output == "-" or (output is not None and not _same(output, config)):
-            raise FP8ConfigError("--in-place writes CONFIG itself", key="--output",
-                                 value=args.output, hint="drop -o, or drop --in-place")
+            raise FP8ConfigError(
+                "--in-place writes CONFIG itself",
+                key="--output",
+                value=args.output,
+                hint="drop -o, or drop --in-place",
+            )
         return config
     return output
 
@@ -127,14 +180,21 @@ def _refuse_own_files(config: Path, target: Path, raw) -> None:
     if not target.exists():
         return
     if _same(target, config):
-        raise FP8ConfigError("names the input config; the result would overwrite it",
-                             key="--output", value=str(target),
-                             hint="write another file, or pass --in-place to edit the config")
+        raise FP8ConfigError(
+            "names the input config; the result would overwrite it",
+            key="--output",
+            value=str(target),
+            hint="write another file, or pass --in-place to edit the config",
+        )
     for parent in _defaults_chain(config, raw):
         if _same(target, parent):
-            raise FP8ConfigError(f"names {parent}, a parent of {config} through defaults:; "
-                                 f"overwriting it would change (or loop) the chain",
-                                 key="--output", value=str(target), hint="write another file")
+            raise FP8ConfigError(
+                f"names {parent}, a parent of {config} through defaults:; "
+                f"overwriting it would change (or loop) the chain",
+                key="--output",
+                value=str(target),
+                hint="write another file",
+            )
 
 
 _CHAIN_LIMIT = 64
@@ -149,8 +209,7 @@ def _defaults_chain(config: Path, raw) -> list[Path]:
     todo = [(config, raw)]
     while todo and len(out) < _CHAIN_LIMIT:
         here, mapping = todo.pop()
-        parents = _defaults_paths(mapping.get("defaults"), here) if "defaults" in mapping \
-            else None
+        parents = _defaults_paths(mapping.get("defaults"), here) if "defaults" in mapping else None
         for parent in parents or []:
             if parent.is_file() and not any(_same(parent, seen) for seen in out):
                 out.append(parent)

@@ -8,17 +8,23 @@ import sys
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "bench", help="run the CPU benchmarks (quantizers, emulated linear, refit quantizer)",
+        "bench",
+        help="run the CPU benchmarks (quantizers, emulated linear, refit quantizer)",
         description="Block-quantize throughput vs torch.clone, emulated FP8 linear fwd+bwd vs "
-                    "plain fp32/bf16, and the refit quantizer vs a copy, each as a ratio against a "
-                    "baseline measured in the same run. The full sizes take 15-20 minutes on two "
-                    "CPU cores (most of it the plain bf16 linear: --skip-bf16); --quick is a "
-                    "smoke run whose numbers are not the reference figures.")
+        "plain fp32/bf16, and the refit quantizer vs a copy, each as a ratio against a "
+        "baseline measured in the same run. The full sizes take 15-20 minutes on two "
+        "CPU cores (most of it the plain bf16 linear: --skip-bf16); --quick is a "
+        "smoke run whose numbers are not the reference figures.",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
-    p.add_argument("--skip-bf16", action="store_true",
-                   help="skip the plain bf16 linear baseline (slow on CPUs without native bf16)")
-    p.add_argument("--json", metavar="FILE", default=None,
-                   help="also write the results as JSON to FILE")
+    p.add_argument(
+        "--skip-bf16",
+        action="store_true",
+        help="skip the plain bf16 linear baseline (slow on CPUs without native bf16)",
+    )
+    p.add_argument(
+        "--json", metavar="FILE", default=None, help="also write the results as JSON to FILE"
+    )
     p.set_defaults(run=run)
 
 
@@ -29,8 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_file(args.json, "--json")
     env = environment()
-    print(f"# nemo-fp8 bench  torch {env['torch']}  threads {env['threads']}  isa {env['isa']}\n",
-          flush=True)
+    print(
+        f"# nemo-fp8 bench  torch {env['torch']}  threads {env['threads']}  isa {env['isa']}\n",
+        flush=True,
+    )
     numerics = run_numerics(quick=args.quick, skip_bf16=args.skip_bf16)
     print(render_numerics(numerics) + "\n", flush=True)
     refit = bench_refit(quick=args.quick, rounds=2 if args.quick else 4)

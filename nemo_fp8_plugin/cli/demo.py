@@ -7,17 +7,30 @@ import argparse
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "demo", help="train a megatron-core GPT on CPU in BF16 and under each FP8 recipe",
+        "demo",
+        help="train a megatron-core GPT on CPU in BF16 and under each FP8 recipe",
         description="Train a small real megatron-core GPTModel on CPU (the Python standard "
-                    "library's source, byte-level) once in BF16 and once under each recipe's "
-                    "bit-exact FP8 emulation, from the same seed; print a table and write the "
-                    "loss curves (PNG) and numbers (JSON). Ctrl-C keeps what ran.")
-    p.add_argument("config", nargs="?", default=None,
-                   help="demo YAML (default: the embedded conf/examples/demo_gpt_fp8_blockwise.yaml)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (default: the config's)")
-    p.add_argument("--recipes", default=None,
-                   help="comma-separated recipes to compare with BF16 (default: every registered recipe)")
-    p.add_argument("--out", default="nemo-fp8-demo", help="output folder (default: ./nemo-fp8-demo)")
+        "library's source, byte-level) once in BF16 and once under each recipe's "
+        "bit-exact FP8 emulation, from the same seed; print a table and write the "
+        "loss curves (PNG) and numbers (JSON). Ctrl-C keeps what ran.",
+    )
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="demo YAML (default: the embedded conf/examples/demo_gpt_fp8_blockwise.yaml)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps per arm (default: the config's)"
+    )
+    p.add_argument(
+        "--recipes",
+        default=None,
+        help="comma-separated recipes to compare with BF16 (default: every registered recipe)",
+    )
+    p.add_argument(
+        "--out", default="nemo-fp8-demo", help="output folder (default: ./nemo-fp8-demo)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
 
@@ -42,12 +55,18 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None and not 1 <= args.steps <= 100_000:  # the config's own range
         from ..errors import FP8ConfigError
 
-        raise FP8ConfigError(f"must be in [1, 100000], got {args.steps}", key="--steps",
-                             value=args.steps)
+        raise FP8ConfigError(
+            f"must be in [1, 100000], got {args.steps}", key="--steps", value=args.steps
+        )
     check_output_dir(args.out, "--out")
     with warnings.catch_warnings():
         for pattern in _EXPECTED_CPU_WARNINGS:
             warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
-        report = run_demo(args.config, recipes=recipes, steps=args.steps, out_dir=args.out,
-                          progress=not args.no_progress)
+        report = run_demo(
+            args.config,
+            recipes=recipes,
+            steps=args.steps,
+            out_dir=args.out,
+            progress=not args.no_progress,
+        )
     return 130 if report.get("interrupted") else 0

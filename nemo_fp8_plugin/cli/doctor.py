@@ -31,8 +31,13 @@ from typing import Any
 
 PACKAGES = {
     "torch": ("torch",),
-    "transformer-engine": ("transformer-engine", "transformer_engine", "transformer-engine-cu12",
-                           "transformer-engine-cu13", "transformer_engine_torch"),
+    "transformer-engine": (
+        "transformer-engine",
+        "transformer_engine",
+        "transformer-engine-cu12",
+        "transformer-engine-cu13",
+        "transformer_engine_torch",
+    ),
     "megatron-core": ("megatron-core", "megatron_core"),
     "nemo-toolkit": ("nemo-toolkit", "nemo_toolkit"),
     "nemo-run": ("nemo-run", "nemo_run"),
@@ -49,25 +54,39 @@ MIN_CUDA_BLOCK = (12, 9)
 """Block-scaled GEMMs on Hopper need cuBLAS from CUDA 12.9."""
 
 ENTRY_POINTS = (
-    ("nemo_run.cli", "fp8", "nemo_fp8_plugin.hosts.nemo2.factories", "nemo-run",
-     "NeMo-Run loads it when the `nemo` command starts (the <model>_<recipe> factories)"),
-    ("vllm.general_plugins", "nemo_fp8", "nemo_fp8_plugin.hosts.vllm:register", "vllm",
-     "vLLM loads it in every process it starts (the nemo_fp8 quantization method)"),
+    (
+        "nemo_run.cli",
+        "fp8",
+        "nemo_fp8_plugin.hosts.nemo2.factories",
+        "nemo-run",
+        "NeMo-Run loads it when the `nemo` command starts (the <model>_<recipe> factories)",
+    ),
+    (
+        "vllm.general_plugins",
+        "nemo_fp8",
+        "nemo_fp8_plugin.hosts.vllm:register",
+        "vllm",
+        "vLLM loads it in every process it starts (the nemo_fp8 quantization method)",
+    ),
 )
 """The plugin's own entry points: (group, name, target, host package, what loading does)."""
 
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "doctor", help="check this machine against the FP8 recipe(s) before a run",
+        "doctor",
+        help="check this machine against the FP8 recipe(s) before a run",
         description="Report GPU, CUDA and host-package versions, whether each recipe (the "
-                    "config's, else all) can run on this machine, and whether the environment "
-                    "variables it needs are set and effective. Says what it could not check. "
-                    "Exit code 1 when the config's recipe cannot run here.")
+        "config's, else all) can run on this machine, and whether the environment "
+        "variables it needs are set and effective. Says what it could not check. "
+        "Exit code 1 when the config's recipe cannot run here.",
+    )
     p.add_argument("config", nargs="?", default=None, help="a YAML config (optional)")
-    p.add_argument("--hardware", default=None,
-                   help="judge the recipes for this GPU (h100, b200, ...) "
-                        "instead of this machine's")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="judge the recipes for this GPU (h100, b200, ...) instead of this machine's",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run)
 
@@ -99,8 +118,11 @@ def plugin_info() -> dict[str, Any]:
         installed: str | None = metadata.version("nemo-fp8-plugin")
     except metadata.PackageNotFoundError:
         installed = None
-    return {"version": getattr(nemo_fp8_plugin, "__version__", None), "installed": installed,
-            "path": str(Path(nemo_fp8_plugin.__file__).parent)}
+    return {
+        "version": getattr(nemo_fp8_plugin, "__version__", None),
+        "installed": installed,
+        "path": str(Path(nemo_fp8_plugin.__file__).parent),
+    }
 
 
 def entry_points(versions: dict[str, str | None]) -> list[dict[str, Any]]:
@@ -112,22 +134,44 @@ def entry_points(versions: dict[str, str | None]) -> list[dict[str, Any]]:
         visible = any(ep.value == target for ep in found)
         problems = []
         if not visible:
-            problems.append(f"not visible: install the package (`pip install nemo-fp8-plugin`, or "
-                            f"`pip install -e .` in a checkout) so {host} can find it"
-                            if not found else f"{group} {name} names {found[0].value}, not "
-                            f"{target} (another package, or a stale install)")
-        if host == "vllm" and os.environ.get("VLLM_PLUGINS") is not None and name not in {
-                p.strip() for p in os.environ["VLLM_PLUGINS"].split(",")}:
-            problems.append(f"VLLM_PLUGINS={os.environ['VLLM_PLUGINS']!r} leaves {name} out: "
-                            "vLLM will not load it")
-        out.append({"group": group, "name": name, "target": target, "visible": visible,
-                    "host": host, "host_version": versions.get(host), "loads": loads,
-                    "problems": problems})
+            problems.append(
+                f"not visible: install the package (`pip install nemo-fp8-plugin`, or "
+                f"`pip install -e .` in a checkout) so {host} can find it"
+                if not found
+                else f"{group} {name} names {found[0].value}, not "
+                f"{target} (another package, or a stale install)"
+            )
+        if (
+            host == "vllm"
+            and os.environ.get("VLLM_PLUGINS") is not None
+            and name not in {p.strip() for p in os.environ["VLLM_PLUGINS"].split(",")}
+        ):
+            problems.append(
+                f"VLLM_PLUGINS={os.environ['VLLM_PLUGINS']!r} leaves {name} out: "
+                "vLLM will not load it"
+            )
+        out.append(
+            {
+                "group": group,
+                "name": name,
+                "target": target,
+                "visible": visible,
+                "host": host,
+                "host_version": versions.get(host),
+                "loads": loads,
+                "problems": problems,
+            }
+        )
     from ..registry import ENTRY_POINT_GROUP
 
-    others = [{"name": ep.name, "target": ep.value,
-               "distribution": ep.dist.name if ep.dist is not None else None}
-              for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    others = [
+        {
+            "name": ep.name,
+            "target": ep.value,
+            "distribution": ep.dist.name if ep.dist is not None else None,
+        }
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
+    ]
     out.append({"group": ENTRY_POINT_GROUP, "recipes": others})
     return out
 
@@ -170,8 +214,14 @@ def gpu_info() -> dict[str, Any]:
         count = 0
     for i in range(count):
         cap = tuple(torch.cuda.get_device_capability(i))
-        info["gpus"].append({"index": i, "name": torch.cuda.get_device_name(i),
-                             "capability": f"sm{cap[0]}{cap[1]}", "arch": arch_of(cap)})
+        info["gpus"].append(
+            {
+                "index": i,
+                "name": torch.cuda.get_device_name(i),
+                "capability": f"sm{cap[0]}{cap[1]}",
+                "arch": arch_of(cap),
+            }
+        )
     if info["gpus"]:
         info["arch"] = info["gpus"][0]["arch"]
     return info
@@ -189,8 +239,15 @@ def _te_recipe_module():
 # --------------------------------------------------------------------------- report
 
 
-def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
-                 te_reason: str | None, hardware_given: bool) -> dict[str, Any]:
+def check_recipe(
+    spec,
+    arch: str | None,
+    versions: dict,
+    gpu: dict,
+    te_module,
+    te_reason: str | None,
+    hardware_given: bool,
+) -> dict[str, Any]:
     """One recipe's verdict: ``runnable`` (True / False / None = not checked) and why."""
     from ..capabilities import capability
     from ..errors import FP8ConfigError
@@ -202,14 +259,18 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
     runnable: bool | None = True
     if arch is None:
         runnable = None
-        not_checked.append("hardware rules: no GPU here "
-                           "(pass --hardware to judge for a target GPU)")
+        not_checked.append(
+            "hardware rules: no GPU here (pass --hardware to judge for a target GPU)"
+        )
     else:
         try:
             judged = spec.replace(hardware=arch)
             # a finding that points at this command is checked below, not advised
-            notes += [f"{f.key}: {f.message}" for f in judged.findings()
-                      if f.level == "warning" and "nemo-fp8 doctor" not in f.message]
+            notes += [
+                f"{f.key}: {f.message}"
+                for f in judged.findings()
+                if f.level == "warning" and "nemo-fp8 doctor" not in f.message
+            ]
         except FP8ConfigError as err:
             runnable = False
             problems.append(str(err))
@@ -219,8 +280,10 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
             not_checked.append("CUDA version (torch reports none)")
         elif cuda < MIN_CUDA_BLOCK:
             runnable = False
-            problems.append(f"block scaling on Hopper needs CUDA >= 12.9; torch here is built "
-                            f"with CUDA {gpu.get('cuda')}")
+            problems.append(
+                f"block scaling on Hopper needs CUDA >= 12.9; torch here is built "
+                f"with CUDA {gpu.get('cuda')}"
+            )
     te = _version_tuple(versions.get("transformer-engine"))
     if spec.training == "fp8":
         if te is None:
@@ -229,17 +292,20 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
             not_checked.append("Transformer Engine version (not installed here)")
         elif te < MIN_TE[spec.scaling]:
             runnable = False
-            problems.append(f"{spec.scaling} scaling needs Transformer Engine >= "
-                            f"{'.'.join(map(str, MIN_TE[spec.scaling]))}, found "
-                            f"{versions['transformer-engine']}")
+            problems.append(
+                f"{spec.scaling} scaling needs Transformer Engine >= "
+                f"{'.'.join(map(str, MIN_TE[spec.scaling]))}, found "
+                f"{versions['transformer-engine']}"
+            )
     env = []
     for var, want in required_env(spec).items():
         have = os.environ.get(var)
         env.append({"name": var, "needed": want, "value": have, "set": have == want})
     effective: bool | None = None
     # NVFP4's TE defaults come from NVTE_NVFP4_* at import, as block/current scaling's do.
-    if spec.training == "fp8" and (capability(spec.scaling).te_env is not None
-                                   or spec.scaling == "nvfp4"):
+    if spec.training == "fp8" and (
+        capability(spec.scaling).te_env is not None or spec.scaling == "nvfp4"
+    ):
         if te_module is None:
             not_checked.append(f"TE's effective quantizer parameters ({te_reason})")
         else:
@@ -252,9 +318,16 @@ def check_recipe(spec, arch: str | None, versions: dict, gpu: dict, te_module,
                 problems.append(str(err))
     if hardware_given and arch is not None:
         notes.append(f"judged for --hardware {arch}, not for this machine")
-    return {"recipe": spec.name, "scaling": spec.scaling, "runnable": runnable,
-            "problems": problems, "notes": notes, "env": env, "env_effective": effective,
-            "not_checked": not_checked}
+    return {
+        "recipe": spec.name,
+        "scaling": spec.scaling,
+        "runnable": runnable,
+        "problems": problems,
+        "notes": notes,
+        "env": env,
+        "env_effective": effective,
+        "not_checked": not_checked,
+    }
 
 
 def build_report(config: str | None = None, hardware: str | None = None) -> dict[str, Any]:
@@ -287,20 +360,32 @@ def build_report(config: str | None = None, hardware: str | None = None) -> dict
         te_module, te_reason = _te_recipe_module()
     machine_not_checked = []
     if not gpu["gpus"]:
-        machine_not_checked.append("GPU architecture: no CUDA GPU visible to torch"
-                                   if gpu["torch"] else "GPU: torch is not installed")
+        machine_not_checked.append(
+            "GPU architecture: no CUDA GPU visible to torch"
+            if gpu["torch"]
+            else "GPU: torch is not installed"
+        )
     if te_module is None:
         machine_not_checked.append(f"Transformer Engine at run time: {te_reason}")
     return {
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "gpus": gpu["gpus"], "arch": gpu["arch"], "cuda": gpu["cuda"],
-                    "target_arch": arch},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "gpus": gpu["gpus"],
+            "arch": gpu["arch"],
+            "cuda": gpu["cuda"],
+            "target_arch": arch,
+        },
         "packages": versions,
         "plugin": plugin_info(),
         "entry_points": entry_points(versions),
         "config": config,
-        "recipes": [_with_dims(check_recipe(s, arch, versions, gpu, te_module, te_reason,
-                                             target is not None), dims) for s in specs],
+        "recipes": [
+            _with_dims(
+                check_recipe(s, arch, versions, gpu, te_module, te_reason, target is not None), dims
+            )
+            for s in specs
+        ],
         "not_checked": machine_not_checked,
     }
 
@@ -322,26 +407,38 @@ def render_text(report: dict[str, Any]) -> str:
     lines = [f"python {m['python']} on {m['platform']}"]
     if m["gpus"]:
         for g in m["gpus"]:
-            lines.append(f"gpu {g['index']}: {g['name']} "
-                         f"({g['capability']}, {g['arch'] or 'pre-Ada'})")
+            lines.append(
+                f"gpu {g['index']}: {g['name']} ({g['capability']}, {g['arch'] or 'pre-Ada'})"
+            )
     else:
         lines.append("gpu: none visible")
     lines.append(f"cuda (torch build): {m['cuda'] or 'none'}")
     for name, version in report["packages"].items():
         lines.append(f"{name:<18} {version or 'not installed'}")
     plugin = report["plugin"]
-    lines.append(f"{'nemo-fp8-plugin':<18} {plugin['version']} (imported from {plugin['path']}"
-                 + ("" if plugin["installed"] else "; not installed as a package") + ")")
+    lines.append(
+        f"{'nemo-fp8-plugin':<18} {plugin['version']} (imported from {plugin['path']}"
+        + ("" if plugin["installed"] else "; not installed as a package")
+        + ")"
+    )
     for ep in report["entry_points"]:
         if "recipes" in ep:
             names = ", ".join(f"{r['name']} ({r['distribution']})" for r in ep["recipes"])
-            lines.append(f"entry point group {ep['group']}: "
-                         + (f"recipes from other packages: {names}" if names
-                            else "no other package adds recipes"))
+            lines.append(
+                f"entry point group {ep['group']}: "
+                + (
+                    f"recipes from other packages: {names}"
+                    if names
+                    else "no other package adds recipes"
+                )
+            )
             continue
         state = "visible" if ep["visible"] else "NOT visible"
-        host = (f"{ep['host']} {ep['host_version']} is installed: {ep['loads']}"
-                if ep["host_version"] else f"{ep['host']} is not installed here")
+        host = (
+            f"{ep['host']} {ep['host_version']} is installed: {ep['loads']}"
+            if ep["host_version"]
+            else f"{ep['host']} is not installed here"
+        )
         lines.append(f"entry point {ep['group']} {ep['name']}: {state}; {host}")
         for p in ep["problems"]:
             lines.append(f"  problem: {p}")
@@ -358,10 +455,13 @@ def render_text(report: dict[str, Any]) -> str:
         for n in r["notes"]:
             lines.append(f"  note: {n}")
         for e in r["env"]:
-            state = "set" if e["set"] else (
-                f"is {e['value']!r}" if e["value"] is not None else "unset")
-            lines.append(f"  env {e['name']}={e['needed']} needed in the training process: "
-                         f"{state} in this shell")
+            state = (
+                "set" if e["set"] else (f"is {e['value']!r}" if e["value"] is not None else "unset")
+            )
+            lines.append(
+                f"  env {e['name']}={e['needed']} needed in the training process: "
+                f"{state} in this shell"
+            )
         if r["env_effective"] is not None:
             te_state = "match the recipe" if r["env_effective"] else "DO NOT match the recipe"
             lines.append(f"  TE quantizer parameters in this process: {te_state}")
@@ -370,11 +470,15 @@ def render_text(report: dict[str, Any]) -> str:
     for n in report["not_checked"]:
         lines.append(f"not checked: {n}")
     if len(report["recipes"]) > 1:
-        groups = {v: [r["recipe"] for r in report["recipes"] if r["runnable"] is v]
-                  for v in (True, False, None)}
-        parts = [f"{label}: {', '.join(groups[v])}" for v, label in
-                 ((True, "can run here"), (False, "cannot"), (None, "not fully checked"))
-                 if groups[v]]
+        groups = {
+            v: [r["recipe"] for r in report["recipes"] if r["runnable"] is v]
+            for v in (True, False, None)
+        }
+        parts = [
+            f"{label}: {', '.join(groups[v])}"
+            for v, label in ((True, "can run here"), (False, "cannot"), (None, "not fully checked"))
+            if groups[v]
+        ]
         lines.append(f"summary: {'; '.join(parts)}")
     return "\n".join(lines) + "\n"
 

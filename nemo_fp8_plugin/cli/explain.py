@@ -7,35 +7,61 @@ import sys
 
 
 def register(sub) -> None:
-    p = sub.add_parser("explain", help="show the resolved recipe of a config",
-                       description="Resolve the FP8 request of a config (NeMo 2, Megatron-Bridge, "
-                                   "megatron-core, NeMo RL or vLLM) and show, warnings first, the "
-                                   "recipe, which layer runs in which precision, and what "
-                                   "`nemo-fp8 apply` writes for the config's own host (detected "
-                                   "from its shape, or --host). --json has every host.")
+    p = sub.add_parser(
+        "explain",
+        help="show the resolved recipe of a config",
+        description="Resolve the FP8 request of a config (NeMo 2, Megatron-Bridge, "
+        "megatron-core, NeMo RL or vLLM) and show, warnings first, the "
+        "recipe, which layer runs in which precision, and what "
+        "`nemo-fp8 apply` writes for the config's own host (detected "
+        "from its shape, or --host). --json has every host.",
+    )
     p.add_argument("config", help="path to a YAML (or JSON) config")
-    p.add_argument("--json", action="store_true",
-                   help="print the whole report as JSON (every host, every module)")
-    p.add_argument("--hardware", default=None,
-                   help="target GPU (h100, h200, b200, ...) or architecture for the hardware "
-                        "checks")
-    p.add_argument("--model", default=None, metavar="NAME",
-                   help="resolve the per-layer rules against this built-in model (HF id or short "
-                        "name such as llama3.1-8b), overriding the model the config names")
-    p.add_argument("--model-config", default=None, metavar="PATH",
-                   help="resolve the per-layer rules against a Hugging Face config.json (or a "
-                        "checkpoint directory holding one); nothing is downloaded")
-    p.add_argument("--host", default=None,
-                   help="the host the config is for (default: detected from its shape): its keys "
-                        "are shown, and its refusals are explain's")
-    p.add_argument("--all-hosts", action="store_true",
-                   help="show what apply writes for every host, not only the config's own")
-    p.add_argument("--full", action="store_true",
-                   help="every detail: each recipe field on its own line, long values whole, "
-                        "every host")
-    p.add_argument("--strict", action="store_true",
-                   help="treat unmatched or shadowed rules, and rules a host cannot express, as "
-                        "errors")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the whole report as JSON (every host, every module)",
+    )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="target GPU (h100, h200, b200, ...) or architecture for the hardware checks",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="resolve the per-layer rules against this built-in model (HF id or short "
+        "name such as llama3.1-8b), overriding the model the config names",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        metavar="PATH",
+        help="resolve the per-layer rules against a Hugging Face config.json (or a "
+        "checkpoint directory holding one); nothing is downloaded",
+    )
+    p.add_argument(
+        "--host",
+        default=None,
+        help="the host the config is for (default: detected from its shape): its keys "
+        "are shown, and its refusals are explain's",
+    )
+    p.add_argument(
+        "--all-hosts",
+        action="store_true",
+        help="show what apply writes for every host, not only the config's own",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="every detail: each recipe field on its own line, long values whole, every host",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="treat unmatched or shadowed rules, and rules a host cannot express, as errors",
+    )
     p.set_defaults(run=run)
 
 
@@ -43,12 +69,20 @@ def run(args: argparse.Namespace) -> int:
     from .._io import dump_json
     from ..explain import build_report, render_text
 
-    report = build_report(args.config, hardware=args.hardware, model=args.model,
-                          model_config=args.model_config, strict=args.strict,
-                          host=args.host)
+    report = build_report(
+        args.config,
+        hardware=args.hardware,
+        model=args.model,
+        model_config=args.model_config,
+        strict=args.strict,
+        host=args.host,
+    )
     if args.json:
         sys.stdout.write(dump_json(report))
     else:
-        sys.stdout.write(render_text(report, all_hosts=args.all_hosts, full=args.full,
-                                     host_given=args.host is not None))
+        sys.stdout.write(
+            render_text(
+                report, all_hosts=args.all_hosts, full=args.full, host_given=args.host is not None
+            )
+        )
     return 0

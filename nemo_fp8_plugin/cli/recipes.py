@@ -7,12 +7,17 @@ import sys
 
 
 def register(sub) -> None:
-    p = sub.add_parser("recipes", help="list the registered FP8 recipes",
-                       description="List every registered recipe (built-in presets and recipes "
-                                   "installed packages declare) with a one-line description.")
-    p.add_argument("--json", action="store_true",
-                   help="print a JSON list of objects with name, description, source "
-                        "and every spec field")
+    p = sub.add_parser(
+        "recipes",
+        help="list the registered FP8 recipes",
+        description="List every registered recipe (built-in presets and recipes "
+        "installed packages declare) with a one-line description.",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON list of objects with name, description, source and every spec field",
+    )
     p.set_defaults(run=run)
 
 

@@ -30,9 +30,24 @@ if TYPE_CHECKING:
     from ..rules import ModelDescription
     from ..spec import RecipeSpec
 
-__all__ = ["ADAPTERS", "HOSTS", "HostKeys", "ApplyResult", "HostContext", "HostAdapter",
-           "get_adapter", "load_context", "mapping_context", "run", "apply_path", "apply_mapping",
-           "ConfigEditAdapter", "NO_REQUEST", "available_hosts", "diff_written"]
+__all__ = [
+    "ADAPTERS",
+    "HOSTS",
+    "HostKeys",
+    "ApplyResult",
+    "HostContext",
+    "HostAdapter",
+    "get_adapter",
+    "load_context",
+    "mapping_context",
+    "run",
+    "apply_path",
+    "apply_mapping",
+    "ConfigEditAdapter",
+    "NO_REQUEST",
+    "available_hosts",
+    "diff_written",
+]
 
 ADAPTERS = {
     "nemo2": "nemo_fp8_plugin.hosts.nemo2:ADAPTER",
@@ -48,8 +63,10 @@ ADAPTERS = {
 HOSTS = tuple(ADAPTERS)
 """Every host name ``--host`` accepts (``nemo_rl`` is accepted for ``nemo-rl``)."""
 
-NO_REQUEST = ("no FP8 recipe requested (no `precision:`, `policy.precision:`, "
-              "`mixed_precision:` or `fp8:` naming one); the config runs in its own precision")
+NO_REQUEST = (
+    "no FP8 recipe requested (no `precision:`, `policy.precision:`, "
+    "`mixed_precision:` or `fp8:` naming one); the config runs in its own precision"
+)
 """The one message for a config that asks for no FP8 recipe."""
 
 
@@ -157,11 +174,12 @@ class HostContext:
     @property
     def in_file(self) -> bool:
         """Whether every request key is in the file itself (not only in a parent)."""
-        from ..config import get_path  # noqa: PLC0415
+        from ..config import get_path
 
         missing = object()
         return self.request is not None and all(
-            get_path(self.raw, k, missing) is not missing for k in self.request.keys)
+            get_path(self.raw, k, missing) is not missing for k in self.request.keys
+        )
 
 
 @runtime_checkable
@@ -223,8 +241,9 @@ def get_adapter(name: str) -> HostAdapter:
     """The adapter of a host, by ``--host`` name (``nemo_rl`` accepted for ``nemo-rl``)."""
     name = name.replace("_", "-") if name.replace("_", "-") in ADAPTERS else name
     if name not in ADAPTERS:
-        raise FP8ConfigError(f"unknown host {name!r}", key="--host", value=name,
-                             hint=f"one of {', '.join(ADAPTERS)}")
+        raise FP8ConfigError(
+            f"unknown host {name!r}", key="--host", value=name, hint=f"one of {', '.join(ADAPTERS)}"
+        )
     module, attr = ADAPTERS[name].split(":")
     adapter: HostAdapter = getattr(import_module(module), attr)
     return adapter
@@ -232,15 +251,23 @@ def get_adapter(name: str) -> HostAdapter:
 
 def available_hosts() -> list[str]:
     """Hosts whose adapter module exists in this installation."""
-    from importlib.util import find_spec  # noqa: PLC0415
+    from importlib.util import find_spec
 
-    return [name for name, target in ADAPTERS.items()
-            if find_spec(target.split(":")[0]) is not None]
+    return [
+        name for name, target in ADAPTERS.items() if find_spec(target.split(":")[0]) is not None
+    ]
 
 
-def load_context(path: str | Path, *, hardware: str | None = None, model: str | None = None,
-                 model_config: str | Path | None = None, output: str | Path | None = None,
-                 strict: bool = False, check_hardware: bool = True) -> HostContext:
+def load_context(
+    path: str | Path,
+    *,
+    hardware: str | None = None,
+    model: str | None = None,
+    model_config: str | Path | None = None,
+    output: str | Path | None = None,
+    strict: bool = False,
+    check_hardware: bool = True,
+) -> HostContext:
     """Read ``path`` once (its ``defaults:`` chain too), find the request and the model.
 
     ``model`` (a built-in model name) or ``model_config`` (a Hugging Face ``config.json`` or a
@@ -248,46 +275,79 @@ def load_context(path: str | Path, *, hardware: str | None = None, model: str | 
     ``check_hardware=False``: a target the recipe cannot run on is reported by the caller
     (``explain``, ``doctor``), not refused here (:func:`~nemo_fp8_plugin.config.find_fp8_request`).
     """
-    from ..config import find_fp8_request, load_config_chain  # noqa: PLC0415
+    from ..config import find_fp8_request, load_config_chain
 
     path = Path(path)
     raw, resolved = load_config_chain(path)
     request = find_fp8_request(resolved, hardware=hardware, check_hardware=check_hardware)
-    found, notes = (None, ()) if request is None else _model_of(request, resolved, path, model,
-                                                                  model_config)
+    found, notes = (
+        (None, ()) if request is None else _model_of(request, resolved, path, model, model_config)
+    )
     block = resolved.get("fp8")
-    stated = frozenset(k for k in block if isinstance(k, str)) if isinstance(block, Mapping) \
+    stated = (
+        frozenset(k for k in block if isinstance(k, str))
+        if isinstance(block, Mapping)
         else frozenset()
-    return HostContext(path=path, raw=raw, resolved=resolved, request=request, model=found,
-                       model_notes=tuple(notes), stated=stated, hardware=hardware,
-                       output=Path(output) if output not in (None, "-") else None,
-                       strict=strict, fmt="json" if path.suffix.lower() == ".json" else "yaml")
+    )
+    return HostContext(
+        path=path,
+        raw=raw,
+        resolved=resolved,
+        request=request,
+        model=found,
+        model_notes=tuple(notes),
+        stated=stated,
+        hardware=hardware,
+        output=Path(output) if output not in (None, "-") else None,
+        strict=strict,
+        fmt="json" if path.suffix.lower() == ".json" else "yaml",
+    )
 
 
-def mapping_context(config: Mapping[str, Any], *, hardware: str | None = None,
-                    strict: bool = False, path: str | Path | None = None,
-                    model: str | None = None) -> HostContext:
+def mapping_context(
+    config: Mapping[str, Any],
+    *,
+    hardware: str | None = None,
+    strict: bool = False,
+    path: str | Path | None = None,
+    model: str | None = None,
+) -> HostContext:
     """A :class:`HostContext` for a config mapping built in code (no file, no ``defaults:``
     chain): what the library functions ``apply_config(mapping)`` use."""
-    from ..config import find_fp8_request  # noqa: PLC0415
-    from ..errors import format_value  # noqa: PLC0415
+    from ..config import find_fp8_request
+    from ..errors import format_value
 
     if not isinstance(config, Mapping):
         raise FP8ConfigError(f"a config must be a mapping, got {format_value(config)}")
     request = find_fp8_request(config, hardware=hardware)
     where = Path(path) if path is not None else Path("config.yaml")
-    found, notes = (None, ()) if request is None else _model_of(request, config, where, model,
-                                                                  None)
+    found, notes = (None, ()) if request is None else _model_of(request, config, where, model, None)
     block = config.get("fp8")
-    stated = frozenset(k for k in block if isinstance(k, str)) if isinstance(block, Mapping) \
+    stated = (
+        frozenset(k for k in block if isinstance(k, str))
+        if isinstance(block, Mapping)
         else frozenset()
-    return HostContext(path=Path(path) if path is not None else None, raw=config,
-                       resolved=config, request=request, model=found, model_notes=tuple(notes),
-                       stated=stated, hardware=hardware, strict=strict)
+    )
+    return HostContext(
+        path=Path(path) if path is not None else None,
+        raw=config,
+        resolved=config,
+        request=request,
+        model=found,
+        model_notes=tuple(notes),
+        stated=stated,
+        hardware=hardware,
+        strict=strict,
+    )
 
 
-def _model_of(request: FP8Request, config: Mapping[str, Any], path: Path, model: str | None,
-              model_config: str | Path | None) -> tuple[ModelDescription | None, list[str]]:
+def _model_of(
+    request: FP8Request,
+    config: Mapping[str, Any],
+    path: Path,
+    model: str | None,
+    model_config: str | Path | None,
+) -> tuple[ModelDescription | None, list[str]]:
     """The model description the rules resolve against, and why there is none.
 
     Precedence: ``--model-config``, ``--model``, ``fp8.model`` (its errors are the user's),
@@ -295,7 +355,7 @@ def _model_of(request: FP8Request, config: Mapping[str, Any], path: Path, model:
     config carries (NeMo RL ``policy.model_name``, a vLLM ``model:``), which may be unknown
     to the built-in table without that being an error.
     """
-    from ..rules import describe_model  # noqa: PLC0415
+    from ..rules import describe_model
 
     if model_config is not None:
         return describe_model(str(model_config), key="--model-config"), []
@@ -319,8 +379,10 @@ def _model_of(request: FP8Request, config: Mapping[str, Any], path: Path, model:
         except FP8ConfigError as err:
             return None, [f"{err}; per-layer decisions are not shown"]
     if not request.spec.bf16_layers.empty:
-        return None, ["the config names no model: pass --model NAME or --model-config PATH to "
-                      "see which layers the bf16_layers rules keep in BF16"]
+        return None, [
+            "the config names no model: pass --model NAME or --model-config PATH to "
+            "see which layers the bf16_layers rules keep in BF16"
+        ]
     return None, []
 
 
@@ -328,41 +390,61 @@ def _megatron_model_fields(config: Mapping[str, Any]) -> Mapping[str, Any] | Non
     """A ``model:`` / ``language_model:`` section with megatron-core sizes."""
     for name in ("language_model", "model"):
         node = config.get(name)
-        nested = [node.get(k) for k in ("config", "transformer")] if isinstance(node, Mapping) \
-            else []
+        nested = (
+            [node.get(k) for k in ("config", "transformer")] if isinstance(node, Mapping) else []
+        )
         for candidate in (node, *nested):
-            if isinstance(candidate, Mapping) and isinstance(candidate.get("num_layers"), int) \
-                    and isinstance(candidate.get("hidden_size"), int):
+            if (
+                isinstance(candidate, Mapping)
+                and isinstance(candidate.get("num_layers"), int)
+                and isinstance(candidate.get("hidden_size"), int)
+            ):
                 return candidate
     return None
 
 
 def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
     """The one pipeline: request -> refuse -> spell -> merge -> strict -> result."""
-    if ctx.request is not None and not getattr(adapter, "follows_defaults", False) \
-            and not ctx.in_file:
-        raise FP8ConfigError(f"the FP8 request is in a parent file named by defaults:, which "
-                             f"{adapter.name} configs do not have", key=ctx.request.keys[0],
-                             hint="put the request in this file (only NeMo RL configs chain "
-                                  "parents), or use --host nemo-rl")
+    if (
+        ctx.request is not None
+        and not getattr(adapter, "follows_defaults", False)
+        and not ctx.in_file
+    ):
+        raise FP8ConfigError(
+            f"the FP8 request is in a parent file named by defaults:, which "
+            f"{adapter.name} configs do not have",
+            key=ctx.request.keys[0],
+            hint="put the request in this file (only NeMo RL configs chain "
+            "parents), or use --host nemo-rl",
+        )
     if ctx.request is None:
         data = adapter.passthrough(ctx)
         result = ApplyResult(data=data, warnings=[NO_REQUEST], requested=False, fmt=ctx.fmt)
         result.written, result.removed = diff_written(ctx.raw, data)
         return result
+    from ..config import check_sections  # noqa: PLC0415
+
+    # Typed before merging: a list where the host reads a mapping names its key.
+    check_sections(adapter.name, ctx.raw)
+    if getattr(adapter, "follows_defaults", False):
+        check_sections(adapter.name, ctx.resolved)
     try:
         result = adapter.merge(ctx)
     except ConflictingKeyError as err:
-        raise ConflictingKeyError(f"{err.bare_message} (host {adapter.name})", key=err.key,
-                                  value=err.value, hint=err.hint) from None
+        raise ConflictingKeyError(
+            f"{err.bare_message} (host {adapter.name})", key=err.key, value=err.value, hint=err.hint
+        ) from None
     if result.written is None:
         result.written, result.removed = diff_written(ctx.raw, result.data)
     if not result.runtime:
         result.runtime = getattr(adapter, "runtime", "")
     if ctx.strict and result.warnings:
         more = f" (and {len(result.warnings) - 1} more)" if len(result.warnings) > 1 else ""
-        raise FP8ConfigError(result.warnings[0] + more, key="--strict",
-                             hint="fix the rules, or drop --strict to see every warning")
+        raise FP8ConfigError(
+            result.warnings[0] + more,
+            key="--strict",
+            hint="fix the rules, or drop --strict to see every warning",
+        )
     return result
 
 

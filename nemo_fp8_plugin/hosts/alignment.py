@@ -60,8 +60,9 @@ def _size(config: Mapping[str, Any], dotted: str, default: int, value_of: Reader
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise FP8ConfigError(f"expected a positive integer, got {format_value(value)}",
-                             key=dotted, value=value)
+        raise FP8ConfigError(
+            f"expected a positive integer, got {format_value(value)}", key=dotted, value=value
+        )
     return value
 
 
@@ -98,6 +99,10 @@ def dimension_findings(spec, model, config: Mapping[str, Any], value_of: Reader 
     if moe:
         extra = spec.check_dims(moe, tensor_parallel=sizes.expert_tensor_parallel)
         tp_key_moe = f"{sizes.where}expert_tensor_parallel_size"
-        found += [type(f)(f.level, tp_key_moe if f.key == "tensor_model_parallel_size" else f.key,
-                          f.message) for f in extra]
+        found += [
+            type(f)(
+                f.level, tp_key_moe if f.key == "tensor_model_parallel_size" else f.key, f.message
+            )
+            for f in extra
+        ]
     return [type(f)(f.level, tp_key.get(f.key, f.key), f.message) for f in found]

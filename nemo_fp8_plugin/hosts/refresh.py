@@ -41,8 +41,8 @@ that path needs a GPU and is not exercised by the CPU test suite.
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
 
 from ..errors import FP8ConfigError, format_value
 from ..registry import get_recipe
@@ -56,22 +56,22 @@ __all__ = ["RefreshReport", "ScaleRefresher", "refresh_fp8_scales"]
 
 
 def _emulated_modules(model) -> list:
-    from ..numerics import emulated_modules  # noqa: PLC0415
+    from ..numerics import emulated_modules
 
     return [m for _, m in emulated_modules(model)]
 
 
 def _te_modules(model) -> list:
     try:
-        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: PLC0415
-    except Exception:  # noqa: BLE001 - no (working) TE: no TE modules
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    except Exception:  # no (working) TE: no TE modules
         return []
     return [m for m in model.modules() if isinstance(m, TransformerEngineBaseModule)]
 
 
 @contextlib.contextmanager
 def _emulation_calibration(model):
-    from ..numerics import fp8_calibration, update_fp8_scales  # noqa: PLC0415
+    from ..numerics import fp8_calibration, update_fp8_scales
 
     with fp8_calibration(model):
         yield
@@ -91,11 +91,14 @@ def _scale_snapshot(modules) -> list:
 
 @contextlib.contextmanager
 def _te_calibration():
-    import transformer_engine.pytorch as te  # noqa: PLC0415
+    import transformer_engine.pytorch as te
 
     autocast = getattr(te, "autocast", None)
-    ctx = (autocast(enabled=False, calibrating=True) if autocast is not None
-           else te.fp8_autocast(enabled=False, calibrating=True))
+    ctx = (
+        autocast(enabled=False, calibrating=True)
+        if autocast is not None
+        else te.fp8_autocast(enabled=False, calibrating=True)
+    )
     with ctx:
         yield
     # TE folds recorded amaxes into scales only when an FP8-enabled region exits with
@@ -104,9 +107,9 @@ def _te_calibration():
     # own FP8 region, which registers them during these passes. Plain TE modules that have
     # never run in FP8 fold their calibrated amaxes at the end of their first FP8 forward.
     try:
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
     except ImportError:  # TE < 2.8
-        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # noqa: PLC0415
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
     FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=True)
 
 
@@ -141,8 +144,9 @@ def _default_forward(module, batch):
     return module(batch)
 
 
-def refresh_fp8_scales(model, batches: Iterable, forward_fn: Callable | None = None, *,
-                       passes: int | None = None) -> RefreshReport:
+def refresh_fp8_scales(
+    model, batches: Iterable, forward_fn: Callable | None = None, *, passes: int | None = None
+) -> RefreshReport:
     """Run calibration forward passes over ``batches`` (at most ``passes`` of them; cycling
     when there are fewer) so delayed-scaling amax histories and scales describe the model as
     it is now. No gradients, no optimizer step, the model's train/eval mode is restored.
@@ -150,7 +154,7 @@ def refresh_fp8_scales(model, batches: Iterable, forward_fn: Callable | None = N
     ``forward_fn(model, batch)`` defaults to ``model.forward_step(batch)`` when the model has
     one (NeMo 2), else ``model(**batch)`` / ``model(*batch)`` / ``model(batch)``.
     """
-    import torch  # noqa: PLC0415
+    import torch
 
     forward_fn = forward_fn or _default_forward
     emulated = _emulated_modules(model)
@@ -159,8 +163,9 @@ def refresh_fp8_scales(model, batches: Iterable, forward_fn: Callable | None = N
         return RefreshReport(backend="none")
     batches = list(batches)
     if not batches:
-        raise FP8ConfigError("no calibration batches to refresh FP8 scales with",
-                             key="calibration_batches")
+        raise FP8ConfigError(
+            "no calibration batches to refresh FP8 scales with", key="calibration_batches"
+        )
     n = passes if passes is not None else len(batches)
     start = time.perf_counter()
     before = _scale_snapshot(emulated) if emulated else None
@@ -176,9 +181,13 @@ def refresh_fp8_scales(model, batches: Iterable, forward_fn: Callable | None = N
     if emulated:
         after = _scale_snapshot(emulated)
         changed = sum(int(not torch.equal(a, b)) for a, b in zip(before, after))
-    return RefreshReport(backend="emulation" if emulated else "transformer_engine",
-                         modules=len(emulated or te_modules), passes=n,
-                         seconds=time.perf_counter() - start, scales_changed=changed)
+    return RefreshReport(
+        backend="emulation" if emulated else "transformer_engine",
+        modules=len(emulated or te_modules),
+        passes=n,
+        seconds=time.perf_counter() - start,
+        scales_changed=changed,
+    )
 
 
 # --------------------------------------------------------------------------- shared logic
@@ -202,17 +211,32 @@ class ScaleRefresher:
         log_every_n_steps: how often to log the overhead. Default 100.
     """
 
-    def __init__(self, recipe=None, *, calibration_steps: int = 4, calibration_batches=None,
-                 forward_fn: Callable | None = None, after_optimizer_step: Callable | None = None,
-                 refresh_on_resume: bool = True, verify_te: bool = True,
-                 log_every_n_steps: int = 100):
-        if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) \
-                or calibration_steps < 1:
-            raise FP8ConfigError("must be a positive integer", key="calibration_steps",
-                                 value=calibration_steps)
+    def __init__(
+        self,
+        recipe=None,
+        *,
+        calibration_steps: int = 4,
+        calibration_batches=None,
+        forward_fn: Callable | None = None,
+        after_optimizer_step: Callable | None = None,
+        refresh_on_resume: bool = True,
+        verify_te: bool = True,
+        log_every_n_steps: int = 100,
+    ):
+        if (
+            isinstance(calibration_steps, bool)
+            or not isinstance(calibration_steps, int)
+            or calibration_steps < 1
+        ):
+            raise FP8ConfigError(
+                "must be a positive integer", key="calibration_steps", value=calibration_steps
+            )
         if after_optimizer_step is not None and not callable(after_optimizer_step):
-            raise FP8ConfigError(f"must be callable, got {format_value(after_optimizer_step)}",
-                                 key="after_optimizer_step", value=after_optimizer_step)
+            raise FP8ConfigError(
+                f"must be callable, got {format_value(after_optimizer_step)}",
+                key="after_optimizer_step",
+                value=after_optimizer_step,
+            )
         self.spec = None if recipe is None else get_recipe(recipe)
         self.calibration_steps = calibration_steps
         self.calibration_batches = calibration_batches
@@ -223,8 +247,13 @@ class ScaleRefresher:
         self.log_every_n_steps = max(1, int(log_every_n_steps))
         self.refreshed = False
         self.last_report: RefreshReport | None = None
-        self.stats = {"steps": 0, "step_seconds": 0.0, "refresh_seconds": 0.0,
-                      "hook_seconds": 0.0, "overhead_fraction": 0.0}
+        self.stats = {
+            "steps": 0,
+            "step_seconds": 0.0,
+            "refresh_seconds": 0.0,
+            "hook_seconds": 0.0,
+            "overhead_fraction": 0.0,
+        }
         self._step_started: float | None = None
 
     # -- checks
@@ -234,10 +263,10 @@ class ScaleRefresher:
         if not self.verify_te or self.spec is None:
             return False
         try:
-            from transformer_engine.common import recipe as te_recipe  # noqa: PLC0415
+            from transformer_engine.common import recipe as te_recipe
         except ImportError:
             return False
-        from .te import verify_host_recipe  # noqa: PLC0415
+        from .te import verify_host_recipe
 
         verify_host_recipe(self.spec, te_recipe, where=where)
         return True
@@ -259,7 +288,8 @@ class ScaleRefresher:
                     "cannot refresh FP8 scales after resume: no calibration batches (the "
                     "training step takes a data iterator, which the callback must not consume)",
                     key="calibration_batches",
-                    hint="pass calibration_batches=... (a few training batches) to the callback")
+                    hint="pass calibration_batches=... (a few training batches) to the callback",
+                )
             batches = [fallback_batch]
         start = time.perf_counter()
         report = refresh_fp8_scales(model, batches, self.forward_fn, passes=self.calibration_steps)
@@ -289,8 +319,13 @@ class ScaleRefresher:
         ours = self.stats["hook_seconds"] + self.stats["refresh_seconds"]
         self.stats["overhead_fraction"] = ours / total if total > 0 else 0.0
         if step % self.log_every_n_steps == 0:
-            logger.info("nemo-fp8: step %d: refresh+hook %.3fs of %.3fs step time (%.2f%%)",
-                        step, ours, total, 100 * self.stats["overhead_fraction"])
+            logger.info(
+                "nemo-fp8: step %d: refresh+hook %.3fs of %.3fs step time (%.2f%%)",
+                step,
+                ours,
+                total,
+                100 * self.stats["overhead_fraction"],
+            )
 
 
 def _is_iterator(obj) -> bool:

@@ -59,26 +59,45 @@ Nothing here imports TE at module level; :func:`build_te_recipe` and
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
-from ..capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES, te_env
-from ..capabilities import ENV_BACKWARD_OVERRIDE, ENV_NVFP4, nvfp4_te_fields
+from ..capabilities import (
+    CAPABILITIES,
+    ENV_BACKWARD_OVERRIDE,
+    ENV_BLOCK_FP32_SCALES,
+    ENV_CURRENT_POW2_SCALES,
+    ENV_NVFP4,
+    nvfp4_te_fields,
+    te_env,
+)
 from ..errors import FP8ConfigError, HostUnavailableError
 from ..spec import RecipeSpec
 from . import ApplyResult, HostKeys
 
 __all__ = [
-    "TE_RECIPE_CLASS", "ENV_BLOCK_FP32_SCALES", "ENV_CURRENT_POW2_SCALES", "QUANTIZER_ROLES",
-    "te_recipe_description", "required_env", "import_te_recipe_module", "build_te_recipe",
-    "recipe_mismatches", "host_built_recipe", "verify_host_recipe", "verify_installed_te",
-    "FP8_WGRAD_IGNORED", "ENV_BACKWARD_OVERRIDE", "native_keys", "apply_file",
+    "TE_RECIPE_CLASS",
+    "ENV_BLOCK_FP32_SCALES",
+    "ENV_CURRENT_POW2_SCALES",
+    "QUANTIZER_ROLES",
+    "te_recipe_description",
+    "required_env",
+    "import_te_recipe_module",
+    "build_te_recipe",
+    "recipe_mismatches",
+    "host_built_recipe",
+    "verify_host_recipe",
+    "verify_installed_te",
+    "FP8_WGRAD_IGNORED",
+    "ENV_BACKWARD_OVERRIDE",
+    "native_keys",
+    "apply_file",
 ]
 
 TE_RECIPE_CLASS = {kind: row.te_class for kind, row in CAPABILITIES.items()}
 """Spec ``scaling`` -> name of the TE recipe class in ``transformer_engine.common.recipe``."""
-
 
 
 QUANTIZER_ROLES = {
@@ -109,45 +128,73 @@ def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
     fmt = _FORMAT[spec.fp8_format]
     quantizers: dict[str, dict[str, Any]] = {}
     if spec.scaling == "delayed":
-        fields = {"fp8_format": fmt, "margin": spec.margin,
-                  "amax_history_len": spec.amax_history_len,
-                  "amax_compute_algo": spec.amax_compute_algo, "reduce_amax": spec.reduce_amax,
-                  "fp8_dpa": spec.fp8_dot_product_attention,
-                  "fp8_mha": spec.fp8_multi_head_attention}
+        fields = {
+            "fp8_format": fmt,
+            "margin": spec.margin,
+            "amax_history_len": spec.amax_history_len,
+            "amax_compute_algo": spec.amax_compute_algo,
+            "reduce_amax": spec.reduce_amax,
+            "fp8_dpa": spec.fp8_dot_product_attention,
+            "fp8_mha": spec.fp8_multi_head_attention,
+        }
     elif spec.scaling == "tensorwise":
-        fields = {"fp8_format": fmt, "use_power_2_scales": spec.pow2_scales,
-                  "fp8_dpa": spec.fp8_dot_product_attention,
-                  "fp8_mha": spec.fp8_multi_head_attention}
-        quantizers = {attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
-                      for attr in QUANTIZER_ROLES}
+        fields = {
+            "fp8_format": fmt,
+            "use_power_2_scales": spec.pow2_scales,
+            "fp8_dpa": spec.fp8_dot_product_attention,
+            "fp8_mha": spec.fp8_multi_head_attention,
+        }
+        quantizers = {
+            attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
+            for attr in QUANTIZER_ROLES
+        }
     elif spec.scaling == "block":
-        fields = {"fp8_format": fmt, "use_f32_scales": not spec.pow2_scales,
-                  "x_block_scaling_dim": _block_dim(spec.activation_block),
-                  "w_block_scaling_dim": _block_dim(spec.weight_block),
-                  "grad_block_scaling_dim": _block_dim(spec.gradient_block)}
-        quantizers = {attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
-                      for attr in QUANTIZER_ROLES}
+        fields = {
+            "fp8_format": fmt,
+            "use_f32_scales": not spec.pow2_scales,
+            "x_block_scaling_dim": _block_dim(spec.activation_block),
+            "w_block_scaling_dim": _block_dim(spec.weight_block),
+            "grad_block_scaling_dim": _block_dim(spec.gradient_block),
+        }
+        quantizers = {
+            attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
+            for attr in QUANTIZER_ROLES
+        }
     elif spec.scaling == "nvfp4":
         # TE 2.20 NVFP4BlockScaling: FP4 elements, E4M3 block scales, attention not quantized.
         te = nvfp4_te_fields(spec)
-        fields = {"fp4_format": fmt, "fp8_format": "E4M3", **te, "fp8_dpa": False,
-                  "fp8_mha": False}
-        rht, sr, two_d = (not te["disable_rht"], not te["disable_stochastic_rounding"],
-                          not te["disable_2d_quantization"])
+        fields = {"fp4_format": fmt, "fp8_format": "E4M3", **te, "fp8_dpa": False, "fp8_mha": False}
+        rht, sr, two_d = (
+            not te["disable_rht"],
+            not te["disable_stochastic_rounding"],
+            not te["disable_2d_quantization"],
+        )
         # What __post_init__ derives (read back, never set: a TE deriving them otherwise fails).
         quantizers = {
-            "fp4_quant_fwd_inp": {"random_hadamard_transform": rht, "stochastic_rounding": False,
-                                  "fp4_2d_quantization": False},
-            "fp4_quant_fwd_weight": {"random_hadamard_transform": False,
-                                     "stochastic_rounding": False, "fp4_2d_quantization": two_d},
-            "fp4_quant_bwd_grad": {"random_hadamard_transform": rht, "stochastic_rounding": sr,
-                                   "fp4_2d_quantization": False},
+            "fp4_quant_fwd_inp": {
+                "random_hadamard_transform": rht,
+                "stochastic_rounding": False,
+                "fp4_2d_quantization": False,
+            },
+            "fp4_quant_fwd_weight": {
+                "random_hadamard_transform": False,
+                "stochastic_rounding": False,
+                "fp4_2d_quantization": two_d,
+            },
+            "fp4_quant_bwd_grad": {
+                "random_hadamard_transform": rht,
+                "stochastic_rounding": sr,
+                "fp4_2d_quantization": False,
+            },
         }
     else:  # mx
-        fields = {"fp8_format": fmt, "margin": spec.margin,
-                  "enable_2d_quantization": spec.weight_block == (32, 32),
-                  "fp8_dpa": spec.fp8_dot_product_attention,
-                  "fp8_mha": spec.fp8_multi_head_attention}
+        fields = {
+            "fp8_format": fmt,
+            "margin": spec.margin,
+            "enable_2d_quantization": spec.weight_block == (32, 32),
+            "fp8_dpa": spec.fp8_dot_product_attention,
+            "fp8_mha": spec.fp8_multi_head_attention,
+        }
     # TE >= 2.15 defaults every recipe's backward_override from NVTE_BACKWARD_OVERRIDE at
     # import; the spec's backward is FP8, so the object to build pins it off (TE < 2.15 has no
     # such field and ignores the argument: its backward is the recipe's own).
@@ -184,7 +231,8 @@ FP8_WGRAD_IGNORED = (
     "megatron-core still passes and ignores it), and the nearest TE setting, "
     "NVTE_BACKWARD_OVERRIDE=high_precision (TE >= 2.15, refused by DelayedScaling), switches "
     "the whole backward (data and weight gradients) to high precision, a different recipe; "
-    "keep fp8_wgrad: true, or set that variable yourself knowing it changes every backward GEMM")
+    "keep fp8_wgrad: true, or set that variable yourself knowing it changes every backward GEMM"
+)
 """Why ``fp8_wgrad: false`` cannot be honoured by TE (hence by every megatron-core host)."""
 
 
@@ -194,11 +242,12 @@ FP8_WGRAD_IGNORED = (
 def import_te_recipe_module() -> ModuleType:
     """``transformer_engine.common.recipe``, or :class:`HostUnavailableError`."""
     try:
-        from transformer_engine.common import recipe  # noqa: PLC0415 - lazy host import
+        from transformer_engine.common import recipe  # lazy host import
     except ImportError as exc:
         raise HostUnavailableError(
             f"Transformer Engine is not importable here ({exc})",
-            hint="install transformer-engine (GPU machines; stock NeMo containers ship it)") from None
+            hint="install transformer-engine (GPU machines; stock NeMo containers ship it)",
+        ) from None
     return recipe
 
 
@@ -213,17 +262,23 @@ def build_te_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
     the spec in any field (an installed TE that ignores or renames a field).
     """
     if spec.training != "fp8":
-        raise FP8ConfigError("this recipe trains in BF16 (training: bf16); there is no TE training "
-                             "recipe to build", key="training", value=spec.training)
+        raise FP8ConfigError(
+            "this recipe trains in BF16 (training: bf16); there is no TE training recipe to build",
+            key="training",
+            value=spec.training,
+        )
     for key, reason in _unsupported(spec):
         raise FP8ConfigError(reason, key=key, value=getattr(spec, key))
     te_recipe = te_recipe or import_te_recipe_module()
     desc = te_recipe_description(spec)
     cls = getattr(te_recipe, desc["class"], None)
     if cls is None:
-        raise HostUnavailableError(f"this Transformer Engine has no recipe class {desc['class']}",
-                                   key="scaling", value=spec.scaling,
-                                   hint="upgrade transformer-engine")
+        raise HostUnavailableError(
+            f"this Transformer Engine has no recipe class {desc['class']}",
+            key="scaling",
+            value=spec.scaling,
+            hint="upgrade transformer-engine",
+        )
     kwargs = dict(desc["fields"])
     for name in ("fp8_format", "fp4_format"):
         if name in kwargs:
@@ -231,8 +286,11 @@ def build_te_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
     try:
         obj = cls(**kwargs)
     except (AssertionError, TypeError, ValueError) as exc:
-        raise FP8ConfigError(f"Transformer Engine refuses {desc['class']}({_kw(desc['fields'])}): "
-                             f"{exc}", key="scaling", value=spec.scaling) from None
+        raise FP8ConfigError(
+            f"Transformer Engine refuses {desc['class']}({_kw(desc['fields'])}): {exc}",
+            key="scaling",
+            value=spec.scaling,
+        ) from None
     for attr, params in desc["quantizers"].items():
         if attr in NVFP4_QUANTIZERS:
             continue  # derived by NVFP4BlockScaling.__post_init__: read back below, not set
@@ -240,9 +298,11 @@ def build_te_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
         setattr(obj, attr, te_recipe.QParams(**params))
     problems = recipe_mismatches(obj, spec)
     if problems:
-        raise FP8ConfigError(f"the Transformer Engine recipe object differs from the spec: "
-                             f"{_render(problems)}", key=problems[0][0],
-                             hint="this TE version ignores or renames a recipe field")
+        raise FP8ConfigError(
+            f"the Transformer Engine recipe object differs from the spec: {_render(problems)}",
+            key=problems[0][0],
+            hint="this TE version ignores or renames a recipe field",
+        )
     return obj
 
 
@@ -255,13 +315,21 @@ def _render(problems) -> str:
 
 
 _MISSING = "<missing>"
-_NUMERIC_FIELDS = ("fp8_format", "use_power_2_scales", "x_block_scaling_dim",
-                   "w_block_scaling_dim", "grad_block_scaling_dim", "backward_override",
-                   "fp4_format", *ENV_NVFP4)
+_NUMERIC_FIELDS = (
+    "fp8_format",
+    "use_power_2_scales",
+    "x_block_scaling_dim",
+    "w_block_scaling_dim",
+    "grad_block_scaling_dim",
+    "backward_override",
+    "fp4_format",
+    *ENV_NVFP4,
+)
 
 
-def recipe_mismatches(obj: Any, spec: RecipeSpec, *,
-                      check_fields: bool = True) -> list[tuple[str, Any, Any]]:
+def recipe_mismatches(
+    obj: Any, spec: RecipeSpec, *, check_fields: bool = True
+) -> list[tuple[str, Any, Any]]:
     """Attributes of TE recipe object ``obj`` that differ from ``spec``, as
     ``(attribute, value on obj, value the spec needs)``; empty when they agree.
 
@@ -307,8 +375,12 @@ def host_built_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
     if spec.scaling == "tensorwise":
         return cls(fp8_format=fmt, fp8_dpa=spec.fp8_dot_product_attention)
     if spec.scaling == "delayed":
-        return cls(fp8_format=fmt, margin=spec.margin, amax_history_len=spec.amax_history_len,
-                   amax_compute_algo=spec.amax_compute_algo)
+        return cls(
+            fp8_format=fmt,
+            margin=spec.margin,
+            amax_history_len=spec.amax_history_len,
+            amax_compute_algo=spec.amax_compute_algo,
+        )
     return cls(fp8_format=fmt)
 
 
@@ -338,14 +410,18 @@ def _refuse_backward_override(spec: RecipeSpec, te_recipe: ModuleType, where: st
     elif spec.scaling == "delayed":
         effect = "which DelayedScaling refuses (TE raises when megatron-core builds the recipe)"
     else:
-        effect = (f"so every {name} a host builds (megatron-core passes no backward_override) "
-                  f"would run the whole backward {_BACKWARD_MODES[value]}")
+        effect = (
+            f"so every {name} a host builds (megatron-core passes no backward_override) "
+            f"would run the whole backward {_BACKWARD_MODES[value]}"
+        )
     raise FP8ConfigError(
         f"Transformer Engine in {where} was imported with {ENV_BACKWARD_OVERRIDE}={value}, "
         f"{effect}; recipe {spec.name!r} trains the backward in FP8",
-        key=ENV_BACKWARD_OVERRIDE, value=value,
+        key=ENV_BACKWARD_OVERRIDE,
+        value=value,
         hint=f"unset {ENV_BACKWARD_OVERRIDE} in the training process's environment before it "
-             f"starts (no nemo-fp8-plugin recipe uses it)")
+        f"starts (no nemo-fp8-plugin recipe uses it)",
+    )
 
 
 def _refuse_nvfp4_defaults(spec: RecipeSpec, te_recipe: ModuleType, where: str) -> None:
@@ -354,9 +430,12 @@ def _refuse_nvfp4_defaults(spec: RecipeSpec, te_recipe: ModuleType, where: str) 
     the constructor assert, and the variable is what to name)."""
     cls = getattr(te_recipe, "NVFP4BlockScaling", None)
     if cls is None:
-        raise HostUnavailableError("this Transformer Engine has no NVFP4BlockScaling",
-                                   key="scaling", value="nvfp4",
-                                   hint="upgrade transformer-engine (>= 2.7)")
+        raise HostUnavailableError(
+            "this Transformer Engine has no NVFP4BlockScaling",
+            key="scaling",
+            value="nvfp4",
+            hint="upgrade transformer-engine (>= 2.7)",
+        )
     declared = getattr(cls, "__dataclass_fields__", {})
     want_env = required_env(spec)
     for field, want in nvfp4_te_fields(spec).items():
@@ -368,14 +447,17 @@ def _refuse_nvfp4_defaults(spec: RecipeSpec, te_recipe: ModuleType, where: str) 
             f"Transformer Engine in {where} would build NVFP4BlockScaling with {field}={have!r} "
             f"(fixed from {var} when TE was imported; {var}={os.environ.get(var)!r} in this "
             f"process now), but recipe {spec.name!r} needs {field}={want!r}",
-            key=var, value=os.environ.get(var),
+            key=var,
+            value=os.environ.get(var),
             hint=f"set {var}={want_env[var]} in the training process's environment before it "
-                 f"starts (NeMo RL: policy.megatron_cfg.env_vars; NeMo-Run: executor env_vars; "
-                 f"Megatron-Bridge / torchrun: the launch script)")
+            f"starts (NeMo RL: policy.megatron_cfg.env_vars; NeMo-Run: executor env_vars; "
+            f"Megatron-Bridge / torchrun: the launch script)",
+        )
 
 
-def verify_host_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None, *,
-                       where: str = "the training process") -> None:
+def verify_host_recipe(
+    spec: RecipeSpec, te_recipe: ModuleType | None = None, *, where: str = "the training process"
+) -> None:
     """Fail fast when TE, as imported in this process, would build a host-built recipe that
     differs from ``spec``: an ``NVTE_BACKWARD_OVERRIDE`` read at import (TE >= 2.15, every
     recipe), the wrong scale rounding (the fp32-scale trap, block and current scaling), or
@@ -402,22 +484,30 @@ def verify_host_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None, *,
             f"Transformer Engine in {where} would quantize {TE_RECIPE_CLASS[spec.scaling]} with "
             f"the wrong scales ({_render(scale)}): recipe {spec.name!r} needs {want} scales, and "
             f"TE fixed its quantizer parameters from {var} when it was imported ({var}={now!r} "
-            f"in this process now)", key="pow2_scales", value=spec.pow2_scales,
+            f"in this process now)",
+            key="pow2_scales",
+            value=spec.pow2_scales,
             hint=f"set {var}={value} in the training process's environment before it starts "
-                 f"(NeMo-Run: executor env_vars; NeMo RL: policy.megatron_cfg.env_vars; "
-                 f"Megatron-Bridge / torchrun: export it in the launch script)")
+            f"(NeMo-Run: executor env_vars; NeMo RL: policy.megatron_cfg.env_vars; "
+            f"Megatron-Bridge / torchrun: export it in the launch script)",
+        )
     if problems:
         attr = problems[0][0]
         raise FP8ConfigError(
             f"megatron-core builds {TE_RECIPE_CLASS[spec.scaling]} with TE's defaults, which "
             f"differ from the spec ({_render(problems)})",
-            key="amax_epsilon" if "amax_epsilon" in attr else "fp8_format" if attr == "fp8_format"
+            key="amax_epsilon"
+            if "amax_epsilon" in attr
+            else "fp8_format"
+            if attr == "fp8_format"
             else "activation_block",
-            hint="use the preset's values for these fields with megatron-core based hosts")
+            hint="use the preset's values for these fields with megatron-core based hosts",
+        )
 
 
-def verify_installed_te(spec: RecipeSpec | str | Mapping[str, Any], *,
-                        where: str = "the training process") -> bool:
+def verify_installed_te(
+    spec: RecipeSpec | str | Mapping[str, Any], *, where: str = "the training process"
+) -> bool:
     """:func:`verify_host_recipe` against the Transformer Engine of *this* process; call it
     in the training process before the model is built. Returns False, checking nothing,
     when TE is not importable (emulation, CPU: no TE recipe will be built) or the recipe
@@ -425,13 +515,13 @@ def verify_installed_te(spec: RecipeSpec | str | Mapping[str, Any], *,
     naming the environment variable otherwise. Every FP8 recipe is checked: TE >= 2.15 fixes
     each recipe class's ``backward_override`` at import. ``spec`` may be a recipe name, a
     ``{"recipe": name, ...overrides}`` mapping or a full spec mapping (as the callbacks take)."""
-    from ..registry import get_recipe  # noqa: PLC0415
+    from ..registry import get_recipe
 
     spec = get_recipe(spec)
     if spec.training != "fp8":
         return False
     try:
-        from transformer_engine.common import recipe as te_recipe  # noqa: PLC0415
+        from transformer_engine.common import recipe as te_recipe
     except ImportError:
         return False
     verify_host_recipe(spec, te_recipe, where=where)
@@ -443,7 +533,9 @@ def verify_installed_te(spec: RecipeSpec | str | Mapping[str, Any], *,
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     """TE's spelling: the recipe class, its constructor fields and quantizer parameters."""
-    warnings = [f"transformer-engine: {key}: {reason}; ignored" for key, reason in _unsupported(spec)]
+    warnings = [
+        f"transformer-engine: {key}: {reason}; ignored" for key, reason in _unsupported(spec)
+    ]
     if spec.training != "fp8":
         return HostKeys(keys={}, warnings=["transformer-engine: training: bf16, no TE recipe"])
     return HostKeys(keys=te_recipe_description(spec), warnings=warnings, env=required_env(spec))
@@ -455,7 +547,7 @@ def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False)
     Output: ``{"transformer_engine": {"class", "fields", "quantizers", "env"}}``. TE has no
     config file of its own, so the input config is not rewritten.
     """
-    from . import apply_path  # noqa: PLC0415
+    from . import apply_path
 
     return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
 
@@ -466,8 +558,10 @@ class TEAdapter:
     an edit of the input config."""
 
     name = "te"
-    runtime = ("your script constructs Transformer Engine's recipe from this description; "
-               "nemo_fp8_plugin.hosts.te.build_te_recipe builds it and reads every field back")
+    runtime = (
+        "your script constructs Transformer Engine's recipe from this description; "
+        "nemo_fp8_plugin.hosts.te.build_te_recipe builds it and reads every field back"
+    )
     follows_defaults = True  # the output is a description, so a parent's request is fine
 
     def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
@@ -479,12 +573,14 @@ class TEAdapter:
         if hk.env:
             out["env"] = hk.env
         data = {"transformer_engine": out}
-        return ApplyResult(data=data, warnings=list(hk.warnings), env=dict(hk.env),
-                           written=data)
+        return ApplyResult(data=data, warnings=list(hk.warnings), env=dict(hk.env), written=data)
 
     def passthrough(self, ctx):
-        raise FP8ConfigError(f"{ctx.path or 'the config'} asks for no FP8 recipe", key="precision",
-                             hint="add `precision: <recipe>` or an `fp8:` block")
+        raise FP8ConfigError(
+            f"{ctx.path or 'the config'} asks for no FP8 recipe",
+            key="precision",
+            hint="add `precision: <recipe>` or an `fp8:` block",
+        )
 
     def validate(self, result: ApplyResult, ctx) -> list[str]:
         """Build the recipe with TE's own recipe module and read every field back."""

@@ -35,10 +35,21 @@ from .linear import (
 )
 from .recipe import RecipeLike, check_recipe
 
-__all__ = ["convert_to_fp8_emulation", "revert_fp8_emulation", "default_module_filter",
-           "convert_to_bf16_emulation", "revert_bf16_emulation", "is_bf16_emulated",
-           "emulated_modules", "fp8_calibration", "update_fp8_scales", "reset_fp8_states",
-           "is_fp8_emulated", "fp8_states", "set_amax_reduction_group"]
+__all__ = [
+    "convert_to_fp8_emulation",
+    "revert_fp8_emulation",
+    "default_module_filter",
+    "convert_to_bf16_emulation",
+    "revert_bf16_emulation",
+    "is_bf16_emulated",
+    "emulated_modules",
+    "fp8_calibration",
+    "update_fp8_scales",
+    "reset_fp8_states",
+    "is_fp8_emulated",
+    "fp8_states",
+    "set_amax_reduction_group",
+]
 
 _MARK = "_nemo_fp8_emulated"
 _BF16_MARK = "_nemo_bf16_emulated"
@@ -95,31 +106,57 @@ def _tp_size(module: nn.Module) -> int:
 def _megatron_forward_impl(module: nn.Module, emu: LayerEmulator):
     """Replacement for ``ColumnParallelLinear/RowParallelLinear._forward_impl`` (TP=1)."""
 
-    def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False,
-                     allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
-                     wgrad_deferral_limit=None, tp_group=None, **_unused):
+    def forward_impl(
+        input,
+        weight,
+        bias=None,
+        gradient_accumulation_fusion=False,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        grad_output_buffer=None,
+        wgrad_deferral_limit=None,
+        tp_group=None,
+        **_unused,
+    ):
         if grad_output_buffer is not None:
-            raise FP8ConfigError("deferred embedding wgrad (defer_embedding_wgrad_compute) is "
-                                 "not supported by the FP8 emulation",
-                                 key="defer_embedding_wgrad_compute", value=True)
+            raise FP8ConfigError(
+                "deferred embedding wgrad (defer_embedding_wgrad_compute) is "
+                "not supported by the FP8 emulation",
+                key="defer_embedding_wgrad_compute",
+                value=True,
+            )
         into_main = bool(gradient_accumulation_fusion) and hasattr(weight, "main_grad")
-        return emulated_linear(input, weight, bias, emu,
-                               wgrad_into_main_grad=into_main and weight.requires_grad)
+        return emulated_linear(
+            input, weight, bias, emu, wgrad_into_main_grad=into_main and weight.requires_grad
+        )
 
     return forward_impl
 
 
 def _megatron_bf16_forward_impl():
-    def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False,
-                     allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
-                     wgrad_deferral_limit=None, tp_group=None, **_unused):
+    def forward_impl(
+        input,
+        weight,
+        bias=None,
+        gradient_accumulation_fusion=False,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        grad_output_buffer=None,
+        wgrad_deferral_limit=None,
+        tp_group=None,
+        **_unused,
+    ):
         if grad_output_buffer is not None:
-            raise FP8ConfigError("deferred embedding wgrad (defer_embedding_wgrad_compute) is "
-                                 "not supported by the BF16 emulation",
-                                 key="defer_embedding_wgrad_compute", value=True)
+            raise FP8ConfigError(
+                "deferred embedding wgrad (defer_embedding_wgrad_compute) is "
+                "not supported by the BF16 emulation",
+                key="defer_embedding_wgrad_compute",
+                value=True,
+            )
         into_main = bool(gradient_accumulation_fusion) and hasattr(weight, "main_grad")
-        return bf16_linear(input, weight, bias,
-                           wgrad_into_main_grad=into_main and weight.requires_grad)
+        return bf16_linear(
+            input, weight, bias, wgrad_into_main_grad=into_main and weight.requires_grad
+        )
 
     return forward_impl
 
@@ -127,13 +164,16 @@ def _megatron_bf16_forward_impl():
 def _check_tp(name: str, module: nn.Module, what: str) -> None:
     tp = _tp_size(module)
     if tp != 1:
-        raise FP8ConfigError(f"{name}: tensor-parallel size {tp}; the {what} emulation "
-                             "converts TP=1 layers only", key=name, value=tp)
+        raise FP8ConfigError(
+            f"{name}: tensor-parallel size {tp}; the {what} emulation converts TP=1 layers only",
+            key=name,
+            value=tp,
+        )
 
 
-def convert_to_bf16_emulation(model: nn.Module,
-                              module_filter: Callable[[str, nn.Module], bool] | None = None
-                              ) -> nn.Module:
+def convert_to_bf16_emulation(
+    model: nn.Module, module_filter: Callable[[str, nn.Module], bool] | None = None
+) -> nn.Module:
     """Give ``model``'s linear layers BF16 GEMM numerics (computed in fp32), in place.
 
     The counterpart of :func:`convert_to_fp8_emulation` for the BF16 arm of a comparison:
@@ -177,9 +217,11 @@ def revert_bf16_emulation(model: nn.Module) -> nn.Module:
     return model
 
 
-def convert_to_fp8_emulation(model: nn.Module, recipe: RecipeLike,
-                             module_filter: Callable[[str, nn.Module], bool] | None = None
-                             ) -> nn.Module:
+def convert_to_fp8_emulation(
+    model: nn.Module,
+    recipe: RecipeLike,
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+) -> nn.Module:
     """Swap ``model``'s linear layers for FP8-emulated ones, in place; returns ``model``.
 
     Args:
@@ -257,8 +299,9 @@ def revert_fp8_emulation(model: nn.Module) -> nn.Module:
 def _plain_linear(module: nn.Linear) -> nn.Linear:
     original = module.__dict__.get(_ORIGINAL)
     if original is None:
-        original = nn.Linear(module.in_features, module.out_features,
-                             bias=module.bias is not None, device="meta")
+        original = nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+        )
     original.weight = module.weight
     original.bias = module.bias
     original.train(module.training)

@@ -35,17 +35,30 @@ class DelayedScalingState:
         device: where the state tensors live (default CPU).
     """
 
-    def __init__(self, history_len: int = 1024, algo: str = "max", margin: int = 0,
-                 fmt: str = "e4m3", device: torch.device | str | None = None):
+    def __init__(
+        self,
+        history_len: int = 1024,
+        algo: str = "max",
+        margin: int = 0,
+        fmt: str = "e4m3",
+        device: torch.device | str | None = None,
+    ):
         if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
-            raise FP8ConfigError(f"must be a positive integer, got {history_len!r}",
-                                 key="amax_history_len", value=history_len)
+            raise FP8ConfigError(
+                f"must be a positive integer, got {history_len!r}",
+                key="amax_history_len",
+                value=history_len,
+            )
         if algo not in ("max", "most_recent"):
-            raise FP8ConfigError(f"expected 'max' or 'most_recent', got {algo!r}",
-                                 key="amax_compute_algo", value=algo)
+            raise FP8ConfigError(
+                f"expected 'max' or 'most_recent', got {algo!r}",
+                key="amax_compute_algo",
+                value=algo,
+            )
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-            raise FP8ConfigError(f"must be a non-negative integer, got {margin!r}", key="margin",
-                                 value=margin)
+            raise FP8ConfigError(
+                f"must be a non-negative integer, got {margin!r}", key="margin", value=margin
+            )
         self.history_len = history_len
         """Window length L."""
         self.algo = algo
@@ -137,20 +150,30 @@ class DelayedScalingState:
 
     def state_dict(self) -> dict:
         """Tensors and settings, for checkpointing."""
-        return {"amax_history": self.amax_history.clone(), "scale": self.scale.clone(),
-                "scale_inv": self.scale_inv.clone(), "history_len": self.history_len,
-                "algo": self.algo, "margin": self.margin, "fmt": self.fmt}
+        return {
+            "amax_history": self.amax_history.clone(),
+            "scale": self.scale.clone(),
+            "scale_inv": self.scale_inv.clone(),
+            "history_len": self.history_len,
+            "algo": self.algo,
+            "margin": self.margin,
+            "fmt": self.fmt,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict` (the history length must match)."""
         if int(state["history_len"]) != self.history_len:
-            raise FP8ConfigError(f"amax history length {state['history_len']} does not match "
-                                 f"{self.history_len}", key="amax_history_len",
-                                 value=state["history_len"])
+            raise FP8ConfigError(
+                f"amax history length {state['history_len']} does not match {self.history_len}",
+                key="amax_history_len",
+                value=state["history_len"],
+            )
         self.amax_history.copy_(state["amax_history"])
         self.scale.copy_(state["scale"])
         self.scale_inv.copy_(state["scale_inv"])
 
     def __repr__(self) -> str:
-        return (f"DelayedScalingState(history_len={self.history_len}, algo={self.algo!r}, "
-                f"margin={self.margin}, fmt={self.fmt!r}, scale={float(self.scale):.6g})")
+        return (
+            f"DelayedScalingState(history_len={self.history_len}, algo={self.algo!r}, "
+            f"margin={self.margin}, fmt={self.fmt!r}, scale={float(self.scale):.6g})"
+        )

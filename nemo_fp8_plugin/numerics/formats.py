@@ -9,8 +9,14 @@ import torch
 
 from ..errors import FP8ConfigError
 
-__all__ = ["FORMATS", "fp8_dtype", "fp8_max", "check_format", "check_input_dtype",
-           "input_dtype_max"]
+__all__ = [
+    "FORMATS",
+    "fp8_dtype",
+    "fp8_max",
+    "check_format",
+    "check_input_dtype",
+    "input_dtype_max",
+]
 
 FORMATS = ("e4m3", "e5m2")
 """Element formats: ``"e4m3"`` (``torch.float8_e4m3fn``, max 448) and ``"e5m2"``
@@ -30,8 +36,9 @@ def check_format(fmt) -> str:
         return _FROM_DTYPE[fmt]
     if isinstance(fmt, str) and fmt.lower() in _DTYPES:
         return fmt.lower()
-    raise FP8ConfigError(f"unknown FP8 element format {fmt!r}", key="fmt", value=fmt,
-                         hint="use 'e4m3' or 'e5m2'")
+    raise FP8ConfigError(
+        f"unknown FP8 element format {fmt!r}", key="fmt", value=fmt, hint="use 'e4m3' or 'e5m2'"
+    )
 
 
 def fp8_dtype(fmt) -> torch.dtype:
@@ -49,8 +56,12 @@ def check_input_dtype(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise FP8ConfigError(f"expected a tensor, got {type(x).__name__}", key=name)
     if x.dtype not in _INPUT_DTYPES:
-        raise FP8ConfigError(f"cannot quantize a {x.dtype} tensor", key=name, value=str(x.dtype),
-                             hint="convert it to float32, bfloat16 or float16 first")
+        raise FP8ConfigError(
+            f"cannot quantize a {x.dtype} tensor",
+            key=name,
+            value=str(x.dtype),
+            hint="convert it to float32, bfloat16 or float16 first",
+        )
 
 
 def input_dtype_max(dtype: torch.dtype) -> float:

@@ -51,18 +51,28 @@ from .quantize import (
 )
 from .scaling import FLT_MAX, e8m0_from_amax
 
-__all__ = ["fused_enabled", "fused_mode", "quantize_blockwise_fused", "quantize_mxfp8_fused",
-           "fake_quant_blockwise", "fake_quant_mxfp8", "fake_quant_per_tensor",
-           "fake_quant_with_scale", "compile_failed"]
+__all__ = [
+    "fused_enabled",
+    "fused_mode",
+    "quantize_blockwise_fused",
+    "quantize_mxfp8_fused",
+    "fake_quant_blockwise",
+    "fake_quant_mxfp8",
+    "fake_quant_per_tensor",
+    "fake_quant_with_scale",
+    "compile_failed",
+]
 
 _lock = threading.Lock()
 _cache: dict[tuple, Callable] = {}
-_state = {"enabled": os.environ.get("NEMO_FP8_FUSED", "1").strip() not in ("0", "false", "no"),
-          "failed": None,
-          "min_numel": int(os.environ.get("NEMO_FP8_FUSED_MIN_NUMEL", str(1 << 20)))}
+_state = {
+    "enabled": os.environ.get("NEMO_FP8_FUSED", "1").strip() not in ("0", "false", "no"),
+    "failed": None,
+    "min_numel": int(os.environ.get("NEMO_FP8_FUSED_MIN_NUMEL", str(1 << 20))),
+}
 
 # (mantissa bits, smallest normal, subnormal step) per format
-_GRID = {"e4m3": (3, 2.0 ** -6, 2.0 ** -9), "e5m2": (2, 2.0 ** -14, 2.0 ** -16)}
+_GRID = {"e4m3": (3, 2.0**-6, 2.0**-9), "e5m2": (2, 2.0**-14, 2.0**-16)}
 
 
 def fused_enabled() -> bool:
@@ -94,8 +104,11 @@ def _specialize(impl: Callable, name: str, **static) -> Callable:
     """A fresh function (own code object) calling ``impl(*args, **static)``."""
     namespace: dict = {}
     source = f"def {name}(*args):\n    return _impl(*args, **_static)\n"
-    exec(compile(source, f"<nemo_fp8_plugin fused {name}>", "exec"),  # fixed source text
-         {"_impl": impl, "_static": static}, namespace)
+    exec(
+        compile(source, f"<nemo_fp8_plugin fused {name}>", "exec"),  # fixed source text
+        {"_impl": impl, "_static": static},
+        namespace,
+    )
     return namespace[name]
 
 
@@ -110,17 +123,20 @@ def _compiled(key: tuple, impl: Callable, static: dict) -> Callable:
             fn = _cache.get(key)
             if fn is None:
                 name = f"nemo_fp8_{impl.__name__.strip('_')}_{len(_cache)}"
-                fn = torch.compile(_specialize(impl, name, **static), fullgraph=True,
-                                   dynamic=False)
+                fn = torch.compile(_specialize(impl, name, **static), fullgraph=True, dynamic=False)
                 _cache[key] = fn
     return fn
 
 
 def _disable(exc: BaseException) -> None:
     _state["failed"] = f"{type(exc).__name__}: {exc}"
-    warnings.warn("nemo_fp8_plugin.numerics: torch.compile of the fused quantizer failed "
-                  f"({type(exc).__name__}: {str(exc)[:200]}); using the eager reference "
-                  "from now on (slower, same results)", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        "nemo_fp8_plugin.numerics: torch.compile of the fused quantizer failed "
+        f"({type(exc).__name__}: {str(exc)[:200]}); using the eager reference "
+        "from now on (slower, same results)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _use_fused(x: torch.Tensor, force: bool) -> bool:
@@ -131,7 +147,8 @@ def _run(kind: str, impl: Callable, static: dict, args: tuple, eager: Callable):
     """Call the compiled variant of ``impl`` for these arguments; on a compile error warn
     once and fall back to ``eager``."""
     key = (kind, tuple(sorted(static.items()))) + tuple(
-        _signature(a) for a in args if isinstance(a, torch.Tensor))
+        _signature(a) for a in args if isinstance(a, torch.Tensor)
+    )
     try:
         return _compiled(key, impl, static)(*args)
     except Exception as exc:  # any backend failure means: run eagerly
@@ -177,7 +194,7 @@ def _round_to_grid(v: torch.Tensor, fmt: str) -> torch.Tensor:
     a = v.abs()
     c = a * float(2 ** (23 - mbits) + 1)
     normal = c - (c - a)
-    big = step * float(2 ** 23)
+    big = step * float(2**23)
     sub = (a + big) - big
     return torch.copysign(torch.where(a < min_normal, sub, normal), v)
 
@@ -243,8 +260,10 @@ def _tensor_fq(x, *, fmt, pow2, eps):
 def _scaled_fq(x, scale, scale_inv, *, fmt):
     xf = x.float()
     fmax = fp8_max(fmt)
-    return (_round_to_grid((xf * scale).clamp(-fmax, fmax), fmt) * scale_inv,
-            _abs_no_nan(xf).amax())
+    return (
+        _round_to_grid((xf * scale).clamp(-fmax, fmax), fmt) * scale_inv,
+        _abs_no_nan(xf).amax(),
+    )
 
 
 # --------------------------------------------------------------------------- drivers
@@ -254,8 +273,9 @@ def _divisible(x: torch.Tensor, bm: int, bn: int) -> bool:
     return x.dim() >= 2 and x.shape[-2] % bm == 0 and x.shape[-1] % bn == 0
 
 
-def quantize_blockwise_fused(x: torch.Tensor, block=(1, 128), fmt: str = "e4m3",
-                             pow2_scales: bool = False, eps: float = 0.0) -> QTensor:
+def quantize_blockwise_fused(
+    x: torch.Tensor, block=(1, 128), fmt: str = "e4m3", pow2_scales: bool = False, eps: float = 0.0
+) -> QTensor:
     """:func:`~.quantize.quantize_blockwise` through compiled kernels (same bits).
 
     Inputs whose last two dims are not multiples of the tile, and empty ones, take the
@@ -271,8 +291,9 @@ def quantize_blockwise_fused(x: torch.Tensor, block=(1, 128), fmt: str = "e4m3",
 
     if x.dim() not in (2, 3) or not _divisible(x, bm, bn) or not _use_fused(x, True):
         return eager()
-    static = dict(bm=bm, bn=bn, fmt=fmt, pow2=bool(pow2_scales), eps=float(eps),
-                  vinf=input_dtype_max(x.dtype))
+    static = dict(
+        bm=bm, bn=bn, fmt=fmt, pow2=bool(pow2_scales), eps=float(eps), vinf=input_dtype_max(x.dtype)
+    )
     x2 = x.reshape(-1, x.shape[-1])
     try:
         key = ("block_cast", tuple(sorted(static.items())), _signature(x2))
@@ -296,8 +317,12 @@ def quantize_mxfp8_fused(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTenso
     def eager():
         return quantize_mxfp8(x, (bm, bn), fmt)
 
-    if ((bm, bn) not in ((1, 32), (32, 1), (32, 32)) or x.dim() not in (2, 3)
-            or not _divisible(x, bm, bn) or not _use_fused(x, True)):
+    if (
+        (bm, bn) not in ((1, 32), (32, 1), (32, 32))
+        or x.dim() not in (2, 3)
+        or not _divisible(x, bm, bn)
+        or not _use_fused(x, True)
+    ):
         return eager()
     static = dict(bm=bm, bn=bn, fmt=fmt)
     x2 = x.reshape(-1, x.shape[-1])
@@ -313,8 +338,15 @@ def quantize_mxfp8_fused(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTenso
     return QTensor(data.reshape(x.shape), e.view(torch.float8_e8m0fnu), fmt, (bm, bn))
 
 
-def fake_quant_blockwise(x: torch.Tensor, block, fmt: str, pow2_scales: bool = False,
-                         eps: float = 0.0, *, force: bool = False) -> torch.Tensor:
+def fake_quant_blockwise(
+    x: torch.Tensor,
+    block,
+    fmt: str,
+    pow2_scales: bool = False,
+    eps: float = 0.0,
+    *,
+    force: bool = False,
+) -> torch.Tensor:
     """``quantize_blockwise(x, ...).dequantize()`` (fp32) in one compiled kernel (2-D
     inputs with whole tiles; smaller than the size threshold runs eagerly unless ``force``)."""
     bm, bn = check_block(block)
@@ -325,8 +357,9 @@ def fake_quant_blockwise(x: torch.Tensor, block, fmt: str, pow2_scales: bool = F
 
     if x.dim() != 2 or not _divisible(x, bm, bn) or not _use_fused(x, force):
         return eager()
-    static = dict(bm=bm, bn=bn, fmt=fmt, pow2=bool(pow2_scales), eps=float(eps),
-                  vinf=input_dtype_max(x.dtype))
+    static = dict(
+        bm=bm, bn=bn, fmt=fmt, pow2=bool(pow2_scales), eps=float(eps), vinf=input_dtype_max(x.dtype)
+    )
     return _run("block_fq", _block_fq, static, (x,), eager)
 
 
@@ -343,8 +376,9 @@ def fake_quant_mxfp8(x: torch.Tensor, block, fmt: str, *, force: bool = False) -
     return _run("mx_fq", _mx_fq, dict(bm=bm, bn=bn, fmt=fmt), (x,), eager)
 
 
-def fake_quant_per_tensor(x: torch.Tensor, fmt: str, pow2_scales: bool = False,
-                          eps: float = 0.0, *, force: bool = False) -> torch.Tensor:
+def fake_quant_per_tensor(
+    x: torch.Tensor, fmt: str, pow2_scales: bool = False, eps: float = 0.0, *, force: bool = False
+) -> torch.Tensor:
     """``quantize_per_tensor(x, ...).dequantize()`` (fp32), compiled."""
     fmt = check_format(fmt)
 
@@ -353,12 +387,14 @@ def fake_quant_per_tensor(x: torch.Tensor, fmt: str, pow2_scales: bool = False,
 
     if not _use_fused(x, force):
         return eager()
-    return _run("tensor_fq", _tensor_fq, dict(fmt=fmt, pow2=bool(pow2_scales), eps=float(eps)),
-                (x,), eager)
+    return _run(
+        "tensor_fq", _tensor_fq, dict(fmt=fmt, pow2=bool(pow2_scales), eps=float(eps)), (x,), eager
+    )
 
 
-def fake_quant_with_scale(x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
-                          fmt: str, *, force: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def fake_quant_with_scale(
+    x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: str, *, force: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Delayed scaling's cast: ``(dequantized fp32, amax of x)`` for a given scale."""
     fmt = check_format(fmt)
 

@@ -18,8 +18,9 @@ from .quantize import QTensor
 __all__ = ["fp8_gemm"]
 
 
-def fp8_gemm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_gemm(
+    a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``a @ b.T`` for ``a`` ``[..., K]`` (row-wise tiles along K) and ``b`` ``[N, K]``.
 
     Args:
@@ -34,9 +35,12 @@ def fp8_gemm(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
     if not isinstance(a, QTensor) or not isinstance(b, QTensor):
         raise FP8ConfigError("fp8_gemm takes two QTensor operands", key="a")
     if b.data.dim() != 2 or a.data.shape[-1] != b.data.shape[-1]:
-        raise FP8ConfigError(f"fp8_gemm needs a [..., K] and b [N, K]; got a "
-                             f"{tuple(a.data.shape)} and b {tuple(b.data.shape)}", key="b",
-                             value=tuple(b.data.shape))
+        raise FP8ConfigError(
+            f"fp8_gemm needs a [..., K] and b [N, K]; got a "
+            f"{tuple(a.data.shape)} and b {tuple(b.data.shape)}",
+            key="b",
+            value=tuple(b.data.shape),
+        )
     a32 = a.dequantize(torch.float32)
     b32 = b.dequantize(torch.float32)
     out = torch.matmul(a32, b32.t())

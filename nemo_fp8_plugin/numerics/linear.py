@@ -38,8 +38,15 @@ from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from .quantize import tensor_amax
 from .recipe import RecipeLike, check_recipe
 
-__all__ = ["FP8EmulatedLinear", "LayerEmulator", "RoleQuantizer", "emulated_linear", "ROLES",
-           "BF16EmulatedLinear", "bf16_linear"]
+__all__ = [
+    "FP8EmulatedLinear",
+    "LayerEmulator",
+    "RoleQuantizer",
+    "emulated_linear",
+    "ROLES",
+    "BF16EmulatedLinear",
+    "bf16_linear",
+]
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -62,8 +69,9 @@ class RoleQuantizer:
     def __init__(self, spec: RecipeLike, role: str, device=None):
         spec = check_recipe(spec, "spec")
         if role not in ROLES:
-            raise FP8ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}",
-                                 key="role", value=role)
+            raise FP8ConfigError(
+                f"role must be one of {', '.join(ROLES)}, got {role!r}", key="role", value=role
+            )
         self.role = role
         self.scaling = spec.scaling
         self.fmt = spec.format_for(role)
@@ -77,8 +85,9 @@ class RoleQuantizer:
         the ranks of a group must run the same layers in the same order."""
         self.state = None
         if self.scaling == "delayed":
-            self.state = DelayedScalingState(spec.amax_history_len, spec.amax_compute_algo,
-                                             spec.margin, self.fmt, device=device)
+            self.state = DelayedScalingState(
+                spec.amax_history_len, spec.amax_compute_algo, spec.margin, self.fmt, device=device
+            )
 
     @property
     def columnwise_reuses_rowwise(self) -> bool:
@@ -247,8 +256,14 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def emulated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    emu: LayerEmulator, *, wgrad_into_main_grad: bool = False) -> torch.Tensor:
+def emulated_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    emu: LayerEmulator,
+    *,
+    wgrad_into_main_grad: bool = False,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the recipe's FP8 GEMMs (any leading dims of ``x``).
 
     Under autocast the activation dtype is the autocast dtype and the weight is cast to it
@@ -288,8 +303,16 @@ class FP8EmulatedLinear(nn.Linear):
         fp8_states: role -> :class:`DelayedScalingState` (delayed scaling only).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
-                 dtype=None, *, recipe: RecipeLike):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        recipe: RecipeLike,
+    ):
         recipe = check_recipe(recipe)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8_recipe = recipe
@@ -303,8 +326,13 @@ class FP8EmulatedLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: RecipeLike) -> FP8EmulatedLinear:
         """A new module sharing ``linear``'s weight and bias Parameters (same objects)."""
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                  device="meta", recipe=recipe)
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            recipe=recipe,
+        )
         new.weight = linear.weight
         new.bias = linear.bias
         new.fp8_emulator.to(linear.weight.device)
@@ -353,15 +381,23 @@ class _BF16LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1] or ctx.wgrad_into_main_grad:
             # fp32 result: megatron accumulates wgrad into an fp32 main_grad
             dw = torch.matmul(dyb.t(), x.bfloat16().float())
-            grad_w = (_accumulate_main_grad(weight, dw) if ctx.wgrad_into_main_grad
-                      else dw.to(weight.dtype))
+            grad_w = (
+                _accumulate_main_grad(weight, dw)
+                if ctx.wgrad_into_main_grad
+                else dw.to(weight.dtype)
+            )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.float().sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                wgrad_into_main_grad: bool = False) -> torch.Tensor:
+def bf16_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    wgrad_into_main_grad: bool = False,
+) -> torch.Tensor:
     """``F.linear`` with BF16 GEMM numerics computed in fp32 (see :class:`BF16EmulatedLinear`);
     the result has ``x``'s dtype, any leading dims."""
     lead = x.shape[:-1]
@@ -384,8 +420,9 @@ class BF16EmulatedLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> BF16EmulatedLinear:
         """A new module sharing ``linear``'s weight and bias Parameters (same objects)."""
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                  device="meta")
+        new = cls(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta"
+        )
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)

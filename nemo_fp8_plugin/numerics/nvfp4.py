@@ -27,7 +27,7 @@ the given generator: unbiased, and deterministic for a given generator state.
 
 The oracle is TE 2.20.2's own pure-torch reference
 (``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``), which
-``tests/test_numerics_nvfp4.py`` runs against this module; see ``docs/nvfp4.md``. This file
+``tests/numerics/test_numerics_nvfp4.py`` runs against this module; see ``docs/nvfp4.md``. This file
 imports only torch and the plugin's error type.
 """
 
@@ -40,10 +40,21 @@ import torch.nn.functional as F
 
 from ..errors import FP8ConfigError
 
-__all__ = ["NVFP4Tensor", "quantize_nvfp4", "dequantize_nvfp4", "NVFP4_BLOCKS",
-           "NVFP4_GROUP", "E2M1_MAX", "E2M1_VALUES", "RHT_SIGNS", "rht_matrix",
-           "random_hadamard_transform", "nvfp4_global_encode_scale", "pack_e2m1",
-           "unpack_e2m1"]
+__all__ = [
+    "NVFP4Tensor",
+    "quantize_nvfp4",
+    "dequantize_nvfp4",
+    "NVFP4_BLOCKS",
+    "NVFP4_GROUP",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "RHT_SIGNS",
+    "rht_matrix",
+    "random_hadamard_transform",
+    "nvfp4_global_encode_scale",
+    "pack_e2m1",
+    "unpack_e2m1",
+]
 
 NVFP4_GROUP = 16
 """Elements per E4M3 decode scale along the last dim (and rows per tile for 16x16)."""
@@ -61,8 +72,15 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 # Round to nearest: a magnitude moves past boundary i (between E2M1_VALUES[i] and [i+1]) when
 # it is above it, or exactly on it when the upper code is the even one (ties to even).
-_RN_BOUNDARIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
-                  (3.5, True), (5.0, False))
+_RN_BOUNDARIES = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """TE's fixed ("random") sign vector of the 16-point Hadamard transform used for wgrad."""
@@ -118,14 +136,17 @@ class NVFP4Tensor:
         """The E2M1 codes unpacked to uint8 ``[M, K]``."""
         return unpack_e2m1(self.data)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, *,
-                   undo_rht: bool = False) -> torch.Tensor:
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, *, undo_rht: bool = False
+    ) -> torch.Tensor:
         """See :func:`dequantize_nvfp4`."""
         return dequantize_nvfp4(self, dtype, undo_rht=undo_rht)
 
     def __repr__(self) -> str:
-        return (f"NVFP4Tensor(shape={tuple(self.shape)}, block={self.block}, rht={self.rht}, "
-                f"stochastic={self.stochastic}, scale_inv={tuple(self.scale_inv.shape)})")
+        return (
+            f"NVFP4Tensor(shape={tuple(self.shape)}, block={self.block}, rht={self.rht}, "
+            f"stochastic={self.stochastic}, scale_inv={tuple(self.scale_inv.shape)})"
+        )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -151,8 +172,9 @@ def _sylvester(n: int) -> torch.Tensor:
     return 1.0 - 2.0 * parity.to(torch.float32)
 
 
-def rht_matrix(dtype: torch.dtype = torch.float32,
-               device: torch.device | str | None = None) -> torch.Tensor:
+def rht_matrix(
+    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The 16 x 16 RHT matrix ``diag(RHT_SIGNS) @ H16 / 4`` (orthogonal; entries +-1/4, exact
     in every float dtype). A row vector ``v`` of 16 is transformed as ``v @ rht_matrix()``."""
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
@@ -166,7 +188,10 @@ def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % NVFP4_GROUP:
         raise FP8ConfigError(
             f"the random Hadamard transform needs the last dim of `x` divisible by "
-            f"{NVFP4_GROUP}, got shape {tuple(x.shape)}", key="x", value=tuple(x.shape))
+            f"{NVFP4_GROUP}, got shape {tuple(x.shape)}",
+            key="x",
+            value=tuple(x.shape),
+        )
     rows = x.contiguous().reshape(-1, NVFP4_GROUP)
     return (rows @ rht_matrix(x.dtype, x.device)).reshape(x.shape)
 
@@ -201,8 +226,9 @@ def _magnitude_sr(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     lo_v, hi_v = grid[lo], grid[hi]
     gap = hi_v - lo_v
     # a - lo_v and the division by a power of two (0.5, 1 or 2) are exact in fp32.
-    p = torch.where(gap > 0, (a - lo_v) / torch.where(gap > 0, gap, torch.ones_like(gap)),
-                    torch.zeros_like(a))
+    p = torch.where(
+        gap > 0, (a - lo_v) / torch.where(gap > 0, gap, torch.ones_like(gap)), torch.zeros_like(a)
+    )
     mag = lo + (u < p).to(lo.dtype)
     return torch.where(torch.isnan(a), torch.zeros_like(mag), mag).to(torch.uint8)
 
@@ -220,58 +246,83 @@ def _e2m1_codes(v: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
 
 def _check_inputs(x, block, global_amax, rht, stochastic, generator):
     if not isinstance(x, torch.Tensor):
-        raise FP8ConfigError(f"quantize_nvfp4 expects a torch.Tensor `x`, got "
-                             f"{type(x).__name__}", key="x", value=type(x).__name__)
+        raise FP8ConfigError(
+            f"quantize_nvfp4 expects a torch.Tensor `x`, got {type(x).__name__}",
+            key="x",
+            value=type(x).__name__,
+        )
     if x.dtype not in _INPUT_DTYPES:
         raise FP8ConfigError(
             f"tensor `x` has dtype {x.dtype}; NVFP4 quantizes float32, bfloat16 or float16",
-            key="x", value=str(x.dtype))
+            key="x",
+            value=str(x.dtype),
+        )
     if x.dim() < 2:
-        raise FP8ConfigError(f"tensor `x` must have at least 2 dims ([..., K]), got shape "
-                             f"{tuple(x.shape)}", key="x", value=tuple(x.shape))
+        raise FP8ConfigError(
+            f"tensor `x` must have at least 2 dims ([..., K]), got shape {tuple(x.shape)}",
+            key="x",
+            value=tuple(x.shape),
+        )
     if x.shape[-1] % NVFP4_GROUP:
         raise FP8ConfigError(
             f"tensor `x` has shape {tuple(x.shape)}: its last dim {x.shape[-1]} is not a "
             f"multiple of {NVFP4_GROUP} (one E4M3 scale per {NVFP4_GROUP} elements)",
-            key="x", value=tuple(x.shape), hint="pad K to a multiple of 16")
+            key="x",
+            value=tuple(x.shape),
+            hint="pad K to a multiple of 16",
+        )
     if isinstance(block, list):
         block = tuple(block)
-    if not (isinstance(block, tuple) and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) for b in block)
-            and block in NVFP4_BLOCKS):
-        raise FP8ConfigError(f"NVFP4 `block` must be (1, 16) or (16, 16), got {block!r}",
-                             key="block", value=block)
+    if not (
+        isinstance(block, tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) for b in block)
+        and block in NVFP4_BLOCKS
+    ):
+        raise FP8ConfigError(
+            f"NVFP4 `block` must be (1, 16) or (16, 16), got {block!r}", key="block", value=block
+        )
     for name, flag in (("rht", rht), ("stochastic", stochastic)):
         if not isinstance(flag, bool):
-            raise FP8ConfigError(f"`{name}` must be True or False, got {flag!r}", key=name,
-                                 value=flag)
+            raise FP8ConfigError(
+                f"`{name}` must be True or False, got {flag!r}", key=name, value=flag
+            )
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise FP8ConfigError(f"`generator` must be a torch.Generator or None, got "
-                             f"{type(generator).__name__}", key="generator",
-                             value=type(generator).__name__)
+        raise FP8ConfigError(
+            f"`generator` must be a torch.Generator or None, got {type(generator).__name__}",
+            key="generator",
+            value=type(generator).__name__,
+        )
     if global_amax is not None:
         global_amax = _check_global_amax(global_amax, x.device)
     return block, global_amax
 
 
 def _check_global_amax(global_amax, device) -> torch.Tensor:
-    if isinstance(global_amax, bool) or not isinstance(global_amax,
-                                                       (int, float, torch.Tensor)):
-        raise FP8ConfigError(f"`global_amax` must be a number or a one-element tensor, got "
-                             f"{type(global_amax).__name__}", key="global_amax",
-                             value=type(global_amax).__name__)
+    if isinstance(global_amax, bool) or not isinstance(global_amax, (int, float, torch.Tensor)):
+        raise FP8ConfigError(
+            f"`global_amax` must be a number or a one-element tensor, got "
+            f"{type(global_amax).__name__}",
+            key="global_amax",
+            value=type(global_amax).__name__,
+        )
     if isinstance(global_amax, torch.Tensor):
         if global_amax.numel() != 1 or not global_amax.is_floating_point():
             raise FP8ConfigError(
                 f"`global_amax` must be a one-element float tensor, got shape "
-                f"{tuple(global_amax.shape)} {global_amax.dtype}", key="global_amax",
-                value=tuple(global_amax.shape))
+                f"{tuple(global_amax.shape)} {global_amax.dtype}",
+                key="global_amax",
+                value=tuple(global_amax.shape),
+            )
         amax = global_amax.detach().reshape(()).to(device=device, dtype=torch.float32)
     else:
         amax = torch.tensor(float(global_amax), dtype=torch.float32, device=device)
     if bool(torch.isnan(amax)) or bool(amax < 0):
-        raise FP8ConfigError(f"`global_amax` must be >= 0 (inf allowed), got {amax.item()}",
-                             key="global_amax", value=amax.item())
+        raise FP8ConfigError(
+            f"`global_amax` must be >= 0 (inf allowed), got {amax.item()}",
+            key="global_amax",
+            value=amax.item(),
+        )
     return amax
 
 
@@ -279,9 +330,15 @@ def _check_global_amax(global_amax, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, global_amax=None, rht: bool = False,
-                   stochastic: bool = False,
-                   generator: torch.Generator | None = None) -> NVFP4Tensor:
+def quantize_nvfp4(
+    x: torch.Tensor,
+    block=(1, 16),
+    *,
+    global_amax=None,
+    rht: bool = False,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
     """Quantize ``x`` (``[..., K]``, K a multiple of 16; float32, bfloat16 or float16) to NVFP4.
 
     Args:
@@ -325,10 +382,14 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, global_amax=None, rht: boo
     if xf.numel() == 0:
         return NVFP4Tensor(
             data=torch.empty((m, k // 2), dtype=torch.uint8, device=x.device),
-            scale_inv=torch.empty((rows_t, n_groups), dtype=torch.float8_e4m3fn,
-                                  device=x.device),
-            global_amax=amax, block=block, shape=shape, dtype=x.dtype, rht=rht,
-            stochastic=stochastic)
+            scale_inv=torch.empty((rows_t, n_groups), dtype=torch.float8_e4m3fn, device=x.device),
+            global_amax=amax,
+            block=block,
+            shape=shape,
+            dtype=x.dtype,
+            rht=rht,
+            stochastic=stochastic,
+        )
 
     # Per-group (1x16) or per-tile (16x16) amax, fp32, NaN-propagating.
     padded = F.pad(xf, (0, 0, 0, rows_t * bm - m)) if rows_t * bm != m else xf
@@ -355,15 +416,23 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, global_amax=None, rht: boo
 
     u = None
     if stochastic:
-        u = torch.rand(scaled.shape, generator=generator, dtype=torch.float32,
-                       device=scaled.device)
+        u = torch.rand(scaled.shape, generator=generator, dtype=torch.float32, device=scaled.device)
     data = pack_e2m1(_e2m1_codes(scaled, u))
-    return NVFP4Tensor(data=data, scale_inv=decode, global_amax=amax, block=block, shape=shape,
-                       dtype=x.dtype, rht=rht, stochastic=stochastic)
+    return NVFP4Tensor(
+        data=data,
+        scale_inv=decode,
+        global_amax=amax,
+        block=block,
+        shape=shape,
+        dtype=x.dtype,
+        rht=rht,
+        stochastic=stochastic,
+    )
 
 
-def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *,
-                     undo_rht: bool = False) -> torch.Tensor:
+def dequantize_nvfp4(
+    q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *, undo_rht: bool = False
+) -> torch.Tensor:
     """``E2M1 value * (decode_scale * global_scale_inv)`` in fp32, shaped like the source and
     returned in ``dtype``.
 
@@ -374,12 +443,16 @@ def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *,
     applies the inverse transform (the transpose of :func:`rht_matrix`) in fp32.
     """
     if not isinstance(q, NVFP4Tensor):
-        raise FP8ConfigError(f"dequantize_nvfp4 expects an NVFP4Tensor `q`, got "
-                             f"{type(q).__name__}", key="q", value=type(q).__name__)
+        raise FP8ConfigError(
+            f"dequantize_nvfp4 expects an NVFP4Tensor `q`, got {type(q).__name__}",
+            key="q",
+            value=type(q).__name__,
+        )
     codes = unpack_e2m1(q.data).long()
     m, k = codes.shape
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
-                       device=codes.device)
+    lut = torch.tensor(
+        E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device
+    )
     values = lut[codes].reshape(m, k // NVFP4_GROUP, NVFP4_GROUP)
     factor = q.scale_inv.float() * q.global_scale_inv
     bm = q.block[0]
@@ -387,7 +460,6 @@ def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *,
         factor = factor.repeat_interleave(bm, dim=0)[:m]
     out = (values * factor.unsqueeze(-1)).reshape(m, k)
     if undo_rht and q.rht:
-        out = (out.reshape(-1, NVFP4_GROUP) @ rht_matrix(torch.float32, out.device).T
-               ).reshape(m, k)
+        out = (out.reshape(-1, NVFP4_GROUP) @ rht_matrix(torch.float32, out.device).T).reshape(m, k)
     out = out.reshape(q.shape)
     return out if dtype == torch.float32 else out.to(dtype)

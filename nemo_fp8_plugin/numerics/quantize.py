@@ -36,8 +36,15 @@ from .scaling import (
     scale_from_amax,
 )
 
-__all__ = ["QTensor", "quantize_per_tensor", "quantize_with_scale", "quantize_blockwise",
-           "quantize_mxfp8", "tensor_amax", "check_block"]
+__all__ = [
+    "QTensor",
+    "quantize_per_tensor",
+    "quantize_with_scale",
+    "quantize_blockwise",
+    "quantize_mxfp8",
+    "tensor_amax",
+    "check_block",
+]
 
 
 @dataclass
@@ -87,8 +94,10 @@ class QTensor:
         return out if dtype == torch.float32 else out.to(dtype)
 
     def __repr__(self) -> str:
-        return (f"QTensor(shape={tuple(self.data.shape)}, fmt={self.fmt!r}, block={self.block}, "
-                f"scale_inv={tuple(self.scale_inv.shape)} {self.scale_inv.dtype})")
+        return (
+            f"QTensor(shape={tuple(self.data.shape)}, fmt={self.fmt!r}, block={self.block}, "
+            f"scale_inv={tuple(self.scale_inv.shape)} {self.scale_inv.dtype})"
+        )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -100,11 +109,15 @@ def check_block(block, *, allow_none: bool = False, key: str = "block") -> tuple
         return None
     if isinstance(block, int) and not isinstance(block, bool):
         block = (1, block)
-    if (isinstance(block, (tuple, list)) and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    if (
+        isinstance(block, (tuple, list))
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
         return (int(block[0]), int(block[1]))
-    raise FP8ConfigError(f"expected a tile shape (rows, cols) of positive ints, got {block!r}",
-                         key=key, value=block)
+    raise FP8ConfigError(
+        f"expected a tile shape (rows, cols) of positive ints, got {block!r}", key=key, value=block
+    )
 
 
 def _pad_to_tiles(xf: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
@@ -130,8 +143,9 @@ def _expand_tiles(s: torch.Tensor) -> torch.Tensor:
     return s.unsqueeze(-1).unsqueeze(-3)
 
 
-def dequantize_fp32(data: torch.Tensor, scale_inv: torch.Tensor,
-                    block: tuple[int, int] | None) -> torch.Tensor:
+def dequantize_fp32(
+    data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None
+) -> torch.Tensor:
     """fp32 ``data * scale_inv`` with ``scale_inv`` broadcast over its tiles."""
     d = data.float()
     if block is None:
@@ -148,7 +162,8 @@ def dequantize_fp32(data: torch.Tensor, scale_inv: torch.Tensor,
         if k % bn:
             d = F.pad(d, (0, kt * bn - k))
         out = (d.reshape(*d.shape[:-1], kt, bn) * scale_inv.unsqueeze(-1)).reshape(
-            *d.shape[:-1], kt * bn)
+            *d.shape[:-1], kt * bn
+        )
         return out[..., :k] if k % bn else out
     m, k = d.shape[-2], d.shape[-1]
     padded = _pad_to_tiles(d, bm, bn)
@@ -166,8 +181,9 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return nan_ignoring_abs(x.float()).amax()
 
 
-def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3",
-                        scale_inv: torch.Tensor | None = None) -> QTensor:
+def quantize_with_scale(
+    x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3", scale_inv: torch.Tensor | None = None
+) -> QTensor:
     """Cast ``x`` with a given per-tensor fp32 ``scale`` (delayed scaling's cast).
 
     ``scale_inv`` defaults to the correctly rounded ``1 / scale``; delayed scaling passes
@@ -182,8 +198,9 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3",
     return QTensor(data, scale_inv.to(device=x.device, dtype=torch.float32).reshape(()), fmt, None)
 
 
-def quantize_per_tensor(x: torch.Tensor, fmt: str = "e4m3", pow2_scales: bool = False,
-                        eps: float = 0.0) -> QTensor:
+def quantize_per_tensor(
+    x: torch.Tensor, fmt: str = "e4m3", pow2_scales: bool = False, eps: float = 0.0
+) -> QTensor:
     """Per-tensor current scaling (TE ``Float8CurrentScaling``).
 
     ``amax = max |x|`` (NaN ignored), ``scale = fp8_max / amax`` (FLT_MAX if that overflows,
@@ -192,8 +209,9 @@ def quantize_per_tensor(x: torch.Tensor, fmt: str = "e4m3", pow2_scales: bool = 
     """
     check_input_dtype(x)
     fmt = check_format(fmt)
-    scale = scale_from_amax(tensor_amax(x), fp8_max(fmt), pow2=bool(pow2_scales),
-                            eps=float(eps), value_for_inf=FLT_MAX)
+    scale = scale_from_amax(
+        tensor_amax(x), fp8_max(fmt), pow2=bool(pow2_scales), eps=float(eps), value_for_inf=FLT_MAX
+    )
     return quantize_with_scale(x, scale, fmt)
 
 
@@ -202,26 +220,33 @@ def quantize_per_tensor(x: torch.Tensor, fmt: str = "e4m3", pow2_scales: bool = 
 
 def _check_rank(x: torch.Tensor, ranks, what: str) -> None:
     if x.dim() not in ranks:
-        raise FP8ConfigError(f"{what} takes a tensor of rank {' or '.join(map(str, ranks))}, "
-                             f"got shape {tuple(x.shape)}", key="x", value=tuple(x.shape))
+        raise FP8ConfigError(
+            f"{what} takes a tensor of rank {' or '.join(map(str, ranks))}, "
+            f"got shape {tuple(x.shape)}",
+            key="x",
+            value=tuple(x.shape),
+        )
 
 
-def block_quantize_core(x: torch.Tensor, bm: int, bn: int, fmt: str, pow2: bool, eps: float,
-                        value_for_inf: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_quantize_core(
+    x: torch.Tensor, bm: int, bn: int, fmt: str, pow2: bool, eps: float, value_for_inf: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantize ``[..., M, K]`` whose last two dims are multiples of ``(bm, bn)``.
 
     Returns ``(data [..., M, K], scale [..., M/bm, K/bn])`` with ``scale`` the quantization
     scale (not its inverse). Traceable by torch.compile.
     """
     tiles = _tiled(x.float(), bm, bn)
-    scale = scale_from_amax(_tile_amax(tiles), fp8_max(fmt), pow2=pow2, eps=eps,
-                            value_for_inf=value_for_inf)
+    scale = scale_from_amax(
+        _tile_amax(tiles), fp8_max(fmt), pow2=pow2, eps=eps, value_for_inf=value_for_inf
+    )
     data = saturating_cast(tiles * _expand_tiles(scale), fp8_max(fmt), fp8_dtype(fmt))
     return data.reshape(x.shape), scale
 
 
-def quantize_blockwise(x: torch.Tensor, block=(1, 128), fmt: str = "e4m3",
-                       pow2_scales: bool = False, eps: float = 0.0) -> QTensor:
+def quantize_blockwise(
+    x: torch.Tensor, block=(1, 128), fmt: str = "e4m3", pow2_scales: bool = False, eps: float = 0.0
+) -> QTensor:
     """Block scaling (TE ``Float8BlockScaling``): one fp32 scale per ``block`` tile.
 
     Args:
@@ -246,8 +271,9 @@ def quantize_blockwise(x: torch.Tensor, block=(1, 128), fmt: str = "e4m3",
     bm, bn = check_block(block)
     m, k = x.shape[-2], x.shape[-1]
     padded = _pad_to_tiles(x.float(), bm, bn)
-    data, scale = block_quantize_core(padded, bm, bn, fmt, bool(pow2_scales), float(eps),
-                                      input_dtype_max(x.dtype))
+    data, scale = block_quantize_core(
+        padded, bm, bn, fmt, bool(pow2_scales), float(eps), input_dtype_max(x.dtype)
+    )
     if padded.shape != x.shape:
         data = data[..., :m, :k].contiguous()
     return QTensor(data, reciprocal(scale), fmt, (bm, bn))
@@ -256,8 +282,9 @@ def quantize_blockwise(x: torch.Tensor, block=(1, 128), fmt: str = "e4m3",
 # --------------------------------------------------------------------------- MXFP8
 
 
-def mx_quantize_core(x: torch.Tensor, bm: int, bn: int,
-                     fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def mx_quantize_core(
+    x: torch.Tensor, bm: int, bn: int, fmt: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8-quantize ``[..., M, K]`` with dims multiples of ``(bm, bn)``.
 
     Returns ``(data, e)`` with ``e`` the biased E8M0 exponents as int32. Traceable.
@@ -300,8 +327,9 @@ def quantize_mxfp8(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
     fmt = check_format(fmt)
     bm, bn = check_block(block)
     if (bm, bn) not in ((1, 32), (32, 1), (32, 32)):
-        raise FP8ConfigError(f"MXFP8 blocks are 1x32, 32x1 or 32x32, got {bm}x{bn}", key="block",
-                             value=block)
+        raise FP8ConfigError(
+            f"MXFP8 blocks are 1x32, 32x1 or 32x32, got {bm}x{bn}", key="block", value=block
+        )
     if bm == 1:
         _check_rank(x, tuple(range(1, 9)), "quantize_mxfp8")
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x

@@ -21,8 +21,19 @@ __all__ = ["RecipeLike", "RecipeTypeError", "check_recipe", "SCALING_KINDS"]
 SCALING_KINDS = ("delayed", "tensorwise", "block", "mx", "nvfp4")
 """The scaling kinds the quantizers implement (``RecipeSpec.scaling``)."""
 
-_FIELDS = ("name", "scaling", "pow2_scales", "amax_epsilon", "amax_history_len",
-           "amax_compute_algo", "margin", "reduce_amax", "fp8_wgrad", "format_for", "block_for")
+_FIELDS = (
+    "name",
+    "scaling",
+    "pow2_scales",
+    "amax_epsilon",
+    "amax_history_len",
+    "amax_compute_algo",
+    "margin",
+    "reduce_amax",
+    "fp8_wgrad",
+    "format_for",
+    "block_for",
+)
 
 
 @runtime_checkable
@@ -77,18 +88,27 @@ def check_recipe(recipe: object, key: str = "recipe") -> RecipeLike:
     if isinstance(recipe, (str, bytes, Mapping)):
         raise RecipeTypeError(
             f"the numerics take a recipe spec, not a {type(recipe).__name__} "
-            f"({format_value(recipe)})", key=key, value=recipe,
+            f"({format_value(recipe)})",
+            key=key,
+            value=recipe,
             hint="pass nemo_fp8_plugin.get_recipe(name), which resolves names, mappings and "
-                 "JSON into a RecipeSpec")
+            "JSON into a RecipeSpec",
+        )
     missing = [f for f in _FIELDS if not hasattr(recipe, f)]
     if missing:
         raise RecipeTypeError(
             f"expected a recipe spec (nemo_fp8_plugin.RecipeSpec), got "
             f"{type(recipe).__name__} {format_value(recipe)} without {', '.join(missing)}",
-            key=key, value=recipe, hint="build one with nemo_fp8_plugin.get_recipe(name)")
+            key=key,
+            value=recipe,
+            hint="build one with nemo_fp8_plugin.get_recipe(name)",
+        )
     scaling = recipe.scaling
     if scaling not in SCALING_KINDS:
-        raise FP8ConfigError(f"unknown scaling kind {format_value(scaling)}; the numerics "
-                             f"implement {', '.join(SCALING_KINDS)}", key=f"{key}.scaling",
-                             value=scaling)
+        raise FP8ConfigError(
+            f"unknown scaling kind {format_value(scaling)}; the numerics "
+            f"implement {', '.join(SCALING_KINDS)}",
+            key=f"{key}.scaling",
+            value=scaling,
+        )
     return recipe  # type: ignore[return-value]  # checked field by field above

@@ -14,8 +14,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["nan_ignoring_abs", "scale_from_amax", "reciprocal", "saturating_cast",
-           "e8m0_from_amax", "e8m0_quant_multiplier", "e8m0_data_factors", "FLT_MAX"]
+__all__ = [
+    "nan_ignoring_abs",
+    "scale_from_amax",
+    "reciprocal",
+    "saturating_cast",
+    "e8m0_from_amax",
+    "e8m0_quant_multiplier",
+    "e8m0_data_factors",
+    "FLT_MAX",
+]
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 
@@ -30,8 +38,9 @@ def nan_ignoring_abs(xf: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(a), torch.zeros_like(a), a)
 
 
-def scale_from_amax(amax: torch.Tensor, fp8_max: float, *, pow2: bool, eps: float,
-                    value_for_inf: float) -> torch.Tensor:
+def scale_from_amax(
+    amax: torch.Tensor, fp8_max: float, *, pow2: bool, eps: float, value_for_inf: float
+) -> torch.Tensor:
     """TE's ``compute_scale_from_amax`` (``common/recipe/recipe_common.cuh``), elementwise.
 
     Args:

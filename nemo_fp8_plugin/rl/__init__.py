@@ -12,8 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the lazily loaded names, for type checkers and IDEs
     from .export import export_fp8_checkpoint
-    from .importance import (gen_kl_error, importance_weights, kl_estimate, mismatch_metrics,
-                             policy_kl_error)
+    from .importance import (
+        gen_kl_error,
+        importance_weights,
+        kl_estimate,
+        mismatch_metrics,
+        policy_kl_error,
+    )
     from .kv_scales import KVScaleCalibrator, refresh_scales
     from .refit import RefitLayoutError, quantize_for_refit
 
@@ -31,7 +36,19 @@ _EXPORTS = {
     "refresh_scales": "kv_scales",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "KVScaleCalibrator",
+    "RefitLayoutError",
+    "export_fp8_checkpoint",
+    "gen_kl_error",
+    "importance_weights",
+    "kl_estimate",
+    "mismatch_metrics",
+    "policy_kl_error",
+    "quantize_for_refit",
+    "refresh_scales",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

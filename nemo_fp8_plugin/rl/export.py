@@ -39,8 +39,14 @@ from ..errors import FP8ConfigError, format_value
 
 __all__ = ["export_fp8_checkpoint", "ExportResult", "WEIGHT_FILES"]
 
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "model.safetensors.index.json",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 """Files of a source directory that are replaced, not copied (weights and their index)."""
 
 _SCALE_SUFFIX = "_scale_inv"
@@ -71,11 +77,17 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
     if config is None and source_dir is not None:
         config = source_dir / "config.json"
         if not config.exists():
-            raise FP8ConfigError(f"{source_dir} has no config.json", key="config",
-                                 hint="pass config= (the model's Hugging Face config)")
+            raise FP8ConfigError(
+                f"{source_dir} has no config.json",
+                key="config",
+                hint="pass config= (the model's Hugging Face config)",
+            )
     if config is None:
-        raise FP8ConfigError("a state dict needs the model's Hugging Face config", key="config",
-                             hint="pass config= (a mapping or a path to config.json)")
+        raise FP8ConfigError(
+            "a state dict needs the model's Hugging Face config",
+            key="config",
+            hint="pass config= (a mapping or a path to config.json)",
+        )
     if isinstance(config, (str, os.PathLike)):
         from ..config import regular_file
 
@@ -86,13 +98,17 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise FP8ConfigError(f"cannot read {path}: {format_value(str(exc))}", key="config",
-                                 value=str(path)) from None
+            raise FP8ConfigError(
+                f"cannot read {path}: {format_value(str(exc))}", key="config", value=str(path)
+            ) from None
     if hasattr(config, "to_dict"):
         config = config.to_dict()
     if not isinstance(config, Mapping):
-        raise FP8ConfigError(f"expected a mapping or a config.json path, got {format_value(config)}",
-                             key="config", value=config)
+        raise FP8ConfigError(
+            f"expected a mapping or a config.json path, got {format_value(config)}",
+            key="config",
+            value=config,
+        )
     return dict(config)
 
 
@@ -111,10 +127,15 @@ def _safetensors_files(source: Path) -> list[Path]:
     files = safetensors_files(source, key="source")
     if not files:
         other = [p.name for p in source.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-        hint = ("convert it to safetensors first (transformers: save_pretrained(..., "
-                "safe_serialization=True))" if other else None)
-        raise FP8ConfigError(f"no *.safetensors files in {source}", key="source", value=str(source),
-                             hint=hint)
+        hint = (
+            "convert it to safetensors first (transformers: save_pretrained(..., "
+            "safe_serialization=True))"
+            if other
+            else None
+        )
+        raise FP8ConfigError(
+            f"no *.safetensors files in {source}", key="source", value=str(source), hint=hint
+        )
     return files
 
 
@@ -131,7 +152,9 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
-def _ignored_layers(high_precision_weights: Iterable[str], quantized_modules: set[str]) -> list[str]:
+def _ignored_layers(
+    high_precision_weights: Iterable[str], quantized_modules: set[str]
+) -> list[str]:
     """Modules with a weight left in high precision; vLLM's fp8 method must skip them.
 
     Embeddings and the output head are left out (vLLM's fp8 method never quantizes them).
@@ -142,8 +165,11 @@ def _ignored_layers(high_precision_weights: Iterable[str], quantized_modules: se
     for weight in high_precision_weights:
         module = _module_of(weight)
         leaf = module.rsplit(".", 1)[-1]
-        if (module in quantized_modules or "embed" in leaf
-                or names.builtin_high_precision(module) == "output_head"):
+        if (
+            module in quantized_modules
+            or "embed" in leaf
+            or names.builtin_high_precision(module) == "output_head"
+        ):
             continue
         out.append(module)
         unit = names.generic_unit(module)
@@ -154,9 +180,13 @@ def _ignored_layers(high_precision_weights: Iterable[str], quantized_modules: se
 
 def _quantization_config(spec, ignored: list[str]) -> dict[str, Any]:
     if spec.scaling == "block":
-        cfg: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                               "weight_block_size": list(spec.weight_block),
-                               "ignored_layers": ignored}
+        cfg: dict[str, Any] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(spec.weight_block),
+            "ignored_layers": ignored,
+        }
         if spec.pow2_scales:
             cfg["pow2_scales"] = True  # read by nemo_fp8; vLLM's fp8 method ignores it
         return cfg
@@ -182,8 +212,9 @@ class _ShardWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.pending or any(name in names for _, names in self.files):
-            raise FP8ConfigError(f"tensor {format_value(name)} appears twice in the source",
-                                 key=name)
+            raise FP8ConfigError(
+                f"tensor {format_value(name)} appears twice in the source", key=name
+            )
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + size > self.max_bytes:
             self.flush()
@@ -207,17 +238,24 @@ class _ShardWriter:
         total = len(self.files)
         weight_map: dict[str, str] = {}
         for i, (path, names) in enumerate(self.files, start=1):
-            final = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
+            final = (
+                "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
+            )
             path.rename(self.directory / final)
             weight_map.update({n: final for n in names})
         return weight_map
 
 
-def export_fp8_checkpoint(source: Mapping[str, torch.Tensor] | str | os.PathLike,
-                          out_dir: str | os.PathLike, spec: Any = "fp8_blockwise", *,
-                          config: Mapping[str, Any] | str | os.PathLike | None = None,
-                          max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-                          copy_other_files: bool = True) -> ExportResult:
+def export_fp8_checkpoint(
+    source: Mapping[str, torch.Tensor] | str | os.PathLike,
+    out_dir: str | os.PathLike,
+    spec: Any = "fp8_blockwise",
+    *,
+    config: Mapping[str, Any] | str | os.PathLike | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+    copy_other_files: bool = True,
+) -> ExportResult:
     """Quantize a model's weights and write a checkpoint vLLM loads natively.
 
     Args:
@@ -240,47 +278,71 @@ def export_fp8_checkpoint(source: Mapping[str, torch.Tensor] | str | os.PathLike
     from ..registry import get_recipe
 
     if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
-        raise FP8ConfigError(f"expected a directory path, got {format_value(out_dir)}",
-                             key="out_dir", value=out_dir)
+        raise FP8ConfigError(
+            f"expected a directory path, got {format_value(out_dir)}", key="out_dir", value=out_dir
+        )
     for key, flag in (("overwrite", overwrite), ("copy_other_files", copy_other_files)):
         if not isinstance(flag, bool):  # "false" is a mistake, not True
-            raise FP8ConfigError(f"expected True or False, got {format_value(flag)}", key=key,
-                                 value=flag)
-    if not (config is None or isinstance(config, (Mapping, str, os.PathLike))
-            or hasattr(config, "to_dict")):
-        raise FP8ConfigError(f"expected a mapping, a config.json path or None, got "
-                             f"{format_value(config)}", key="config")
+            raise FP8ConfigError(
+                f"expected True or False, got {format_value(flag)}", key=key, value=flag
+            )
+    if not (
+        config is None
+        or isinstance(config, (Mapping, str, os.PathLike))
+        or hasattr(config, "to_dict")
+    ):
+        raise FP8ConfigError(
+            f"expected a mapping, a config.json path or None, got {format_value(config)}",
+            key="config",
+        )
     try:
         spec = get_recipe(spec)
     except FP8ConfigError as err:  # the argument is `spec`
         key = "spec" if err.key in (None, "recipe") else f"spec.{err.key}"
         raise FP8ConfigError(err.bare_message, key=key, value=err.value, hint=err.hint) from None
     if spec.generation != "fp8" or spec.scaling not in ("block", "mx"):
-        raise FP8ConfigError(f"recipe {spec.name!r} has no FP8 generation checkpoint format "
-                             f"(scaling: {spec.scaling}, generation: {spec.generation})",
-                             key="spec", value=spec.name,
-                             hint="export block (fp8_blockwise, fp8_subchannel) or mxfp8 recipes")
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
-        raise FP8ConfigError(f"expected a positive number of bytes, got {format_value(max_shard_bytes)}",
-                             key="max_shard_bytes", value=max_shard_bytes)
+        raise FP8ConfigError(
+            f"recipe {spec.name!r} has no FP8 generation checkpoint format "
+            f"(scaling: {spec.scaling}, generation: {spec.generation})",
+            key="spec",
+            value=spec.name,
+            hint="export block (fp8_blockwise, fp8_subchannel) or mxfp8 recipes",
+        )
+    if (
+        isinstance(max_shard_bytes, bool)
+        or not isinstance(max_shard_bytes, int)
+        or max_shard_bytes <= 0
+    ):
+        raise FP8ConfigError(
+            f"expected a positive number of bytes, got {format_value(max_shard_bytes)}",
+            key="max_shard_bytes",
+            value=max_shard_bytes,
+        )
     source_dir: Path | None = None
     if isinstance(source, (str, os.PathLike)):
         source_dir = Path(source)
         if not source_dir.is_dir():
-            raise FP8ConfigError(f"checkpoint directory not found: {source_dir}", key="source",
-                                 value=str(source_dir))
+            raise FP8ConfigError(
+                f"checkpoint directory not found: {source_dir}", key="source", value=str(source_dir)
+            )
         named: Iterable[tuple[str, torch.Tensor]] = _stream_dir(_safetensors_files(source_dir))
     elif isinstance(source, Mapping):
         named = source.items()
     else:
-        raise FP8ConfigError(f"expected a state dict or a checkpoint directory, got "
-                             f"{format_value(source)}", key="source")
+        raise FP8ConfigError(
+            f"expected a state dict or a checkpoint directory, got {format_value(source)}",
+            key="source",
+        )
     hf_config = _read_config(config, source_dir)
 
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise FP8ConfigError(f"{out} already exists", key="out_dir", value=str(out),
-                             hint="pick a new directory or pass overwrite=True")
+        raise FP8ConfigError(
+            f"{out} already exists",
+            key="out_dir",
+            value=str(out),
+            hint="pick a new directory or pass overwrite=True",
+        )
     if source_dir is not None and out.resolve() == source_dir.resolve():
         raise FP8ConfigError("out_dir is the source directory", key="out_dir", value=str(out))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -295,8 +357,15 @@ def export_fp8_checkpoint(source: Mapping[str, torch.Tensor] | str | os.PathLike
     return result
 
 
-def _write(tmp: Path, named, spec, hf_config: dict, max_shard_bytes: int, source_dir: Path | None,
-           copy_other_files: bool) -> ExportResult:
+def _write(
+    tmp: Path,
+    named,
+    spec,
+    hf_config: dict,
+    max_shard_bytes: int,
+    source_dir: Path | None,
+    copy_other_files: bool,
+) -> ExportResult:
     from .refit import quantize_for_refit
 
     writer = _ShardWriter(tmp, max_shard_bytes)

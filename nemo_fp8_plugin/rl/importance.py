@@ -58,8 +58,14 @@ import torch
 
 from ..errors import FP8ConfigError, format_value, suggest
 
-__all__ = ["importance_weights", "mismatch_metrics", "truncation_window", "gen_kl_error",
-           "policy_kl_error", "kl_estimate"]
+__all__ = [
+    "importance_weights",
+    "mismatch_metrics",
+    "truncation_window",
+    "gen_kl_error",
+    "policy_kl_error",
+    "kl_estimate",
+]
 
 LEVELS = ("token", "sequence")
 TRUNCATIONS = ("tis", "icepop", "seq-mask-tis")
@@ -75,9 +81,13 @@ def _choice(key: str, value: Any, choices: tuple[str, ...], optional: bool = Fal
     if isinstance(value, str) and value in choices:
         return value
     near = suggest(value, choices) if isinstance(value, str) else None
-    raise FP8ConfigError(f"expected one of {', '.join(choices)}"
-                         f"{' or None' if optional else ''}, got {format_value(value)}",
-                         key=key, value=value, hint=f"did you mean {near!r}?" if near else None)
+    raise FP8ConfigError(
+        f"expected one of {', '.join(choices)}"
+        f"{' or None' if optional else ''}, got {format_value(value)}",
+        key=key,
+        value=value,
+        hint=f"did you mean {near!r}?" if near else None,
+    )
 
 
 def _bound(key: str, value: Any, optional: bool = False) -> float | None:
@@ -107,17 +117,23 @@ def _settings(level: Any, truncation: Any, ratio_max: Any, ratio_min: Any) -> _S
     if high == 0:  # NeMo RL: "truncated_importance_sampling_ratio should be positive"
         raise FP8ConfigError("must be positive, got 0.0", key="ratio_max", value=ratio_max)
     if low is not None and low > high:  # NeMo RL: "ratio_min must be <= ratio"
-        raise FP8ConfigError(f"ratio_min ({low}) exceeds ratio_max ({high})", key="ratio_min",
-                             value=ratio_min)
+        raise FP8ConfigError(
+            f"ratio_min ({low}) exceeds ratio_max ({high})", key="ratio_min", value=ratio_min
+        )
     if truncation == "seq-mask-tis" and level == "sequence":
-        raise FP8ConfigError("seq-mask-tis masks sequences but weights tokens; it cannot be "
-                             "combined with sequence-level ratios", key="level", value="sequence",
-                             hint="use level: token (NeMo RL refuses the combination too)")
+        raise FP8ConfigError(
+            "seq-mask-tis masks sequences but weights tokens; it cannot be "
+            "combined with sequence-level ratios",
+            key="level",
+            value="sequence",
+            hint="use level: token (NeMo RL refuses the combination too)",
+        )
     return _Settings(level, truncation, high, low)
 
 
-def truncation_window(truncation: str | None, ratio_max: float = 2.0,
-                      ratio_min: float | None = None) -> tuple[float, float]:
+def truncation_window(
+    truncation: str | None, ratio_max: float = 2.0, ratio_min: float | None = None
+) -> tuple[float, float]:
     """The inclusive ``[low, high]`` weight window a truncation mode uses.
 
     ``tis`` (and no truncation, for the ``truncated_fraction`` metric): ``[ratio_min or 0,
@@ -136,9 +152,12 @@ def _mask_bool(name: str, value: Any, shape: torch.Size, device: torch.device) -
     if not isinstance(value, torch.Tensor):
         raise FP8ConfigError(f"expected a torch.Tensor, got {type(value).__name__}", key=name)
     if value.shape != shape:
-        raise FP8ConfigError(f"expected shape {tuple(shape)}, got {tuple(value.shape)}", key=name,
-                             hint="mask is [..., T] like the log-probs, sample_mask is [...]: one "
-                                  "entry per sequence")
+        raise FP8ConfigError(
+            f"expected shape {tuple(shape)}, got {tuple(value.shape)}",
+            key=name,
+            hint="mask is [..., T] like the log-probs, sample_mask is [...]: one "
+            "entry per sequence",
+        )
     value = value.detach()
     if value.is_complex():
         raise FP8ConfigError(f"expected a bool or 0/1 tensor, got {value.dtype}", key=name)
@@ -146,8 +165,11 @@ def _mask_bool(name: str, value: Any, shape: torch.Size, device: torch.device) -
         if not bool(((value == 0) | (value == 1)).all()):
             # NeMo RL multiplies by the mask, so a 0.5 would weight a token by half; this API
             # takes membership only, and a fractional or NaN entry is refused, not guessed.
-            raise FP8ConfigError("expected only 0 and 1 (or a bool tensor)", key=name,
-                                 hint="scale the loss yourself to weight tokens")
+            raise FP8ConfigError(
+                "expected only 0 and 1 (or a bool tensor)",
+                key=name,
+                hint="scale the loss yourself to weight tokens",
+            )
         value = value != 0
     return value.to(device)
 
@@ -155,8 +177,8 @@ def _mask_bool(name: str, value: Any, shape: torch.Size, device: torch.device) -
 class _Inputs(NamedTuple):
     train: torch.Tensor
     gen: torch.Tensor
-    valid: torch.Tensor   # token counts: mask & sample_mask, [..., T]
-    token: torch.Tensor   # mask alone (NeMo RL's token_mask), [..., T]
+    valid: torch.Tensor  # token counts: mask & sample_mask, [..., T]
+    token: torch.Tensor  # mask alone (NeMo RL's token_mask), [..., T]
     samples: torch.Tensor  # sequences that count, [...]
 
 
@@ -173,14 +195,20 @@ def _prepare(train_logprobs: Any, gen_logprobs: Any, mask: Any, sample_mask: Any
     if not isinstance(mask, torch.Tensor):
         raise FP8ConfigError(f"expected a torch.Tensor, got {type(mask).__name__}", key="mask")
     if train.shape != gen.shape or mask.shape != train.shape:
-        raise FP8ConfigError(f"shapes differ: train_logprobs {tuple(train.shape)}, gen_logprobs "
-                             f"{tuple(gen.shape)}, mask {tuple(mask.shape)}", key="mask",
-                             hint="pass [batch, tokens] tensors aligned token for token")
+        raise FP8ConfigError(
+            f"shapes differ: train_logprobs {tuple(train.shape)}, gen_logprobs "
+            f"{tuple(gen.shape)}, mask {tuple(mask.shape)}",
+            key="mask",
+            hint="pass [batch, tokens] tensors aligned token for token",
+        )
     if train.dim() == 0:
         raise FP8ConfigError("expected at least one dimension (tokens)", key="train_logprobs")
     if gen.device != train.device:
-        raise FP8ConfigError(f"on {gen.device}, train_logprobs on {train.device}",
-                             key="gen_logprobs", hint="move both to one device")
+        raise FP8ConfigError(
+            f"on {gen.device}, train_logprobs on {train.device}",
+            key="gen_logprobs",
+            hint="move both to one device",
+        )
     dtype = torch.promote_types(torch.promote_types(train.dtype, gen.dtype), torch.float32)
     token = _mask_bool("mask", mask, train.shape, train.device)
     if sample_mask is None:
@@ -216,11 +244,11 @@ def _seq_log_ratio_mean(log_ratio: torch.Tensor, token: torch.Tensor) -> torch.T
 
 
 class _Weights(NamedTuple):
-    raw: torch.Tensor       # untruncated: per token [..., T] or per sequence [...]
+    raw: torch.Tensor  # untruncated: per token [..., T] or per sequence [...]
     truncated: torch.Tensor  # truncated, raw's shape (unmasked)
-    weights: torch.Tensor   # truncated, per token [..., T], 0 where not valid
-    out: torch.Tensor       # out of the window: per token (tis/icepop/None) or sequence
-    per_sequence: bool      # whether `out` counts sequences
+    weights: torch.Tensor  # truncated, per token [..., T], 0 where not valid
+    out: torch.Tensor  # out of the window: per token (tis/icepop/None) or sequence
+    per_sequence: bool  # whether `out` counts sequences
 
 
 def _compute(x: _Inputs, s: _Settings) -> _Weights:
@@ -256,10 +284,17 @@ def _compute(x: _Inputs, s: _Settings) -> _Weights:
     return _Weights(raw, truncated, _masked(per_token, x.valid), out, per_sequence)
 
 
-def importance_weights(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
-                       mask: torch.Tensor, level: str = "token", truncation: str | None = None,
-                       ratio_max: float = 2.0, ratio_min: float | None = None, *,
-                       sample_mask: torch.Tensor | None = None) -> torch.Tensor:
+def importance_weights(
+    train_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+    truncation: str | None = None,
+    ratio_max: float = 2.0,
+    ratio_min: float | None = None,
+    *,
+    sample_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token importance weights correcting for sampling from the generation policy.
 
     Args:
@@ -292,8 +327,9 @@ def importance_weights(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
 # ------------------------------------------------------------------ KL estimators
 
 
-def kl_estimate(logprobs: torch.Tensor, logprobs_reference: torch.Tensor,
-                kl_type: str = "k3") -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor, logprobs_reference: torch.Tensor, kl_type: str = "k3"
+) -> torch.Tensor:
     """Per-token KL(P || P_ref) estimate on samples drawn from P (Schulman's k1/k2/k3).
 
     NeMo RL's ``calculate_kl`` (``nemo_rl/algorithms/utils.py``) without its clamps (the
@@ -305,11 +341,17 @@ def kl_estimate(logprobs: torch.Tensor, logprobs_reference: torch.Tensor,
     kl_type = _choice("kl_type", kl_type, KL_TYPES)
     for name, value in (("logprobs", logprobs), ("logprobs_reference", logprobs_reference)):
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            raise FP8ConfigError(f"expected a floating-point torch.Tensor, got "
-                                 f"{getattr(value, 'dtype', type(value).__name__)}", key=name)
+            raise FP8ConfigError(
+                f"expected a floating-point torch.Tensor, got "
+                f"{getattr(value, 'dtype', type(value).__name__)}",
+                key=name,
+            )
     if logprobs.shape != logprobs_reference.shape:
-        raise FP8ConfigError(f"shapes differ: logprobs {tuple(logprobs.shape)}, logprobs_reference "
-                             f"{tuple(logprobs_reference.shape)}", key="logprobs_reference")
+        raise FP8ConfigError(
+            f"shapes differ: logprobs {tuple(logprobs.shape)}, logprobs_reference "
+            f"{tuple(logprobs_reference.shape)}",
+            key="logprobs_reference",
+        )
     return _kl(logprobs_reference - logprobs, kl_type)
 
 
@@ -327,8 +369,14 @@ def _finite_mean(values: torch.Tensor, finite: torch.Tensor, n_finite: int, empt
     return float(_masked(values, finite).sum() / n_finite)
 
 
-def _kl_error(train_logprobs: Any, gen_logprobs: Any, mask: Any, sample_mask: Any,
-              kl_type: Any, gen_side: bool) -> float:
+def _kl_error(
+    train_logprobs: Any,
+    gen_logprobs: Any,
+    mask: Any,
+    sample_mask: Any,
+    kl_type: Any,
+    gen_side: bool,
+) -> float:
     kl_type = _choice("kl_type", kl_type, KL_TYPES)
     x = _prepare(train_logprobs, gen_logprobs, mask, sample_mask)
     r = x.train - x.gen
@@ -337,8 +385,14 @@ def _kl_error(train_logprobs: Any, gen_logprobs: Any, mask: Any, sample_mask: An
     return _finite_mean(_kl(safe if gen_side else -safe, kl_type), finite, int(finite.sum()), 0.0)
 
 
-def gen_kl_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor, *,
-                 sample_mask: torch.Tensor | None = None, kl_type: str = "k3") -> float:
+def gen_kl_error(
+    train_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    sample_mask: torch.Tensor | None = None,
+    kl_type: str = "k3",
+) -> float:
     """KL(P_gen || P_train) estimated on the generated tokens: NeMo RL's ``gen_kl_error``.
 
     NeMo RL: ``calculate_kl(logprobs=generation_logprobs, logprobs_reference=prev_logprobs,
@@ -350,8 +404,14 @@ def gen_kl_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask:
     return _kl_error(train_logprobs, gen_logprobs, mask, sample_mask, kl_type, gen_side=True)
 
 
-def policy_kl_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor,
-                    *, sample_mask: torch.Tensor | None = None, kl_type: str = "k3") -> float:
+def policy_kl_error(
+    train_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    sample_mask: torch.Tensor | None = None,
+    kl_type: str = "k3",
+) -> float:
     """KL(P_train || P_gen) by the same estimator with the roles swapped: NeMo RL's
     ``policy_kl_error`` (``calculate_kl(logprobs=prev_logprobs,
     logprobs_reference=generation_logprobs)``, ``r = gen - train``). Still evaluated on
@@ -362,11 +422,18 @@ def policy_kl_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, ma
 # ------------------------------------------------------------------ metrics
 
 
-def mismatch_metrics(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
-                     mask: torch.Tensor, *, level: str = "token", truncation: str | None = None,
-                     ratio_max: float = 2.0, ratio_min: float | None = None,
-                     sample_mask: torch.Tensor | None = None,
-                     kl_type: str = "k3") -> dict[str, float]:
+def mismatch_metrics(
+    train_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str = "token",
+    truncation: str | None = None,
+    ratio_max: float = 2.0,
+    ratio_min: float | None = None,
+    sample_mask: torch.Tensor | None = None,
+    kl_type: str = "k3",
+) -> dict[str, float]:
     """How far the generation policy is from the training policy on the sampled tokens.
 
     Returns a dict of Python floats (NeMo RL's metric names where they exist):
@@ -423,10 +490,10 @@ def mismatch_metrics(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
         # NeMo RL), averaged over the sequences that count
         n_seq = int(x.samples.sum())
         metrics["sampling_importance_ratio"] = (
-            float(_masked(w.truncated, x.samples).sum() / n_seq) if n_seq else 1.0)
+            float(_masked(w.truncated, x.samples).sum() / n_seq) if n_seq else 1.0
+        )
     else:
-        metrics["sampling_importance_ratio"] = (float(w.weights.sum() / n_valid)
-                                                if n_valid else 1.0)
+        metrics["sampling_importance_ratio"] = float(w.weights.sum() / n_valid) if n_valid else 1.0
     if w.per_sequence:
         n_seq = int(x.samples.sum())
         frac = float((w.out & x.samples).sum()) / n_seq if n_seq else 0.0
@@ -436,4 +503,3 @@ def mismatch_metrics(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
     if settings.truncation is not None:
         metrics["is_oob_ratio"] = frac
     return metrics
-

@@ -67,23 +67,33 @@ import torch
 
 from ..errors import FP8ConfigError, format_value
 
-__all__ = ["KVScaleCalibrator", "ScaleUpdate", "refresh_scales", "nearest_rank_percentile",
-           "vllm_attention_name", "vllm_scale_name", "merge_max", "FP8_E4M3_MAX"]
+__all__ = [
+    "KVScaleCalibrator",
+    "ScaleUpdate",
+    "refresh_scales",
+    "nearest_rank_percentile",
+    "vllm_attention_name",
+    "vllm_scale_name",
+    "merge_max",
+    "FP8_E4M3_MAX",
+]
 
 FP8_E4M3_MAX = 448.0
 """Largest finite E4M3 value: ``amax_p * margin`` maps onto it."""
 
 _MCORE_ATTENTION = ("DotProductAttention", "TEDotProductAttention")
 _MEGATRON_LAYER = re.compile(
-    r"^(?:.*?\.)?decoder\.layers\.(\d+)\.self_attention(?:\.core_attention)?$")
+    r"^(?:.*?\.)?decoder\.layers\.(\d+)\.self_attention(?:\.core_attention)?$"
+)
 # The last ``layers.<i>`` of a module name: the transformer layer index.
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 _ROLES = ("q", "k", "v")
 _WRAPPER_PREFIX = "nemo_fp8_kv_calibration:"
 
 # Calibrators currently attached, by model (refresh_scales(model) finds them here).
-_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, KVScaleCalibrator] = \
+_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, KVScaleCalibrator] = (
     weakref.WeakKeyDictionary()
+)
 
 
 def vllm_attention_name(module_name: str) -> str:
@@ -123,8 +133,14 @@ class ScaleUpdate(dict):
         samples: number of samples per layer and role (``{"model.layers.0.self_attn.k": n}``).
     """
 
-    def __init__(self, *args, seconds: float = 0.0, amax: dict | None = None,
-                 samples: dict | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        seconds: float = 0.0,
+        amax: dict | None = None,
+        samples: dict | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.seconds = seconds
         self.amax = amax or {}
@@ -133,8 +149,9 @@ class ScaleUpdate(dict):
 
 def _check_float(name: str, value: Any, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise FP8ConfigError(f"expected a number in [{lo}, {hi}], got {format_value(value)}",
-                             key=name, value=value)
+        raise FP8ConfigError(
+            f"expected a number in [{lo}, {hi}], got {format_value(value)}", key=name, value=value
+        )
     return float(value)
 
 
@@ -168,34 +185,55 @@ class KVScaleCalibrator:
             number), data-parallel ranks different batches.
     """
 
-    def __init__(self, model: torch.nn.Module, *, percentile: float = 99.9, margin: float = 1.05,
-                 include_q: bool = True, sample: str = "batch", fp8_max: float = FP8_E4M3_MAX,
-                 name_map: Callable[[str], str] | None = None, layer_offset: int | None = None,
-                 process_group: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        percentile: float = 99.9,
+        margin: float = 1.05,
+        include_q: bool = True,
+        sample: str = "batch",
+        fp8_max: float = FP8_E4M3_MAX,
+        name_map: Callable[[str], str] | None = None,
+        layer_offset: int | None = None,
+        process_group: Any = None,
+    ) -> None:
         if not isinstance(model, torch.nn.Module):
-            raise FP8ConfigError(f"expected a torch.nn.Module, got {format_value(model)}",
-                                 key="model")
+            raise FP8ConfigError(
+                f"expected a torch.nn.Module, got {format_value(model)}", key="model"
+            )
         self.model = model
         self.percentile = _check_float("percentile", percentile, 0.0, 100.0)
         self.margin = _check_float("margin", margin, 1e-6, 1e6)
         self.fp8_max = _check_float("fp8_max", fp8_max, 1e-6, 1e38)
         if sample not in ("batch", "token"):
-            raise FP8ConfigError(f"expected 'batch' or 'token', got {format_value(sample)}",
-                                 key="sample", value=sample)
+            raise FP8ConfigError(
+                f"expected 'batch' or 'token', got {format_value(sample)}",
+                key="sample",
+                value=sample,
+            )
         self.sample = sample
         if not isinstance(include_q, bool):  # "false" is a mistake, not True
-            raise FP8ConfigError(f"expected True or False, got {format_value(include_q)}",
-                                 key="include_q", value=include_q)
+            raise FP8ConfigError(
+                f"expected True or False, got {format_value(include_q)}",
+                key="include_q",
+                value=include_q,
+            )
         self.include_q = include_q
         self.name_map = name_map or vllm_attention_name
-        if layer_offset is not None and (isinstance(layer_offset, bool)
-                                         or not isinstance(layer_offset, int) or layer_offset < 0):
-            raise FP8ConfigError(f"expected a layer index >= 0, got {format_value(layer_offset)}",
-                                 key="layer_offset", value=layer_offset)
+        if layer_offset is not None and (
+            isinstance(layer_offset, bool) or not isinstance(layer_offset, int) or layer_offset < 0
+        ):
+            raise FP8ConfigError(
+                f"expected a layer index >= 0, got {format_value(layer_offset)}",
+                key="layer_offset",
+                value=layer_offset,
+            )
         self.layer_offset = layer_offset
         self.process_group = process_group
         self._samples: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(list))
+            lambda: defaultdict(list)
+        )
         self._handles: list[Any] = []
         self._hf_configs: list[tuple[Any, str]] = []
         self._layers = self._find_layers()
@@ -214,8 +252,11 @@ class KVScaleCalibrator:
             # Subclasses count (custom core attentions plug in through the layer spec).
             if any(c.__name__ in _MCORE_ATTENTION for c in type(module).__mro__):
                 kind = "mcore"
-            elif (hasattr(module, "k_proj") and hasattr(module, "v_proj")
-                  and hasattr(getattr(module, "config", None), "_attn_implementation")):
+            elif (
+                hasattr(module, "k_proj")
+                and hasattr(module, "v_proj")
+                and hasattr(getattr(module, "config", None), "_attn_implementation")
+            ):
                 kind = "hf"
             else:
                 continue
@@ -223,20 +264,25 @@ class KVScaleCalibrator:
             if prefix in owner:
                 raise FP8ConfigError(
                     f"attention modules {owner[prefix]!r} and {name!r} both name their scales "
-                    f"{prefix!r}", key="name_map" if self.name_map is not vllm_attention_name
-                    else "model", hint="each layer needs its own global number: pass "
-                                       "layer_offset or a name_map that tells them apart")
+                    f"{prefix!r}",
+                    key="name_map" if self.name_map is not vllm_attention_name else "model",
+                    hint="each layer needs its own global number: pass "
+                    "layer_offset or a name_map that tells them apart",
+                )
             owner[prefix] = name
             found[module] = (kind, prefix)
         if not found:
             raise FP8ConfigError(
                 f"no attention module found in {type(self.model).__name__}: the calibrator hooks "
                 f"megatron-core core attention ({', '.join(_MCORE_ATTENTION)}) and Hugging Face "
-                f"attention modules (k_proj, v_proj, config._attn_implementation)", key="model")
+                f"attention modules (k_proj, v_proj, config._attn_implementation)",
+                key="model",
+            )
         return found
 
-    def _global_name(self, name: str, module: torch.nn.Module, kind: str,
-                     modules: dict[str, torch.nn.Module]) -> str:
+    def _global_name(
+        self, name: str, module: torch.nn.Module, kind: str, modules: dict[str, torch.nn.Module]
+    ) -> str:
         """``name`` with its layer index made global (see the ``layer_offset`` argument)."""
         found = list(_LAYER_INDEX.finditer(name))
         if not found:
@@ -248,7 +294,7 @@ class KVScaleCalibrator:
         elif kind == "mcore":
             # megatron-core: TransformerLayer.layer_number = local + 1 + the stage's offset
             # (get_transformer_layer_offset); core attention gets the same number.
-            layer = modules.get(name[:last.end()].lstrip("."))
+            layer = modules.get(name[: last.end()].lstrip("."))
             number = _layer_number(layer)
             if number is None:
                 number = _layer_number(module)
@@ -256,7 +302,7 @@ class KVScaleCalibrator:
         else:
             index = local
         start = last.start(1)
-        return f"{name[:start]}{index}{name[last.end(1):]}"
+        return f"{name[:start]}{index}{name[last.end(1) :]}"
 
     @property
     def layer_names(self) -> list[str]:
@@ -265,8 +311,14 @@ class KVScaleCalibrator:
 
     # ------------------------------------------------------------------ recording
 
-    def _record(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                heads_dims: tuple[int, ...]) -> None:
+    def _record(
+        self,
+        layer: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads_dims: tuple[int, ...],
+    ) -> None:
         for role, t in zip(_ROLES, (q, k, v)):
             if role == "q" and not self.include_q:
                 continue
@@ -280,9 +332,10 @@ class KVScaleCalibrator:
     def _mcore_hook(self, layer: str):
         def hook(module, args, kwargs):
             named = [kwargs.get(n) for n in ("query", "key", "value")]
-            q, k, v = (list(args[:3]) + named[len(args[:3]):])[:3]
+            q, k, v = (list(args[:3]) + named[len(args[:3]) :])[:3]
             # megatron-core core attention tensors are [seq, batch, heads, head_dim].
             self._record(layer, q, k, v, (2, 3))
+
         return hook
 
     def attach(self) -> KVScaleCalibrator:
@@ -292,16 +345,20 @@ class KVScaleCalibrator:
         hf_configs: dict[int, Any] = {}
         for module, (kind, layer) in self._layers.items():
             if kind == "mcore":
-                self._handles.append(module.register_forward_pre_hook(self._mcore_hook(layer),
-                                                                      with_kwargs=True))
+                self._handles.append(
+                    module.register_forward_pre_hook(self._mcore_hook(layer), with_kwargs=True)
+                )
             else:
                 module._nemo_fp8_kv_record = (weakref.ref(self), layer)
                 hf_configs[id(module.config)] = module.config
         for config in hf_configs.values():
             base = config._attn_implementation or "eager"
             if base.startswith(_WRAPPER_PREFIX):
-                raise FP8ConfigError("another KV-scale calibrator is attached to this model",
-                                     key="model", hint="detach it first")
+                raise FP8ConfigError(
+                    "another KV-scale calibrator is attached to this model",
+                    key="model",
+                    hint="detach it first",
+                )
             config._attn_implementation = _hf_wrapper_name(base)
             self._hf_configs.append((config, base))
         _ATTACHED[self.model] = self
@@ -335,9 +392,12 @@ class KVScaleCalibrator:
 
     def observed(self) -> dict[str, dict[str, torch.Tensor]]:
         """``{layer: {"q"|"k"|"v": all amax samples (1-D fp32)}}`` recorded since the last reset."""
-        return {layer: {role: torch.cat([s.to("cpu") for s in samples])
-                        for role, samples in roles.items()}
-                for layer, roles in self._samples.items()}
+        return {
+            layer: {
+                role: torch.cat([s.to("cpu") for s in samples]) for role, samples in roles.items()
+            }
+            for layer, roles in self._samples.items()
+        }
 
     def scales(self, *, reset: bool = True) -> ScaleUpdate:
         """The scales from the samples so far (and forget them unless ``reset=False``)."""
@@ -345,15 +405,19 @@ class KVScaleCalibrator:
         out, amaxes, counts = {}, {}, {}
         missing = [layer for layer in self.layer_names if layer not in self._samples]
         if len(missing) == len(self.layer_names):
-            raise FP8ConfigError("no q/k/v observed yet: run a forward pass with the calibrator "
-                                 "attached, or pass forward= to refresh_scales", key="model")
+            raise FP8ConfigError(
+                "no q/k/v observed yet: run a forward pass with the calibrator "
+                "attached, or pass forward= to refresh_scales",
+                key="model",
+            )
         for layer, roles in self._samples.items():
             for role in _ROLES:
                 if role not in roles:
                     continue
                 samples = torch.cat(roles[role])
                 amaxes[vllm_scale_name(layer, role)] = float(
-                    nearest_rank_percentile(samples, self.percentile))
+                    nearest_rank_percentile(samples, self.percentile)
+                )
                 counts[f"{layer}.{role}"] = int(samples.numel())
         amaxes = _max_across_ranks(amaxes, self.process_group)
         for key, amax in amaxes.items():
@@ -383,8 +447,9 @@ class KVScaleCalibrator:
         self.last_seconds = result.seconds
         return result
 
-    def as_step_hook(self, forward: Callable[[Any], Any] | None = None
-                     ) -> Callable[[Any, Any], ScaleUpdate]:
+    def as_step_hook(
+        self, forward: Callable[[Any], Any] | None = None
+    ) -> Callable[[Any, Any], ScaleUpdate]:
         """A ``hook(trainer_or_context, module)`` for the training callbacks' after-optimizer-step
         slot (:mod:`nemo_fp8_plugin.hosts.refresh`): calibrates with ``forward(module)`` when given,
         else turns the samples the attached hooks saw during the step into scales. The last
@@ -402,10 +467,18 @@ class KVScaleCalibrator:
         return hook
 
 
-def refresh_scales(model: torch.nn.Module, forward: Callable[[], Any] | None = None, *,
-                   calibrator: KVScaleCalibrator | None = None, percentile: float = 99.9,
-                   margin: float = 1.05, include_q: bool = True, sample: str = "batch",
-                   layer_offset: int | None = None, process_group: Any = None) -> ScaleUpdate:
+def refresh_scales(
+    model: torch.nn.Module,
+    forward: Callable[[], Any] | None = None,
+    *,
+    calibrator: KVScaleCalibrator | None = None,
+    percentile: float = 99.9,
+    margin: float = 1.05,
+    include_q: bool = True,
+    sample: str = "batch",
+    layer_offset: int | None = None,
+    process_group: Any = None,
+) -> ScaleUpdate:
     """Fresh ``{q,k,v}_scale`` tensors for every attention layer of ``model``.
 
     Call after each optimizer step. With ``forward`` (a zero-argument callable running the
@@ -420,26 +493,36 @@ def refresh_scales(model: torch.nn.Module, forward: Callable[[], Any] | None = N
     items to the refit payload: ``payload + list(update.items())``.
     """
     if not isinstance(model, torch.nn.Module):
-        raise FP8ConfigError(f"expected a torch.nn.Module, got {format_value(model)}",
-                             key="model")
+        raise FP8ConfigError(f"expected a torch.nn.Module, got {format_value(model)}", key="model")
     if forward is not None and not callable(forward):
-        raise FP8ConfigError(f"expected a zero-argument function or None, got "
-                             f"{format_value(forward)}", key="forward")
+        raise FP8ConfigError(
+            f"expected a zero-argument function or None, got {format_value(forward)}", key="forward"
+        )
     if calibrator is not None and not isinstance(calibrator, KVScaleCalibrator):
-        raise FP8ConfigError(f"expected a KVScaleCalibrator or None, got "
-                             f"{format_value(calibrator)}", key="calibrator")
+        raise FP8ConfigError(
+            f"expected a KVScaleCalibrator or None, got {format_value(calibrator)}",
+            key="calibrator",
+        )
     calibrator = calibrator or _ATTACHED.get(model)
     if forward is not None:
         if calibrator is None:
-            calibrator = KVScaleCalibrator(model, percentile=percentile, margin=margin,
-                                           include_q=include_q, sample=sample,
-                                           layer_offset=layer_offset,
-                                           process_group=process_group)
+            calibrator = KVScaleCalibrator(
+                model,
+                percentile=percentile,
+                margin=margin,
+                include_q=include_q,
+                sample=sample,
+                layer_offset=layer_offset,
+                process_group=process_group,
+            )
         return calibrator.calibrate(forward)
     if calibrator is None:
-        raise FP8ConfigError("no calibrator is attached to this model and no forward= was given",
-                             key="forward", hint="pass forward=lambda: model(batch), or attach "
-                                                 "KVScaleCalibrator(model) before the step")
+        raise FP8ConfigError(
+            "no calibrator is attached to this model and no forward= was given",
+            key="forward",
+            hint="pass forward=lambda: model(batch), or attach "
+            "KVScaleCalibrator(model) before the step",
+        )
     return calibrator.scales()
 
 

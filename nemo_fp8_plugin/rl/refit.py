@@ -31,19 +31,28 @@ import torch
 
 from ..errors import FP8ConfigError, format_value
 
-__all__ = ["quantize_for_refit", "RefitLayoutError", "default_is_linear_weight",
-           "row_parallel_shard_dim", "scale_name"]
+__all__ = [
+    "quantize_for_refit",
+    "RefitLayoutError",
+    "default_is_linear_weight",
+    "row_parallel_shard_dim",
+    "scale_name",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Name pieces of 2-D weights that are not GEMM weights of linear layers.
-_NOT_LINEAR = re.compile(r"(^|[._])(embed\w*|embedding\w*|wte|wpe|lm_head|output_layer|"
-                         r"\w*norm\w*|ln_\w+|rotary\w*|pos_emb\w*|position\w*)([._]|$)")
+_NOT_LINEAR = re.compile(
+    r"(^|[._])(embed\w*|embedding\w*|wte|wpe|lm_head|output_layer|"
+    r"\w*norm\w*|ln_\w+|rotary\w*|pos_emb\w*|position\w*)([._]|$)"
+)
 
 # Megatron-LM / HF / vLLM names of row-parallel (input-dim sharded) linear layers.
-_ROW_PARALLEL = re.compile(r"(^|\.)(o_proj|down_proj|linear_proj|linear_fc2|dense_4h_to_h|"
-                           r"out_proj|wo|w2|w2_weight|c_proj|fc2|proj)(\.|_weight|$)")
+_ROW_PARALLEL = re.compile(
+    r"(^|\.)(o_proj|down_proj|linear_proj|linear_fc2|dense_4h_to_h|"
+    r"out_proj|wo|w2|w2_weight|c_proj|fc2|proj)(\.|_weight|$)"
+)
 
 
 class RefitLayoutError(FP8ConfigError):
@@ -87,52 +96,92 @@ def scale_name(name: str, spec=None, *, mx_scale_layout: str = "nemo_fp8") -> st
 def _items(named_tensors) -> Iterator[tuple[str, torch.Tensor]]:
     pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     for i, item in enumerate(pairs):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)):
-            what = (f"{format_value(item[0])}: {type(item[1]).__name__}"
-                    if isinstance(item, tuple) and len(item) == 2 else format_value(item))
-            raise FP8ConfigError(f"item {i} is not a (name, torch.Tensor) pair: {what}",
-                                 key="named_tensors")
+        if not (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
+            what = (
+                f"{format_value(item[0])}: {type(item[1]).__name__}"
+                if isinstance(item, tuple) and len(item) == 2
+                else format_value(item)
+            )
+            raise FP8ConfigError(
+                f"item {i} is not a (name, torch.Tensor) pair: {what}", key="named_tensors"
+            )
         yield item
 
 
 def _answer(value, key: str) -> bool:
     """A callback's yes/no; a string (``"false"``) is a mistake, not True."""
     if isinstance(value, (str, bytes)) or value is None:
-        raise FP8ConfigError(f"returned {format_value(value)}, expected True or False", key=key,
-                             value=value)
+        raise FP8ConfigError(
+            f"returned {format_value(value)}, expected True or False", key=key, value=value
+        )
     return bool(value)
 
 
-def _check_args(named_tensors, keep_bf16, num_layers, tp_rank, tp_size, shard_dim,
-                is_linear_weight, mx_scale_layout, fused) -> None:
+def _check_args(
+    named_tensors,
+    keep_bf16,
+    num_layers,
+    tp_rank,
+    tp_size,
+    shard_dim,
+    is_linear_weight,
+    mx_scale_layout,
+    fused,
+) -> None:
     """Every argument of :func:`quantize_for_refit` by type and range, named when wrong
     (``fused="false"`` is a mistake, not True)."""
     if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not (
-            isinstance(named_tensors, Mapping) or hasattr(named_tensors, "__iter__")):
-        raise FP8ConfigError(f"expected (name, tensor) pairs or a mapping, got "
-                             f"{format_value(named_tensors)}", key="named_tensors")
+        isinstance(named_tensors, Mapping) or hasattr(named_tensors, "__iter__")
+    ):
+        raise FP8ConfigError(
+            f"expected (name, tensor) pairs or a mapping, got {format_value(named_tensors)}",
+            key="named_tensors",
+        )
     for key, fn in (("keep_bf16", keep_bf16), ("is_linear_weight", is_linear_weight)):
         if fn is not None and not callable(fn):
-            raise FP8ConfigError(f"expected a function or None, got {format_value(fn)}",
-                                 key=key, value=fn)
-    for key, value, low in (("num_layers", num_layers, 1), ("tp_rank", tp_rank, 0),
-                            ("tp_size", tp_size, 1)):
+            raise FP8ConfigError(
+                f"expected a function or None, got {format_value(fn)}", key=key, value=fn
+            )
+    for key, value, low in (
+        ("num_layers", num_layers, 1),
+        ("tp_rank", tp_rank, 0),
+        ("tp_size", tp_size, 1),
+    ):
         if value is not None and (type(value) is not int or value < low):
-            raise FP8ConfigError(f"expected an integer >= {low} or None, got "
-                                 f"{format_value(value)}", key=key, value=value)
-    if not (shard_dim is None or callable(shard_dim) or isinstance(shard_dim, Mapping)
-            or (type(shard_dim) is int and shard_dim in (0, 1))):
-        raise FP8ConfigError(f"expected 0, 1, a mapping, a function or None, got "
-                             f"{format_value(shard_dim)}", key="shard_dim", value=shard_dim)
-    if not isinstance(mx_scale_layout, str) or mx_scale_layout not in ("nemo_fp8",
-                                                                        "compressed_tensors"):
-        raise FP8ConfigError(f"expected 'nemo_fp8' or 'compressed_tensors', got "
-                             f"{format_value(mx_scale_layout)}", key="mx_scale_layout",
-                             value=mx_scale_layout)
+            raise FP8ConfigError(
+                f"expected an integer >= {low} or None, got {format_value(value)}",
+                key=key,
+                value=value,
+            )
+    if not (
+        shard_dim is None
+        or callable(shard_dim)
+        or isinstance(shard_dim, Mapping)
+        or (type(shard_dim) is int and shard_dim in (0, 1))
+    ):
+        raise FP8ConfigError(
+            f"expected 0, 1, a mapping, a function or None, got {format_value(shard_dim)}",
+            key="shard_dim",
+            value=shard_dim,
+        )
+    if not isinstance(mx_scale_layout, str) or mx_scale_layout not in (
+        "nemo_fp8",
+        "compressed_tensors",
+    ):
+        raise FP8ConfigError(
+            f"expected 'nemo_fp8' or 'compressed_tensors', got {format_value(mx_scale_layout)}",
+            key="mx_scale_layout",
+            value=mx_scale_layout,
+        )
     if fused is not None and not isinstance(fused, bool):
-        raise FP8ConfigError(f"expected True, False or None, got {format_value(fused)}",
-                             key="fused", value=fused)
+        raise FP8ConfigError(
+            f"expected True, False or None, got {format_value(fused)}", key="fused", value=fused
+        )
 
 
 def _keep_bf16_from_rules(spec, num_layers):
@@ -156,20 +205,25 @@ def _resolve_shard_dim(shard_dim, name: str, tensor: torch.Tensor) -> int:
     else:
         dim = shard_dim
     if type(dim) is not int:  # "1" or 1.0 is a mistake to name, not a dim to guess
-        raise RefitLayoutError(f"{name}: shard_dim must be 0 or 1, got {format_value(dim)}",
-                               key="shard_dim", value=dim)
+        raise RefitLayoutError(
+            f"{name}: shard_dim must be 0 or 1, got {format_value(dim)}", key="shard_dim", value=dim
+        )
     return dim
 
 
-def _check_shard(name: str, tensor: torch.Tensor, block: tuple[int, int], tp_rank, tp_size,
-                 shard_dim) -> None:
+def _check_shard(
+    name: str, tensor: torch.Tensor, block: tuple[int, int], tp_rank, tp_size, shard_dim
+) -> None:
     """A shard's blocks are the gathered tensor's blocks iff its length along the split
     dim is a multiple of the block there (shards are equal-sized, as Megatron and vLLM
     split them), so that every shard boundary is a block boundary."""
     dim = _resolve_shard_dim(shard_dim, name, tensor)
     if dim not in (0, 1):
-        raise RefitLayoutError(f"{name}: shard_dim must be 0 (output dim) or 1 (input dim), "
-                               f"got {dim}", key=name, value=dim)
+        raise RefitLayoutError(
+            f"{name}: shard_dim must be 0 (output dim) or 1 (input dim), got {dim}",
+            key=name,
+            value=dim,
+        )
     size = tensor.shape[-2 + dim]
     need = block[dim]
     if size % need:
@@ -178,18 +232,27 @@ def _check_shard(name: str, tensor: torch.Tensor, block: tuple[int, int], tp_ran
             f"{name}: tensor-parallel shard {tp_rank} of {tp_size} has {size} rows along the "
             f"{where} dim (dim {dim}), not a multiple of the {need}-element quantization block; "
             f"its blocks would straddle shard boundaries and differ from the gathered "
-            f"weight's", key=name, value=tuple(tensor.shape),
+            f"weight's",
+            key=name,
+            value=tuple(tensor.shape),
             hint=f"use a tensor-parallel size that splits dim {dim} into multiples of {need}, "
-                 f"or gather before quantizing")
+            f"or gather before quantizing",
+        )
 
 
-def quantize_for_refit(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                       spec, *, keep_bf16: Callable[[str], bool] | None = None,
-                       num_layers: int | None = None, tp_rank: int | None = None,
-                       tp_size: int | None = None, shard_dim=None,
-                       is_linear_weight: Callable[[str, torch.Tensor], bool] | None = None,
-                       mx_scale_layout: str = "nemo_fp8", fused: bool | None = None
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+def quantize_for_refit(
+    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    spec,
+    *,
+    keep_bf16: Callable[[str], bool] | None = None,
+    num_layers: int | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    shard_dim=None,
+    is_linear_weight: Callable[[str, torch.Tensor], bool] | None = None,
+    mx_scale_layout: str = "nemo_fp8",
+    fused: bool | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Quantize a stream of named weights for the generation engine (a generator).
 
     Args:
@@ -229,8 +292,17 @@ def quantize_for_refit(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappi
     from .. import numerics
     from ..registry import get_recipe
 
-    _check_args(named_tensors, keep_bf16, num_layers, tp_rank, tp_size, shard_dim,
-                is_linear_weight, mx_scale_layout, fused)
+    _check_args(
+        named_tensors,
+        keep_bf16,
+        num_layers,
+        tp_rank,
+        tp_size,
+        shard_dim,
+        is_linear_weight,
+        mx_scale_layout,
+        fused,
+    )
     try:
         spec = get_recipe(spec)
     except FP8ConfigError as err:  # the argument is `spec`
@@ -240,19 +312,27 @@ def quantize_for_refit(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappi
         yield from _items(named_tensors)
         return
     if spec.scaling not in ("block", "mx"):
-        raise FP8ConfigError(f"refit quantization needs block or mx scaling, not "
-                             f"{spec.scaling!r} (recipe {spec.name}): vLLM's FP8 refit "
-                             f"path stores per-block scales", key="scaling", value=spec.scaling,
-                             hint="use fp8_blockwise (or mxfp8 on Blackwell) for generation")
+        raise FP8ConfigError(
+            f"refit quantization needs block or mx scaling, not "
+            f"{spec.scaling!r} (recipe {spec.name}): vLLM's FP8 refit "
+            f"path stores per-block scales",
+            key="scaling",
+            value=spec.scaling,
+            hint="use fp8_blockwise (or mxfp8 on Blackwell) for generation",
+        )
     if mx_scale_layout not in ("nemo_fp8", "compressed_tensors"):
-        raise FP8ConfigError(f"expected 'nemo_fp8' or 'compressed_tensors', got "
-                             f"{mx_scale_layout!r}", key="mx_scale_layout", value=mx_scale_layout)
+        raise FP8ConfigError(
+            f"expected 'nemo_fp8' or 'compressed_tensors', got {mx_scale_layout!r}",
+            key="mx_scale_layout",
+            value=mx_scale_layout,
+        )
     if (tp_rank is None) != (tp_size is None):
         raise FP8ConfigError("pass tp_rank and tp_size together", key="tp_size", value=tp_size)
     sharded = tp_size is not None and tp_size > 1
     if tp_size is not None and (tp_size < 1 or not 0 <= tp_rank < tp_size):
-        raise FP8ConfigError(f"tp_rank {tp_rank} is not in [0, {tp_size})", key="tp_rank",
-                             value=tp_rank)
+        raise FP8ConfigError(
+            f"tp_rank {tp_rank} is not in [0, {tp_size})", key="tp_rank", value=tp_rank
+        )
     keep = keep_bf16 if keep_bf16 is not None else _keep_bf16_from_rules(spec, num_layers)
     is_linear = is_linear_weight or default_is_linear_weight
     block = tuple(spec.weight_block)
@@ -260,8 +340,11 @@ def quantize_for_refit(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappi
     min_numel = numerics.fused._state["min_numel"]
 
     for name, tensor in _items(named_tensors):
-        if (tensor.dtype in _FP8_DTYPES or not _answer(is_linear(name, tensor), "is_linear_weight")
-                or _answer(keep(name), "keep_bf16")):
+        if (
+            tensor.dtype in _FP8_DTYPES
+            or not _answer(is_linear(name, tensor), "is_linear_weight")
+            or _answer(keep(name), "keep_bf16")
+        ):
             yield name, tensor
             continue
         if sharded:
@@ -269,7 +352,9 @@ def quantize_for_refit(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappi
         w = tensor.detach()
         use_fused = fused if fused is not None else w.numel() >= min_numel
         if spec.scaling == "block":
-            quantize = numerics.quantize_blockwise_fused if use_fused else numerics.quantize_blockwise
+            quantize = (
+                numerics.quantize_blockwise_fused if use_fused else numerics.quantize_blockwise
+            )
             q = quantize(w, block, fmt, pow2_scales=spec.pow2_scales, eps=spec.amax_epsilon)
             scales = q.scale_inv
         else:

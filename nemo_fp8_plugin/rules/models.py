@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
@@ -25,8 +25,14 @@ from typing import Any
 from ..errors import LIMITS, FP8ConfigError, check_limit, format_value
 from .names import layer_index
 
-__all__ = ["ModelDescription", "describe_model", "from_hf_config", "from_transformer_config",
-           "BUILTIN_MODELS", "HF_MODEL_TYPES"]
+__all__ = [
+    "ModelDescription",
+    "describe_model",
+    "from_hf_config",
+    "from_transformer_config",
+    "BUILTIN_MODELS",
+    "HF_MODEL_TYPES",
+]
 
 
 @dataclass(frozen=True)
@@ -132,12 +138,19 @@ class ModelDescription:
 
     def summary(self) -> dict[str, Any]:
         """Plain data for reports (no module lists)."""
-        return {"name": self.name, "family": self.family, "num_layers": self.num_layers,
-                "hidden_size": self.hidden_size, "ffn_hidden_size": self.ffn_hidden_size,
-                "num_experts": self.num_experts, "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
-                "num_shared_experts": self.num_shared_experts, "source": self.source,
-                "megatron_linear_modules": len(self.megatron_linear_modules),
-                "hf_linear_modules": len(self.hf_linear_modules)}
+        return {
+            "name": self.name,
+            "family": self.family,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "num_experts": self.num_experts,
+            "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
+            "num_shared_experts": self.num_shared_experts,
+            "source": self.source,
+            "megatron_linear_modules": len(self.megatron_linear_modules),
+            "hf_linear_modules": len(self.hf_linear_modules),
+        }
 
     @staticmethod
     def layer_of(name: str) -> int | None:
@@ -148,15 +161,30 @@ class ModelDescription:
 # --------------------------------------------------------------------------- construction
 
 
-def _build(name: str, family: str, *, num_layers: int, hidden_size: int, ffn_hidden_size: int,
-           moe_layers: frozenset[int] = frozenset(), num_experts: int = 0,
-           moe_ffn_hidden_size: int = 0, num_shared_experts: int = 0, mla: bool = False,
-           q_lora: bool = False, gated: bool = True, vllm_quantizes_router: bool = False,
-           source: str = "built-in") -> ModelDescription:
+def _build(
+    name: str,
+    family: str,
+    *,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    moe_layers: frozenset[int] = frozenset(),
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int = 0,
+    num_shared_experts: int = 0,
+    mla: bool = False,
+    q_lora: bool = False,
+    gated: bool = True,
+    vllm_quantizes_router: bool = False,
+    source: str = "built-in",
+) -> ModelDescription:
     # Names are built per layer and expert (3 linears each): bound the product, not only each.
-    check_limit(num_layers * (3 * len(moe_layers) * num_experts // max(num_layers, 1) + 16),
-                LIMITS.modules, f"{source}: {num_layers} layers x {num_experts} experts: linear "
-                f"modules", key="num_experts" if num_experts else "num_layers")
+    check_limit(
+        num_layers * (3 * len(moe_layers) * num_experts // max(num_layers, 1) + 16),
+        LIMITS.modules,
+        f"{source}: {num_layers} layers x {num_experts} experts: linear modules",
+        key="num_experts" if num_experts else "num_layers",
+    )
     mg_map: list[tuple[str, tuple[str, ...]]] = []
     units: list[tuple[str, tuple[str, ...]]] = []
     hf_all: list[str] = []
@@ -170,26 +198,39 @@ def _build(name: str, family: str, *, num_layers: int, hidden_size: int, ffn_hid
         layer_units: list[tuple[str, tuple[str, ...]]] = []
         # attention
         if mla:
-            q_leaves = (["q_a_proj", "q_b_proj"] if q_lora else ["q_proj"])
+            q_leaves = ["q_a_proj", "q_b_proj"] if q_lora else ["q_proj"]
             if q_lora:
                 add(f"{mgp}.self_attention.linear_q_down_proj", (f"{hfp}.self_attn.q_a_proj",))
                 add(f"{mgp}.self_attention.linear_q_up_proj", (f"{hfp}.self_attn.q_b_proj",))
             else:
                 add(f"{mgp}.self_attention.linear_q_proj", (f"{hfp}.self_attn.q_proj",))
-            add(f"{mgp}.self_attention.linear_kv_down_proj", (f"{hfp}.self_attn.kv_a_proj_with_mqa",))
+            add(
+                f"{mgp}.self_attention.linear_kv_down_proj",
+                (f"{hfp}.self_attn.kv_a_proj_with_mqa",),
+            )
             add(f"{mgp}.self_attention.linear_kv_up_proj", (f"{hfp}.self_attn.kv_b_proj",))
             add(f"{mgp}.self_attention.linear_proj", (f"{hfp}.self_attn.o_proj",))
             hf_attn = [f"{hfp}.self_attn.{lf}" for lf in q_leaves] + [
-                f"{hfp}.self_attn.kv_a_proj_with_mqa", f"{hfp}.self_attn.kv_b_proj",
-                f"{hfp}.self_attn.o_proj"]
+                f"{hfp}.self_attn.kv_a_proj_with_mqa",
+                f"{hfp}.self_attn.kv_b_proj",
+                f"{hfp}.self_attn.o_proj",
+            ]
             if q_lora:  # vLLM fuses the two down-projections (packed_modules_mapping)
-                layer_units.append((f"{hfp}.self_attn.fused_qkv_a_proj",
-                                    (f"{hfp}.self_attn.q_a_proj", f"{hfp}.self_attn.kv_a_proj_with_mqa")))
+                layer_units.append(
+                    (
+                        f"{hfp}.self_attn.fused_qkv_a_proj",
+                        (f"{hfp}.self_attn.q_a_proj", f"{hfp}.self_attn.kv_a_proj_with_mqa"),
+                    )
+                )
                 layer_units.append((f"{hfp}.self_attn.q_b_proj", (f"{hfp}.self_attn.q_b_proj",)))
             else:
                 layer_units.append((f"{hfp}.self_attn.q_proj", (f"{hfp}.self_attn.q_proj",)))
-                layer_units.append((f"{hfp}.self_attn.kv_a_proj_with_mqa",
-                                    (f"{hfp}.self_attn.kv_a_proj_with_mqa",)))
+                layer_units.append(
+                    (
+                        f"{hfp}.self_attn.kv_a_proj_with_mqa",
+                        (f"{hfp}.self_attn.kv_a_proj_with_mqa",),
+                    )
+                )
             layer_units.append((f"{hfp}.self_attn.kv_b_proj", (f"{hfp}.self_attn.kv_b_proj",)))
             layer_units.append((f"{hfp}.self_attn.o_proj", (f"{hfp}.self_attn.o_proj",)))
         else:
@@ -216,7 +257,9 @@ def _build(name: str, family: str, *, num_layers: int, hidden_size: int, ffn_hid
             layer_units.append((router, (router,)))
             layer_units.append((f"{hfp}.mlp.experts", experts))
             if num_shared_experts:
-                sg, su, sd = (f"{hfp}.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+                sg, su, sd = (
+                    f"{hfp}.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")
+                )
                 add(f"{mgp}.mlp.shared_experts.linear_fc1", (sg, su))
                 add(f"{mgp}.mlp.shared_experts.linear_fc2", (sd,))
                 hf_all.extend((sg, su, sd))
@@ -241,13 +284,21 @@ def _build(name: str, family: str, *, num_layers: int, hidden_size: int, ffn_hid
     hf_all.append("lm_head")
     units.append(("lm_head", ("lm_head",)))
     return ModelDescription(
-        name=name, family=family, num_layers=num_layers, hidden_size=hidden_size,
-        ffn_hidden_size=ffn_hidden_size, num_experts=num_experts if moe_layers else 0,
+        name=name,
+        family=family,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        num_experts=num_experts if moe_layers else 0,
         moe_ffn_hidden_size=moe_ffn_hidden_size if moe_layers else 0,
         num_shared_experts=num_shared_experts if moe_layers else 0,
-        megatron_linear_modules=tuple(mg for mg, _ in mg_map), hf_linear_modules=tuple(hf_all),
-        megatron_to_hf=tuple(mg_map), vllm_modules=tuple(units),
-        vllm_quantizes_router=vllm_quantizes_router and bool(moe_layers), source=source)
+        megatron_linear_modules=tuple(mg for mg, _ in mg_map),
+        hf_linear_modules=tuple(hf_all),
+        megatron_to_hf=tuple(mg_map),
+        vllm_modules=tuple(units),
+        vllm_quantizes_router=vllm_quantizes_router and bool(moe_layers),
+        source=source,
+    )
 
 
 # --------------------------------------------------------------------------- Hugging Face configs
@@ -261,38 +312,51 @@ HF_MODEL_TYPES = _LLAMA_LIKE + ("qwen3_moe",) + _DEEPSEEK_LIKE
 def _get_int(cfg: Mapping, key: str, where: str, *, default: Any = ..., minimum: int = 0) -> int:
     value = cfg.get(key, default)
     if value is ...:
-        raise FP8ConfigError(f"{where} has no {key!r}", key=key,
-                             hint="a Hugging Face config.json of a decoder model carries it")
+        raise FP8ConfigError(
+            f"{where} has no {key!r}",
+            key=key,
+            hint="a Hugging Face config.json of a decoder model carries it",
+        )
     if value is None and default is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise FP8ConfigError(f"{where}: expected an integer >= {minimum}, got {format_value(value)}",
-                             key=key, value=value)
+        raise FP8ConfigError(
+            f"{where}: expected an integer >= {minimum}, got {format_value(value)}",
+            key=key,
+            value=value,
+        )
     return value
 
 
-def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
-                   source: str = "config.json") -> ModelDescription:
+def from_hf_config(
+    cfg: Mapping[str, Any], *, name: str | None = None, source: str = "config.json"
+) -> ModelDescription:
     """A description from a Hugging Face ``config.json`` mapping (no ``transformers`` needed)."""
     if not isinstance(cfg, Mapping):
         raise FP8ConfigError(f"{source}: expected a JSON object, got {format_value(cfg)}")
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type",
-                                                                          cfg.get("model_type"))}
+        cfg = {
+            **cfg["text_config"],
+            "model_type": cfg["text_config"].get("model_type", cfg.get("model_type")),
+        }
     model_type = cfg.get("model_type")
     name = name or cfg.get("_name_or_path") or str(model_type)
     if model_type not in HF_MODEL_TYPES:
-        raise FP8ConfigError(f"{source}: model_type {format_value(model_type)} is not one the "
-                             f"rules know", key="model_type", value=model_type,
-                             hint=f"supported: {', '.join(HF_MODEL_TYPES)}; for a Megatron model "
-                                  f"give its TransformerConfig fields")
+        raise FP8ConfigError(
+            f"{source}: model_type {format_value(model_type)} is not one the rules know",
+            key="model_type",
+            value=model_type,
+            hint=f"supported: {', '.join(HF_MODEL_TYPES)}; for a Megatron model "
+            f"give its TransformerConfig fields",
+        )
     layers = _get_int(cfg, "num_hidden_layers", source, minimum=1)
     check_limit(layers, LIMITS.layers, f"{source}: transformer layers", key="num_hidden_layers")
     hidden = _get_int(cfg, "hidden_size", source, minimum=1)
     ffn = _get_int(cfg, "intermediate_size", source, minimum=1)
     if model_type in _LLAMA_LIKE:
-        return _build(name, "llama", num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
-                      source=source)
+        return _build(
+            name, "llama", num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, source=source
+        )
     if model_type == "qwen3_moe":
         experts = _get_int(cfg, "num_experts", source, minimum=1)
         check_limit(experts, LIMITS.experts, f"{source}: experts", key="num_experts")
@@ -300,12 +364,22 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
         step = _get_int(cfg, "decoder_sparse_step", source, default=1, minimum=1)
         dense = cfg.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
-            raise FP8ConfigError(f"{source}: expected a list of layer indices",
-                                 key="mlp_only_layers", value=dense)
+            raise FP8ConfigError(
+                f"{source}: expected a list of layer indices", key="mlp_only_layers", value=dense
+            )
         moe = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        return _build(name, "qwen3_moe", num_layers=layers, hidden_size=hidden,
-                      ffn_hidden_size=ffn, moe_layers=moe, num_experts=experts,
-                      moe_ffn_hidden_size=moe_ffn, vllm_quantizes_router=True, source=source)
+        return _build(
+            name,
+            "qwen3_moe",
+            num_layers=layers,
+            hidden_size=hidden,
+            ffn_hidden_size=ffn,
+            moe_layers=moe,
+            num_experts=experts,
+            moe_ffn_hidden_size=moe_ffn,
+            vllm_quantizes_router=True,
+            source=source,
+        )
     # DeepSeek-V2/V3 style: MLA attention, first_k_dense_replace dense layers, then MoE.
     experts = _get_int(cfg, "n_routed_experts", source, default=None)
     check_limit(experts, LIMITS.experts, f"{source}: experts", key="n_routed_experts")
@@ -315,18 +389,32 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
     freq = _get_int(cfg, "moe_layer_freq", source, default=1, minimum=1)
     q_lora = cfg.get("q_lora_rank")
     if q_lora is not None and (isinstance(q_lora, bool) or not isinstance(q_lora, int)):
-        raise FP8ConfigError(f"{source}: expected an integer or null", key="q_lora_rank", value=q_lora)
+        raise FP8ConfigError(
+            f"{source}: expected an integer or null", key="q_lora_rank", value=q_lora
+        )
     moe = frozenset(i for i in range(layers) if experts and i >= first_dense and i % freq == 0)
-    return _build(name, "deepseek", num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
-                  moe_layers=moe, num_experts=experts, moe_ffn_hidden_size=moe_ffn,
-                  num_shared_experts=shared, mla=True, q_lora=bool(q_lora), source=source)
+    return _build(
+        name,
+        "deepseek",
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        moe_layers=moe,
+        num_experts=experts,
+        moe_ffn_hidden_size=moe_ffn,
+        num_shared_experts=shared,
+        mla=True,
+        q_lora=bool(q_lora),
+        source=source,
+    )
 
 
 # --------------------------------------------------------------------------- megatron-core
 
 
-def from_transformer_config(cfg: Any, *, name: str = "megatron-gpt",
-                            source: str = "TransformerConfig") -> ModelDescription:
+def from_transformer_config(
+    cfg: Any, *, name: str = "megatron-gpt", source: str = "TransformerConfig"
+) -> ModelDescription:
     """A description from a megatron-core ``TransformerConfig`` (duck-typed: no import) or
     a mapping with its field names (the ``model:`` section of a Megatron YAML)."""
     get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
@@ -336,16 +424,21 @@ def from_transformer_config(cfg: Any, *, name: str = "megatron-gpt",
         if value is None:
             return 0
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise FP8ConfigError(f"expected an integer >= {minimum}, got {format_value(value)}",
-                                 key=f"model.{key}", value=value)
+            raise FP8ConfigError(
+                f"expected an integer >= {minimum}, got {format_value(value)}",
+                key=f"model.{key}",
+                value=value,
+            )
         return value
 
     layers = integer("num_layers", None, 1)
     check_limit(layers, LIMITS.layers, "transformer layers", key="model.num_layers")
     hidden = integer("hidden_size", None, 1)
     if not layers or not hidden:
-        raise FP8ConfigError("a Megatron model description needs num_layers and hidden_size",
-                             key="model.num_layers" if not layers else "model.hidden_size")
+        raise FP8ConfigError(
+            "a Megatron model description needs num_layers and hidden_size",
+            key="model.num_layers" if not layers else "model.hidden_size",
+        )
     ffn = integer("ffn_hidden_size", None) or 4 * hidden
     experts = integer("num_moe_experts", None)
     check_limit(experts, LIMITS.experts, "experts", key="model.num_moe_experts")
@@ -355,52 +448,100 @@ def from_transformer_config(cfg: Any, *, name: str = "megatron-gpt",
     if experts:
         if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
             moe = frozenset(i for i in range(layers) if i % freq == 0)
-        elif isinstance(freq, (list, tuple)) and len(freq) == layers and all(f in (0, 1) for f in freq):
+        elif (
+            isinstance(freq, (list, tuple))
+            and len(freq) == layers
+            and all(f in (0, 1) for f in freq)
+        ):
             moe = frozenset(i for i, f in enumerate(freq) if f)
         else:
-            raise FP8ConfigError(f"expected an integer or a list of {layers} zeros and ones, "
-                                 f"got {format_value(freq)}", key="model.moe_layer_freq", value=freq)
+            raise FP8ConfigError(
+                f"expected an integer or a list of {layers} zeros and ones, "
+                f"got {format_value(freq)}",
+                key="model.moe_layer_freq",
+                value=freq,
+            )
     else:
         moe = frozenset()
     mla = bool(get("multi_latent_attention", False))
     q_lora = get("q_lora_rank", None)
     gated = bool(get("gated_linear_unit", False))
     shared = (shared_size // moe_ffn) if (shared_size and moe_ffn) else (1 if shared_size else 0)
-    return _build(name, "deepseek" if mla else "gpt", num_layers=layers, hidden_size=hidden,
-                  ffn_hidden_size=ffn, moe_layers=moe, num_experts=experts,
-                  moe_ffn_hidden_size=moe_ffn, num_shared_experts=shared, mla=mla,
-                  q_lora=bool(q_lora), gated=gated, source=source)
+    return _build(
+        name,
+        "deepseek" if mla else "gpt",
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        moe_layers=moe,
+        num_experts=experts,
+        moe_ffn_hidden_size=moe_ffn,
+        num_shared_experts=shared,
+        mla=mla,
+        q_lora=bool(q_lora),
+        gated=gated,
+        source=source,
+    )
 
 
 # --------------------------------------------------------------------------- built-in table
 
 
 def _llama(layers, hidden, ffn):
-    return {"model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden,
-            "intermediate_size": ffn}
+    return {
+        "model_type": "llama",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+    }
 
 
 def _qwen3(layers, hidden, ffn):
-    return {"model_type": "qwen3", "num_hidden_layers": layers, "hidden_size": hidden,
-            "intermediate_size": ffn}
+    return {
+        "model_type": "qwen3",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+    }
 
 
 def _qwen3_moe(layers, hidden, ffn, experts, moe_ffn):
-    return {"model_type": "qwen3_moe", "num_hidden_layers": layers, "hidden_size": hidden,
-            "intermediate_size": ffn, "num_experts": experts, "moe_intermediate_size": moe_ffn,
-            "decoder_sparse_step": 1, "mlp_only_layers": []}
+    return {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_experts": experts,
+        "moe_intermediate_size": moe_ffn,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
 
 def _deepseek(layers, hidden, ffn, experts, moe_ffn, shared, first_dense, q_lora):
-    return {"model_type": "deepseek_v3", "num_hidden_layers": layers, "hidden_size": hidden,
-            "intermediate_size": ffn, "n_routed_experts": experts, "moe_intermediate_size": moe_ffn,
-            "n_shared_experts": shared, "first_k_dense_replace": first_dense, "moe_layer_freq": 1,
-            "q_lora_rank": q_lora, "kv_lora_rank": 512}
+    return {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "n_routed_experts": experts,
+        "moe_intermediate_size": moe_ffn,
+        "n_shared_experts": shared,
+        "first_k_dense_replace": first_dense,
+        "moe_layer_freq": 1,
+        "q_lora_rank": q_lora,
+        "kv_lora_rank": 512,
+    }
 
 
 def _gpt(layers, hidden, ffn):
-    return {"megatron": True, "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn,
-            "gated_linear_unit": False}
+    return {
+        "megatron": True,
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "ffn_hidden_size": ffn,
+        "gated_linear_unit": False,
+    }
 
 
 # Sizes from the models' published config.json files (and NeMo 2's matching config classes).
@@ -438,16 +579,36 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
 megatron-core ``TransformerConfig`` fields instead: Megatron GPT has no HF checkpoint)."""
 
 _ALIASES = {
-    "deepseek-r1": "deepseek-v3", "deepseekv3": "deepseek-v3", "deepseek-v3.1": "deepseek-v3",
-    "deepseekv2lite": "deepseek-v2-lite", "moonlight-16b": "moonlight-16b-a3b",
-    "moonlight": "moonlight-16b-a3b", "qwen3-600m": "qwen3-0.6b", "qwen3-1p7b": "qwen3-1.7b",
-    "gpt3-126m": "gpt-126m", "gpt3-5b": "gpt-5b", "gpt3-7b": "gpt-7b", "gpt3-20b": "gpt-20b",
-    "gpt3-40b": "gpt-40b", "gpt3-175b": "gpt-175b",
+    "deepseek-r1": "deepseek-v3",
+    "deepseekv3": "deepseek-v3",
+    "deepseek-v3.1": "deepseek-v3",
+    "deepseekv2lite": "deepseek-v2-lite",
+    "moonlight-16b": "moonlight-16b-a3b",
+    "moonlight": "moonlight-16b-a3b",
+    "qwen3-600m": "qwen3-0.6b",
+    "qwen3-1p7b": "qwen3-1.7b",
+    "gpt3-126m": "gpt-126m",
+    "gpt3-5b": "gpt-5b",
+    "gpt3-7b": "gpt-7b",
+    "gpt3-20b": "gpt-20b",
+    "gpt3-40b": "gpt-40b",
+    "gpt3-175b": "gpt-175b",
 }
 
 # Trailing tokens that name a variant of the same architecture (chat tuning, release, dtype).
-_VARIANT_TOKENS = {"instruct", "base", "chat", "hf", "fp8", "it", "2507", "thinking", "0324",
-                   "0528", "bf16"}
+_VARIANT_TOKENS = {
+    "instruct",
+    "base",
+    "chat",
+    "hf",
+    "fp8",
+    "it",
+    "2507",
+    "thinking",
+    "0324",
+    "0528",
+    "bf16",
+}
 
 
 def _normalize(name: str) -> str:
@@ -459,7 +620,7 @@ def _normalize(name: str) -> str:
     if m:
         base = m.group(1) + ("-" + m.group(2).lstrip("-") if m.group(2) else "")
     base = re.sub(r"^llama-(\d)", r"llama\1", base)
-    base = re.sub(r"^llama(\d)(\d)-", r"llama\1.\2-", base)   # NeMo factories: llama31_8b
+    base = re.sub(r"^llama(\d)(\d)-", r"llama\1.\2-", base)  # NeMo factories: llama31_8b
     base = re.sub(r"^llama(\d)-(\d)-", r"llama\1.\2-", base)  # Llama-3-1-8B style
     tokens = base.split("-")
     while len(tokens) > 1 and tokens[-1] in _VARIANT_TOKENS:
@@ -476,8 +637,9 @@ def _builtin(canonical: str, shown_name: str) -> ModelDescription:
     return from_hf_config(fields, name=shown_name, source="built-in")
 
 
-def describe_model(name_or_path: Any, *, key: str = "model",
-                   base_dir: str | Path | None = None) -> ModelDescription:
+def describe_model(
+    name_or_path: Any, *, key: str = "model", base_dir: str | Path | None = None
+) -> ModelDescription:
     """The description of a model, from its name, a ``config.json`` path, or a config object.
 
     ``name_or_path`` may be a :class:`ModelDescription` (returned as is), a path to a Hugging
@@ -497,8 +659,11 @@ def describe_model(name_or_path: Any, *, key: str = "model",
     if not isinstance(name_or_path, (str, Path)):
         if hasattr(name_or_path, "num_layers") and hasattr(name_or_path, "hidden_size"):
             return from_transformer_config(name_or_path)
-        raise FP8ConfigError(f"expected a model name or a config.json path, got "
-                             f"{format_value(name_or_path)}", key=key, value=name_or_path)
+        raise FP8ConfigError(
+            f"expected a model name or a config.json path, got {format_value(name_or_path)}",
+            key=key,
+            value=name_or_path,
+        )
     text = str(name_or_path).strip()
     if not text:
         raise FP8ConfigError("empty model name", key=key, value=text)
@@ -511,9 +676,12 @@ def describe_model(name_or_path: Any, *, key: str = "model",
     looks_like_path = text.endswith(".json") or text.startswith((".", "/", "~"))
     what = "no such file" if looks_like_path else "no built-in description"
     raise FP8ConfigError(
-        f"unknown model {text!r}: {what}", key=key, value=text,
+        f"unknown model {text!r}: {what}",
+        key=key,
+        value=text,
         hint="pass --model-config PATH (a Hugging Face config.json or a checkpoint directory; "
-             "nothing is downloaded), or --model with one of: " + ", ".join(sorted(BUILTIN_MODELS)))
+        "nothing is downloaded), or --model with one of: " + ", ".join(sorted(BUILTIN_MODELS)),
+    )
 
 
 def _existing_config(path: Path, base_dir: str | Path | None) -> Path | None:
@@ -535,8 +703,9 @@ def _from_config_file(path: Path, key: str) -> ModelDescription:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FP8ConfigError(f"{path} is not a readable config.json ({exc})", key=key,
-                             value=str(path)) from None
+        raise FP8ConfigError(
+            f"{path} is not a readable config.json ({exc})", key=key, value=str(path)
+        ) from None
     # Errors name the JSON field (key) and carry the file path in the message.
     if isinstance(data, Mapping) and "num_layers" in data and "num_hidden_layers" not in data:
         return from_transformer_config(data, name=str(path), source=str(path))

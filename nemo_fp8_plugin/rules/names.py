@@ -33,8 +33,16 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["layer_index", "strip_param_suffix", "generic_counterparts", "generic_siblings",
-           "generic_unit", "generic_members", "builtin_high_precision", "MEGATRON_TO_HF_LEAVES"]
+__all__ = [
+    "layer_index",
+    "strip_param_suffix",
+    "generic_counterparts",
+    "generic_siblings",
+    "generic_unit",
+    "generic_members",
+    "builtin_high_precision",
+    "MEGATRON_TO_HF_LEAVES",
+]
 
 # Component names that hold the transformer-layer index: Megatron and Llama-style HF use
 # `layers`, BERT `layer`, GPT-2 `h`, some vision/other models `blocks`.
@@ -44,7 +52,8 @@ _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?=\.|$)")
 # `weight0`, `weight1`, ...; FP8 checkpoints carry `weight_scale_inv`).
 _PARAM_SUFFIX_RE = re.compile(
     r"\.(?:weight\d*|bias\d*|weight_scale_inv|weight_scale|input_scale|_extra_state|"
-    r"layer_norm_weight|layer_norm_bias|e_score_correction_bias|expert_bias)$")
+    r"layer_norm_weight|layer_norm_bias|e_score_correction_bias|expert_bias)$"
+)
 
 MEGATRON_TO_HF_LEAVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("self_attention.linear_qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -57,7 +66,10 @@ MEGATRON_TO_HF_LEAVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mlp.linear_fc1", ("mlp.gate_proj", "mlp.up_proj")),
     ("mlp.linear_fc2", ("mlp.down_proj",)),
     ("mlp.router", ("mlp.gate",)),
-    ("mlp.shared_experts.linear_fc1", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
+    (
+        "mlp.shared_experts.linear_fc1",
+        ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+    ),
     ("mlp.shared_experts.linear_fc2", ("mlp.shared_experts.down_proj",)),
     ("mlp.experts.linear_fc1", ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj")),
     ("mlp.experts.linear_fc2", ("mlp.experts.*.down_proj",)),
@@ -138,8 +150,11 @@ def generic_counterparts(name: str) -> list[str]:
         m = _EXPERT_MG_RE.match(leaf)
         if m:
             idx, fc = m.groups()
-            leaves = ["mlp.experts.%s.gate_proj" % idx, "mlp.experts.%s.up_proj" % idx] \
-                if fc == "linear_fc1" else ["mlp.experts.%s.down_proj" % idx]
+            leaves = (
+                [f"mlp.experts.{idx}.gate_proj", f"mlp.experts.{idx}.up_proj"]
+                if fc == "linear_fc1"
+                else [f"mlp.experts.{idx}.down_proj"]
+            )
             return [f"{hf_prefix}.{lf}" for lf in leaves]
         return [f"{hf_prefix}.{lf}" for lf in _MEGATRON_LEAVES.get(leaf, ())]
     mg_prefix = _megatron_prefix(prefix)
@@ -147,7 +162,10 @@ def generic_counterparts(name: str) -> list[str]:
     if m:
         idx, proj = m.groups()
         fc = "linear_fc2" if proj == "down_proj" else "linear_fc1"
-        return [f"{mg_prefix}.mlp.experts.{fc}", f"{mg_prefix}.mlp.experts.local_experts.{idx}.{fc}"]
+        return [
+            f"{mg_prefix}.mlp.experts.{fc}",
+            f"{mg_prefix}.mlp.experts.local_experts.{idx}.{fc}",
+        ]
     return [f"{mg_prefix}.{mg}" for mg in _HF_TO_MEGATRON.get(leaf, ())]
 
 
@@ -187,7 +205,10 @@ _VLLM_FUSED_LEAVES = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attn.fused_qkv_a_proj": ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.shared_experts.gate_up_proj": ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+    "mlp.shared_experts.gate_up_proj": (
+        "mlp.shared_experts.gate_proj",
+        "mlp.shared_experts.up_proj",
+    ),
     "mlp.experts": ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.experts.*.down_proj"),
 }
 

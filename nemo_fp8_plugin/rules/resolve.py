@@ -28,11 +28,27 @@ from typing import Any
 from ..errors import FP8ConfigError
 from ..spec import BF16Rules, RecipeSpec
 from .models import ModelDescription
-from .names import (builtin_high_precision, generic_counterparts, generic_members,
-                    generic_siblings, generic_unit, layer_index, strip_param_suffix)
+from .names import (
+    builtin_high_precision,
+    generic_counterparts,
+    generic_members,
+    generic_siblings,
+    generic_unit,
+    layer_index,
+    strip_param_suffix,
+)
 
-__all__ = ["SIDES", "LayerDecision", "Resolution", "resolve", "keeps_bf16", "module_filter",
-           "rule_label", "is_module_rule", "template"]
+__all__ = [
+    "SIDES",
+    "LayerDecision",
+    "Resolution",
+    "resolve",
+    "keeps_bf16",
+    "module_filter",
+    "rule_label",
+    "is_module_rule",
+    "template",
+]
 
 SIDES = ("training", "generation")
 """``training`` resolves megatron-core module names, ``generation`` vLLM/HF names."""
@@ -62,8 +78,14 @@ class LayerDecision:
     """``training`` or ``generation``."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"side": self.side, "layer": self.layer, "module": self.module,
-                "precision": self.precision, "recipe": self.recipe, "rule": self.rule}
+        return {
+            "side": self.side,
+            "layer": self.layer,
+            "module": self.module,
+            "precision": self.precision,
+            "recipe": self.recipe,
+            "rule": self.rule,
+        }
 
 
 @dataclass
@@ -110,15 +132,21 @@ def is_module_rule(label: str | None) -> bool:
 
 
 def module_rules(rules: BF16Rules) -> list[_Rule]:
-    return [_Rule(rule_label(i, p), f"bf16_layers.modules[{i}]", p,
-                  re.compile(fnmatch.translate(p)).match)
-            for i, p in enumerate(rules.modules)]
+    return [
+        _Rule(
+            rule_label(i, p), f"bf16_layers.modules[{i}]", p, re.compile(fnmatch.translate(p)).match
+        )
+        for i, p in enumerate(rules.modules)
+    ]
 
 
 def _split_spec(spec: RecipeSpec | BF16Rules) -> tuple[BF16Rules, str | None, dict[str, bool]]:
     if isinstance(spec, RecipeSpec):
-        return spec.bf16_layers, spec.name, {"training": spec.training == "fp8",
-                                             "generation": spec.generation == "fp8"}
+        return (
+            spec.bf16_layers,
+            spec.name,
+            {"training": spec.training == "fp8", "generation": spec.generation == "fp8"},
+        )
     if isinstance(spec, BF16Rules):
         return spec, None, {"training": True, "generation": True}
     raise TypeError(f"expected a RecipeSpec or BF16Rules, got {type(spec).__name__}")
@@ -132,17 +160,26 @@ def _check_side(side: str) -> None:
 def _check_counts(rules: BF16Rules, num_layers: int, model: str) -> None:
     """first/last that contradict the model: errors naming the rule."""
     if rules.first > num_layers:
-        raise FP8ConfigError(f"keeps {rules.first} leading layers in BF16 but {model} has "
-                             f"{num_layers}", key="bf16_layers.first", value=rules.first)
+        raise FP8ConfigError(
+            f"keeps {rules.first} leading layers in BF16 but {model} has {num_layers}",
+            key="bf16_layers.first",
+            value=rules.first,
+        )
     if rules.last > num_layers:
-        raise FP8ConfigError(f"keeps {rules.last} trailing layers in BF16 but {model} has "
-                             f"{num_layers}", key="bf16_layers.last", value=rules.last)
+        raise FP8ConfigError(
+            f"keeps {rules.last} trailing layers in BF16 but {model} has {num_layers}",
+            key="bf16_layers.last",
+            value=rules.last,
+        )
     if (rules.first or rules.last) and rules.first + rules.last >= num_layers:
         key = "bf16_layers.last" if rules.last else "bf16_layers.first"
-        raise FP8ConfigError(f"first ({rules.first}) + last ({rules.last}) cover all {num_layers} "
-                             f"layers of {model}: no layer would run in FP8", key=key,
-                             value=rules.last if rules.last else rules.first,
-                             hint="lower first/last, or set training: bf16 / generation: bf16")
+        raise FP8ConfigError(
+            f"first ({rules.first}) + last ({rules.last}) cover all {num_layers} "
+            f"layers of {model}: no layer would run in FP8",
+            key=key,
+            value=rules.last if rules.last else rules.first,
+            hint="lower first/last, or set training: bf16 / generation: bf16",
+        )
 
 
 def template(name: str) -> str:
@@ -172,15 +209,16 @@ def resolve(spec: RecipeSpec | BF16Rules, model: ModelDescription, side: str) ->
     return res
 
 
-def _resolve(rules: BF16Rules, recipe: str | None, side_on: bool, model: ModelDescription,
-             side: str) -> Resolution:
+def _resolve(
+    rules: BF16Rules, recipe: str | None, side_on: bool, model: ModelDescription, side: str
+) -> Resolution:
     res = Resolution(side=side, model=model.name)
     acts = side_on and rules.acts_on(side)
     n = model.num_layers
     if acts:
         _check_counts(rules, n, model.name)
     mrules = module_rules(rules) if acts else []
-    decided: dict[str, list[str]] = {r.label: [] for r in mrules}   # units each rule decided
+    decided: dict[str, list[str]] = {r.label: [] for r in mrules}  # units each rule decided
     matched = {r.label: 0 for r in mrules}
     shadowers: dict[str, set[str]] = {r.label: set() for r in mrules}
     partial: dict[str, list[str]] = {}
@@ -217,37 +255,50 @@ def _resolve(rules: BF16Rules, recipe: str | None, side_on: bool, model: ModelDe
             if builtin:
                 rule = f"builtin:{builtin}"
         precision = "fp8" if rule is None else "bf16"
-        res.decisions.append(LayerDecision(unit, layer, precision,
-                                           recipe if precision == "fp8" else None, rule, side))
+        res.decisions.append(
+            LayerDecision(
+                unit, layer, precision, recipe if precision == "fp8" else None, rule, side
+            )
+        )
 
     names = "Megatron" if side == "training" else "vLLM / Hugging Face"
     for r in mrules:
         if not matched[r.label]:
             res.unmatched_rules.append(r.label)
-            res.warnings.append(f"{r.label} matches no {side} module of {model.name} "
-                                f"({names} names{_nearby(r.pattern, units)})")
+            res.warnings.append(
+                f"{r.label} matches no {side} module of {model.name} "
+                f"({names} names{_nearby(r.pattern, units)})"
+            )
         elif not decided[r.label]:
             by = ", ".join(sorted(shadowers[r.label]))
-            res.warnings.append(f"{r.label} has no effect on the {side} side: every module it "
-                                f"matches is already kept in BF16 by {by}")
+            res.warnings.append(
+                f"{r.label} has no effect on the {side} side: every module it "
+                f"matches is already kept in BF16 by {by}"
+            )
         elif all(builtin_high_precision(u) for u in decided[r.label]):
-            res.notes.append(f"{r.label} only matches modules that never run in FP8 "
-                             f"({', '.join(sorted({template(u) for u in decided[r.label]}))}); "
-                             f"it changes nothing")
+            res.notes.append(
+                f"{r.label} only matches modules that never run in FP8 "
+                f"({', '.join(sorted({template(u) for u in decided[r.label]}))}); "
+                f"it changes nothing"
+            )
     for label, units_hit in partial.items():
         shown = sorted({template(u) for u in units_hit})
         res.warnings.append(
             f"{label} matches only part of {len(units_hit)} fused {side} module(s) "
             f"({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}); one GEMM has one "
-            f"precision, so each whole module stays BF16")
+            f"precision, so each whole module stays BF16"
+        )
     res.partial = partial
     if acts and mrules:
         capable = [d for d in res.decisions if not builtin_high_precision(d.module)]
         if capable and all(d.precision == "bf16" for d in capable):
             first_rule = next(r for r in mrules if decided[r.label])
-            raise FP8ConfigError(f"keeps every {side} module of {model.name} in BF16: nothing "
-                                 f"would run in FP8", key=first_rule.key, value=first_rule.pattern,
-                                 hint=f"to run {side} in BF16 set `{side}: bf16` instead")
+            raise FP8ConfigError(
+                f"keeps every {side} module of {model.name} in BF16: nothing would run in FP8",
+                key=first_rule.key,
+                value=first_rule.pattern,
+                hint=f"to run {side} in BF16 set `{side}: bf16` instead",
+            )
     return res
 
 
@@ -281,8 +332,10 @@ def _nearby(pattern: str, units) -> str:
     """A hint with module leaves that resemble the pattern's words."""
     import difflib
 
-    leaves = sorted({u.rsplit(".", 1)[-1] for u, _ in units}
-                    | {h.rsplit(".", 1)[-1] for _, hs in units for h in hs[:3]})
+    leaves = sorted(
+        {u.rsplit(".", 1)[-1] for u, _ in units}
+        | {h.rsplit(".", 1)[-1] for _, hs in units for h in hs[:3]}
+    )
     words = [w for w in re.split(r"[^A-Za-z0-9_]+", pattern) if w]
     near = []
     for w in words:
@@ -296,8 +349,14 @@ def _nearby(pattern: str, units) -> str:
 # --------------------------------------------------------------------------- per name
 
 
-def keeps_bf16(rules: RecipeSpec | BF16Rules, module_name: str, *, side: str,
-               num_layers: int | None, model: ModelDescription | None = None) -> str | None:
+def keeps_bf16(
+    rules: RecipeSpec | BF16Rules,
+    module_name: str,
+    *,
+    side: str,
+    num_layers: int | None,
+    model: ModelDescription | None = None,
+) -> str | None:
     """The deciding rule's label when ``module_name`` stays BF16 on ``side``, None for FP8.
 
     ``module_name`` may use either naming, and may be a parameter name (``...q_proj.weight``).
@@ -342,17 +401,21 @@ def _index(table: Resolution) -> dict[str, LayerDecision]:
 
 
 @lru_cache(maxsize=256)
-def _generic_decider(rules: BF16Rules, side_on: bool, side: str,
-                     num_layers: int | None) -> Callable[[str], str | None]:
+def _generic_decider(
+    rules: BF16Rules, side_on: bool, side: str, num_layers: int | None
+) -> Callable[[str], str | None]:
     """A name -> label function for rules without a model description (cached: the refit
     quantizer asks once per parameter)."""
     if not side_on:
         return lambda name: f"{side}: bf16"
     acts = rules.acts_on(side)
     if acts and rules.last and num_layers is None:
-        raise FP8ConfigError("bf16_layers.last needs the model's number of layers",
-                             key="bf16_layers.last", value=rules.last,
-                             hint="pass num_layers (or a model description)")
+        raise FP8ConfigError(
+            "bf16_layers.last needs the model's number of layers",
+            key="bf16_layers.last",
+            value=rules.last,
+            hint="pass num_layers (or a model description)",
+        )
     if acts and num_layers is not None:
         _check_counts(rules, num_layers, "the model")
     mrules = module_rules(rules) if acts else []
@@ -397,8 +460,13 @@ def _candidates(name: str, side: str) -> frozenset[str]:
     return frozenset(out)
 
 
-def module_filter(spec: RecipeSpec | BF16Rules, *, num_layers: int | None, side: str = "training",
-                  model: ModelDescription | None = None) -> Callable[[str, object], bool]:
+def module_filter(
+    spec: RecipeSpec | BF16Rules,
+    *,
+    num_layers: int | None,
+    side: str = "training",
+    model: ModelDescription | None = None,
+) -> Callable[[str, object], bool]:
     """A ``(name, module) -> bool`` filter for the emulation converter: True = convert to FP8.
 
     False for modules the rules keep in BF16 on ``side`` and for modules no host runs in

@@ -4,12 +4,15 @@ layers whose modules are decided identically share one block of rows."""
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["render_layer_table"]
 
-_SIDE_TITLES = {"training": "training (megatron-core module names)",
-                "generation": "generation (vLLM module names)"}
+_SIDE_TITLES = {
+    "training": "training (megatron-core module names)",
+    "generation": "generation (vLLM module names)",
+}
 _LAYER_PREFIX = re.compile(r"^(?:.*?\.)?(?:layers|layer|h|blocks)\.\d+\.")
 
 
@@ -29,8 +32,12 @@ def render_layer_table(decisions: Iterable[dict[str, Any]], indent: str = "  ") 
         per_layer: dict[int, list[tuple]] = {}
         outside: list[tuple] = []
         for d in rows:
-            entry = (_LAYER_PREFIX.sub("", d["module"]), d["precision"], d["recipe"] or "-",
-                     d["rule"] or "-")
+            entry = (
+                _LAYER_PREFIX.sub("", d["module"]),
+                d["precision"],
+                d["recipe"] or "-",
+                d["rule"] or "-",
+            )
             if d["layer"] is None:
                 outside.append(entry)
             else:

@@ -53,8 +53,10 @@ def bench_quantize(n: int, reps: int) -> dict:
             fn()
     eager_reps = max(2, reps // 3)
     fast = interleaved({k: v for k, v in cases.items() if not k.startswith("eager")}, reps)
-    slow = interleaved({"clone": cases["clone"]} | {k: v for k, v in cases.items()
-                                                     if k.startswith("eager")}, eager_reps)
+    slow = interleaved(
+        {"clone": cases["clone"]} | {k: v for k, v in cases.items() if k.startswith("eager")},
+        eager_reps,
+    )
     times = {**slow, **fast, "clone": fast["clone"] + slow["clone"]}
     clone_gbs = elems * 4 / min(times["clone"]) / 1e9
     rows = {}
@@ -71,6 +73,7 @@ def fwd_bwd(layer_fn, x, w, b):
         ww = w.detach().requires_grad_()
         out = layer_fn(xx, ww, b)
         out.backward(torch.ones_like(out))
+
     return run
 
 
@@ -78,7 +81,7 @@ def bench_linear(n: int, tokens: int, reps: int, bf16_reps: int) -> dict:
     """Best-of-``reps`` fwd+bwd times; bf16 is timed ``bf16_reps`` times (0 skips it)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, n, generator=gen)
-    w = torch.randn(n, n, generator=gen) / n ** 0.5
+    w = torch.randn(n, n, generator=gen) / n**0.5
     plain32 = fwd_bwd(lambda xx, ww, b: F.linear(xx, ww), x, w, None)
     plain16 = fwd_bwd(lambda xx, ww, b: F.linear(xx, ww), x.bfloat16(), w.bfloat16(), None)
     results = {}
@@ -105,16 +108,26 @@ def bench_linear(n: int, tokens: int, reps: int, bf16_reps: int) -> dict:
     return {"M=N=K": n, "tokens": tokens, "rows": rows}
 
 
-def layer_weights(layers: int, hidden: int, kv: int, ffn: int,
-                  device: str = "cpu") -> dict[str, torch.Tensor]:
+def layer_weights(
+    layers: int, hidden: int, kv: int, ffn: int, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
-              "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
-              "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden),
-              "mlp.down_proj": (hidden, ffn)}
-    return {f"model.layers.{i}.{n}.weight":
-            (torch.randn(*s, generator=gen) * 0.02).bfloat16().to(device)
-            for i in range(layers) for n, s in shapes.items()}
+    shapes = {
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (ffn, hidden),
+        "mlp.up_proj": (ffn, hidden),
+        "mlp.down_proj": (hidden, ffn),
+    }
+    return {
+        f"model.layers.{i}.{n}.weight": (torch.randn(*s, generator=gen) * 0.02)
+        .bfloat16()
+        .to(device)
+        for i in range(layers)
+        for n, s in shapes.items()
+    }
 
 
 def check_exact(weights: dict, spec) -> int:
@@ -132,8 +145,14 @@ def check_exact(weights: dict, spec) -> int:
     return len(ref)
 
 
-def bench_refit(layers: int = 1, recipe: str = "fp8_blockwise", rounds: int = 4,
-                quick: bool = False, device: str = "cpu", check: bool = False) -> dict:
+def bench_refit(
+    layers: int = 1,
+    recipe: str = "fp8_blockwise",
+    rounds: int = 4,
+    quick: bool = False,
+    device: str = "cpu",
+    check: bool = False,
+) -> dict:
     """GB/s of the refit quantizer (eager and fused) vs a copy of the same weights."""
     dims = (1024, 256, 3584) if quick else (4096, 1024, 14336)
     weights = layer_weights(layers, *dims, device=device)
@@ -153,10 +172,10 @@ def bench_refit(layers: int = 1, recipe: str = "fp8_blockwise", rounds: int = 4,
     def refit(fused: bool):
         def run():
             total = 0
-            for _, t in quantize_for_refit(weights, spec, keep_bf16=lambda n: False,
-                                           fused=fused):
+            for _, t in quantize_for_refit(weights, spec, keep_bf16=lambda n: False, fused=fused):
                 total += t.numel() * t.element_size()
             out_bytes[fused] = total
+
         return run
 
     runs = {"copy (clone)": copy, "refit eager": refit(False), "refit fused": refit(True)}
@@ -171,11 +190,19 @@ def bench_refit(layers: int = 1, recipe: str = "fp8_blockwise", rounds: int = 4,
     copy_gbs = elems * 4 / best["copy (clone)"] / 1e9
     rows = {}
     for name, t in best.items():
-        moved = elems * 4 if name.startswith("copy") else elems * 2 + out_bytes[name.endswith("fused")]
+        moved = (
+            elems * 4 if name.startswith("copy") else elems * 2 + out_bytes[name.endswith("fused")]
+        )
         gbs = moved / t / 1e9
         rows[name] = {"best_s": t, "GB/s": gbs, "x_copy": gbs / copy_gbs}
-    return {"recipe": spec.name, "layers": layers, "weights": elems, "device": device,
-            "checked_bit_exact": checked, "rows": rows}
+    return {
+        "recipe": spec.name,
+        "layers": layers,
+        "weights": elems,
+        "device": device,
+        "checked_bit_exact": checked,
+        "rows": rows,
+    }
 
 
 def run_numerics(quick: bool = False, skip_bf16: bool = False) -> dict:
@@ -188,26 +215,36 @@ def run_numerics(quick: bool = False, skip_bf16: bool = False) -> dict:
 
 def render_numerics(result: dict) -> str:
     quant, linear = result["quantize"], result["linear"]
-    lines = [f"## Block quantization, {quant['shape'][0]}x{quant['shape'][1]} {quant['dtype']}",
-             f"{'case':<20}{'best s':>10}{'median s':>10}{'GB/s':>9}{'x clone':>9}"]
+    lines = [
+        f"## Block quantization, {quant['shape'][0]}x{quant['shape'][1]} {quant['dtype']}",
+        f"{'case':<20}{'best s':>10}{'median s':>10}{'GB/s':>9}{'x clone':>9}",
+    ]
     for name, r in quant["rows"].items():
-        lines.append(f"{name:<20}{r['best_s']:>10.4f}{r['median_s']:>10.4f}{r['GB/s']:>9.2f}"
-                     f"{r['x_clone']:>9.2f}")
-    lines += ["", f"## Linear fwd+bwd, M=N=K={linear['M=N=K']} ({linear['tokens']} tokens)",
-              f"{'case':<16}{'best s':>10}{'median s':>10}{'x fp32':>9}{'x bf16':>9}"]
+        lines.append(
+            f"{name:<20}{r['best_s']:>10.4f}{r['median_s']:>10.4f}{r['GB/s']:>9.2f}"
+            f"{r['x_clone']:>9.2f}"
+        )
+    lines += [
+        "",
+        f"## Linear fwd+bwd, M=N=K={linear['M=N=K']} ({linear['tokens']} tokens)",
+        f"{'case':<16}{'best s':>10}{'median s':>10}{'x fp32':>9}{'x bf16':>9}",
+    ]
     for name, r in linear["rows"].items():
         med = f"{r['median_s']:>10.3f}" if "median_s" in r else f"{'':>10}"
-        extra = (f"{r['x_fp32']:>9.2f}{r['x_bf16']:>9.3f}" if "x_fp32" in r else "")
+        extra = f"{r['x_fp32']:>9.2f}{r['x_bf16']:>9.3f}" if "x_fp32" in r else ""
         lines.append(f"{name:<16}{r['best_s']:>10.3f}{med}{extra}")
     return "\n".join(lines)
 
 
 def render_refit(result: dict) -> str:
-    lines = [f"## Refit quantizer, recipe {result['recipe']}, {result['layers']} layer(s), "
-             f"{result['weights'] / 1e6:.1f}M bf16 weights, device {result['device']}"]
+    lines = [
+        f"## Refit quantizer, recipe {result['recipe']}, {result['layers']} layer(s), "
+        f"{result['weights'] / 1e6:.1f}M bf16 weights, device {result['device']}"
+    ]
     if result["checked_bit_exact"] is not None:
-        lines.append(f"check: {result['checked_bit_exact']} tensors bit-identical to the CPU "
-                     "reference")
+        lines.append(
+            f"check: {result['checked_bit_exact']} tensors bit-identical to the CPU reference"
+        )
     lines.append(f"{'case':<16}{'best s':>10}{'GB/s':>9}{'x copy':>9}")
     for name, r in result["rows"].items():
         lines.append(f"{name:<16}{r['best_s']:>10.3f}{r['GB/s']:>9.2f}{r['x_copy']:>9.2f}")

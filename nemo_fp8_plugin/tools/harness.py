@@ -28,9 +28,22 @@ from typing import Any, Generic, TypeVar
 
 from .._io import atomic_write_bytes, atomic_write_text, dump_json
 
-__all__ = ["sync", "Stopwatch", "timed", "interleaved", "timing_summary", "median", "ratio",
-           "environment", "RELEVANT_ENV_PREFIXES", "RELEVANT_ENV_NAMES", "ArmRecord",
-           "write_json", "pyplot", "write_png"]
+__all__ = [
+    "sync",
+    "Stopwatch",
+    "timed",
+    "interleaved",
+    "timing_summary",
+    "median",
+    "ratio",
+    "environment",
+    "RELEVANT_ENV_PREFIXES",
+    "RELEVANT_ENV_NAMES",
+    "ArmRecord",
+    "write_json",
+    "pyplot",
+    "write_png",
+]
 
 StepT = TypeVar("StepT")
 
@@ -105,8 +118,9 @@ def timed(fn: Callable[[], Any], device=None, *, reps: int = 1, warmup: int = 0)
     return samples
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], reps: int,
-                device=None) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], Any]], reps: int, device=None
+) -> dict[str, list[float]]:
     """Each callable once per round, ``reps`` rounds; every timing of each.
 
     Interleaving puts a figure and its baseline under the same machine load (the project's
@@ -140,14 +154,26 @@ def ratio(value: float | None, baseline: float | None) -> float | None:
 # --------------------------------------------------------------------------- environment
 
 
-RELEVANT_ENV_PREFIXES = ("NVTE_", "NEMO_FP8_", "VLLM_", "TORCHINDUCTOR_", "TORCH_COMPILE",
-                         "CUBLAS", "NCCL_")
+RELEVANT_ENV_PREFIXES = (
+    "NVTE_",
+    "NEMO_FP8_",
+    "VLLM_",
+    "TORCHINDUCTOR_",
+    "TORCH_COMPILE",
+    "CUBLAS",
+    "NCCL_",
+)
 """Environment variables recorded by :func:`environment`: the ones that change what Transformer
 Engine, vLLM, torch.compile or the plugin compute or how fast (TE and vLLM read several at
 import)."""
 
-RELEVANT_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                      "PYTORCH_CUDA_ALLOC_CONF", "CI")
+RELEVANT_ENV_NAMES = (
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "CI",
+)
 """Further variables recorded by name."""
 
 # A recorded environment ends up in result files that get shared; never copy a credential.
@@ -197,16 +223,25 @@ def environment(device=None) -> dict[str, Any]:
     from .. import __version__
 
     info: dict[str, Any] = {
-        "plugin": __version__, "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "triton": _dist_version("triton"),
-        "platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(), "isa": torch.backends.cpu.get_cpu_capability(),
+        "plugin": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _dist_version("triton"),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "isa": torch.backends.cpu.get_cpu_capability(),
         "device": "cpu" if device is None else str(device),
     }
     if _cuda(device):
         props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
-                    memory_gb=round(props.total_memory / 2**30, 1))
+        info.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_gb=round(props.total_memory / 2**30, 1),
+        )
     info["env"] = _relevant_env()
     return info
 
@@ -246,14 +281,14 @@ class ArmRecord(Generic[StepT]):
         values = self.series(attr)
         if not values:
             return float("nan")
-        tail = values[-max(1, int(len(values) * frac)):]
+        tail = values[-max(1, int(len(values) * frac)) :]
         return sum(tail) / len(tail)
 
     def steady_step_s(self, warmup: int = 5) -> float | None:
         """Median step time after the first ``warmup`` steps (at most half of them), which
         carry one-off allocation and compilation; None before any step."""
         times = self.step_seconds
-        return median(times[min(warmup, len(times) // 2):]) if times else None
+        return median(times[min(warmup, len(times) // 2) :]) if times else None
 
 
 # --------------------------------------------------------------------------- output

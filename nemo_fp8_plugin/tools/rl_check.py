@@ -52,8 +52,20 @@ from ..rl.importance import importance_weights, mismatch_metrics
 from .harness import ArmRecord, Stopwatch
 from .rl_check_model import Engine, MirrorSumTask, TinyLlama, bf16_gemms
 
-__all__ = ["CheckSettings", "FULL", "QUICK", "ARMS", "ArmResult", "StepRecord", "run_check",
-           "run_arm", "render_tables", "with_overrides", "TinyLlama", "MirrorSumTask"]
+__all__ = [
+    "CheckSettings",
+    "FULL",
+    "QUICK",
+    "ARMS",
+    "ArmResult",
+    "StepRecord",
+    "run_check",
+    "run_arm",
+    "render_tables",
+    "with_overrides",
+    "TinyLlama",
+    "MirrorSumTask",
+]
 
 ARMS = ("bf16", "fp8-gen", "fp8-e2e", "fp8-gen-is")
 """The four arms, in the order the tables list them."""
@@ -109,14 +121,16 @@ class Trainer:
     """BF16 model parameters, FP32 master weights and Adam (Megatron's mixed precision); in the
     end-to-end arm the linear layers run through the FP8 emulation."""
 
-    def __init__(self, template: TinyLlama, lr: float, fp8_spec=None,
-                 fp8_modules: set[str] = frozenset()):
+    def __init__(
+        self, template: TinyLlama, lr: float, fp8_spec=None, fp8_modules: set[str] = frozenset()
+    ):
         self.model = copy.deepcopy(template).to(torch.bfloat16).train()
         if fp8_spec is not None:
             from ..numerics import convert_to_fp8_emulation
 
-            convert_to_fp8_emulation(self.model, fp8_spec,
-                                     module_filter=lambda name, module: name in fp8_modules)
+            convert_to_fp8_emulation(
+                self.model, fp8_spec, module_filter=lambda name, module: name in fp8_modules
+            )
         bf16_gemms(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
@@ -126,7 +140,7 @@ class Trainer:
         """Log-probabilities of the answer tokens (all positions after the prompt)."""
         logp = self.model(tokens[:, :-1])
         picked = logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-        return picked[:, prompt_len - 1:]
+        return picked[:, prompt_len - 1 :]
 
     def step(self, loss: torch.Tensor) -> None:
         for p in self.params:
@@ -183,16 +197,19 @@ class ArmResult(ArmRecord[StepRecord]):
 
     def summary(self) -> dict[str, Any]:
         """The arm's row of the summary table (and of ``--json``'s ``summary``)."""
-        return {"arm": self.name,
-                "token_mult_prob_error": self.mean("token_mult_prob_error"),
-                "token_mult_prob_error_max": max((r.token_mult_prob_error for r in self.steps),
-                                                 default=float("nan")),
-                "gen_kl_error": self.mean("gen_kl_error"),
-                "final_reward": self.final_eval_reward,
-                "initial_reward": self.initial_eval_reward,
-                "train_reward_last": self.tail_mean("reward"),
-                "refit_share": self.refit_share,
-                "refit_mib": self.steps[-1].refit_bytes / 2**20 if self.steps else 0.0}
+        return {
+            "arm": self.name,
+            "token_mult_prob_error": self.mean("token_mult_prob_error"),
+            "token_mult_prob_error_max": max(
+                (r.token_mult_prob_error for r in self.steps), default=float("nan")
+            ),
+            "gen_kl_error": self.mean("gen_kl_error"),
+            "final_reward": self.final_eval_reward,
+            "initial_reward": self.initial_eval_reward,
+            "train_reward_last": self.tail_mean("reward"),
+            "refit_share": self.refit_share,
+            "refit_mib": self.steps[-1].refit_bytes / 2**20 if self.steps else 0.0,
+        }
 
 
 def fp8_modules_of(template: TinyLlama, spec, num_layers: int) -> set[str]:
@@ -201,9 +218,11 @@ def fp8_modules_of(template: TinyLlama, spec, num_layers: int) -> set[str]:
     from ..rl import quantize_for_refit
 
     named = [(n, t.to(torch.bfloat16)) for n, t in template.state_dict().items()]
-    return {name[:-len(".weight_scale_inv")]
-            for name, _ in quantize_for_refit(named, spec, num_layers=num_layers)
-            if name.endswith(".weight_scale_inv")}
+    return {
+        name[: -len(".weight_scale_inv")]
+        for name, _ in quantize_for_refit(named, spec, num_layers=num_layers)
+        if name.endswith(".weight_scale_inv")
+    }
 
 
 def _refit(trainer: Trainer, engine: Engine, spec, num_layers: int) -> int:
@@ -224,7 +243,7 @@ def _warmup(template: TinyLlama, task: MirrorSumTask, s: CheckSettings) -> None:
         prompts = task.prompts(s.warmup_batch, gen)
         seq = torch.cat([prompts, task.answers(prompts)], dim=1)
         logp = template(seq[:, :-1])
-        nll = -logp.gather(-1, seq[:, 1:, None]).squeeze(-1)[:, task.prompt_len - 1:]
+        nll = -logp.gather(-1, seq[:, 1:, None]).squeeze(-1)[:, task.prompt_len - 1 :]
         opt.zero_grad()
         nll.mean().backward()
         opt.step()
@@ -235,16 +254,23 @@ def _evaluate(engine: Engine, task: MirrorSumTask, prompts: torch.Tensor) -> flo
     return float(task.reward(prompts, completions).mean())
 
 
-def run_arm(arm: str, template: TinyLlama, task: MirrorSumTask, s: CheckSettings, spec,
-            progress: Callable[[str], None] | None = None) -> ArmResult:
+def run_arm(
+    arm: str,
+    template: TinyLlama,
+    task: MirrorSumTask,
+    s: CheckSettings,
+    spec,
+    progress: Callable[[str], None] | None = None,
+) -> ArmResult:
     """Run one arm from the warm-started ``template``."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; one of {', '.join(ARMS)}")
     fp8_gen = arm != "bf16"
     use_is = arm == "fp8-gen-is"
     fp8_modules = fp8_modules_of(template, spec, s.num_layers) if fp8_gen else set()
-    trainer = Trainer(template, s.lr, fp8_spec=spec if arm == "fp8-e2e" else None,
-                      fp8_modules=fp8_modules)
+    trainer = Trainer(
+        template, s.lr, fp8_spec=spec if arm == "fp8-e2e" else None, fp8_modules=fp8_modules
+    )
     engine = Engine(template, fp8_modules, pow2_scales=spec.pow2_scales)
     prompt_gen = torch.Generator().manual_seed(s.seed + 2)
     sample_gen = torch.Generator().manual_seed(s.seed + 3)
@@ -257,21 +283,31 @@ def run_arm(arm: str, template: TinyLlama, task: MirrorSumTask, s: CheckSettings
     for step in range(s.steps):
         with Stopwatch() as step_time:
             prompts = task.prompts(s.prompts_per_step, prompt_gen).repeat_interleave(
-                s.generations_per_prompt, dim=0)
+                s.generations_per_prompt, dim=0
+            )
             completions, gen_lp = engine.generate(prompts, task.digits, sample_gen)
             rewards = task.reward(prompts, completions)
             groups = rewards.view(s.prompts_per_step, s.generations_per_prompt)
-            adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6))
+            adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)
             adv = adv.reshape(-1, 1)
 
             seq = torch.cat([prompts, completions], dim=1)
             train_lp = trainer.logprobs(seq, task.prompt_len).float()
             mask = torch.ones_like(train_lp, dtype=torch.bool)
             metrics = mismatch_metrics(train_lp, gen_lp, mask)
-            weights = (importance_weights(train_lp, gen_lp, mask, level=is_cfg.level,
-                                          truncation=is_cfg.truncation,
-                                          ratio_max=is_cfg.ratio_max, ratio_min=is_cfg.ratio_min)
-                       if use_is else torch.ones_like(train_lp))
+            weights = (
+                importance_weights(
+                    train_lp,
+                    gen_lp,
+                    mask,
+                    level=is_cfg.level,
+                    truncation=is_cfg.truncation,
+                    ratio_max=is_cfg.ratio_max,
+                    ratio_min=is_cfg.ratio_min,
+                )
+                if use_is
+                else torch.ones_like(train_lp)
+            )
             # One optimizer step per batch: the PPO ratio is 1 and its clipping is inactive, so
             # the clipped objective's gradient is the policy gradient -A * grad(log pi) per token.
             loss = -(weights * adv * train_lp).sum() / mask.sum()
@@ -280,29 +316,42 @@ def run_arm(arm: str, template: TinyLlama, task: MirrorSumTask, s: CheckSettings
             with Stopwatch() as refit_time:
                 refit_bytes = _refit(trainer, engine, spec, s.num_layers)
         result.step_seconds.append(step_time.seconds)
-        result.steps.append(StepRecord(
-            step=step, reward=float(rewards.mean()),
-            token_mult_prob_error=metrics["token_mult_prob_error"],
-            gen_kl_error=metrics["gen_kl_error"],
-            sampling_importance_ratio=metrics["sampling_importance_ratio"],
-            step_s=step_time.seconds, refit_s=refit_time.seconds, refit_bytes=refit_bytes))
+        result.steps.append(
+            StepRecord(
+                step=step,
+                reward=float(rewards.mean()),
+                token_mult_prob_error=metrics["token_mult_prob_error"],
+                gen_kl_error=metrics["gen_kl_error"],
+                sampling_importance_ratio=metrics["sampling_importance_ratio"],
+                step_s=step_time.seconds,
+                refit_s=refit_time.seconds,
+                refit_bytes=refit_bytes,
+            )
+        )
         if progress is not None:
-            progress(f"{arm:<11} step {step + 1:>3}/{s.steps}  reward {rewards.mean():.3f}  "
-                     f"mult_err {metrics['token_mult_prob_error']:.5f}")
+            progress(
+                f"{arm:<11} step {step + 1:>3}/{s.steps}  reward {rewards.mean():.3f}  "
+                f"mult_err {metrics['token_mult_prob_error']:.5f}"
+            )
     result.final_eval_reward = _evaluate(engine, task, eval_prompts)
     result.completed = True
     return result
 
 
-def run_check(settings: CheckSettings = FULL, arms: Iterable[str] = ARMS,
-              progress: Callable[[str], None] | None = None) -> list[ArmResult]:
+def run_check(
+    settings: CheckSettings = FULL,
+    arms: Iterable[str] = ARMS,
+    progress: Callable[[str], None] | None = None,
+) -> list[ArmResult]:
     """Warm up once, then run each arm from the same weights; returns one result per arm."""
     from ..registry import get_recipe
 
     spec = get_recipe(settings.recipe)
     if spec.scaling != "block":
-        raise ValueError(f"rl-check runs a block recipe (NeMo RL's FP8 generation); "
-                         f"{settings.recipe} is {spec.scaling}")
+        raise ValueError(
+            f"rl-check runs a block recipe (NeMo RL's FP8 generation); "
+            f"{settings.recipe} is {spec.scaling}"
+        )
     from ..numerics import fused_mode
 
     threads = torch.get_num_threads()
@@ -313,10 +362,14 @@ def run_check(settings: CheckSettings = FULL, arms: Iterable[str] = ARMS,
         with fused_mode(False):
             torch.manual_seed(settings.seed)
             task = MirrorSumTask(settings.digits)
-            template = TinyLlama(MirrorSumTask.VOCAB, task.prompt_len + task.digits,
-                                 hidden_size=settings.hidden_size,
-                                 intermediate_size=settings.intermediate_size,
-                                 num_layers=settings.num_layers, num_heads=settings.num_heads)
+            template = TinyLlama(
+                MirrorSumTask.VOCAB,
+                task.prompt_len + task.digits,
+                hidden_size=settings.hidden_size,
+                intermediate_size=settings.intermediate_size,
+                num_layers=settings.num_layers,
+                num_heads=settings.num_heads,
+            )
             _warmup(template, task, settings)
             return [run_arm(arm, template, task, settings, spec, progress) for arm in arms]
     finally:
@@ -326,7 +379,9 @@ def run_check(settings: CheckSettings = FULL, arms: Iterable[str] = ARMS,
 # --------------------------------------------------------------------------- tables
 
 
-def render_tables(results: list[ArmResult], settings: CheckSettings, every: int | None = None) -> str:
+def render_tables(
+    results: list[ArmResult], settings: CheckSettings, every: int | None = None
+) -> str:
     """One table per arm (its steps), then the summary table, as Markdown."""
     lines = []
     every = every or max(1, settings.steps // 6)
@@ -336,20 +391,26 @@ def render_tables(results: list[ArmResult], settings: CheckSettings, every: int 
         lines.append("|---:|---:|---:|---:|---:|")
         for r in res.steps:
             if (r.step + 1) % every == 0 or r.step == 0:
-                lines.append(f"| {r.step + 1} | {r.reward:.3f} | {r.token_mult_prob_error:.5f} | "
-                             f"{r.gen_kl_error:.2e} | {r.refit_s / r.step_s:.1%} |")
+                lines.append(
+                    f"| {r.step + 1} | {r.reward:.3f} | {r.token_mult_prob_error:.5f} | "
+                    f"{r.gen_kl_error:.2e} | {r.refit_s / r.step_s:.1%} |"
+                )
         lines.append("")
     lines.append("### summary\n")
-    lines.append("| arm | token_mult_prob_error, mean (worst step) | gen_kl_error, mean | final "
-                 f"reward (greedy, held out; start {results[0].initial_eval_reward if results else 0:.3f}) | refit + refresh, share of step time | "
-                 "refit payload |")
+    lines.append(
+        "| arm | token_mult_prob_error, mean (worst step) | gen_kl_error, mean | final "
+        f"reward (greedy, held out; start {results[0].initial_eval_reward if results else 0:.3f}) | refit + refresh, share of step time | "
+        "refit payload |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|")
     for res in results:
         s = res.summary()
-        lines.append(f"| {s['arm']} | {s['token_mult_prob_error']:.5f} "
-                     f"({s['token_mult_prob_error_max']:.4f}) | {s['gen_kl_error']:.2e} "
-                     f"| {s['final_reward']:.3f} | {s['refit_share']:.1%} | "
-                     f"{s['refit_mib']:.2f} MiB |")
+        lines.append(
+            f"| {s['arm']} | {s['token_mult_prob_error']:.5f} "
+            f"({s['token_mult_prob_error_max']:.4f}) | {s['gen_kl_error']:.2e} "
+            f"| {s['final_reward']:.3f} | {s['refit_share']:.1%} | "
+            f"{s['refit_mib']:.2f} MiB |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -41,7 +41,7 @@ class MirrorSumTask:
         return torch.cat([bos, body, sep], dim=1)
 
     def answers(self, prompts: torch.Tensor) -> torch.Tensor:
-        body = prompts[:, 1:1 + self.digits]
+        body = prompts[:, 1 : 1 + self.digits]
         return (body + body.flip(1)) % 10
 
     def reward(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
@@ -156,13 +156,23 @@ class TinyLlama(nn.Module):
     Learned positions instead of RoPE keep it small; embeddings and ``lm_head`` stay BF16,
     as in vLLM's and Megatron's FP8 paths."""
 
-    def __init__(self, vocab: int, max_len: int, *, hidden_size: int, intermediate_size: int,
-                 num_layers: int, num_heads: int):
+    def __init__(
+        self,
+        vocab: int,
+        max_len: int,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        num_layers: int,
+        num_heads: int,
+    ):
         super().__init__()
         self.model = _Body(vocab, max_len, hidden_size, intermediate_size, num_layers, num_heads)
         self.lm_head = nn.Linear(hidden_size, vocab, bias=False)
 
-    def forward(self, tokens: torch.Tensor, caches: list | None = None, start: int = 0) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, caches: list | None = None, start: int = 0
+    ) -> torch.Tensor:
         """Log-probabilities (fp32) of the next token at every position. ``caches`` (one dict
         per layer) selects the generation path with a KV cache; ``start`` is the position of
         ``tokens[:, 0]``."""
@@ -185,8 +195,9 @@ class FP8EngineLinear(nn.Module):
     def __init__(self, out_features: int, in_features: int, pow2_scales: bool):
         super().__init__()
         tiles = (math.ceil(out_features / 128), math.ceil(in_features / 128))
-        self.register_buffer("weight", torch.zeros(out_features, in_features,
-                                                   dtype=torch.float8_e4m3fn))
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn)
+        )
         self.register_buffer("weight_scale_inv", torch.ones(tiles, dtype=torch.float32))
         self.pow2_scales = pow2_scales
 
@@ -211,7 +222,8 @@ class Engine:
             parent, _, leaf = name.rpartition(".")
             old = self.model.get_submodule(name)
             self.model.get_submodule(parent).register_module(
-                leaf, FP8EngineLinear(old.out_features, old.in_features, pow2_scales))
+                leaf, FP8EngineLinear(old.out_features, old.in_features, pow2_scales)
+            )
         bf16_gemms(self.model)
         self.slots = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
 
@@ -222,16 +234,22 @@ class Engine:
         for name, tensor in named:
             slot = self.slots.get(name)
             if slot is None or slot.shape != tensor.shape or slot.dtype != tensor.dtype:
-                raise RuntimeError(f"refit sent {name} {tuple(tensor.shape)} {tensor.dtype}; the "
-                                   f"engine expects "
-                                   f"{None if slot is None else (tuple(slot.shape), slot.dtype)}")
+                raise RuntimeError(
+                    f"refit sent {name} {tuple(tensor.shape)} {tensor.dtype}; the "
+                    f"engine expects "
+                    f"{None if slot is None else (tuple(slot.shape), slot.dtype)}"
+                )
             slot.copy_(tensor)
             received += tensor.numel() * tensor.element_size()
         return received
 
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, new_tokens: int, gen: torch.Generator | None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate(
+        self,
+        prompts: torch.Tensor,
+        new_tokens: int,
+        gen: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample (or, with ``gen=None``, greedily pick) ``new_tokens`` tokens after each prompt
         with a KV cache; returns the tokens and the engine's log-probability of each."""
         caches = [{} for _ in self.model.model.layers]

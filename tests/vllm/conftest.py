@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-
 # These tests run in .venv-vllm (scripts/test.sh); tests/conftest.py leaves this directory
 # out of the collection where no vLLM distribution is installed.
 
@@ -21,7 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tiny_models import LLAMA, llama_state_dict, write_checkpoint  # noqa: E402
+from tiny_models import LLAMA, llama_state_dict, write_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -110,30 +110,50 @@ def _written(source: str, recipe: str, kv: str) -> tuple[dict, list[str]]:
         if source == "engine_kwargs":
             return {"model": HF_NAME, **engine_kwargs(spec)}, [str(w.message) for w in caught]
         if source == "engine_kwargs-cpu":
-            return ({"model": HF_NAME, **engine_kwargs(spec, platform="cpu")},
-                    [str(w.message) for w in caught])
+            return (
+                {"model": HF_NAME, **engine_kwargs(spec, platform="cpu")},
+                [str(w.message) for w in caught],
+            )
     if source == "apply":
         return apply_vllm({"model": HF_NAME, "max_model_len": 4096, "fp8": spec})
     if source == "apply-hyphen":
-        return apply_vllm({"model": HF_NAME, "max-model-len": 4096, "tensor-parallel-size": 1,
-                           "fp8": spec})
+        return apply_vllm(
+            {"model": HF_NAME, "max-model-len": 4096, "tensor-parallel-size": 1, "fp8": spec}
+        )
     if source == "apply-device-cpu":
         return apply_vllm({"model": HF_NAME, "device": "cpu", "fp8": spec})
     example = REPO / "conf" / "examples" / source.split(":", 1)[1]
     return apply_vllm(_with_request(yaml.safe_load(example.read_text()), recipe, kv))
 
 
-SOURCES = ["engine_kwargs", "engine_kwargs-cpu", "apply", "apply-hyphen", "apply-device-cpu",
-           *[f"example:{p.name}" for p in EXAMPLES]]
-CASES = [pytest.param(s, r, kv, id=f"{s}-{r}-{kv}") for s in SOURCES for r in RECIPES
-         for kv in ("auto", "fp8")]
+SOURCES = [
+    "engine_kwargs",
+    "engine_kwargs-cpu",
+    "apply",
+    "apply-hyphen",
+    "apply-device-cpu",
+    *[f"example:{p.name}" for p in EXAMPLES],
+]
+CASES = [
+    pytest.param(s, r, kv, id=f"{s}-{r}-{kv}")
+    for s in SOURCES
+    for r in RECIPES
+    for kv in ("auto", "fp8")
+]
 
 
 def test_the_cases_cover_every_vllm_example_and_recipe():
-    assert {p.name for p in EXAMPLES} >= {"vllm_llama8b_fp8_blockwise.yaml",
-                                          "vllm_moonlight_fp8_kv.yaml"}
-    assert set(RECIPES) >= {"fp8_blockwise", "fp8_subchannel", "mxfp8", "fp8_current",
-                            "fp8_delayed"}
+    assert {p.name for p in EXAMPLES} >= {
+        "vllm_llama8b_fp8_blockwise.yaml",
+        "vllm_moonlight_fp8_kv.yaml",
+    }
+    assert set(RECIPES) >= {
+        "fp8_blockwise",
+        "fp8_subchannel",
+        "mxfp8",
+        "fp8_current",
+        "fp8_delayed",
+    }
     # Every example meant for vLLM is one `vllm serve --config` file naming a recipe.
     for example in EXAMPLES:
         data = yaml.safe_load(example.read_text())
@@ -145,9 +165,10 @@ def test_nvfp4_is_refused_with_the_reason():
     which the plugin does not export: every way in refuses, naming the key, one line."""
     from nemo_fp8_plugin import FP8ConfigError
 
-    for call in (lambda: engine_kwargs("nvfp4"),
-                 lambda: apply_vllm({"model": HF_NAME, "max_model_len": 4096,
-                                     "fp8": {"recipe": "nvfp4"}})):
+    for call in (
+        lambda: engine_kwargs("nvfp4"),
+        lambda: apply_vllm({"model": HF_NAME, "max_model_len": 4096, "fp8": {"recipe": "nvfp4"}}),
+    ):
         with pytest.raises(FP8ConfigError) as err:
             call()
         assert err.value.key == "scaling" and "ModelOpt" in str(err.value)
@@ -205,8 +226,13 @@ def test_every_engine_config_is_accepted_by_vllm(source, recipe, kv, tmp_path, t
     # 4. create_engine_config on this machine: the same mapping with the model replaced by
     # a local tiny checkpoint (no download) and a context length it has; every key the
     # plugin wrote is kept.
-    local = {**kwargs, "model": str(tiny_dir), "max_model_len": 128, "skip_tokenizer_init": True,
-             "tensor_parallel_size": 1}
+    local = {
+        **kwargs,
+        "model": str(tiny_dir),
+        "max_model_len": 128,
+        "skip_tokenizer_init": True,
+        "tensor_parallel_size": 1,
+    }
     vcfg = EngineArgs(**local).create_engine_config()
     assert vcfg.model_config.quantization == QUANT_METHOD
     assert isinstance(vcfg.quant_config, NemoFp8Config)
@@ -227,6 +253,7 @@ def test_pyproject_floor_is_the_tested_vllm_and_its_apis_exist():
     from vllm.model_executor.layers.attention import Attention, MLAAttention  # noqa: F401
     from vllm.model_executor.layers.fused_moe import RoutedExperts  # noqa: F401
     from vllm.model_executor.layers.fused_moe.oracle.mxfp8 import select_mxfp8_moe_backend  # noqa: F401
+
     assert TESTED_VLLM in (REPO / "docs" / "hosts" / "vllm.md").read_text()
 
 
@@ -271,27 +298,42 @@ def fake_gpu(monkeypatch):
     if cached_envs:  # an engine started in this process caches vLLM's env variables
         envs.disable_envs_cache()
 
-    def make(sm: int, *, deep_gemm_installed: bool = False, e8m0: bool = True,
-             flashinfer: bool = False, flashinfer_block: bool = False):
+    def make(
+        sm: int,
+        *,
+        deep_gemm_installed: bool = False,
+        e8m0: bool = True,
+        flashinfer: bool = False,
+        flashinfer_block: bool = False,
+    ):
         monkeypatch.setattr(cls, "_enum", PlatformEnum.CUDA)
-        monkeypatch.setattr(cls, "get_device_capability", classmethod(
-            lambda c, device_id=0: DeviceCapability(sm // 10, sm % 10)))
+        monkeypatch.setattr(
+            cls,
+            "get_device_capability",
+            classmethod(lambda c, device_id=0: DeviceCapability(sm // 10, sm % 10)),
+        )
         monkeypatch.setattr(cls, "support_deep_gemm", _cuda_support_deep_gemm())
         monkeypatch.setattr(vllm_ops, "cutlass_scaled_mm_supports_fp8", _csrc_supports_fp8)
-        monkeypatch.setattr(vllm_ops, "cutlass_scaled_mm_supports_block_fp8",
-                            _csrc_supports_block_fp8)
-        monkeypatch.setattr(cutlass_kernels, "CUTLASS_BLOCK_FP8_SUPPORTED",
-                            _csrc_supports_block_fp8(sm))
+        monkeypatch.setattr(
+            vllm_ops, "cutlass_scaled_mm_supports_block_fp8", _csrc_supports_block_fp8
+        )
+        monkeypatch.setattr(
+            cutlass_kernels, "CUTLASS_BLOCK_FP8_SUPPORTED", _csrc_supports_block_fp8(sm)
+        )
         monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")  # vLLM 0.32's defaults, spelled out
         monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "1" if e8m0 else "0")
         monkeypatch.setenv("VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "1" if flashinfer_block else "0")
         monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: deep_gemm_installed)
         monkeypatch.setattr(deep_gemm, "_lazy_init", lambda: None)
-        monkeypatch.setattr(deep_gemm, "_fp8_gemm_nt_impl",
-                            object() if deep_gemm_installed else None)
+        monkeypatch.setattr(
+            deep_gemm, "_fp8_gemm_nt_impl", object() if deep_gemm_installed else None
+        )
         monkeypatch.setattr(mxfp8_flashinfer, "has_flashinfer", lambda: flashinfer)
-        monkeypatch.setattr(block_flashinfer, "is_flashinfer_fp8_blockscale_gemm_supported",
-                            lambda: flashinfer_block)
+        monkeypatch.setattr(
+            block_flashinfer,
+            "is_flashinfer_fp8_blockscale_gemm_supported",
+            lambda: flashinfer_block,
+        )
         _reset_deep_gemm_caches()
 
     yield make
@@ -310,15 +352,26 @@ def vllm_env(tmp_path_factory):
     from vllm.distributed import parallel_state as ps
     from vllm.engine.arg_utils import EngineArgs
 
-    ckpt = write_checkpoint(tmp_path_factory.mktemp("contract-mixtral"), MIXTRAL,
-                            mixtral_state_dict())
-    vcfg = EngineArgs(model=str(ckpt), dtype="bfloat16", max_model_len=128,
-                      enforce_eager=True, skip_tokenizer_init=True).create_engine_config()
+    ckpt = write_checkpoint(
+        tmp_path_factory.mktemp("contract-mixtral"), MIXTRAL, mixtral_state_dict()
+    )
+    vcfg = EngineArgs(
+        model=str(ckpt),
+        dtype="bfloat16",
+        max_model_len=128,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+    ).create_engine_config()
     started = not torch.distributed.is_initialized()
     with set_current_vllm_config(vcfg):
         if started:
-            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                            distributed_init_method=f"file://{tempfile.mktemp()}")
+            ps.init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"file://{tempfile.mktemp()}",
+            )
         ps.ensure_model_parallel_initialized(1, 1)
     yield vcfg
     if started:
@@ -351,9 +404,12 @@ def _linear(vcfg, recipe, **overrides):
 
     with _building(vcfg):
         return MergedColumnParallelLinear(
-            256, [256, 256], bias=False,
+            256,
+            [256, 256],
+            bias=False,
             quant_config=NemoFp8Config.from_config({**_qcfg(recipe), **overrides}),
-            prefix=f"model.layers.{next(_NAMES)}.mlp.gate_up_proj")
+            prefix=f"model.layers.{next(_NAMES)}.mlp.gate_up_proj",
+        )
 
 
 def _moe(vcfg, recipe, **overrides):
@@ -365,9 +421,15 @@ def _moe(vcfg, recipe, **overrides):
     from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
     with _building(vcfg):
-        block = MixtralMoE(4, 2, 256, 256, params_dtype=torch.bfloat16,
-                           quant_config=NemoFp8Config.from_config({**_qcfg(recipe), **overrides}),
-                           prefix=f"contract.layers.{next(_NAMES)}.block_sparse_moe")
+        block = MixtralMoE(
+            4,
+            2,
+            256,
+            256,
+            params_dtype=torch.bfloat16,
+            quant_config=NemoFp8Config.from_config({**_qcfg(recipe), **overrides}),
+            prefix=f"contract.layers.{next(_NAMES)}.block_sparse_moe",
+        )
     return next(m for m in block.modules() if isinstance(m, RoutedExperts))
 
 
@@ -388,14 +450,18 @@ def _activation_quantizer(kernel):
 
 
 @pytest.mark.parametrize("sm", [90, 100])
-@pytest.mark.parametrize("deep_gemm_installed,e8m0", [(True, True), (True, False), (False, True)],
-                         ids=["deepgemm-e8m0", "deepgemm-fp32", "no-deepgemm"])
+@pytest.mark.parametrize(
+    "deep_gemm_installed,e8m0",
+    [(True, True), (True, False), (False, True)],
+    ids=["deepgemm-e8m0", "deepgemm-fp32", "no-deepgemm"],
+)
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
 def test_block_kernel_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m0, recipe):
     """Items 5 and 6: vLLM's choice for each recipe, and what the method does with it."""
     fake_gpu(sm, deep_gemm_installed=deep_gemm_installed, e8m0=e8m0)
-    expected = ("DeepGemmFp8BlockScaledMMKernel" if deep_gemm_installed
-                else "CutlassFp8BlockScaledMMKernel")
+    expected = (
+        "DeepGemmFp8BlockScaledMMKernel" if deep_gemm_installed else "CutlassFp8BlockScaledMMKernel"
+    )
     pow2 = get_recipe(recipe).pow2_scales
     refusal = None
     if deep_gemm_installed and sm >= 100 and not pow2:
@@ -508,8 +574,9 @@ def test_cutlass_weight_processing_keeps_parameters_and_scales(vllm_env, fake_gp
     new = (0.08 * torch.randn(256, 256, generator=gen)).bfloat16()
     layer.weight.weight_loader(layer.weight, new, 1)  # a refit of the `up` shard
     method.after_refit(layer)
-    ref2 = quantize_blockwise(torch.cat([gate, new]), block=(128, 128),
-                              pow2_scales=spec.pow2_scales)
+    ref2 = quantize_blockwise(
+        torch.cat([gate, new]), block=(128, 128), pow2_scales=spec.pow2_scales
+    )
     assert {n: (id(p), p.data_ptr()) for n, p in layer.named_parameters()} == ids
     assert method._view is view and torch.equal(view.weight_scale_inv.data, ref2.scale_inv)
     assert torch.equal(view.weight.data.view(torch.uint8), ref2.data.view(torch.uint8))
@@ -526,8 +593,11 @@ def test_deep_gemm_e8m0_requantization_is_why_fp32_recipes_are_refused(monkeypat
     from nemo_fp8_plugin.numerics.quantize import dequantize_fp32
 
     # vLLM compiles this helper for the GPU; its Python body is the same code.
-    monkeypatch.setattr(deep_gemm, "per_block_cast_to_fp8",
-                        deep_gemm.per_block_cast_to_fp8._torchdynamo_orig_callable)
+    monkeypatch.setattr(
+        deep_gemm,
+        "per_block_cast_to_fp8",
+        deep_gemm.per_block_cast_to_fp8._torchdynamo_orig_callable,
+    )
     gen = torch.Generator().manual_seed(9)
     w = (0.05 * torch.randn(256, 384, generator=gen)).bfloat16()
     for pow2 in (False, True):
@@ -546,12 +616,15 @@ def test_deep_gemm_e8m0_requantization_is_why_fp32_recipes_are_refused(monkeypat
 # --------------------------------------------------------------------------- MXFP8 linear
 
 
-@pytest.mark.parametrize("sm,flashinfer,expected,accepted", [
-    (90, False, "MarlinMxfp8LinearKernel", False),
-    (90, True, "MarlinMxfp8LinearKernel", False),
-    (100, False, "MarlinMxfp8LinearKernel", False),
-    (100, True, "FlashInferCutlassMxfp8LinearKernel", True),
-])
+@pytest.mark.parametrize(
+    "sm,flashinfer,expected,accepted",
+    [
+        (90, False, "MarlinMxfp8LinearKernel", False),
+        (90, True, "MarlinMxfp8LinearKernel", False),
+        (100, False, "MarlinMxfp8LinearKernel", False),
+        (100, True, "FlashInferCutlassMxfp8LinearKernel", True),
+    ],
+)
 def test_mx_kernel_selection(vllm_env, fake_gpu, sm, flashinfer, expected, accepted):
     """Item 7: MXFP8 on a GPU without an MXFP8 GEMM is refused at load time from the
     platform's capability (no ``hardware:`` needed); vLLM would silently run weight-only."""
@@ -577,8 +650,9 @@ def test_mx_kernel_selection(vllm_env, fake_gpu, sm, flashinfer, expected, accep
     ref = quantize_mxfp8(torch.cat([gate, up]), block=(1, 32))
     assert {n: (id(p), p.data_ptr()) for n, p in layer.named_parameters()} == ids
     assert torch.equal(layer.weight.data.view(torch.uint8), ref.data.view(torch.uint8))
-    assert torch.equal(layer.weight_scale_inv.data.view(torch.uint8),
-                       ref.scale_inv.view(torch.uint8))
+    assert torch.equal(
+        layer.weight_scale_inv.data.view(torch.uint8), ref.scale_inv.view(torch.uint8)
+    )
     assert method._view.weight.data_ptr() == layer.weight.data_ptr()
     assert method._view.weight_scale.numel() >= ref.scale_inv.numel()  # swizzled, padded
 
@@ -587,8 +661,11 @@ def test_mx_kernel_selection(vllm_env, fake_gpu, sm, flashinfer, expected, accep
 
 
 @pytest.mark.parametrize("sm", [90, 100])
-@pytest.mark.parametrize("deep_gemm_installed,e8m0", [(True, True), (True, False), (False, True)],
-                         ids=["deepgemm-e8m0", "deepgemm-fp32", "no-deepgemm"])
+@pytest.mark.parametrize(
+    "deep_gemm_installed,e8m0",
+    [(True, True), (True, False), (False, True)],
+    ids=["deepgemm-e8m0", "deepgemm-fp32", "no-deepgemm"],
+)
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
 def test_block_moe_quant_config(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m0, recipe):
     """vLLM's Triton fused-MoE kernel quantizes activations with UE8M0 scales exactly when
@@ -609,8 +686,10 @@ def test_block_moe_quant_config(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m
     assert qc.w1_scale is layer.w13_weight_scale_inv and qc.w2_scale is layer.w2_weight_scale_inv
 
 
-@pytest.mark.parametrize("sm,deep_gemm_installed,accepted", [
-    (90, True, False), (90, False, False), (100, False, False), (100, True, True)])
+@pytest.mark.parametrize(
+    "sm,deep_gemm_installed,accepted",
+    [(90, True, False), (90, False, False), (100, False, False), (100, True, True)],
+)
 def test_mx_moe_backend_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, accepted):
     """Item 4 (GPU side): MXFP8 experts take the backend vLLM's own MXFP8 MoE oracle picks;
     one that keeps activations in BF16 (Marlin, emulation) is refused (item 7)."""
@@ -646,8 +725,9 @@ def test_mla_attention_gets_the_kv_cache_method(vllm_env):
     torch.nn.Module.__init__(layer)
     layer.kv_cache_dtype = "fp8_e4m3"
     with _building(vllm_env):
-        _init_kv_cache_quant(layer, NemoFp8Config.from_config(qcfg),
-                             "model.layers.0.self_attn.mla_attn")
+        _init_kv_cache_quant(
+            layer, NemoFp8Config.from_config(qcfg), "model.layers.0.self_attn.mla_attn"
+        )
     assert isinstance(layer.quant_method, NemoFp8KVCacheMethod)
     k_scale = layer.k_scale
     k_scale.data.fill_(0.25)
@@ -668,9 +748,12 @@ def _loaded_linear(vcfg, recipe, gate, up, *, bias=None, **overrides):
 
     with _building(vcfg):
         layer = MergedColumnParallelLinear(
-            256, [256, 256], bias=bias is not None,
+            256,
+            [256, 256],
+            bias=bias is not None,
             quant_config=NemoFp8Config.from_config({**_qcfg(recipe), **overrides}),
-            prefix=f"model.layers.{next(_NAMES)}.mlp.gate_up_proj")
+            prefix=f"model.layers.{next(_NAMES)}.mlp.gate_up_proj",
+        )
     layer.weight.weight_loader(layer.weight, gate, 0)
     layer.weight.weight_loader(layer.weight, up, 1)
     if bias is not None:
@@ -723,15 +806,18 @@ def test_emulated_moe_bias_is_added_in_fp32_before_the_cast(vllm_env):
     got = method._emulated_experts(layer, x, topk_weights, topk_ids)
 
     def gemm(inp, q, e, b):
-        return fp8_gemm(quantize_blockwise(inp, block=(1, 128)),
-                        QTensor(q.data[e], q.scale_inv[e], "e4m3", (128, 128)),
-                        out_dtype=torch.bfloat16, bias=b)
+        return fp8_gemm(
+            quantize_blockwise(inp, block=(1, 128)),
+            QTensor(q.data[e], q.scale_inv[e], "e4m3", (128, 128)),
+            out_dtype=torch.bfloat16,
+            bias=b,
+        )
 
     want = torch.zeros(3, 256)
     for t in range(3):
         for slot in range(2):
             e = int(topk_ids[t, slot])
-            h = gemm(x[t:t + 1], q13, e, layer.w13_bias[e])
+            h = gemm(x[t : t + 1], q13, e, layer.w13_bias[e])
             h = torch.nn.functional.silu(h[:, :256]) * h[:, 256:]
             want[t] += topk_weights[t, slot] * gemm(h, q2, e, layer.w2_bias[e])[0].float()
     assert torch.equal(got, want.bfloat16())
@@ -750,13 +836,28 @@ def test_amax_epsilon_reaches_the_engine(vllm_env):
     gate, up = ((0.05 * torch.randn(256, 256, generator=gen)).bfloat16() for _ in range(2))
     gate[:128, :128] *= 1e-4  # one tile with amax < eps
     layer = _loaded_linear(vllm_env, "fp8_blockwise", gate, up, amax_epsilon=1e-3)
-    trainer = dict(quantize_for_refit([("model.layers.1.mlp.gate_proj.weight", gate),
-                                       ("model.layers.1.mlp.up_proj.weight", up)], spec,
-                                      num_layers=4))
-    want_w = torch.cat([trainer["model.layers.1.mlp.gate_proj.weight"],
-                        trainer["model.layers.1.mlp.up_proj.weight"]])
-    want_s = torch.cat([trainer["model.layers.1.mlp.gate_proj.weight_scale_inv"],
-                        trainer["model.layers.1.mlp.up_proj.weight_scale_inv"]])
+    trainer = dict(
+        quantize_for_refit(
+            [
+                ("model.layers.1.mlp.gate_proj.weight", gate),
+                ("model.layers.1.mlp.up_proj.weight", up),
+            ],
+            spec,
+            num_layers=4,
+        )
+    )
+    want_w = torch.cat(
+        [
+            trainer["model.layers.1.mlp.gate_proj.weight"],
+            trainer["model.layers.1.mlp.up_proj.weight"],
+        ]
+    )
+    want_s = torch.cat(
+        [
+            trainer["model.layers.1.mlp.gate_proj.weight_scale_inv"],
+            trainer["model.layers.1.mlp.up_proj.weight_scale_inv"],
+        ]
+    )
     assert torch.equal(layer.weight.data.view(torch.uint8), want_w.view(torch.uint8))
     assert torch.equal(layer.weight_scale_inv.data, want_s)
     no_eps = quantize_blockwise(torch.cat([gate, up]), block=(128, 128))
@@ -767,5 +868,6 @@ def test_amax_epsilon_reaches_the_engine(vllm_env):
     w = QTensor(layer.weight.data, layer.weight_scale_inv.data, "e4m3", (128, 128))
     want = fp8_gemm(quantize_blockwise(x, block=(1, 128), eps=1e-3), w, out_dtype=torch.bfloat16)
     assert torch.equal(layer(x)[0], want)
-    assert not torch.equal(want, fp8_gemm(quantize_blockwise(x, block=(1, 128)), w,
-                                          out_dtype=torch.bfloat16))
+    assert not torch.equal(
+        want, fp8_gemm(quantize_blockwise(x, block=(1, 128)), w, out_dtype=torch.bfloat16)
+    )

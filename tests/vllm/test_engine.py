@@ -21,10 +21,9 @@ import time
 
 import pytest
 import torch
+import vllm
 
 from tiny_models import LLAMA, llama_state_dict
-
-import vllm
 
 # slow: all tests but one share a ~13 s engine start
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -52,8 +51,13 @@ def trainer_model(state_dict, *, fp8: bool = True):
     model.load_state_dict({k: v.float() for k, v in state_dict.items()})
     if fp8:
         spec = get_recipe(SPEC)
-        convert_to_fp8_emulation(model, spec, module_filter=module_filter(
-            spec, num_layers=LLAMA["num_hidden_layers"], side="training"))
+        convert_to_fp8_emulation(
+            model,
+            spec,
+            module_filter=module_filter(
+                spec, num_layers=LLAMA["num_hidden_layers"], side="training"
+            ),
+        )
     return model
 
 
@@ -67,8 +71,12 @@ def trainer_logprobs(model, prompt, tokens):
 def updated(state_dict, seed: int, step: float = 0.02):
     """A stand-in optimizer step: every decoder weight moves by ``step`` * N(0, 1)."""
     gen = torch.Generator().manual_seed(seed)
-    return {k: (v.float() + step * torch.randn(v.shape, generator=gen)).to(v.dtype)
-            if ".layers." in k and v.dim() == 2 else v for k, v in state_dict.items()}
+    return {
+        k: (v.float() + step * torch.randn(v.shape, generator=gen)).to(v.dtype)
+        if ".layers." in k and v.dim() == 2
+        else v
+        for k, v in state_dict.items()
+    }
 
 
 # --------------------------------------------------------------------------- engine side
@@ -93,18 +101,27 @@ def llm(fp8_checkpoint):
     from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
 
     start = time.perf_counter()
-    engine = vllm.LLM(model=str(fp8_checkpoint), quantization="nemo_fp8", dtype="float32",
-                      enforce_eager=True, max_model_len=128, max_num_seqs=8,
-                      max_num_batched_tokens=512, skip_tokenizer_init=True, seed=0,
-                      worker_extension_cls=WORKER_EXTENSION)
+    engine = vllm.LLM(
+        model=str(fp8_checkpoint),
+        quantization="nemo_fp8",
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        skip_tokenizer_init=True,
+        seed=0,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
     TIMES["engine_start_s"] = time.perf_counter() - start
     yield engine
     del engine
 
 
 def sample(llm, seed=0):
-    params = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=seed, logprobs=0,
-                                 detokenize=False)
+    params = vllm.SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=1.0, seed=seed, logprobs=0, detokenize=False
+    )
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     TIMES.setdefault("generate_s", []).append(time.perf_counter() - start)
@@ -119,10 +136,13 @@ def sample(llm, seed=0):
 def score(llm, sequences):
     """The engine's logprobs of given continuations (prompt_logprobs, no sampling)."""
     params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p + t} for p, t, _ in sequences], params,
-                        use_tqdm=False)
-    return [torch.tensor([d[tok].logprob for d, tok in zip(o.prompt_logprobs[len(p):], t)])
-            for o, (p, t, _) in zip(outs, sequences)]
+    outs = llm.generate(
+        [{"prompt_token_ids": p + t} for p, t, _ in sequences], params, use_tqdm=False
+    )
+    return [
+        torch.tensor([d[tok].logprob for d, tok in zip(o.prompt_logprobs[len(p) :], t)])
+        for o, (p, t, _) in zip(outs, sequences)
+    ]
 
 
 def engine_tensors(llm, names):
@@ -141,7 +161,9 @@ def assert_matches_trainer(samples, model, reference_bf16=None):
     assert diffs.median() <= 1e-4, diffs
     assert diffs.max() <= 0.25, diffs
     if reference_bf16 is not None:
-        far = torch.cat([(lp - trainer_logprobs(reference_bf16, p, t)).abs() for p, t, lp in samples])
+        far = torch.cat(
+            [(lp - trainer_logprobs(reference_bf16, p, t)).abs() for p, t, lp in samples]
+        )
         assert diffs.mean() * 4 < far.mean(), (diffs.mean(), far.mean())
         TIMES["mean_abs_dlogprob_vs_unquantized"] = float(far.mean())
     TIMES.setdefault("mean_abs_dlogprob_vs_emulation", []).append(float(diffs.mean()))
@@ -149,8 +171,11 @@ def assert_matches_trainer(samples, model, reference_bf16=None):
 
 
 def data_ptrs(llm):
-    return llm.collective_rpc(lambda worker: {n: p.data_ptr() for n, p in
-                                              worker.model_runner.get_model().named_parameters()})[0]
+    return llm.collective_rpc(
+        lambda worker: {
+            n: p.data_ptr() for n, p in worker.model_runner.get_model().named_parameters()
+        }
+    )[0]
 
 
 # --------------------------------------------------------------------------- tests
@@ -160,8 +185,12 @@ def test_layers_hold_float8_weights(llm, fp8_checkpoint):
     params = llm.collective_rpc("nemo_fp8_describe")[0]
     methods = llm.collective_rpc("nemo_fp8_methods")[0]
     for i in (1, 2):
-        for mod, rows, cols in (("self_attn.qkv_proj", 512, 256), ("self_attn.o_proj", 256, 256),
-                                ("mlp.gate_up_proj", 1024, 256), ("mlp.down_proj", 256, 512)):
+        for mod, rows, cols in (
+            ("self_attn.qkv_proj", 512, 256),
+            ("self_attn.o_proj", 256, 256),
+            ("mlp.gate_up_proj", 1024, 256),
+            ("mlp.down_proj", 256, 512),
+        ):
             name = f"model.layers.{i}.{mod}"
             assert methods[name] == "NemoFp8LinearMethod"
             assert params[f"{name}.weight"] == ("float8_e4m3fn", (rows, cols))
@@ -175,11 +204,17 @@ def test_layers_hold_float8_weights(llm, fp8_checkpoint):
     from safetensors.torch import load_file
 
     ckpt = load_file(str(fp8_checkpoint / "model.safetensors"))
-    got = engine_tensors(llm, ["model.layers.2.self_attn.qkv_proj.weight",
-                               "model.layers.2.self_attn.qkv_proj.weight_scale_inv"])
+    got = engine_tensors(
+        llm,
+        [
+            "model.layers.2.self_attn.qkv_proj.weight",
+            "model.layers.2.self_attn.qkv_proj.weight_scale_inv",
+        ],
+    )
     want = torch.cat([ckpt[f"model.layers.2.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(got["model.layers.2.self_attn.qkv_proj.weight"].view(torch.uint8),
-                       want.view(torch.uint8))
+    assert torch.equal(
+        got["model.layers.2.self_attn.qkv_proj.weight"].view(torch.uint8), want.view(torch.uint8)
+    )
     want_s = torch.cat([ckpt[f"model.layers.2.self_attn.{p}_proj.weight_scale_inv"] for p in "qkv"])
     assert torch.equal(got["model.layers.2.self_attn.qkv_proj.weight_scale_inv"], want_s)
 
@@ -191,24 +226,36 @@ def test_export_fits_the_parameters_vllms_fp8_method_creates(llm, fp8_checkpoint
     from safetensors.torch import load_file
 
     tensors = load_file(str(fp8_checkpoint / "model.safetensors"))
-    fused = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-             ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    fused = [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        ["self_attn.o_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"],
+        ["mlp.down_proj"],
+    ]
     groups = [[f"model.layers.{i}.{p}" for p in parts] for i in (1, 2) for parts in fused]
-    shapes = {g[0]: ([tuple(tensors[f"{n}.weight"].shape) for n in g],
-                     [tuple(tensors[f"{n}.weight_scale_inv"].shape) for n in g],
-                     str(tensors[f"{g[0]}.weight"].dtype)) for g in groups}
+    shapes = {
+        g[0]: (
+            [tuple(tensors[f"{n}.weight"].shape) for n in g],
+            [tuple(tensors[f"{n}.weight_scale_inv"].shape) for n in g],
+            str(tensors[f"{g[0]}.weight"].dtype),
+        )
+        for g in groups
+    }
 
     def check(worker, shapes=shapes):
         import torch
         from vllm.model_executor.layers.quantization.utils.fp8_utils import (
-            create_fp8_scale_parameter, create_fp8_weight_parameter, validate_fp8_block_shape)
+            create_fp8_scale_parameter,
+            create_fp8_weight_parameter,
+            validate_fp8_block_shape,
+        )
         from vllm.model_executor.parameter import BlockQuantScaleParameter
 
         class Layer(torch.nn.Module):
             tp_size = 1
 
         out = {}
-        for name, (weights, scales, dtype) in shapes.items():
+        for name, (weights, _scales, _dtype) in shapes.items():
             sizes, k = [w[0] for w in weights], weights[0][1]
             validate_fp8_block_shape(Layer(), k, sum(sizes), k, sizes, [128, 128])
             w = create_fp8_weight_parameter(sum(sizes), k, None)
@@ -225,8 +272,11 @@ def test_export_fits_the_parameters_vllms_fp8_method_creates(llm, fp8_checkpoint
 
 def test_logprobs_match_the_emulated_trainer_model(llm, trainer_weights):
     samples = sample(llm)
-    diffs = assert_matches_trainer(samples, trainer_model(trainer_weights),
-                                   reference_bf16=trainer_model(trainer_weights, fp8=False))
+    diffs = assert_matches_trainer(
+        samples,
+        trainer_model(trainer_weights),
+        reference_bf16=trainer_model(trainer_weights, fp8=False),
+    )
     TIMES["max_abs_dlogprob_before"] = float(diffs.max())
 
 
@@ -237,7 +287,9 @@ def test_fp8_refit_replaces_weights_in_place(llm, trainer_weights):
     before_samples = sample(llm, seed=1)
     ptrs = data_ptrs(llm)
     new = updated(trainer_weights, seed=11)
-    payload = list(quantize_for_refit(new.items(), get_recipe(SPEC), num_layers=LLAMA["num_hidden_layers"]))
+    payload = list(
+        quantize_for_refit(new.items(), get_recipe(SPEC), num_layers=LLAMA["num_hidden_layers"])
+    )
     sent = dict(payload)
     assert sent["model.layers.1.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     assert sent["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16  # BF16 rule
@@ -245,11 +297,19 @@ def test_fp8_refit_replaces_weights_in_place(llm, trainer_weights):
     assert result["loaded"] > 0
     assert data_ptrs(llm) == ptrs  # every parameter kept its storage
 
-    got = engine_tensors(llm, ["model.layers.1.mlp.gate_up_proj.weight",
-                               "model.layers.1.mlp.gate_up_proj.weight_scale_inv"])
-    want = torch.cat([sent["model.layers.1.mlp.gate_proj.weight"], sent["model.layers.1.mlp.up_proj.weight"]])
-    assert torch.equal(got["model.layers.1.mlp.gate_up_proj.weight"].view(torch.uint8),
-                       want.view(torch.uint8))
+    got = engine_tensors(
+        llm,
+        [
+            "model.layers.1.mlp.gate_up_proj.weight",
+            "model.layers.1.mlp.gate_up_proj.weight_scale_inv",
+        ],
+    )
+    want = torch.cat(
+        [sent["model.layers.1.mlp.gate_proj.weight"], sent["model.layers.1.mlp.up_proj.weight"]]
+    )
+    assert torch.equal(
+        got["model.layers.1.mlp.gate_up_proj.weight"].view(torch.uint8), want.view(torch.uint8)
+    )
 
     # The refit visibly changes the engine's numbers: the old samples now score differently...
     rescored = score(llm, before_samples)
@@ -268,11 +328,15 @@ def test_bf16_refit_is_quantized_on_arrival_like_the_trainer(llm, trainer_weight
 
     new = updated(trainer_weights, seed=12)
     refit(llm, list(new.items()))  # plain BF16 payload
-    trainer_fp8 = dict(quantize_for_refit(new.items(), get_recipe(SPEC), num_layers=LLAMA["num_hidden_layers"]))
-    names = [f"model.layers.{i}.{m}" for i in (1, 2) for m in ("self_attn.qkv_proj", "mlp.down_proj")]
+    trainer_fp8 = dict(
+        quantize_for_refit(new.items(), get_recipe(SPEC), num_layers=LLAMA["num_hidden_layers"])
+    )
+    names = [
+        f"model.layers.{i}.{m}" for i in (1, 2) for m in ("self_attn.qkv_proj", "mlp.down_proj")
+    ]
     got = engine_tensors(llm, [f"{n}.{s}" for n in names for s in ("weight", "weight_scale_inv")])
     for n in names:
-        parts = ([n.replace("qkv_proj", f"{p}_proj") for p in "qkv"] if "qkv" in n else [n])
+        parts = [n.replace("qkv_proj", f"{p}_proj") for p in "qkv"] if "qkv" in n else [n]
         want = torch.cat([trainer_fp8[f"{p}.weight"] for p in parts])
         want_s = torch.cat([trainer_fp8[f"{p}.weight_scale_inv"] for p in parts])
         assert torch.equal(got[f"{n}.weight"].view(torch.uint8), want.view(torch.uint8)), n
@@ -295,10 +359,13 @@ def test_kv_scales_refit_lands_in_the_attention_layers(llm, trainer_weights):
         got = engine_tensors(llm, names)
         for i in range(3):
             for r in "kvq":
-                assert got[f"model.layers.{i}.self_attn.attn.{r}_scale"].item() == \
-                    scales[f"model.layers.{i}.self_attn.attn.{r}_scale"].item()
-        applied = llm.collective_rpc(lambda w: float(
-            w.model_runner.get_model().model.layers[1].self_attn.attn._q_scale))[0]
+                assert (
+                    got[f"model.layers.{i}.self_attn.attn.{r}_scale"].item()
+                    == scales[f"model.layers.{i}.self_attn.attn.{r}_scale"].item()
+                )
+        applied = llm.collective_rpc(
+            lambda w: float(w.model_runner.get_model().model.layers[1].self_attn.attn._q_scale)
+        )[0]
         assert applied == scales["model.layers.1.self_attn.attn.q_scale"].item()
 
 
@@ -326,23 +393,53 @@ def test_gpu_script_logic_on_cpu():
     assert spec.pow2_scales and spec.kv_cache == "fp8"
 
     gen = torch.Generator().manual_seed(0)
-    named = {"model.layers.0.mlp.up_proj.weight": torch.randn(64, 64, generator=gen) * 3,
-             "model.norm.weight": torch.ones(64), "model.embed_tokens.weight": torch.randn(8, 64)}
+    named = {
+        "model.layers.0.mlp.up_proj.weight": torch.randn(64, 64, generator=gen) * 3,
+        "model.norm.weight": torch.ones(64),
+        "model.embed_tokens.weight": torch.randn(8, 64),
+    }
     before = {k: v.clone() for k, v in named.items()}
     script.simulated_step(named.items(), lr=0.01, seed=1)
     delta = named["model.layers.0.mlp.up_proj.weight"] - before["model.layers.0.mlp.up_proj.weight"]
     assert 0.02 < delta.std().item() < 0.04  # lr * std(w) = 0.01 * 3
     assert torch.equal(named["model.norm.weight"], before["model.norm.weight"])
     assert torch.equal(named["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
-    assert script.payload_bytes([("a", torch.zeros(4, dtype=torch.float8_e4m3fn)),
-                                 ("b", torch.zeros(2))]) == 12
-    assert script.bf16_payload_bytes([("a", torch.zeros(4)), ("i", torch.zeros(2, dtype=torch.int64))]) == 24
-    good = script.StepRecord(1, 0.1, 0.1, 0.0, 10, 20, 1.0, 5,
-                             vs_fp8_trainer={"token_mult_prob_error": 1.01}, refit_changed_logprobs=0.1)
+    assert (
+        script.payload_bytes(
+            [("a", torch.zeros(4, dtype=torch.float8_e4m3fn)), ("b", torch.zeros(2))]
+        )
+        == 12
+    )
+    assert (
+        script.bf16_payload_bytes([("a", torch.zeros(4)), ("i", torch.zeros(2, dtype=torch.int64))])
+        == 24
+    )
+    good = script.StepRecord(
+        1,
+        0.1,
+        0.1,
+        0.0,
+        10,
+        20,
+        1.0,
+        5,
+        vs_fp8_trainer={"token_mult_prob_error": 1.01},
+        refit_changed_logprobs=0.1,
+    )
     table, failures = script.summarize([good], 1.1)
     assert not failures and "1.0100" in table
-    bad = script.StepRecord(2, 0.1, 0.1, 0.0, 10, 20, 1.0, 5,
-                            vs_fp8_trainer={"token_mult_prob_error": 1.3}, refit_changed_logprobs=0.0)
+    bad = script.StepRecord(
+        2,
+        0.1,
+        0.1,
+        0.0,
+        10,
+        20,
+        1.0,
+        5,
+        vs_fp8_trainer={"token_mult_prob_error": 1.3},
+        refit_changed_logprobs=0.0,
+    )
     assert len(script.summarize([bad], 1.1)[1]) == 2
 
 
@@ -357,20 +454,36 @@ def test_gpu_script_refit_loop_runs_on_the_cpu_engine(llm, trainer_weights):
     trainer.load_state_dict({k: v.float() for k, v in trainer_weights.items()})
     spec = get_recipe(SPEC)
     ids = torch.tensor(PROMPTS)
-    records = script.run_steps(llm, trainer, script.emulated_twin(trainer, spec), spec, PROMPTS,
-                               steps=2, lr=0.05, max_tokens=8, seed=3,
-                               kv_forward=lambda: trainer(ids))
+    records = script.run_steps(
+        llm,
+        trainer,
+        script.emulated_twin(trainer, spec),
+        spec,
+        PROMPTS,
+        steps=2,
+        lr=0.05,
+        max_tokens=8,
+        seed=3,
+        kv_forward=lambda: trainer(ids),
+    )
     table, failures = script.summarize(records, 1.1)
     assert not failures, (table, failures)
     for r in records:  # (the CPU trainer is fp32, so its payload bytes say nothing here)
         assert r.fp8_payload_bytes > 0 and r.kv_refresh_s > 0 and r.load_s > 0
-        assert r.vs_fp8_trainer["token_mult_prob_error"] < r.vs_bf16_trainer["token_mult_prob_error"]
+        assert (
+            r.vs_fp8_trainer["token_mult_prob_error"] < r.vs_bf16_trainer["token_mult_prob_error"]
+        )
 
 
 def test_report_times(llm):
     """Not a check: the measured times, printed for the docs (pytest -s)."""
-    print("\nvLLM CPU engine test timings:", {k: (round(v, 3) if isinstance(v, float) else
-                                                 [round(x, 3) for x in v]) for k, v in TIMES.items()})
+    print(
+        "\nvLLM CPU engine test timings:",
+        {
+            k: (round(v, 3) if isinstance(v, float) else [round(x, 3) for x in v])
+            for k, v in TIMES.items()
+        },
+    )
     assert TIMES["engine_start_s"] > 0
 
 
@@ -380,15 +493,17 @@ def test_other_recipes_in_a_vllm_linear_layer(llm, recipe):
     class, built in the running engine's worker: BF16 shards quantized on arrival, the FP8
     payload path, and the forward, each against the numerics reference."""
     from nemo_fp8_plugin import get_recipe
-    from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise, quantize_mxfp8
     from nemo_fp8_plugin.hosts.vllm import quantization_config
+    from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise, quantize_mxfp8
 
     spec = get_recipe(recipe)
     qcfg = quantization_config(spec)
     qcfg.pop("_warnings")
     gen = torch.Generator().manual_seed(7)
-    gate, up = (0.05 * torch.randn(256, 256, generator=gen)).bfloat16(), \
-        (0.05 * torch.randn(256, 256, generator=gen)).bfloat16()
+    gate, up = (
+        (0.05 * torch.randn(256, 256, generator=gen)).bfloat16(),
+        (0.05 * torch.randn(256, 256, generator=gen)).bfloat16(),
+    )
     x = torch.randn(5, 256, generator=gen)
 
     def run(worker, qcfg=qcfg, gate=gate, up=up, x=x):
@@ -398,15 +513,23 @@ def test_other_recipes_in_a_vllm_linear_layer(llm, recipe):
         from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
         with set_current_vllm_config(worker.vllm_config):
-            layer = MergedColumnParallelLinear(256, [256, 256], bias=False,
-                                               quant_config=NemoFp8Config.from_config(qcfg),
-                                               prefix="model.layers.1.mlp.gate_up_proj")
+            layer = MergedColumnParallelLinear(
+                256,
+                [256, 256],
+                bias=False,
+                quant_config=NemoFp8Config.from_config(qcfg),
+                prefix="model.layers.1.mlp.gate_up_proj",
+            )
             layer.weight.weight_loader(layer.weight, gate, 0)  # BF16: quantized on arrival
             layer.weight.weight_loader(layer.weight, up, 1)
             layer.quant_method.process_weights_after_loading(layer)
             y = layer(x)[0]
-            return {"weight": layer.weight.data.clone(), "scale": layer.weight_scale_inv.data.clone(),
-                    "y": y, "method": type(layer.quant_method).__name__}
+            return {
+                "weight": layer.weight.data.clone(),
+                "scale": layer.weight_scale_inv.data.clone(),
+                "y": y,
+                "method": type(layer.quant_method).__name__,
+            }
 
     got = llm.collective_rpc(run)[0]
     assert got["method"] == "NemoFp8LinearMethod"

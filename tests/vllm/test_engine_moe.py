@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vllm
 
 from tiny_models import MIXTRAL, mixtral_state_dict, write_checkpoint
-
-import vllm
 
 # slow: the MoE engine start and its refits take ~10 s
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -77,8 +76,9 @@ class EmulatedExperts(torch.nn.Module):
             w13 = _qt(self.w13.data[e], self.w13.scale_inv[e], self.mx)
             h = _linear(hidden_states[tokens], w13, self.mx)
             gate, up = h.chunk(2, dim=-1)
-            y = _linear(self.act(gate) * up, _qt(self.w2.data[e], self.w2.scale_inv[e], self.mx),
-                        self.mx)
+            y = _linear(
+                self.act(gate) * up, _qt(self.w2.data[e], self.w2.scale_inv[e], self.mx), self.mx
+            )
             out.index_add_(0, tokens, y * top_k_weights[tokens, slot, None])
         return out
 
@@ -92,11 +92,20 @@ def trainer_model(classic, *, fp8=True, mx=False):
     for i in range(MIXTRAL["num_hidden_layers"]):
         stem = f"model.layers.{i}.block_sparse_moe"
         n = MIXTRAL["num_local_experts"]
-        sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack([
-            torch.cat([classic[f"{stem}.experts.{e}.w1.weight"], classic[f"{stem}.experts.{e}.w3.weight"]])
-            for e in range(n)])
+        sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+            [
+                torch.cat(
+                    [
+                        classic[f"{stem}.experts.{e}.w1.weight"],
+                        classic[f"{stem}.experts.{e}.w3.weight"],
+                    ]
+                )
+                for e in range(n)
+            ]
+        )
         sd[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(
-            [classic[f"{stem}.experts.{e}.w2.weight"] for e in range(n)])
+            [classic[f"{stem}.experts.{e}.w2.weight"] for e in range(n)]
+        )
         sd[f"model.layers.{i}.mlp.gate.weight"] = classic[f"{stem}.gate.weight"]
     for k, v in classic.items():
         if ".block_sparse_moe." not in k:
@@ -132,9 +141,18 @@ def _engine(checkpoint, recipe):
     from nemo_fp8_plugin.hosts.vllm import engine_kwargs
     from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
 
-    return vllm.LLM(model=str(checkpoint), dtype="float32", enforce_eager=True, max_model_len=128,
-                    max_num_seqs=8, max_num_batched_tokens=512, skip_tokenizer_init=True, seed=0,
-                    worker_extension_cls=WORKER_EXTENSION, **engine_kwargs(recipe))
+    return vllm.LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        skip_tokenizer_init=True,
+        seed=0,
+        worker_extension_cls=WORKER_EXTENSION,
+        **engine_kwargs(recipe),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +163,9 @@ def llm(checkpoint):
 
 
 def check_against(llm, model, reference_bf16=None, seed=0):
-    params = vllm.SamplingParams(max_tokens=12, temperature=1.0, seed=seed, logprobs=0, detokenize=False)
+    params = vllm.SamplingParams(
+        max_tokens=12, temperature=1.0, seed=seed, logprobs=0, detokenize=False
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     diffs, far = [], []
     for prompt, out in zip(PROMPTS, outs):
@@ -161,8 +181,10 @@ def check_against(llm, model, reference_bf16=None, seed=0):
 
 
 def experts_of(llm, i):
-    names = [f"{PREFIX.format(i=i)}.routed_experts.{p}" for p in
-             ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")]
+    names = [
+        f"{PREFIX.format(i=i)}.routed_experts.{p}"
+        for p in ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+    ]
     return llm.collective_rpc("nemo_fp8_get_tensors", args=(names,))[0]
 
 
@@ -179,11 +201,14 @@ def test_experts_are_float8_per_expert(llm, weights):
     assert got[f"{PREFIX.format(i=1)}.routed_experts.w2_weight"].dtype == torch.float8_e4m3fn
     # The BF16 checkpoint was quantized on arrival exactly as the trainer quantizes (expert 3).
     stem = "model.layers.1.block_sparse_moe.experts.3"
-    q = quantize_blockwise(torch.cat([weights[f"{stem}.w1.weight"], weights[f"{stem}.w3.weight"]]),
-                           block=(128, 128))
+    q = quantize_blockwise(
+        torch.cat([weights[f"{stem}.w1.weight"], weights[f"{stem}.w3.weight"]]), block=(128, 128)
+    )
     w13 = got[f"{PREFIX.format(i=1)}.routed_experts.w13_weight"][3]
     assert torch.equal(w13.view(torch.uint8), q.data.view(torch.uint8))
-    assert torch.equal(got[f"{PREFIX.format(i=1)}.routed_experts.w13_weight_scale_inv"][3], q.scale_inv)
+    assert torch.equal(
+        got[f"{PREFIX.format(i=1)}.routed_experts.w13_weight_scale_inv"][3], q.scale_inv
+    )
 
 
 def test_moe_logprobs_match_the_emulated_trainer_model(llm, weights):
@@ -195,21 +220,31 @@ def test_fp8_refit_of_expert_weights(llm, weights):
     from nemo_fp8_plugin.rl import quantize_for_refit
 
     gen = torch.Generator().manual_seed(21)
-    new = {k: (v.float() + 0.03 * torch.randn(v.shape, generator=gen)).to(v.dtype)
-           if ".experts." in k else v for k, v in weights.items()}
+    new = {
+        k: (v.float() + 0.03 * torch.randn(v.shape, generator=gen)).to(v.dtype)
+        if ".experts." in k
+        else v
+        for k, v in weights.items()
+    }
     # Only the experts moved. (The router could not be refit on vLLM's CPU backend anyway: its
     # unquantized GEMM packs the weight away after loading; see docs/hosts/vllm.md.)
     moved = [(k, v) for k, v in new.items() if ".experts." in k]
-    payload = list(quantize_for_refit(moved, get_recipe(SPEC), num_layers=MIXTRAL["num_hidden_layers"]))
+    payload = list(
+        quantize_for_refit(moved, get_recipe(SPEC), num_layers=MIXTRAL["num_hidden_layers"])
+    )
     sent = dict(payload)
     assert sent["model.layers.0.block_sparse_moe.experts.2.w2.weight"].dtype == torch.float8_e4m3fn
     llm.collective_rpc("nemo_fp8_load_weights", args=(payload,))
     got = experts_of(llm, 0)
     stem = "model.layers.0.block_sparse_moe.experts.2"
-    assert torch.equal(got[f"{PREFIX.format(i=0)}.routed_experts.w2_weight"][2].view(torch.uint8),
-                       sent[f"{stem}.w2.weight"].view(torch.uint8))
-    assert torch.equal(got[f"{PREFIX.format(i=0)}.routed_experts.w13_weight_scale_inv"][2],
-                       torch.cat([sent[f"{stem}.w1.weight_scale_inv"], sent[f"{stem}.w3.weight_scale_inv"]]))
+    assert torch.equal(
+        got[f"{PREFIX.format(i=0)}.routed_experts.w2_weight"][2].view(torch.uint8),
+        sent[f"{stem}.w2.weight"].view(torch.uint8),
+    )
+    assert torch.equal(
+        got[f"{PREFIX.format(i=0)}.routed_experts.w13_weight_scale_inv"][2],
+        torch.cat([sent[f"{stem}.w1.weight_scale_inv"], sent[f"{stem}.w3.weight_scale_inv"]]),
+    )
     check_against(llm, trainer_model(new), seed=1)
 
 
@@ -219,8 +254,10 @@ def test_3d_bf16_expert_stack_is_quantized_per_expert(llm):
     from nemo_fp8_plugin.numerics import quantize_blockwise
 
     gen = torch.Generator().manual_seed(31)
-    w1, w3 = (0.1 * torch.randn(4, 256, 256, generator=gen)).bfloat16(), \
-        (0.1 * torch.randn(4, 256, 256, generator=gen)).bfloat16()
+    w1, w3 = (
+        (0.1 * torch.randn(4, 256, 256, generator=gen)).bfloat16(),
+        (0.1 * torch.randn(4, 256, 256, generator=gen)).bfloat16(),
+    )
     w1[2] *= 40.0  # one expert on a very different scale: a shared tile would show it
     name = f"{PREFIX.format(i=1)}.routed_experts.w13_weight"
 
@@ -239,4 +276,3 @@ def test_3d_bf16_expert_stack_is_quantized_per_expert(llm):
     assert torch.equal(got[name].view(torch.uint8), q.data.view(torch.uint8))
     assert torch.equal(got[f"{name}_scale_inv"], q.scale_inv)
     assert got[f"{name}_scale_inv"][2].max() > 10 * got[f"{name}_scale_inv"][1].max()
-

@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import LLAMA, llama_state_dict
 
-import vllm
+from tiny_models import LLAMA, llama_state_dict
 
 pytestmark = pytest.mark.vllm
 
@@ -33,18 +32,32 @@ def test_vllm_fp8_config_accepts_it(exported):
     cfg = Fp8Config.from_config(qcfg)
     assert cfg.is_checkpoint_fp8_serialized and cfg.activation_scheme == "dynamic"
     assert cfg.weight_block_size == [128, 128]
-    assert set(cfg.ignored_layers) >= {f"model.layers.0.{m}" for m in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert set(cfg.ignored_layers) >= {
+        f"model.layers.0.{m}"
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     assert not any(name.startswith("model.layers.1.") for name in cfg.ignored_layers)
 
 
 def _vllm_config(model_dir, quantization=None):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=str(model_dir), quantization=quantization, max_model_len=128,
-                      enforce_eager=True, skip_tokenizer_init=True, dtype="bfloat16"
-                      ).create_engine_config()
+    return EngineArgs(
+        model=str(model_dir),
+        quantization=quantization,
+        max_model_len=128,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+    ).create_engine_config()
 
 
 def test_vllm_picks_its_own_fp8_method_unless_nemo_fp8_is_asked_for(exported):

@@ -58,13 +58,15 @@ def test_calibrator_names_pass_both_vllm_remappings():
     from vllm.model_executor.model_loader.weight_utils import maybe_remap_kv_scale_name
 
     params = _vllm_attention_params(2)
-    mappers = {"base": QuantizationConfig.get_cache_scale_mapper(),
-               "fp8": Fp8Config.get_cache_scale_mapper()}
+    mappers = {
+        "base": QuantizationConfig.get_cache_scale_mapper(),
+        "fp8": Fp8Config.get_cache_scale_mapper(),
+    }
     for name in _ours(2):
         assert name in params
-        assert maybe_remap_kv_scale_name(name, params) == name       # DeepSeek's loop
+        assert maybe_remap_kv_scale_name(name, params) == name  # DeepSeek's loop
         for kind, mapper in mappers.items():
-            assert mapper.map_name(name) == name, kind               # AutoWeightsLoader
+            assert mapper.map_name(name) == name, kind  # AutoWeightsLoader
 
 
 @pytest.mark.parametrize("role", ["q", "k", "v"])
@@ -77,9 +79,11 @@ def test_nemo_rl_and_old_names_land_on_the_same_parameters(written, role):
     from vllm.model_executor.model_loader.weight_utils import maybe_remap_kv_scale_name
 
     target = f"model.layers.1.self_attn.attn.{role}_scale"
-    name = {"ours": target,
-            "nemo_rl": target if role == "q" else f"model.layers.1.self_attn.{role}_scale",
-            "old": f"model.layers.1.self_attn.{role}_scale"}[written]
+    name = {
+        "ours": target,
+        "nemo_rl": target if role == "q" else f"model.layers.1.self_attn.{role}_scale",
+        "old": f"model.layers.1.self_attn.{role}_scale",
+    }[written]
     params = _vllm_attention_params(2)
     assert Fp8Config.get_cache_scale_mapper().map_name(name) == target
     assert maybe_remap_kv_scale_name(name, params) == target
@@ -155,8 +159,9 @@ def _hf_scales(config: dict, state_dict) -> dict[str, float]:
     model = Model(Config(**config)).eval()
     if state_dict is not None:
         model.load_state_dict({k: v.float() for k, v in state_dict.items()})
-    ids = torch.randint(0, config["vocab_size"], (2, 12),
-                        generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1)
+    )
     update = refresh_scales(model, forward=lambda: model(ids))
     return {name: float(value) for name, value in update.items()}
 
@@ -166,16 +171,18 @@ def _hf_scales(config: dict, state_dict) -> dict[str, float]:
 def test_real_models_load_the_calibrated_scales(tmp_path, arch):
     config = LLAMA if arch == "llama" else MIXTRAL
     weights = llama_state_dict() if arch == "llama" else None
-    model_dir = write_checkpoint(tmp_path / arch, config,
-                                 weights if weights is not None else {})
+    model_dir = write_checkpoint(tmp_path / arch, config, weights if weights is not None else {})
     scales = _hf_scales(config, weights)
     assert sorted(scales) == sorted(_ours(config["num_hidden_layers"]))
     (tmp_path / "scales.json").write_text(json.dumps(scales))
-    probe = PROBE.format(here=str(HERE), scales=str(tmp_path / "scales.json"),
-                         model=str(model_dir), port=_free_port(),
-                         layers=config["num_hidden_layers"])
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         timeout=600)
+    probe = PROBE.format(
+        here=str(HERE),
+        scales=str(tmp_path / "scales.json"),
+        model=str(model_dir),
+        port=_free_port(),
+        layers=config["num_hidden_layers"],
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     for method, got in result.items():

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
 from nemo_fp8_plugin.hosts.vllm import QUANT_METHOD, engine_kwargs, engine_spelling
+from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -53,16 +53,24 @@ def test_general_plugins_register_the_method_and_nothing_else():
 
 
 def test_importing_the_package_pulls_neither_torch_nor_vllm():
-    code = ("import sys, nemo_fp8_plugin.hosts.vllm as v; v.engine_kwargs('fp8_blockwise'); "
-            "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    code = (
+        "import sys, nemo_fp8_plugin.hosts.vllm as v; v.engine_kwargs('fp8_blockwise'); "
+        "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def _engine_config(tmp_path, model_dir, **overrides):
     """Write a `vllm serve --config` YAML for the tiny model (plus ``overrides``)."""
-    cfg = {"model": str(model_dir), "max-model-len": 128, "enforce-eager": True,
-           "skip-tokenizer-init": True, "dtype": "float32", **overrides}
+    cfg = {
+        "model": str(model_dir),
+        "max-model-len": 128,
+        "enforce-eager": True,
+        "skip-tokenizer-init": True,
+        "dtype": "float32",
+        **overrides,
+    }
     path = tmp_path / "engine.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -83,11 +91,25 @@ def test_apply_output_is_parsed_by_vllms_config_machinery(tmp_path, tiny_llama_d
     config from it and instantiates our quantization config from the hf_overrides."""
     from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
-    src = _engine_config(tmp_path, tiny_llama_dir,
-                         fp8={"recipe": "fp8_blockwise", "bf16_layers": {"first": 1, "modules": ["*down_proj"]}})
+    src = _engine_config(
+        tmp_path,
+        tiny_llama_dir,
+        fp8={"recipe": "fp8_blockwise", "bf16_layers": {"first": 1, "modules": ["*down_proj"]}},
+    )
     out = tmp_path / "native.yaml"
-    run = subprocess.run([str(Path(sys.executable).with_name("nemo-fp8")), "apply", str(src),
-                          "--host", "vllm", "-o", str(out)], capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("nemo-fp8")),
+            "apply",
+            str(src),
+            "--host",
+            "vllm",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     written = yaml.safe_load(out.read_text())
     assert "fp8" not in written and written["quantization"] == QUANT_METHOD
@@ -98,8 +120,10 @@ def test_apply_output_is_parsed_by_vllms_config_machinery(tmp_path, tiny_llama_d
     assert quant.weight_block_size == [128, 128] and quant.scheme == "block"
     # The rules as vLLM applies them (spelled as patterns and counts, or as exact module
     # names when apply reads the model's config.json: either way the same layers).
-    quant.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                                    "gate_up_proj": ["gate_proj", "up_proj"]}
+    quant.packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
     quant._num_layers = 3
     assert quant.is_bf16("model.layers.0.self_attn.qkv_proj")  # bf16_layers.first = 1
     assert quant.is_bf16("model.layers.2.mlp.down_proj")  # *down_proj
@@ -111,8 +135,12 @@ def test_apply_output_is_parsed_by_vllms_config_machinery(tmp_path, tiny_llama_d
 def test_vllm_reports_a_bad_quantization_config(tmp_path, tiny_llama_dir):
     kwargs = engine_kwargs("fp8_blockwise")
     qcfg = dict(kwargs["hf_overrides"]["quantization_config"], activation_scheme="static")
-    path = _engine_config(tmp_path, tiny_llama_dir, quantization=QUANT_METHOD,
-                          **{"hf-overrides": {"quantization_config": qcfg}})
+    path = _engine_config(
+        tmp_path,
+        tiny_llama_dir,
+        quantization=QUANT_METHOD,
+        **{"hf-overrides": {"quantization_config": qcfg}},
+    )
     with pytest.raises(ValueError, match="activation_scheme"):
         _vllm_config(path)
 
@@ -122,7 +150,10 @@ def test_engine_kwargs_per_recipe():
     assert block["quantization"] == QUANT_METHOD and block["kv_cache_dtype"] == "auto"
     qcfg = block["hf_overrides"]["quantization_config"]
     assert qcfg["weight_block_size"] == [128, 128] and qcfg["pow2_scales"] is False
-    assert engine_kwargs("fp8_subchannel")["hf_overrides"]["quantization_config"]["pow2_scales"] is True
+    assert (
+        engine_kwargs("fp8_subchannel")["hf_overrides"]["quantization_config"]["pow2_scales"]
+        is True
+    )
     mx = engine_kwargs("mxfp8")["hf_overrides"]["quantization_config"]
     assert mx["scheme"] == "mx" and mx["weight_block_size"] == [1, 32]
     kv = engine_kwargs({"recipe": "fp8_blockwise", "kv_cache": "fp8"})
@@ -144,8 +175,10 @@ def test_cpu_backend_fp8_kv_cache_trap_is_handled():
 
 
 def test_bf16_rules_with_a_model_become_exact_vllm_names():
-    kwargs = engine_kwargs({"recipe": "fp8_blockwise", "bf16_layers": {"first": 1, "last": 1}},
-                           model="meta-llama/Llama-3.1-8B")
+    kwargs = engine_kwargs(
+        {"recipe": "fp8_blockwise", "bf16_layers": {"first": 1, "last": 1}},
+        model="meta-llama/Llama-3.1-8B",
+    )
     qcfg = kwargs["hf_overrides"]["quantization_config"]
     assert "model.layers.0.self_attn.q_proj" in qcfg["ignored_layers"]
     assert "model.layers.31.mlp.down_proj" in qcfg["ignored_layers"]
@@ -164,15 +197,20 @@ def _config(**kw):
     from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
     cfg = NemoFp8Config.from_config({"quant_method": QUANT_METHOD, **kw})
-    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                                  "gate_up_proj": ["gate_proj", "up_proj"]}
+    cfg.packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
     cfg._num_layers = 4
     return cfg
 
 
 def test_bf16_rule_decisions_on_vllm_module_names():
-    cfg = _config(num_first_layers_in_bf16=1, num_last_layers_in_bf16=1,
-                  ignored_layers=["*.mlp.down_proj", "model.layers.2.self_attn.o_proj"])
+    cfg = _config(
+        num_first_layers_in_bf16=1,
+        num_last_layers_in_bf16=1,
+        ignored_layers=["*.mlp.down_proj", "model.layers.2.self_attn.o_proj"],
+    )
     assert cfg.is_bf16("model.layers.0.self_attn.qkv_proj")  # first
     assert cfg.is_bf16("model.layers.3.mlp.gate_up_proj")  # last
     assert not cfg.is_bf16("model.layers.1.self_attn.qkv_proj")
@@ -193,9 +231,16 @@ def test_exact_names_must_cover_a_fused_module():
     assert full.is_bf16("model.layers.1.self_attn.qkv_proj")
 
 
-@pytest.mark.parametrize("bad,match", [({"fmt": "e5m2"}, "fmt"), ({"scheme": "tensor"}, "scheme"),
-                                       ({"weight_block_size": [64, 64]}, "weight_block_size"),
-                                       ({"backend": "cuda"}, "backend"), ({"typo": 1}, "unknown")])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"fmt": "e5m2"}, "fmt"),
+        ({"scheme": "tensor"}, "scheme"),
+        ({"weight_block_size": [64, 64]}, "weight_block_size"),
+        ({"backend": "cuda"}, "backend"),
+        ({"typo": 1}, "unknown"),
+    ],
+)
 def test_config_errors_name_the_key(bad, match):
     from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
@@ -218,8 +263,12 @@ def test_claims_an_fp8_checkpoint_only_when_asked():
 
 
 def test_apply_keeps_keys_and_style_and_is_idempotent():
-    src = {"model": "m", "tensor-parallel-size": 2, "precision": "fp8_blockwise",
-           "hf-overrides": {"rope_scaling": {"type": "linear", "factor": 2.0}}}
+    src = {
+        "model": "m",
+        "tensor-parallel-size": 2,
+        "precision": "fp8_blockwise",
+        "hf-overrides": {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    }
     out, found = apply_vllm(src)
     assert not found
     assert out["tensor-parallel-size"] == 2 and "precision" not in out
@@ -232,12 +281,18 @@ def test_apply_keeps_keys_and_style_and_is_idempotent():
     assert "hf_overrides" in underscored and "kv_cache_dtype" in underscored
 
 
-@pytest.mark.parametrize("native,key", [
-    ({"quantization": "fp8"}, "quantization"),
-    ({"kv-cache-dtype": "fp8_e5m2"}, "kv-cache-dtype"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
-    ({"hf_overrides": {"quantization_config": {"quant_method": "fp8"}}}, "hf_overrides.quantization_config"),
-])
+@pytest.mark.parametrize(
+    "native,key",
+    [
+        ({"quantization": "fp8"}, "quantization"),
+        ({"kv-cache-dtype": "fp8_e5m2"}, "kv-cache-dtype"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        (
+            {"hf_overrides": {"quantization_config": {"quant_method": "fp8"}}},
+            "hf_overrides.quantization_config",
+        ),
+    ],
+)
 def test_apply_refuses_contradicting_native_keys(native, key):
     with pytest.raises(FP8ConfigError) as err:
         apply_vllm({"model": "m", "precision": "fp8_blockwise", **native})
@@ -245,33 +300,49 @@ def test_apply_refuses_contradicting_native_keys(native, key):
 
 
 def test_apply_accepts_agreeing_native_keys():
-    out, _ = apply_vllm({"model": "m", "precision": "fp8_blockwise", "quantization": "nemo_fp8",
-                         "kv_cache_dtype": "auto"})
+    out, _ = apply_vllm(
+        {
+            "model": "m",
+            "precision": "fp8_blockwise",
+            "quantization": "nemo_fp8",
+            "kv_cache_dtype": "auto",
+        }
+    )
     assert out["quantization"] == "nemo_fp8"
-    fp8_kv, _ = apply_vllm({"model": "m", "fp8": {"recipe": "fp8_blockwise", "kv_cache": "fp8"},
-                            "kv_cache_dtype": "fp8"})
+    fp8_kv, _ = apply_vllm(
+        {
+            "model": "m",
+            "fp8": {"recipe": "fp8_blockwise", "kv_cache": "fp8"},
+            "kv_cache_dtype": "fp8",
+        }
+    )
     assert fp8_kv["kv_cache_dtype"] == "fp8_e4m3"
 
 
 def test_apply_on_cpu_device_keeps_the_kv_cache_in_model_dtype():
-    out, found = apply_vllm({"model": "m", "device": "cpu",
-                             "fp8": {"recipe": "fp8_blockwise", "kv_cache": "fp8"}})
+    out, found = apply_vllm(
+        {"model": "m", "device": "cpu", "fp8": {"recipe": "fp8_blockwise", "kv_cache": "fp8"}}
+    )
     assert out["kv_cache_dtype"] == "auto" and any("E5M2" in w for w in found)
     # vLLM 0.32 has no `device` engine argument: read as the platform, left out, named.
     assert "device" not in out and any(w.startswith("device:") for w in found)
     from vllm.engine.arg_utils import EngineArgs
 
     EngineArgs(**out)
-    hyphen, found = apply_vllm({"model": "m", "device": "cpu", "max-model-len": 64,
-                                "precision": "fp8_blockwise"})
+    hyphen, found = apply_vllm(
+        {"model": "m", "device": "cpu", "max-model-len": 64, "precision": "fp8_blockwise"}
+    )
     assert "device" not in hyphen and any("device" in w for w in found)
 
 
 def test_cli_error_is_one_line_exit_2(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("model: m\nprecision: fp8_blockwise\nquantization: awq\n")
-    run = subprocess.run([str(Path(sys.executable).with_name("nemo-fp8")), "apply", str(path),
-                          "--host", "vllm"], capture_output=True, text=True)
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("nemo-fp8")), "apply", str(path), "--host", "vllm"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and "quantization" in run.stderr
 
@@ -293,17 +364,24 @@ def test_gpu_kernel_binding_keeps_loadable_parameters_and_updates_in_place():
 
     class RewritingKernel:
         def process_weights_after_loading(self, layer):
-            layer.weight_scale_inv = torch.nn.Parameter(layer.weight_scale_inv.data * 2.0,
-                                                        requires_grad=False)
+            layer.weight_scale_inv = torch.nn.Parameter(
+                layer.weight_scale_inv.data * 2.0, requires_grad=False
+            )
 
     method = NemoFp8LinearMethod(_config())
     method.use_vllm, method._kernel = True, RewritingKernel()
     layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.zeros(256, 128, dtype=torch.float8_e4m3fn),
-                                      requires_grad=False)
+    layer.weight = torch.nn.Parameter(
+        torch.zeros(256, 128, dtype=torch.float8_e4m3fn), requires_grad=False
+    )
     layer.weight_scale_inv = torch.nn.Parameter(torch.ones(2, 1), requires_grad=False)
-    for attr in ("weight_block_size", "logical_widths", "input_size_per_partition",
-                 "output_size_per_partition", "orig_dtype"):
+    for attr in (
+        "weight_block_size",
+        "logical_widths",
+        "input_size_per_partition",
+        "output_size_per_partition",
+        "orig_dtype",
+    ):
         setattr(layer, attr, None)
     params = {n: id(p) for n, p in layer.named_parameters()}
 

@@ -5,23 +5,53 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
-             intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=256,
-             rms_norm_eps=1e-5, rope_theta=10000.0, torch_dtype="bfloat16",
-             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, hidden_act="silu",
-             initializer_range=0.1)
+LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    torch_dtype="bfloat16",
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    hidden_act="silu",
+    initializer_range=0.1,
+)
 """A tiny random Llama: head_dim 64 (what vLLM's CPU attention takes), every GEMM dimension a
 multiple of 128, and a wide enough init that its next-token distributions are peaked (so
 FP8 error is visible in the logprobs)."""
 
-MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=256,
-               intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=256,
-               rms_norm_eps=1e-5, rope_theta=10000.0, torch_dtype="bfloat16",
-               num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-               bos_token_id=1, eos_token_id=2, hidden_act="silu", initializer_range=0.1,
-               sliding_window=None)
+MIXTRAL = dict(
+    architectures=["MixtralForCausalLM"],
+    model_type="mixtral",
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    torch_dtype="bfloat16",
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    hidden_act="silu",
+    initializer_range=0.1,
+    sliding_window=None,
+)
 """A tiny random Mixtral (4 experts, top 2) for the fused-MoE path."""
 
 

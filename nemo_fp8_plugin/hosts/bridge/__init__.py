@@ -51,27 +51,45 @@ callback checks.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
-from ...config import find_fp8_request, load_config
 from ...errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
 from ...spec import RecipeSpec
 from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
-from ..megatron import (check_layer_counts, dropped_settings, merge_native,
-                        precision_config_fields, remove_request_keys)
+from ..megatron import (
+    check_layer_counts,
+    dropped_settings,
+    merge_native,
+    precision_config_fields,
+    remove_request_keys,
+)
 
-__all__ = ["MIXED_PRECISION_TARGET", "MIXED_PRECISION_TARGETS", "TARGET_PREFIX", "ALLOWED_TARGETS",
-           "QUANT_RECIPE_TARGET", "mixed_precision_fields", "native_keys",
-           "mixed_precision_config", "register", "apply_config", "apply_file",
-           "transformer_config_of", "transformer_config_path", "transformer_section"]
+__all__ = [
+    "MIXED_PRECISION_TARGET",
+    "MIXED_PRECISION_TARGETS",
+    "TARGET_PREFIX",
+    "ALLOWED_TARGETS",
+    "QUANT_RECIPE_TARGET",
+    "mixed_precision_fields",
+    "native_keys",
+    "mixed_precision_config",
+    "register",
+    "apply_config",
+    "apply_file",
+    "transformer_config_of",
+    "transformer_config_path",
+    "transformer_section",
+]
 
 MIXED_PRECISION_TARGET = "megatron.bridge.training.mixed_precision.MixedPrecisionConfig"
 """Import path of Bridge's ``MixedPrecisionConfig`` (the ``_target_`` of the YAML block)."""
 
-MIXED_PRECISION_TARGETS = frozenset({MIXED_PRECISION_TARGET,
-                                     "megatron.bridge.training.config.MixedPrecisionConfig"})
+MIXED_PRECISION_TARGETS = frozenset(
+    {MIXED_PRECISION_TARGET, "megatron.bridge.training.config.MixedPrecisionConfig"}
+)
 """Every import path of that class (Bridge's ``training.config`` re-exports it): the only
 ``_target_`` a ``mixed_precision`` block the FP8 fields are merged into may name."""
 
@@ -87,6 +105,7 @@ ALLOWED_TARGETS = (QUANT_RECIPE_TARGET, f"{TARGET_PREFIX}.mixed_precision_config
 """The exact ``_target_`` values :func:`register` adds to Bridge's allow-list: the callables of
 :mod:`nemo_fp8_plugin.hosts.targets` (``tests/test_targets.py`` checks they match)."""
 
+
 def _dtype(name: str) -> dict[str, Any]:
     return {"_target_": f"torch.{name}", "_call_": False}
 
@@ -96,29 +115,50 @@ def base_fields(kind: str = "bf16") -> dict[str, Any]:
     ``{_target_: torch.bfloat16, _call_: false}``, Bridge's own YAML spelling); a new dict
     on every call so no two YAML nodes share an object (PyYAML would emit anchors)."""
     if kind == "fp16":
-        return {"bf16": False, "fp16": True, "params_dtype": _dtype("float16"),
-                "pipeline_dtype": _dtype("float16"), "autocast_enabled": False,
-                "grad_reduce_in_fp32": False}
-    return {"bf16": True, "fp16": False, "params_dtype": _dtype("bfloat16"),
-            "pipeline_dtype": _dtype("bfloat16"), "autocast_enabled": False,
-            "grad_reduce_in_fp32": True}
+        return {
+            "bf16": False,
+            "fp16": True,
+            "params_dtype": _dtype("float16"),
+            "pipeline_dtype": _dtype("float16"),
+            "autocast_enabled": False,
+            "grad_reduce_in_fp32": False,
+        }
+    return {
+        "bf16": True,
+        "fp16": False,
+        "params_dtype": _dtype("bfloat16"),
+        "pipeline_dtype": _dtype("bfloat16"),
+        "autocast_enabled": False,
+        "grad_reduce_in_fp32": True,
+    }
 
 
-_BASE_NAMES = {"bf16_mixed": "bf16", "bf16-mixed": "bf16", "fp16_mixed": "fp16", "fp16-mixed": "fp16"}
+_BASE_NAMES = {
+    "bf16_mixed": "bf16",
+    "bf16-mixed": "bf16",
+    "fp16_mixed": "fp16",
+    "fp16-mixed": "fp16",
+}
 
 BRIDGE_RECIPES = {"nvfp4": "bf16_with_nvfp4_mixed"}
 """Plugin recipe -> the Megatron-Bridge recipe (0.6.2 and HEAD) registered with the same
 fields, used instead of registering a duplicate."""
 
 BRIDGE_RECIPE_FIELDS = {
-    "bf16_with_nvfp4_mixed": {"fp8": None, "fp4": "e2m1", "fp4_recipe": "nvfp4",
-                              "fp8_param_gather": False, "fp4_param_gather": True,
-                              "first_last_layers_bf16": False, "num_layers_at_start_in_bf16": 0,
-                              "num_layers_at_end_in_bf16": 0,
-                              "reuse_grad_buf_for_mxfp8_param_ag": False},
+    "bf16_with_nvfp4_mixed": {
+        "fp8": None,
+        "fp4": "e2m1",
+        "fp4_recipe": "nvfp4",
+        "fp8_param_gather": False,
+        "fp4_param_gather": True,
+        "first_last_layers_bf16": False,
+        "num_layers_at_start_in_bf16": 0,
+        "num_layers_at_end_in_bf16": 0,
+        "reuse_grad_buf_for_mxfp8_param_ag": False,
+    },
 }
 """The fields each recipe of :data:`BRIDGE_RECIPES` sets on ``bf16_mixed()`` (checked against
-Bridge 0.6.2's own function in ``tests/test_nvfp4_hosts.py``)."""
+Bridge 0.6.2's own function in ``tests/hosts/test_nvfp4_hosts.py``)."""
 
 
 def mixed_precision_fields(spec: RecipeSpec, model=None) -> HostKeys:
@@ -138,8 +178,11 @@ def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:
     name = BRIDGE_RECIPES.get(spec.scaling if spec.scaling == "nvfp4" else spec.name)
     if name is None or spec.training != "fp8":
         return None
-    fields = {k: v for k, v in mixed_precision_fields(spec, model).keys.items()
-              if k not in ("quant_recipe", "fp8_recipe")}
+    fields = {
+        k: v
+        for k, v in mixed_precision_fields(spec, model).keys.items()
+        if k not in ("quant_recipe", "fp8_recipe")
+    }
     return name if fields == BRIDGE_RECIPE_FIELDS[name] else None
 
 
@@ -151,15 +194,17 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     fields = dict(hk.keys)
     quant = fields.pop("quant_recipe", None)
     own = bridge_recipe_name(spec, model)
-    keys: dict[str, Any] = {"mixed_precision": own or {"_target_": MIXED_PRECISION_TARGET,
-                                                       **base_fields("bf16"), **fields}}
+    keys: dict[str, Any] = {
+        "mixed_precision": own
+        or {"_target_": MIXED_PRECISION_TARGET, **base_fields("bf16"), **fields}
+    }
     if quant is not None:
         keys["model"] = {"quant_recipe": _quant_recipe_yaml(quant)}
     return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
 
 
 def _quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    from ..megatron import bf16_patterns  # noqa: PLC0415
+    from ..megatron import bf16_patterns
 
     return {"_target_": QUANT_RECIPE_TARGET, "patterns": bf16_patterns(mapping)}
 
@@ -171,17 +216,20 @@ def _mp_module(mp_module: ModuleType | None) -> ModuleType:
     if mp_module is not None:
         return mp_module
     try:
-        from megatron.bridge.training import mixed_precision  # noqa: PLC0415
+        from megatron.bridge.training import mixed_precision
     except ImportError as exc:
-        from ...errors import HostUnavailableError  # noqa: PLC0415
+        from ...errors import HostUnavailableError
 
-        raise HostUnavailableError(f"Megatron-Bridge is not importable here ({exc})",
-                                   hint="pip install megatron-bridge (needs Transformer Engine)") from None
+        raise HostUnavailableError(
+            f"Megatron-Bridge is not importable here ({exc})",
+            hint="pip install megatron-bridge (needs Transformer Engine)",
+        ) from None
     return mixed_precision
 
 
-def mixed_precision_config(spec: RecipeSpec | str | Mapping, model=None, *,
-                           mp_module: ModuleType | None = None):
+def mixed_precision_config(
+    spec: RecipeSpec | str | Mapping, model=None, *, mp_module: ModuleType | None = None
+):
     """Bridge's own ``MixedPrecisionConfig`` for ``spec``: Bridge's ``bf16_mixed()`` with the
     recipe's FP8 fields set on it. ``mp_module`` is Bridge's ``mixed_precision`` module
     (imported when None). Also usable as a YAML ``_target_`` with ``spec: <name or mapping>``.
@@ -190,8 +238,8 @@ def mixed_precision_config(spec: RecipeSpec | str | Mapping, model=None, *,
     is importable here its import-time scale defaults are checked against the recipe
     (:func:`nemo_fp8_plugin.hosts.te.verify_installed_te`): a missing
     ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` raises :class:`FP8ConfigError` before training."""
-    from ...registry import get_recipe  # noqa: PLC0415
-    from ..te import verify_installed_te  # noqa: PLC0415
+    from ...registry import get_recipe
+    from ..te import verify_installed_te
 
     spec = get_recipe(spec)
     _refuse(spec)
@@ -208,8 +256,12 @@ def mixed_precision_config(spec: RecipeSpec | str | Mapping, model=None, *,
     return cfg
 
 
-def register(mp_module: ModuleType | None = None, *, names: list[str] | None = None,
-             instantiate_module: ModuleType | None = None) -> list[str]:
+def register(
+    mp_module: ModuleType | None = None,
+    *,
+    names: list[str] | None = None,
+    instantiate_module: ModuleType | None = None,
+) -> list[str]:
     """Register recipes (default: every recipe of the plugin's registry) into Bridge's
     ``MIXED_PRECISION_RECIPES`` with Bridge's ``register`` decorator, and allow the
     :data:`ALLOWED_TARGETS` ``_target_`` values. Idempotent; a name another package already
@@ -219,15 +271,21 @@ def register(mp_module: ModuleType | None = None, *, names: list[str] | None = N
     ``mp_module`` / ``instantiate_module``: Bridge's ``training.mixed_precision`` and
     ``utils.instantiate_utils`` modules (imported when None).
     """
-    from ...registry import list_recipes  # noqa: PLC0415
+    from ...registry import list_recipes
 
     mp = _mp_module(mp_module)
     table = mp.MIXED_PRECISION_RECIPES
     # A recipe Bridge already registers under its own name (nvfp4: bf16_with_nvfp4_mixed) is
     # not registered twice.
-    wanted = names if names is not None else [
-        s.name for s in list_recipes()
-        if BRIDGE_RECIPES.get(s.scaling if s.scaling == "nvfp4" else s.name) is None]
+    wanted = (
+        names
+        if names is not None
+        else [
+            s.name
+            for s in list_recipes()
+            if BRIDGE_RECIPES.get(s.scaling if s.scaling == "nvfp4" else s.name) is None
+        ]
+    )
     added: list[str] = []
     for name in wanted:
         factory = _bridge_factory(name, mp)
@@ -235,10 +293,15 @@ def register(mp_module: ModuleType | None = None, *, names: list[str] | None = N
         for alias in sorted(aliases):
             other = table.get(alias)
             if other is not None and not getattr(other, "_nemo_fp8_recipe", None) == name:
-                where = f"{getattr(other, '__module__', '?')}.{getattr(other, '__qualname__', other)}"
+                where = (
+                    f"{getattr(other, '__module__', '?')}.{getattr(other, '__qualname__', other)}"
+                )
                 raise RecipeRegistryError(
                     f"Megatron-Bridge mixed-precision recipe {alias!r} is defined twice: by {where} "
-                    f"and by nemo-fp8-plugin", key=alias, hint="rename one of the recipes")
+                    f"and by nemo-fp8-plugin",
+                    key=alias,
+                    hint="rename one of the recipes",
+                )
         before = set(table)
         mp.register(factory)
         added += sorted(set(table) - before)
@@ -248,7 +311,7 @@ def register(mp_module: ModuleType | None = None, *, names: list[str] | None = N
 
 def _bridge_factory(name: str, mp: ModuleType):
     def factory():
-        from ...registry import get_recipe  # noqa: PLC0415
+        from ...registry import get_recipe
 
         return mixed_precision_config(get_recipe(name), mp_module=mp)
 
@@ -263,12 +326,13 @@ def _bridge_factory(name: str, mp: ModuleType):
 def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
     if instantiate_module is None:
         try:
-            from megatron.bridge.utils import instantiate_utils as instantiate_module  # noqa: PLC0415
+            from megatron.bridge.utils import instantiate_utils as instantiate_module
         except ImportError as exc:
-            from ...errors import HostUnavailableError  # noqa: PLC0415
+            from ...errors import HostUnavailableError
 
-            raise HostUnavailableError(f"Megatron-Bridge's instantiate_utils is not importable "
-                                       f"({exc})") from None
+            raise HostUnavailableError(
+                f"Megatron-Bridge's instantiate_utils is not importable ({exc})"
+            ) from None
     # Exact callables where Bridge has the exact list (0.6.2: megatron-core's
     # target_allowlist.add_exact); else the one module holding only them. Never the package
     # prefix: it would allow nemo_fp8_plugin.<module>.os.system.
@@ -284,22 +348,29 @@ def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
     dropped = dropped_settings(spec)
     if dropped:
         key, reason = dropped[0]
-        raise FP8ConfigError(f"Megatron-Bridge (megatron-core) would silently drop this setting: "
-                             f"{reason}", key=f"{prefix}{key}", value=getattr(spec, key),
-                             hint="remove it, or use the recipe's preset value")
+        raise FP8ConfigError(
+            f"Megatron-Bridge (megatron-core) would silently drop this setting: {reason}",
+            key=f"{prefix}{key}",
+            value=getattr(spec, key),
+            hint="remove it, or use the recipe's preset value",
+        )
     if spec.training != "fp8":
-        raise FP8ConfigError("this recipe trains in BF16; Megatron-Bridge training gets nothing "
-                             "from it", key=f"{prefix}training", value=spec.training)
+        raise FP8ConfigError(
+            "this recipe trains in BF16; Megatron-Bridge training gets nothing from it",
+            key=f"{prefix}training",
+            value=spec.training,
+        )
 
 
 # --------------------------------------------------------------------------- ConfigContainer.model
 
 
 def _has_transformer_field(model_cfg: Any) -> bool:
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
     return dataclasses.is_dataclass(model_cfg) and any(
-        f.name == "transformer" for f in dataclasses.fields(model_cfg))
+        f.name == "transformer" for f in dataclasses.fields(model_cfg)
+    )
 
 
 def transformer_config_of(model_cfg: Any) -> Any:
@@ -322,7 +393,8 @@ def transformer_config_path(model_cfg: Any) -> str:
 def _is_model_config_yaml(model: Mapping[str, Any]) -> bool:
     target = model.get("_target_")
     return "transformer" in model or (
-        isinstance(target, str) and target.rsplit(".", 1)[-1].endswith("ModelConfig"))
+        isinstance(target, str) and target.rsplit(".", 1)[-1].endswith("ModelConfig")
+    )
 
 
 def transformer_section(config: dict) -> tuple[dict, str]:
@@ -335,24 +407,31 @@ def transformer_section(config: dict) -> tuple[dict, str]:
         config["model"] = {}
     model = config["model"]
     if not isinstance(model, dict):
-        raise FP8ConfigError(f"expected a mapping of model fields, got {format_value(model)}",
-                             key="model", value=model)
+        raise FP8ConfigError(
+            f"expected a mapping of model fields, got {format_value(model)}",
+            key="model",
+            value=model,
+        )
     if not _is_model_config_yaml(model):
         return model, "model."
     if model.get("transformer") is None:
         model["transformer"] = {}
     if not isinstance(model["transformer"], dict):
-        raise FP8ConfigError(f"expected a mapping of TransformerConfig fields, got "
-                             f"{format_value(model['transformer'])}", key="model.transformer",
-                             value=model["transformer"])
+        raise FP8ConfigError(
+            f"expected a mapping of TransformerConfig fields, got "
+            f"{format_value(model['transformer'])}",
+            key="model.transformer",
+            value=model["transformer"],
+        )
     return model["transformer"], "model.transformer."
 
 
 # --------------------------------------------------------------------------- YAML
 
 
-def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
-                 strict: bool = False) -> ApplyResult:
+def apply_config(
+    config: Mapping[str, Any], *, hardware: str | None = None, strict: bool = False
+) -> ApplyResult:
     """Rewrite a Bridge YAML mapping: the request (``precision:``, ``fp8:``, or a
     ``mixed_precision:`` naming one of our recipes) becomes the ``mixed_precision`` block
     (``_target_: MixedPrecisionConfig``), which stock Bridge builds without this package;
@@ -372,49 +451,74 @@ def _merge(ctx) -> ApplyResult:
     fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
     own = bridge_recipe_name(spec, ctx.model)
     notes: list[str] = []
-    if own is not None and (current is None or current == own
-                            or (isinstance(current, str) and _BASE_NAMES.get(current) == "bf16")):
+    if own is not None and (
+        current is None
+        or current == own
+        or (isinstance(current, str) and _BASE_NAMES.get(current) == "bf16")
+    ):
         block: Any = own  # Bridge's own registered recipe, by name
     elif current is None or isinstance(current, str):
         if current is not None and current not in _BASE_NAMES:
-            raise ConflictingKeyError(f"already names the Megatron-Bridge recipe {current!r}, which "
-                                 f"conflicts with FP8 recipe {spec.name!r}", key="mixed_precision",
-                                 value=current, hint="state the recipe once")
-        block = {"_target_": MIXED_PRECISION_TARGET,
-                 **base_fields(_BASE_NAMES.get(current, "bf16")), **copy.deepcopy(fields)}
+            raise ConflictingKeyError(
+                f"already names the Megatron-Bridge recipe {current!r}, which "
+                f"conflicts with FP8 recipe {spec.name!r}",
+                key="mixed_precision",
+                value=current,
+                hint="state the recipe once",
+            )
+        block = {
+            "_target_": MIXED_PRECISION_TARGET,
+            **base_fields(_BASE_NAMES.get(current, "bf16")),
+            **copy.deepcopy(fields),
+        }
     elif isinstance(current, Mapping):
         target = current.get("_target_")
-        if target is not None and (not isinstance(target, str)
-                                   or target not in MIXED_PRECISION_TARGETS):
+        if target is not None and (
+            not isinstance(target, str) or target not in MIXED_PRECISION_TARGETS
+        ):
             # The fields would become keyword arguments of whatever the path names.
-            raise FP8ConfigError(f"names {format_value(target)}, not Megatron-Bridge's "
-                                 f"MixedPrecisionConfig", key="mixed_precision._target_",
-                                 value=target, hint=f"the FP8 fields go into Bridge's own "
-                                 f"class: _target_: {MIXED_PRECISION_TARGET}, or no _target_")
+            raise FP8ConfigError(
+                f"names {format_value(target)}, not Megatron-Bridge's MixedPrecisionConfig",
+                key="mixed_precision._target_",
+                value=target,
+                hint=f"the FP8 fields go into Bridge's own "
+                f"class: _target_: {MIXED_PRECISION_TARGET}, or no _target_",
+            )
         block = copy.deepcopy(dict(current))
         merge_native(block, fields, where="mixed_precision.", conflicting=("fp4",))
         if block.get("fp8_param") not in (None, spec.fp8_param):
-            raise ConflictingKeyError(f"already set to {format_value(block['fp8_param'])}",
-                                 key="mixed_precision.fp8_param", value=block["fp8_param"])
+            raise ConflictingKeyError(
+                f"already set to {format_value(block['fp8_param'])}",
+                key="mixed_precision.fp8_param",
+                value=block["fp8_param"],
+            )
     else:
-        raise FP8ConfigError(f"expected a recipe name or a mapping, got {format_value(current)}",
-                             key="mixed_precision", value=current)
+        raise FP8ConfigError(
+            f"expected a recipe name or a mapping, got {format_value(current)}",
+            key="mixed_precision",
+            value=current,
+        )
     out = _replace_request(config, request.keys, block)
     if "quant_recipe" in hk.keys:
         # model: is a provider (itself a TransformerConfig) or, on Bridge HEAD, a
         # GPTModelConfig holding it under model.transformer.
         section, where = transformer_section(out)
-        merge_native(section, {"quant_recipe": _quant_recipe_yaml(hk.keys["quant_recipe"])},
-                     where=where)
+        merge_native(
+            section, {"quant_recipe": _quant_recipe_yaml(hk.keys["quant_recipe"])}, where=where
+        )
     if spec.scaling == "nvfp4" and own is None:
-        notes.append(f"bridge: {spec.name} as requested differs from Megatron-Bridge's "
-                     f"bf16_with_nvfp4_mixed (BF16 layers, FP4 parameters or the base), so the "
-                     f"MixedPrecisionConfig block is written instead of that name")
-    notes += [f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
-              f"applied after Transformer Engine is imported); stock Bridge builds this "
-              f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."
-              f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start"
-              for var, value in hk.env.items()]
+        notes.append(
+            f"bridge: {spec.name} as requested differs from Megatron-Bridge's "
+            f"bf16_with_nvfp4_mixed (BF16 layers, FP4 parameters or the base), so the "
+            f"MixedPrecisionConfig block is written instead of that name"
+        )
+    notes += [
+        f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
+        f"applied after Transformer Engine is imported); stock Bridge builds this "
+        f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."
+        f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start"
+        for var, value in hk.env.items()
+    ]
     return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
 
 
@@ -443,9 +547,11 @@ class BridgeAdapter(ConfigEditAdapter):
     """Megatron-Bridge (a ``mixed_precision`` block of ``MixedPrecisionConfig`` fields)."""
 
     name = "bridge"
-    runtime = ("Megatron-Bridge's own MixedPrecisionConfig applies these fields at setup; this "
-               "package runs in training only through FP8ScaleRefreshBridgeCallback, or when "
-               "the script calls nemo_fp8_plugin.hosts.bridge.register()")
+    runtime = (
+        "Megatron-Bridge's own MixedPrecisionConfig applies these fields at setup; this "
+        "package runs in training only through FP8ScaleRefreshBridgeCallback, or when "
+        "the script calls nemo_fp8_plugin.hosts.bridge.register()"
+    )
 
     def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
         return native_keys(spec, ctx.model if ctx is not None else None)
@@ -456,25 +562,28 @@ class BridgeAdapter(ConfigEditAdapter):
         # Bridge needs Python >= 3.12 and Transformer Engine at import: where it imports, its
         # own MixedPrecisionConfig checks the block; elsewhere say so.
         try:
-            from megatron.bridge.training.mixed_precision import (  # noqa: PLC0415
-                MixedPrecisionConfig)
-        except Exception as exc:  # noqa: BLE001 - Bridge's import needs TE and a GPU build
-            return [f"bridge: not checked (Megatron-Bridge is not importable here: "
-                    f"{type(exc).__name__})"]
+            from megatron.bridge.training.mixed_precision import MixedPrecisionConfig
+        except Exception as exc:  # Bridge's import needs TE and a GPU build
+            return [
+                f"bridge: not checked (Megatron-Bridge is not importable here: "
+                f"{type(exc).__name__})"
+            ]
         named = result.data.get("mixed_precision")
         if isinstance(named, str):  # Bridge's own recipe, by name
-            from megatron.bridge.training.mixed_precision import (  # noqa: PLC0415
-                get_mixed_precision_config)
+            from megatron.bridge.training.mixed_precision import get_mixed_precision_config
 
             get_mixed_precision_config(named)
             return [f"bridge: Megatron-Bridge resolves mixed_precision: {named}"]
-        block = {k: v for k, v in (named or {}).items()
-                 if k != "_target_" and not isinstance(v, Mapping)}
+        block = {
+            k: v for k, v in (named or {}).items() if k != "_target_" and not isinstance(v, Mapping)
+        }
         try:
             MixedPrecisionConfig(**block)
         except (TypeError, ValueError, AssertionError) as exc:
-            raise FP8ConfigError(f"Megatron-Bridge's MixedPrecisionConfig refuses the output: "
-                                 f"{exc}", key="mixed_precision") from None
+            raise FP8ConfigError(
+                f"Megatron-Bridge's MixedPrecisionConfig refuses the output: {exc}",
+                key="mixed_precision",
+            ) from None
         return [f"bridge: MixedPrecisionConfig accepted {len(block)} fields"]
 
 

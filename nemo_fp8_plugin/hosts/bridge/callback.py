@@ -48,8 +48,8 @@ class FP8ScaleRefreshBridgeCallback:
         spec = self.refresher.spec
         if spec is None or model_cfg is None or spec.training != "fp8":
             return False
-        from ..megatron import transformer_config_fields  # noqa: PLC0415
-        from . import transformer_config_of, transformer_config_path  # noqa: PLC0415
+        from ..megatron import transformer_config_fields
+        from . import transformer_config_of, transformer_config_path
 
         want = transformer_config_fields(spec).keys
         tc, where = transformer_config_of(model_cfg), transformer_config_path(model_cfg)
@@ -64,8 +64,10 @@ class FP8ScaleRefreshBridgeCallback:
                     f"the run's model config has {name}={have!r}, but this callback was given "
                     f"recipe {spec.name!r}, which needs {want[name]!r}: the TE check and scale "
                     f"refresh would follow another recipe than the one training runs",
-                    key=f"{where}.{name}", value=have,
-                    hint="give the callback the recipe the config's mixed_precision names")
+                    key=f"{where}.{name}",
+                    value=have,
+                    hint="give the callback the recipe the config's mixed_precision names",
+                )
         return True
 
     def on_train_start(self, context) -> None:
@@ -76,10 +78,12 @@ class FP8ScaleRefreshBridgeCallback:
             module = self._module(context)
             if isinstance(module, (list, tuple)):
                 if self.refresher.forward_fn is None:
-                    raise FP8ConfigError("scale refresh with several model chunks (virtual "
-                                         "pipeline stages) needs a forward_fn(chunks, batch)",
-                                         key="forward_fn")
-                import torch  # noqa: PLC0415
+                    raise FP8ConfigError(
+                        "scale refresh with several model chunks (virtual "
+                        "pipeline stages) needs a forward_fn(chunks, batch)",
+                        key="forward_fn",
+                    )
+                import torch
 
                 module = torch.nn.ModuleList(module)  # one module tree over every chunk
             self.refresher.refresh(module)

@@ -58,23 +58,45 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, List, Mapping
+from typing import Any, List  # noqa: UP035 - see bf16_quant_recipe
 
 from ...capabilities import CAPABILITIES
-from ...config import FP8Request, find_fp8_request, get_path, load_config
+from ...config import FP8Request, get_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
 from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
 from ..te import required_env
 
-__all__ = ["FP8_RECIPE", "FP8_FIELDS", "BF16_FIELDS", "PRECISION_CONFIG_FP8_FIELDS",
-           "dropped_settings", "transformer_config_fields", "precision_config_fields",
-           "native_keys", "build_transformer_config", "apply_to_transformer_config",
-           "quant_recipe_object", "bf16_quant_recipe", "bf16_patterns", "apply_config",
-           "apply_file", "section_path", "model_for_rules", "check_layer_counts", "merge_native",
-           "remove_request_keys", "DDP_FIELDS", "ddp_config_fields", "optimizer_config_fields",
-           "build_ddp_config", "write_distributed_fields", "FP4_FIELDS"]
+__all__ = [
+    "FP8_RECIPE",
+    "FP8_FIELDS",
+    "BF16_FIELDS",
+    "PRECISION_CONFIG_FP8_FIELDS",
+    "dropped_settings",
+    "transformer_config_fields",
+    "precision_config_fields",
+    "native_keys",
+    "build_transformer_config",
+    "apply_to_transformer_config",
+    "quant_recipe_object",
+    "bf16_quant_recipe",
+    "bf16_patterns",
+    "apply_config",
+    "apply_file",
+    "section_path",
+    "model_for_rules",
+    "check_layer_counts",
+    "merge_native",
+    "remove_request_keys",
+    "DDP_FIELDS",
+    "ddp_config_fields",
+    "optimizer_config_fields",
+    "build_ddp_config",
+    "write_distributed_fields",
+    "FP4_FIELDS",
+]
 
 FP8_RECIPE = {kind: row.megatron_recipe for kind, row in CAPABILITIES.items()}
 """Spec ``scaling`` -> megatron-core ``fp8_recipe`` (for nvfp4: its ``fp4_recipe``, see
@@ -84,8 +106,17 @@ FP4_FIELDS = ("fp4", "fp4_recipe", "fp4_param")
 """``TransformerConfig`` FP4 fields, written for nvfp4 (``fp4: e2m1``, ``fp4_recipe: nvfp4``,
 ``fp4_param`` from the spec's ``fp8_param``)."""
 
-FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
-              "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp8_param")
+FP8_FIELDS = (
+    "fp8",
+    "fp8_recipe",
+    "fp8_margin",
+    "fp8_amax_history_len",
+    "fp8_amax_compute_algo",
+    "fp8_wgrad",
+    "fp8_dot_product_attention",
+    "fp8_multi_head_attention",
+    "fp8_param",
+)
 """``TransformerConfig`` FP8 fields this adapter always writes (so a stale value cannot linger)."""
 
 BF16_FIELDS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
@@ -105,33 +136,57 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     kind = spec.scaling
     if spec.amax_epsilon:
-        out.append(("amax_epsilon", "megatron-core builds Transformer Engine recipes with TE's "
-                                    "default amax epsilon (0)"))
+        out.append(
+            (
+                "amax_epsilon",
+                "megatron-core builds Transformer Engine recipes with TE's "
+                "default amax epsilon (0)",
+            )
+        )
     if not spec.reduce_amax and kind == "delayed":
-        out.append(("reduce_amax", "megatron-core always all-reduces delayed-scaling amaxes "
-                                   "(only tp_only_amax_red narrows the group)"))
+        out.append(
+            (
+                "reduce_amax",
+                "megatron-core always all-reduces delayed-scaling amaxes "
+                "(only tp_only_amax_red narrows the group)",
+            )
+        )
     out += _unread_fields(spec)
     if kind == "delayed" and spec.pow2_scales:
         out.append(("pow2_scales", "delayed scaling has no power-of-2 scale option"))
     if not spec.fp8_wgrad:
         # megatron-core 0.16 reads fp8_wgrad only to build DelayedScaling's
         # override_linear_precision; the other recipes never see it.
-        from .source import honoured_fp8_fields  # noqa: PLC0415
+        from .source import honoured_fp8_fields
 
-        out.append(("fp8_wgrad", f"{honoured_fp8_fields().label} passes fp8_wgrad to Transformer "
-                                 "Engine only as "
-                                 "DelayedScaling's override_linear_precision, which TE 2.x "
-                                 "ignores, so the weight gradient would run in FP8 anyway; TE "
-                                 "has no weight-gradient-only switch, the nearest setting, "
-                                 "NVTE_BACKWARD_OVERRIDE=high_precision (TE >= 2.15, not for "
-                                 "delayed scaling), moves the whole backward to high precision; "
-                                 "use fp8_wgrad: true"))
+        out.append(
+            (
+                "fp8_wgrad",
+                f"{honoured_fp8_fields().label} passes fp8_wgrad to Transformer "
+                "Engine only as "
+                "DelayedScaling's override_linear_precision, which TE 2.x "
+                "ignores, so the weight gradient would run in FP8 anyway; TE "
+                "has no weight-gradient-only switch, the nearest setting, "
+                "NVTE_BACKWARD_OVERRIDE=high_precision (TE >= 2.15, not for "
+                "delayed scaling), moves the whole backward to high precision; "
+                "use fp8_wgrad: true",
+            )
+        )
     if kind in _TILES:
         act, wgt, grad = _TILES[kind]
-        for key, want in (("activation_block", act), ("weight_block", wgt), ("gradient_block", grad)):
+        for key, want in (
+            ("activation_block", act),
+            ("weight_block", wgt),
+            ("gradient_block", grad),
+        ):
             if getattr(spec, key) != want:
-                out.append((key, f"megatron-core builds the {FP8_RECIPE[kind]} recipe with "
-                                 f"Transformer Engine's default tiles ({list(want)})"))
+                out.append(
+                    (
+                        key,
+                        f"megatron-core builds the {FP8_RECIPE[kind]} recipe with "
+                        f"Transformer Engine's default tiles ({list(want)})",
+                    )
+                )
     return out
 
 
@@ -148,7 +203,7 @@ _RECIPE_FIELDS = (
 
 
 def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
-    from .source import honoured_fp8_fields  # noqa: PLC0415
+    from .source import honoured_fp8_fields
 
     honoured = honoured_fp8_fields()
     recipe = FP8_RECIPE[spec.scaling]
@@ -158,27 +213,37 @@ def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
             continue
         readers = honoured.recipes_reading(field)
         instead = _presets_for(readers)
-        where = (f"only for fp8_recipe {' and '.join(readers)}" if readers
-                 else "for no fp8_recipe")
-        out.append((key, f"{honoured.label}'s get_fp8_recipe passes {field} to Transformer "
-                         f"Engine {where}, not for {recipe}; "
-                         + (f"use {' or '.join(instead)} for it, or " if instead else "")
-                         + f"remove {key} (the neutral value is "
-                         + (str(neutral).lower() if isinstance(neutral, bool) else repr(neutral))
-                         + ")"))
+        where = f"only for fp8_recipe {' and '.join(readers)}" if readers else "for no fp8_recipe"
+        out.append(
+            (
+                key,
+                f"{honoured.label}'s get_fp8_recipe passes {field} to Transformer "
+                f"Engine {where}, not for {recipe}; "
+                + (f"use {' or '.join(instead)} for it, or " if instead else "")
+                + f"remove {key} (the neutral value is "
+                + (str(neutral).lower() if isinstance(neutral, bool) else repr(neutral))
+                + ")",
+            )
+        )
     return out
 
 
 def _presets_for(megatron_recipes: list[str]) -> list[str]:
     """Registered presets whose megatron-core ``fp8_recipe`` is one of ``megatron_recipes``."""
-    from ...registry import list_recipes  # noqa: PLC0415
+    from ...registry import list_recipes
 
-    return [s.name for s in list_recipes()
-            if s.training == "fp8" and FP8_RECIPE[s.scaling] in megatron_recipes]
+    return [
+        s.name
+        for s in list_recipes()
+        if s.training == "fp8" and FP8_RECIPE[s.scaling] in megatron_recipes
+    ]
 
 
-_NO_BF16_LAYERS = {"first_last_layers_bf16": False, "num_layers_at_start_in_bf16": 0,
-                   "num_layers_at_end_in_bf16": 0}
+_NO_BF16_LAYERS = {
+    "first_last_layers_bf16": False,
+    "num_layers_at_start_in_bf16": 0,
+    "num_layers_at_end_in_bf16": 0,
+}
 
 
 def _rules_keys(spec: RecipeSpec, model=None) -> HostKeys:
@@ -187,7 +252,7 @@ def _rules_keys(spec: RecipeSpec, model=None) -> HostKeys:
     keys = dict(_NO_BF16_LAYERS)
     if not spec.bf16_layers.acts_on("training") or spec.bf16_layers.empty:
         return HostKeys(keys=keys)
-    from .rules import to_megatron  # noqa: PLC0415 - stdlib only, but not needed by every command
+    from .rules import to_megatron  # stdlib only, but not needed by every command
 
     rules = to_megatron(spec, model)
     keys.update(rules.keys)
@@ -203,7 +268,7 @@ def model_for_rules(config: Mapping[str, Any], request: FP8Request):
     """
     if not request.spec.bf16_layers.modules:
         return None
-    from ...rules import describe_model  # noqa: PLC0415
+    from ...rules import describe_model
 
     block = config.get("fp8")
     if isinstance(block, Mapping) and block.get("model") is not None:
@@ -226,14 +291,17 @@ def _stated_layers(config: Mapping[str, Any]) -> tuple[int, str] | None:
     where = ".".join(path)
     # NeMo 2 keeps the TransformerConfig fields one level down, under model.config; a
     # Megatron-Bridge GPTModelConfig / HybridModelConfig under model.transformer.
-    for node, label in ((section, where), (get_path(section, "config"), f"{where}.config"),
-                        (get_path(section, "transformer"), f"{where}.transformer")):
+    for node, label in (
+        (section, where),
+        (get_path(section, "config"), f"{where}.config"),
+        (get_path(section, "transformer"), f"{where}.transformer"),
+    ):
         value = node.get("num_layers") if isinstance(node, Mapping) else None
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value, f"the model ({label}.num_layers)"
     block = config.get("fp8")
     if isinstance(block, Mapping) and block.get("model") is not None:
-        from ...rules import describe_model  # noqa: PLC0415
+        from ...rules import describe_model
 
         model = describe_model(block["model"], key="fp8.model")
         return model.num_layers, model.name
@@ -255,7 +323,7 @@ def check_layer_counts(config: Mapping[str, Any], request: FP8Request) -> None:
     if stated is None:
         return
     # The very check explain reaches through rules.resolve(), so both commands agree.
-    from ...rules.resolve import _check_counts  # noqa: PLC0415
+    from ...rules.resolve import _check_counts
 
     try:
         _check_counts(rules, *stated)
@@ -270,8 +338,10 @@ def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
     rules the rules module could not translate; ``env`` the variables TE must see at import.
     """
     if spec.training != "fp8":
-        return HostKeys(keys={}, warnings=[
-            "megatron: training: bf16 in this recipe, so megatron-core gets no FP8 keys"])
+        return HostKeys(
+            keys={},
+            warnings=["megatron: training: bf16 in this recipe, so megatron-core gets no FP8 keys"],
+        )
     if spec.scaling == "nvfp4":
         return _fp4_fields(spec, model)
     keys: dict[str, Any] = {
@@ -279,7 +349,9 @@ def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
         "fp8_recipe": FP8_RECIPE[spec.scaling],
         "fp8_margin": spec.margin if spec.scaling == "delayed" else 0,
         "fp8_amax_history_len": spec.amax_history_len if spec.scaling == "delayed" else 1,
-        "fp8_amax_compute_algo": spec.amax_compute_algo if spec.scaling == "delayed" else "most_recent",
+        "fp8_amax_compute_algo": spec.amax_compute_algo
+        if spec.scaling == "delayed"
+        else "most_recent",
         "fp8_wgrad": spec.fp8_wgrad,
         "fp8_dot_product_attention": spec.fp8_dot_product_attention,
         "fp8_multi_head_attention": spec.fp8_multi_head_attention,
@@ -292,15 +364,19 @@ def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
     return HostKeys(keys=keys, warnings=warnings, env=required_env(spec))
 
 
-
 def _fp4_fields(spec: RecipeSpec, model=None) -> HostKeys:
     """nvfp4: megatron-core's FP4 fields with FP8 off (``TransformerConfig.__post_init__``
     refuses both; ``get_fp4_recipe`` builds ``NVFP4BlockScaling()`` from TE's defaults, which
     the environment of :func:`~nemo_fp8_plugin.hosts.te.required_env` pins). The FP8 recipe
     fields are inert without ``fp8`` and left alone, but for ``fp8_recipe`` (null: none)."""
-    keys: dict[str, Any] = {"fp8": None, "fp8_recipe": None, "fp8_param": False,
-                            "fp4": "e2m1", "fp4_recipe": FP8_RECIPE["nvfp4"],
-                            "fp4_param": spec.fp8_param}
+    keys: dict[str, Any] = {
+        "fp8": None,
+        "fp8_recipe": None,
+        "fp8_param": False,
+        "fp4": "e2m1",
+        "fp4_recipe": FP8_RECIPE["nvfp4"],
+        "fp4_param": spec.fp8_param,
+    }
     rules = _rules_keys(spec, model)
     keys.update(rules.keys)
     warnings = [f"megatron: {key}: {reason}; dropped" for key, reason in dropped_settings(spec)]
@@ -309,9 +385,18 @@ def _fp4_fields(spec: RecipeSpec, model=None) -> HostKeys:
 
 
 PRECISION_CONFIG_FP8_FIELDS = (
-    "fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
-    "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention",
-    "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+    "fp8",
+    "fp8_recipe",
+    "fp8_margin",
+    "fp8_amax_history_len",
+    "fp8_amax_compute_algo",
+    "fp8_wgrad",
+    "fp8_dot_product_attention",
+    "fp8_multi_head_attention",
+    "first_last_layers_bf16",
+    "num_layers_at_start_in_bf16",
+    "num_layers_at_end_in_bf16",
+)
 """FP8 fields that NeMo 2's ``MegatronMixedPrecision`` and Megatron-Bridge's
 ``MixedPrecisionConfig`` both carry under the TransformerConfig's names (both copy them onto
 the model config at setup)."""
@@ -321,8 +406,12 @@ def precision_config_fields(spec: RecipeSpec, model=None, *, host: str) -> HostK
     """The FP8 fields of a NeMo 2 / Megatron-Bridge precision config for ``spec``, plus
     ``quant_recipe`` when per-module rules need one; warnings are labelled with ``host``."""
     if spec.training != "fp8":
-        return HostKeys(keys={}, warnings=[f"{host}: training: bf16 in this recipe, so its "
-                                           "precision config gets no FP8 fields"])
+        return HostKeys(
+            keys={},
+            warnings=[
+                f"{host}: training: bf16 in this recipe, so its precision config gets no FP8 fields"
+            ],
+        )
     mc = transformer_config_fields(spec, model)
     keys = {k: mc.keys[k] for k in PRECISION_CONFIG_FP8_FIELDS if k in mc.keys}
     if spec.scaling == "nvfp4":  # NeMo 2.7.3 and Bridge 0.6.2 both have fp4 and fp4_recipe
@@ -346,8 +435,10 @@ def ddp_config_fields(spec: RecipeSpec) -> dict[str, bool]:
     if spec.training != "fp8":
         return {}
     fp8 = spec.scaling != "nvfp4"  # FP4 parameters are TransformerConfig.fp4_param
-    return {"fp8_param_gather": fp8 and spec.fp8_param,
-            "reuse_grad_buf_for_mxfp8_param_ag": spec.scaling == "mx" and spec.fp8_param}
+    return {
+        "fp8_param_gather": fp8 and spec.fp8_param,
+        "reuse_grad_buf_for_mxfp8_param_ag": spec.scaling == "mx" and spec.fp8_param,
+    }
 
 
 def optimizer_config_fields(spec: RecipeSpec) -> dict[str, Any]:
@@ -356,9 +447,12 @@ def optimizer_config_fields(spec: RecipeSpec) -> dict[str, Any]:
     Empty when training is not FP8."""
     if spec.training != "fp8":
         return {}
-    return {"fp8_recipe": FP8_RECIPE[spec.scaling] if spec.scaling != "nvfp4" else None,
-            "reuse_grad_buf_for_mxfp8_param_ag": ddp_config_fields(spec)[
-                "reuse_grad_buf_for_mxfp8_param_ag"]}
+    return {
+        "fp8_recipe": FP8_RECIPE[spec.scaling] if spec.scaling != "nvfp4" else None,
+        "reuse_grad_buf_for_mxfp8_param_ag": ddp_config_fields(spec)[
+            "reuse_grad_buf_for_mxfp8_param_ag"
+        ],
+    }
 
 
 def build_ddp_config(spec: RecipeSpec, *, config_class=None, **base: Any):
@@ -366,14 +460,16 @@ def build_ddp_config(spec: RecipeSpec, *, config_class=None, **base: Any):
     ``base`` plus :func:`ddp_config_fields`; a ``base`` key the recipe decides is refused, and
     megatron-core's own ``__post_init__`` validates the result."""
     if config_class is None:
-        from megatron.core.distributed import (  # noqa: PLC0415
-            DistributedDataParallelConfig as config_class)
+        from megatron.core.distributed import DistributedDataParallelConfig as config_class
     fields = ddp_config_fields(spec)
     clash = sorted(k for k in set(base) & set(fields) if base[k] != fields[k])
     if clash:
-        raise FP8ConfigError(f"is set by the caller to {format_value(base[clash[0]])}, but recipe "
-                             f"{spec.name!r} needs {format_value(fields[clash[0]])}",
-                             key=clash[0], value=base[clash[0]])
+        raise FP8ConfigError(
+            f"is set by the caller to {format_value(base[clash[0]])}, but recipe "
+            f"{spec.name!r} needs {format_value(fields[clash[0]])}",
+            key=clash[0],
+            value=base[clash[0]],
+        )
     return _construct(config_class, {**base, **fields}, spec)
 
 
@@ -397,8 +493,12 @@ def write_distributed_fields(out: dict, spec: RecipeSpec) -> list[str]:
             out["ddp"] = {}
         target, where = out["ddp"], "ddp."
         if not isinstance(target, dict):
-            raise FP8ConfigError(f"expected a mapping of DistributedDataParallelConfig fields, "
-                                 f"got {format_value(target)}", key="ddp", value=target)
+            raise FP8ConfigError(
+                f"expected a mapping of DistributedDataParallelConfig fields, "
+                f"got {format_value(target)}",
+                key="ddp",
+                value=target,
+            )
     return merge_native(target, fields, where=where)
 
 
@@ -414,13 +514,16 @@ def quant_recipe_object(mapping: Mapping[str, Any] | None):
     """megatron-core's ``RecipeConfig`` from the YAML mapping (``configs`` + ``matchers``)."""
     if mapping is None:
         return None
-    from megatron.core.quantization.quant_config import RecipeConfig  # noqa: PLC0415
+    from megatron.core.quantization.quant_config import RecipeConfig
 
     if isinstance(mapping, RecipeConfig):
         return mapping
     if not isinstance(mapping, Mapping):
-        raise FP8ConfigError(f"expected a mapping with configs and matchers, got "
-                             f"{format_value(mapping)}", key="quant_recipe", value=mapping)
+        raise FP8ConfigError(
+            f"expected a mapping with configs and matchers, got {format_value(mapping)}",
+            key="quant_recipe",
+            value=mapping,
+        )
     return RecipeConfig.from_config_dict(dict(mapping))
 
 
@@ -433,21 +536,28 @@ def bf16_quant_recipe(patterns: list[str]):
     """megatron-core's ``RecipeConfig`` keeping the modules matching ``patterns`` (fnmatch
     globs, first match wins) in BF16: the YAML ``_target_`` NeMo-Run and Bridge configs use,
     since NeMo-Run's YAML loader passes scalars and lists but not nested mappings."""
-    from .rules import BF16_QUANT_CONFIG  # noqa: PLC0415
+    from .rules import BF16_QUANT_CONFIG
 
     if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
-        raise FP8ConfigError(f"expected a list of glob patterns, got {format_value(patterns)}",
-                             key="quant_recipe.patterns", value=patterns)
-    return quant_recipe_object({
-        "configs": {"bf16": dict(BF16_QUANT_CONFIG, training_recipe={})},
-        "matchers": {f"bf16_{i}": {"config": "bf16", "type": "glob", "pattern": p, "enabled": True}
-                     for i, p in enumerate(patterns)},
-    })
+        raise FP8ConfigError(
+            f"expected a list of glob patterns, got {format_value(patterns)}",
+            key="quant_recipe.patterns",
+            value=patterns,
+        )
+    return quant_recipe_object(
+        {
+            "configs": {"bf16": dict(BF16_QUANT_CONFIG, training_recipe={})},
+            "matchers": {
+                f"bf16_{i}": {"config": "bf16", "type": "glob", "pattern": p, "enabled": True}
+                for i, p in enumerate(patterns)
+            },
+        }
+    )
 
 
 # NeMo-Run parses CLI/YAML values by the annotation object; a postponed (string) annotation
 # is "Unsupported type", so this one is set as a real typing object.
-bf16_quant_recipe.__annotations__["patterns"] = List[str]
+bf16_quant_recipe.__annotations__["patterns"] = List[str]  # noqa: UP006 - NeMo-Run parses typing.List
 
 
 def _objects(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -465,14 +575,17 @@ def build_transformer_config(spec: RecipeSpec, model=None, *, config_class=None,
     megatron-core's own validation errors as :class:`FP8ConfigError` naming the field.
     """
     if config_class is None:
-        from megatron.core.transformer import TransformerConfig as config_class  # noqa: PLC0415
+        from megatron.core.transformer import TransformerConfig as config_class
     hk = transformer_config_fields(spec, model)
     _refuse_dropped(spec)
     _verify_te(spec)
     clash = sorted(set(base) & set(hk.keys))
     if clash:
-        raise FP8ConfigError(f"{clash[0]} is set both by the caller and by recipe {spec.name!r}",
-                             key=clash[0], value=base[clash[0]])
+        raise FP8ConfigError(
+            f"{clash[0]} is set both by the caller and by recipe {spec.name!r}",
+            key=clash[0],
+            value=base[clash[0]],
+        )
     return _construct(config_class, {**base, **_objects(hk.keys)}, spec)
 
 
@@ -489,7 +602,7 @@ def _verify_te(spec: RecipeSpec) -> None:
     # A TransformerConfig is built in the process that trains, and megatron-core builds its
     # TE recipe from it with TE's import-time scale defaults: the one place plain
     # megatron-core gives us to catch the fp32-scale trap.
-    from ..te import verify_installed_te  # noqa: PLC0415
+    from ..te import verify_installed_te
 
     verify_installed_te(spec, where="this process")
 
@@ -507,9 +620,12 @@ def _refuse_dropped(spec: RecipeSpec, prefix: str = "fp8") -> None:
     dropped = dropped_settings(spec)
     if dropped:
         key, reason = dropped[0]
-        raise FP8ConfigError(f"megatron-core would silently drop this setting: {reason}",
-                             key=f"{prefix}.{key}" if prefix else key, value=getattr(spec, key),
-                             hint="remove it, or use the recipe's preset value")
+        raise FP8ConfigError(
+            f"megatron-core would silently drop this setting: {reason}",
+            key=f"{prefix}.{key}" if prefix else key,
+            value=getattr(spec, key),
+            hint="remove it, or use the recipe's preset value",
+        )
 
 
 # --------------------------------------------------------------------------- YAML
@@ -537,28 +653,37 @@ def remove_request_keys(config: Mapping[str, Any], keys) -> dict:
     return out
 
 
-def merge_native(section: dict, keys: Mapping[str, Any], *, where: str,
-                 conflicting: tuple[str, ...] = ()) -> list[str]:
+def merge_native(
+    section: dict, keys: Mapping[str, Any], *, where: str, conflicting: tuple[str, ...] = ()
+) -> list[str]:
     """Write ``keys`` into ``section``; refuse a key already set there to a different value,
     and any of ``conflicting`` set at all. Returns the keys written."""
     for key in conflicting:
         if section.get(key) not in (None, False):
-            raise ConflictingKeyError(f"already set to {format_value(section[key])}, which conflicts with "
-                                 f"the FP8 recipe being applied", key=f"{where}{key}",
-                                 value=section[key],
-                                 hint="remove it, or remove the plugin's precision/fp8 key")
+            raise ConflictingKeyError(
+                f"already set to {format_value(section[key])}, which conflicts with "
+                f"the FP8 recipe being applied",
+                key=f"{where}{key}",
+                value=section[key],
+                hint="remove it, or remove the plugin's precision/fp8 key",
+            )
     for key, value in keys.items():
         if key in section and section[key] is not None and section[key] != value:
-            raise ConflictingKeyError(f"already set to {format_value(section[key])}; the recipe needs "
-                                 f"{format_value(value)}", key=f"{where}{key}", value=section[key],
-                                 hint="state the recipe once: remove the native key or the "
-                                      "plugin's precision/fp8 key")
+            raise ConflictingKeyError(
+                f"already set to {format_value(section[key])}; the recipe needs "
+                f"{format_value(value)}",
+                key=f"{where}{key}",
+                value=section[key],
+                hint="state the recipe once: remove the native key or the "
+                "plugin's precision/fp8 key",
+            )
     section.update(copy.deepcopy(dict(keys)))
     return list(keys)
 
 
-def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
-                 strict: bool = False) -> ApplyResult:
+def apply_config(
+    config: Mapping[str, Any], *, hardware: str | None = None, strict: bool = False
+) -> ApplyResult:
     """Rewrite a loaded config: the plugin's request keys become TransformerConfig keys
     (the :data:`ADAPTER` pipeline on a mapping)."""
     return apply_mapping(ADAPTER, config, hardware=hardware, strict=strict)
@@ -576,20 +701,25 @@ def _merge(ctx) -> ApplyResult:
         out[path[0]] = {}
     section = out[path[0]]
     if not isinstance(section, dict):
-        raise FP8ConfigError(f"expected a mapping of model fields, got {format_value(section)}",
-                             key=path[0], value=section)
+        raise FP8ConfigError(
+            f"expected a mapping of model fields, got {format_value(section)}",
+            key=path[0],
+            value=section,
+        )
     where = f"{path[0]}."
     # A quant_recipe of our own is compared like any key; someone else's contradicts ours.
     conflicting = tuple(k for k in CONFLICTING_FIELDS if k not in hk.keys)
     merge_native(section, hk.keys, where=where, conflicting=conflicting)
     write_distributed_fields(out, spec)  # the DDP side (fp8_param_gather, MXFP8 buffer reuse)
-    notes = [f"megatron: export {var}={value} in the training process's environment "
-             f"before Transformer Engine is imported; megatron-core does not check it: "
-             f"a script building its config with nemo_fp8_plugin.hosts.megatron."
-             f"build_transformer_config is checked there, otherwise call "
-             f"nemo_fp8_plugin.hosts.te.verify_installed_te({_recipe_literal(spec)}) "
-             f"in the training script before the model is built"
-             for var, value in hk.env.items()]
+    notes = [
+        f"megatron: export {var}={value} in the training process's environment "
+        f"before Transformer Engine is imported; megatron-core does not check it: "
+        f"a script building its config with nemo_fp8_plugin.hosts.megatron."
+        f"build_transformer_config is checked there, otherwise call "
+        f"nemo_fp8_plugin.hosts.te.verify_installed_te({_recipe_literal(spec)}) "
+        f"in the training script before the model is built"
+        for var, value in hk.env.items()
+    ]
     return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
 
 
@@ -597,7 +727,7 @@ def _recipe_literal(spec: RecipeSpec) -> str:
     """``spec`` as the Python literal ``verify_installed_te`` takes: the registered name, the
     ``{"recipe": name, ...}`` mapping of the fields that differ from that preset, or (a spec
     no preset has) the full mapping."""
-    from ...registry import default_registry  # noqa: PLC0415
+    from ...registry import default_registry
 
     reg = default_registry()
     if spec.name not in reg:
@@ -617,7 +747,7 @@ def _validate(result: ApplyResult, ctx) -> list[str]:
     """Build megatron-core's own ``TransformerConfig`` from the written section (its
     ``__post_init__`` validates the FP8 fields), when megatron-core is importable."""
     try:
-        from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
+        from megatron.core.transformer import TransformerConfig
     except ImportError as exc:
         return [f"megatron: not checked (megatron-core is not importable here: {exc})"]
     section = get_path(result.data, section_path(result.data)) or {}
@@ -627,12 +757,14 @@ def _validate(result: ApplyResult, ctx) -> list[str]:
     for key, value in (("num_layers", 2), ("hidden_size", 128), ("num_attention_heads", 4)):
         kwargs.setdefault(key, value)
     _construct(TransformerConfig, _objects(kwargs), ctx.spec)
-    return [f"megatron: megatron-core {_megatron_version()} TransformerConfig accepted "
-            f"{len(kwargs)} fields"]
+    return [
+        f"megatron: megatron-core {_megatron_version()} TransformerConfig accepted "
+        f"{len(kwargs)} fields"
+    ]
 
 
 def _megatron_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("megatron-core")
@@ -644,9 +776,11 @@ class MegatronAdapter(ConfigEditAdapter):
     """megatron-core (``TransformerConfig`` fields in a YAML ``model:`` section)."""
 
     name = "megatron"
-    runtime = ("megatron-core builds Transformer Engine's recipe from these TransformerConfig "
-               "fields (fp8_utils.get_fp8_recipe); no code of this package runs unless the "
-               "training script calls nemo_fp8_plugin.hosts.megatron.build_transformer_config")
+    runtime = (
+        "megatron-core builds Transformer Engine's recipe from these TransformerConfig "
+        "fields (fp8_utils.get_fp8_recipe); no code of this package runs unless the "
+        "training script calls nemo_fp8_plugin.hosts.megatron.build_transformer_config"
+    )
 
     def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
         return transformer_config_fields(spec, ctx.model if ctx is not None else None)

@@ -11,21 +11,30 @@ from typing import Any
 
 from ...rules import ModelDescription
 from ...rules.names import MEGATRON_TO_HF_LEAVES, builtin_high_precision, layer_index
-from ...rules.resolve import (GLOB_CHARS, module_rules, is_module_rule, plain_keyword, resolve,
-                              rule_label, side_rules, template)
+from ...rules.resolve import (
+    is_module_rule,
+    module_rules,
+    resolve,
+    side_rules,
+    template,
+)
 from ...spec import BF16Rules, RecipeSpec
 from .. import HostKeys
 
 __all__ = ["to_megatron", "BF16_QUANT_CONFIG"]
 
-BF16_QUANT_CONFIG = {"transformer_engine_config_type": "TEQuantizationParams", "training_recipe": {}}
+BF16_QUANT_CONFIG = {
+    "transformer_engine_config_type": "TEQuantizationParams",
+    "training_recipe": {},
+}
 """megatron-core per-module config that forces BF16: a TE recipe with no FP8/FP4 recipe
 disables the autocast for the module (``_get_fp8_autocast_for_quant_recipe``)."""
 
-_PP_WARNING = ("megatron-core matches quant_recipe patterns against stage-local module names "
-               "(decoder.layers.<i> restarts at 0 on every pipeline stage), so these layer-specific "
-               "patterns are right only with pipeline_model_parallel_size 1")
-
+_PP_WARNING = (
+    "megatron-core matches quant_recipe patterns against stage-local module names "
+    "(decoder.layers.<i> restarts at 0 on every pipeline stage), so these layer-specific "
+    "patterns are right only with pipeline_model_parallel_size 1"
+)
 
 
 def to_megatron(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> HostKeys:
@@ -42,8 +51,11 @@ def to_megatron(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = N
     if not training_on or not rules.acts_on("training") or rules.empty:
         return HostKeys(keys)
     if rules.first or rules.last:
-        keys.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=rules.first,
-                    num_layers_at_end_in_bf16=rules.last)
+        keys.update(
+            first_last_layers_bf16=True,
+            num_layers_at_start_in_bf16=rules.first,
+            num_layers_at_end_in_bf16=rules.last,
+        )
     if rules.modules:
         if model is not None:
             patterns, warns = _megatron_patterns(spec, model)
@@ -53,9 +65,10 @@ def to_megatron(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = N
         if patterns:
             keys["quant_recipe"] = {
                 "configs": {"bf16": dict(BF16_QUANT_CONFIG, training_recipe={})},
-                "matchers": {f"bf16_{i}": {"config": "bf16", "type": "glob", "pattern": p,
-                                           "enabled": True}
-                             for i, p in enumerate(patterns)},
+                "matchers": {
+                    f"bf16_{i}": {"config": "bf16", "type": "glob", "pattern": p, "enabled": True}
+                    for i, p in enumerate(patterns)
+                },
             }
     return HostKeys(keys, warnings)
 
@@ -70,8 +83,11 @@ def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[s
     res = resolve(spec, model, "training")
     bf16 = {d.module for d in res.decisions if d.precision == "bf16"}
     # Routers and the output layer are not TE modules: megatron-core never runs them in FP8.
-    by_rules = [d.module for d in res.decisions
-                if is_module_rule(d.rule) and not builtin_high_precision(d.module)]
+    by_rules = [
+        d.module
+        for d in res.decisions
+        if is_module_rule(d.rule) and not builtin_high_precision(d.module)
+    ]
     by_template: dict[str, list[str]] = {}
     for mg in model.megatron_linear_modules:
         by_template.setdefault(template(mg), []).append(mg)
@@ -93,9 +109,15 @@ def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[s
                     layer_specific = layer_specific or layer_index(m) is not None
     warnings = []
     if layer_specific:
-        labels = sorted({d.rule for d in res.decisions if is_module_rule(d.rule)
-                         and template(d.module) in done
-                         and not all(m in bf16 for m in by_template[template(d.module)])})
+        labels = sorted(
+            {
+                d.rule
+                for d in res.decisions
+                if is_module_rule(d.rule)
+                and template(d.module) in done
+                and not all(m in bf16 for m in by_template[template(d.module)])
+            }
+        )
         warnings.append(f"{', '.join(labels)} (host megatron): {_PP_WARNING}")
     return patterns, warnings
 
@@ -112,8 +134,9 @@ def _megatron_patterns_generic(rules: BF16Rules) -> tuple[list[str], list[str]]:
     mg_leaves = [mg for mg, _ in MEGATRON_TO_HF_LEAVES]
     for r in module_rules(rules):
         found = False
-        if r.match("output_layer") or any(r.match(f"decoder.layers.{k}.{lf}")
-                                          for lf in mg_leaves for k in _PROBE_LAYERS):
+        if r.match("output_layer") or any(
+            r.match(f"decoder.layers.{k}.{lf}") for lf in mg_leaves for k in _PROBE_LAYERS
+        ):
             patterns.append(r.pattern)  # already a Megatron-name glob: used verbatim
             found = True
         if r.match("lm_head"):
@@ -121,19 +144,24 @@ def _megatron_patterns_generic(rules: BF16Rules) -> tuple[list[str], list[str]]:
         for mg_leaf, hf_leaves in MEGATRON_TO_HF_LEAVES:
             coverage = set()
             for hf in hf_leaves:
-                hits = [bool(r.match(f"model.layers.{k}.{hf.replace('*', '0')}"))
-                        for k in _PROBE_LAYERS]
+                hits = [
+                    bool(r.match(f"model.layers.{k}.{hf.replace('*', '0')}")) for k in _PROBE_LAYERS
+                ]
                 coverage.add("all" if all(hits) else "some" if any(hits) else "none")
             if "some" in coverage:
-                warnings.append(f"{r.label} (host megatron): names particular layers in Hugging "
-                                f"Face names; without a model description it cannot be translated "
-                                f"to megatron-core names (pass --model or --model-config)")
+                warnings.append(
+                    f"{r.label} (host megatron): names particular layers in Hugging "
+                    f"Face names; without a model description it cannot be translated "
+                    f"to megatron-core names (pass --model or --model-config)"
+                )
                 found = True
             elif "all" in coverage:
                 patterns.append(_experts_glob(f"decoder.layers.*.{mg_leaf}"))
                 found = True
         if not found:
-            warnings.append(f"{r.label} (host megatron): matches no known megatron-core or Hugging "
-                            f"Face module name; without a model description it is passed as is")
+            warnings.append(
+                f"{r.label} (host megatron): matches no known megatron-core or Hugging "
+                f"Face module name; without a model description it is passed as is"
+            )
             patterns.append(r.pattern)
     return list(dict.fromkeys(patterns)), list(dict.fromkeys(warnings))

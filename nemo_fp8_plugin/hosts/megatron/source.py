@@ -25,14 +25,28 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["HonouredFields", "honoured_fp8_fields", "read_honoured_fields", "FALLBACK_VERSION",
-           "FALLBACK"]
+__all__ = [
+    "HonouredFields",
+    "honoured_fp8_fields",
+    "read_honoured_fields",
+    "FALLBACK_VERSION",
+    "FALLBACK",
+]
 
 FALLBACK_VERSION = "0.16.1"
 """The megatron-core version :data:`FALLBACK` was read from (tests compare it with the source)."""
 
-_DELAYED = frozenset({"fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad",
-                      "fp8_dot_product_attention", "fp8_multi_head_attention", "fp8_interval"})
+_DELAYED = frozenset(
+    {
+        "fp8_margin",
+        "fp8_amax_history_len",
+        "fp8_amax_compute_algo",
+        "fp8_wgrad",
+        "fp8_dot_product_attention",
+        "fp8_multi_head_attention",
+        "fp8_interval",
+    }
+)
 
 FALLBACK: dict[str, frozenset[str]] = {
     "delayed": _DELAYED,
@@ -77,7 +91,7 @@ class HonouredFields:
 def honoured_fp8_fields() -> HonouredFields:
     """:class:`HonouredFields` of the installed megatron-core, else :data:`FALLBACK`."""
     try:
-        from importlib.metadata import PackageNotFoundError, distribution  # noqa: PLC0415
+        from importlib.metadata import PackageNotFoundError, distribution
 
         dist = distribution("megatron-core")
     except PackageNotFoundError:
@@ -126,8 +140,11 @@ class _Reader:
     def recipe_branches(self) -> dict[str, frozenset[str]]:
         path = self.root / "core" / "fp8_utils.py"
         tree = self._tree(path)
-        fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
-               and n.name == "get_fp8_recipe" and n.args.args]
+        fns = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and n.name == "get_fp8_recipe" and n.args.args
+        ]
         out: dict[str, set[str]] = {}
         for fn in fns:
             param = fn.args.args[0].arg
@@ -141,16 +158,20 @@ class _Reader:
                 for stmt in node.body:
                     reads |= self._reads(stmt, param, path, depth=0)
         if not out:
-            raise LookupError(f"{path}: no get_fp8_recipe with `config.fp8_recipe == "
-                              f"Fp8Recipe.<name>` branches")
+            raise LookupError(
+                f"{path}: no get_fp8_recipe with `config.fp8_recipe == Fp8Recipe.<name>` branches"
+            )
         return {r: frozenset(f for f in fs if f.startswith("fp8")) for r, fs in out.items()}
 
     def _reads(self, node: ast.AST, param: str, path: Path, depth: int) -> set[str]:
         """``param.<attr>`` reads in ``node``, following calls that pass ``param`` on."""
         found: set[str] = set()
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
-                    and sub.value.id == param:
+            if (
+                isinstance(sub, ast.Attribute)
+                and isinstance(sub.value, ast.Name)
+                and sub.value.id == param
+            ):
                 found.add(sub.attr)
             elif isinstance(sub, ast.Call) and depth < 4:
                 for callee_param, target in self._passes(sub, param, path):
@@ -166,7 +187,7 @@ class _Reader:
         if target is None:
             return []
         file, fn, skip_self = target
-        names = [a.arg for a in fn.args.args][1 if skip_self else 0:]
+        names = [a.arg for a in fn.args.args][1 if skip_self else 0 :]
         out = []
         for i, arg in enumerate(call.args):
             if isinstance(arg, ast.Name) and arg.id == param and i < len(names):
@@ -182,8 +203,14 @@ class _Reader:
             if isinstance(node, ast.FunctionDef) and node.name == name:
                 return path, node, False
             if isinstance(node, ast.ClassDef) and node.name == name:
-                init = next((n for n in node.body if isinstance(n, ast.FunctionDef)
-                             and n.name == "__init__"), None)
+                init = next(
+                    (
+                        n
+                        for n in node.body
+                        if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+                    ),
+                    None,
+                )
                 return (path, init, True) if init is not None else None
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -205,15 +232,23 @@ class _Reader:
 def _recipe_tested(test: ast.AST, param: str) -> str | None:
     """``name`` when ``test`` contains ``param.fp8_recipe == Fp8Recipe.name`` (or ``== "name"``)."""
     for node in ast.walk(test):
-        if not (isinstance(node, ast.Compare) and len(node.ops) == 1
-                and isinstance(node.ops[0], ast.Eq)):
+        if not (
+            isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq)
+        ):
             continue
         left, right = node.left, node.comparators[0]
         for a, b in ((left, right), (right, left)):
-            if isinstance(a, ast.Attribute) and a.attr == "fp8_recipe" \
-                    and isinstance(a.value, ast.Name) and a.value.id == param:
-                if isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name) \
-                        and b.value.id == "Fp8Recipe":
+            if (
+                isinstance(a, ast.Attribute)
+                and a.attr == "fp8_recipe"
+                and isinstance(a.value, ast.Name)
+                and a.value.id == param
+            ):
+                if (
+                    isinstance(b, ast.Attribute)
+                    and isinstance(b.value, ast.Name)
+                    and b.value.id == "Fp8Recipe"
+                ):
                     return b.attr
                 if isinstance(b, ast.Constant) and isinstance(b.value, str):
                     return b.value

@@ -46,19 +46,34 @@ without any code of this package, so it checks nothing: :func:`plugin_only_warni
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from ...config import find_fp8_request, load_config
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
 from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
-from ..megatron import (check_layer_counts, dropped_settings, merge_native,
-                        precision_config_fields, remove_request_keys)
+from ..megatron import (
+    check_layer_counts,
+    dropped_settings,
+    merge_native,
+    precision_config_fields,
+    remove_request_keys,
+)
 
-__all__ = ["PLUGIN_TARGET", "CALLBACK_TARGET", "plugin_fields", "native_keys", "plugin_config",
-           "callback_config", "add_fp8_to_recipe", "plugin_only_warning", "apply_config",
-           "apply_file", "BF16_MIXED"]
+__all__ = [
+    "PLUGIN_TARGET",
+    "CALLBACK_TARGET",
+    "plugin_fields",
+    "native_keys",
+    "plugin_config",
+    "callback_config",
+    "add_fp8_to_recipe",
+    "plugin_only_warning",
+    "apply_config",
+    "apply_file",
+    "BF16_MIXED",
+]
 
 PLUGIN_TARGET = "nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision"
 """Import path of NeMo 2's precision plugin class (the ``_target_`` NeMo-Run YAML uses)."""
@@ -73,6 +88,7 @@ CALLBACK_FACTORY = "nemo_fp8_plugin.hosts.nemo2.factories"
 
 def _callback_factory_name(spec: RecipeSpec) -> str:
     return f"{spec.name}_callback"
+
 
 BF16_MIXED = {
     "precision": "bf16-mixed",
@@ -114,8 +130,9 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     fields = dict(hk.keys)
     quant = fields.pop("quant_recipe", None)
     fp4_param = fields.pop("fp4_param", None)
-    keys: dict[str, Any] = {"trainer": {"plugins": {"_target_": PLUGIN_TARGET,
-                                                    **copy.deepcopy(BF16_MIXED), **fields}}}
+    keys: dict[str, Any] = {
+        "trainer": {"plugins": {"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED), **fields}}
+    }
     if quant is not None:
         keys["model"] = {"config": {"quant_recipe": quant_recipe_yaml(quant)}}
     if fp4_param is not None:
@@ -132,7 +149,7 @@ the BF16 glob patterns (NeMo-Run's YAML cannot call a static method such as
 
 def quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
     """``model.config.quant_recipe`` as NeMo-Run YAML: a call building the ``RecipeConfig``."""
-    from ..megatron import bf16_patterns  # noqa: PLC0415
+    from ..megatron import bf16_patterns
 
     return {"_target_": QUANT_RECIPE_TARGET, "patterns": bf16_patterns(mapping)}
 
@@ -141,7 +158,7 @@ def quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _dtype(value):
-    import torch  # noqa: PLC0415
+    import torch
 
     if isinstance(value, str) and value.startswith("torch."):
         return getattr(torch, value.split(".", 1)[1])
@@ -152,9 +169,9 @@ def _spec_arg(spec: RecipeSpec) -> str:
     """How the callback config names the recipe: the registered name, or, when fields differ
     from that preset, the ``fp8:`` block form as a JSON string (NeMo-Run YAML passes scalars
     and lists to a constructor, not nested mappings)."""
-    import json  # noqa: PLC0415
+    import json
 
-    from ...registry import default_registry  # noqa: PLC0415
+    from ...registry import default_registry
 
     reg = default_registry()
     if spec.name not in reg:
@@ -167,8 +184,8 @@ def _spec_arg(spec: RecipeSpec) -> str:
 def plugin_config(spec: RecipeSpec, model=None, base: Mapping[str, Any] | None = None):
     """``run.Config(MegatronMixedPrecision, ...)`` for ``spec`` on top of ``base`` arguments
     (default: NeMo's ``bf16_mixed``). Imports NeMo-Run and NeMo."""
-    import nemo_run as run  # noqa: PLC0415
-    from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision  # noqa: PLC0415
+    import nemo_run as run
+    from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
 
     hk = plugin_fields(spec, model)
     fields = _plugin_only(hk.keys)
@@ -181,24 +198,26 @@ def plugin_only_warning(spec: RecipeSpec) -> str | None:
     or None when the recipe needs no environment variable. The factory runs in the NeMo-Run
     launcher, whose environment is not the training process's, and the plugin it returns is
     NeMo's own class, so the only in-process check is the callback."""
-    from ..te import required_env  # noqa: PLC0415
+    from ..te import required_env
 
     env = required_env(spec)
     if not env:
         return None
     var, value = next(iter(env.items()))
-    return (f"trainer.plugins={CALLBACK_FACTORY}.{spec.name} sets the precision plugin only, "
-            f"and nothing in it checks {var}: set {var}={value} in the executor's env_vars (or "
-            f"the shell, for --direct runs) and add trainer.callbacks=[{CALLBACK_FACTORY}."
-            f"{_callback_factory_name(spec)}], which stops a run whose Transformer Engine was "
-            f"imported without it (the --factory <model>_{spec.name} variants add that callback)")
+    return (
+        f"trainer.plugins={CALLBACK_FACTORY}.{spec.name} sets the precision plugin only, "
+        f"and nothing in it checks {var}: set {var}={value} in the executor's env_vars (or "
+        f"the shell, for --direct runs) and add trainer.callbacks=[{CALLBACK_FACTORY}."
+        f"{_callback_factory_name(spec)}], which stops a run whose Transformer Engine was "
+        f"imported without it (the --factory <model>_{spec.name} variants add that callback)"
+    )
 
 
 def callback_config(spec: RecipeSpec, **kwargs):
     """``run.Config`` of :class:`nemo_fp8_plugin.hosts.nemo2.callback.FP8ScaleRefreshCallback` for ``spec``."""
-    import nemo_run as run  # noqa: PLC0415
+    import nemo_run as run
 
-    from .callback import FP8ScaleRefreshCallback  # noqa: PLC0415
+    from .callback import FP8ScaleRefreshCallback
 
     return run.Config(FP8ScaleRefreshCallback, recipe=_spec_arg(spec), **kwargs)
 
@@ -209,14 +228,15 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
     (keeping its precision, dtypes and ``grad_reduce_in_fp32``), per-module rules onto
     ``model.config.quant_recipe``, and the scale-refresh callback into ``trainer.callbacks``.
     """
-    import nemo_run as run  # noqa: PLC0415
+    import nemo_run as run
 
     _refuse(spec)
     hk = plugin_fields(spec, model)
     trainer = getattr(recipe, "trainer", None)
     if trainer is None:
-        raise FP8ConfigError("this recipe has no trainer to carry a precision plugin",
-                             key="trainer")
+        raise FP8ConfigError(
+            "this recipe has no trainer to carry a precision plugin", key="trainer"
+        )
     plugins = getattr(trainer, "plugins", None)
     plugin = _find_plugin(plugins)
     fields = _plugin_only(hk.keys)
@@ -228,15 +248,18 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
             trainer.plugins = new
     else:
         if getattr(plugin, "fp4", None) and "fp4" not in fields:  # FP4, FP8: exclusive
-            raise ConflictingKeyError(f"the recipe's precision plugin already sets fp4="
-                                 f"{plugin.fp4!r}", key="trainer.plugins.fp4")
+            raise ConflictingKeyError(
+                f"the recipe's precision plugin already sets fp4={plugin.fp4!r}",
+                key="trainer.plugins.fp4",
+            )
         for key, value in fields.items():
             setattr(plugin, key, value)
     if "quant_recipe" in hk.keys:
-        from ..megatron import bf16_patterns, bf16_quant_recipe  # noqa: PLC0415
+        from ..megatron import bf16_patterns, bf16_quant_recipe
 
         recipe.model.config.quant_recipe = run.Config(
-            bf16_quant_recipe, patterns=bf16_patterns(hk.keys["quant_recipe"]))
+            bf16_quant_recipe, patterns=bf16_patterns(hk.keys["quant_recipe"])
+        )
     if "fp4_param" in hk.keys:
         recipe.model.config.fp4_param = hk.keys["fp4_param"]
     if callback:
@@ -259,22 +282,32 @@ def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
     dropped = dropped_settings(spec)
     if dropped:
         key, reason = dropped[0]
-        raise FP8ConfigError(f"NeMo 2 (megatron-core) would silently drop this setting: {reason}",
-                             key=f"{prefix}{key}", value=getattr(spec, key),
-                             hint="remove it, or use the recipe's preset value")
+        raise FP8ConfigError(
+            f"NeMo 2 (megatron-core) would silently drop this setting: {reason}",
+            key=f"{prefix}{key}",
+            value=getattr(spec, key),
+            hint="remove it, or use the recipe's preset value",
+        )
     if spec.training != "fp8":
-        raise FP8ConfigError("this recipe trains in BF16; NeMo 2 training gets nothing from it",
-                             key=f"{prefix}training", value=spec.training)
+        raise FP8ConfigError(
+            "this recipe trains in BF16; NeMo 2 training gets nothing from it",
+            key=f"{prefix}training",
+            value=spec.training,
+        )
 
 
 # --------------------------------------------------------------------------- YAML
 
 
-PLUGIN_TARGETS = frozenset({PLUGIN_TARGET,
-                            "nemo.lightning.pytorch.plugins.MegatronMixedPrecision",
-                            "nemo.lightning.MegatronMixedPrecision"})
+PLUGIN_TARGETS = frozenset(
+    {
+        PLUGIN_TARGET,
+        "nemo.lightning.pytorch.plugins.MegatronMixedPrecision",
+        "nemo.lightning.MegatronMixedPrecision",
+    }
+)
 """Every import path of NeMo's ``MegatronMixedPrecision`` (the class and NeMo's two
-re-exports of it); ``tests/test_host_nemo2.py`` resolves each to the one class."""
+re-exports of it); ``tests/hosts/test_host_nemo2.py`` resolves each to the one class."""
 
 
 def _is_plugin_mapping(node: Any) -> bool:
@@ -290,15 +323,18 @@ def _is_plugin_mapping(node: Any) -> bool:
     if target in PLUGIN_TARGETS:
         return True
     if "MegatronMixedPrecision" in target.rsplit(".", 1)[-1]:
-        raise FP8ConfigError(f"names {format_value(target)}, not NeMo's MegatronMixedPrecision",
-                             key="trainer.plugins._target_", value=target,
-                             hint=f"the FP8 fields go into NeMo's own plugin: _target_: "
-                                  f"{PLUGIN_TARGET}")
+        raise FP8ConfigError(
+            f"names {format_value(target)}, not NeMo's MegatronMixedPrecision",
+            key="trainer.plugins._target_",
+            value=target,
+            hint=f"the FP8 fields go into NeMo's own plugin: _target_: {PLUGIN_TARGET}",
+        )
     return False
 
 
-def apply_config(config: Mapping[str, Any], *, hardware: str | None = None,
-                 strict: bool = False) -> ApplyResult:
+def apply_config(
+    config: Mapping[str, Any], *, hardware: str | None = None, strict: bool = False
+) -> ApplyResult:
     """Rewrite a NeMo 2 / NeMo-Run YAML mapping: the plugin's request keys become the
     ``trainer.plugins`` block (and ``model.config.quant_recipe`` for per-module rules); the
     :data:`ADAPTER` pipeline on a mapping.
@@ -319,8 +355,9 @@ def _merge(ctx) -> ApplyResult:
     out = remove_request_keys(config, request.keys)
     trainer = out.setdefault("trainer", {})
     if not isinstance(trainer, dict):
-        raise FP8ConfigError(f"expected a mapping, got {format_value(trainer)}", key="trainer",
-                             value=trainer)
+        raise FP8ConfigError(
+            f"expected a mapping, got {format_value(trainer)}", key="trainer", value=trainer
+        )
     plugins = trainer.get("plugins")
     if isinstance(plugins, list):
         index = next((i for i, p in enumerate(plugins) if _is_plugin_mapping(p)), None)
@@ -334,30 +371,41 @@ def _merge(ctx) -> ApplyResult:
     elif _is_plugin_mapping(plugins):
         plugin, where = plugins, "trainer.plugins."
     else:
-        raise FP8ConfigError(f"is not a MegatronMixedPrecision plugin: {format_value(plugins)}",
-                             key="trainer.plugins", value=plugins,
-                             hint=f"NeMo 2 FP8 needs _target_: {PLUGIN_TARGET}")
+        raise FP8ConfigError(
+            f"is not a MegatronMixedPrecision plugin: {format_value(plugins)}",
+            key="trainer.plugins",
+            value=plugins,
+            hint=f"NeMo 2 FP8 needs _target_: {PLUGIN_TARGET}",
+        )
     # NeMo's deprecated alias; a different value would contradict fp8_param_gather.
     if "fp8_params" in plugin and plugin["fp8_params"] not in (
-            None, fields.get("fp8_param_gather", spec.fp8_param)):
-        raise ConflictingKeyError(f"already set to {format_value(plugin['fp8_params'])}",
-                             key=f"{where}fp8_params", value=plugin["fp8_params"])
-    merge_native(plugin, fields, where=where,
-                 conflicting=() if "fp4" in fields else ("fp4",))
+        None,
+        fields.get("fp8_param_gather", spec.fp8_param),
+    ):
+        raise ConflictingKeyError(
+            f"already set to {format_value(plugin['fp8_params'])}",
+            key=f"{where}fp8_params",
+            value=plugin["fp8_params"],
+        )
+    merge_native(plugin, fields, where=where, conflicting=() if "fp4" in fields else ("fp4",))
     model_fields = {k: hk.keys[k] for k in MODEL_CONFIG_FIELDS if k in hk.keys}
     if model_fields:
         model = out.setdefault("model", {})
         cfg = model.setdefault("config", {}) if isinstance(model, dict) else None
         if not isinstance(cfg, dict):
-            raise FP8ConfigError("cannot place per-module rules or fp4_param: model.config is "
-                                 "not a mapping", key="model.config")
+            raise FP8ConfigError(
+                "cannot place per-module rules or fp4_param: model.config is not a mapping",
+                key="model.config",
+            )
         if "quant_recipe" in model_fields:
             model_fields["quant_recipe"] = quant_recipe_yaml(model_fields["quant_recipe"])
         merge_native(cfg, model_fields, where="model.config.")
-    notes = [f"nemo2: set {var}={value} in the executor's env_vars (or the shell, for "
-             f"--direct runs), and add the start-of-training check: "
-             f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]"
-             for var, value in hk.env.items()]
+    notes = [
+        f"nemo2: set {var}={value} in the executor's env_vars (or the shell, for "
+        f"--direct runs), and add the start-of-training check: "
+        f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]"
+        for var, value in hk.env.items()
+    ]
     return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
 
 
@@ -370,9 +418,8 @@ def _validate(result: ApplyResult, ctx) -> list[str]:
     """Build NeMo's own ``MegatronMixedPrecision`` from the written plugin block (its
     constructor builds the ``DtypeConfig`` megatron-core receives), when NeMo is importable."""
     try:
-        from nemo.lightning.pytorch.plugins.mixed_precision import (  # noqa: PLC0415
-            MegatronMixedPrecision)
-    except Exception as exc:  # noqa: BLE001 - NeMo's import fails in many ways off its container
+        from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
+    except Exception as exc:  # NeMo's import fails in many ways off its container
         return [f"nemo2: not checked (NeMo is not importable here: {type(exc).__name__})"]
     plugins = (result.data.get("trainer") or {}).get("plugins")
     items = plugins if isinstance(plugins, list) else [plugins]
@@ -383,8 +430,9 @@ def _validate(result: ApplyResult, ctx) -> list[str]:
     try:
         MegatronMixedPrecision(**kwargs)
     except (TypeError, ValueError, AssertionError) as exc:
-        raise FP8ConfigError(f"NeMo's MegatronMixedPrecision refuses the output: {exc}",
-                             key="trainer.plugins") from None
+        raise FP8ConfigError(
+            f"NeMo's MegatronMixedPrecision refuses the output: {exc}", key="trainer.plugins"
+        ) from None
     return [f"nemo2: MegatronMixedPrecision accepted {len(kwargs)} arguments"]
 
 
@@ -392,9 +440,11 @@ class NeMo2Adapter(ConfigEditAdapter):
     """NeMo 2 (NeMo-Run YAML; a ``MegatronMixedPrecision`` plugin in ``trainer.plugins``)."""
 
     name = "nemo2"
-    runtime = ("NeMo's own MegatronMixedPrecision plugin copies these fields onto the model, "
-               "optimizer and DDP configs; this package runs in training only through the "
-               "<recipe>_callback factories (TE check, scale refresh)")
+    runtime = (
+        "NeMo's own MegatronMixedPrecision plugin copies these fields onto the model, "
+        "optimizer and DDP configs; this package runs in training only through the "
+        "<recipe>_callback factories (TE check, scale refresh)"
+    )
 
     def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
         return native_keys(spec, ctx.model if ctx is not None else None)

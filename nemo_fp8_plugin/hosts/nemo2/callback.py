@@ -22,15 +22,28 @@ class FP8ScaleRefreshCallback(_LightningCallback):
     (``calibration_steps`` passes).
     """
 
-    def __init__(self, recipe=None, calibration_steps: int = 4, calibration_batches=None,
-                 forward_fn=None, after_optimizer_step=None, refresh_on_resume: bool = True,
-                 verify_te: bool = True, log_every_n_steps: int = 100):
+    def __init__(
+        self,
+        recipe=None,
+        calibration_steps: int = 4,
+        calibration_batches=None,
+        forward_fn=None,
+        after_optimizer_step=None,
+        refresh_on_resume: bool = True,
+        verify_te: bool = True,
+        log_every_n_steps: int = 100,
+    ):
         super().__init__()
         self.refresher = ScaleRefresher(
-            recipe, calibration_steps=calibration_steps, calibration_batches=calibration_batches,
-            forward_fn=forward_fn, after_optimizer_step=after_optimizer_step,
-            refresh_on_resume=refresh_on_resume, verify_te=verify_te,
-            log_every_n_steps=log_every_n_steps)
+            recipe,
+            calibration_steps=calibration_steps,
+            calibration_batches=calibration_batches,
+            forward_fn=forward_fn,
+            after_optimizer_step=after_optimizer_step,
+            refresh_on_resume=refresh_on_resume,
+            verify_te=verify_te,
+            log_every_n_steps=log_every_n_steps,
+        )
         self._resumed = False
         self._last_step = None
 
@@ -60,5 +73,3 @@ class FP8ScaleRefreshCallback(_LightningCallback):
         log = getattr(pl_module, "log", None)
         if callable(log) and getattr(trainer, "logger", None) is not None:
             log("fp8_refresh_overhead_fraction", self.refresher.stats["overhead_fraction"])
-
-

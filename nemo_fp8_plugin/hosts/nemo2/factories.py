@@ -41,13 +41,20 @@ import functools
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ...registry import list_recipes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["plugin_factory", "callback_factory", "variant_factory", "register_all", "REGISTERED_VARIANTS"]
+__all__ = [
+    "plugin_factory",
+    "callback_factory",
+    "variant_factory",
+    "register_all",
+    "REGISTERED_VARIANTS",
+]
 
 REGISTERED_VARIANTS: dict[str, list[str]] = {}
 """Entry point (``"finetune"``, ``"pretrain"``) -> names of the FP8 variants registered."""
@@ -59,8 +66,8 @@ def plugin_factory(name: str) -> Callable[[], Any]:
     """A zero-argument factory returning ``run.Config[MegatronMixedPrecision]`` for recipe ``name``."""
 
     def factory():
-        from . import plugin_config, plugin_only_warning  # noqa: PLC0415
-        from ...registry import get_recipe  # noqa: PLC0415
+        from ...registry import get_recipe
+        from . import plugin_config, plugin_only_warning
 
         spec = get_recipe(name)
         warning = plugin_only_warning(spec)
@@ -79,8 +86,8 @@ def callback_factory(name: str) -> Callable[[], Any]:
     for ``trainer.callbacks=[nemo_fp8_plugin.hosts.nemo2.factories.<name>_callback]``."""
 
     def factory():
-        from . import callback_config  # noqa: PLC0415
-        from ...registry import get_recipe  # noqa: PLC0415
+        from ...registry import get_recipe
+        from . import callback_config
 
         return callback_config(get_recipe(name))
 
@@ -96,38 +103,43 @@ def variant_factory(stock: Callable[..., Any], stock_name: str, recipe: str) -> 
 
     @functools.wraps(wrapped)
     def variant(*args, **kwargs):
-        from . import add_fp8_to_recipe  # noqa: PLC0415
-        from ..te import required_env  # noqa: PLC0415
-        from ...registry import get_recipe  # noqa: PLC0415
+        from ...registry import get_recipe
+        from ..te import required_env
+        from . import add_fp8_to_recipe
 
         spec = get_recipe(recipe)
         out = add_fp8_to_recipe(stock(*args, **kwargs), spec)
         for var, value in required_env(spec).items():
             if os.environ.get(var) != value:
-                logger.warning("%s needs %s=%s in the training process's environment (executor "
-                               "env_vars, or the shell for --direct runs); "
-                               "FP8ScaleRefreshCallback stops the run at start without it",
-                               recipe, var, value)
+                logger.warning(
+                    "%s needs %s=%s in the training process's environment (executor "
+                    "env_vars, or the shell for --direct runs); "
+                    "FP8ScaleRefreshCallback stops the run at start without it",
+                    recipe,
+                    var,
+                    value,
+                )
         return out
 
     variant.__name__ = variant.__qualname__ = f"{stock_name}_{recipe}"
     variant.__module__ = __name__
-    variant.__doc__ = (f"{stock_name} with the FP8 recipe {recipe!r} (nemo-fp8-plugin).\n\n"
-                       f"{wrapped.__doc__ or ''}")
+    variant.__doc__ = (
+        f"{stock_name} with the FP8 recipe {recipe!r} (nemo-fp8-plugin).\n\n{wrapped.__doc__ or ''}"
+    )
     return variant
 
 
 def register_all() -> None:
     """Register the plugin factories and the stock-recipe variants with NeMo-Run."""
     try:
-        import nemo_run as run  # noqa: PLC0415
-        from nemo.collections import llm  # noqa: PLC0415
-        from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision  # noqa: PLC0415
+        import nemo_run as run
+        from nemo.collections import llm
+        from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
     except ImportError as exc:  # NeMo-Run without NeMo: nothing to extend
         logger.debug("nemo_fp8_plugin: NeMo not importable (%s); no factories registered", exc)
         return
-    import catalogue  # noqa: PLC0415 - NeMo-Run's own registry
-    from nemo_run.config import get_type_namespace  # noqa: PLC0415
+    import catalogue  # NeMo-Run's own registry
+    from nemo_run.config import get_type_namespace
 
     module = sys.modules[__name__]
     names = [spec.name for spec in list_recipes()]
@@ -144,8 +156,11 @@ def register_all() -> None:
     for host in _HOSTS:
         target = getattr(llm, host)
         namespace = get_type_namespace(target)
-        stock = {key[-1]: fn for key, fn in catalogue._get_all([namespace]).items()
-                 if len(key) == 2 and not getattr(fn, "_nemo_fp8_variant", False)}
+        stock = {
+            key[-1]: fn
+            for key, fn in catalogue._get_all([namespace]).items()
+            if len(key) == 2 and not getattr(fn, "_nemo_fp8_variant", False)
+        }
         done = REGISTERED_VARIANTS.setdefault(host, [])
         for stock_name, fn in sorted(stock.items()):
             for name in names:

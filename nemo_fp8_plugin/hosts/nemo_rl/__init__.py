@@ -83,16 +83,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ...capabilities import (CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES,
-                             NVFP4_GENERATION_REFUSAL, te_env, token_alignment)
-from ...config import FP8Request, find_fp8_request, get_path, load_config
+from ...capabilities import (
+    CAPABILITIES,
+    ENV_BLOCK_FP32_SCALES,
+    ENV_CURRENT_POW2_SCALES,
+    NVFP4_GENERATION_REFUSAL,
+    te_env,
+    token_alignment,
+)
+from ...config import get_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
 from .. import ApplyResult, HostKeys, apply_path
 
 __all__ = ["native_keys", "apply_file", "apply_nemo_rl", "TRAINING_RECIPE"]
 
-TRAINING_RECIPE = {kind: CAPABILITIES[kind].megatron_recipe for kind in ("block", "mx", "tensorwise")}
+TRAINING_RECIPE = {
+    kind: CAPABILITIES[kind].megatron_recipe for kind in ("block", "mx", "tensorwise")
+}
 """Spec ``scaling`` -> NeMo RL ``policy.megatron_cfg.fp8_cfg.fp8_recipe`` (megatron-core names)."""
 
 FP32_SCALES_ENV = ENV_BLOCK_FP32_SCALES
@@ -119,8 +127,10 @@ NOT_FP8 = _NotFP8()
 
 def _refusal(spec: RecipeSpec) -> str | None:
     if spec.scaling == "delayed":
-        return ("NeMo RL cannot use delayed scaling: its scales come from an amax history of past "
-                "steps, which goes stale when RL changes the weights every step")
+        return (
+            "NeMo RL cannot use delayed scaling: its scales come from an amax history of past "
+            "steps, which goes stale when RL changes the weights every step"
+        )
     return None
 
 
@@ -135,27 +145,38 @@ def _unexpressible(spec: RecipeSpec) -> list[str]:
     out = []
     training = spec.training == "fp8"
     if spec.scaling == "block":
-        if spec.activation_block != (1, 128) or spec.weight_block != (128, 128) \
-                or spec.gradient_block != (1, 128):
-            out.append("NeMo RL: block tiles other than 1x128 activations/gradients and 128x128 "
-                       "weights cannot be expressed (Transformer Engine's Float8BlockScaling "
-                       "defaults and vLLM's weight_block_size [128, 128] are used)")
+        if (
+            spec.activation_block != (1, 128)
+            or spec.weight_block != (128, 128)
+            or spec.gradient_block != (1, 128)
+        ):
+            out.append(
+                "NeMo RL: block tiles other than 1x128 activations/gradients and 128x128 "
+                "weights cannot be expressed (Transformer Engine's Float8BlockScaling "
+                "defaults and vLLM's weight_block_size [128, 128] are used)"
+            )
     if spec.scaling == "mx" and spec.weight_block != (1, 32) and training:
-        out.append("NeMo RL: MXFP8 weight tiles of 32x32 cannot be expressed in fp8_cfg "
-                   "(1x32 is used)")
+        out.append(
+            "NeMo RL: MXFP8 weight tiles of 32x32 cannot be expressed in fp8_cfg (1x32 is used)"
+        )
     if training:
         if spec.amax_epsilon:
-            out.append(f"NeMo RL: amax_epsilon={spec.amax_epsilon} has no fp8_cfg key "
-                       "(Transformer Engine's default 0 is used)")
+            out.append(
+                f"NeMo RL: amax_epsilon={spec.amax_epsilon} has no fp8_cfg key "
+                "(Transformer Engine's default 0 is used)"
+            )
         if not spec.fp8_wgrad:
-            out.append("NeMo RL: fp8_wgrad=false has no fp8_cfg key and megatron-core hands it "
-                       "to Transformer Engine only for delayed scaling, which TE 2.x ignores (the "
-                       "weight-gradient GEMM runs in FP8); the nearest TE setting, "
-                       "NVTE_BACKWARD_OVERRIDE=high_precision, moves the whole backward to high "
-                       "precision")
+            out.append(
+                "NeMo RL: fp8_wgrad=false has no fp8_cfg key and megatron-core hands it "
+                "to Transformer Engine only for delayed scaling, which TE 2.x ignores (the "
+                "weight-gradient GEMM runs in FP8); the nearest TE setting, "
+                "NVTE_BACKWARD_OVERRIDE=high_precision, moves the whole backward to high "
+                "precision"
+            )
         if spec.fp8_dot_product_attention or spec.fp8_multi_head_attention:
-            out.append("NeMo RL: FP8 attention has no fp8_cfg key (attention runs in BF16 in "
-                       "training)")
+            out.append(
+                "NeMo RL: FP8 attention has no fp8_cfg key (attention runs in BF16 in training)"
+            )
     return out
 
 
@@ -166,15 +187,22 @@ def _rules_keys(spec: RecipeSpec, model: Any) -> HostKeys:
     return to_nemo_rl(spec, model=model)
 
 
-_RULE_LEAVES = ("num_first_layers_in_bf16", "num_last_layers_in_bf16",
-                "quantization_ignored_layer_kws")
+_RULE_LEAVES = (
+    "num_first_layers_in_bf16",
+    "num_last_layers_in_bf16",
+    "quantization_ignored_layer_kws",
+)
 
 
 def _is_moe(model: Any) -> bool | None:
     """True / False from a rules model description, None when unknown."""
     if model is None:
         return None
-    experts = model.get("num_experts") if isinstance(model, Mapping) else getattr(model, "num_experts", None)
+    experts = (
+        model.get("num_experts")
+        if isinstance(model, Mapping)
+        else getattr(model, "num_experts", None)
+    )
     if experts is None:
         return None
     return bool(experts) and int(experts) > 0
@@ -184,13 +212,15 @@ FP8_PARAM_WARNING = (
     "NeMo RL: {key} is written false although recipe {name} sets fp8_param: low-precision "
     "parameters can make token_mult_prob_error NaN in NeMo RL (NVIDIA-NeMo/RL issue 1164) and "
     "NVIDIA's NeMo RL FP8 configs all use fp8_param: false; state fp8_param: true in the fp8: "
-    "block to keep it")
+    "block to keep it"
+)
 
 BLOCK_MX_REFUSAL = (
     "block FP8 training with MXFP8 generation cannot work: the trainer's 128x128 block scales "
     "cannot become the 1x32 E8M0 scales vLLM's MXFP8 layers take without requantizing the "
     "weights from high precision, so rollouts and training would not see the same weights "
-    "(NeMo RL refuses the combination)")
+    "(NeMo RL refuses the combination)"
+)
 """Why ``fp8_blockwise`` / ``fp8_subchannel`` training and MXFP8 rollouts do not mix."""
 
 NVFP4_OVERRIDES = ("fp4", "fp4_recipe", "fp4_param")
@@ -226,17 +256,27 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
         fp8_param = spec.fp8_param and fp8_param_stated
         nvfp4 = spec.scaling == "nvfp4"
         if spec.fp8_param and not fp8_param:
-            warnings.append(FP8_PARAM_WARNING.format(
-                name=spec.name, key="model_overrides.fp4_param" if nvfp4 else "fp8_cfg.fp8_param"))
+            warnings.append(
+                FP8_PARAM_WARNING.format(
+                    name=spec.name,
+                    key="model_overrides.fp4_param" if nvfp4 else "fp8_cfg.fp8_param",
+                )
+            )
         if nvfp4:
             # fp8_cfg is FP8 only; the provider's FP4 fields come through model_overrides,
             # which NeMo RL merges before it applies fp8_cfg (left disabled: FP4 xor FP8).
             for name, value in zip(NVFP4_OVERRIDES, ("e2m1", "nvfp4", fp8_param)):
                 put(f"{_MEGATRON}.model_overrides.{name}", value)
         else:
-            put(f"{_MEGATRON}.fp8_cfg", {"enabled": True, "fp8": spec.fp8_format,
-                                         "fp8_recipe": TRAINING_RECIPE[spec.scaling],
-                                         "fp8_param": fp8_param})
+            put(
+                f"{_MEGATRON}.fp8_cfg",
+                {
+                    "enabled": True,
+                    "fp8": spec.fp8_format,
+                    "fp8_recipe": TRAINING_RECIPE[spec.scaling],
+                    "fp8_param": fp8_param,
+                },
+            )
         # Every variable TE reads for this recipe, pinned either way (a cluster-wide
         # `=1` must not flip fp32 scales to power-of-2 or back): the capability table's.
         env.update(te_env(spec))
@@ -260,10 +300,12 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
             put(f"{_VLLM}.pow2_activation_scaling_factors", True)
         put(f"{_VLLM}.kv_cache_dtype", "fp8" if spec.kv_cache == "fp8" else "auto")
     elif spec.generation == "fp8":
-        warnings.append(f"NeMo RL generates in FP8 with block or MXFP8 scaling only; "
-                        f"{spec.name} ({spec.scaling} scaling) trains in FP8 and generates in "
-                        f"BF16, so the two sides differ (the importance-sampling correction "
-                        f"absorbs it; fp8_blockwise keeps both sides identical)")
+        warnings.append(
+            f"NeMo RL generates in FP8 with block or MXFP8 scaling only; "
+            f"{spec.name} ({spec.scaling} scaling) trains in FP8 and generates in "
+            f"BF16, so the two sides differ (the importance-sampling correction "
+            f"absorbs it; fp8_blockwise keeps both sides identical)"
+        )
 
     if not spec.bf16_layers.empty or (generation and model is not None):
         # The rules also add layers vLLM must keep unquantized for some models (routers).
@@ -279,7 +321,10 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
             for name in _RULE_LEAVES:
                 value = get_path(rules.keys, f"{_VLLM}.{name}", _MISSING)
                 if value is not _MISSING:
-                    put(f"{_VLLM}.{name}", list(value) if isinstance(value, (list, tuple)) else value)
+                    put(
+                        f"{_VLLM}.{name}",
+                        list(value) if isinstance(value, (list, tuple)) else value,
+                    )
     if generation:
         # A BF16 config has these at 0; writing them makes the output say what runs in BF16.
         for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
@@ -291,11 +336,16 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
         put("loss_fn.use_importance_sampling_correction", True)
         put("loss_fn.sequence_level_importance_ratios", is_.level == "sequence")
         put("loss_fn.truncated_importance_sampling_type", is_.truncation)
-        put("loss_fn.truncated_importance_sampling_ratio",
-            None if is_.truncation is None else is_.ratio_max)
-        put("loss_fn.truncated_importance_sampling_ratio_min",
-            None if is_.truncation is None else _window_low(is_.truncation, is_.ratio_max,
-                                                             is_.ratio_min))
+        put(
+            "loss_fn.truncated_importance_sampling_ratio",
+            None if is_.truncation is None else is_.ratio_max,
+        )
+        put(
+            "loss_fn.truncated_importance_sampling_ratio_min",
+            None
+            if is_.truncation is None
+            else _window_low(is_.truncation, is_.ratio_max, is_.ratio_min),
+        )
     warnings.extend(_unexpressible(spec))
     return HostKeys(keys=keys, warnings=warnings, env=env)
 
@@ -312,12 +362,20 @@ def _window_low(truncation: str, ratio_max: float, ratio_min: float | None) -> f
 
 # What a key stands for when a config leaves it out (NeMo RL's / Megatron's / vLLM's default).
 _ABSENT = {
-    "enabled": False, "fp8_param": False, "use_precision_aware_optimizer": False,
-    "use_deep_gemm": False, "pow2_weight_scaling_factors": False,
-    "pow2_activation_scaling_factors": False, "is_mx": False, "kv_cache_dtype": "auto",
-    "num_first_layers_in_bf16": 0, "num_last_layers_in_bf16": 0,
-    "quantization_ignored_layer_kws": [], "use_importance_sampling_correction": False,
-    "sequence_level_importance_ratios": False, "first_last_layers_bf16": False,
+    "enabled": False,
+    "fp8_param": False,
+    "use_precision_aware_optimizer": False,
+    "use_deep_gemm": False,
+    "pow2_weight_scaling_factors": False,
+    "pow2_activation_scaling_factors": False,
+    "is_mx": False,
+    "kv_cache_dtype": "auto",
+    "num_first_layers_in_bf16": 0,
+    "num_last_layers_in_bf16": 0,
+    "quantization_ignored_layer_kws": [],
+    "use_importance_sampling_correction": False,
+    "sequence_level_importance_ratios": False,
+    "first_last_layers_bf16": False,
     "fp4_param": False,
 }
 
@@ -400,7 +458,9 @@ def _set_path(mapping: dict, dotted: str, value: Any) -> None:
         child = node.get(part)
         if not isinstance(child, dict):
             child = {}
-            node[part] = child  # replaces a null section (e.g. `env_vars: null`), as NeMo RL's merge does
+            node[part] = (
+                child  # replaces a null section (e.g. `env_vars: null`), as NeMo RL's merge does
+            )
         node = child
     node[parts[-1]] = copy.deepcopy(value)
 
@@ -419,59 +479,94 @@ def _contradiction(key: str, have: Any, want: Any, spec: RecipeSpec) -> FP8Confi
     return ConflictingKeyError(
         f"already set to {format_value(have)}, but {spec.name} as requested needs "
         f"{format_value(want) if want is not NOT_FP8 else 'a non-FP8 value'}",
-        key=key, value=have,
+        key=key,
+        value=have,
         hint="remove the key and let the recipe set it, or state the same thing in the fp8: block "
-             "(bf16_layers, kv_cache, importance_sampling, pow2_scales, training, generation)")
+        "(bf16_layers, kv_cache, importance_sampling, pow2_scales, training, generation)",
+    )
 
 
 def _checks(spec: RecipeSpec, resolved: Mapping) -> None:
     """Requests NeMo RL cannot run, refused before anything is written."""
     if spec.training != "fp8" and not _generation_fp8(spec):
-        raise FP8ConfigError(f"nothing would run in FP8: training is bf16 and NeMo RL cannot "
-                             f"generate with {spec.name} ({spec.scaling} scaling; its vLLM path "
-                             f"has block FP8 and MXFP8 only)", key="fp8.training", value="bf16",
-                             hint="use fp8_blockwise for FP8 generation")
+        raise FP8ConfigError(
+            f"nothing would run in FP8: training is bf16 and NeMo RL cannot "
+            f"generate with {spec.name} ({spec.scaling} scaling; its vLLM path "
+            f"has block FP8 and MXFP8 only)",
+            key="fp8.training",
+            value="bf16",
+            hint="use fp8_blockwise for FP8 generation",
+        )
     if spec.training == "fp8" and get_path(resolved, f"{_MEGATRON}.enabled") is not True:
         # fp8_cfg is read by the Megatron path only; the DTensor path would drop it silently.
-        raise FP8ConfigError("NeMo RL trains in FP8 on its Megatron path only, and this config "
-                             "does not enable it", key=f"{_MEGATRON}.enabled",
-                             value=get_path(resolved, f"{_MEGATRON}.enabled"),
-                             hint="set policy.megatron_cfg.enabled: true (and "
-                                  "policy.dtensor_cfg.enabled: false), or ask for FP8 generation "
-                                  "only with fp8: {training: bf16}")
+        raise FP8ConfigError(
+            "NeMo RL trains in FP8 on its Megatron path only, and this config does not enable it",
+            key=f"{_MEGATRON}.enabled",
+            value=get_path(resolved, f"{_MEGATRON}.enabled"),
+            hint="set policy.megatron_cfg.enabled: true (and "
+            "policy.dtensor_cfg.enabled: false), or ask for FP8 generation "
+            "only with fp8: {training: bf16}",
+        )
     backend = get_path(resolved, "policy.generation.backend")
     if _generation_fp8(spec) and _has_generation(resolved) and backend not in (None, "vllm"):
-        raise FP8ConfigError(f"FP8 generation is a vLLM setting; the {backend!r} backend would "
-                             f"ignore it", key="policy.generation.backend", value=backend,
-                             hint="use backend: vllm, or fp8: {generation: bf16}")
+        raise FP8ConfigError(
+            f"FP8 generation is a vLLM setting; the {backend!r} backend would ignore it",
+            key="policy.generation.backend",
+            value=backend,
+            hint="use backend: vllm, or fp8: {generation: bf16}",
+        )
     if spec.training != "fp8" and not _has_generation(resolved):
-        raise FP8ConfigError("generation-only FP8 asked for, but the config has no "
-                             "policy.generation section", key="fp8.training", value="bf16")
+        raise FP8ConfigError(
+            "generation-only FP8 asked for, but the config has no policy.generation section",
+            key="fp8.training",
+            value="bf16",
+        )
     if spec.kv_cache == "fp8" and not _generation_fp8(spec):
-        raise FP8ConfigError(f"an FP8 KV cache needs FP8 generation, and NeMo RL generates "
-                             f"{spec.name} in BF16", key="fp8.kv_cache", value="fp8",
-                             hint="use kv_cache: auto, or a block recipe such as fp8_blockwise")
+        raise FP8ConfigError(
+            f"an FP8 KV cache needs FP8 generation, and NeMo RL generates {spec.name} in BF16",
+            key="fp8.kv_cache",
+            value="fp8",
+            hint="use kv_cache: auto, or a block recipe such as fp8_blockwise",
+        )
     if spec.scaling == "mx" and _generation_fp8(spec):
         for name in ("pow2_weight_scaling_factors", "pow2_activation_scaling_factors"):
             key = f"{_VLLM}.{name}"
             if get_path(resolved, key) is False:
-                raise FP8ConfigError("is false, but MXFP8 scales are powers of two (NeMo RL refuses "
-                                     "the combination)", key=key, value=False,
-                                     hint="remove the key")
-    from .values import resolved_value  # noqa: PLC0415 - omegaconf only when needed
+                raise FP8ConfigError(
+                    "is false, but MXFP8 scales are powers of two (NeMo RL refuses "
+                    "the combination)",
+                    key=key,
+                    value=False,
+                    hint="remove the key",
+                )
+    from .values import resolved_value  # omegaconf only when needed
 
     fp8_cfg_on = resolved_value(resolved, f"{_MEGATRON}.fp8_cfg.enabled") is True
-    if spec.training == "fp8" and spec.scaling == "block" \
-            and resolved_value(resolved, f"{_VLLM}.is_mx") is True:
-        raise FP8ConfigError(BLOCK_MX_REFUSAL, key=f"{_VLLM}.is_mx", value=True,
-                             hint="generate with the training recipe (remove is_mx), or train "
-                                  "in BF16 for MXFP8 rollouts: fp8: {recipe: mxfp8, training: bf16}")
-    if _generation_fp8(spec) and spec.scaling == "mx" and fp8_cfg_on and resolved_value(
-            resolved, f"{_MEGATRON}.fp8_cfg.fp8_recipe", "blockwise") == "blockwise":
-        raise FP8ConfigError(BLOCK_MX_REFUSAL, key=f"{_MEGATRON}.fp8_cfg.fp8_recipe",
-                             value="blockwise",
-                             hint="train with mxfp8 too (fp8: mxfp8, Blackwell), or in BF16: "
-                                  "fp8: {recipe: mxfp8, training: bf16} with fp8_cfg disabled")
+    if (
+        spec.training == "fp8"
+        and spec.scaling == "block"
+        and resolved_value(resolved, f"{_VLLM}.is_mx") is True
+    ):
+        raise FP8ConfigError(
+            BLOCK_MX_REFUSAL,
+            key=f"{_VLLM}.is_mx",
+            value=True,
+            hint="generate with the training recipe (remove is_mx), or train "
+            "in BF16 for MXFP8 rollouts: fp8: {recipe: mxfp8, training: bf16}",
+        )
+    if (
+        _generation_fp8(spec)
+        and spec.scaling == "mx"
+        and fp8_cfg_on
+        and resolved_value(resolved, f"{_MEGATRON}.fp8_cfg.fp8_recipe", "blockwise") == "blockwise"
+    ):
+        raise FP8ConfigError(
+            BLOCK_MX_REFUSAL,
+            key=f"{_MEGATRON}.fp8_cfg.fp8_recipe",
+            value="blockwise",
+            hint="train with mxfp8 too (fp8: mxfp8, Blackwell), or in BF16: "
+            "fp8: {recipe: mxfp8, training: bf16} with fp8_cfg disabled",
+        )
     override = get_path(resolved, f"{_MEGATRON}.env_vars.NVTE_BACKWARD_OVERRIDE")
     if spec.training == "fp8" and override is not None:
         # NeMo RL exports env_vars in its Megatron workers before they import TE, which
@@ -480,36 +575,57 @@ def _checks(spec: RecipeSpec, resolved: Mapping) -> None:
             f"makes Transformer Engine (>= 2.15) run the whole backward of {spec.name} "
             f"{'in high precision' if override == 'high_precision' else 'off FP8'} (and refuse "
             f"delayed scaling), silently changing the recipe",
-            key=f"{_MEGATRON}.env_vars.NVTE_BACKWARD_OVERRIDE", value=override,
-            hint="remove it: no nemo-fp8-plugin recipe uses it")
+            key=f"{_MEGATRON}.env_vars.NVTE_BACKWARD_OVERRIDE",
+            value=override,
+            hint="remove it: no nemo-fp8-plugin recipe uses it",
+        )
     rules = spec.bf16_layers
     nested = get_path(resolved, f"{_MEGATRON}.model_overrides.transformer")
-    if spec.training == "fp8" and rules.acts_on("training") and (rules.first or rules.last) \
-            and isinstance(nested, Mapping):
+    if (
+        spec.training == "fp8"
+        and rules.acts_on("training")
+        and (rules.first or rules.last)
+        and isinstance(nested, Mapping)
+    ):
         raise FP8ConfigError(
             "is a mapping, so the model config is a GPTModelConfig (its TransformerConfig under "
             ".transformer), where NeMo RL's model_overrides merge rejects the flat "
             "first_last_layers_bf16 / num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16 "
-            "keys written for bf16_layers.first/last", key=f"{_MEGATRON}.model_overrides.transformer",
-            value=nested, hint="set those three under model_overrides.transformer yourself and "
-                               "give the fp8: block bf16_layers.applies_to: generation")
+            "keys written for bf16_layers.first/last",
+            key=f"{_MEGATRON}.model_overrides.transformer",
+            value=nested,
+            hint="set those three under model_overrides.transformer yourself and "
+            "give the fp8: block bf16_layers.applies_to: generation",
+        )
     is_ = spec.importance_sampling
-    if is_.enabled and is_.level == "sequence" \
-            and resolved_value(resolved, "loss_fn.token_level_loss", True):
-        raise FP8ConfigError("sequence-level importance ratios need a sequence-level loss in NeMo RL",
-                             key="loss_fn.token_level_loss",
-                             value=get_path(resolved, "loss_fn.token_level_loss", True),
-                             hint="set loss_fn.token_level_loss: false (GSPO-style), or use "
-                                  "importance_sampling.level: token")
+    if (
+        is_.enabled
+        and is_.level == "sequence"
+        and resolved_value(resolved, "loss_fn.token_level_loss", True)
+    ):
+        raise FP8ConfigError(
+            "sequence-level importance ratios need a sequence-level loss in NeMo RL",
+            key="loss_fn.token_level_loss",
+            value=get_path(resolved, "loss_fn.token_level_loss", True),
+            hint="set loss_fn.token_level_loss: false (GSPO-style), or use "
+            "importance_sampling.level: token",
+        )
 
 
 FP8_CFG_KEYS = ("enabled", "fp8", "fp8_recipe", "fp8_param", "force_clear_fp8_caches")
 """Keys NeMo RL reads from ``policy.megatron_cfg.fp8_cfg``; anything else there is ignored."""
 
-VLLM_FP8_KEYS = ("precision", "use_deep_gemm", "is_mx", "kv_cache_dtype",
-                 "num_first_layers_in_bf16", "num_last_layers_in_bf16",
-                 "quantization_ignored_layer_kws", "pow2_weight_scaling_factors",
-                 "pow2_activation_scaling_factors")
+VLLM_FP8_KEYS = (
+    "precision",
+    "use_deep_gemm",
+    "is_mx",
+    "kv_cache_dtype",
+    "num_first_layers_in_bf16",
+    "num_last_layers_in_bf16",
+    "quantization_ignored_layer_kws",
+    "pow2_weight_scaling_factors",
+    "pow2_activation_scaling_factors",
+)
 """FP8 keys NeMo RL reads from ``policy.generation.vllm_cfg``."""
 
 _VLLM_FP8_HINTS = ("fp8", "bf16", "pow2", "quantiz", "scaling", "deep_gemm", "mx")
@@ -527,10 +643,13 @@ def _dropped_keys(resolved: Mapping) -> None:
                 raise FP8ConfigError(
                     "is not read by NeMo RL (its fp8_cfg has only "
                     f"{', '.join(FP8_CFG_KEYS)}), so it would be ignored silently",
-                    key=f"{_MEGATRON}.fp8_cfg.{name}", value=fp8_cfg[name],
-                    hint=f"did you mean {near[0]!r}?" if near else
-                    "state recipe details in the fp8: block, or Megatron fields in "
-                    "policy.megatron_cfg.model_overrides")
+                    key=f"{_MEGATRON}.fp8_cfg.{name}",
+                    value=fp8_cfg[name],
+                    hint=f"did you mean {near[0]!r}?"
+                    if near
+                    else "state recipe details in the fp8: block, or Megatron fields in "
+                    "policy.megatron_cfg.model_overrides",
+                )
     vllm_cfg = get_path(resolved, _VLLM)
     if isinstance(vllm_cfg, Mapping):
         for name in vllm_cfg:
@@ -539,9 +658,12 @@ def _dropped_keys(resolved: Mapping) -> None:
                 continue
             near = difflib.get_close_matches(str(name), VLLM_FP8_KEYS, n=1, cutoff=0.6)
             if near:
-                raise FP8ConfigError("is not an FP8 key NeMo RL reads, so it would be ignored "
-                                     "silently", key=f"{_VLLM}.{name}", value=vllm_cfg[name],
-                                     hint=f"did you mean {near[0]!r}?")
+                raise FP8ConfigError(
+                    "is not an FP8 key NeMo RL reads, so it would be ignored silently",
+                    key=f"{_VLLM}.{name}",
+                    value=vllm_cfg[name],
+                    hint=f"did you mean {near[0]!r}?",
+                )
 
 
 def _has_generation(resolved: Mapping) -> bool:
@@ -564,15 +686,18 @@ def _desired(spec: RecipeSpec, hk: HostKeys, *, rl: bool = True) -> list[tuple[s
             guards.append((f"{_MEGATRON}.model_overrides.fp4", None))
     if not rl:
         return [entry for entry in want if entry[0].startswith(_MEGATRON)] + [
-            (k, v, False) for k, v in guards if k not in decided]
+            (k, v, False) for k, v in guards if k not in decided
+        ]
     if spec.training != "fp8":
         guards.append((f"{_MEGATRON}.fp8_cfg.enabled", False))
     if not _generation_fp8(spec):
         guards += [(f"{_VLLM}.precision", NOT_FP8), (f"{_VLLM}.kv_cache_dtype", "auto")]
     else:
         if spec.scaling == "block" and not spec.pow2_scales:
-            guards += [(f"{_VLLM}.pow2_weight_scaling_factors", False),
-                       (f"{_VLLM}.pow2_activation_scaling_factors", False)]
+            guards += [
+                (f"{_VLLM}.pow2_weight_scaling_factors", False),
+                (f"{_VLLM}.pow2_activation_scaling_factors", False),
+            ]
         if spec.scaling == "block":
             guards.append((f"{_VLLM}.is_mx", False))
         guards.append((f"{_VLLM}.quantization_ignored_layer_kws", []))
@@ -586,13 +711,15 @@ def _fp8_param_stated(resolved: Mapping) -> bool:
     block = resolved.get("fp8")
     if isinstance(block, Mapping) and "fp8_param" in block:
         return True
-    return (get_path(resolved, f"{_MEGATRON}.fp8_cfg.enabled") is True
-            and get_path(resolved, f"{_MEGATRON}.fp8_cfg.fp8_param") is True)
+    return (
+        get_path(resolved, f"{_MEGATRON}.fp8_cfg.enabled") is True
+        and get_path(resolved, f"{_MEGATRON}.fp8_cfg.fp8_param") is True
+    )
 
 
 def _moe_fallback(resolved: Mapping) -> bool | None:
     """MoE-ness read from the config when the model is unknown (expert parallelism > 1)."""
-    from .values import resolved_value  # noqa: PLC0415 - omegaconf only when needed
+    from .values import resolved_value  # omegaconf only when needed
 
     ep = resolved_value(resolved, f"{_MEGATRON}.expert_model_parallel_size")
     if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1:
@@ -609,10 +736,12 @@ def _interpolation_users(resolved: Mapping, consumed: list[str]) -> None:
         if isinstance(value, str) and "${" in value:
             for root in roots:
                 if f"${{{root}}}" in value or f"${{{root}." in value:
-                    raise FP8ConfigError(f"refers to `{root}`, which the plugin consumes and "
-                                         f"NeMo RL will not see", key=key, value=value,
-                                         hint=f"refer to a NeMo RL key instead (e.g. "
-                                              f"${{policy.precision}})")
+                    raise FP8ConfigError(
+                        f"refers to `{root}`, which the plugin consumes and NeMo RL will not see",
+                        key=key,
+                        value=value,
+                        hint="refer to a NeMo RL key instead (e.g. ${policy.precision})",
+                    )
 
 
 def _rewrite_defaults(value: Any, source: Path, output: Path | None) -> Any:
@@ -635,9 +764,14 @@ def _rewrite_defaults(value: Any, source: Path, output: Path | None) -> Any:
     return out[0] if isinstance(value, str) else out
 
 
-def apply_nemo_rl(config_path: str | Path, *, output: str | Path | None = None,
-                  resolve: bool = False, hardware: str | None = None,
-                  strict: bool = False) -> ApplyResult:
+def apply_nemo_rl(
+    config_path: str | Path,
+    *,
+    output: str | Path | None = None,
+    resolve: bool = False,
+    hardware: str | None = None,
+    strict: bool = False,
+) -> ApplyResult:
     """Rewrite a NeMo RL config that asks for an FP8 recipe into NeMo RL's own FP8 keys.
 
     Args:
@@ -677,11 +811,14 @@ def _merge(ctx, resolve: bool) -> ApplyResult:
     warnings: list[str] = []
     notes: list[str] = []
     consumed = list(request.keys)
-    in_file = all(get_path(raw, k, _MISSING) is not _MISSING or k == "policy.precision"
-                  for k in consumed)
+    in_file = all(
+        get_path(raw, k, _MISSING) is not _MISSING or k == "policy.precision" for k in consumed
+    )
     if not resolve and not in_file:
-        warnings.append("the FP8 request is a root key of a parent file, which an overlay cannot "
-                     "remove; writing the fully resolved config instead")
+        warnings.append(
+            "the FP8 request is a root key of a parent file, which an overlay cannot "
+            "remove; writing the fully resolved config instead"
+        )
         resolve = True
     out = _overlay_base(ctx, resolve)
 
@@ -689,29 +826,39 @@ def _merge(ctx, resolve: bool) -> ApplyResult:
     refusal = _refusal(spec)
     if refusal:
         key = "fp8.recipe" if isinstance(resolved.get("fp8"), Mapping) else request.keys[0]
-        raise FP8ConfigError(refusal, key=key, value=spec.name,
-                             hint="use fp8_blockwise (block scales are computed from the current "
-                                  "weights at every step)")
+        raise FP8ConfigError(
+            refusal,
+            key=key,
+            value=spec.name,
+            hint="use fp8_blockwise (block scales are computed from the current "
+            "weights at every step)",
+        )
     _checks(spec, resolved)
     _dropped_keys(resolved)
     _interpolation_users(resolved, consumed)
 
     model = ctx.model
     if request.model and model is None:
-        warnings.append(f"model {request.model!r} is not in the architecture table: per-layer rules "
-                     f"and the MoE check cannot resolve against it")
+        warnings.append(
+            f"model {request.model!r} is not in the architecture table: per-layer rules "
+            f"and the MoE check cannot resolve against it"
+        )
     hk = native_keys(spec, model=model, fp8_param_stated=_fp8_param_stated(resolved))
     if spec.training == "fp8" and _is_moe(model) is None and _moe_fallback(resolved):
         _set_path(hk.keys, f"{_MEGATRON}.moe_router_dtype", "fp32")
     elif spec.training == "fp8" and _is_moe(model) is None:
-        warnings.append("cannot tell whether the model is a mixture of experts; if it is, set "
-                        "policy.megatron_cfg.moe_router_dtype: fp32 as NVIDIA's FP8 MoE recipes do")
+        warnings.append(
+            "cannot tell whether the model is a mixture of experts; if it is, set "
+            "policy.megatron_cfg.moe_router_dtype: fp32 as NVIDIA's FP8 MoE recipes do"
+        )
     warnings += hk.warnings
 
     rl = _has_generation(resolved)
     if not rl:
-        warnings.append("the config has no policy.generation section (not an RL config): only the "
-                     "training keys are written, no generation or importance-sampling keys")
+        warnings.append(
+            "the config has no policy.generation section (not an RL config): only the "
+            "training keys are written, no generation or importance-sampling keys"
+        )
     for key, want, written in _desired(spec, hk, rl=rl):
         have = get_path(resolved, key, _MISSING)
         if _leaf(key) == "moe_router_dtype" and get_path(raw, key, None) == "fp64":
@@ -734,9 +881,11 @@ def _merge(ctx, resolve: bool) -> ApplyResult:
 
     _check_alignment(spec, ctx, out, notes, warnings)
     if spec.scaling == "nvfp4" and spec.training == "fp8":
-        notes.append(f"nemo-rl: {spec.name} trains in NVFP4 and generates in BF16 "
-                     f"({NVFP4_GENERATION_REFUSAL}); the importance-sampling correction "
-                     f"absorbs the difference")
+        notes.append(
+            f"nemo-rl: {spec.name} trains in NVFP4 and generates in BF16 "
+            f"({NVFP4_GENERATION_REFUSAL}); the importance-sampling correction "
+            f"absorbs the difference"
+        )
 
     for key in consumed:
         if key == "policy.precision":
@@ -755,8 +904,9 @@ others; ``nemo_rl/models/megatron/data.py``, ``_get_pack_sequence_parameters_for
 before the TP (sequence parallel) and 2 x CP factors."""
 
 
-def _check_alignment(spec: RecipeSpec, ctx, out: dict, notes: list[str],
-                     warnings: list[str]) -> None:
+def _check_alignment(
+    spec: RecipeSpec, ctx, out: dict, notes: list[str], warnings: list[str]
+) -> None:
     """The token and model-dimension alignment FP8/FP4 training needs, before the run.
 
     Model sizes split over TP that the recipe's GEMMs cannot take are refused (warnings for
@@ -768,40 +918,54 @@ def _check_alignment(spec: RecipeSpec, ctx, out: dict, notes: list[str],
     (too small) is raised to it, with a note; anything else cannot work and is refused."""
     if spec.training != "fp8":
         return
-    from ..alignment import dimension_findings, parallel_sizes  # noqa: PLC0415
-    from .values import resolved_value  # noqa: PLC0415
+    from ..alignment import dimension_findings, parallel_sizes
+    from .values import resolved_value
 
     resolved = ctx.resolved
     if ctx.model is not None:
         for f in dimension_findings(spec, ctx.model, resolved, resolved_value):
             if f.level == "error":
-                raise FP8ConfigError(f"{f.message} (model {ctx.model.name})",
-                                     key=f.key if "parallel" in f.key else "policy.model_name",
-                                     hint=f"recipe {spec.name!r}: use a tensor parallel size "
-                                          f"that keeps every per-rank size a multiple, or "
-                                          f"another recipe")
+                raise FP8ConfigError(
+                    f"{f.message} (model {ctx.model.name})",
+                    key=f.key if "parallel" in f.key else "policy.model_name",
+                    hint=f"recipe {spec.name!r}: use a tensor parallel size "
+                    f"that keeps every per-rank size a multiple, or "
+                    f"another recipe",
+                )
             warnings.append(f"{f.key}: {f.message}")
     sizes = parallel_sizes(resolved, resolved_value)
-    need = token_alignment(spec.scaling, tensor_parallel=sizes.tensor_parallel,
-                           sequence_parallel=sizes.sequence_parallel,
-                           context_parallel=sizes.context_parallel)
-    why = (f"{spec.name}'s GEMMs need the tokens per rank to be a multiple of "
-           f"{CAPABILITIES[spec.scaling].token_align} (Transformer Engine)"
-           + (f", times TP {sizes.tensor_parallel} with sequence parallelism"
-              if sizes.sequence_parallel else "")
-           + (f", times 2 x CP {sizes.context_parallel}" if sizes.context_parallel > 1 else ""))
+    need = token_alignment(
+        spec.scaling,
+        tensor_parallel=sizes.tensor_parallel,
+        sequence_parallel=sizes.sequence_parallel,
+        context_parallel=sizes.context_parallel,
+    )
+    why = (
+        f"{spec.name}'s GEMMs need the tokens per rank to be a multiple of "
+        f"{CAPABILITIES[spec.scaling].token_align} (Transformer Engine)"
+        + (
+            f", times TP {sizes.tensor_parallel} with sequence parallelism"
+            if sizes.sequence_parallel
+            else ""
+        )
+        + (f", times 2 x CP {sizes.context_parallel}" if sizes.context_parallel > 1 else "")
+    )
     if resolved_value(resolved, "policy.sequence_packing.enabled", False) is True:
         if spec.scaling == "nvfp4":
             raise FP8ConfigError(
                 f"NeMo RL pads packed sequences for its fp8_cfg recipes only, and {spec.name} "
                 f"reaches the model through model_overrides, so packed batches would not be "
-                f"aligned: {why}, i.e. {need}", key="policy.sequence_packing.enabled",
-                value=True, hint="set policy.sequence_packing.enabled: false (apply then sets "
-                                 f"{SEQUENCE_KEY})")
+                f"aligned: {why}, i.e. {need}",
+                key="policy.sequence_packing.enabled",
+                value=True,
+                hint=f"set policy.sequence_packing.enabled: false (apply then sets {SEQUENCE_KEY})",
+            )
         divisor = _PACKING_DIVISOR.get(spec.scaling, 16)
-        notes.append(f"nemo-rl: sequence packing is on, and NeMo RL pads packed sequences to a "
-                     f"multiple of {divisor} (x TP with sequence parallelism, x 2 CP) for "
-                     f"fp8_cfg recipes itself; {SEQUENCE_KEY} is left as it is")
+        notes.append(
+            f"nemo-rl: sequence packing is on, and NeMo RL pads packed sequences to a "
+            f"multiple of {divisor} (x TP with sequence parallelism, x 2 CP) for "
+            f"fp8_cfg recipes itself; {SEQUENCE_KEY} is left as it is"
+        )
         return
     keys = [SEQUENCE_KEY]
     if resolved_value(resolved, "policy.dynamic_batching.enabled", False) is True:
@@ -810,19 +974,34 @@ def _check_alignment(spec: RecipeSpec, ctx, out: dict, notes: list[str],
         value = resolved_value(resolved, key)
         written = get_path(resolved, key)
         shown = f"{written} (= {value})" if written != value else f"{value}"
-        if value is None or (isinstance(value, int) and not isinstance(value, bool)
-                             and value >= 1 and need % value == 0 and value < need):
+        if value is None or (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and value >= 1
+            and need % value == 0
+            and value < need
+        ):
             _set_path(out, key, need)
-            notes.append(f"nemo-rl: {key} set to {need} (was "
-                         f"{'unset' if value is None else shown}): {why}")
+            notes.append(
+                f"nemo-rl: {key} set to {need} (was {'unset' if value is None else shown}): {why}"
+            )
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1 or value % need:
-            raise FP8ConfigError(f"{shown} cannot work: {why}, so it must be a multiple of "
-                                 f"{need}", key=key, value=written,
-                                 hint=f"use {need} or a multiple of it")
+            raise FP8ConfigError(
+                f"{shown} cannot work: {why}, so it must be a multiple of {need}",
+                key=key,
+                value=written,
+                hint=f"use {need} or a multiple of it",
+            )
 
 
-def apply_file(path: str | Path, *, hardware: str | None = None, strict: bool = False,
-               output: str | Path | None = None, resolve: bool = False) -> ApplyResult:
+def apply_file(
+    path: str | Path,
+    *,
+    hardware: str | None = None,
+    strict: bool = False,
+    output: str | Path | None = None,
+    resolve: bool = False,
+) -> ApplyResult:
     """The host-adapter entry point behind ``nemo-fp8 apply CONFIG --host nemo-rl``; see
     :func:`apply_nemo_rl`."""
     return apply_nemo_rl(path, output=output, resolve=resolve, hardware=hardware, strict=strict)
@@ -834,10 +1013,12 @@ class NeMoRLAdapter:
     ``resolve``: write the fully merged config instead of an overlay of the input file."""
 
     name = "nemo-rl"
-    runtime = ("NeMo RL's own FP8 paths: Megatron fp8_cfg for training, its init_fp8 patching "
-               "of vLLM's fp8 method for generation (refit and KV scales inside its workers), "
-               "ClippedPGLossFn for importance sampling; the plugin's nemo_fp8 vLLM method, "
-               "refit quantizer and IS functions are not used")
+    runtime = (
+        "NeMo RL's own FP8 paths: Megatron fp8_cfg for training, its init_fp8 patching "
+        "of vLLM's fp8 method for generation (refit and KV scales inside its workers), "
+        "ClippedPGLossFn for importance sampling; the plugin's nemo_fp8 vLLM method, "
+        "refit quantizer and IS functions are not used"
+    )
     follows_defaults = True
 
     def __init__(self, resolve: bool = False):
@@ -855,7 +1036,7 @@ class NeMoRLAdapter:
 
     def validate(self, result: ApplyResult, ctx) -> list[str]:
         # NeMo RL is not installable from the registry; its keys are checked against its own
-        # source in the test suite (tests/test_contract_hosts.py).
+        # source in the test suite (tests/hosts/test_contract_hosts.py).
         return ["nemo-rl: not checked here (NeMo RL does not install from a package index)"]
 
 

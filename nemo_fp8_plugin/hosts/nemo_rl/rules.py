@@ -9,22 +9,26 @@ every rule its training side cannot express (per-module globs: megatron-core tak
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ...rules import ModelDescription
-from ...rules.names import MEGATRON_TO_HF_LEAVES, builtin_high_precision, layer_index
-from ...rules.resolve import (GLOB_CHARS, module_rules, is_module_rule, plain_keyword, resolve,
-                              rule_label, side_rules, template)
+from ...rules.names import builtin_high_precision
+from ...rules.resolve import (
+    is_module_rule,
+    plain_keyword,
+    resolve,
+    rule_label,
+    side_rules,
+)
 from ...spec import BF16Rules, RecipeSpec
 from .. import HostKeys
 
 __all__ = ["to_nemo_rl", "training_layer_overrides", "TRAINING_LAYER_FIELDS"]
 
 
-
-def _training_side_warnings(spec, rules: BF16Rules, model: ModelDescription | None, host: str,
-                            where: str) -> list[str]:
+def _training_side_warnings(
+    spec, rules: BF16Rules, model: ModelDescription | None, host: str, where: str
+) -> list[str]:
     out = []
     harmless: set[str] = set()
     if model is not None:  # rules that only name routers / the output layer lose nothing
@@ -32,12 +36,15 @@ def _training_side_warnings(spec, rules: BF16Rules, model: ModelDescription | No
         for d in resolve(spec, model, "training").decisions:
             if is_module_rule(d.rule):
                 decided.setdefault(d.rule, []).append(d.module)
-        harmless = {label for label, mods in decided.items()
-                    if all(builtin_high_precision(m) for m in mods)}
+        harmless = {
+            label for label, mods in decided.items() if all(builtin_high_precision(m) for m in mods)
+        }
     for i, p in enumerate(rules.modules):
         if rule_label(i, p) not in harmless:
-            out.append(f"{rule_label(i, p)} (host {host}): {where} has no per-module keys; "
-                       f"training runs the modules it matches in FP8")
+            out.append(
+                f"{rule_label(i, p)} (host {host}): {where} has no per-module keys; "
+                f"training runs the modules it matches in FP8"
+            )
     return out
 
 
@@ -53,9 +60,13 @@ def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = No
         if rules.first or rules.last:
             model_overrides = training_layer_overrides(rules)
         warnings += _training_side_warnings(
-            spec, rules, model, "nemo-rl",
+            spec,
+            rules,
+            model,
+            "nemo-rl",
             "NeMo RL's training side (policy.megatron_cfg: fp8_cfg, and model_overrides, "
-            "which cannot build megatron-core's quant_recipe object)")
+            "which cannot build megatron-core's quant_recipe object)",
+        )
     if generation_on and rules.acts_on("generation"):
         if rules.first:
             vllm_cfg["num_first_layers_in_bf16"] = rules.first
@@ -78,8 +89,11 @@ def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = No
     return HostKeys(keys, warnings)
 
 
-TRAINING_LAYER_FIELDS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16",
-                         "num_layers_at_end_in_bf16")
+TRAINING_LAYER_FIELDS = (
+    "first_last_layers_bf16",
+    "num_layers_at_start_in_bf16",
+    "num_layers_at_end_in_bf16",
+)
 """megatron-core ``TransformerConfig`` fields (also Megatron-Bridge provider fields) for BF16
 first/last layers, written under ``policy.megatron_cfg.model_overrides``."""
 
@@ -87,8 +101,11 @@ first/last layers, written under ``policy.megatron_cfg.model_overrides``."""
 def training_layer_overrides(rules: BF16Rules) -> dict[str, Any]:
     """``model_overrides`` for ``rules.first`` / ``last``: all three fields, since
     Megatron-Bridge's providers default the counts to 0 and megatron-core's to 1."""
-    return {"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": rules.first,
-            "num_layers_at_end_in_bf16": rules.last}
+    return {
+        "first_last_layers_bf16": True,
+        "num_layers_at_start_in_bf16": rules.first,
+        "num_layers_at_end_in_bf16": rules.last,
+    }
 
 
 def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
@@ -114,9 +131,11 @@ def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
             untranslated.append(rule_label(i, p))
     if model is None:
         for label in untranslated:
-            warnings.append(f"{label} (host nemo-rl): quantization_ignored_layer_kws takes substrings, "
-                            f"not globs; without a model description (--model or --model-config) "
-                            f"this pattern cannot be expanded")
+            warnings.append(
+                f"{label} (host nemo-rl): quantization_ignored_layer_kws takes substrings, "
+                f"not globs; without a model description (--model or --model-config) "
+                f"this pattern cannot be expanded"
+            )
         return keywords, warnings
 
     res = resolve(spec, model, "generation")
@@ -137,8 +156,12 @@ def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
     allowed = set(required)
     for d in res.decisions:
         builtin = builtin_high_precision(d.module)
-        if (d.precision == "bf16" or d.layer in fl_layers or builtin == "output_head"
-                or (builtin == "router" and not model.vllm_quantizes_router)):
+        if (
+            d.precision == "bf16"
+            or d.layer in fl_layers
+            or builtin == "output_head"
+            or (builtin == "router" and not model.vllm_quantizes_router)
+        ):
             allowed.update(model.vllm_members(d.module))
 
     position = {n: i for i, n in enumerate(names)}
@@ -151,9 +174,11 @@ def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
         got = caught(kw)
         extra = sorted(got - allowed, key=position.__getitem__)
         if extra:
-            warnings.append(f"{source[kw]} (host nemo-rl): keyword {kw!r} also matches "
-                            f"{len(extra)} module(s) the rules keep in FP8 (e.g. {extra[0]}); NeMo RL "
-                            f"matches keywords as substrings of parameter names")
+            warnings.append(
+                f"{source[kw]} (host nemo-rl): keyword {kw!r} also matches "
+                f"{len(extra)} module(s) the rules keep in FP8 (e.g. {extra[0]}); NeMo RL "
+                f"matches keywords as substrings of parameter names"
+            )
         covered |= got
     missing = [n for n in names if n in required and n not in covered]
     added: list[str] = []

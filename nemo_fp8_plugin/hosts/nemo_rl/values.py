@@ -29,8 +29,8 @@ _MISSING = object()
 
 def interpolated(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with every interpolation resolved as NeMo RL would (OmegaConf)."""
-    from omegaconf import OmegaConf  # noqa: PLC0415 - only configs with ${...} need it
-    from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415
+    from omegaconf import OmegaConf  # only configs with ${...} need it
+    from omegaconf.errors import OmegaConfBaseException
 
     for name, fn in NEMO_RL_RESOLVERS.items():
         if not OmegaConf.has_resolver(name):
@@ -39,15 +39,16 @@ def interpolated(config: Mapping[str, Any]) -> dict[str, Any]:
         out = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=True)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or None
-        raise FP8ConfigError(f"cannot resolve an interpolation: {exc.msg if hasattr(exc, 'msg') else exc}",
-                             key=key) from None
+        raise FP8ConfigError(
+            f"cannot resolve an interpolation: {exc.msg if hasattr(exc, 'msg') else exc}", key=key
+        ) from None
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]
 
 
 def resolved_value(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
     """One value of ``config`` as NeMo RL reads it: resolved when it is an interpolation."""
-    from ...config import get_path  # noqa: PLC0415
+    from ...config import get_path
 
     value = get_path(config, dotted, _MISSING)
     if value is _MISSING:

@@ -42,25 +42,25 @@ QUANT_METHOD = "nemo_fp8"
 
 CONFIG_KEYS = {
     "quant_method": "``nemo_fp8`` (a vLLM ``fp8`` block checkpoint is also accepted when the "
-                    "engine asks for ``quantization='nemo_fp8'``)",
+    "engine asks for ``quantization='nemo_fp8'``)",
     "fmt": "element format of weights and activations; only ``e4m3``",
     "activation_scheme": "``dynamic``: activations are quantized per token group at run time",
     "scheme": "``block`` (fp32 or power-of-2 scale per weight tile, 1x128 activation groups) "
-              "or ``mx`` (MXFP8: E8M0 scale per 32 elements)",
+    "or ``mx`` (MXFP8: E8M0 scale per 32 elements)",
     "weight_block_size": "weight tile ``[rows, cols]``: ``[128, 128]`` (block) or ``[1, 32]`` / "
-                         "``[32, 32]`` (mx)",
+    "``[32, 32]`` (mx)",
     "activation_block_size": "activation group ``[1, 128]`` (block) or ``[1, 32]`` (mx)",
     "pow2_scales": "round block scales down to powers of two (TE's default block recipe)",
     "amax_epsilon": "floor applied to every amax before its scale is computed (the recipe's "
-                    "``amax_epsilon``; weights and emulated activations)",
+    "``amax_epsilon``; weights and emulated activations)",
     "ignored_layers": "modules kept in BF16: exact vLLM/Hugging Face module names, or glob "
-                      "patterns (``*``, ``?``, ``[...]``) matched against them",
+    "patterns (``*``, ``?``, ``[...]``) matched against them",
     "num_first_layers_in_bf16": "leading transformer layers kept in BF16 (NeMo RL's key)",
     "num_last_layers_in_bf16": "trailing transformer layers kept in BF16 (NeMo RL's key)",
     "kv_cache_dtype": "the KV-cache dtype the recipe asked for (``auto`` or ``fp8_e4m3``); the "
-                      "method warns when the engine runs another one",
+    "method warns when the engine runs another one",
     "backend": "``auto`` (vLLM's block-FP8 kernels on CUDA, the numerics emulation elsewhere), "
-               "``vllm`` or ``emulate``",
+    "``vllm`` or ``emulate``",
 }
 """Keys of the ``quantization_config`` mapping the ``nemo_fp8`` method reads, and their meaning."""
 
@@ -87,7 +87,9 @@ def _rules_spelling(spec, model) -> tuple[list[str], int, int, list[str]]:
     return list(keys.keys.get("ignored_layers", [])), 0, 0, list(keys.warnings)
 
 
-def engine_spelling(spec, model=None, *, platform: str | None = None) -> tuple[dict[str, Any], list[str]]:
+def engine_spelling(
+    spec, model=None, *, platform: str | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """The vLLM engine arguments for ``spec`` and the warnings that go with them.
 
     Args:
@@ -108,24 +110,31 @@ def engine_spelling(spec, model=None, *, platform: str | None = None) -> tuple[d
         from ...capabilities import NVFP4_GENERATION_REFUSAL
         from ...errors import FP8ConfigError
 
-        raise FP8ConfigError(f"vLLM cannot generate with nvfp4: {NVFP4_GENERATION_REFUSAL}",
-                             key="scaling", value="nvfp4",
-                             hint="serve the model in BF16 (no recipe in the vLLM config), or use "
-                                  "mxfp8 for FP8 generation on Blackwell")
+        raise FP8ConfigError(
+            f"vLLM cannot generate with nvfp4: {NVFP4_GENERATION_REFUSAL}",
+            key="scaling",
+            value="nvfp4",
+            hint="serve the model in BF16 (no recipe in the vLLM config), or use "
+            "mxfp8 for FP8 generation on Blackwell",
+        )
     if spec.generation != "fp8":
         return {}, ["generation: bf16 in this recipe; vLLM runs in the model dtype"]
     if spec.scaling not in ("block", "mx"):
         # The nemo_fp8 method implements the block-scaled recipes NeMo RL generates with;
         # per-tensor scales would have to be re-derived from a history that a refit resets.
-        return {}, [f"scaling: {spec.scaling} has no FP8 vLLM generation path here (the nemo_fp8 "
-                    f"method implements block and MX scaling); vLLM runs in BF16, so generation "
-                    f"and training differ: keep importance_sampling on, or use fp8_blockwise"]
+        return {}, [
+            f"scaling: {spec.scaling} has no FP8 vLLM generation path here (the nemo_fp8 "
+            f"method implements block and MX scaling); vLLM runs in BF16, so generation "
+            f"and training differ: keep importance_sampling on, or use fp8_blockwise"
+        ]
     kv = _KV_CACHE_DTYPE[spec.kv_cache]
     if kv != "auto" and platform == "cpu":
-        found.append("kv_cache: fp8 is not requested on vLLM's CPU backend: it stores an FP8 KV "
-                     "cache as E5M2 (older builds rewrite fp8_e4m3 to fp8_e5m2) or needs AVX-512/AMX, "
-                     "so its rollouts would not match an E4M3 GPU cache; the cache stays in the "
-                     "model dtype")
+        found.append(
+            "kv_cache: fp8 is not requested on vLLM's CPU backend: it stores an FP8 KV "
+            "cache as E5M2 (older builds rewrite fp8_e4m3 to fp8_e5m2) or needs AVX-512/AMX, "
+            "so its rollouts would not match an E4M3 GPU cache; the cache stays in the "
+            "model dtype"
+        )
         kv = "auto"
     qcfg = quantization_config(spec, model)
     found.extend(qcfg.pop("_warnings"))
@@ -139,8 +148,10 @@ def engine_spelling(spec, model=None, *, platform: str | None = None) -> tuple[d
         "kv_cache_dtype": kv,
     }
     if spec.scaling == "mx" and spec.hardware not in (None, "blackwell"):
-        found.append(f"scaling: mx on {spec.hardware}: no MXFP8 tensor-core GEMM there (vLLM falls "
-                     f"back to weight-only or emulated kernels); use fp8_blockwise on Hopper")
+        found.append(
+            f"scaling: mx on {spec.hardware}: no MXFP8 tensor-core GEMM there (vLLM falls "
+            f"back to weight-only or emulated kernels); use fp8_blockwise on Hopper"
+        )
     return kwargs, found
 
 
@@ -157,10 +168,14 @@ def quantization_config(spec, model=None) -> dict[str, Any]:
     if spec.scaling == "mx" and spec.amax_epsilon:
         from ...errors import FP8ConfigError
 
-        raise FP8ConfigError(f"{spec.amax_epsilon!r} has no meaning for MXFP8 (E8M0 exponents "
-                             f"come from the amax itself, no floor), so vLLM's nemo_fp8 method "
-                             f"cannot honour it", key="amax_epsilon", value=spec.amax_epsilon,
-                             hint="use 0 with mxfp8, or a block recipe (fp8_blockwise)")
+        raise FP8ConfigError(
+            f"{spec.amax_epsilon!r} has no meaning for MXFP8 (E8M0 exponents "
+            f"come from the amax itself, no floor), so vLLM's nemo_fp8 method "
+            f"cannot honour it",
+            key="amax_epsilon",
+            value=spec.amax_epsilon,
+            hint="use 0 with mxfp8, or a block recipe (fp8_blockwise)",
+        )
     ignored, first, last, found = _rules_spelling(spec, model)
     cfg: dict[str, Any] = {
         "quant_method": QUANT_METHOD,

@@ -33,7 +33,6 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from ...config import find_fp8_request, load_config
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
 
@@ -70,9 +69,13 @@ def _refuse_two_spellings(config: dict) -> None:
             continue
         other = first.setdefault(key.replace("-", "_"), key)
         if other != key:
-            raise FP8ConfigError(f"the same vLLM option as {format_value(other)} (vLLM reads "
-                                 f"dashes and underscores alike and keeps one)", key=key,
-                                 value=config[key], hint="keep one of the two spellings")
+            raise FP8ConfigError(
+                f"the same vLLM option as {format_value(other)} (vLLM reads "
+                f"dashes and underscores alike and keeps one)",
+                key=key,
+                value=config[key],
+                hint="keep one of the two spellings",
+            )
 
 
 def _drop_request_keys(config: dict, keys: tuple[str, ...]) -> None:
@@ -109,9 +112,11 @@ def _merge(ctx) -> ApplyResult:
     kwargs, found = engine_spelling(request.spec, ctx.model, platform=platform)
     if device_key is not None:  # vLLM 0.32's EngineArgs has no `device`
         del out[device_key]
-        found.append(f"{device_key}: {format_value(device)} is not an engine argument of vLLM "
-                     f">= 0.32 (`vllm serve --config` refuses it; the installed vLLM build picks "
-                     f"the platform): read as the target platform and left out of the output")
+        found.append(
+            f"{device_key}: {format_value(device)} is not an engine argument of vLLM "
+            f">= 0.32 (`vllm serve --config` refuses it; the installed vLLM build picks "
+            f"the platform): read as the target platform and left out of the output"
+        )
     sep = _style(out)
 
     for name, value in kwargs.items():
@@ -119,27 +124,41 @@ def _merge(ctx) -> ApplyResult:
         if name == "hf_overrides":
             current = {} if current is None else current
             if not isinstance(current, dict):
-                raise FP8ConfigError(f"expected a mapping, got {format_value(current)}",
-                                     key=key or name, value=current)
+                raise FP8ConfigError(
+                    f"expected a mapping, got {format_value(current)}",
+                    key=key or name,
+                    value=current,
+                )
             theirs = current.get("quantization_config")
             if theirs is not None and theirs != value["quantization_config"]:
-                raise ConflictingKeyError("already sets a quantization_config; the recipe writes its own",
-                                     key=f"{key}.quantization_config", value=theirs,
-                                     hint="remove it, or remove the precision/fp8 request")
+                raise ConflictingKeyError(
+                    "already sets a quantization_config; the recipe writes its own",
+                    key=f"{key}.quantization_config",
+                    value=theirs,
+                    hint="remove it, or remove the precision/fp8 request",
+                )
             value = {**current, **value}
         elif current is not None and _canonical(current) != _canonical(value):
-            hint = ("say `fp8: {recipe: ..., kv_cache: fp8}` for an FP8 KV cache"
-                    if name == "kv_cache_dtype" else f"remove it: the recipe sets {name} to {value!r}")
-            raise ConflictingKeyError(f"already set to {format_value(current)}; the recipe needs "
-                                 f"{format_value(value)}", key=key, value=current, hint=hint)
+            hint = (
+                "say `fp8: {recipe: ..., kv_cache: fp8}` for an FP8 KV cache"
+                if name == "kv_cache_dtype"
+                else f"remove it: the recipe sets {name} to {value!r}"
+            )
+            raise ConflictingKeyError(
+                f"already set to {format_value(current)}; the recipe needs {format_value(value)}",
+                key=key,
+                value=current,
+                hint=hint,
+            )
         if key is not None:
             del out[key]
         out[name.replace("_", sep)] = value
     return ApplyResult(data=out, warnings=list(found), fmt=ctx.fmt)
 
 
-def apply_file(path: str | Path, *, hardware: str | None = None, strict: bool = False,
-               **_: Any) -> ApplyResult:
+def apply_file(
+    path: str | Path, *, hardware: str | None = None, strict: bool = False, **_: Any
+) -> ApplyResult:
     """Read a vLLM engine config (YAML or JSON) and return it with the FP8 engine arguments."""
     return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
 
@@ -148,9 +167,11 @@ class VLLMAdapter(ConfigEditAdapter):
     """vLLM (an engine config: ``vllm serve --config`` YAML / ``vllm.LLM(**kwargs)``)."""
 
     name = "vllm"
-    runtime = ("vLLM loads this package's nemo_fp8 quantization method (entry point "
-               "nemo_fp8_plugin.hosts.vllm:register), so the package must be installed where "
-               "vLLM runs; in-place refit goes through its worker extension")
+    runtime = (
+        "vLLM loads this package's nemo_fp8 quantization method (entry point "
+        "nemo_fp8_plugin.hosts.vllm:register), so the package must be installed where "
+        "vLLM runs; in-place refit goes through its worker extension"
+    )
 
     def spell(self, spec, ctx=None) -> HostKeys:
         return native_keys(spec, ctx.model if ctx is not None else None)
@@ -161,15 +182,16 @@ class VLLMAdapter(ConfigEditAdapter):
         """vLLM's own ``EngineArgs`` takes the output's engine options (dashes or
         underscores), when vLLM is importable."""
         try:
-            from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
-        except Exception as exc:  # noqa: BLE001 - vLLM's import fails in many ways
+            from vllm.engine.arg_utils import EngineArgs
+        except Exception as exc:  # vLLM's import fails in many ways
             return [f"vllm: not checked (vLLM is not importable here: {type(exc).__name__})"]
         kwargs = {str(k).replace("-", "_"): v for k, v in result.data.items()}
         try:
             EngineArgs(**kwargs)
         except TypeError as exc:
-            raise FP8ConfigError(f"vLLM's EngineArgs refuses the output: {exc}",
-                                 key="engine config") from None
+            raise FP8ConfigError(
+                f"vLLM's EngineArgs refuses the output: {exc}", key="engine config"
+            ) from None
         return [f"vllm: EngineArgs accepted {len(kwargs)} options"]
 
 

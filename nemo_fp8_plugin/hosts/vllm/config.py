@@ -22,8 +22,11 @@ _GLOB_CHARS = set("*?[")
 def _as_block(value: Any, key: str) -> list[int] | None:
     if value is None:
         return None
-    if (isinstance(value, (list, tuple)) and len(value) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
         return [int(value[0]), int(value[1])]
     raise ValueError(f"nemo_fp8 quantization_config.{key}: expected [rows, cols], got {value!r}")
 
@@ -51,48 +54,72 @@ class NemoFp8Config(QuantizationConfig):
             numerics emulation, any device).
     """
 
-    def __init__(self, *, scheme: str = "block", weight_block_size: list[int] | None = None,
-                 activation_block_size: list[int] | None = None, pow2_scales: bool = False,
-                 amax_epsilon: float = 0.0, ignored_layers: list[str] | None = None,
-                 num_first_layers_in_bf16: int = 0, num_last_layers_in_bf16: int = 0,
-                 kv_cache_dtype: str = "auto", backend: str = "auto") -> None:
+    def __init__(
+        self,
+        *,
+        scheme: str = "block",
+        weight_block_size: list[int] | None = None,
+        activation_block_size: list[int] | None = None,
+        pow2_scales: bool = False,
+        amax_epsilon: float = 0.0,
+        ignored_layers: list[str] | None = None,
+        num_first_layers_in_bf16: int = 0,
+        num_last_layers_in_bf16: int = 0,
+        kv_cache_dtype: str = "auto",
+        backend: str = "auto",
+    ) -> None:
         super().__init__()
         if scheme not in ("block", "mx"):
-            raise ValueError(f"nemo_fp8 quantization_config.scheme: expected 'block' or 'mx', "
-                             f"got {scheme!r}")
+            raise ValueError(
+                f"nemo_fp8 quantization_config.scheme: expected 'block' or 'mx', got {scheme!r}"
+            )
         default_w = [128, 128] if scheme == "block" else [1, 32]
         default_a = [1, 128] if scheme == "block" else [1, 32]
         self.scheme = scheme
         self.weight_block_size = weight_block_size or default_w
         self.activation_block_size = activation_block_size or default_a
-        allowed_w = ([[128, 128], [1, 128]] if scheme == "block" else [[1, 32], [32, 32]])
+        allowed_w = [[128, 128], [1, 128]] if scheme == "block" else [[1, 32], [32, 32]]
         if self.weight_block_size not in allowed_w:
-            raise ValueError(f"nemo_fp8 quantization_config.weight_block_size: {self.weight_block_size} "
-                             f"is not supported for scheme {scheme!r} (use one of {allowed_w})")
+            raise ValueError(
+                f"nemo_fp8 quantization_config.weight_block_size: {self.weight_block_size} "
+                f"is not supported for scheme {scheme!r} (use one of {allowed_w})"
+            )
         if self.activation_block_size != default_a:
-            raise ValueError(f"nemo_fp8 quantization_config.activation_block_size: expected "
-                             f"{default_a} for scheme {scheme!r}, got {self.activation_block_size}")
+            raise ValueError(
+                f"nemo_fp8 quantization_config.activation_block_size: expected "
+                f"{default_a} for scheme {scheme!r}, got {self.activation_block_size}"
+            )
         self.pow2_scales = bool(pow2_scales) or scheme == "mx"
         try:
             self.amax_epsilon = float(amax_epsilon or 0.0)
         except (TypeError, ValueError):
-            raise ValueError(f"nemo_fp8 quantization_config.amax_epsilon: expected a number, "
-                             f"got {amax_epsilon!r}") from None
+            raise ValueError(
+                f"nemo_fp8 quantization_config.amax_epsilon: expected a number, "
+                f"got {amax_epsilon!r}"
+            ) from None
         if not 0.0 <= self.amax_epsilon < float("inf"):
-            raise ValueError(f"nemo_fp8 quantization_config.amax_epsilon: expected a finite "
-                             f"number >= 0, got {amax_epsilon!r}")
+            raise ValueError(
+                f"nemo_fp8 quantization_config.amax_epsilon: expected a finite "
+                f"number >= 0, got {amax_epsilon!r}"
+            )
         if self.amax_epsilon and scheme == "mx":
-            raise ValueError("nemo_fp8 quantization_config.amax_epsilon: MXFP8 (scheme 'mx') has "
-                             "no amax floor (E8M0 exponents come from the amax directly); use 0")
+            raise ValueError(
+                "nemo_fp8 quantization_config.amax_epsilon: MXFP8 (scheme 'mx') has "
+                "no amax floor (E8M0 exponents come from the amax directly); use 0"
+            )
         self.ignored_layers = list(ignored_layers or [])
         self.num_first_layers_in_bf16 = int(num_first_layers_in_bf16 or 0)
         self.num_last_layers_in_bf16 = int(num_last_layers_in_bf16 or 0)
         if self.num_first_layers_in_bf16 < 0 or self.num_last_layers_in_bf16 < 0:
-            raise ValueError("nemo_fp8 quantization_config: num_first/last_layers_in_bf16 must be >= 0")
+            raise ValueError(
+                "nemo_fp8 quantization_config: num_first/last_layers_in_bf16 must be >= 0"
+            )
         self.kv_cache_dtype = kv_cache_dtype
         if backend not in ("auto", "vllm", "emulate"):
-            raise ValueError(f"nemo_fp8 quantization_config.backend: expected auto, vllm or emulate, "
-                             f"got {backend!r}")
+            raise ValueError(
+                f"nemo_fp8 quantization_config.backend: expected auto, vllm or emulate, "
+                f"got {backend!r}"
+            )
         self.backend = backend
         self._num_layers: int | None = None
 
@@ -116,37 +143,56 @@ class NemoFp8Config(QuantizationConfig):
         return []
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "NemoFp8Config":
+    def from_config(cls, config: dict[str, Any]) -> NemoFp8Config:
         """Parse a ``quantization_config`` mapping (ours, or a vLLM ``fp8`` block checkpoint's)."""
         method = config.get("quant_method", QUANT_METHOD)
         if method not in (QUANT_METHOD, "fp8"):
             raise ValueError(f"nemo_fp8 cannot read quant_method {method!r}")
         fmt = config.get("fmt", "e4m3")
         if fmt != "e4m3":
-            raise ValueError(f"nemo_fp8 quantization_config.fmt: only e4m3 is supported, got {fmt!r}")
+            raise ValueError(
+                f"nemo_fp8 quantization_config.fmt: only e4m3 is supported, got {fmt!r}"
+            )
         scheme_act = config.get("activation_scheme", "dynamic")
         if scheme_act != "dynamic":
-            raise ValueError(f"nemo_fp8 quantization_config.activation_scheme: only 'dynamic' "
-                             f"(per-token-group scales computed at run time), got {scheme_act!r}")
+            raise ValueError(
+                f"nemo_fp8 quantization_config.activation_scheme: only 'dynamic' "
+                f"(per-token-group scales computed at run time), got {scheme_act!r}"
+            )
         scheme = config.get("scheme", "block")
         weight_block = _as_block(config.get("weight_block_size"), "weight_block_size")
         if method == "fp8" and weight_block is None:
-            raise ValueError("nemo_fp8 reads block-quantized fp8 checkpoints only "
-                             "(quantization_config.weight_block_size is missing)")
+            raise ValueError(
+                "nemo_fp8 reads block-quantized fp8 checkpoints only "
+                "(quantization_config.weight_block_size is missing)"
+            )
         ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or []
-        known = {"quant_method", "fmt", "activation_scheme", "scheme", "weight_block_size",
-                 "activation_block_size", "pow2_scales", "amax_epsilon", "ignored_layers",
-                 "modules_to_not_convert",
-                 "num_first_layers_in_bf16", "num_last_layers_in_bf16", "kv_cache_dtype",
-                 "backend", "scale_fmt"}
+        known = {
+            "quant_method",
+            "fmt",
+            "activation_scheme",
+            "scheme",
+            "weight_block_size",
+            "activation_block_size",
+            "pow2_scales",
+            "amax_epsilon",
+            "ignored_layers",
+            "modules_to_not_convert",
+            "num_first_layers_in_bf16",
+            "num_last_layers_in_bf16",
+            "kv_cache_dtype",
+            "backend",
+            "scale_fmt",
+        }
         unknown = sorted(k for k in config if k not in known)
         if method == QUANT_METHOD and unknown:
             raise ValueError(f"nemo_fp8 quantization_config: unknown key(s) {unknown}")
         return cls(
             scheme=scheme,
             weight_block_size=weight_block,
-            activation_block_size=_as_block(config.get("activation_block_size"),
-                                            "activation_block_size"),
+            activation_block_size=_as_block(
+                config.get("activation_block_size"), "activation_block_size"
+            ),
             pow2_scales=bool(config.get("pow2_scales", config.get("scale_fmt") == "ue8m0")),
             amax_epsilon=config.get("amax_epsilon", 0.0),
             ignored_layers=list(ignored),
@@ -157,8 +203,9 @@ class NemoFp8Config(QuantizationConfig):
         )
 
     @classmethod
-    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
-                                     hf_config: Any = None) -> str | None:
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+    ) -> str | None:
         # Claim a vLLM block-FP8 checkpoint (export_fp8_checkpoint's output, DeepSeek-style
         # checkpoints) only when the user asked for nemo_fp8: everything else is untouched.
         if user_quant != QUANT_METHOD or not isinstance(hf_quant_cfg, dict):
@@ -201,7 +248,7 @@ class NemoFp8Config(QuantizationConfig):
 
             try:
                 hf = get_current_vllm_config().model_config.hf_text_config
-                self._num_layers = int(getattr(hf, "num_hidden_layers"))
+                self._num_layers = int(hf.num_hidden_layers)
             except (AttributeError, TypeError, ValueError):
                 return None
         return self._num_layers
@@ -212,8 +259,11 @@ class NemoFp8Config(QuantizationConfig):
             from ...spec import BF16Rules
 
             self._bf16_rules = BF16Rules(
-                first=self.num_first_layers_in_bf16, last=self.num_last_layers_in_bf16,
-                modules=tuple(dict.fromkeys(self.ignored_layers)), applies_to="generation")
+                first=self.num_first_layers_in_bf16,
+                last=self.num_last_layers_in_bf16,
+                modules=tuple(dict.fromkeys(self.ignored_layers)),
+                applies_to="generation",
+            )
         return self._bf16_rules
 
     def is_bf16(self, prefix: str) -> bool:
@@ -236,8 +286,10 @@ class NemoFp8Config(QuantizationConfig):
         if any(hits) and not all(hits):
             listed = [n for n, h in zip(names, hits) if h]
             missing = [n for n, h in zip(names, hits) if not h]
-            raise ValueError(f"nemo_fp8: ignored_layers lists {listed} but not {missing}; vLLM runs "
-                             f"them as one fused GEMM ({prefix}), so list all of them or none")
+            raise ValueError(
+                f"nemo_fp8: ignored_layers lists {listed} but not {missing}; vLLM runs "
+                f"them as one fused GEMM ({prefix}), so list all of them or none"
+            )
         if hits and all(hits):
             return True
         # Also keeps what no host runs in FP8 (MoE routers), as training does.
@@ -246,13 +298,18 @@ class NemoFp8Config(QuantizationConfig):
         rules = self._rules()
         total = self._total_layers() if rules.last else None
         if rules.last and total is None:
-            raise ValueError("nemo_fp8: num_last_layers_in_bf16 needs the model's num_hidden_layers")
-        return any(keeps_bf16(rules, n, side="generation", num_layers=total) is not None
-                   for n in names)
+            raise ValueError(
+                "nemo_fp8: num_last_layers_in_bf16 needs the model's num_hidden_layers"
+            )
+        return any(
+            keeps_bf16(rules, n, side="generation", num_layers=total) is not None for n in names
+        )
 
     def __repr__(self) -> str:
-        return (f"NemoFp8Config(scheme={self.scheme}, weight_block_size={self.weight_block_size}, "
-                f"pow2_scales={self.pow2_scales}, amax_epsilon={self.amax_epsilon}, "
-                f"ignored_layers={self.ignored_layers}, "
-                f"bf16 first/last={self.num_first_layers_in_bf16}/{self.num_last_layers_in_bf16}, "
-                f"backend={self.backend})")
+        return (
+            f"NemoFp8Config(scheme={self.scheme}, weight_block_size={self.weight_block_size}, "
+            f"pow2_scales={self.pow2_scales}, amax_epsilon={self.amax_epsilon}, "
+            f"ignored_layers={self.ignored_layers}, "
+            f"bf16 first/last={self.num_first_layers_in_bf16}/{self.num_last_layers_in_bf16}, "
+            f"backend={self.backend})"
+        )

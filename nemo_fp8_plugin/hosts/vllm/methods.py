@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
@@ -35,8 +36,14 @@ from vllm.model_executor.utils import set_weight_attrs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NemoFp8LinearMethod", "NemoBF16LinearMethod", "NemoFp8MoEMethod",
-           "NemoFp8KVCacheMethod", "finish_refit", "FP8_DTYPES"]
+__all__ = [
+    "NemoFp8LinearMethod",
+    "NemoBF16LinearMethod",
+    "NemoFp8MoEMethod",
+    "NemoFp8KVCacheMethod",
+    "finish_refit",
+    "FP8_DTYPES",
+]
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 """Dtypes a refit payload may carry already quantized (anything else is quantized on arrival)."""
@@ -82,15 +89,22 @@ class _Quantizer:
             q = fn(w, self.weight_block, "e4m3")
         return q.data, q.scale_inv
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale_inv: torch.Tensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x @ dequant(weight).T (+ bias) with x quantized per activation group, emulated in
         fp32; the bias is added in fp32 before the cast to ``out_dtype``, as the trainer's
         emulated GEMM (:func:`nemo_fp8_plugin.numerics.fp8_gemm`) and a GEMM epilogue do."""
         nx = _numerics()
         if self.scheme == "block":
-            a = nx.quantize_blockwise(x, block=self.activation_block, fmt="e4m3",
-                                      pow2_scales=self.pow2, eps=self.eps)
+            a = nx.quantize_blockwise(
+                x, block=self.activation_block, fmt="e4m3", pow2_scales=self.pow2, eps=self.eps
+            )
         else:
             a = nx.quantize_mxfp8(x, block=self.activation_block, fmt="e4m3")
         b = nx.QTensor(data=weight, scale_inv=scale_inv, fmt="e4m3", block=self.weight_block)
@@ -104,12 +118,19 @@ def _use_vllm_kernels(config) -> bool:
 
     cuda = current_platform.is_cuda_alike()
     if config.backend == "vllm" and not cuda:
-        raise ValueError("nemo_fp8 backend 'vllm' needs a CUDA/ROCm device; use 'auto' or 'emulate'")
+        raise ValueError(
+            "nemo_fp8 backend 'vllm' needs a CUDA/ROCm device; use 'auto' or 'emulate'"
+        )
     return cuda
 
 
-def _wrap_loader(base_loader: Callable, scale_attr: str, quantizer: _Quantizer,
-                 layer: torch.nn.Module, scale_name: Callable[[tuple, dict], tuple] | None = None):
+def _wrap_loader(
+    base_loader: Callable,
+    scale_attr: str,
+    quantizer: _Quantizer,
+    layer: torch.nn.Module,
+    scale_name: Callable[[tuple, dict], tuple] | None = None,
+):
     """A weight loader that quantizes high-precision payloads on arrival.
 
     FP8 payloads pass straight to vLLM's loader. Anything else is quantized on the
@@ -122,11 +143,15 @@ def _wrap_loader(base_loader: Callable, scale_attr: str, quantizer: _Quantizer,
         if loaded_weight.dtype in FP8_DTYPES:
             return base_loader(param, loaded_weight, *args, **kwargs)
         if not loaded_weight.is_floating_point():
-            raise ValueError(f"nemo_fp8: cannot load a {loaded_weight.dtype} tensor into an FP8 weight")
+            raise ValueError(
+                f"nemo_fp8: cannot load a {loaded_weight.dtype} tensor into an FP8 weight"
+            )
         owner = layer_ref()
         data, scale_inv = quantizer.weight(loaded_weight.to(param.device))
         scale = getattr(owner, scale_attr)
-        scale_args, scale_kwargs = (args, kwargs) if scale_name is None else scale_name(args, kwargs)
+        scale_args, scale_kwargs = (
+            (args, kwargs) if scale_name is None else scale_name(args, kwargs)
+        )
         scale.weight_loader(scale, scale_inv, *scale_args, **scale_kwargs)
         return base_loader(param, data, *args, **kwargs)
 
@@ -143,9 +168,14 @@ def _wrap_loader(base_loader: Callable, scale_attr: str, quantizer: _Quantizer,
 # vLLM version and what to do instead. The CPU tests run this selection with the platform's
 # capability patched (tests/vllm/test_contract.py).
 
-_MX_W8A8_LINEAR_KERNELS = frozenset({
-    "FlashInferCutlassMxfp8LinearKernel", "FlashInferCutedslMxfp8LinearKernel",
-    "FlashInferTrtllmMxfp8LinearKernel", "B12xMxfp8LinearKernel"})
+_MX_W8A8_LINEAR_KERNELS = frozenset(
+    {
+        "FlashInferCutlassMxfp8LinearKernel",
+        "FlashInferCutedslMxfp8LinearKernel",
+        "FlashInferTrtllmMxfp8LinearKernel",
+        "B12xMxfp8LinearKernel",
+    }
+)
 """vLLM MXFP8 linear kernels that quantize activations to MXFP8 (W8A8), as training does.
 The others (Marlin: weight-only; Emulation: BF16 GEMM on dequantized weights; Humming:
 weight-only) keep activations in BF16 and are refused."""
@@ -160,7 +190,7 @@ def _host() -> str:
         import vllm
 
         version = str(vllm.__version__)
-    except Exception:  # noqa: BLE001 - only for a message
+    except Exception:  # only for a message
         version = "?"
     from vllm.platforms import current_platform
 
@@ -200,8 +230,9 @@ def _kernel_uses_ue8m0(kernel) -> bool:
     if deep is not None and deep.use_deep_gemm_e8m0:
         return True
     quant = getattr(kernel, "quant_fp8", None)
-    return bool(getattr(kernel, "apply_input_quant", True) and quant is not None
-                and quant.use_ue8m0)
+    return bool(
+        getattr(kernel, "apply_input_quant", True) and quant is not None and quant.use_ue8m0
+    )
 
 
 def _pow2_activation_quantizer(quant, *, deep_gemm: bool):
@@ -209,10 +240,14 @@ def _pow2_activation_quantizer(quant, *, deep_gemm: bool):
     group shape and scale layout, scales rounded to powers of two (TE's pow2 recipe)."""
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 
-    new = QuantFP8(static=quant.static, group_shape=quant.group_shape,
-                   num_token_padding=quant.num_token_padding,
-                   column_major_scales=quant.column_major_scales,
-                   tma_aligned_scales=quant.tma_aligned_scales, use_ue8m0=True)
+    new = QuantFP8(
+        static=quant.static,
+        group_shape=quant.group_shape,
+        num_token_padding=quant.num_token_padding,
+        column_major_scales=quant.column_major_scales,
+        tma_aligned_scales=quant.tma_aligned_scales,
+        use_ue8m0=True,
+    )
     if not deep_gemm:
         # DeepGEMM's packed int32 UE8M0 layout is for DeepGEMM only; other kernels read fp32
         # scales (here: fp32 values that are powers of two).
@@ -224,41 +259,62 @@ def _vet_block_kernel(kernel, config, prefix: str):
     """Make vLLM's block-FP8 linear kernel keep the recipe's scales, or refuse."""
     name = type(kernel).__name__
     if config.amax_epsilon:
-        _refuse(prefix, f"{name} quantizes activations with vLLM's fixed amax floor, so "
-                f"amax_epsilon={config.amax_epsilon!r} applies on the emulation backend only",
-                key="amax_epsilon", value=config.amax_epsilon,
-                hint="use amax_epsilon: 0, or quantization_config.backend: emulate")
+        _refuse(
+            prefix,
+            f"{name} quantizes activations with vLLM's fixed amax floor, so "
+            f"amax_epsilon={config.amax_epsilon!r} applies on the emulation backend only",
+            key="amax_epsilon",
+            value=config.amax_epsilon,
+            hint="use amax_epsilon: 0, or quantization_config.backend: emulate",
+        )
     deep = _deep_gemm_part(kernel)
     if deep is not None and _blackwell_class():
         if not config.pow2_scales:
-            _refuse(prefix, f"{name} runs DeepGEMM, whose Blackwell kernels take power-of-2 "
-                    f"(UE8M0) scale factors only, but this recipe's scales are fp32 "
-                    f"(pow2_scales: false)", key="VLLM_USE_DEEP_GEMM", value="1",
-                    hint="use fp8_subchannel (Blackwell training needs power-of-2 block "
-                         "scales too), or set VLLM_USE_DEEP_GEMM=0 before vLLM starts (CUTLASS "
-                         "keeps fp32 block scales)")
+            _refuse(
+                prefix,
+                f"{name} runs DeepGEMM, whose Blackwell kernels take power-of-2 "
+                f"(UE8M0) scale factors only, but this recipe's scales are fp32 "
+                f"(pow2_scales: false)",
+                key="VLLM_USE_DEEP_GEMM",
+                value="1",
+                hint="use fp8_subchannel (Blackwell training needs power-of-2 block "
+                "scales too), or set VLLM_USE_DEEP_GEMM=0 before vLLM starts (CUTLASS "
+                "keeps fp32 block scales)",
+            )
         if not deep.use_deep_gemm_e8m0:
-            _refuse(prefix, f"{name} runs DeepGEMM, whose Blackwell kernels take UE8M0 scale "
-                    f"factors only, but VLLM_USE_DEEP_GEMM_E8M0=0 asks it for fp32 ones",
-                    key="VLLM_USE_DEEP_GEMM_E8M0", value="0",
-                    hint="unset VLLM_USE_DEEP_GEMM_E8M0 (vLLM's default is 1), or set "
-                         "VLLM_USE_DEEP_GEMM=0")
+            _refuse(
+                prefix,
+                f"{name} runs DeepGEMM, whose Blackwell kernels take UE8M0 scale "
+                f"factors only, but VLLM_USE_DEEP_GEMM_E8M0=0 asks it for fp32 ones",
+                key="VLLM_USE_DEEP_GEMM_E8M0",
+                value="0",
+                hint="unset VLLM_USE_DEEP_GEMM_E8M0 (vLLM's default is 1), or set "
+                "VLLM_USE_DEEP_GEMM=0",
+            )
     if not config.pow2_scales:
         if _kernel_uses_ue8m0(kernel):
-            _refuse(prefix, f"{name} with VLLM_USE_DEEP_GEMM_E8M0=1 requantizes the weights to "
-                    f"power-of-2 (UE8M0) scales and quantizes activations with UE8M0 scales, but "
-                    f"this recipe's scales are fp32 (pow2_scales: false)",
-                    key="VLLM_USE_DEEP_GEMM_E8M0", value="1",
-                    hint="set VLLM_USE_DEEP_GEMM_E8M0=0 before vLLM starts, as NeMo RL does "
-                         "(nemo_fp8_plugin.hosts.vllm.engine_env), or use fp8_subchannel")
+            _refuse(
+                prefix,
+                f"{name} with VLLM_USE_DEEP_GEMM_E8M0=1 requantizes the weights to "
+                f"power-of-2 (UE8M0) scales and quantizes activations with UE8M0 scales, but "
+                f"this recipe's scales are fp32 (pow2_scales: false)",
+                key="VLLM_USE_DEEP_GEMM_E8M0",
+                value="1",
+                hint="set VLLM_USE_DEEP_GEMM_E8M0=0 before vLLM starts, as NeMo RL does "
+                "(nemo_fp8_plugin.hosts.vllm.engine_env), or use fp8_subchannel",
+            )
         return kernel
     quant = getattr(kernel, "quant_fp8", None)
     if not getattr(kernel, "apply_input_quant", True) or quant is None:
-        _refuse(prefix, f"{name} quantizes activations inside its GEMM with fp32 scales, so the "
-                f"recipe's power-of-2 activation scales cannot be applied",
-                key="pow2_scales", value=True,
-                hint="unset VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER, use fp8_blockwise (fp32 "
-                     "scales), or quantization_config.backend: emulate")
+        _refuse(
+            prefix,
+            f"{name} quantizes activations inside its GEMM with fp32 scales, so the "
+            f"recipe's power-of-2 activation scales cannot be applied",
+            key="pow2_scales",
+            value=True,
+            hint="unset VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER, use fp8_blockwise (fp32 "
+            "scales), or quantization_config.backend: emulate",
+        )
     if not quant.use_ue8m0:
         # vLLM's block kernels build QuantFP8(..., use_ue8m0=False): fp32 activation scales.
         kernel.quant_fp8 = _pow2_activation_quantizer(quant, deep_gemm=deep is kernel)
@@ -268,11 +324,16 @@ def _vet_block_kernel(kernel, config, prefix: str):
 def _vet_mx_kernel(kernel, prefix: str):
     name = type(kernel).__name__
     if name not in _MX_W8A8_LINEAR_KERNELS:
-        _refuse(prefix, f"no MXFP8 tensor-core GEMM for this layer: vLLM picked {name}, which "
-                f"keeps activations in BF16 (weight-only or emulated), so generation would not "
-                f"run the recipe's MXFP8 GEMMs", key="scheme", value="mx",
-                hint="MXFP8 generation needs Blackwell (SM100) with FlashInfer; on Hopper use "
-                     "fp8_blockwise, or quantization_config.backend: emulate to preview MXFP8")
+        _refuse(
+            prefix,
+            f"no MXFP8 tensor-core GEMM for this layer: vLLM picked {name}, which "
+            f"keeps activations in BF16 (weight-only or emulated), so generation would not "
+            f"run the recipe's MXFP8 GEMMs",
+            key="scheme",
+            value="mx",
+            hint="MXFP8 generation needs Blackwell (SM100) with FlashInfer; on Hopper use "
+            "fp8_blockwise, or quantization_config.backend: emulate to preview MXFP8",
+        )
     return kernel
 
 
@@ -283,24 +344,39 @@ def _vet_block_moe(config, prefix: str) -> None:
     from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
 
     if config.amax_epsilon:
-        _refuse(prefix, f"the fused-MoE kernel quantizes activations with vLLM's fixed amax "
-                f"floor, so amax_epsilon={config.amax_epsilon!r} applies on the emulation backend "
-                f"only", key="amax_epsilon", value=config.amax_epsilon,
-                hint="use amax_epsilon: 0, or quantization_config.backend: emulate")
+        _refuse(
+            prefix,
+            f"the fused-MoE kernel quantizes activations with vLLM's fixed amax "
+            f"floor, so amax_epsilon={config.amax_epsilon!r} applies on the emulation backend "
+            f"only",
+            key="amax_epsilon",
+            value=config.amax_epsilon,
+            hint="use amax_epsilon: 0, or quantization_config.backend: emulate",
+        )
     ue8m0 = is_deep_gemm_e8m0_used()
     if ue8m0 and not config.pow2_scales:
-        _refuse(prefix, "with VLLM_USE_DEEP_GEMM_E8M0=1 the fused-MoE kernel quantizes "
-                "activations with UE8M0 (power-of-2) scales, but this recipe's scales are fp32 "
-                "(pow2_scales: false)", key="VLLM_USE_DEEP_GEMM_E8M0", value="1",
-                hint="set VLLM_USE_DEEP_GEMM_E8M0=0 before vLLM starts, as NeMo RL does "
-                     "(nemo_fp8_plugin.hosts.vllm.engine_env), or use fp8_subchannel")
+        _refuse(
+            prefix,
+            "with VLLM_USE_DEEP_GEMM_E8M0=1 the fused-MoE kernel quantizes "
+            "activations with UE8M0 (power-of-2) scales, but this recipe's scales are fp32 "
+            "(pow2_scales: false)",
+            key="VLLM_USE_DEEP_GEMM_E8M0",
+            value="1",
+            hint="set VLLM_USE_DEEP_GEMM_E8M0=0 before vLLM starts, as NeMo RL does "
+            "(nemo_fp8_plugin.hosts.vllm.engine_env), or use fp8_subchannel",
+        )
     if config.pow2_scales and not ue8m0:
-        _refuse(prefix, "the fused-MoE kernel quantizes activations with fp32 scales unless "
-                "DeepGEMM's E8M0 mode is active, so the recipe's power-of-2 activation scales "
-                "cannot be applied", key="pow2_scales", value=True,
-                hint="run where DeepGEMM is installed with VLLM_USE_DEEP_GEMM=1 and "
-                     "VLLM_USE_DEEP_GEMM_E8M0=1 (SM90/SM100), use fp8_blockwise, or "
-                     "quantization_config.backend: emulate")
+        _refuse(
+            prefix,
+            "the fused-MoE kernel quantizes activations with fp32 scales unless "
+            "DeepGEMM's E8M0 mode is active, so the recipe's power-of-2 activation scales "
+            "cannot be applied",
+            key="pow2_scales",
+            value=True,
+            hint="run where DeepGEMM is installed with VLLM_USE_DEEP_GEMM=1 and "
+            "VLLM_USE_DEEP_GEMM_E8M0=1 (SM90/SM100), use fp8_blockwise, or "
+            "quantization_config.backend: emulate",
+        )
 
 
 def _select_mx_moe_backend(moe, prefix: str):
@@ -311,19 +387,29 @@ def _select_mx_moe_backend(moe, prefix: str):
     try:
         backend, experts_cls = select_mxfp8_moe_backend(config=moe)
     except ValueError as exc:
-        _refuse(prefix, f"no MXFP8 fused-MoE backend ({exc})", key="scheme", value="mx",
-                hint="use fp8_blockwise, or quantization_config.backend: emulate")
+        _refuse(
+            prefix,
+            f"no MXFP8 fused-MoE backend ({exc})",
+            key="scheme",
+            value="mx",
+            hint="use fp8_blockwise, or quantization_config.backend: emulate",
+        )
     if backend.name not in _MX_W8A8_MOE_BACKENDS:
-        _refuse(prefix, f"no MXFP8 fused-MoE kernel with MXFP8 activations: vLLM picked "
-                f"{backend.value} ({experts_cls.__name__}), which keeps activations in BF16",
-                key="scheme", value="mx",
-                hint="MXFP8 MoE generation needs Blackwell (SM100) with FlashInfer or DeepGEMM; "
-                     "on Hopper use fp8_blockwise, or quantization_config.backend: emulate")
+        _refuse(
+            prefix,
+            f"no MXFP8 fused-MoE kernel with MXFP8 activations: vLLM picked "
+            f"{backend.value} ({experts_cls.__name__}), which keeps activations in BF16",
+            key="scheme",
+            value="mx",
+            hint="MXFP8 MoE generation needs Blackwell (SM100) with FlashInfer or DeepGEMM; "
+            "on Hopper use fp8_blockwise, or quantization_config.backend: emulate",
+        )
     return backend, experts_cls
 
 
-def _copy_into(current: dict[str, torch.Tensor] | None,
-               fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _copy_into(
+    current: dict[str, torch.Tensor] | None, fresh: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Refit: copy ``fresh`` into the tensors a kernel already holds (captured CUDA graphs
     keep their addresses); a tensor whose shape or dtype changed is replaced."""
     if current is None:
@@ -358,19 +444,30 @@ class NemoFp8LinearMethod(LinearMethodBase):
         self.prefix = prefix
         self.quantizer = _Quantizer(quant_config)
         # vLLM's kernels take 128x128 block weights and 1x32 MX weights; other tiles emulate.
-        supported = (list(quant_config.weight_block_size) == [128, 128]
-                     if quant_config.scheme == "block"
-                     else list(quant_config.weight_block_size) == [1, 32])
+        supported = (
+            list(quant_config.weight_block_size) == [128, 128]
+            if quant_config.scheme == "block"
+            else list(quant_config.weight_block_size) == [1, 32]
+        )
         self.use_vllm = _use_vllm_kernels(quant_config) and supported
         self._kernel = None
         self._view: _KernelView | None = None
         # Where vLLM's kernels read the weight scales: block kernels take `weight_scale_inv`
         # (fp32), MXFP8 kernels `weight_scale` (the E8M0 bytes as uint8).
-        self._kernel_scale = "weight_scale_inv" if quant_config.scheme == "block" else "weight_scale"
+        self._kernel_scale = (
+            "weight_scale_inv" if quant_config.scheme == "block" else "weight_scale"
+        )
 
-    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
-                       output_partition_sizes: list[int], input_size: int, output_size: int,
-                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
         from vllm.model_executor.layers.quantization.utils.fp8_utils import validate_fp8_block_shape
         from vllm.model_executor.parameter import (
             BlockQuantScaleParameter,
@@ -387,30 +484,43 @@ class NemoFp8LinearMethod(LinearMethodBase):
         layer.orig_dtype = params_dtype
         layer.weight_block_size = list(self.quant_config.weight_block_size)
         if self.quant_config.scheme == "block":
-            validate_fp8_block_shape(layer, input_size, output_size, k, output_partition_sizes,
-                                     layer.weight_block_size)
+            validate_fp8_block_shape(
+                layer, input_size, output_size, k, output_partition_sizes, layer.weight_block_size
+            )
         elif k % 32:
-            raise ValueError(f"nemo_fp8 (mx): {self.prefix} has an input size of {k}, not a "
-                             f"multiple of 32")
+            raise ValueError(
+                f"nemo_fp8 (mx): {self.prefix} has an input size of {k}, not a multiple of 32"
+            )
 
         weight = ModelWeightParameter(
-            data=torch.empty(n, k, dtype=torch.float8_e4m3fn), input_dim=1, output_dim=0,
-            weight_loader=_wrap_loader(base_loader, "weight_scale_inv", self.quantizer, layer))
+            data=torch.empty(n, k, dtype=torch.float8_e4m3fn),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=_wrap_loader(base_loader, "weight_scale_inv", self.quantizer, layer),
+        )
         layer.register_parameter("weight", weight)
 
         rows, cols = self.quantizer.scale_shape(n, k)
-        scale_cls = (GroupQuantScaleParameter if self.quantizer.weight_block[0] == 1
-                     else BlockQuantScaleParameter)
-        scale = scale_cls(data=torch.ones(rows, cols, dtype=self.quantizer.scale_dtype),
-                          input_dim=1, output_dim=0, weight_loader=base_loader)
+        scale_cls = (
+            GroupQuantScaleParameter
+            if self.quantizer.weight_block[0] == 1
+            else BlockQuantScaleParameter
+        )
+        scale = scale_cls(
+            data=torch.ones(rows, cols, dtype=self.quantizer.scale_dtype),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=base_loader,
+        )
         set_weight_attrs(scale, {"scale_type": "weight_scale"})
         layer.register_parameter("weight_scale_inv", scale)
 
         if self.use_vllm and self.quant_config.scheme == "mx":
             from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel
 
-            self._kernel = _vet_mx_kernel(init_mxfp8_linear_kernel(weight_shape=(n, k)),
-                                          self.prefix)
+            self._kernel = _vet_mx_kernel(
+                init_mxfp8_linear_kernel(weight_shape=(n, k)), self.prefix
+            )
         elif self.use_vllm:
             from vllm.config import get_current_vllm_config
             from vllm.model_executor.kernels.linear import init_fp8_linear_kernel
@@ -421,8 +531,9 @@ class NemoFp8LinearMethod(LinearMethodBase):
 
             block = self.quant_config.weight_block_size
             self._kernel = init_fp8_linear_kernel(
-                activation_quant_key=create_fp8_quant_key(static=False,
-                                                          group_shape=GroupShape(1, block[1])),
+                activation_quant_key=create_fp8_quant_key(
+                    static=False, group_shape=GroupShape(1, block[1])
+                ),
                 weight_quant_key=create_fp8_quant_key(static=True, group_shape=GroupShape(*block)),
                 weight_shape=layer.weight.shape,
                 input_dtype=get_current_vllm_config().model_config.dtype,
@@ -441,8 +552,13 @@ class NemoFp8LinearMethod(LinearMethodBase):
             scale = scale.view(torch.uint8)
         setattr(view, self._kernel_scale, torch.nn.Parameter(scale, requires_grad=False))
         view.input_scale = None
-        for attr in ("weight_block_size", "logical_widths", "input_size_per_partition",
-                     "output_size_per_partition", "orig_dtype"):
+        for attr in (
+            "weight_block_size",
+            "logical_widths",
+            "input_size_per_partition",
+            "output_size_per_partition",
+            "orig_dtype",
+        ):
             setattr(view, attr, getattr(layer, attr))
         self._kernel.process_weights_after_loading(view)
         return view
@@ -464,8 +580,11 @@ class NemoFp8LinearMethod(LinearMethodBase):
 
     def _aliases_layer(self, layer: torch.nn.Module) -> bool:
         view = self._view
-        return (view is not None and view.weight.data_ptr() == layer.weight.data_ptr()
-                and getattr(view, self._kernel_scale).data_ptr() == layer.weight_scale_inv.data_ptr())
+        return (
+            view is not None
+            and view.weight.data_ptr() == layer.weight.data_ptr()
+            and getattr(view, self._kernel_scale).data_ptr() == layer.weight_scale_inv.data_ptr()
+        )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.use_vllm:
@@ -477,13 +596,19 @@ class NemoFp8LinearMethod(LinearMethodBase):
         if self.use_vllm and not self._aliases_layer(layer):
             self._bind(layer)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.use_vllm:
             return self._kernel.apply_weights(self._view, x, bias)
         shape = x.shape
-        out = self.quantizer.linear(x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale_inv,
-                                    out_dtype=x.dtype, bias=bias)
+        out = self.quantizer.linear(
+            x.reshape(-1, shape[-1]),
+            layer.weight,
+            layer.weight_scale_inv,
+            out_dtype=x.dtype,
+            bias=bias,
+        )
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
@@ -529,8 +654,10 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         self.use_vllm = _use_vllm_kernels(quant_config)
         self.weight_block_size = list(quant_config.weight_block_size)
         if quant_config.scheme == "mx" and self.weight_block_size != [1, 32]:
-            raise ValueError(f"nemo_fp8: {prefix}: MXFP8 MoE experts take 1x32 weight groups, got "
-                             f"weight_block_size {self.weight_block_size}")
+            raise ValueError(
+                f"nemo_fp8: {prefix}: MXFP8 MoE experts take 1x32 weight groups, got "
+                f"weight_block_size {self.weight_block_size}"
+            )
         self._mx_backend = None
         self._mx_tensors: dict[str, torch.Tensor] | None = None
         if self.use_vllm and quant_config.scheme == "mx":
@@ -538,9 +665,15 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         elif self.use_vllm:
             _vet_block_moe(quant_config, prefix)
 
-    def create_weights(self, layer, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype,
-                       **extra_weight_attrs) -> None:
+    def create_weights(
+        self,
+        layer,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
         from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
         from vllm.model_executor.layers.quantization.utils.fp8_utils import (
             validate_fp8_block_shape_moe,
@@ -550,8 +683,10 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         shards = self.moe.w13_num_shards
         if self.quant_config.scheme == "mx":
             if hidden_size % 32 or inter % 32:
-                raise ValueError(f"nemo_fp8 (mx): {self.prefix}: hidden size {hidden_size} and "
-                                 f"intermediate size {inter} must be multiples of 32")
+                raise ValueError(
+                    f"nemo_fp8 (mx): {self.prefix}: hidden size {hidden_size} and "
+                    f"intermediate size {inter} must be multiples of 32"
+                )
         else:
             validate_fp8_block_shape_moe(inter, self.weight_block_size)
         layer.num_experts = num_experts
@@ -570,27 +705,33 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
             return tuple(args), kwargs
 
         for stem, rows, cols in (("w13", shards * inter, hidden_size), ("w2", hidden_size, inter)):
-            weight = torch.nn.Parameter(torch.empty(num_experts, rows, cols, dtype=torch.float8_e4m3fn),
-                                        requires_grad=False)
+            weight = torch.nn.Parameter(
+                torch.empty(num_experts, rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False
+            )
             layer.register_parameter(f"{stem}_weight", weight)
             attrs = dict(extra_weight_attrs)
-            attrs["weight_loader"] = _wrap_loader(base_loader, f"{stem}_weight_scale_inv",
-                                                  self.quantizer, layer, scale_name)
+            attrs["weight_loader"] = _wrap_loader(
+                base_loader, f"{stem}_weight_scale_inv", self.quantizer, layer, scale_name
+            )
             set_weight_attrs(weight, attrs)
             srows, scols = self.quantizer.scale_shape(rows, cols)
             if stem == "w13":
                 # Each of the fused w1/w3 halves has its own tile rows.
                 srows = shards * self.quantizer.scale_shape(inter, cols)[0]
-            scale = torch.nn.Parameter(torch.ones(num_experts, srows, scols,
-                                                  dtype=self.quantizer.scale_dtype),
-                                       requires_grad=False)
+            scale = torch.nn.Parameter(
+                torch.ones(num_experts, srows, scols, dtype=self.quantizer.scale_dtype),
+                requires_grad=False,
+            )
             layer.register_parameter(f"{stem}_weight_scale_inv", scale)
-            set_weight_attrs(scale, {**extra_weight_attrs,
-                                     "quant_method": FusedMoeWeightScaleSupported.BLOCK.value})
+            set_weight_attrs(
+                scale,
+                {**extra_weight_attrs, "quant_method": FusedMoeWeightScaleSupported.BLOCK.value},
+            )
         if self.moe.has_bias:
             for stem, rows in (("w13", shards * inter), ("w2", hidden_size)):
-                bias = torch.nn.Parameter(torch.zeros(num_experts, rows, dtype=params_dtype),
-                                          requires_grad=False)
+                bias = torch.nn.Parameter(
+                    torch.zeros(num_experts, rows, dtype=params_dtype), requires_grad=False
+                )
                 layer.register_parameter(f"{stem}_bias", bias)
                 set_weight_attrs(bias, extra_weight_attrs)
         layer.w13_input_scale = None
@@ -602,16 +743,25 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
 
             t = self._mx_tensors if self._mx_tensors is not None else self._mx_layout(layer)
             return make_fp8_moe_quant_config(
-                fp8_backend=self._mx_backend, w1_scale=t["w13_scale"], w2_scale=t["w2_scale"],
-                a1_scale=None, a2_scale=None, w1_bias=getattr(layer, "w13_bias", None),
-                w2_bias=getattr(layer, "w2_bias", None), block_shape=self.weight_block_size,
-                layer=layer)
+                fp8_backend=self._mx_backend,
+                w1_scale=t["w13_scale"],
+                w2_scale=t["w2_scale"],
+                a1_scale=None,
+                a2_scale=None,
+                w1_bias=getattr(layer, "w13_bias", None),
+                w2_bias=getattr(layer, "w2_bias", None),
+                block_shape=self.weight_block_size,
+                layer=layer,
+            )
         from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
         return fp8_w8a8_moe_quant_config(
-            w1_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv,
-            w1_bias=getattr(layer, "w13_bias", None), w2_bias=getattr(layer, "w2_bias", None),
-            block_shape=self.weight_block_size)
+            w1_scale=layer.w13_weight_scale_inv,
+            w2_scale=layer.w2_weight_scale_inv,
+            w1_bias=getattr(layer, "w13_bias", None),
+            w2_bias=getattr(layer, "w2_bias", None),
+            block_shape=self.weight_block_size,
+        )
 
     # -- MXFP8 on vLLM's kernels: a run-time layout beside the loadable parameters
 
@@ -624,10 +774,15 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         )
 
         w13, w2, s13, s2 = convert_to_fp8_moe_kernel_format(
-            fp8_backend=self._mx_backend, layer=layer, w13=layer.w13_weight.data,
-            w2=layer.w2_weight.data, w13_scale=layer.w13_weight_scale_inv.data.view(torch.uint8),
-            w2_scale=layer.w2_weight_scale_inv.data.view(torch.uint8), w13_input_scale=None,
-            w2_input_scale=None)
+            fp8_backend=self._mx_backend,
+            layer=layer,
+            w13=layer.w13_weight.data,
+            w2=layer.w2_weight.data,
+            w13_scale=layer.w13_weight_scale_inv.data.view(torch.uint8),
+            w2_scale=layer.w2_weight_scale_inv.data.view(torch.uint8),
+            w13_input_scale=None,
+            w2_input_scale=None,
+        )
         return {"w13": w13, "w2": w2, "w13_scale": s13, "w2_scale": s2}
 
     def _bind_mx(self, layer) -> None:
@@ -638,16 +793,22 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
 
             self.moe_quant_config = self.get_fused_moe_quant_config(layer)
             self.moe_kernel = make_fp8_moe_kernel(
-                moe_quant_config=self.moe_quant_config, moe_config=self.moe,
-                fp8_backend=self._mx_backend, experts_cls=self.experts_cls,
-                routing_tables=layer._expert_routing_tables())
+                moe_quant_config=self.moe_quant_config,
+                moe_config=self.moe,
+                fp8_backend=self._mx_backend,
+                experts_cls=self.experts_cls,
+                routing_tables=layer._expert_routing_tables(),
+            )
 
     def _mx_aliases_layer(self, layer) -> bool:
         t = self._mx_tensors
-        return (t is not None and t["w13"].data_ptr() == layer.w13_weight.data_ptr()
-                and t["w2"].data_ptr() == layer.w2_weight.data_ptr()
-                and t["w13_scale"].data_ptr() == layer.w13_weight_scale_inv.data_ptr()
-                and t["w2_scale"].data_ptr() == layer.w2_weight_scale_inv.data_ptr())
+        return (
+            t is not None
+            and t["w13"].data_ptr() == layer.w13_weight.data_ptr()
+            and t["w2"].data_ptr() == layer.w2_weight.data_ptr()
+            and t["w13_scale"].data_ptr() == layer.w13_weight_scale_inv.data_ptr()
+            and t["w2_scale"].data_ptr() == layer.w2_weight_scale_inv.data_ptr()
+        )
 
     def process_weights_after_loading(self, layer) -> None:
         if self._mx_backend is not None:
@@ -659,42 +820,76 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         if self._mx_backend is not None and not self._mx_aliases_layer(layer):
             self._bind_mx(layer)
 
-    def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
-                         input_ids: torch.Tensor | None = None):
+    def apply_monolithic(
+        self,
+        layer,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+    ):
         assert self.moe_kernel is not None and self._mx_tensors is not None
         return self.moe_kernel.apply_monolithic(
-            x, self._mx_tensors["w13"], self._mx_tensors["w2"], router_logits,
-            activation=layer.activation, global_num_experts=layer.global_num_experts,
+            x,
+            self._mx_tensors["w13"],
+            self._mx_tensors["w2"],
+            router_logits,
+            activation=layer.activation,
+            global_num_experts=layer.global_num_experts,
             expert_map=layer.expert_map,
             apply_router_weight_on_input=layer.apply_router_weight_on_input,
-            num_expert_group=layer.num_expert_group, topk_group=layer.topk_group,
+            num_expert_group=layer.num_expert_group,
+            topk_group=layer.topk_group,
             e_score_correction_bias=layer.e_score_correction_bias,
-            routed_scaling_factor=layer.routed_scaling_factor, routing_sink=layer.routing_sink)
+            routed_scaling_factor=layer.routed_scaling_factor,
+            routing_sink=layer.routing_sink,
+        )
 
-    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+    def apply(
+        self,
+        layer,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts=None,
+        shared_experts_input=None,
+    ) -> torch.Tensor:
         if self._mx_backend is not None:
             assert self.moe_kernel is not None and self._mx_tensors is not None
             return self.moe_kernel.apply(
-                x, self._mx_tensors["w13"], self._mx_tensors["w2"], topk_weights, topk_ids,
-                activation=layer.activation, global_num_experts=layer.global_num_experts,
+                x,
+                self._mx_tensors["w13"],
+                self._mx_tensors["w2"],
+                topk_weights,
+                topk_ids,
+                activation=layer.activation,
+                global_num_experts=layer.global_num_experts,
                 expert_map=layer.expert_map,
                 apply_router_weight_on_input=layer.apply_router_weight_on_input,
-                shared_experts=shared_experts, shared_experts_input=shared_experts_input)
+                shared_experts=shared_experts,
+                shared_experts_input=shared_experts_input,
+            )
         if self.use_vllm:
             from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
 
             return fused_experts(
-                x, layer.w13_weight, layer.w2_weight, topk_weights=topk_weights, topk_ids=topk_ids,
+                x,
+                layer.w13_weight,
+                layer.w2_weight,
+                topk_weights=topk_weights,
+                topk_ids=topk_ids,
                 activation=layer.activation,
                 apply_router_weight_on_input=layer.apply_router_weight_on_input,
-                global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
-                quant_config=self.moe_quant_config or self.get_fused_moe_quant_config(layer))
+                global_num_experts=layer.global_num_experts,
+                expert_map=layer.expert_map,
+                quant_config=self.moe_quant_config or self.get_fused_moe_quant_config(layer),
+            )
         return self._emulated_experts(layer, x, topk_weights, topk_ids)
 
     def _emulated_experts(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         act = _moe_activation(layer)
-        out = torch.zeros(x.shape[0], layer.w2_weight.shape[1], dtype=torch.float32, device=x.device)
+        out = torch.zeros(
+            x.shape[0], layer.w2_weight.shape[1], dtype=torch.float32, device=x.device
+        )
         ids = topk_ids.long()
         expert_map = getattr(layer, "expert_map", None)
         if expert_map is not None:
@@ -711,11 +906,21 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
             if on_input:
                 xe = (xe.to(torch.float32) * gate).to(x.dtype)
             # Biases are added in fp32 before the cast, as in the dense layers.
-            h = self.quantizer.linear(xe, layer.w13_weight[e], layer.w13_weight_scale_inv[e],
-                                      x.dtype, bias=None if b13 is None else b13[e])
+            h = self.quantizer.linear(
+                xe,
+                layer.w13_weight[e],
+                layer.w13_weight_scale_inv[e],
+                x.dtype,
+                bias=None if b13 is None else b13[e],
+            )
             h = act(h)
-            y = self.quantizer.linear(h, layer.w2_weight[e], layer.w2_weight_scale_inv[e], x.dtype,
-                                      bias=None if b2 is None else b2[e])
+            y = self.quantizer.linear(
+                h,
+                layer.w2_weight[e],
+                layer.w2_weight_scale_inv[e],
+                x.dtype,
+                bias=None if b2 is None else b2[e],
+            )
             y = y.to(torch.float32)
             out.index_add_(0, rows, y if on_input else y * gate)
         return out.to(x.dtype)
@@ -724,8 +929,11 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
 def _moe_activation(layer) -> Callable[[torch.Tensor], torch.Tensor]:
     name = getattr(layer.activation, "value", layer.activation)
     is_gated = bool(getattr(layer.moe_config, "is_act_and_mul", True))
-    base = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
-            "relu": torch.relu}.get(str(name).lower())
+    base = {
+        "silu": torch.nn.functional.silu,
+        "gelu": torch.nn.functional.gelu,
+        "relu": torch.relu,
+    }.get(str(name).lower())
     if base is None:
         raise NotImplementedError(f"nemo_fp8 emulation: MoE activation {name!r} is not implemented")
     if not is_gated:
@@ -766,11 +974,19 @@ class NemoFp8KVCacheMethod(BaseKVCacheMethod):
         self._checked = True
         asked = getattr(self.quant_config, "kv_cache_dtype", "auto")
         running = getattr(layer, "kv_cache_dtype", "auto")
-        if asked not in ("auto", None) and running != asked and not (
-                asked == "fp8_e4m3" and running == "fp8"):
-            logger.warning("nemo_fp8: %s: the recipe asked for a %s KV cache but the engine runs %s "
-                           "(vLLM's CPU backend stores FP8 caches as E5M2); rollouts will not match "
-                           "an E4M3 GPU cache", self.prefix, asked, running)
+        if (
+            asked not in ("auto", None)
+            and running != asked
+            and not (asked == "fp8_e4m3" and running == "fp8")
+        ):
+            logger.warning(
+                "nemo_fp8: %s: the recipe asked for a %s KV cache but the engine runs %s "
+                "(vLLM's CPU backend stores FP8 caches as E5M2); rollouts will not match "
+                "an E4M3 GPU cache",
+                self.prefix,
+                asked,
+                running,
+            )
 
     def process_weights_after_loading(self, layer) -> None:
         self._check_dtype(layer)

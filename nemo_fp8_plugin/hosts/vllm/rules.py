@@ -3,18 +3,17 @@ exact module names as vLLM's ``is_layer_skipped`` compares them."""
 
 from __future__ import annotations
 
-import re
-from typing import Any
-
 from ...rules import ModelDescription
-from ...rules.names import MEGATRON_TO_HF_LEAVES, builtin_high_precision, layer_index
-from ...rules.resolve import (GLOB_CHARS, module_rules, is_module_rule, plain_keyword, resolve,
-                              rule_label, side_rules, template)
+from ...rules.resolve import (
+    GLOB_CHARS,
+    resolve,
+    rule_label,
+    side_rules,
+)
 from ...spec import BF16Rules, RecipeSpec
 from .. import HostKeys
 
 __all__ = ["to_vllm"]
-
 
 
 def to_vllm(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> HostKeys:
@@ -36,16 +35,22 @@ def to_vllm(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None)
         warnings = []
         exact = []
         if rules.first:
-            warnings.append(f"bf16_layers.first={rules.first} (host vllm): vLLM has no layer-count "
-                            f"key; ignored_layers needs the model description (--model or --model-config)")
+            warnings.append(
+                f"bf16_layers.first={rules.first} (host vllm): vLLM has no layer-count "
+                f"key; ignored_layers needs the model description (--model or --model-config)"
+            )
         if rules.last:
-            warnings.append(f"bf16_layers.last={rules.last} (host vllm): vLLM has no layer-count "
-                            f"key; ignored_layers needs the model description (--model or --model-config)")
+            warnings.append(
+                f"bf16_layers.last={rules.last} (host vllm): vLLM has no layer-count "
+                f"key; ignored_layers needs the model description (--model or --model-config)"
+            )
         for i, p in enumerate(rules.modules):
             if GLOB_CHARS.search(p):
-                warnings.append(f"{rule_label(i, p)} (host vllm): ignored_layers takes exact module "
-                                f"names; expanding this glob needs the model description "
-                                f"(--model or --model-config)")
+                warnings.append(
+                    f"{rule_label(i, p)} (host vllm): ignored_layers takes exact module "
+                    f"names; expanding this glob needs the model description "
+                    f"(--model or --model-config)"
+                )
             else:
                 exact.append(p)
         return HostKeys({"ignored_layers": exact} if exact else {}, warnings)

@@ -13,7 +13,8 @@ tensors are on the worker.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -23,8 +24,9 @@ WORKER_EXTENSION = "nemo_fp8_plugin.hosts.vllm.worker.NemoFp8WorkerExtension"
 """Dotted path for ``vllm.LLM(worker_extension_cls=...)``."""
 
 
-def load_refit_payload(model: torch.nn.Module,
-                       named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+def load_refit_payload(
+    model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, Any]:
     """Load ``(name, tensor)`` pairs into a vLLM model in place and finish the refit.
 
     Returns ``{"loaded": number of vLLM parameters written, "seconds": wall time}``.
@@ -34,8 +36,10 @@ def load_refit_payload(model: torch.nn.Module,
     start = time.perf_counter()
     loaded = model.load_weights(weights=iter(named_tensors))
     finish_refit(model)
-    return {"loaded": len(loaded) if loaded is not None else None,
-            "seconds": time.perf_counter() - start}
+    return {
+        "loaded": len(loaded) if loaded is not None else None,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 class NemoFp8WorkerExtension:
@@ -44,14 +48,18 @@ class NemoFp8WorkerExtension:
     def _nemo_fp8_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
 
-    def nemo_fp8_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    def nemo_fp8_load_weights(
+        self, named_tensors: list[tuple[str, torch.Tensor]]
+    ) -> dict[str, Any]:
         """Refit: load the payload into the running model (see :func:`load_refit_payload`)."""
         return load_refit_payload(self._nemo_fp8_model(), named_tensors)
 
     def nemo_fp8_describe(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Name -> (dtype, shape) of every parameter, to check what the engine holds."""
-        return {name: (str(p.dtype).replace("torch.", ""), tuple(p.shape))
-                for name, p in self._nemo_fp8_model().named_parameters()}
+        return {
+            name: (str(p.dtype).replace("torch.", ""), tuple(p.shape))
+            for name, p in self._nemo_fp8_model().named_parameters()
+        }
 
     def nemo_fp8_get_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
         """CPU copies of the named parameters (or KV-scale parameters) of the model."""

@@ -91,8 +91,11 @@ def load_demo_config(path: str | Path):
             from ...errors import suggest
 
             near = suggest(key, top)
-            raise FP8ConfigError("unknown key: the demo reads only " + ", ".join(top), key=str(key),
-                                 hint=f"did you mean {near!r}?" if near else None)
+            raise FP8ConfigError(
+                "unknown key: the demo reads only " + ", ".join(top),
+                key=str(key),
+                hint=f"did you mean {near!r}?" if near else None,
+            )
     blocks = {}
     for key, cls in (("model", GPTSettings), ("train", TrainSettings)):
         raw = config.get(key) or {}
@@ -101,15 +104,24 @@ def load_demo_config(path: str | Path):
         allowed = set(cls.__dataclass_fields__)
         for k, v in raw.items():
             if k not in allowed:
-                raise FP8ConfigError("unknown key", key=f"{key}.{k}",
-                                     hint=f"valid keys: {', '.join(sorted(allowed))}")
+                raise FP8ConfigError(
+                    "unknown key",
+                    key=f"{key}.{k}",
+                    hint=f"valid keys: {', '.join(sorted(allowed))}",
+                )
             want = type(getattr(cls(), k))
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
-                raise FP8ConfigError(f"expected a {want.__name__}, got {format_value(v)}",
-                                     key=f"{key}.{k}", value=v)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (want is int and not isinstance(v, int))
+            ):
+                raise FP8ConfigError(
+                    f"expected a {want.__name__}, got {format_value(v)}", key=f"{key}.{k}", value=v
+                )
             if v <= 0 and k != "weight_decay":
-                raise FP8ConfigError(f"must be positive, got {format_value(v)}", key=f"{key}.{k}",
-                                     value=v)
+                raise FP8ConfigError(
+                    f"must be positive, got {format_value(v)}", key=f"{key}.{k}", value=v
+                )
         blocks[key] = cls(**raw)
     _check_ranges(blocks["model"], blocks["train"])
     return blocks["model"], blocks["train"], request
@@ -117,13 +129,21 @@ def load_demo_config(path: str | Path):
 
 _DEMO_RANGES = {
     # key: (low, high); far beyond what a CPU demo runs, short of what crashes or never ends
-    "model.num_layers": (1, 64), "model.hidden_size": (1, 8192),
-    "model.ffn_hidden_size": (1, 32768), "model.num_attention_heads": (1, 128),
-    "model.seq_length": (2, 8192), "model.vocab_size": (256, 65536),  # 256: byte tokens
-    "train.steps": (1, 100_000), "train.micro_batch_size": (1, 4096), "train.lr": (0, 10.0),
-    "train.warmup_steps": (1, 100_000), "train.weight_decay": (0.0, 10.0),
-    "train.grad_clip": (0, 1e6), "train.seed": (0, 2**32 - 2),  # seed + 1 seeds the batches
-    "train.eval_batches": (1, 10_000), "train.corpus_bytes": (1, 10**9),
+    "model.num_layers": (1, 64),
+    "model.hidden_size": (1, 8192),
+    "model.ffn_hidden_size": (1, 32768),
+    "model.num_attention_heads": (1, 128),
+    "model.seq_length": (2, 8192),
+    "model.vocab_size": (256, 65536),  # 256: byte tokens
+    "train.steps": (1, 100_000),
+    "train.micro_batch_size": (1, 4096),
+    "train.lr": (0, 10.0),
+    "train.warmup_steps": (1, 100_000),
+    "train.weight_decay": (0.0, 10.0),
+    "train.grad_clip": (0, 1e6),
+    "train.seed": (0, 2**32 - 2),  # seed + 1 seeds the batches
+    "train.eval_batches": (1, 10_000),
+    "train.corpus_bytes": (1, 10**9),
 }
 """Inclusive ranges of the demo config's values (``lr`` and ``grad_clip`` must also be > 0)."""
 
@@ -140,19 +160,30 @@ def _check_ranges(gpt, train) -> None:
         if not low <= value <= high:
             raise FP8ConfigError(f"must be in [{low}, {high}], got {value}", key=key, value=value)
     if gpt.hidden_size % gpt.num_attention_heads:
-        raise FP8ConfigError(f"must be a multiple of model.num_attention_heads "
-                             f"({gpt.num_attention_heads}), got {gpt.hidden_size}",
-                             key="model.hidden_size", value=gpt.hidden_size)
-    params = gpt.num_layers * (4 * gpt.hidden_size ** 2 + 2 * gpt.hidden_size *
-                               gpt.ffn_hidden_size) + gpt.vocab_size * gpt.hidden_size
+        raise FP8ConfigError(
+            f"must be a multiple of model.num_attention_heads "
+            f"({gpt.num_attention_heads}), got {gpt.hidden_size}",
+            key="model.hidden_size",
+            value=gpt.hidden_size,
+        )
+    params = (
+        gpt.num_layers * (4 * gpt.hidden_size**2 + 2 * gpt.hidden_size * gpt.ffn_hidden_size)
+        + gpt.vocab_size * gpt.hidden_size
+    )
     if params > 2 * 10**9:
-        raise FP8ConfigError(f"the model would have about {params / 1e9:.1f}B parameters, more "
-                             f"than the 2B a CPU demo holds", key="model.num_layers",
-                             value=gpt.num_layers, hint="shrink num_layers or hidden_size")
+        raise FP8ConfigError(
+            f"the model would have about {params / 1e9:.1f}B parameters, more "
+            f"than the 2B a CPU demo holds",
+            key="model.num_layers",
+            value=gpt.num_layers,
+            hint="shrink num_layers or hidden_size",
+        )
     if train.micro_batch_size * gpt.seq_length > 2**22:
-        raise FP8ConfigError(f"{train.micro_batch_size} x {gpt.seq_length} tokens per step is "
-                             f"more than {2**22}", key="train.micro_batch_size",
-                             value=train.micro_batch_size)
+        raise FP8ConfigError(
+            f"{train.micro_batch_size} x {gpt.seq_length} tokens per step is more than {2**22}",
+            key="train.micro_batch_size",
+            value=train.micro_batch_size,
+        )
 
 
 def _lr_at(step: int, train: TrainSettings) -> float:
@@ -175,8 +206,11 @@ def _convert(model, arm: str, spec, num_layers: int):
     from ...numerics import convert_to_bf16_emulation, convert_to_fp8_emulation, emulated_modules
     from ...rules import module_filter
 
-    linear_names = [n for n, m in model.named_modules()
-                    if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear")]
+    linear_names = [
+        n
+        for n, m in model.named_modules()
+        if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear")
+    ]
     if spec is None:
         convert_to_bf16_emulation(model)
         return len(linear_names), len(linear_names)
@@ -218,8 +252,16 @@ class StopRequest:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def run_arm(result: ArmResult, spec, gpt, train: TrainSettings, data, *,
-            progress: bool = True, stop: StopRequest | None = None) -> ArmResult:
+def run_arm(
+    result: ArmResult,
+    spec,
+    gpt,
+    train: TrainSettings,
+    data,
+    *,
+    progress: bool = True,
+    stop: StopRequest | None = None,
+) -> ArmResult:
     """Train one arm from the shared seed into ``result``; returns early (``completed``
     false) when ``stop`` is requested."""
     import torch
@@ -231,14 +273,21 @@ def run_arm(result: ArmResult, spec, gpt, train: TrainSettings, data, *,
     result.bf16_modules, result.linear_modules = _convert(model, arm, spec, gpt.num_layers)
     params_decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     params_other = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": params_decay, "weight_decay": train.weight_decay},
-                             {"params": params_other, "weight_decay": 0.0}],
-                            lr=train.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [
+            {"params": params_decay, "weight_decay": train.weight_decay},
+            {"params": params_other, "weight_decay": 0.0},
+        ],
+        lr=train.lr,
+        betas=(0.9, 0.95),
+    )
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=train.steps, desc=f"{arm:>14}", unit="step", leave=True, dynamic_ncols=True)
+        bar = tqdm(
+            total=train.steps, desc=f"{arm:>14}", unit="step", leave=True, dynamic_ncols=True
+        )
     try:
         model.train()
         for step, batch in enumerate(data.train_batches(train.steps)):
@@ -283,7 +332,9 @@ def _arms(request, recipes: list[str] | None):
             continue
         if name not in reg:
             raise reg.unknown(name, key="--recipes")
-        spec = request.spec if (request is not None and request.spec.name == name) else reg.get(name)
+        spec = (
+            request.spec if (request is not None and request.spec.name == name) else reg.get(name)
+        )
         arms.append((name, spec))
     if len(arms) == 1:
         raise FP8ConfigError("no FP8 recipe to compare", key="--recipes", value=recipes)
@@ -299,10 +350,19 @@ def summarize(results: list[ArmResult]) -> list[dict[str, Any]]:
         if base is not None and base.eval_loss and r.eval_loss is not None:
             gap = (r.eval_loss - base.eval_loss) / base.eval_loss
         step_ratio = ratio(r.step_time_s, base.step_time_s if base is not None else None)
-        rows.append({"recipe": r.name, "final_loss": r.eval_loss, "loss_gap_vs_bf16": gap,
-                     "step_time_s": r.step_time_s, "step_time_vs_bf16": step_ratio,
-                     "bf16_modules": r.bf16_modules, "linear_modules": r.linear_modules,
-                     "steps_done": len(r.losses), "completed": r.completed})
+        rows.append(
+            {
+                "recipe": r.name,
+                "final_loss": r.eval_loss,
+                "loss_gap_vs_bf16": gap,
+                "step_time_s": r.step_time_s,
+                "step_time_vs_bf16": step_ratio,
+                "bf16_modules": r.bf16_modules,
+                "linear_modules": r.linear_modules,
+                "steps_done": len(r.losses),
+                "completed": r.completed,
+            }
+        )
     return rows
 
 
@@ -310,15 +370,19 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
-    lines = [f"{'recipe':<16} {'final loss':>10} {'gap vs BF16':>11} {'step time vs BF16':>17} "
-             f"{'BF16 linears':>12}"]
+    lines = [
+        f"{'recipe':<16} {'final loss':>10} {'gap vs BF16':>11} {'step time vs BF16':>17} "
+        f"{'BF16 linears':>12}"
+    ]
     for row in rows:
         layers = f"{row['bf16_modules']}/{row['linear_modules']}"
         done = "" if row["completed"] else f"  (stopped after {row['steps_done']} steps)"
-        lines.append(f"{row['recipe']:<16} {fmt(row['final_loss'], '10.4f')} "
-                     f"{fmt(row['loss_gap_vs_bf16'], '+11.2%')} "
-                     f"{fmt(row['step_time_vs_bf16'], '16.2f') + ('x' if row['step_time_vs_bf16'] else ''):>17} "
-                     f"{layers:>12}{done}")
+        lines.append(
+            f"{row['recipe']:<16} {fmt(row['final_loss'], '10.4f')} "
+            f"{fmt(row['loss_gap_vs_bf16'], '+11.2%')} "
+            f"{fmt(row['step_time_vs_bf16'], '16.2f') + ('x' if row['step_time_vs_bf16'] else ''):>17} "
+            f"{layers:>12}{done}"
+        )
     return "\n".join(lines)
 
 
@@ -331,11 +395,18 @@ def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult
         if not r.losses:
             continue
         window = 10
-        smooth = [sum(r.losses[max(0, i - window + 1):i + 1]) / len(r.losses[max(0, i - window + 1):i + 1])
-                  for i in range(len(r.losses))]
-        ax.plot(range(1, len(smooth) + 1), smooth, label=r.name,
-                linewidth=2.2 if r.name == "bf16" else 1.2,
-                color="black" if r.name == "bf16" else None)
+        smooth = [
+            sum(r.losses[max(0, i - window + 1) : i + 1])
+            / len(r.losses[max(0, i - window + 1) : i + 1])
+            for i in range(len(r.losses))
+        ]
+        ax.plot(
+            range(1, len(smooth) + 1),
+            smooth,
+            label=r.name,
+            linewidth=2.2 if r.name == "bf16" else 1.2,
+            color="black" if r.name == "bf16" else None,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (10-step mean)")
     ax.set_title("megatron-core GPT on CPU: BF16 vs FP8 recipes (emulated)")
@@ -345,9 +416,15 @@ def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult
     return written
 
 
-def run_demo(config: str | Path | None = None, *, recipes: list[str] | None = None,
-             steps: int | None = None, out_dir: str | Path = "nemo-fp8-demo",
-             progress: bool = True, log=print) -> dict[str, Any]:
+def run_demo(
+    config: str | Path | None = None,
+    *,
+    recipes: list[str] | None = None,
+    steps: int | None = None,
+    out_dir: str | Path = "nemo-fp8-demo",
+    progress: bool = True,
+    log=print,
+) -> dict[str, Any]:
     """Train the BF16 arm and one arm per recipe; write the JSON and PNG; return the report.
 
     Ctrl-C stops the arm in flight after its current step; what ran so far is written and
@@ -364,15 +441,23 @@ def run_demo(config: str | Path | None = None, *, recipes: list[str] | None = No
             from ...errors import FP8ConfigError
 
             raise FP8ConfigError(f"must be positive, got {steps}", key="--steps", value=steps)
-        train = dataclasses.replace(train, steps=steps,
-                                    warmup_steps=min(train.warmup_steps, max(1, steps // 10)))
+        train = dataclasses.replace(
+            train, steps=steps, warmup_steps=min(train.warmup_steps, max(1, steps // 10))
+        )
     arms = _arms(request, recipes)
     out_dir = Path(out_dir)
-    data = ByteBatches(stdlib_corpus(train.corpus_bytes), gpt.seq_length, train.micro_batch_size,
-                       train.seed, eval_batches=train.eval_batches)
+    data = ByteBatches(
+        stdlib_corpus(train.corpus_bytes),
+        gpt.seq_length,
+        train.micro_batch_size,
+        train.seed,
+        eval_batches=train.eval_batches,
+    )
     log(f"nemo-fp8 demo: {config}")
-    log(f"  model: megatron-core GPTModel, {gpt.num_layers} layers, hidden {gpt.hidden_size}, "
-        f"{train.steps} steps x {train.micro_batch_size}x{gpt.seq_length} bytes of Python stdlib source")
+    log(
+        f"  model: megatron-core GPTModel, {gpt.num_layers} layers, hidden {gpt.hidden_size}, "
+        f"{train.steps} steps x {train.micro_batch_size}x{gpt.seq_length} bytes of Python stdlib source"
+    )
     log(f"  arms: {', '.join(a for a, _ in arms)}; output: {out_dir.resolve()}")
     results: list[ArmResult] = []
     interrupted = False
@@ -381,10 +466,16 @@ def run_demo(config: str | Path | None = None, *, recipes: list[str] | None = No
 
     def snapshot():
         report.clear()
-        report.update(config=str(config), model=asdict(gpt), train=asdict(train),
-                      recipe_requested=request.spec.name if request else None,
-                      environment=env, interrupted=interrupted,
-                      rows=summarize(results), curves={r.name: r.losses for r in results})
+        report.update(
+            config=str(config),
+            model=asdict(gpt),
+            train=asdict(train),
+            recipe_requested=request.spec.name if request else None,
+            environment=env,
+            interrupted=interrupted,
+            rows=summarize(results),
+            curves={r.name: r.losses for r in results},
+        )
         return write_outputs(out_dir, report, results)
 
     pyplot()  # import before training: a Ctrl-C or a missing package must not strike mid-write

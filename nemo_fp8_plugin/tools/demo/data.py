@@ -41,8 +41,15 @@ class ByteBatches:
     it so every arm is scored on exactly the same tokens.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_length: int, batch_size: int, seed: int,
-                 eval_fraction: float = 0.1, eval_batches: int = 4):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        seq_length: int,
+        batch_size: int,
+        seed: int,
+        eval_fraction: float = 0.1,
+        eval_batches: int = 4,
+    ):
         split = int(len(tokens) * (1 - eval_fraction))
         self.train, self.held_out = tokens[:split].long(), tokens[split:].long()
         self.seq_length, self.batch_size, self.seed = seq_length, batch_size, seed
@@ -50,8 +57,10 @@ class ByteBatches:
         self.eval = [self._window(self.held_out, gen) for _ in range(eval_batches)]
 
     def _window(self, source: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        starts = torch.randint(0, len(source) - self.seq_length - 1, (self.batch_size,), generator=gen)
-        return torch.stack([source[s:s + self.seq_length + 1] for s in starts.tolist()])
+        starts = torch.randint(
+            0, len(source) - self.seq_length - 1, (self.batch_size,), generator=gen
+        )
+        return torch.stack([source[s : s + self.seq_length + 1] for s in starts.tolist()])
 
     def train_batches(self, steps: int):
         """``steps`` training batches [batch, seq+1], the same sequence for every arm."""

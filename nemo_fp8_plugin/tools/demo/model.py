@@ -59,8 +59,9 @@ def init_megatron_cpu() -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -73,8 +74,16 @@ def cpu_core_attention_class():
         """megatron-core's core attention computed with torch's fused SDPA (causal), so no
         CUDA buffer is needed. Same inputs and output layout: [s, b, heads, dim] -> [s, b, h]."""
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None):
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+        ):
             groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
             if groups > 1:
                 key = key.repeat_interleave(groups, dim=2)
@@ -95,12 +104,22 @@ def build_gpt(settings: GPTSettings, seed: int):
     init_megatron_cpu()
     torch.manual_seed(seed)
     config = TransformerConfig(
-        num_layers=settings.num_layers, hidden_size=settings.hidden_size,
-        ffn_hidden_size=settings.ffn_hidden_size, num_attention_heads=settings.num_attention_heads,
-        use_cpu_initialization=True, params_dtype=torch.float32, transformer_impl="local",
-        hidden_dropout=0.0, attention_dropout=0.0)
+        num_layers=settings.num_layers,
+        hidden_size=settings.hidden_size,
+        ffn_hidden_size=settings.ffn_hidden_size,
+        num_attention_heads=settings.num_attention_heads,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        transformer_impl="local",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = cpu_core_attention_class()
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=settings.vocab_size,
-                    max_sequence_length=settings.seq_length,
-                    position_embedding_type="learned_absolute")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=settings.vocab_size,
+        max_sequence_length=settings.seq_length,
+        position_embedding_type="learned_absolute",
+    )

@@ -40,9 +40,20 @@ from .result import Deadline, skipped
 from .te import check_te_linear, check_te_quantizers
 from .vllm import MIN_SECONDS, TIMEOUT_S, check_vllm_refit
 
-__all__ = ["run_checks", "main", "PARTS", "BUDGET_S", "QUANTIZER_SHARE", "check_quantizers",
-           "check_gemm", "check_refit", "check_te_quantizers", "check_te_linear",
-           "check_vllm_refit", "edge_inputs"]
+__all__ = [
+    "run_checks",
+    "main",
+    "PARTS",
+    "BUDGET_S",
+    "QUANTIZER_SHARE",
+    "check_quantizers",
+    "check_gemm",
+    "check_refit",
+    "check_te_quantizers",
+    "check_te_linear",
+    "check_vllm_refit",
+    "edge_inputs",
+]
 
 PARTS = ("quantizers", "gemm", "refit", "te_quantizers", "te_linear", "vllm_refit")
 """The parts, in the order they run."""
@@ -59,19 +70,25 @@ one kernel per tile shape, format and dtype, the one cost that depends on the ma
 def _vllm_part(device: torch.device, deadline: Deadline) -> dict[str, Any]:
     left = deadline.left()
     if left < MIN_SECONDS:
-        return skipped(f"only {left:.0f} s of the time budget left; a vLLM engine start "
-                       f"needs {MIN_SECONDS:.0f} s")
+        return skipped(
+            f"only {left:.0f} s of the time budget left; a vLLM engine start "
+            f"needs {MIN_SECONDS:.0f} s"
+        )
     return check_vllm_refit(device, timeout_s=min(TIMEOUT_S, left - 5))
 
 
-def run_checks(device: str | torch.device = "cuda", parts=PARTS, *, quick: bool = False,
-               budget_s: float = BUDGET_S) -> dict[str, Any]:
+def run_checks(
+    device: str | torch.device = "cuda",
+    parts=PARTS,
+    *,
+    quick: bool = False,
+    budget_s: float = BUDGET_S,
+) -> dict[str, Any]:
     """Run the named parts within ``budget_s`` seconds; a part that raises is recorded as
     failed and the rest still run. Returns the report ``--out`` holds."""
     device = torch.device(device)
     deadline = Deadline(budget_s)
-    report: dict[str, Any] = {"environment": environment(device), "budget_s": budget_s,
-                              "parts": {}}
+    report: dict[str, Any] = {"environment": environment(device), "budget_s": budget_s, "parts": {}}
     try:
         from .presets import check_recipes
 
@@ -79,8 +96,9 @@ def run_checks(device: str | torch.device = "cuda", parts=PARTS, *, quick: bool 
     except Exception as exc:  # a broken entry-point recipe: the parts that need one fail
         report["recipes"] = f"not loadable: {type(exc).__name__}: {exc}"
     runners = {
-        "quantizers": lambda: check_quantizers(device, quick=quick,
-                                               deadline=deadline.share(QUANTIZER_SHARE)),
+        "quantizers": lambda: check_quantizers(
+            device, quick=quick, deadline=deadline.share(QUANTIZER_SHARE)
+        ),
         "gemm": lambda: check_gemm(device, sizes=(1024,) if quick else (4096, 8192)),
         "refit": lambda: check_refit(device, quick=quick),
         "te_quantizers": lambda: check_te_quantizers(device),
@@ -91,33 +109,47 @@ def run_checks(device: str | torch.device = "cuda", parts=PARTS, *, quick: bool 
         for name in parts:
             with Stopwatch() as part:
                 if deadline.passed():
-                    result = skipped(f"the time budget ({budget_s:g} s) was spent before this "
-                                     f"part started")
+                    result = skipped(
+                        f"the time budget ({budget_s:g} s) was spent before this part started"
+                    )
                 else:
                     try:
                         result = runners[name]()
                     except Exception as exc:
-                        result = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}",
-                                  "traceback": traceback.format_exc()[-3000:]}
+                        result = {
+                            "status": "failed",
+                            "reason": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback.format_exc()[-3000:],
+                        }
             result["seconds"] = round(part.seconds, 2)
             report["parts"][name] = result
             note = f" ({result['incomplete']})" if "incomplete" in result else ""
-            print(f"[gpu_check] {name}: {result['status']} ({result['seconds']} s){note}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[gpu_check] {name}: {result['status']} ({result['seconds']} s){note}",
+                file=sys.stderr,
+                flush=True,
+            )
     report["seconds"] = round(whole.seconds, 2)
     return report
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m nemo_fp8_plugin.tools.gpu_check",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_fp8_plugin.tools.gpu_check", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", default="gpu_check.json", help="JSON results file")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (logic check)")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated subset of {', '.join(PARTS)}")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (logic check)")
-    parser.add_argument("--budget", type=float, default=BUDGET_S, metavar="SECONDS",
-                        help=f"time the whole check may take (default {BUDGET_S:g})")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=BUDGET_S,
+        metavar="SECONDS",
+        help=f"time the whole check may take (default {BUDGET_S:g})",
+    )
     return parser
 
 

@@ -39,18 +39,25 @@ def _scaled_mm_variants():
     scaling = getattr(F, "ScalingType", None)
     if not hasattr(F, "scaled_mm") or scaling is None:
         return None, []
-    return F, [("tensorwise", None, None, (scaling.TensorWise, scaling.TensorWise)),
-               ("rowwise", "row", "row", (scaling.RowWise, scaling.RowWise)),
-               ("block_1x128_128x128", (1, 128), (128, 128),
-                (scaling.BlockWise1x128, scaling.BlockWise128x128)),
-               ("block_1x128_1x128", (1, 128), (1, 128),
-                (scaling.BlockWise1x128, scaling.BlockWise1x128))]
+    return F, [
+        ("tensorwise", None, None, (scaling.TensorWise, scaling.TensorWise)),
+        ("rowwise", "row", "row", (scaling.RowWise, scaling.RowWise)),
+        (
+            "block_1x128_128x128",
+            (1, 128),
+            (128, 128),
+            (scaling.BlockWise1x128, scaling.BlockWise128x128),
+        ),
+        ("block_1x128_1x128", (1, 128), (1, 128), (scaling.BlockWise1x128, scaling.BlockWise1x128)),
+    ]
 
 
 def _scaled_mm_call(F, da, db, sa, sb, kinds):
     """One variant's GEMM ``a @ b.T`` as a zero-argument callable."""
+
     def run():
         return F.scaled_mm(da, db.t(), sa, kinds[0], sb, kinds[1], output_dtype=torch.bfloat16)
+
     return run
 
 
@@ -72,8 +79,9 @@ def _operand(numerics, x: torch.Tensor, tile):
     return q.data, scale_inv
 
 
-def check_gemm(device: torch.device, *, sizes=(4096, 8192), require_cuda: bool = True
-               ) -> dict[str, Any]:
+def check_gemm(
+    device: torch.device, *, sizes=(4096, 8192), require_cuda: bool = True
+) -> dict[str, Any]:
     """FP8 ``scaled_mm`` variants against BF16 on ``device`` (see the module docstring). A
     variant torch refuses is ``unsupported`` with torch's reason, not a failure: read it, as
     torch refuses a scale layout it does not accept with the same error as a GEMM the build or
@@ -90,10 +98,10 @@ def check_gemm(device: torch.device, *, sizes=(4096, 8192), require_cuda: bool =
         gen = torch.Generator(device=device).manual_seed(n)
         a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)
         b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)
-        flops = 2.0 * n ** 3
+        flops = 2.0 * n**3
         t_bf16 = _time(functools.partial(torch.matmul, a, b.t()), device)
         row: dict[str, Any] = {"bf16_tflops": flops / t_bf16 / 1e12}
-        reference = (a.float() @ b.float().t())
+        reference = a.float() @ b.float().t()
         for name, tile_a, tile_b, kinds in variants:
             da, sa = _operand(numerics, a, tile_a)
             db, sb = _operand(numerics, b, tile_b)
@@ -103,20 +111,28 @@ def check_gemm(device: torch.device, *, sizes=(4096, 8192), require_cuda: bool =
             try:
                 result = run().float()
             except Exception as exc:  # this torch build or GPU lacks the variant: say so
-                row[name] = {"status": "unsupported",
-                             "reason": f"{type(exc).__name__}: {exc}"[:300]}
+                row[name] = {
+                    "status": "unsupported",
+                    "reason": f"{type(exc).__name__}: {exc}"[:300],
+                }
                 continue
             rel = ((result - reference).norm() / reference.norm()).item()
             if not math.isfinite(rel) or rel > MAX_REL_ERROR:
-                row[name] = {"status": "failed", "rel_error": rel,
-                             "reason": f"relative error {rel:.3g} against the high-precision "
-                                       f"product (FP8 rounding gives < {MAX_REL_ERROR:g}): "
-                                       f"a scale in the wrong layout"}
+                row[name] = {
+                    "status": "failed",
+                    "rel_error": rel,
+                    "reason": f"relative error {rel:.3g} against the high-precision "
+                    f"product (FP8 rounding gives < {MAX_REL_ERROR:g}): "
+                    f"a scale in the wrong layout",
+                }
                 out["status"] = "failed"
                 continue
             t = _time(run, device)
-            row[name] = {"tflops": flops / t / 1e12, "ratio_vs_bf16": ratio(t_bf16, t),
-                         "rel_error": rel}
+            row[name] = {
+                "tflops": flops / t / 1e12,
+                "ratio_vs_bf16": ratio(t_bf16, t),
+                "rel_error": rel,
+            }
         out["sizes"][str(n)] = row
     if out["status"] == "failed":
         out["reason"] = "an FP8 GEMM result is wrong (see sizes)"

@@ -5,7 +5,7 @@ registry reads the built-in presets (``conf/recipes/*.yaml``) with PyYAML. Witho
 presets are read here by a reader for the one shape they have: one ``key: value`` per line,
 values that are scalars or flow collections (``[1, 128]``, ``{first: 0, modules: []}``),
 ``#`` comments. Anything else is refused with the file and line, never guessed;
-``tests/test_gpu_check.py`` holds this reader to PyYAML's result on every preset, so a preset
+``tests/tools/test_gpu_check.py`` holds this reader to PyYAML's result on every preset, so a preset
 that outgrows it fails there first. Entry-point recipes need their own packages (and PyYAML)
 and are only covered where the registry loads.
 """
@@ -117,13 +117,14 @@ class _Flow:
 
     def _expect(self, ch: str) -> None:
         if self._peek() != ch:
-            raise ValueError(f"{self.where}: expected {ch!r} at {self.text[self.i:]!r}; "
-                             "install PyYAML")
+            raise ValueError(
+                f"{self.where}: expected {ch!r} at {self.text[self.i :]!r}; install PyYAML"
+            )
         self.i += 1
 
     def end(self) -> None:
         if self._peek():
-            raise ValueError(f"{self.where}: unexpected {self.text[self.i:]!r}; install PyYAML")
+            raise ValueError(f"{self.where}: unexpected {self.text[self.i :]!r}; install PyYAML")
 
     def value(self, stops: str = "") -> Any:
         ch = self._peek()
@@ -136,6 +137,7 @@ class _Flow:
                 key = self.value(":")
                 self._expect(":")
                 out[key] = self.value(",}")
+
             self._items("{", "}", entry)
             return out
         start = self.i
@@ -143,7 +145,7 @@ class _Flow:
             if not stops and self.text[self.i] in "[]{}":
                 break
             self.i += 1
-        return _scalar(self.text[start:self.i].strip())
+        return _scalar(self.text[start : self.i].strip())
 
     def _items(self, open_: str, close: str, item) -> list[Any]:
         self._expect(open_)

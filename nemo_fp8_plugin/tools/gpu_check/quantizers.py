@@ -4,7 +4,7 @@ and the emulation's fake-quantization (``fake_quant_*``) against the CPU referen
 ``dequantize(quantize(x))``, for the same cases plus the column-wise tiles the emulation uses.
 
 Runs on any device: on the CPU it checks the plumbing, the edge inputs and the report
-(``tests/test_gpu_check.py``); on a GPU it is the check.
+(``tests/tools/test_gpu_check.py``); on a GPU it is the check.
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ def edge_inputs(rows: int, cols: int, dtype: torch.dtype, seed: int) -> dict[str
     base = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 3, cols).unsqueeze(0)
     cases = {"random": base.clone()}
     edge = base.clone()
-    edge[:, :128] = 0.0                                  # an all-zero tile
-    edge[0, 130] = 3.0e4                                 # one huge value in a tile
-    edge[1, 256:384] = 1e-40                             # subnormal tile (fp32)
+    edge[:, :128] = 0.0  # an all-zero tile
+    edge[0, 130] = 3.0e4  # one huge value in a tile
+    edge[1, 256:384] = 1e-40  # subnormal tile (fp32)
     edge[2, 5] = float("inf")
     edge[3, 7] = float("-inf")
     edge[4, 9] = float("nan")
-    edge[5, 300] = 448.0                                 # exactly E4M3 max
-    edge[6, 400:410] = torch.tensor([447.9, 448.1, 240.0, 239.9, 0.0019, 0.00195, 0.00196,
-                                     1.0, 0.9999, 1.0001])  # values rounding across binades
+    edge[5, 300] = 448.0  # exactly E4M3 max
+    edge[6, 400:410] = torch.tensor(
+        [447.9, 448.1, 240.0, 239.9, 0.0019, 0.00195, 0.00196, 1.0, 0.9999, 1.0001]
+    )  # values rounding across binades
     cases["edges"] = edge
     return {k: v.to(dtype) for k, v in cases.items()}
 
@@ -58,8 +59,9 @@ def _fp32_differing(want: torch.Tensor, got: torch.Tensor) -> int:
     return int(((want.view(torch.int32) != got.view(torch.int32)) & ~both_nan).sum())
 
 
-def check_quantizers(device: torch.device, *, quick: bool = False, recipes=None,
-                     deadline: Deadline | None = None) -> dict[str, Any]:
+def check_quantizers(
+    device: torch.device, *, quick: bool = False, recipes=None, deadline: Deadline | None = None
+) -> dict[str, Any]:
     """Every recipe's quantizers on ``device`` against the CPU reference (see the module
     docstring). ``recipes``: the specs to check (default: :func:`.presets.check_recipes`).
     ``deadline``: stop between recipes and roles once it has passed; the result then says
@@ -93,15 +95,21 @@ def check_quantizers(device: torch.device, *, quick: bool = False, recipes=None,
                     for fused in (False, True):
                         got = _quantize(numerics, spec, block, fmt, x.to(device), fused=fused)
                         ok = _qtensor_equal(ref, got)
-                        row = {"recipe": spec.name, "role": role,
-                               "dtype": str(dtype).split(".")[-1],
-                               "case": case, "fused": fused, "bit_exact": ok}
+                        row = {
+                            "recipe": spec.name,
+                            "role": role,
+                            "dtype": str(dtype).split(".")[-1],
+                            "case": case,
+                            "fused": fused,
+                            "bit_exact": ok,
+                        }
                         results.append(row)
                         if not ok:
                             mismatches.append(row)
                     for row in _check_fake_quant(numerics, spec, block, fmt, x, device):
-                        row.update(recipe=spec.name, role=role, dtype=str(dtype).split(".")[-1],
-                                   case=case)
+                        row.update(
+                            recipe=spec.name, role=role, dtype=str(dtype).split(".")[-1], case=case
+                        )
                         fake_quant.append(row)
                         if not row["bit_exact"]:
                             mismatches.append(row)
@@ -111,12 +119,17 @@ def check_quantizers(device: torch.device, *, quick: bool = False, recipes=None,
         results.append(row)
         if not row["bit_exact"]:
             mismatches.append(row)
-    out = {"status": "ok" if not mismatches else "failed",
-           "checked": len(results) + len(fake_quant), "mismatches": mismatches[:20],
-           "fake_quant": fake_quant, "compile_failed": numerics.compile_failed()}
+    out = {
+        "status": "ok" if not mismatches else "failed",
+        "checked": len(results) + len(fake_quant),
+        "mismatches": mismatches[:20],
+        "fake_quant": fake_quant,
+        "compile_failed": numerics.compile_failed(),
+    }
     if left_out:
-        out["incomplete"] = (f"the part's share of the time budget ran out: "
-                             f"{', '.join(left_out)} not checked")
+        out["incomplete"] = (
+            f"the part's share of the time budget ran out: {', '.join(left_out)} not checked"
+        )
     return out
 
 
@@ -131,8 +144,9 @@ def _fake_quant_variants(numerics, spec, block, fmt, x: torch.Tensor):
         # A scale from a smaller (stale) amax, as delayed scaling has after a growth step,
         # so the clamp to +-fp8_max is exercised along with the rounding.
         stale = numerics.tensor_amax(x) * 0.5
-        scale = numerics.scale_from_amax(stale, numerics.fp8_max(fmt), pow2=False, eps=0.0,
-                                         value_for_inf=FLT_MAX)
+        scale = numerics.scale_from_amax(
+            stale, numerics.fp8_max(fmt), pow2=False, eps=0.0, value_for_inf=FLT_MAX
+        )
         scale_inv = reciprocal(scale)
 
         def ref(t):
@@ -140,32 +154,67 @@ def _fake_quant_variants(numerics, spec, block, fmt, x: torch.Tensor):
             return q.dequantize(), numerics.tensor_amax(t)
 
         def run(t):
-            return tuple(fused.fake_quant_with_scale(t, scale.to(t.device),
-                                                     scale_inv.to(t.device), fmt, force=True))
+            return tuple(
+                fused.fake_quant_with_scale(
+                    t, scale.to(t.device), scale_inv.to(t.device), fmt, force=True
+                )
+            )
+
         return [("fake_quant_with_scale", None, ref, run)]
     if spec.scaling == "tensorwise":
-        return [("fake_quant_per_tensor", None,
-                 lambda t: (numerics.quantize_per_tensor(t, fmt=fmt, pow2_scales=spec.pow2_scales,
-                                                         eps=spec.amax_epsilon).dequantize(),),
-                 lambda t: (fused.fake_quant_per_tensor(t, fmt, spec.pow2_scales,
-                                                        spec.amax_epsilon, force=True),))]
+        return [
+            (
+                "fake_quant_per_tensor",
+                None,
+                lambda t: (
+                    numerics.quantize_per_tensor(
+                        t, fmt=fmt, pow2_scales=spec.pow2_scales, eps=spec.amax_epsilon
+                    ).dequantize(),
+                ),
+                lambda t: (
+                    fused.fake_quant_per_tensor(
+                        t, fmt, spec.pow2_scales, spec.amax_epsilon, force=True
+                    ),
+                ),
+            )
+        ]
     # Non-square tiles are also quantized column-wise, as Nx1 tiles of the same tensor
     # (RoleQuantizer.columnwise); that is a different reduction layout for the compiler.
     tiles = [tuple(block)] + ([(block[1], block[0])] if block[0] != block[1] else [])
     out = []
     for tile in tiles:
         if spec.scaling == "block":
-            out.append(("fake_quant_blockwise", tile,
-                        lambda t, tile=tile: (numerics.quantize_blockwise(
-                            t, block=tile, fmt=fmt, pow2_scales=spec.pow2_scales,
-                            eps=spec.amax_epsilon).dequantize(),),
-                        lambda t, tile=tile: (fused.fake_quant_blockwise(
-                            t, tile, fmt, spec.pow2_scales, spec.amax_epsilon, force=True),)))
+            out.append(
+                (
+                    "fake_quant_blockwise",
+                    tile,
+                    lambda t, tile=tile: (
+                        numerics.quantize_blockwise(
+                            t,
+                            block=tile,
+                            fmt=fmt,
+                            pow2_scales=spec.pow2_scales,
+                            eps=spec.amax_epsilon,
+                        ).dequantize(),
+                    ),
+                    lambda t, tile=tile: (
+                        fused.fake_quant_blockwise(
+                            t, tile, fmt, spec.pow2_scales, spec.amax_epsilon, force=True
+                        ),
+                    ),
+                )
+            )
         else:
-            out.append(("fake_quant_mxfp8", tile,
-                        lambda t, tile=tile: (numerics.quantize_mxfp8(
-                            t, block=tile, fmt=fmt).dequantize(),),
-                        lambda t, tile=tile: (fused.fake_quant_mxfp8(t, tile, fmt, force=True),)))
+            out.append(
+                (
+                    "fake_quant_mxfp8",
+                    tile,
+                    lambda t, tile=tile: (
+                        numerics.quantize_mxfp8(t, block=tile, fmt=fmt).dequantize(),
+                    ),
+                    lambda t, tile=tile: (fused.fake_quant_mxfp8(t, tile, fmt, force=True),),
+                )
+            )
     return out
 
 
@@ -184,16 +233,27 @@ def _check_fake_quant(numerics, spec, block, fmt, x: torch.Tensor, device) -> li
                 with numerics.fused_mode(False):
                     got = run_fn(xd)
             differing = sum(_fp32_differing(w, g) for w, g in zip(want, got))
-            rows.append({"fn": name, "tile": list(tile) if tile else None, "fmt": fmt,
-                         "fused": fused, "bit_exact": differing == 0, "differing": differing})
+            rows.append(
+                {
+                    "fn": name,
+                    "tile": list(tile) if tile else None,
+                    "fmt": fmt,
+                    "fused": fused,
+                    "bit_exact": differing == 0,
+                    "differing": differing,
+                }
+            )
     return rows
 
 
 def _nvfp4_equal(a, b) -> bool:
-    return (torch.equal(a.data.cpu(), b.data.cpu())
-            and torch.equal(a.scale_inv.cpu().view(torch.uint8), b.scale_inv.cpu().view(torch.uint8))
-            and torch.equal(a.global_amax.cpu().view(torch.int32),
-                            b.global_amax.cpu().view(torch.int32)))
+    return (
+        torch.equal(a.data.cpu(), b.data.cpu())
+        and torch.equal(a.scale_inv.cpu().view(torch.uint8), b.scale_inv.cpu().view(torch.uint8))
+        and torch.equal(
+            a.global_amax.cpu().view(torch.int32), b.global_amax.cpu().view(torch.int32)
+        )
+    )
 
 
 def _check_nvfp4(numerics, spec, role: str, x: torch.Tensor, device) -> tuple[dict, list[dict]]:
@@ -205,15 +265,24 @@ def _check_nvfp4(numerics, spec, role: str, x: torch.Tensor, device) -> tuple[di
     got = numerics.quantize_nvfp4(x.to(device), block, rht=rht)
     row = {"recipe": spec.name, "role": role, "fused": False, "bit_exact": _nvfp4_equal(ref, got)}
     differing = _fp32_differing(numerics.dequantize_nvfp4(ref), numerics.dequantize_nvfp4(got))
-    fq = {"recipe": spec.name, "role": role, "fn": "dequantize_nvfp4", "tile": list(block),
-          "fmt": "e2m1", "fused": False, "bit_exact": differing == 0, "differing": differing}
+    fq = {
+        "recipe": spec.name,
+        "role": role,
+        "fn": "dequantize_nvfp4",
+        "tile": list(block),
+        "fmt": "e2m1",
+        "fused": False,
+        "bit_exact": differing == 0,
+        "differing": differing,
+    }
     return row, [fq]
 
 
 def _quantize(numerics, spec, block, fmt, x, *, fused: bool):
     if spec.scaling in ("delayed", "tensorwise"):
-        return numerics.quantize_per_tensor(x, fmt=fmt, pow2_scales=spec.pow2_scales,
-                                            eps=spec.amax_epsilon)
+        return numerics.quantize_per_tensor(
+            x, fmt=fmt, pow2_scales=spec.pow2_scales, eps=spec.amax_epsilon
+        )
     if spec.scaling == "block":
         fn = numerics.quantize_blockwise_fused if fused else numerics.quantize_blockwise
         return fn(x, block=block, fmt=fmt, pow2_scales=spec.pow2_scales, eps=spec.amax_epsilon)
@@ -224,13 +293,16 @@ def _quantize(numerics, spec, block, fmt, x, *, fused: bool):
 def _check_delayed(numerics, spec, device) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(7)
     amaxes = (torch.rand(40, generator=gen) * 100).tolist() + [0.0, float("inf"), 3.0]
-    states = [numerics.DelayedScalingState(16, spec.amax_compute_algo, spec.margin, "e4m3",
-                                           device=dev) for dev in (torch.device("cpu"), device)]
+    states = [
+        numerics.DelayedScalingState(16, spec.amax_compute_algo, spec.margin, "e4m3", device=dev)
+        for dev in (torch.device("cpu"), device)
+    ]
     same = True
     for amax in amaxes:
         for st in states:
             st.record_amax(torch.tensor(amax, device=st.amax_history.device))
             st.update()
-        same &= torch.equal(states[0].scale.cpu().view(torch.int32),
-                            states[1].scale.cpu().view(torch.int32))
+        same &= torch.equal(
+            states[0].scale.cpu().view(torch.int32), states[1].scale.cpu().view(torch.int32)
+        )
     return {"recipe": spec.name, "role": "delayed_state", "bit_exact": bool(same)}

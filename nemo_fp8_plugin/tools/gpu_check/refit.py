@@ -14,8 +14,13 @@ __all__ = ["check_refit", "REFIT_SHAPES"]
 
 
 REFIT_SHAPES = {  # the linear weights of one Llama-3.1-8B layer, [out, in]
-    "q_proj": (4096, 4096), "k_proj": (1024, 4096), "v_proj": (1024, 4096), "o_proj": (4096, 4096),
-    "gate_proj": (14336, 4096), "up_proj": (14336, 4096), "down_proj": (4096, 14336),
+    "q_proj": (4096, 4096),
+    "k_proj": (1024, 4096),
+    "v_proj": (1024, 4096),
+    "o_proj": (4096, 4096),
+    "gate_proj": (14336, 4096),
+    "up_proj": (14336, 4096),
+    "down_proj": (4096, 14336),
 }
 
 
@@ -33,7 +38,8 @@ def check_refit(device: torch.device, *, layers: int = 4, quick: bool = False) -
         for name, (n, k) in REFIT_SHAPES.items():
             part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
             tensors[f"model.layers.{layer}.{part}.{name}.weight"] = torch.randn(
-                n // scale, k // scale, device=device, dtype=torch.bfloat16, generator=gen)
+                n // scale, k // scale, device=device, dtype=torch.bfloat16, generator=gen
+            )
     elements = sum(t.numel() for t in tensors.values())
 
     def quantize_all():
@@ -47,11 +53,18 @@ def check_refit(device: torch.device, *, layers: int = 4, quick: bool = False) -
     copy_gbs = 4 * elements / t_copy / 1e9
     # bit-exact with the CPU reference on one tensor of each shape
     exact = True
-    for name, t in list(tensors.items())[:len(REFIT_SHAPES)]:
+    for name, t in list(tensors.items())[: len(REFIT_SHAPES)]:
         ref = dict(quantize_for_refit([(name, t.cpu())], spec))
         exact &= torch.equal(ref[name].view(torch.uint8), produced[name].cpu().view(torch.uint8))
-        exact &= torch.equal(ref[name + "_scale_inv"].view(torch.int32),
-                             produced[name + "_scale_inv"].cpu().view(torch.int32))
-    return {"status": "ok" if exact else "failed", "elements": elements, "bit_exact": bool(exact),
-            "refit_gb_s": refit_gbs, "copy_gb_s": copy_gbs,
-            "ratio_vs_copy": ratio(refit_gbs, copy_gbs)}
+        exact &= torch.equal(
+            ref[name + "_scale_inv"].view(torch.int32),
+            produced[name + "_scale_inv"].cpu().view(torch.int32),
+        )
+    return {
+        "status": "ok" if exact else "failed",
+        "elements": elements,
+        "bit_exact": bool(exact),
+        "refit_gb_s": refit_gbs,
+        "copy_gb_s": copy_gbs,
+        "ratio_vs_copy": ratio(refit_gbs, copy_gbs),
+    }

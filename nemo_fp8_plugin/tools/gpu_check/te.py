@@ -54,8 +54,9 @@ def _modules(te_modules: TEModules | None) -> tuple[TEModules | None, str | None
     return (te_modules, None) if te_modules is not None else import_te()
 
 
-def unpad_te_scales(scale_inv: torch.Tensor, block_dim: int, rows: int,
-                    scale_cols: int) -> torch.Tensor:
+def unpad_te_scales(
+    scale_inv: torch.Tensor, block_dim: int, rows: int, scale_cols: int
+) -> torch.Tensor:
     """TE's GEMM-ready block scales in the plain layout of the reference: ``[M, ceil(K/128)]``
     for 1x128 tiles (``block_dim`` 1), ``[ceil(M/128), ceil(K/128)]`` for 128x128 (2).
 
@@ -67,9 +68,14 @@ def unpad_te_scales(scale_inv: torch.Tensor, block_dim: int, rows: int,
     return scale_inv[:, :scale_cols]
 
 
-def check_te_quantizers(device: torch.device, *, te_modules: TEModules | None = None,
-                        require_cuda: bool = True, rows: int = 512, cols: int = 1024
-                        ) -> dict[str, Any]:
+def check_te_quantizers(
+    device: torch.device,
+    *,
+    te_modules: TEModules | None = None,
+    require_cuda: bool = True,
+    rows: int = 512,
+    cols: int = 1024,
+) -> dict[str, Any]:
     """Part d (see the module docstring)."""
     mods, why = _modules(te_modules)
     if mods is None:
@@ -84,19 +90,32 @@ def check_te_quantizers(device: torch.device, *, te_modules: TEModules | None = 
         for dim, tile in ((1, (1, 128)), (2, (128, 128))):
             for dtype in (torch.float32, torch.bfloat16):
                 x = edge_inputs(rows, cols, dtype, seed=dim)["random"].to(device)
-                q = mods.block_quantizer(mods.tex.DType.kFloat8E4M3, rowwise=True,
-                                         columnwise=False, force_pow_2_scales=pow2,
-                                         block_scaling_dim=dim)
+                q = mods.block_quantizer(
+                    mods.tex.DType.kFloat8E4M3,
+                    rowwise=True,
+                    columnwise=False,
+                    force_pow_2_scales=pow2,
+                    block_scaling_dim=dim,
+                )
                 got = q(x)
                 ours = numerics.quantize_blockwise(x, block=tile, pow2_scales=pow2)
-                te_scales = unpad_te_scales(got._rowwise_scale_inv, dim, rows,
-                                            ours.scale_inv.shape[1])
-                ok = (torch.equal(got._rowwise_data.view(torch.uint8), ours.data.view(torch.uint8))
-                      and te_scales.shape == ours.scale_inv.shape
-                      and torch.equal(te_scales.contiguous().view(torch.int32),
-                                      ours.scale_inv.contiguous().view(torch.int32)))
-                row = {"tile": list(tile), "pow2": pow2, "dtype": str(dtype).split(".")[-1],
-                       "bit_exact": bool(ok)}
+                te_scales = unpad_te_scales(
+                    got._rowwise_scale_inv, dim, rows, ours.scale_inv.shape[1]
+                )
+                ok = (
+                    torch.equal(got._rowwise_data.view(torch.uint8), ours.data.view(torch.uint8))
+                    and te_scales.shape == ours.scale_inv.shape
+                    and torch.equal(
+                        te_scales.contiguous().view(torch.int32),
+                        ours.scale_inv.contiguous().view(torch.int32),
+                    )
+                )
+                row = {
+                    "tile": list(tile),
+                    "pow2": pow2,
+                    "dtype": str(dtype).split(".")[-1],
+                    "bit_exact": bool(ok),
+                }
                 out.append(row)
                 if not ok:
                     bad.append(row)
@@ -111,9 +130,15 @@ def _autocast(te, recipe):
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
 
-def check_te_linear(device: torch.device, *, n: int = 4096, recipes=None,
-                    te_modules: TEModules | None = None, require_cuda: bool = True,
-                    capability: tuple[int, int] | None = None) -> dict[str, Any]:
+def check_te_linear(
+    device: torch.device,
+    *,
+    n: int = 4096,
+    recipes=None,
+    te_modules: TEModules | None = None,
+    require_cuda: bool = True,
+    capability: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """Part e (see the module docstring). ``capability``: the GPU's (major, minor), read
     from ``device`` when None."""
     mods, why = _modules(te_modules)
@@ -149,8 +174,11 @@ def check_te_linear(device: torch.device, *, n: int = 4096, recipes=None,
         if spec.training != "fp8":
             results[spec.name] = skipped("the recipe trains in BF16")
             continue
-        stops = [p for p in hardware_problems(spec, arch.name)
-                 if p.level == "error" and p.side in (None, "training")]
+        stops = [
+            p
+            for p in hardware_problems(spec, arch.name)
+            if p.level == "error" and p.side in (None, "training")
+        ]
         if stops:
             results[spec.name] = skipped(stops[0].message)
             continue
@@ -161,8 +189,11 @@ def check_te_linear(device: torch.device, *, n: int = 4096, recipes=None,
         except Exception as exc:  # one recipe's failure is its row's; the others still run
             results[spec.name] = failed(f"{type(exc).__name__}: {exc}"[:300])
             broken.append(spec.name)
-    out: dict[str, Any] = {"status": "failed" if broken else "ok", "arch": arch.name,
-                           "results": results}
+    out: dict[str, Any] = {
+        "status": "failed" if broken else "ok",
+        "arch": arch.name,
+        "results": results,
+    }
     if broken:
         out["reason"] = f"TE linear failed under {', '.join(broken)}"
     return out

@@ -26,8 +26,15 @@ import torch
 
 from .result import failed, skipped
 
-__all__ = ["refit_script", "vllm_missing", "refit_command", "read_refit_result",
-           "check_vllm_refit", "MIN_SECONDS", "TIMEOUT_S"]
+__all__ = [
+    "refit_script",
+    "vllm_missing",
+    "refit_command",
+    "read_refit_result",
+    "check_vllm_refit",
+    "MIN_SECONDS",
+    "TIMEOUT_S",
+]
 
 TIMEOUT_S = 300.0
 """Longest the child may run: vLLM's import and engine start (eager, tiny model) take about a
@@ -65,9 +72,24 @@ def vllm_missing() -> str | None:
 def refit_command(script: Path, out_json: Path, *, python: str = sys.executable) -> list[str]:
     """The child's command line: the tiny model on CUDA, FP8 KV cache, eager (CUDA-graph
     capture would cost more than the run), results to ``out_json``."""
-    return [python, str(script), "--tiny", "--device", "cuda", "--kv-cache", "fp8",
-            "--steps", str(STEPS), "--prompts", str(PROMPTS), "--max-tokens", str(MAX_TOKENS),
-            "--enforce-eager", "--json", str(out_json)]
+    return [
+        python,
+        str(script),
+        "--tiny",
+        "--device",
+        "cuda",
+        "--kv-cache",
+        "fp8",
+        "--steps",
+        str(STEPS),
+        "--prompts",
+        str(PROMPTS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--enforce-eager",
+        "--json",
+        str(out_json),
+    ]
 
 
 def _tail(text: str | bytes | None, n: int = 2000) -> str:
@@ -83,8 +105,9 @@ def read_refit_result(out_json: Path, returncode: int, stderr: str | None = "") 
     failure with the end of the child's stderr (a crash before the results were written)."""
     name = out_json.name
     if not out_json.is_file():
-        return failed(f"gpu_vllm_refit.py exited {returncode} without writing {name}",
-                      stderr=_tail(stderr))
+        return failed(
+            f"gpu_vllm_refit.py exited {returncode} without writing {name}", stderr=_tail(stderr)
+        )
     try:
         data = json.loads(out_json.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -93,8 +116,11 @@ def read_refit_result(out_json: Path, returncode: int, stderr: str | None = "") 
         return failed(f"{name} holds no records", stderr=_tail(stderr))
     problems = [str(f) for f in data.get("failures", [])]
     if returncode != 0 or problems:
-        return failed("; ".join(problems) or f"gpu_vllm_refit.py exited {returncode}",
-                      result=data, stderr=_tail(stderr))
+        return failed(
+            "; ".join(problems) or f"gpu_vllm_refit.py exited {returncode}",
+            result=data,
+            stderr=_tail(stderr),
+        )
     return {"status": "ok", "result": data}
 
 
@@ -105,9 +131,13 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def check_vllm_refit(device, *, timeout_s: float = TIMEOUT_S, script: Path | None = None,
-                     run: Callable[..., subprocess.CompletedProcess] = subprocess.run
-                     ) -> dict[str, Any]:
+def check_vllm_refit(
+    device,
+    *,
+    timeout_s: float = TIMEOUT_S,
+    script: Path | None = None,
+    run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+) -> dict[str, Any]:
     """Part f (see the module docstring). ``run`` starts the child (``subprocess.run``'s
     signature; the tests pass a stand-in), ``script`` defaults to :func:`refit_script`."""
     why = vllm_missing()
@@ -125,8 +155,10 @@ def check_vllm_refit(device, *, timeout_s: float = TIMEOUT_S, script: Path | Non
         try:
             proc = run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_child_env())
         except subprocess.TimeoutExpired as exc:
-            return failed(f"gpu_vllm_refit.py did not finish within {timeout_s:.0f} s",
-                          stderr=_tail(exc.stderr))
+            return failed(
+                f"gpu_vllm_refit.py did not finish within {timeout_s:.0f} s",
+                stderr=_tail(exc.stderr),
+            )
         result = read_refit_result(out_json, proc.returncode, proc.stderr)
     result["command"] = " ".join(cmd[1:])
     return result

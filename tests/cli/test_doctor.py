@@ -1,0 +1,209 @@
+"""``nemo-fp8 doctor`` on the CPU test machine (no GPU, no Transformer Engine installed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+from conftest import REPO, load_te_recipe_module
+from nemo_fp8_plugin.cli import doctor, main
+
+pytestmark = pytest.mark.host
+
+
+def _json(capsys, *argv, rc=0):
+    assert main(["doctor", *argv, "--json"]) == rc
+    return json.loads(capsys.readouterr().out)
+
+
+def test_reports_versions_and_what_it_could_not_check(capsys):
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "gpu: none visible" in text
+    assert f"megatron-core      {metadata.version('megatron-core')}" in text
+    assert "not checked: GPU architecture: no CUDA GPU visible to torch" in text
+    assert "not checked: Transformer Engine at run time" in text
+    assert text.count("recipe ") >= 5
+
+
+def test_json_report(capsys):
+    report = _json(capsys)
+    assert report["packages"]["nemo-toolkit"] == metadata.version("nemo-toolkit")
+    assert report["packages"]["transformer-engine"] is None
+    assert report["machine"]["gpus"] == [] and report["machine"]["arch"] is None
+    names = [r["recipe"] for r in report["recipes"]]
+    assert {"fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"} <= set(names)
+    assert all(r["runnable"] is None for r in report["recipes"])  # nothing to judge against
+
+
+@pytest.mark.parametrize(
+    "hardware,runnable",
+    [
+        ("h100", {"mxfp8": False, "fp8_blockwise": None, "fp8_delayed": None}),
+        ("b200", {"mxfp8": None, "fp8_blockwise": False, "fp8_subchannel": None}),
+        ("l40s", {"fp8_subchannel": False, "fp8_current": None}),
+    ],
+)
+def test_hardware_rules_for_a_target(capsys, hardware, runnable):
+    """False = refused by the hardware rules; None = allowed, but TE / CUDA not checkable here."""
+    report = _json(capsys, "--hardware", hardware)
+    verdict = {r["recipe"]: r["runnable"] for r in report["recipes"]}
+    for name, want in runnable.items():
+        assert verdict[name] is want, name
+    blockwise = next(r for r in report["recipes"] if r["recipe"] == "fp8_blockwise")
+    if hardware == "b200":
+        assert any("pow2_scales" in p for p in blockwise["problems"])
+
+
+def test_env_var_state(capsys, tmp_path, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: fp8_blockwise\n")
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    env = _json(capsys, str(cfg))["recipes"][0]["env"]
+    assert env == [
+        {"name": "NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "needed": "1", "value": None, "set": False}
+    ]
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert _json(capsys, str(cfg))["recipes"][0]["env"][0]["set"] is True
+
+
+def test_effective_te_parameters_checked_with_te(capsys, tmp_path, monkeypatch):
+    """With a Transformer Engine present (its real recipe module, imported with the variable
+    unset), the doctor sees that TE would run fp8_blockwise with power-of-2 scales."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    te_recipe = load_te_recipe_module(tmp_path, name="te_recipe_for_doctor")
+    real_versions = doctor.package_versions
+    monkeypatch.setattr(
+        doctor, "package_versions", lambda: {**real_versions(), "transformer-engine": "2.20.2"}
+    )
+    monkeypatch.setattr(doctor, "_te_recipe_module", lambda: (te_recipe, None))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: fp8_blockwise\n")
+    r = _json(capsys, str(cfg), "--hardware", "h100", rc=1)["recipes"][0]
+    assert r["env_effective"] is False
+    assert any("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in p for p in r["problems"])
+    assert r["runnable"] is False
+
+
+def test_config_without_fp8(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: bf16-mixed\n")
+    assert main(["doctor", str(cfg)]) == 0
+    assert "asks for no FP8 recipe" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["missing.yaml"], ["--hardware", "tpu"]])
+def test_bad_input_exits_2(capsys, argv):
+    assert main(["doctor", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nemo-fp8 doctor: error:") and "Traceback" not in err
+
+
+def test_unknown_recipe_in_config_exits_2(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: fp8_bogus\n")
+    assert main(["doctor", str(cfg)]) == 2
+    assert "valid recipes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "cap,arch",
+    [
+        ((8, 9), "ada"),
+        ((9, 0), "hopper"),
+        ((10, 0), "blackwell"),
+        ((10, 3), "blackwell"),
+        ((12, 0), "blackwell_sm120"),
+        ((12, 1), "blackwell_sm120"),
+        ((8, 0), None),
+        ((7, 0), None),
+    ],
+)
+def test_arch_of(cap, arch):
+    assert doctor.arch_of(cap) == arch
+
+
+@pytest.mark.slow
+def test_doctor_imports_no_host():
+    code = (
+        "import sys; from nemo_fp8_plugin.cli.doctor import build_report; build_report(); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'megatron', 'nemo', 'nemo_run', 'vllm', 'transformer_engine', 'lightning'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_exit_code_1_when_the_configs_recipe_cannot_run_here(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: mxfp8\n")
+    assert main(["doctor", str(cfg), "--hardware", "h100"]) == 1
+    assert "CANNOT run here" in capsys.readouterr().out
+    assert main(["doctor", "--hardware", "h100"]) == 0  # a survey of every recipe judges none
+
+
+def test_mxfp8_is_not_runnable_on_sm120(capsys):
+    """Issue 12 item 18: TE refuses MXFP8 on SM 12.0+ (`_compute_mxfp8_support`); the plugin
+    used to map sm120 to Blackwell and allow it."""
+    assert main(["doctor", "--hardware", "rtx-pro-6000", "--json"]) in (0, 1)
+    report = json.loads(capsys.readouterr().out)
+    verdict = {r["recipe"]: r for r in report["recipes"]}
+    assert verdict["mxfp8"]["runnable"] is False
+    assert any("SM 12.0" in p for p in verdict["mxfp8"]["problems"])
+    assert verdict["fp8_current"]["runnable"] is not False
+
+
+# --------------------------------------------------------------------------- issue 15 item 4
+
+
+def test_reports_the_plugin_version_and_its_entry_points(capsys):
+    import nemo_fp8_plugin
+
+    report = _json(capsys)
+    assert report["plugin"]["version"] == nemo_fp8_plugin.__version__
+    groups = {ep["group"]: ep for ep in report["entry_points"]}
+    assert set(groups) == {"nemo_run.cli", "vllm.general_plugins", "nemo_fp8_plugin.recipes"}
+    # the test environment installs the package, so NeMo-Run and vLLM would find both
+    assert groups["nemo_run.cli"]["visible"] and groups["vllm.general_plugins"]["visible"]
+    assert groups["nemo_run.cli"]["host_version"] == metadata.version("nemo-run")
+    assert groups["nemo_fp8_plugin.recipes"]["recipes"] == []
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert f"nemo-fp8-plugin    {nemo_fp8_plugin.__version__}" in text
+    assert "entry point nemo_run.cli fp8: visible" in text
+    assert "entry point vllm.general_plugins nemo_fp8: visible" in text
+    assert "no other package adds recipes" in text
+
+
+def test_an_entry_point_vllm_would_skip_is_a_problem(capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    vllm = next(ep for ep in _json(capsys)["entry_points"] if ep["group"] == "vllm.general_plugins")
+    assert any("VLLM_PLUGINS" in p for p in vllm["problems"])
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin,nemo_fp8")
+    vllm = next(ep for ep in _json(capsys)["entry_points"] if ep["group"] == "vllm.general_plugins")
+    assert vllm["problems"] == []
+
+
+def test_an_invisible_entry_point_says_how_to_install(capsys, monkeypatch):
+    real = metadata.entry_points
+    monkeypatch.setattr(
+        doctor.metadata,
+        "entry_points",
+        lambda group: [] if group == "nemo_run.cli" else real(group=group),
+    )
+    nemo_run = next(ep for ep in _json(capsys)["entry_points"] if ep["group"] == "nemo_run.cli")
+    assert nemo_run["visible"] is False and "pip install" in nemo_run["problems"][0]
+
+
+def test_doctor_never_advises_running_itself(capsys):
+    assert main(["doctor", "--hardware", "h100"]) == 0
+    text = capsys.readouterr().out
+    assert "nemo-fp8 doctor" not in text
+    assert "not checked: CUDA version" in text  # the check that note pointed at, made here
+    assert text.splitlines()[-1].startswith("summary: cannot: mxfp8")

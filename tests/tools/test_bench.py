@@ -1,0 +1,166 @@
+"""`nemo-fp8 bench` runs end to end and reports ratios (a smoke run: the figures themselves
+are benchmarks, recorded in docs/performance.md, never asserted in tests), and the harness
+every tool times and records with."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_quick_reports_every_ratio(tmp_path):
+    out = tmp_path / "bench.json"
+    # eager kernels: this checks the plumbing, not speed, and skips minutes of compiling
+    env = dict(os.environ, NEMO_FP8_FUSED="0")
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("nemo-fp8")),
+            "bench",
+            "--quick",
+            "--skip-bf16",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["quantize"]["rows"]["clone"]["x_clone"] == 1.0
+    assert {"eager 1x128", "fused 128x128", "fused mxfp8 1x32"} <= set(result["quantize"]["rows"])
+    linear = result["linear"]["rows"]
+    for recipe in ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"):
+        assert linear[recipe]["x_fp32"] > 0
+    assert result["refit"]["rows"]["copy (clone)"]["x_copy"] == 1.0
+    assert result["environment"]["torch"] and result["environment"]["env"]["NEMO_FP8_FUSED"] == "0"
+    assert result["refit"]["rows"]["refit fused"]["GB/s"] > 0
+    for heading in ("Block quantization", "Linear fwd+bwd", "Refit quantizer"):
+        assert heading in proc.stdout
+
+
+# --------------------------------------------------------------------------- the tools' harness
+# (nemo_fp8_plugin/tools/harness.py: what bench, gpu_check, demo and rl-check time and record
+# with; its CUDA branches are driven here through stand-ins for torch.cuda's calls)
+
+
+class _FakeCuda:
+    """Records torch.cuda.synchronize calls and hands out events 2.5 ms apart."""
+
+    def __init__(self):
+        self.syncs = []
+        self.clock = 0.0
+
+    def synchronize(self, device=None):
+        self.syncs.append(device)
+
+    def event(self, enable_timing=False):
+        fake = self
+
+        class Event:
+            def record(self):
+                fake.clock += 2.5
+                self.at = fake.clock
+
+            def synchronize(self):
+                fake.syncs.append("event")
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        assert enable_timing
+        return Event()
+
+
+def test_timing_waits_for_the_device(monkeypatch):
+    import torch
+
+    from nemo_fp8_plugin.tools import harness
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    calls = []
+    samples = harness.timed(lambda: calls.append(1), "cuda:0", reps=3, warmup=2)
+    assert len(calls) == 5 and samples == [0.0025] * 3  # CUDA events, in seconds
+    assert fake.syncs == ["cuda:0", "event", "event", "event"]  # after the warm-up; each end
+    fake.syncs.clear()
+    with harness.Stopwatch(torch.device("cuda")) as sw:
+        pass
+    assert fake.syncs == [torch.device("cuda")] * 2 and sw.seconds >= 0
+    fake.syncs.clear()
+    cpu = harness.timed(lambda: calls.append(1), torch.device("cpu"), reps=2)
+    with harness.Stopwatch():
+        harness.sync("cpu")
+    assert fake.syncs == [] and len(cpu) == 2 and all(t >= 0 for t in cpu)
+    times = harness.interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, reps=2
+    )
+    assert calls[-4:] == ["a", "b", "a", "b"] and {k: len(v) for k, v in times.items()} == {
+        "a": 2,
+        "b": 2,
+    }
+
+
+def test_environment_record(monkeypatch):
+    import torch
+
+    from nemo_fp8_plugin import __version__
+    from nemo_fp8_plugin.tools.harness import environment
+
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    env = environment()
+    assert env["plugin"] == __version__ and env["torch"] == torch.__version__
+    assert env["threads"] == torch.get_num_threads() and env["device"] == "cpu"
+    assert env["cpu"] and env["python"].count(".") == 2 and env["isa"]
+    assert env["env"]["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] == "1"
+    assert env["env"]["VLLM_USE_DEEP_GEMM"] == "0" and env["env"]["OMP_NUM_THREADS"] == "2"
+    assert "VLLM_API_KEY" not in env["env"] and "HF_TOKEN" not in env["env"]
+    assert "gpu" not in env
+
+
+def test_arm_records_and_ratios():
+    from dataclasses import dataclass
+
+    from nemo_fp8_plugin.tools.harness import ArmRecord, ratio
+
+    @dataclass
+    class Step:
+        reward: float
+
+    arm = ArmRecord(
+        "fp8", steps=[Step(r) for r in (0.0, 0.2, 0.4, 0.6)], step_seconds=[9.0, 1.0, 2.0, 3.0]
+    )
+    assert arm.series("reward") == [0.0, 0.2, 0.4, 0.6]
+    assert arm.mean("reward") == pytest.approx(0.3) and arm.tail_mean("reward") == 0.6
+    assert arm.tail_mean("reward", 0.5) == pytest.approx(0.5)
+    assert arm.steady_step_s(1) == 2.0 and arm.steady_step_s(5) == 2.5  # at most half left out
+    empty = ArmRecord("bf16")
+    assert math.isnan(empty.mean("reward")) and empty.steady_step_s() is None
+    assert not empty.completed
+    assert ratio(3.0, 2.0) == 1.5 and ratio(None, 2.0) is None and ratio(1.0, 0) is None
+
+
+def test_json_and_png_are_written_whole(tmp_path):
+    from nemo_fp8_plugin.tools.harness import pyplot, write_json, write_png
+
+    path = write_json(tmp_path / "r.json", {"path": tmp_path, "x": [1.5]})
+    assert json.loads(path.read_text()) == {"path": str(tmp_path), "x": [1.5]}
+    fig, ax = pyplot().subplots()
+    ax.plot([0, 1], [1, 0])
+    png = write_png(tmp_path / "p.png", fig)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png", "r.json"]  # no temp files
+    assert not pyplot().get_fignums()  # the figure was closed
