@@ -13,6 +13,15 @@ round differently from torch's in the last bit; once in a while that moves one a
 across an E4M3 rounding boundary, the token's logprob moves by a few hundredths, and through
 the KV cache the rest of that sequence follows. Measured here: median |d| ~1e-6, mean ~0.015,
 max ~0.12, against a mean of ~0.1 to the unquantized model.
+
+What this agreement does and does not show: on CPU the engine's ``nemo_fp8`` method and the
+emulated trainer quantize with the same code (``nemo_fp8_plugin.numerics``), so their
+agreement checks the plumbing (weight loading, refit, fused-module splits, BF16 rules,
+KV-cache handling) inside a real vLLM, not the quantizer. The quantizers are checked against
+independent references elsewhere: TE's own kernels' formulas and its pure-PyTorch references
+(tests/numerics/test_numerics_reference.py, test_numerics_nvfp4.py), torchao
+(test_numerics_oracle.py), and torch's own ``_scaled_mm`` for the GEMM
+(tests/numerics/test_gemm_oracle.py).
 """
 
 from __future__ import annotations
