@@ -426,19 +426,33 @@ def _bridge_recipe(value: str, reg: RecipeRegistry) -> str | None:
 _MAP, _LIST, _STR = "a mapping", "a list of mappings", "a string"
 
 HOST_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
-    "nemo2": {"trainer": (_MAP,), "trainer.plugins": (_MAP, _LIST), "model": (_MAP,),
-              "model.config": (_MAP,)},
+    "nemo2": {
+        "trainer": (_MAP,),
+        "trainer.plugins": (_MAP, _LIST),
+        "model": (_MAP,),
+        "model.config": (_MAP,),
+    },
     "bridge": {"model": (_MAP,), "model.transformer": (_MAP,)},
     "megatron": {"model": (_MAP,), "language_model": (_MAP,), "ddp": (_MAP,)},
-    "nemo-rl": {"policy": (_MAP,), "policy.megatron_cfg": (_MAP,),
-                "policy.megatron_cfg.fp8_cfg": (_MAP,), "policy.megatron_cfg.env_vars": (_MAP,),
-                "policy.megatron_cfg.model_overrides": (_MAP,),
-                "policy.megatron_cfg.optimizer": (_MAP,), "policy.dtensor_cfg": (_MAP,),
-                "policy.generation": (_MAP,), "policy.generation.vllm_cfg": (_MAP,),
-                "loss_fn": (_MAP,)},
-    "vllm": {"model": (_STR,), "hf_overrides": (_MAP,), "hf-overrides": (_MAP,),
-             "hf_overrides.quantization_config": (_MAP,),
-             "hf-overrides.quantization_config": (_MAP,)},
+    "nemo-rl": {
+        "policy": (_MAP,),
+        "policy.megatron_cfg": (_MAP,),
+        "policy.megatron_cfg.fp8_cfg": (_MAP,),
+        "policy.megatron_cfg.env_vars": (_MAP,),
+        "policy.megatron_cfg.model_overrides": (_MAP,),
+        "policy.megatron_cfg.optimizer": (_MAP,),
+        "policy.dtensor_cfg": (_MAP,),
+        "policy.generation": (_MAP,),
+        "policy.generation.vllm_cfg": (_MAP,),
+        "loss_fn": (_MAP,),
+    },
+    "vllm": {
+        "model": (_STR,),
+        "hf_overrides": (_MAP,),
+        "hf-overrides": (_MAP,),
+        "hf_overrides.quantization_config": (_MAP,),
+        "hf-overrides.quantization_config": (_MAP,),
+    },
     "te": {},
 }
 """Per host, the sections its adapter reads or writes and what each must be when present
@@ -454,13 +468,22 @@ def check_sections(host: str, config: Mapping[str, Any]) -> None:
         value = get_path(config, path)
         if value is None or (isinstance(value, str) and value.startswith("${")):
             continue
-        ok = ((_MAP in kinds and isinstance(value, Mapping))
-              or (_STR in kinds and isinstance(value, str))
-              or (_LIST in kinds and isinstance(value, list)
-                  and all(isinstance(v, Mapping) for v in value)))
+        ok = (
+            (_MAP in kinds and isinstance(value, Mapping))
+            or (_STR in kinds and isinstance(value, str))
+            or (
+                _LIST in kinds
+                and isinstance(value, list)
+                and all(isinstance(v, Mapping) for v in value)
+            )
+        )
         if not ok:
-            raise FP8ConfigError(f"expected {' or '.join(kinds)}, got {format_value(value)}",
-                                 key=path, value=value, hint=f"{host} reads this section")
+            raise FP8ConfigError(
+                f"expected {' or '.join(kinds)}, got {format_value(value)}",
+                key=path,
+                value=value,
+                hint=f"{host} reads this section",
+            )
 
 
 def find_fp8_request(

@@ -142,7 +142,7 @@ class FP8ConfigError(ValueError):
     def __init__(
         self, message: str, *, key: str | None = None, value: Any = None, hint: str | None = None
     ):
-        self.key = key
+        self.key = one_line(key) if isinstance(key, str) else key  # printed as is
         self.value = value
         self.hint = hint
         self.bare_message = message

@@ -27,9 +27,7 @@ pytest_step() {  # pytest_step VENV PATH [ARGS...]: exit 5 (nothing collected) i
   [ "$rc" -eq 0 ] || { echo "FAILED: pytest $path (exit $rc)" >&2; status=1; }
 }
 step "ruff check" .venv/bin/ruff check .
-# Not yet: the tree is formatted once, when the restructuring of issue 16 has landed
-# (`ruff format .`); then enable this line.
-# step "ruff format --check" .venv/bin/ruff format --check .
+step "ruff format --check" .venv/bin/ruff format --check .
 step "mypy" .venv/bin/python -m mypy
 step "lint-imports" .venv/bin/lint-imports
 pytest_step .venv tests "$@"

@@ -422,7 +422,7 @@ def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
         result = ApplyResult(data=data, warnings=[NO_REQUEST], requested=False, fmt=ctx.fmt)
         result.written, result.removed = diff_written(ctx.raw, data)
         return result
-    from ..config import check_sections  # noqa: PLC0415
+    from ..config import check_sections
 
     # Typed before merging: a list where the host reads a mapping names its key.
     check_sections(adapter.name, ctx.raw)

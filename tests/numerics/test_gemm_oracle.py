@@ -16,19 +16,27 @@ from nemo_fp8_plugin.numerics import fp8_gemm, quantize_per_tensor
 from nemo_fp8_plugin.numerics.quantize import QTensor
 
 
-
 def _scaled_mm(a: QTensor, b: QTensor) -> torch.Tensor:
-    return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv.reshape(()).float(),
-                            scale_b=b.scale_inv.reshape(()).float(), out_dtype=torch.float32)
+    return torch._scaled_mm(
+        a.data,
+        b.data.t(),
+        scale_a=a.scale_inv.reshape(()).float(),
+        scale_b=b.scale_inv.reshape(()).float(),
+        out_dtype=torch.float32,
+    )
 
 
 def _qt(data: torch.Tensor, scale_inv: float) -> QTensor:
     q = quantize_per_tensor(data.float())
-    return QTensor(data=data.to(torch.float8_e4m3fn), scale_inv=torch.tensor(scale_inv),
-                   block=q.block, fmt="e4m3")
+    return QTensor(
+        data=data.to(torch.float8_e4m3fn),
+        scale_inv=torch.tensor(scale_inv),
+        block=q.block,
+        fmt="e4m3",
+    )
 
 
-@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.25, 8.0), (2.0 ** -10, 2.0 ** 6)])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.25, 8.0), (2.0**-10, 2.0**6)])
 def test_integer_operands_agree_bit_for_bit(scales):
     g = torch.Generator().manual_seed(7)
     a = torch.randint(-4, 5, (16, 64), generator=g).float()
