@@ -48,56 +48,145 @@ def examples(n: int) -> int:
     return max(1, int(n * SCALE))
 
 
-FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                   HealthCheck.function_scoped_fixture,
-                                                   HealthCheck.data_too_large])
+FUZZ = dict(
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+    ],
+)
 
 RECIPES = default_registry().names()
-WORDS = RECIPES + ["fp8", "FP8", "bf16", "bfloat16", "bf16-mixed", "16-mixed", "fp8-blockwise",
-                   "mxfp8_x", "hybrid", "e4m3", "${policy.precision}", "auto", "fp8_e4m3",
-                   "bf16_mixed", "fp16_mixed", "nemo_fp8", "cpu", "h100", "a100", "b200", "",
-                   "megatron.bridge.training.mixed_precision.MixedPrecisionConfig",
-                   "nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision",
-                   "evil.MegatronMixedPrecision", "subprocess.Popen", "os.system",
-                   "meta-llama/Llama-3.1-8B-Instruct", "llama3.1-8b", "*.linear_qkv"]
+WORDS = RECIPES + [
+    "fp8",
+    "FP8",
+    "bf16",
+    "bfloat16",
+    "bf16-mixed",
+    "16-mixed",
+    "fp8-blockwise",
+    "mxfp8_x",
+    "hybrid",
+    "e4m3",
+    "${policy.precision}",
+    "auto",
+    "fp8_e4m3",
+    "bf16_mixed",
+    "fp16_mixed",
+    "nemo_fp8",
+    "cpu",
+    "h100",
+    "a100",
+    "b200",
+    "",
+    "megatron.bridge.training.mixed_precision.MixedPrecisionConfig",
+    "nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision",
+    "evil.MegatronMixedPrecision",
+    "subprocess.Popen",
+    "os.system",
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "llama3.1-8b",
+    "*.linear_qkv",
+]
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70),
-    st.integers(-3, 300), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.sampled_from(WORDS))
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 70), 1 << 70),
+    st.integers(-3, 300),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(WORDS),
+)
 
-HOST_KEYS = ["precision", "fp8", "mixed_precision", "policy", "trainer", "plugins", "model",
-             "config", "transformer", "megatron_cfg", "generation", "vllm_cfg", "fp8_cfg",
-             "loss_fn", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-             "num_moe_experts", "quantization", "kv_cache_dtype", "kv-cache-dtype",
-             "max-model-len", "max_model_len", "hf_overrides", "quantization_config",
-             "_target_", "recipe", "bf16_layers", "first", "last", "modules", "pow2_scales",
-             "fp8_param", "kv_cache", "training", "defaults", "env_vars", "ddp", "device",
-             "model_name", "enabled", "fp8_recipe", "tensor_parallel_size"]
+HOST_KEYS = [
+    "precision",
+    "fp8",
+    "mixed_precision",
+    "policy",
+    "trainer",
+    "plugins",
+    "model",
+    "config",
+    "transformer",
+    "megatron_cfg",
+    "generation",
+    "vllm_cfg",
+    "fp8_cfg",
+    "loss_fn",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "num_moe_experts",
+    "quantization",
+    "kv_cache_dtype",
+    "kv-cache-dtype",
+    "max-model-len",
+    "max_model_len",
+    "hf_overrides",
+    "quantization_config",
+    "_target_",
+    "recipe",
+    "bf16_layers",
+    "first",
+    "last",
+    "modules",
+    "pow2_scales",
+    "fp8_param",
+    "kv_cache",
+    "training",
+    "defaults",
+    "env_vars",
+    "ddp",
+    "device",
+    "model_name",
+    "enabled",
+    "fp8_recipe",
+    "tensor_parallel_size",
+]
 keys = st.one_of(st.sampled_from(HOST_KEYS), st.text(min_size=1, max_size=8))
 
 values = st.recursive(
     scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4),
-                            st.dictionaries(keys, inner, max_size=4)),
-    max_leaves=16)
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(keys, inner, max_size=4)),
+    max_leaves=16,
+)
 
 SKELETONS = {
-    "nemo2": {"precision": "fp8_blockwise", "trainer": {"max_steps": 200, "plugins": None},
-              "model": {"config": {"num_layers": 16}}},
-    "bridge": {"mixed_precision": "fp8_blockwise",
-               "model": {"tensor_model_parallel_size": 2, "num_layers": 32}},
-    "megatron": {"precision": "fp8_current",
-                 "model": {"num_layers": 8, "hidden_size": 1024, "ffn_hidden_size": 4096,
-                           "num_attention_heads": 16}},
-    "nemo-rl": {"policy": {"model_name": "meta-llama/Llama-3.1-8B-Instruct",
-                           "precision": "fp8_blockwise",
-                           "megatron_cfg": {"enabled": True, "fp8_cfg": {"enabled": False}},
-                           "generation": {"backend": "vllm",
-                                          "vllm_cfg": {"precision": "${policy.precision}"}}},
-                "loss_fn": {"token_level_loss": True}},
-    "vllm": {"model": "meta-llama/Llama-3.1-8B-Instruct", "max-model-len": 8192,
-             "precision": "fp8_blockwise"},
+    "nemo2": {
+        "precision": "fp8_blockwise",
+        "trainer": {"max_steps": 200, "plugins": None},
+        "model": {"config": {"num_layers": 16}},
+    },
+    "bridge": {
+        "mixed_precision": "fp8_blockwise",
+        "model": {"tensor_model_parallel_size": 2, "num_layers": 32},
+    },
+    "megatron": {
+        "precision": "fp8_current",
+        "model": {
+            "num_layers": 8,
+            "hidden_size": 1024,
+            "ffn_hidden_size": 4096,
+            "num_attention_heads": 16,
+        },
+    },
+    "nemo-rl": {
+        "policy": {
+            "model_name": "meta-llama/Llama-3.1-8B-Instruct",
+            "precision": "fp8_blockwise",
+            "megatron_cfg": {"enabled": True, "fp8_cfg": {"enabled": False}},
+            "generation": {"backend": "vllm", "vllm_cfg": {"precision": "${policy.precision}"}},
+        },
+        "loss_fn": {"token_level_loss": True},
+    },
+    "vllm": {
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "max-model-len": 8192,
+        "precision": "fp8_blockwise",
+    },
     "te": {"precision": "fp8_blockwise"},
 }
 assert set(SKELETONS) == set(HOSTS), "a host without a fuzzed skeleton"
@@ -134,7 +223,8 @@ def host_configs(draw, host: str):
             where[draw(keys)] = draw(values)
         elif kind == "request":
             cfg[draw(st.sampled_from(["precision", "mixed_precision", "fp8"]))] = draw(
-                st.one_of(st.sampled_from(WORDS), values))
+                st.one_of(st.sampled_from(WORDS), values)
+            )
         elif kind == "fp8block":
             from nemo_fp8_plugin.spec import RecipeSpec
 
@@ -146,7 +236,7 @@ def host_configs(draw, host: str):
     paths = list(_paths(cfg))
     if paths and draw(st.booleans()):  # once, last: the tree stays acyclic
         a, b = draw(st.sampled_from(paths)), draw(st.sampled_from(paths))
-        if b[:len(a)] != a and a[:len(b)] != b:  # neither inside the other
+        if b[: len(a)] != a and a[: len(b)] != b:  # neither inside the other
             _set(cfg, b, _get(cfg, a))
     return cfg
 
@@ -168,8 +258,11 @@ def _dump(cfg) -> str:
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:
-    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size)
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str, float]:
@@ -193,8 +286,9 @@ def assert_promise(rc: int, err: str, took: float, argv) -> None:
         assert lines[0].startswith(f"nemo-fp8 {argv[0]}: error: "), lines[0]
 
 
-def check_config_text(capsys, text: str, host: str, *, files: dict[str, str] | None = None,
-                      json_out: bool = False) -> tuple[int, str]:
+def check_config_text(
+    capsys, text: str, host: str, *, files: dict[str, str] | None = None, json_out: bool = False
+) -> tuple[int, str]:
     """explain, then apply --host HOST -o OUT, on ``text``; the promise for both. Returns
     apply's exit code and stderr."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -260,27 +354,39 @@ def test_a_duplicate_key_at_any_depth_is_refused_with_both_lines(capsys, cfg, ho
 
 
 @settings(max_examples=examples(15), **FUZZ)
-@given(depth=st.integers(1, 90), flow=st.booleans(), host=st.sampled_from(HOSTS),
-       leaf=scalars)
+@given(depth=st.integers(1, 90), flow=st.booleans(), host=st.sampled_from(HOSTS), leaf=scalars)
 def test_deep_nesting_is_refused_or_read(capsys, depth, flow, host, leaf):
     from nemo_fp8_plugin.errors import LIMITS
 
     if flow:
         # the leaf as PyYAML writes it (quoted and escaped as needed), on one line
-        body = "[" * depth + yaml.safe_dump(leaf, default_flow_style=True, width=10**9
-                                            ).splitlines()[0].removesuffix(" ...") + "]" * depth
+        body = (
+            "[" * depth
+            + yaml.safe_dump(leaf, default_flow_style=True, width=10**9)
+            .splitlines()[0]
+            .removesuffix(" ...")
+            + "]" * depth
+        )
         text = f"precision: fp8_blockwise\nextra: {body}\n"
     else:
-        text = "precision: fp8_blockwise\n" + "".join(
-            "  " * i + f"k{i}:\n" for i in range(depth)) + "  " * depth + "leaf: 1\n"
+        text = (
+            "precision: fp8_blockwise\n"
+            + "".join("  " * i + f"k{i}:\n" for i in range(depth))
+            + "  " * depth
+            + "leaf: 1\n"
+        )
     rc, err = check_config_text(capsys, text, host)
     if depth + 1 > LIMITS.yaml_depth:
         assert rc == 2 and "levels deep" in err, err
 
 
 @settings(max_examples=examples(15), **FUZZ)
-@given(width=st.integers(2, 12), depth=st.integers(1, 9), host=st.sampled_from(HOSTS),
-       where=st.sampled_from(["precision", "fp8", "model", "mixed_precision", "extra"]))
+@given(
+    width=st.integers(2, 12),
+    depth=st.integers(1, 9),
+    host=st.sampled_from(HOSTS),
+    where=st.sampled_from(["precision", "fp8", "model", "mixed_precision", "extra"]),
+)
 def test_aliases_expand_within_bounds(capsys, width, depth, host, where):
     """An anchor referenced ``width`` times per level, ``depth`` levels: up to 12^9 values
     once expanded (a "billion laughs"), in any position, including one whose wrong type makes
@@ -293,15 +399,17 @@ def test_aliases_expand_within_bounds(capsys, width, depth, host, where):
 
 
 @settings(max_examples=examples(15), **FUZZ)
-@given(length=st.integers(0, 20), loop=st.booleans(), fan=st.integers(1, 3),
-       missing=st.booleans())
+@given(length=st.integers(0, 20), loop=st.booleans(), fan=st.integers(1, 3), missing=st.booleans())
 def test_defaults_chains_are_bounded(capsys, length, loop, fan, missing):
     """NeMo RL ``defaults:`` chains: long, looping, fanning out (a parent named by several
     children is parsed once), or naming a file that is not there."""
     files = {}
     for i in range(length):
-        parents = [f"p{i + 1}.yaml"] * fan if i + 1 < length else (
-            ["p0.yaml"] if loop else (["gone.yaml"] if missing else []))
+        parents = (
+            [f"p{i + 1}.yaml"] * fan
+            if i + 1 < length
+            else (["p0.yaml"] if loop else (["gone.yaml"] if missing else []))
+        )
         body = {"policy": {"megatron_cfg": {f"k{i}": i}}}
         if parents:
             body["defaults"] = parents if fan > 1 else parents[0]
@@ -312,8 +420,10 @@ def test_defaults_chains_are_bounded(capsys, length, loop, fan, missing):
 
 
 @settings(max_examples=examples(10), **FUZZ)
-@given(host=st.sampled_from(HOSTS), kind=st.sampled_from(["fifo", "dir", "missing", "binary",
-                                                           "empty", "list", "huge-line"]))
+@given(
+    host=st.sampled_from(HOSTS),
+    kind=st.sampled_from(["fifo", "dir", "missing", "binary", "empty", "list", "huge-line"]),
+)
 def test_a_config_that_is_no_yaml_file_is_refused_in_one_line(capsys, host, kind):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
@@ -329,8 +439,7 @@ def test_a_config_that_is_no_yaml_file_is_refused_in_one_line(capsys, host, kind
             path.write_text("- precision: fp8_blockwise\n")
         elif kind == "huge-line":
             path.write_text("precision: " + "x" * 100_000 + "\n")
-        for argv in (["explain", path], ["apply", path, "--host", host],
-                     ["doctor", path]):
+        for argv in (["explain", path], ["apply", path, "--host", host], ["doctor", path]):
             rc, _out, err, took = run_cli(capsys, *argv)
             assert_promise(rc, err, took, argv)
             if kind in ("fifo", "dir", "missing", "binary", "list", "huge-line"):
@@ -339,10 +448,18 @@ def test_a_config_that_is_no_yaml_file_is_refused_in_one_line(capsys, host, kind
 
 # --------------------------------------------------------------------------- checkpoints
 
-TENSOR_NAMES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
-                "model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight",
-                "lm_head.weight", "model.norm.weight", "model.layers.0.mlp.gate.weight",
-                "model.layers.1.mlp.experts.w13_weight", "weird name", "x"]
+TENSOR_NAMES = [
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.1.mlp.up_proj.weight",
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.norm.weight",
+    "model.layers.0.mlp.gate.weight",
+    "model.layers.1.mlp.experts.w13_weight",
+    "weird name",
+    "x",
+]
 DTYPES = ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float64", "bool"]
 
 
@@ -353,13 +470,31 @@ def checkpoints(draw):
     absolute path, a subdirectory, not JSON, a list), a config.json, a FIFO."""
     shards = []
     for _ in range(draw(st.integers(0, 3))):
-        tensors = draw(st.dictionaries(
-            st.sampled_from(TENSOR_NAMES),
-            st.tuples(st.lists(st.integers(0, 160), min_size=0, max_size=3),
-                      st.sampled_from(DTYPES)), max_size=3))
+        tensors = draw(
+            st.dictionaries(
+                st.sampled_from(TENSOR_NAMES),
+                st.tuples(
+                    st.lists(st.integers(0, 160), min_size=0, max_size=3), st.sampled_from(DTYPES)
+                ),
+                max_size=3,
+            )
+        )
         shards.append(tensors)
-    index = draw(st.sampled_from(["none", "valid", "missing", "dotdot", "absolute", "subdir",
-                                  "not-json", "list", "fifo-shard"]))
+    index = draw(
+        st.sampled_from(
+            [
+                "none",
+                "valid",
+                "missing",
+                "dotdot",
+                "absolute",
+                "subdir",
+                "not-json",
+                "list",
+                "fifo-shard",
+            ]
+        )
+    )
     config = draw(st.sampled_from(["llama", "none", "garbage", "huge-layers"]))
     return shards, index, config
 
@@ -379,23 +514,43 @@ def _write_checkpoint(root: Path, shards, index, config) -> None:
             weight_map[tname] = name
         save_file(data, str(root / name))
     if index != "none":
-        bad = {"missing": "nope.safetensors", "dotdot": "../outside.safetensors",
-               "absolute": "/etc/passwd", "subdir": "sub/x.safetensors"}.get(index)
+        bad = {
+            "missing": "nope.safetensors",
+            "dotdot": "../outside.safetensors",
+            "absolute": "/etc/passwd",
+            "subdir": "sub/x.safetensors",
+        }.get(index)
         if bad is not None:
             weight_map["model.extra.weight"] = bad
         if index == "fifo-shard":
             os.mkfifo(root / "fifo.safetensors")
             weight_map["model.fifo.weight"] = "fifo.safetensors"
-        text = ("{not json" if index == "not-json" else
-                json.dumps([1, 2]) if index == "list" else
-                json.dumps({"metadata": {}, "weight_map": weight_map}))
+        text = (
+            "{not json"
+            if index == "not-json"
+            else json.dumps([1, 2])
+            if index == "list"
+            else json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
         (root / "model.safetensors.index.json").write_text(text)
     if config != "none":
-        body = {"llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                          "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
-                          "num_attention_heads": 4, "vocab_size": 256},
-                "huge-layers": {"model_type": "llama", "num_hidden_layers": 10**9,
-                                "hidden_size": 128, "intermediate_size": 256}}.get(config)
+        body = {
+            "llama": {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "num_hidden_layers": 2,
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_attention_heads": 4,
+                "vocab_size": 256,
+            },
+            "huge-layers": {
+                "model_type": "llama",
+                "num_hidden_layers": 10**9,
+                "hidden_size": 128,
+                "intermediate_size": 256,
+            },
+        }.get(config)
         (root / "config.json").write_text("[[[" if body is None else json.dumps(body))
 
 
@@ -432,29 +587,64 @@ def test_checkpoints_are_analyzed_exported_or_refused(capsys, ckpt, recipe):
 
 # --------------------------------------------------------------------------- the RL library API
 
-anything = st.one_of(scalars, st.lists(scalars, max_size=3),
-                     st.sampled_from(["false", "true", "0", "1", "nemo_fp8", "compressed_tensors",
-                                      "fp8_blockwise", "mxfp8", "fp8_current"]),
-                     st.just(lambda *a: "false"), st.just(lambda *a: True),
-                     st.just(lambda *a: 1), st.just(object()))
+anything = st.one_of(
+    scalars,
+    st.lists(scalars, max_size=3),
+    st.sampled_from(
+        [
+            "false",
+            "true",
+            "0",
+            "1",
+            "nemo_fp8",
+            "compressed_tensors",
+            "fp8_blockwise",
+            "mxfp8",
+            "fp8_current",
+        ]
+    ),
+    st.just(lambda *a: "false"),
+    st.just(lambda *a: True),
+    st.just(lambda *a: 1),
+    st.just(object()),
+)
 
 
 @settings(max_examples=examples(60), **FUZZ)
-@given(kwargs=st.dictionaries(
-    st.sampled_from(["keep_bf16", "num_layers", "tp_rank", "tp_size", "shard_dim",
-                     "is_linear_weight", "mx_scale_layout", "fused"]), anything, max_size=3),
+@given(
+    kwargs=st.dictionaries(
+        st.sampled_from(
+            [
+                "keep_bf16",
+                "num_layers",
+                "tp_rank",
+                "tp_size",
+                "shard_dim",
+                "is_linear_weight",
+                "mx_scale_layout",
+                "fused",
+            ]
+        ),
+        anything,
+        max_size=3,
+    ),
     spec=st.one_of(st.sampled_from(["fp8_blockwise", "mxfp8", "fp8_subchannel"]), anything),
-    items=st.sampled_from(["mapping", "pairs", "bad-pair", "not-tensor", "string", "number"]))
+    items=st.sampled_from(["mapping", "pairs", "bad-pair", "not-tensor", "string", "number"]),
+)
 def test_quantize_for_refit_arguments(kwargs, spec, items):
     import torch
 
     from nemo_fp8_plugin.rl import quantize_for_refit
 
     w = torch.randn(128, 256, generator=torch.Generator().manual_seed(0))
-    source = {"mapping": {"model.layers.0.mlp.down_proj.weight": w},
-              "pairs": [("model.layers.0.self_attn.q_proj.weight", w)],
-              "bad-pair": [("a.weight", w, 3)], "not-tensor": {"a.weight": [[1.0]]},
-              "string": "model.weight", "number": 3}[items]
+    source = {
+        "mapping": {"model.layers.0.mlp.down_proj.weight": w},
+        "pairs": [("model.layers.0.self_attn.q_proj.weight", w)],
+        "bad-pair": [("a.weight", w, 3)],
+        "not-tensor": {"a.weight": [[1.0]]},
+        "string": "model.weight",
+        "number": 3,
+    }[items]
     try:
         out = list(quantize_for_refit(source, spec, **kwargs))
     except (FP8ConfigError, TypeError) as err:
@@ -466,10 +656,17 @@ def test_quantize_for_refit_arguments(kwargs, spec, items):
 
 
 @settings(max_examples=examples(40), **FUZZ)
-@given(model=st.one_of(st.just("module"), anything), forward=st.one_of(st.none(), anything),
-       kwargs=st.dictionaries(st.sampled_from(["percentile", "margin", "include_q", "sample",
-                                               "layer_offset", "calibrator"]), anything,
-                              max_size=2))
+@given(
+    model=st.one_of(st.just("module"), anything),
+    forward=st.one_of(st.none(), anything),
+    kwargs=st.dictionaries(
+        st.sampled_from(
+            ["percentile", "margin", "include_q", "sample", "layer_offset", "calibrator"]
+        ),
+        anything,
+        max_size=2,
+    ),
+)
 def test_refresh_scales_arguments(model, forward, kwargs):
     import torch
 
@@ -487,10 +684,15 @@ def test_refresh_scales_arguments(model, forward, kwargs):
 
 
 @settings(max_examples=examples(30), **FUZZ)
-@given(kwargs=st.dictionaries(st.sampled_from(["config", "max_shard_bytes", "overwrite",
-                                               "copy_other_files"]), anything, max_size=3),
-       spec=st.one_of(st.sampled_from(["fp8_blockwise", "mxfp8"]), anything),
-       out_kind=st.sampled_from(["path", "str", "number", "none"]))
+@given(
+    kwargs=st.dictionaries(
+        st.sampled_from(["config", "max_shard_bytes", "overwrite", "copy_other_files"]),
+        anything,
+        max_size=3,
+    ),
+    spec=st.one_of(st.sampled_from(["fp8_blockwise", "mxfp8"]), anything),
+    out_kind=st.sampled_from(["path", "str", "number", "none"]),
+)
 def test_export_fp8_checkpoint_arguments(kwargs, spec, out_kind):
     import torch
 
@@ -499,8 +701,12 @@ def test_export_fp8_checkpoint_arguments(kwargs, spec, out_kind):
     state = {"model.layers.0.mlp.down_proj.weight": torch.ones(128, 128)}
     kwargs.setdefault("config", {"model_type": "llama", "num_hidden_layers": 1})
     with tempfile.TemporaryDirectory() as tmp:
-        target = {"path": Path(tmp) / "out", "str": str(Path(tmp) / "out"), "number": 7,
-                  "none": None}[out_kind]
+        target = {
+            "path": Path(tmp) / "out",
+            "str": str(Path(tmp) / "out"),
+            "number": 7,
+            "none": None,
+        }[out_kind]
         with contextlib.suppress(FP8ConfigError, TypeError):
             result = export_fp8_checkpoint(state, target, spec, **kwargs)
             assert (Path(result.path) / "config.json").is_file()
