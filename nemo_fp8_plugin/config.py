@@ -208,7 +208,11 @@ def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if not index.exists() and not index.is_symlink():
-        return sorted(f for f in directory.glob("*.safetensors") if f.is_file())
+        return [
+            regular_file(f, key=key, what="safetensors file")  # a FIFO: refused
+            for f in sorted(directory.glob("*.safetensors"))
+            if not f.is_dir()
+        ]
     regular_file(index, key=key, what="safetensors index")
     try:
         with open(index, "rb") as fh:
