@@ -325,14 +325,14 @@ def check_config_text(
 
 
 @pytest.mark.parametrize("host", HOSTS)
-@settings(max_examples=examples(25), **FUZZ)
+@settings(max_examples=examples(100), **FUZZ)
 @given(data=st.data())
 def test_every_host_answers_or_refuses_in_one_line(capsys, host, data):
     cfg = data.draw(host_configs(host))
     check_config_text(capsys, _dump(cfg), host, json_out=data.draw(st.booleans()))
 
 
-@settings(max_examples=examples(20), **FUZZ)
+@settings(max_examples=examples(60), **FUZZ)
 @given(cfg=host_configs("megatron"), host=st.sampled_from(HOSTS), where=st.integers(0, 6))
 def test_a_duplicate_key_at_any_depth_is_refused_with_both_lines(capsys, cfg, host, where):
     text = _dump(cfg)
@@ -353,7 +353,7 @@ def test_a_duplicate_key_at_any_depth_is_refused_with_both_lines(capsys, cfg, ho
     assert f"line {second}" in err and f"first at line {first}" in err, err
 
 
-@settings(max_examples=examples(15), **FUZZ)
+@settings(max_examples=examples(40), **FUZZ)
 @given(depth=st.integers(1, 90), flow=st.booleans(), host=st.sampled_from(HOSTS), leaf=scalars)
 def test_deep_nesting_is_refused_or_read(capsys, depth, flow, host, leaf):
     from nemo_fp8_plugin.errors import LIMITS
@@ -380,7 +380,7 @@ def test_deep_nesting_is_refused_or_read(capsys, depth, flow, host, leaf):
         assert rc == 2 and "levels deep" in err, err
 
 
-@settings(max_examples=examples(15), **FUZZ)
+@settings(max_examples=examples(40), **FUZZ)
 @given(
     width=st.integers(2, 12),
     depth=st.integers(1, 9),
@@ -398,7 +398,7 @@ def test_aliases_expand_within_bounds(capsys, width, depth, host, where):
     check_config_text(capsys, "\n".join(lines) + "\n", host)
 
 
-@settings(max_examples=examples(15), **FUZZ)
+@settings(max_examples=examples(40), **FUZZ)
 @given(length=st.integers(0, 20), loop=st.booleans(), fan=st.integers(1, 3), missing=st.booleans())
 def test_defaults_chains_are_bounded(capsys, length, loop, fan, missing):
     """NeMo RL ``defaults:`` chains: long, looping, fanning out (a parent named by several
@@ -419,7 +419,7 @@ def test_defaults_chains_are_bounded(capsys, length, loop, fan, missing):
     check_config_text(capsys, _dump(top), "nemo-rl", files=files)
 
 
-@settings(max_examples=examples(10), **FUZZ)
+@settings(max_examples=examples(20), **FUZZ)
 @given(
     host=st.sampled_from(HOSTS),
     kind=st.sampled_from(["fifo", "dir", "missing", "binary", "empty", "list", "huge-line"]),
@@ -554,7 +554,7 @@ def _write_checkpoint(root: Path, shards, index, config) -> None:
         (root / "config.json").write_text("[[[" if body is None else json.dumps(body))
 
 
-@settings(max_examples=examples(25), **FUZZ)
+@settings(max_examples=examples(80), **FUZZ)
 @given(ckpt=checkpoints(), recipe=st.sampled_from(["fp8_blockwise", "mxfp8", "fp8_current"]))
 def test_checkpoints_are_analyzed_exported_or_refused(capsys, ckpt, recipe):
     from nemo_fp8_plugin.rl import export_fp8_checkpoint
@@ -610,7 +610,7 @@ anything = st.one_of(
 )
 
 
-@settings(max_examples=examples(60), **FUZZ)
+@settings(max_examples=examples(200), **FUZZ)
 @given(
     kwargs=st.dictionaries(
         st.sampled_from(
@@ -655,7 +655,7 @@ def test_quantize_for_refit_arguments(kwargs, spec, items):
         assert isinstance(name, str) and isinstance(tensor, torch.Tensor)
 
 
-@settings(max_examples=examples(40), **FUZZ)
+@settings(max_examples=examples(100), **FUZZ)
 @given(
     model=st.one_of(st.just("module"), anything),
     forward=st.one_of(st.none(), anything),
@@ -683,7 +683,7 @@ def test_refresh_scales_arguments(model, forward, kwargs):
     assert isinstance(update, dict)
 
 
-@settings(max_examples=examples(30), **FUZZ)
+@settings(max_examples=examples(80), **FUZZ)
 @given(
     kwargs=st.dictionaries(
         st.sampled_from(["config", "max_shard_bytes", "overwrite", "copy_other_files"]),

@@ -339,13 +339,20 @@ def test_an_error_is_one_line_whatever_the_key(tmp_path, capsys, key):
 # --------------------------------------------------------------------------- special files
 
 
-def _unblock_later(path: Path, after_s: float = 3.0) -> None:
+def _unblock_later(path: Path, after_s: float = 3.0, for_s: float = 60.0) -> None:
+    """Open the FIFO for writing, again and again, from ``after_s`` on: code that (wrongly)
+    opened it for reading then returns instead of hanging the suite (a blocked ``open`` in
+    native code is beyond pytest-timeout's signal)."""
+
     def writer():
         time.sleep(after_s)
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
+        end = time.monotonic() + for_s
+        while time.monotonic() < end and path.exists():
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass  # no reader yet
+            time.sleep(0.1)
 
     threading.Thread(target=writer, daemon=True).start()
 

@@ -324,21 +324,22 @@ def test_index_entries_stay_inside_the_checkpoint(tmp_path, capsys, entry):
     assert not (tmp_path / "out").exists()
 
 
-def _unblock_later(path: Path, after_s: float = 3.0) -> threading.Thread:
-    """Open the FIFO for writing after a while, so that code which (wrongly) opened it for
-    reading returns instead of hanging the suite."""
+def _unblock_later(path: Path, after_s: float = 3.0, for_s: float = 60.0) -> None:
+    """Open the FIFO for writing, again and again, from ``after_s`` on: code that (wrongly)
+    opened it for reading then returns instead of hanging the suite (a blocked ``open`` in
+    native code is beyond pytest-timeout's signal)."""
 
     def writer():
         time.sleep(after_s)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-            os.close(fd)
-        except OSError:
-            pass
+        end = time.monotonic() + for_s
+        while time.monotonic() < end and path.exists():
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass  # no reader yet
+            time.sleep(0.1)
 
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=writer, daemon=True).start()
 
 
 @pytest.mark.parametrize("where", ["shard", "index-shard", "config.json"])
