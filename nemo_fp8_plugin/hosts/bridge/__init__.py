@@ -61,9 +61,9 @@ from ...spec import RecipeSpec
 from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
 from ..megatron import (
     check_layer_counts,
-    dropped_settings,
     merge_native,
     precision_config_fields,
+    refuse_dropped,
     remove_request_keys,
 )
 
@@ -345,21 +345,9 @@ def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
 
 
 def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
-    dropped = dropped_settings(spec)
-    if dropped:
-        key, reason = dropped[0]
-        raise FP8ConfigError(
-            f"Megatron-Bridge (megatron-core) would silently drop this setting: {reason}",
-            key=f"{prefix}{key}",
-            value=getattr(spec, key),
-            hint="remove it, or use the recipe's preset value",
-        )
-    if spec.training != "fp8":
-        raise FP8ConfigError(
-            "this recipe trains in BF16; Megatron-Bridge training gets nothing from it",
-            key=f"{prefix}training",
-            value=spec.training,
-        )
+    refuse_dropped(
+        spec, prefix, host="Megatron-Bridge (megatron-core)", training_host="Megatron-Bridge"
+    )
 
 
 # --------------------------------------------------------------------------- ConfigContainer.model
@@ -442,7 +430,7 @@ def apply_config(
 def _merge(ctx) -> ApplyResult:
     config, request = ctx.raw, ctx.request
     spec = request.spec
-    _refuse(spec, prefix="fp8." if "fp8" in request.keys else "")
+    _refuse(spec, prefix="fp8" if "fp8" in request.keys else "")
     check_layer_counts(config, request)
     hk = mixed_precision_fields(spec, ctx.model)
     current = config.get("mixed_precision")

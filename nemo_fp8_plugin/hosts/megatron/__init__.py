@@ -71,6 +71,7 @@ from ..te import required_env
 
 __all__ = [
     "FP8_RECIPE",
+    "refuse_dropped",
     "FP8_FIELDS",
     "BF16_FIELDS",
     "PRECISION_CONFIG_FP8_FIELDS",
@@ -577,7 +578,7 @@ def build_transformer_config(spec: RecipeSpec, model=None, *, config_class=None,
     if config_class is None:
         from megatron.core.transformer import TransformerConfig as config_class
     hk = transformer_config_fields(spec, model)
-    _refuse_dropped(spec)
+    refuse_dropped(spec)
     _verify_te(spec)
     clash = sorted(set(base) & set(hk.keys))
     if clash:
@@ -593,7 +594,7 @@ def apply_to_transformer_config(config, spec: RecipeSpec, model=None):
     """A copy of an existing ``TransformerConfig`` with the recipe's fields, validated again
     by megatron-core (``dataclasses.replace`` runs ``__post_init__`` on the copy)."""
     hk = transformer_config_fields(spec, model)
-    _refuse_dropped(spec)
+    refuse_dropped(spec)
     _verify_te(spec)
     return _construct(lambda **kw: dataclasses.replace(config, **kw), _objects(hk.keys), spec)
 
@@ -616,15 +617,30 @@ def _construct(factory, kwargs: dict[str, Any], spec: RecipeSpec):
         raise FP8ConfigError(f"megatron-core refuses recipe {spec.name!r}: {msg}", key=key) from exc
 
 
-def _refuse_dropped(spec: RecipeSpec, prefix: str = "fp8") -> None:
+def refuse_dropped(
+    spec: RecipeSpec,
+    prefix: str = "fp8",
+    *,
+    host: str = "megatron-core",
+    training_host: str | None = None,
+) -> None:
+    """Refuse a recipe setting megatron-core would silently drop (:func:`dropped_settings`),
+    naming ``prefix.key``; with ``training_host`` (NeMo 2, Bridge: hosts that only train)
+    also a recipe that trains in BF16, which gives such a host nothing."""
     dropped = dropped_settings(spec)
     if dropped:
         key, reason = dropped[0]
         raise FP8ConfigError(
-            f"megatron-core would silently drop this setting: {reason}",
+            f"{host} would silently drop this setting: {reason}",
             key=f"{prefix}.{key}" if prefix else key,
             value=getattr(spec, key),
             hint="remove it, or use the recipe's preset value",
+        )
+    if training_host is not None and spec.training != "fp8":
+        raise FP8ConfigError(
+            f"this recipe trains in BF16; {training_host} training gets nothing from it",
+            key=f"{prefix}.training" if prefix else "training",
+            value=spec.training,
         )
 
 
@@ -692,7 +708,7 @@ def apply_config(
 def _merge(ctx) -> ApplyResult:
     config, request = ctx.raw, ctx.request
     spec = request.spec
-    _refuse_dropped(spec, prefix="fp8" if "fp8" in request.keys else "")
+    refuse_dropped(spec, prefix="fp8" if "fp8" in request.keys else "")
     check_layer_counts(config, request)
     hk = transformer_config_fields(spec, ctx.model)
     out = remove_request_keys(config, request.keys)

@@ -55,9 +55,9 @@ from ...spec import RecipeSpec
 from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
 from ..megatron import (
     check_layer_counts,
-    dropped_settings,
     merge_native,
     precision_config_fields,
+    refuse_dropped,
     remove_request_keys,
 )
 
@@ -279,21 +279,7 @@ def _find_plugin(plugins):
 
 
 def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
-    dropped = dropped_settings(spec)
-    if dropped:
-        key, reason = dropped[0]
-        raise FP8ConfigError(
-            f"NeMo 2 (megatron-core) would silently drop this setting: {reason}",
-            key=f"{prefix}{key}",
-            value=getattr(spec, key),
-            hint="remove it, or use the recipe's preset value",
-        )
-    if spec.training != "fp8":
-        raise FP8ConfigError(
-            "this recipe trains in BF16; NeMo 2 training gets nothing from it",
-            key=f"{prefix}training",
-            value=spec.training,
-        )
+    refuse_dropped(spec, prefix, host="NeMo 2 (megatron-core)", training_host="NeMo 2")
 
 
 # --------------------------------------------------------------------------- YAML
@@ -348,7 +334,7 @@ def apply_config(
 def _merge(ctx) -> ApplyResult:
     config, request = ctx.raw, ctx.request
     spec = request.spec
-    _refuse(spec, prefix="fp8." if "fp8" in request.keys else "")
+    _refuse(spec, prefix="fp8" if "fp8" in request.keys else "")
     check_layer_counts(config, request)
     hk = plugin_fields(spec, ctx.model)
     fields = _plugin_only(hk.keys)
