@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -139,3 +141,21 @@ def seed_all():
     """Seed the global generators (:func:`seed_everything`) for one test; gives the seed."""
     seed_everything(SEED)
     return SEED
+
+
+def unblock_fifo_later(path: Path, after_s: float = 3.0, for_s: float = 60.0) -> None:
+    """Open the FIFO for writing, again and again, from ``after_s`` on: code that (wrongly)
+    opened it for reading then returns instead of hanging the suite (a blocked ``open`` in
+    native code is beyond pytest-timeout's signal)."""
+
+    def writer():
+        time.sleep(after_s)
+        end = time.monotonic() + for_s
+        while time.monotonic() < end and path.exists():
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass  # no reader yet
+            time.sleep(0.1)
+
+    threading.Thread(target=writer, daemon=True).start()

@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import unblock_fifo_later
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.errors import LIMITS, FP8ConfigError, format_value
 
@@ -339,24 +339,6 @@ def test_an_error_is_one_line_whatever_the_key(tmp_path, capsys, key):
 # --------------------------------------------------------------------------- special files
 
 
-def _unblock_later(path: Path, after_s: float = 3.0, for_s: float = 60.0) -> None:
-    """Open the FIFO for writing, again and again, from ``after_s`` on: code that (wrongly)
-    opened it for reading then returns instead of hanging the suite (a blocked ``open`` in
-    native code is beyond pytest-timeout's signal)."""
-
-    def writer():
-        time.sleep(after_s)
-        end = time.monotonic() + for_s
-        while time.monotonic() < end and path.exists():
-            try:
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass  # no reader yet
-            time.sleep(0.1)
-
-    threading.Thread(target=writer, daemon=True).start()
-
-
 def test_a_fifo_config_is_refused_not_read(tmp_path, capsys):
     """Before, a FIFO read as 'config file not found' from the CLI, and
     ``load_yaml_file`` (the registry's reader) blocked on it."""
@@ -364,7 +346,7 @@ def test_a_fifo_config_is_refused_not_read(tmp_path, capsys):
 
     fifo = tmp_path / "config.yaml"
     os.mkfifo(fifo)
-    _unblock_later(fifo)
+    unblock_fifo_later(fifo)
     start = time.monotonic()
     for argv in (["explain", fifo], ["apply", fifo, "--host", "megatron"], ["doctor", fifo]):
         rc, err = run(capsys, *argv)
@@ -376,7 +358,7 @@ def test_a_fifo_config_is_refused_not_read(tmp_path, capsys):
 
 def test_a_fifo_parent_is_refused(tmp_path, capsys):
     os.mkfifo(tmp_path / "parent.yaml")
-    _unblock_later(tmp_path / "parent.yaml")
+    unblock_fifo_later(tmp_path / "parent.yaml")
     cfg = write(tmp_path, "defaults: parent.yaml\npolicy: {precision: fp8_blockwise}\n")
     rc, err = run(capsys, "explain", cfg)
     one_line_error(rc, err, "FIFO")

@@ -22,7 +22,6 @@ import importlib.util
 import json
 import os
 import sys
-import threading
 import time
 import types
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import upstream_file
+from conftest import unblock_fifo_later, upstream_file
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.hosts import bridge, nemo2, targets
 
@@ -324,24 +323,6 @@ def test_index_entries_stay_inside_the_checkpoint(tmp_path, capsys, entry):
     assert not (tmp_path / "out").exists()
 
 
-def _unblock_later(path: Path, after_s: float = 3.0, for_s: float = 60.0) -> None:
-    """Open the FIFO for writing, again and again, from ``after_s`` on: code that (wrongly)
-    opened it for reading then returns instead of hanging the suite (a blocked ``open`` in
-    native code is beyond pytest-timeout's signal)."""
-
-    def writer():
-        time.sleep(after_s)
-        end = time.monotonic() + for_s
-        while time.monotonic() < end and path.exists():
-            try:
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass  # no reader yet
-            time.sleep(0.1)
-
-    threading.Thread(target=writer, daemon=True).start()
-
-
 @pytest.mark.parametrize("where", ["shard", "index-shard", "config.json"])
 def test_a_fifo_in_a_checkpoint_is_refused_not_read(tmp_path, capsys, where):
     """A FIFO blocks its reader until someone writes: before, analyze and export hung."""
@@ -358,7 +339,7 @@ def test_a_fifo_in_a_checkpoint_is_refused_not_read(tmp_path, capsys, where):
     if fifo.exists():
         fifo.unlink()
     os.mkfifo(fifo)
-    _unblock_later(fifo)
+    unblock_fifo_later(fifo)
     start = time.monotonic()
     if where != "config.json":
         rc = main(["analyze", str(ckpt), "--no-progress", "--recipes", "fp8_blockwise"])
