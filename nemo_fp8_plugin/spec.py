@@ -33,6 +33,7 @@ __all__ = [
     "FP8_FORMATS",
     "FP8_MAX",
     "HARDWARE_ARCHS",
+    "GENERATION_NUMERICS",
     "BF16Rules",
     "ImportanceSampling",
     "RecipeSpec",
@@ -61,6 +62,15 @@ HARDWARE_ARCHS = _caps.ARCH_NAMES
 """GPU architectures the validation knows (:data:`nemo_fp8_plugin.capabilities.ARCHS`):
 ada = SM89 (L4, L40S), hopper = SM90 (H100, H200, GH200), blackwell = SM100/SM103 (B200,
 GB200, B300, GB300), blackwell_sm120 = SM 12.x (RTX PRO 6000 Blackwell)."""
+
+GENERATION_NUMERICS = ("vllm", "vllm_deepgemm_ue8m0", "trainer")
+"""Values of :attr:`RecipeSpec.generation_numerics`: how the generation engine quantizes.
+vllm: as vLLM's own activation quantizer (``QuantFP8`` / ``per_token_group_quant_fp8``:
+``s = amax / 448`` with a fixed floor, ``q = x / s``); vllm_deepgemm_ue8m0: the same with
+power-of-2 (UE8M0) scales and weights requantized to power-of-2 block scales, as vLLM's
+DeepGEMM kernels run with ``VLLM_USE_DEEP_GEMM_E8M0=1``; trainer: Transformer Engine's
+numerics (``q = x * (448 / amax)``), the trainer's own, which no vLLM GPU kernel computes.
+The same names as :data:`nemo_fp8_plugin.numerics.vllm_numerics.NUMERICS`."""
 
 _ROLES = ("input", "weight", "grad_output")
 
@@ -480,6 +490,22 @@ class RecipeSpec:
     """Generation KV cache dtype: ``"auto"`` (default, the model dtype) or ``"fp8"`` (E4M3,
     with per-layer k/v scales refreshed every RL step). vLLM ``kv_cache_dtype``."""
 
+    generation_numerics: str = "vllm"
+    """How the generation engine quantizes activations (and, for DeepGEMM, weights), one of
+    :data:`GENERATION_NUMERICS`. ``"vllm"`` (default): vLLM's own per-group activation
+    quantizer (``scale = amax / 448``, ``q = x / scale``, a fixed scale floor of 1/229376):
+    about 3e-4 of the E4M3 codes and many scales' last bit differ from the trainer's, which
+    is the generation/training mismatch importance sampling corrects. A power-of-2 recipe
+    (``pow2_scales: true``) gets vLLM's UE8M0 scales. ``"vllm_deepgemm_ue8m0"``: vLLM's
+    DeepGEMM path with ``VLLM_USE_DEEP_GEMM_E8M0=1`` (its default where DeepGEMM is
+    installed, SM90/SM100): UE8M0 activation scales and weights requantized in place to
+    power-of-2 128x128 block scales (``scaling: block`` only). ``"trainer"``: the trainer's
+    Transformer Engine numerics on both sides (``q = x * (448 / amax)``), bit-identical to
+    training; not what a GPU engine computes, so it only runs on the emulation backend.
+    Read by vLLM's ``nemo_fp8`` method (``quantization_config.generation_numerics``; its
+    emulation backend computes each of the three, its GPU backend checks that vLLM's kernel
+    agrees) and by the CPU experiments' generation side."""
+
     bf16_layers: BF16Rules = field(default_factory=BF16Rules)
     """Layers kept in BF16; see :class:`BF16Rules`. Default: none."""
 
@@ -515,6 +541,7 @@ class RecipeSpec:
         "training",
         "generation",
         "kv_cache",
+        "generation_numerics",
         "bf16_layers",
         "importance_sampling",
         "hardware",
@@ -566,6 +593,10 @@ class RecipeSpec:
         set_("training", _choice("training", self.training, ("fp8", "bf16")))
         set_("generation", _choice("generation", self.generation, ("fp8", "bf16")))
         set_("kv_cache", _choice("kv_cache", self.kv_cache, ("auto", "fp8")))
+        set_(
+            "generation_numerics",
+            _choice("generation_numerics", self.generation_numerics, GENERATION_NUMERICS),
+        )
         if not isinstance(self.bf16_layers, BF16Rules):
             set_("bf16_layers", _prefixed("bf16_layers", BF16Rules.from_mapping, self.bf16_layers))
         if not isinstance(self.importance_sampling, ImportanceSampling):
@@ -729,6 +760,14 @@ class RecipeSpec:
                 "training and generation are both bf16: nothing runs in FP8",
                 key="training",
                 value="bf16",
+            )
+        if self.generation_numerics == "vllm_deepgemm_ue8m0" and self.scaling != "block":
+            raise FP8ConfigError(
+                f"vllm_deepgemm_ue8m0 is vLLM's DeepGEMM block-FP8 path (scaling: block), "
+                f"not a {self.scaling} one",
+                key="generation_numerics",
+                value="vllm_deepgemm_ue8m0",
+                hint="use generation_numerics: vllm or trainer",
             )
         if self.kv_cache == "fp8" and self.generation != "fp8":
             raise FP8ConfigError(

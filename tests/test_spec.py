@@ -144,6 +144,8 @@ def test_roles():
         ({"weight_block": [128]}, "weight_block"),
         ({"activation_block": [128, 128]}, "weight_block"),  # 2D x 2D GEMM does not exist
         ({"kv_cache": "fp8_e5m2"}, "kv_cache"),
+        ({"generation_numerics": "te"}, "generation_numerics"),
+        ({"generation_numerics": None}, "generation_numerics"),
         ({"training": "bf16", "generation": "bf16"}, "training"),
         ({"generation": "bf16", "kv_cache": "fp8"}, "kv_cache"),
         ({"fp8_dot_product_attention": True}, "fp8_dot_product_attention"),
@@ -164,6 +166,43 @@ def test_invalid_overrides_name_the_key(overrides, key):
         get_recipe("fp8_blockwise").with_overrides(overrides)
     assert info.value.key == key
     assert key in str(info.value)
+
+
+def test_generation_numerics_default_values_and_refusals():
+    """Issue 18: ``generation_numerics`` defaults to vLLM's numerics in every preset, takes
+    the three values from YAML ``fp8:`` blocks through ``get_recipe``, and a bad value is
+    refused naming the key and listing the allowed ones."""
+    from nemo_fp8_plugin.spec import GENERATION_NUMERICS
+
+    assert GENERATION_NUMERICS == ("vllm", "vllm_deepgemm_ue8m0", "trainer")
+    assert RecipeSpec(name="x", scaling="tensorwise").generation_numerics == "vllm"
+    for spec in list_recipes():
+        assert spec.generation_numerics == "vllm", spec.name
+    for value in GENERATION_NUMERICS:
+        spec = get_recipe({"recipe": "fp8_blockwise", "generation_numerics": value})
+        assert spec.generation_numerics == value
+        assert spec.to_dict()["generation_numerics"] == value
+        assert RecipeSpec.from_mapping(spec.to_dict()) == spec
+    with pytest.raises(FP8ConfigError) as info:
+        get_recipe({"recipe": "fp8_blockwise", "generation_numerics": "vlm"})
+    assert info.value.key == "generation_numerics"
+    assert "vllm, vllm_deepgemm_ue8m0, trainer" in str(info.value)
+    assert "did you mean 'vllm'" in str(info.value)
+    # DeepGEMM's UE8M0 requantization is of block-FP8 weights.
+    for recipe in ("mxfp8", "fp8_current"):
+        with pytest.raises(FP8ConfigError, match="scaling: block") as info:
+            get_recipe({"recipe": recipe, "generation_numerics": "vllm_deepgemm_ue8m0"})
+        assert info.value.key == "generation_numerics"
+    assert get_recipe({"recipe": "mxfp8", "generation_numerics": "trainer"})
+
+
+def test_generation_numerics_reaches_the_spec_from_a_yaml_fp8_block(tmp_path):
+    from nemo_fp8_plugin.config import find_fp8_request, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("fp8:\n  recipe: fp8_blockwise\n  generation_numerics: trainer\n")
+    request = find_fp8_request(load_config(path))
+    assert request.spec.generation_numerics == "trainer"
 
 
 def test_unknown_key_suggests_the_closest():

@@ -545,6 +545,48 @@ def test_amax_epsilon_is_refused_on_vllm_kernels(vllm_env, fake_gpu):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
+@pytest.mark.parametrize(
+    "sm,deep_gemm_installed,e8m0",
+    [(90, False, True), (90, True, False), (90, True, True), (100, True, True)],
+    ids=["sm90-cutlass", "sm90-deepgemm-fp32", "sm90-deepgemm-e8m0", "sm100-deepgemm-e8m0"],
+)
+def test_generation_numerics_on_vllm_kernels(
+    vllm_env, fake_gpu, recipe, sm, deep_gemm_installed, e8m0
+):
+    """Issue 18: on vLLM's kernels the method checks that the kernel vLLM picked computes
+    the ``generation_numerics`` asked for. ``trainer`` (TE's numerics) is computed by none of
+    them: refused. ``vllm_deepgemm_ue8m0`` needs DeepGEMM in E8M0 mode, and with it is
+    accepted whatever the recipe's scales (the fp32 recipe's refusal under ``vllm`` is what
+    the user has now asked for); elsewhere refused. The same for the fused-MoE kernel, whose
+    activation quantizer follows DeepGEMM's E8M0 mode."""
+    fake_gpu(sm, deep_gemm_installed=deep_gemm_installed, e8m0=e8m0)
+    kernel = (
+        "DeepGemmFp8BlockScaledMMKernel" if deep_gemm_installed else "CutlassFp8BlockScaledMMKernel"
+    )
+    with pytest.raises(FP8ConfigError) as err:
+        _linear(vllm_env, recipe, generation_numerics="trainer")
+    _assert_refusal(err, "generation_numerics", kernel, "emulate", "generation_numerics: vllm")
+    with pytest.raises(FP8ConfigError) as err:
+        _moe(vllm_env, recipe, generation_numerics="trainer")
+    _assert_refusal(err, "generation_numerics", "fused-MoE", "emulate")
+    ue8m0_mode = deep_gemm_installed and e8m0
+    if ue8m0_mode:
+        layer = _linear(vllm_env, recipe, generation_numerics="vllm_deepgemm_ue8m0")
+        assert layer.quant_method.use_vllm
+        kern = layer.quant_method._kernel
+        assert type(kern).__name__ == kernel and kern.use_deep_gemm_e8m0
+        assert _activation_quantizer(kern).use_ue8m0
+        _moe(vllm_env, recipe, generation_numerics="vllm_deepgemm_ue8m0")  # accepted
+    else:
+        with pytest.raises(FP8ConfigError) as err:
+            _linear(vllm_env, recipe, generation_numerics="vllm_deepgemm_ue8m0")
+        _assert_refusal(err, "generation_numerics", kernel, "VLLM_USE_DEEP_GEMM_E8M0=1")
+        with pytest.raises(FP8ConfigError) as err:
+            _moe(vllm_env, recipe, generation_numerics="vllm_deepgemm_ue8m0")
+        _assert_refusal(err, "generation_numerics", "fused-MoE", "VLLM_USE_DEEP_GEMM_E8M0=1")
+
+
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
 def test_cutlass_weight_processing_keeps_parameters_and_scales(vllm_env, fake_gpu, recipe):
     """The CUTLASS block kernel's weight processing is plain torch: run it (vLLM's own
     ``process_weights_after_loading``) and check that the loadable parameters keep their
@@ -766,8 +808,10 @@ def _loaded_linear(vcfg, recipe, gate, up, *, bias=None, **overrides):
 
 def test_emulated_bias_is_added_in_fp32_before_the_cast(vllm_env):
     """Item 14: the trainer's emulated GEMM adds the bias in fp32, then casts (a GEMM
-    epilogue); the engine's emulation does the same, not a bf16 add after the cast."""
-    from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise
+    epilogue); the engine's emulation does the same, not a bf16 add after the cast.
+    Activations are quantized as vLLM does (``generation_numerics: vllm``, the default)."""
+    from nemo_fp8_plugin.numerics import QTensor, fp8_gemm
+    from nemo_fp8_plugin.numerics.vllm_numerics import quantize_activation_vllm
 
     gen = torch.Generator().manual_seed(11)
     gate, up = ((0.05 * torch.randn(256, 256, generator=gen)).bfloat16() for _ in range(2))
@@ -775,7 +819,7 @@ def test_emulated_bias_is_added_in_fp32_before_the_cast(vllm_env):
     layer = _loaded_linear(vllm_env, "fp8_blockwise", gate, up, bias=bias)
     x = torch.randn(7, 256, generator=gen).bfloat16()
     got = layer(x)[0]
-    a = quantize_blockwise(x, block=(1, 128))
+    a = quantize_activation_vllm(x)
     w = QTensor(layer.weight.data, layer.weight_scale_inv.data, "e4m3", (128, 128))
     want = fp8_gemm(a, w, out_dtype=torch.bfloat16, bias=bias)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
@@ -784,8 +828,10 @@ def test_emulated_bias_is_added_in_fp32_before_the_cast(vllm_env):
 
 
 def test_emulated_moe_bias_is_added_in_fp32_before_the_cast(vllm_env):
-    """Item 14 for experts with biases (GPT-OSS style): the same order in each expert GEMM."""
+    """Item 14 for experts with biases (GPT-OSS style): the same order in each expert GEMM
+    (activations quantized as vLLM's fused-MoE kernel does, the default numerics)."""
     from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise
+    from nemo_fp8_plugin.numerics.vllm_numerics import quantize_activation_vllm
 
     layer = _moe(vllm_env, "fp8_blockwise")
     method = layer.quant_method
@@ -807,7 +853,7 @@ def test_emulated_moe_bias_is_added_in_fp32_before_the_cast(vllm_env):
 
     def gemm(inp, q, e, b):
         return fp8_gemm(
-            quantize_blockwise(inp, block=(1, 128)),
+            quantize_activation_vllm(inp),
             QTensor(q.data[e], q.scale_inv[e], "e4m3", (128, 128)),
             out_dtype=torch.bfloat16,
             bias=b,
@@ -825,8 +871,11 @@ def test_emulated_moe_bias_is_added_in_fp32_before_the_cast(vllm_env):
 
 def test_amax_epsilon_reaches_the_engine(vllm_env):
     """Item 14: ``amax_epsilon`` travels in the ``nemo_fp8`` config; weights quantized on
-    arrival match the trainer's refit quantizer with it, and emulated activations use it."""
+    arrival match the trainer's refit quantizer with it; emulated activations use it under
+    ``generation_numerics: trainer`` (TE's numerics), and vLLM's fixed floor under the
+    default ``vllm`` (vLLM's quantizer has no amax floor to set)."""
     from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise
+    from nemo_fp8_plugin.numerics.vllm_numerics import quantize_activation_vllm
     from nemo_fp8_plugin.rl import quantize_for_refit
 
     spec = get_recipe({"recipe": "fp8_blockwise", "amax_epsilon": 1e-3})
@@ -835,7 +884,9 @@ def test_amax_epsilon_reaches_the_engine(vllm_env):
     gen = torch.Generator().manual_seed(13)
     gate, up = ((0.05 * torch.randn(256, 256, generator=gen)).bfloat16() for _ in range(2))
     gate[:128, :128] *= 1e-4  # one tile with amax < eps
-    layer = _loaded_linear(vllm_env, "fp8_blockwise", gate, up, amax_epsilon=1e-3)
+    layer = _loaded_linear(
+        vllm_env, "fp8_blockwise", gate, up, amax_epsilon=1e-3, generation_numerics="trainer"
+    )
     trainer = dict(
         quantize_for_refit(
             [
@@ -871,3 +922,9 @@ def test_amax_epsilon_reaches_the_engine(vllm_env):
     assert not torch.equal(
         want, fp8_gemm(quantize_blockwise(x, block=(1, 128)), w, out_dtype=torch.bfloat16)
     )
+    # The default numerics: the same weights (the trainer's bytes), vLLM's activations.
+    default = _loaded_linear(vllm_env, "fp8_blockwise", gate, up, amax_epsilon=1e-3)
+    assert torch.equal(default.weight.data.view(torch.uint8), want_w.view(torch.uint8))
+    vllm_want = fp8_gemm(quantize_activation_vllm(x), w, out_dtype=torch.bfloat16)
+    assert torch.equal(default(x)[0], vllm_want)
+    assert not torch.equal(vllm_want, want)

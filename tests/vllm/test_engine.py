@@ -14,10 +14,15 @@ across an E4M3 rounding boundary, the token's logprob moves by a few hundredths,
 the KV cache the rest of that sequence follows. Measured here: median |d| ~1e-6, mean ~0.015,
 max ~0.12, against a mean of ~0.1 to the unquantized model.
 
-What this agreement does and does not show: on CPU the engine's ``nemo_fp8`` method and the
-emulated trainer quantize with the same code (``nemo_fp8_plugin.numerics``), so their
-agreement checks the plumbing (weight loading, refit, fused-module splits, BF16 rules,
-KV-cache handling) inside a real vLLM, not the quantizer. The quantizers are checked against
+What this agreement does and does not show: on CPU the engine's ``nemo_fp8`` method
+quantizes activations as vLLM's own ``QuantFP8`` does (``generation_numerics: vllm``, the
+default: ``x / (amax / 448)``, bit-exact with vLLM's code in ``test_generation_numerics.py``)
+and the emulated trainer as Transformer Engine does (``x * (448 / amax)``); the weights are
+the same bytes. So the agreement checks the plumbing (weight loading, refit, fused-module
+splits, BF16 rules, KV-cache handling) inside a real vLLM with the real generation-side
+quantization mismatch in it (a few codes in ten thousand), not the quantizer;
+``test_the_engine_runs_vllms_activation_numerics`` switches the engine to the trainer's
+numerics and shows the logprobs move. The quantizers are checked against
 independent references elsewhere: TE's own kernels' formulas and its pure-PyTorch references
 (tests/numerics/test_numerics_reference.py, test_numerics_nvfp4.py), torchao
 (test_numerics_oracle.py), and torch's own ``_scaled_mm`` for the GEMM
@@ -179,6 +184,22 @@ def assert_matches_trainer(samples, model, reference_bf16=None):
     return diffs
 
 
+def set_numerics(llm, value: str) -> int:
+    """Switch every ``nemo_fp8`` layer of the running engine to ``generation_numerics``
+    ``value`` (the quantizer reads it at each GEMM); returns the number of layers."""
+
+    def run(worker, value=value):
+        touched = 0
+        for module in worker.model_runner.get_model().modules():
+            quantizer = getattr(getattr(module, "quant_method", None), "quantizer", None)
+            if quantizer is not None:
+                quantizer.numerics = value
+                touched += 1
+        return touched
+
+    return llm.collective_rpc(run)[0]
+
+
 def data_ptrs(llm):
     return llm.collective_rpc(
         lambda worker: {
@@ -287,6 +308,27 @@ def test_logprobs_match_the_emulated_trainer_model(llm, trainer_weights):
         reference_bf16=trainer_model(trainer_weights, fp8=False),
     )
     TIMES["max_abs_dlogprob_before"] = float(diffs.max())
+
+
+def test_the_engine_runs_vllms_activation_numerics(llm, trainer_weights):
+    """Issue 18: the same sequences scored by the engine under its default numerics (vLLM's)
+    and under the trainer's: the logprobs differ (the engine really quantizes as vLLM does),
+    and both stay within the stated tolerance of the emulated trainer."""
+    seqs = sample(llm, seed=5)
+    vllm_scores = score(llm, seqs)
+    try:
+        assert set_numerics(llm, "trainer") >= 8
+        trainer_scores = score(llm, seqs)
+    finally:
+        assert set_numerics(llm, "vllm") >= 8
+    assert torch.equal(torch.cat(score(llm, seqs)), torch.cat(vllm_scores))  # restored
+    moved = (torch.cat(vllm_scores) - torch.cat(trainer_scores)).abs()
+    assert moved.max() > 0, "the numerics switch changed nothing"
+    model = trainer_model(trainer_weights)
+    for name, scores in (("vllm", vllm_scores), ("trainer", trainer_scores)):
+        diffs = assert_matches_trainer([(p, t, lp) for (p, t, _), lp in zip(seqs, scores)], model)
+        TIMES[f"mean_abs_dlogprob_vs_emulation_{name}_numerics"] = float(diffs.mean())
+    TIMES["max_abs_dlogprob_vllm_vs_trainer_numerics"] = float(moved.max())
 
 
 def test_fp8_refit_replaces_weights_in_place(llm, trainer_weights):
@@ -504,6 +546,7 @@ def test_other_recipes_in_a_vllm_linear_layer(llm, recipe):
     from nemo_fp8_plugin import get_recipe
     from nemo_fp8_plugin.hosts.vllm import quantization_config
     from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise, quantize_mxfp8
+    from nemo_fp8_plugin.numerics.vllm_numerics import quantize_activation
 
     spec = get_recipe(recipe)
     qcfg = quantization_config(spec)
@@ -549,7 +592,8 @@ def test_other_recipes_in_a_vllm_linear_layer(llm, recipe):
         assert got["scale"].dtype == torch.float8_e8m0fnu and got["scale"].shape == (512, 8)
     else:
         ref = quantize_blockwise(both, block=(128, 128), pow2_scales=True)
-        a = quantize_blockwise(x, block=(1, 128), pow2_scales=True)
+        # vLLM's UE8M0 activation scales (the default numerics, for a power-of-2 recipe).
+        a = quantize_activation(x, "vllm", pow2_scales=True)
         assert torch.equal(torch.log2(got["scale"]), torch.log2(got["scale"]).round())
     assert torch.equal(got["weight"].view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(got["scale"].view(torch.uint8), ref.scale_inv.view(torch.uint8))

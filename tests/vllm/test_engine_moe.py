@@ -7,6 +7,12 @@ per-expert 128x128 scales) and every GEMM runs through the numerics emulation. T
 side is Hugging Face's Mixtral with its attention projections and experts emulated in FP8;
 the router stays in high precision on both sides. Tolerances as in ``test_engine.py``.
 The helpers take ``mx=True`` for the MXFP8 engine of ``test_engine_moe_mx.py``.
+
+The block-FP8 engine runs ``generation_numerics: trainer`` (TE's activation numerics, as the
+trainer side), so these tests check the MoE plumbing bit for bit where they can;
+``test_moe_engine_under_vllms_numerics`` switches it to the default, vLLM's numerics, whose
+real mismatch is far over the plumbing bounds here (median |d| up to 0.06, max up to 0.76 over
+seeds 0-4, measured 2026-12-01), and checks NeMo RL's bound on it instead.
 """
 
 from __future__ import annotations
@@ -137,10 +143,13 @@ def checkpoint(tmp_path_factory, weights):
     return write_checkpoint(tmp_path_factory.mktemp("tiny-mixtral"), MIXTRAL, weights)
 
 
-def _engine(checkpoint, recipe):
+def _engine(checkpoint, recipe, generation_numerics=None):
     from nemo_fp8_plugin.hosts.vllm import engine_kwargs
     from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
 
+    kwargs = engine_kwargs(recipe)
+    if generation_numerics is not None:
+        kwargs["hf_overrides"]["quantization_config"]["generation_numerics"] = generation_numerics
     return vllm.LLM(
         model=str(checkpoint),
         dtype="float32",
@@ -151,15 +160,31 @@ def _engine(checkpoint, recipe):
         skip_tokenizer_init=True,
         seed=0,
         worker_extension_cls=WORKER_EXTENSION,
-        **engine_kwargs(recipe),
+        **kwargs,
     )
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    engine = _engine(checkpoint, SPEC)
+    engine = _engine(checkpoint, SPEC, generation_numerics="trainer")
     yield engine
     del engine
+
+
+def set_numerics(llm, value: str) -> int:
+    """Switch every ``nemo_fp8`` layer of the running engine to ``generation_numerics``
+    ``value``; returns the number of layers."""
+
+    def run(worker, value=value):
+        touched = 0
+        for module in worker.model_runner.get_model().modules():
+            quantizer = getattr(getattr(module, "quant_method", None), "quantizer", None)
+            if quantizer is not None:
+                quantizer.numerics = value
+                touched += 1
+        return touched
+
+    return llm.collective_rpc(run)[0]
 
 
 def check_against(llm, model, reference_bf16=None, seed=0):
@@ -213,6 +238,44 @@ def test_experts_are_float8_per_expert(llm, weights):
 
 def test_moe_logprobs_match_the_emulated_trainer_model(llm, weights):
     check_against(llm, trainer_model(weights), reference_bf16=trainer_model(weights, fp8=False))
+
+
+def _distances(llm, model, reference_bf16, seed):
+    """Per sampled token, |engine - emulated trainer| and |engine - unquantized| logprobs."""
+    params = vllm.SamplingParams(
+        max_tokens=12, temperature=1.0, seed=seed, logprobs=0, detokenize=False
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    near, far = [], []
+    for prompt, out in zip(PROMPTS, outs):
+        tokens = list(out.outputs[0].token_ids)
+        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)])
+        near.append((got - trainer_logprobs(model, prompt, tokens)).abs())
+        far.append((got - trainer_logprobs(reference_bf16, prompt, tokens)).abs())
+    return torch.cat(near), torch.cat(far)
+
+
+def test_moe_engine_under_vllms_numerics(llm, weights):
+    """Issue 18: the same engine with vLLM's activation numerics (the default) against the
+    emulated trainer (TE's numerics): the mismatch is real and larger than under the
+    trainer's numerics, within NeMo RL's nightly bound for end-to-end FP8
+    (``token_mult_prob_error = mean(exp(|d|)) <= 1.1``) and under half the distance to the
+    unquantized model. Measured for seeds 0-4 (2026-12-01): token_mult_prob_error 1.029-1.096
+    under vLLM's numerics, 1.000-1.007 under the trainer's, 1.27-1.55 to the unquantized
+    model. Why this tiny random MoE shows far more of it than the dense model was not
+    analysed; a top-2 routing choice flipping on a near tie when an activation code moves
+    would explain it."""
+    model, bf16 = trainer_model(weights), trainer_model(weights, fp8=False)
+    seed = 4
+    before, _ = _distances(llm, model, bf16, seed)
+    try:
+        assert set_numerics(llm, "vllm") >= 4
+        after, far = _distances(llm, model, bf16, seed)
+    finally:
+        assert set_numerics(llm, "trainer") >= 4
+    assert float(after.exp().mean()) <= 1.1, after
+    assert after.mean() * 2 < far.mean(), (after.mean(), far.mean())
+    assert after.mean() > before.mean(), (after.mean(), before.mean())
 
 
 def test_fp8_refit_of_expert_weights(llm, weights):

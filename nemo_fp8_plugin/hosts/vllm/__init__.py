@@ -52,7 +52,8 @@ CONFIG_KEYS = {
     "activation_block_size": "activation group ``[1, 128]`` (block) or ``[1, 32]`` (mx)",
     "pow2_scales": "round block scales down to powers of two (TE's default block recipe)",
     "amax_epsilon": "floor applied to every amax before its scale is computed (the recipe's "
-    "``amax_epsilon``; weights and emulated activations)",
+    "``amax_epsilon``; weights, and emulated activations under ``generation_numerics: "
+    "trainer``)",
     "ignored_layers": "modules kept in BF16: exact vLLM/Hugging Face module names, or glob "
     "patterns (``*``, ``?``, ``[...]``) matched against them",
     "num_first_layers_in_bf16": "leading transformer layers kept in BF16 (NeMo RL's key)",
@@ -61,6 +62,10 @@ CONFIG_KEYS = {
     "method warns when the engine runs another one",
     "backend": "``auto`` (vLLM's block-FP8 kernels on CUDA, the numerics emulation elsewhere), "
     "``vllm`` or ``emulate``",
+    "generation_numerics": "how activations (and DeepGEMM's weights) are quantized, the recipe's "
+    "``generation_numerics``: ``vllm`` (default, vLLM's ``QuantFP8``), ``vllm_deepgemm_ue8m0`` "
+    "(UE8M0 scales, weights requantized to power-of-2 block scales) or ``trainer`` (TE's "
+    "numerics; emulation backend only)",
 }
 """Keys of the ``quantization_config`` mapping the ``nemo_fp8`` method reads, and their meaning."""
 
@@ -189,6 +194,7 @@ def quantization_config(spec, model=None) -> dict[str, Any]:
         "ignored_layers": ignored,
         "num_first_layers_in_bf16": first,
         "num_last_layers_in_bf16": last,
+        "generation_numerics": spec.generation_numerics,
         "_warnings": found,
     }
     return cfg
@@ -226,7 +232,8 @@ def engine_env(spec) -> dict[str, str]:
     takes UE8M0 scale factors only and the method asks for ``VLLM_USE_DEEP_GEMM=0`` instead
     (CUTLASS keeps fp32 block scales); a recipe stating ``hardware: blackwell`` with fp32
     block scales is refused by the recipe itself (TE needs power-of-2 block scales there).
-    Power-of-2 recipes (``fp8_subchannel``) and MXFP8 need nothing (vLLM's defaults). The
+    Power-of-2 recipes (``fp8_subchannel``), ``generation_numerics: vllm_deepgemm_ue8m0``
+    (DeepGEMM's E8M0 mode wanted) and MXFP8 need nothing (vLLM's defaults). The
     ``nemo_fp8`` method refuses to load when the kernel vLLM picked would change the
     recipe's numerics, naming the variable; this mapping is what avoids the refusal.
     Returns ``{}`` when nothing is needed.
@@ -234,7 +241,12 @@ def engine_env(spec) -> dict[str, str]:
     from ...registry import get_recipe
 
     spec = get_recipe(spec)
-    if spec.generation == "fp8" and spec.scaling == "block" and not spec.pow2_scales:
+    if (
+        spec.generation == "fp8"
+        and spec.scaling == "block"
+        and not spec.pow2_scales
+        and spec.generation_numerics != "vllm_deepgemm_ue8m0"
+    ):
         return {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
     return {}
 

@@ -12,7 +12,8 @@ vLLM option                        from the spec
 ``quantization``                   ``nemo_fp8`` (the plugin's method, registered through the
                                    ``vllm.general_plugins`` entry point)
 ``hf_overrides.quantization_config``  scheme, tiles, ``pow2_scales``, ``ignored_layers`` and the
-                                   first/last BF16 layers (``bf16_layers``), ``kv_cache_dtype``
+                                   first/last BF16 layers (``bf16_layers``), ``kv_cache_dtype``,
+                                   ``generation_numerics``
 ``kv_cache_dtype``                 ``auto``, or ``fp8_e4m3`` for ``kv_cache: fp8`` (KV scales
                                    come with each refit; vLLM 0.32 has no ``calculate_kv_scales``)
 =================================  ==============================================================

@@ -18,6 +18,9 @@ __all__ = ["NemoFp8Config"]
 
 _GLOB_CHARS = set("*?[")
 
+GENERATION_NUMERICS = ("vllm", "vllm_deepgemm_ue8m0", "trainer")
+"""Values of ``quantization_config.generation_numerics`` (the recipe field of that name)."""
+
 
 def _as_block(value: Any, key: str) -> list[int] | None:
     if value is None:
@@ -42,9 +45,10 @@ class NemoFp8Config(QuantizationConfig):
         activation_block_size: activation group, ``[1, 128]`` / ``[1, 32]``.
         pow2_scales: block scales rounded down to powers of two (block scheme).
         amax_epsilon: floor applied to each amax before its scale is computed (the recipe's
-            ``amax_epsilon``; block scheme: weights quantized on arrival and emulated
-            activations; vLLM's own kernels have a fixed floor, so a non-zero value is
-            refused on that backend).
+            ``amax_epsilon``; block scheme: weights quantized on arrival, and emulated
+            activations under ``generation_numerics: trainer``; vLLM's own quantizer has a
+            fixed floor, which the ``vllm`` numerics keep, and a non-zero value is refused
+            on vLLM's kernels).
         ignored_layers: modules kept in BF16, exact names or glob patterns.
         num_first_layers_in_bf16 / num_last_layers_in_bf16: leading / trailing transformer
             layers kept in BF16.
@@ -52,6 +56,15 @@ class NemoFp8Config(QuantizationConfig):
             (vLLM's CPU backend stores FP8 caches as E5M2) is reported.
         backend: ``"auto"``, ``"vllm"`` (vLLM's block-FP8 kernels) or ``"emulate"`` (the
             numerics emulation, any device).
+        generation_numerics: how activations (and, for DeepGEMM, weights) are quantized
+            (the recipe's ``generation_numerics``): ``"vllm"`` (default: vLLM's ``QuantFP8``,
+            ``s = amax / 448``, ``q = x / s``; UE8M0 scales for a power-of-2 recipe),
+            ``"vllm_deepgemm_ue8m0"`` (UE8M0 activation scales and weights requantized to
+            power-of-2 block scales, vLLM's DeepGEMM with ``VLLM_USE_DEEP_GEMM_E8M0=1``;
+            block scheme only) or ``"trainer"`` (Transformer Engine's numerics, as the
+            trainer quantizes: not what a GPU kernel computes, so the emulation backend
+            only). The emulation computes the one named; on vLLM's kernels the method checks
+            that the kernel vLLM picked computes it, and refuses otherwise.
     """
 
     def __init__(
@@ -67,6 +80,7 @@ class NemoFp8Config(QuantizationConfig):
         num_last_layers_in_bf16: int = 0,
         kv_cache_dtype: str = "auto",
         backend: str = "auto",
+        generation_numerics: str = "vllm",
     ) -> None:
         super().__init__()
         if scheme not in ("block", "mx"):
@@ -121,6 +135,17 @@ class NemoFp8Config(QuantizationConfig):
                 f"got {backend!r}"
             )
         self.backend = backend
+        if generation_numerics not in GENERATION_NUMERICS:
+            raise ValueError(
+                f"nemo_fp8 quantization_config.generation_numerics: expected one of "
+                f"{', '.join(GENERATION_NUMERICS)}, got {generation_numerics!r}"
+            )
+        if generation_numerics == "vllm_deepgemm_ue8m0" and scheme != "block":
+            raise ValueError(
+                "nemo_fp8 quantization_config.generation_numerics: vllm_deepgemm_ue8m0 is "
+                f"vLLM's DeepGEMM block-FP8 path, not scheme {scheme!r} (use vllm or trainer)"
+            )
+        self.generation_numerics = generation_numerics
         self._num_layers: int | None = None
 
     # ------------------------------------------------------------------ vLLM interface
@@ -183,6 +208,7 @@ class NemoFp8Config(QuantizationConfig):
             "kv_cache_dtype",
             "backend",
             "scale_fmt",
+            "generation_numerics",
         }
         unknown = sorted(k for k in config if k not in known)
         if method == QUANT_METHOD and unknown:
@@ -200,6 +226,7 @@ class NemoFp8Config(QuantizationConfig):
             num_last_layers_in_bf16=config.get("num_last_layers_in_bf16", 0),
             kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
             backend=config.get("backend", "auto"),
+            generation_numerics=config.get("generation_numerics", "vllm"),
         )
 
     @classmethod
@@ -311,5 +338,5 @@ class NemoFp8Config(QuantizationConfig):
             f"pow2_scales={self.pow2_scales}, amax_epsilon={self.amax_epsilon}, "
             f"ignored_layers={self.ignored_layers}, "
             f"bf16 first/last={self.num_first_layers_in_bf16}/{self.num_last_layers_in_bf16}, "
-            f"backend={self.backend})"
+            f"backend={self.backend}, generation_numerics={self.generation_numerics})"
         )

@@ -67,6 +67,7 @@ class _Quantizer:
         self.activation_block = tuple(config.activation_block_size)
         self.pow2 = config.pow2_scales
         self.eps = float(getattr(config, "amax_epsilon", 0.0) or 0.0)
+        self.numerics = str(getattr(config, "generation_numerics", "vllm"))
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -96,18 +97,32 @@ class _Quantizer:
         scale_inv: torch.Tensor,
         out_dtype: torch.dtype,
         bias: torch.Tensor | None = None,
+        *,
+        requant_weights: bool = True,
     ) -> torch.Tensor:
         """x @ dequant(weight).T (+ bias) with x quantized per activation group, emulated in
         fp32; the bias is added in fp32 before the cast to ``out_dtype``, as the trainer's
-        emulated GEMM (:func:`nemo_fp8_plugin.numerics.fp8_gemm`) and a GEMM epilogue do."""
+        emulated GEMM (:func:`nemo_fp8_plugin.numerics.fp8_gemm`) and a GEMM epilogue do.
+
+        Block scheme: activations as ``generation_numerics`` says
+        (:func:`nemo_fp8_plugin.numerics.vllm_numerics.quantize_activation`: vLLM's
+        ``QuantFP8`` by default, TE's numerics for ``trainer``). Under
+        ``vllm_deepgemm_ue8m0`` the weight is also requantized to power-of-2 block scales
+        as DeepGEMM holds it (``requant_weights=False`` for fused-MoE experts, which vLLM's
+        Triton kernel reads as loaded); the stored parameters are never changed, so a refit
+        needs no extra step. MXFP8 keeps the OCP/TE numerics."""
         nx = _numerics()
+        b = nx.QTensor(data=weight, scale_inv=scale_inv, fmt="e4m3", block=self.weight_block)
         if self.scheme == "block":
-            a = nx.quantize_blockwise(
-                x, block=self.activation_block, fmt="e4m3", pow2_scales=self.pow2, eps=self.eps
+            from ...numerics import vllm_numerics
+
+            a = vllm_numerics.quantize_activation(
+                x, self.numerics, self.activation_block, pow2_scales=self.pow2, eps=self.eps
             )
+            if requant_weights and self.numerics == "vllm_deepgemm_ue8m0":
+                b = vllm_numerics.requantize_ue8m0(b)
         else:
             a = nx.quantize_mxfp8(x, block=self.activation_block, fmt="e4m3")
-        b = nx.QTensor(data=weight, scale_inv=scale_inv, fmt="e4m3", block=self.weight_block)
         return nx.fp8_gemm(a, b, out_dtype=out_dtype, bias=bias)
 
 
@@ -255,9 +270,40 @@ def _pow2_activation_quantizer(quant, *, deep_gemm: bool):
     return new
 
 
+def _refuse_trainer_numerics(prefix: str, what: str) -> None:
+    """``generation_numerics: trainer`` asks for Transformer Engine's activation numerics,
+    which none of vLLM's kernels computes (they quantize as ``x / (amax / 448)``)."""
+    _refuse(
+        prefix,
+        f"{what} quantizes activations as vLLM does (x / (amax/448)), not with the "
+        f"trainer's numerics (x * (448/amax)) that generation_numerics: trainer asks for",
+        key="generation_numerics",
+        value="trainer",
+        hint="use generation_numerics: vllm (what vLLM's kernels compute), or "
+        "quantization_config.backend: emulate",
+    )
+
+
+def _refuse_missing_deepgemm_ue8m0(prefix: str, what: str) -> None:
+    _refuse(
+        prefix,
+        f"{what} is not DeepGEMM with VLLM_USE_DEEP_GEMM_E8M0=1, so activations are not "
+        f"quantized with UE8M0 scales (nor weights requantized to them) as "
+        f"generation_numerics: vllm_deepgemm_ue8m0 says",
+        key="generation_numerics",
+        value="vllm_deepgemm_ue8m0",
+        hint="run where DeepGEMM is installed (SM90/SM100) with VLLM_USE_DEEP_GEMM=1 and "
+        "VLLM_USE_DEEP_GEMM_E8M0=1, or use generation_numerics: vllm",
+    )
+
+
 def _vet_block_kernel(kernel, config, prefix: str):
-    """Make vLLM's block-FP8 linear kernel keep the recipe's scales, or refuse."""
+    """Make vLLM's block-FP8 linear kernel keep the recipe's scales and
+    ``generation_numerics``, or refuse."""
     name = type(kernel).__name__
+    numerics = getattr(config, "generation_numerics", "vllm")
+    if numerics == "trainer":
+        _refuse_trainer_numerics(prefix, name)
     if config.amax_epsilon:
         _refuse(
             prefix,
@@ -268,6 +314,11 @@ def _vet_block_kernel(kernel, config, prefix: str):
             hint="use amax_epsilon: 0, or quantization_config.backend: emulate",
         )
     deep = _deep_gemm_part(kernel)
+    if numerics == "vllm_deepgemm_ue8m0":
+        # The user asked for DeepGEMM's power-of-2 numerics, whatever the recipe's scales.
+        if deep is None or not deep.use_deep_gemm_e8m0:
+            _refuse_missing_deepgemm_ue8m0(prefix, name)
+        return kernel
     if deep is not None and _blackwell_class():
         if not config.pow2_scales:
             _refuse(
@@ -354,6 +405,13 @@ def _vet_block_moe(config, prefix: str) -> None:
             hint="use amax_epsilon: 0, or quantization_config.backend: emulate",
         )
     ue8m0 = is_deep_gemm_e8m0_used()
+    numerics = getattr(config, "generation_numerics", "vllm")
+    if numerics == "trainer":
+        _refuse_trainer_numerics(prefix, "the fused-MoE kernel")
+    if numerics == "vllm_deepgemm_ue8m0":
+        if not ue8m0:
+            _refuse_missing_deepgemm_ue8m0(prefix, "the fused-MoE kernel's quantizer")
+        return
     if ue8m0 and not config.pow2_scales:
         _refuse(
             prefix,
@@ -912,6 +970,7 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
                 layer.w13_weight_scale_inv[e],
                 x.dtype,
                 bias=None if b13 is None else b13[e],
+                requant_weights=False,
             )
             h = act(h)
             y = self.quantizer.linear(
@@ -920,6 +979,7 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
                 layer.w2_weight_scale_inv[e],
                 x.dtype,
                 bias=None if b2 is None else b2[e],
+                requant_weights=False,
             )
             y = y.to(torch.float32)
             out.index_add_(0, rows, y if on_input else y * gate)
