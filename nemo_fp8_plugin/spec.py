@@ -356,6 +356,15 @@ class ImportanceSampling:
                 key="ratio_min",
                 value=self.ratio_min,
             )
+        if self.truncation == "seq-mask-tis" and self.level == "sequence":
+            # the same refusal as nemo_fp8_plugin.rl.importance (and NeMo RL's loss)
+            raise FP8ConfigError(
+                "seq-mask-tis masks sequences but weights tokens; it cannot be "
+                "combined with sequence-level ratios",
+                key="level",
+                value="sequence",
+                hint="use level: token (NeMo RL refuses the combination too)",
+            )
 
     @classmethod
     def from_mapping(cls, value: Any, base: ImportanceSampling | None = None) -> ImportanceSampling:

@@ -989,3 +989,30 @@ def test_any_input_gives_finite_nonnegative_weights_and_finite_metrics(
             ratio_min=lo,
         )
         exact(w, loss_weights(nrl))
+
+
+@settings(max_examples=200)
+@given(
+    level=st.sampled_from(["token", "sequence"]),
+    truncation=st.sampled_from([None, "tis", "icepop", "seq-mask-tis"]),
+    ratio_max=st.sampled_from([1e-6, 0.5, 1.0, 2.0, 5.0, 1e6]),
+    ratio_min=st.sampled_from([None, 0.0, 0.5, 1.0, 2.0, 10.0]),
+)
+def test_the_recipe_accepts_exactly_what_the_functions_accept(
+    level, truncation, ratio_max, ratio_min
+):
+    """A recipe's ``importance_sampling`` block is validated in the torch-free spec, the
+    arguments again in the functions: the two agree, so no recipe that loads fails at the
+    first training step (and no refusal is the spec's alone)."""
+    from nemo_fp8_plugin.rl.importance import _settings
+    from nemo_fp8_plugin.spec import ImportanceSampling
+
+    def accepted(fn) -> bool:
+        try:
+            fn()
+        except FP8ConfigError:
+            return False
+        return True
+
+    kw = dict(level=level, truncation=truncation, ratio_max=ratio_max, ratio_min=ratio_min)
+    assert accepted(lambda: ImportanceSampling(**kw)) == accepted(lambda: _settings(**kw)), kw
