@@ -1,13 +1,18 @@
-"""Numerics benchmark (issue 3 §4): block-quantize throughput and emulated-linear overhead.
+"""Numerics benchmark (issues 3 and 14): the public quantizers' throughput and the emulated
+linear layer's overhead.
 
-The figures of ``nemo_fp8_plugin.tools.bench`` (see its docstring): block quantization of an
-8192x8192 bf16 tensor vs ``torch.clone``, and a 4096x4096 linear's fwd+bwd per recipe's
-FP8 emulation vs the same layer in fp32 and bf16. Usage::
+The figures of ``nemo_fp8_plugin.tools.bench`` (see its docstring): the public quantizers
+(``quantize_blockwise`` 1x128 / 128x128, ``quantize_mxfp8`` 1x32, ``quantize_per_tensor``),
+their compiled and reference variants, on an 8192x8192 bf16 tensor vs ``torch.clone`` of it
+in the same run (bytes read + written; first calls, including the CPU kernel build, timed
+apart), and a 4096x4096 linear's fwd+bwd per recipe's FP8 emulation vs the same layer in
+fp32 and bf16. Usage::
 
-    .venv/bin/python benchmarks/bench_numerics.py [--quick] [--skip-bf16] [--json out.json]
+    .venv/bin/python benchmarks/bench_numerics.py [--quick] [--skip-bf16] [--skip-linear]
+        [--json out.json]
 
 ``--quick`` shrinks the sizes for a smoke run (its numbers are not the issue's figures).
-``nemo-fp8 bench`` runs this together with the refit benchmark.
+``nemo-fp8 bench`` runs this together with the refit and export benchmarks.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ def main() -> None:
         action="store_true",
         help="skip the plain bf16 linear (minutes on CPUs without native bf16)",
     )
+    parser.add_argument(
+        "--skip-linear", action="store_true", help="only the quantizers, no emulated linear"
+    )
     args = parser.parse_args()
     env = environment()
-    result = run_numerics(quick=args.quick, skip_bf16=args.skip_bf16)
+    result = run_numerics(quick=args.quick, skip_bf16=args.skip_bf16, linear=not args.skip_linear)
     print(f"# bench_numerics  torch {env['torch']}  threads {env['threads']}  isa {env['isa']}\n")
     print(render_numerics(result))
     if args.json:

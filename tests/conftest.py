@@ -19,6 +19,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# The independent references (tests/numerics/test_numerics_reference.py) are imported by
+# tests in other folders too (tests/rl/test_refit.py); with pytest's default "prepend"
+# import mode a folder is on sys.path only once one of its tests was collected, so a run of
+# tests/rl alone could not import them.
+sys.path.insert(0, str(REPO / "tests" / "numerics"))
+
 # Hypothesis: under CI the examples are derandomized (derived from each test), so a failure
 # reproduces on the next run; locally the default profile keeps exploring new examples.
 from hypothesis import settings as _hypothesis_settings  # noqa: E402

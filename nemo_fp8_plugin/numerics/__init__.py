@@ -9,7 +9,10 @@ with ``nemo_fp8_plugin.get_recipe(name)`` first. See ``docs/numerics.md``.
 * Quantizers (each returns a :class:`QTensor`): :func:`quantize_per_tensor` (current
   scaling), :func:`quantize_blockwise` (1x128 / 128x128 tiles, 3-D MoE stacks),
   :func:`quantize_mxfp8` (1x32 / 32x32 E8M0), :class:`DelayedScalingState` (delayed
-  scaling). The ``*_fused`` variants compile the same code (``torch.compile``).
+  scaling). Each runs the fastest exact kernel for the tensor (:func:`kernel_for`: the
+  single-pass C++ kernels on a CPU, :func:`cpu_kernel_status`; compiled ones on CUDA); the
+  ``*_reference`` variants are the eager truth they are tested against, the ``*_fused``
+  variants the ``torch.compile`` kernels.
 * :func:`fp8_gemm` emulates a scaled FP8 GEMM.
 * :class:`FP8EmulatedLinear`, :func:`convert_to_fp8_emulation`,
   :func:`revert_fp8_emulation`, :func:`fp8_calibration`, :func:`update_fp8_scales`:
@@ -19,6 +22,7 @@ with ``nemo_fp8_plugin.get_recipe(name)`` first. See ``docs/numerics.md``.
 
 from __future__ import annotations
 
+from ._cpu import status as cpu_kernel_status
 from .convert import (
     convert_to_bf16_emulation,
     convert_to_fp8_emulation,
@@ -58,10 +62,16 @@ from .linear import (
 from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from .quantize import (
     QTensor,
+    kernel_for,
+    kernel_min_numel,
     quantize_blockwise,
+    quantize_blockwise_reference,
     quantize_mxfp8,
+    quantize_mxfp8_reference,
     quantize_per_tensor,
+    quantize_per_tensor_reference,
     quantize_with_scale,
+    quantize_with_scale_reference,
     tensor_amax,
 )
 from .recipe import RecipeLike, RecipeTypeError, check_recipe
@@ -77,6 +87,13 @@ __all__ = [
     "quantize_with_scale",
     "quantize_blockwise",
     "quantize_mxfp8",
+    "quantize_per_tensor_reference",
+    "quantize_with_scale_reference",
+    "quantize_blockwise_reference",
+    "quantize_mxfp8_reference",
+    "kernel_for",
+    "kernel_min_numel",
+    "cpu_kernel_status",
     "tensor_amax",
     "scale_from_amax",
     "DelayedScalingState",

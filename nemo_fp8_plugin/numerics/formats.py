@@ -5,9 +5,11 @@ Only torch and the plugin's stdlib-only error type are imported here.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..errors import FP8ConfigError
+from ..errors import FP8ConfigError, format_value
 
 __all__ = [
     "FORMATS",
@@ -16,6 +18,9 @@ __all__ = [
     "check_format",
     "check_input_dtype",
     "input_dtype_max",
+    "check_bool",
+    "check_eps",
+    "check_scale_tensor",
 ]
 
 FORMATS = ("e4m3", "e5m2")
@@ -55,6 +60,13 @@ def check_input_dtype(x: torch.Tensor, name: str = "x") -> None:
     """Refuse inputs other than fp32/bf16/fp16 (TE quantizes only those)."""
     if not isinstance(x, torch.Tensor):
         raise FP8ConfigError(f"expected a tensor, got {type(x).__name__}", key=name)
+    if x.layout != torch.strided:
+        raise FP8ConfigError(
+            f"cannot quantize a {x.layout} tensor",
+            key=name,
+            value=str(x.layout),
+            hint="convert it to a dense tensor first (.to_dense())",
+        )
     if x.dtype not in _INPUT_DTYPES:
         raise FP8ConfigError(
             f"cannot quantize a {x.dtype} tensor",
@@ -67,3 +79,43 @@ def check_input_dtype(x: torch.Tensor, name: str = "x") -> None:
 def input_dtype_max(dtype: torch.dtype) -> float:
     """Largest finite value of the input dtype: block scaling's stand-in for an infinite scale."""
     return float(torch.finfo(dtype).max)
+
+
+def check_bool(value, name: str) -> bool:
+    """A flag argument: ``True`` or ``False`` only (``"false"`` or ``1`` is a mistake, never
+    read as a boolean)."""
+    if not isinstance(value, bool):
+        raise FP8ConfigError(
+            f"expected True or False, got {type(value).__name__} {format_value(value)}",
+            key=name,
+            value=value,
+        )
+    return value
+
+
+def check_eps(value, name: str = "eps") -> float:
+    """The amax floor: a finite real number >= 0 (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FP8ConfigError(
+            f"expected a number >= 0, got {type(value).__name__} {format_value(value)}",
+            key=name,
+            value=value,
+        )
+    eps = float(value)
+    if not math.isfinite(eps) or eps < 0.0:
+        raise FP8ConfigError(f"expected a finite number >= 0, got {eps!r}", key=name, value=value)
+    return eps
+
+
+def check_scale_tensor(value, name: str) -> None:
+    """A given per-tensor scale: a one-element floating-point tensor."""
+    if not isinstance(value, torch.Tensor):
+        raise FP8ConfigError(
+            f"expected a one-element float tensor, got {type(value).__name__}", key=name
+        )
+    if value.numel() != 1 or not value.dtype.is_floating_point:
+        raise FP8ConfigError(
+            f"expected a one-element float tensor, got {value.dtype} of shape {tuple(value.shape)}",
+            key=name,
+            value=tuple(value.shape),
+        )

@@ -1,8 +1,10 @@
 """Fused (``torch.compile``) versions of the reference quantizers, bit-identical to them.
 
-The eager functions in :mod:`.quantize` are the reference. The kernels here compute the
-same values with a formulation that ``torch.compile`` turns into one or two tight loops
-(C++/OpenMP on CPU, Triton on CUDA):
+The eager functions in :mod:`.reference` are the reference. The public quantizers
+(:mod:`.quantize`) use these kernels for CUDA tensors; on a CPU they use the single-pass C++
+kernels of :mod:`._cpu`, which are faster there (docs/performance.md), and these stay
+reachable by name. The kernels here compute the same values with a formulation that
+``torch.compile`` turns into one or two tight loops (C++/OpenMP on CPU, Triton on CUDA):
 
 * amax: ``where(|x| == |x|, |x|, 0)`` (a vector compare) instead of ``isnan``;
 * scale: the same float64 division and special cases as the reference;
@@ -36,17 +38,27 @@ from collections.abc import Callable
 
 import torch
 
-from .formats import check_format, check_input_dtype, fp8_dtype, fp8_max, input_dtype_max
-from .quantize import (
+from .formats import (
+    check_bool,
+    check_eps,
+    check_format,
+    check_input_dtype,
+    fp8_dtype,
+    fp8_max,
+    input_dtype_max,
+)
+from .reference import (
     QTensor,
     _expand_tiles,
     _tiled,
     check_block,
+    check_mx_block,
+    check_rank,
     mx_scale_tiles,
-    quantize_blockwise,
-    quantize_mxfp8,
-    quantize_per_tensor,
-    quantize_with_scale,
+    quantize_blockwise_reference,
+    quantize_mxfp8_reference,
+    quantize_per_tensor_reference,
+    quantize_with_scale_reference,
     tensor_amax,
 )
 from .scaling import FLT_MAX, e8m0_from_amax
@@ -276,24 +288,25 @@ def _divisible(x: torch.Tensor, bm: int, bn: int) -> bool:
 def quantize_blockwise_fused(
     x: torch.Tensor, block=(1, 128), fmt: str = "e4m3", pow2_scales: bool = False, eps: float = 0.0
 ) -> QTensor:
-    """:func:`~.quantize.quantize_blockwise` through compiled kernels (same bits).
+    """:func:`~.reference.quantize_blockwise_reference` through compiled kernels (same bits).
 
     Inputs whose last two dims are not multiples of the tile, and empty ones, take the
     eager path; 3-D expert stacks are processed as one ``[E*N, K]`` matrix when ``N`` is a
     multiple of the tile rows (tiles never cross experts then).
     """
     check_input_dtype(x)
+    check_rank(x, (2, 3), "quantize_blockwise_fused")
     fmt = check_format(fmt)
     bm, bn = check_block(block)
+    pow2 = check_bool(pow2_scales, "pow2_scales")
+    eps = check_eps(eps)
 
     def eager():
-        return quantize_blockwise(x, (bm, bn), fmt, pow2_scales, eps)
+        return quantize_blockwise_reference(x, (bm, bn), fmt, pow2, eps)
 
-    if x.dim() not in (2, 3) or not _divisible(x, bm, bn) or not _use_fused(x, True):
+    if not _divisible(x, bm, bn) or not _use_fused(x, True):
         return eager()
-    static = dict(
-        bm=bm, bn=bn, fmt=fmt, pow2=bool(pow2_scales), eps=float(eps), vinf=input_dtype_max(x.dtype)
-    )
+    static = dict(bm=bm, bn=bn, fmt=fmt, pow2=pow2, eps=eps, vinf=input_dtype_max(x.dtype))
     x2 = x.reshape(-1, x.shape[-1])
     try:
         key = ("block_cast", tuple(sorted(static.items())), _signature(x2))
@@ -308,21 +321,16 @@ def quantize_blockwise_fused(
 
 
 def quantize_mxfp8_fused(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
-    """:func:`~.quantize.quantize_mxfp8` through compiled kernels (same bits); 2-D and 3-D
-    inputs with whole blocks, anything else eagerly."""
+    """:func:`~.reference.quantize_mxfp8_reference` through compiled kernels (same bits);
+    2-D and 3-D inputs with whole blocks, anything else eagerly."""
     check_input_dtype(x)
     fmt = check_format(fmt)
-    bm, bn = check_block(block)
+    bm, bn = check_mx_block(block)
 
     def eager():
-        return quantize_mxfp8(x, (bm, bn), fmt)
+        return quantize_mxfp8_reference(x, (bm, bn), fmt)
 
-    if (
-        (bm, bn) not in ((1, 32), (32, 1), (32, 32))
-        or x.dim() not in (2, 3)
-        or not _divisible(x, bm, bn)
-        or not _use_fused(x, True)
-    ):
+    if x.dim() not in (2, 3) or not _divisible(x, bm, bn) or not _use_fused(x, True):
         return eager()
     static = dict(bm=bm, bn=bn, fmt=fmt)
     x2 = x.reshape(-1, x.shape[-1])
@@ -351,15 +359,15 @@ def fake_quant_blockwise(
     inputs with whole tiles; smaller than the size threshold runs eagerly unless ``force``)."""
     bm, bn = check_block(block)
     fmt = check_format(fmt)
+    pow2 = check_bool(pow2_scales, "pow2_scales")
+    eps = check_eps(eps)
 
     def eager():
-        return quantize_blockwise(x, (bm, bn), fmt, pow2_scales, eps).dequantize()
+        return quantize_blockwise_reference(x, (bm, bn), fmt, pow2, eps).dequantize()
 
     if x.dim() != 2 or not _divisible(x, bm, bn) or not _use_fused(x, force):
         return eager()
-    static = dict(
-        bm=bm, bn=bn, fmt=fmt, pow2=bool(pow2_scales), eps=float(eps), vinf=input_dtype_max(x.dtype)
-    )
+    static = dict(bm=bm, bn=bn, fmt=fmt, pow2=pow2, eps=eps, vinf=input_dtype_max(x.dtype))
     return _run("block_fq", _block_fq, static, (x,), eager)
 
 
@@ -369,7 +377,7 @@ def fake_quant_mxfp8(x: torch.Tensor, block, fmt: str, *, force: bool = False) -
     fmt = check_format(fmt)
 
     def eager():
-        return quantize_mxfp8(x, (bm, bn), fmt).dequantize()
+        return quantize_mxfp8_reference(x, (bm, bn), fmt).dequantize()
 
     if x.dim() != 2 or not _divisible(x, bm, bn) or not _use_fused(x, force):
         return eager()
@@ -381,15 +389,15 @@ def fake_quant_per_tensor(
 ) -> torch.Tensor:
     """``quantize_per_tensor(x, ...).dequantize()`` (fp32), compiled."""
     fmt = check_format(fmt)
+    pow2 = check_bool(pow2_scales, "pow2_scales")
+    eps = check_eps(eps)
 
     def eager():
-        return quantize_per_tensor(x, fmt, pow2_scales, eps).dequantize()
+        return quantize_per_tensor_reference(x, fmt, pow2, eps).dequantize()
 
     if not _use_fused(x, force):
         return eager()
-    return _run(
-        "tensor_fq", _tensor_fq, dict(fmt=fmt, pow2=bool(pow2_scales), eps=float(eps)), (x,), eager
-    )
+    return _run("tensor_fq", _tensor_fq, dict(fmt=fmt, pow2=pow2, eps=eps), (x,), eager)
 
 
 def fake_quant_with_scale(
@@ -399,7 +407,7 @@ def fake_quant_with_scale(
     fmt = check_format(fmt)
 
     def eager():
-        q = quantize_with_scale(x, scale, fmt, scale_inv=scale_inv)
+        q = quantize_with_scale_reference(x, scale, fmt, scale_inv=scale_inv)
         return q.dequantize(), tensor_amax(x)
 
     if not _use_fused(x, force):

@@ -1,4 +1,5 @@
-"""Reference quantizers: Transformer Engine's FP8 casts, bit for bit, in eager torch.
+"""The public quantizers: Transformer Engine's FP8 casts, bit for bit, on the fastest exact
+kernel for the tensor.
 
 Three families, each returning a :class:`QTensor`:
 
@@ -10,31 +11,59 @@ Three families, each returning a :class:`QTensor`:
 * :func:`quantize_mxfp8` - one E8M0 scale per 32 elements (OCP MXFP8, TE
   ``MXFP8BlockScaling``).
 
-The semantics are ``shared/NUMERICS.md`` (TE's kernels); ``docs/numerics.md`` lists where
-they differ from NUMERICS.md's wording and from torchao. These functions are the reference:
-the fused path (:mod:`.fused`) is tested bit-exact against them. No Python loop runs over
-blocks.
+Each checks its arguments (``FP8ConfigError`` naming the argument) and then picks a kernel:
+
+* CPU tensors of at least :func:`kernel_min_numel` elements: the single-pass C++ kernels of
+  :mod:`._cpu` (one read of the input, eight-lane FP8 encoding, OpenMP threads), built on
+  first use and cached; tiles whose width is not a multiple of 8 (MXFP8 32x1) and smaller
+  tensors take the reference.
+* CUDA tensors from 2^20 elements (block scaling and MXFP8): the compiled kernels of
+  :mod:`.fused` (Triton); per-tensor scaling runs the reference there (a few device kernels).
+* Otherwise, or when a kernel is unavailable (no compiler, ``NEMO_FP8_CPU_KERNEL=0``,
+  ``NEMO_FP8_FUSED=0``): the eager reference, :func:`quantize_blockwise_reference`,
+  :func:`quantize_mxfp8_reference`, :func:`quantize_per_tensor_reference` and
+  :func:`quantize_with_scale_reference` (module :mod:`.reference`), which every kernel is
+  tested against bit for bit and which stay public for tests and comparisons.
+
+Every path returns the same bits, so the choice never changes a result.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import os
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import FP8ConfigError
-from .formats import check_format, check_input_dtype, fp8_dtype, fp8_max, input_dtype_max
-from .scaling import (
-    FLT_MAX,
-    e8m0_data_factors,
-    e8m0_from_amax,
-    nan_ignoring_abs,
-    reciprocal,
-    saturating_cast,
-    scale_from_amax,
+from . import _cpu
+from . import fused as _fused
+from .formats import (
+    check_bool,
+    check_eps,
+    check_format,
+    check_input_dtype,
+    check_scale_tensor,
+    fp8_max,
+    input_dtype_max,
 )
+from .reference import (
+    QTensor,
+    block_quantize_core,
+    check_block,
+    check_mx_block,
+    check_rank,
+    dequantize_fp32,
+    e8m0_tensor,
+    mx_quantize_core,
+    mx_scale_tiles,
+    num_tiles,
+    quantize_blockwise_reference,
+    quantize_mxfp8_reference,
+    quantize_per_tensor_reference,
+    quantize_with_scale_reference,
+    tensor_amax,
+)
+from .scaling import FLT_MAX, reciprocal, scale_from_amax
 
 __all__ = [
     "QTensor",
@@ -42,206 +71,80 @@ __all__ = [
     "quantize_with_scale",
     "quantize_blockwise",
     "quantize_mxfp8",
+    "quantize_per_tensor_reference",
+    "quantize_with_scale_reference",
+    "quantize_blockwise_reference",
+    "quantize_mxfp8_reference",
     "tensor_amax",
     "check_block",
+    "kernel_for",
+    "kernel_min_numel",
+    "block_quantize_core",
+    "mx_quantize_core",
+    "mx_scale_tiles",
+    "dequantize_fp32",
+    "e8m0_tensor",
+    "num_tiles",
 ]
 
 
-@dataclass
-class QTensor:
-    """A quantized tensor: float8 data plus the scales that dequantize it.
+def _min_numel_from_env(default: int = 4096) -> int:
+    # A tuning knob read once at import: a value that is not an integer >= 0 is named in one
+    # warning and the default kept (importing the numerics must not fail on it).
+    raw = os.environ.get("NEMO_FP8_CPU_KERNEL_MIN_NUMEL")
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        import warnings
 
-    ``dequantize() == data.float() * scale_inv`` broadcast over each tile.
-    """
-
-    data: torch.Tensor
-    """Float8 values (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``), same shape as the
-    source tensor."""
-
-    scale_inv: torch.Tensor
-    """Dequantization scales (``1 / scale``), plain logical layout (not TE's padded cuBLAS
-    layout): per tensor a 0-d fp32 tensor; block ``(bm, bn)`` on ``[..., M, K]`` an fp32
-    ``[..., ceil(M/bm), ceil(K/bn)]`` (``(1, 128)`` -> ``[M, ceil(K/128)]``, ``(128, 128)``
-    -> ``[ceil(M/128), ceil(K/128)]``); MXFP8 a ``torch.float8_e8m0fnu`` tensor
-    ``[..., ceil(K/32)]`` (1x32) or ``[..., ceil(M/32), ceil(K/32)]`` (32x32, 32x1)."""
-
-    fmt: str
-    """Element format: ``"e4m3"`` or ``"e5m2"``."""
-
-    block: tuple[int, int] | None
-    """Scale tile ``(rows, cols)``; None means one scale for the whole tensor."""
-
-    @property
-    def is_mx(self) -> bool:
-        """True for MXFP8 (E8M0 scales)."""
-        return self.scale_inv.dtype == torch.float8_e8m0fnu
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    def scale_inv_fp32(self) -> torch.Tensor:
-        """``scale_inv`` as fp32 (E8M0 bytes become 2^(e-127); 0xFF becomes NaN)."""
-        return self.scale_inv.float()
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``data * scale_inv`` computed in fp32, returned in ``dtype``."""
-        out = dequantize_fp32(self.data, self.scale_inv_fp32(), self.block)
-        return out if dtype == torch.float32 else out.to(dtype)
-
-    def __repr__(self) -> str:
-        return (
-            f"QTensor(shape={tuple(self.data.shape)}, fmt={self.fmt!r}, block={self.block}, "
-            f"scale_inv={tuple(self.scale_inv.shape)} {self.scale_inv.dtype})"
+        warnings.warn(
+            f"NEMO_FP8_CPU_KERNEL_MIN_NUMEL={raw[:40]!r} is not an integer >= 0; using {default}",
+            RuntimeWarning,
+            stacklevel=2,
         )
+        return default
+    return value
 
 
-# --------------------------------------------------------------------------- helpers
+_MIN_NUMEL = {"value": _min_numel_from_env()}
 
 
-def check_block(block, *, allow_none: bool = False, key: str = "block") -> tuple[int, int] | None:
-    """Normalise a tile shape: an int ``n`` means ``(1, n)``; a pair of positive ints."""
-    if block is None and allow_none:
-        return None
-    if isinstance(block, int) and not isinstance(block, bool):
-        block = (1, block)
-    if (
-        isinstance(block, (tuple, list))
-        and len(block) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        return (int(block[0]), int(block[1]))
-    raise FP8ConfigError(
-        f"expected a tile shape (rows, cols) of positive ints, got {block!r}", key=key, value=block
-    )
+def kernel_min_numel(value: int | None = None) -> int:
+    """The size (elements) from which CPU tensors go to the C++ kernels (default 4096,
+    ``NEMO_FP8_CPU_KERNEL_MIN_NUMEL``); below it the eager reference is as fast and needs no
+    build. Pass ``value`` to change it; returns the previous value."""
+    before = _MIN_NUMEL["value"]
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise FP8ConfigError(
+                f"expected an integer >= 0, got {value!r}", key="value", value=value
+            )
+        _MIN_NUMEL["value"] = value
+    return before
 
 
-def _pad_to_tiles(xf: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
-    """Zero-pad the last two dims up to multiples of the tile (zeros never raise an amax)."""
-    m, k = xf.shape[-2], xf.shape[-1]
-    pm, pk = (-m) % bm, (-k) % bn
-    if pm or pk:
-        xf = F.pad(xf, (0, pk, 0, pm))
-    return xf
+def kernel_for(x: torch.Tensor, bn: int = 8) -> str:
+    """The kernel the public quantizers use for ``x`` with tiles ``bn`` wide: ``"cpu"``
+    (C++), ``"fused"`` (compiled, CUDA) or ``"reference"`` (eager)."""
+    n = x.numel()
+    if x.device.type == "cpu":
+        if n >= max(1, _MIN_NUMEL["value"]) and bn % 8 == 0 and _cpu.kernels() is not None:
+            return "cpu"
+        return "reference"
+    if n >= _fused._state["min_numel"] and _fused.fused_enabled():
+        return "fused"
+    return "reference"
 
 
-def _tiled(xf: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
-    """View ``[..., M, K]`` (dims multiples of the tile) as ``[..., M/bm, bm, K/bn, bn]``."""
-    *lead, m, k = xf.shape
-    return xf.reshape(*lead, m // bm, bm, k // bn, bn)
-
-
-def _tile_amax(tiles: torch.Tensor) -> torch.Tensor:
-    return nan_ignoring_abs(tiles).amax(dim=(-3, -1))
-
-
-def _expand_tiles(s: torch.Tensor) -> torch.Tensor:
-    return s.unsqueeze(-1).unsqueeze(-3)
-
-
-def dequantize_fp32(
-    data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None
-) -> torch.Tensor:
-    """fp32 ``data * scale_inv`` with ``scale_inv`` broadcast over its tiles."""
-    d = data.float()
-    if block is None:
-        return d * scale_inv
-    bm, bn = block
-    if d.dim() == 1:
-        d = d.unsqueeze(0)
-        scale_inv = scale_inv.unsqueeze(0)
-        return dequantize_fp32(d, scale_inv, block).squeeze(0)
-    if bm == 1 and scale_inv.dim() == d.dim():
-        # row-wise tiles: [..., M, K] with scales [..., M, Kt]
-        k = d.shape[-1]
-        kt = scale_inv.shape[-1]
-        if k % bn:
-            d = F.pad(d, (0, kt * bn - k))
-        out = (d.reshape(*d.shape[:-1], kt, bn) * scale_inv.unsqueeze(-1)).reshape(
-            *d.shape[:-1], kt * bn
-        )
-        return out[..., :k] if k % bn else out
-    m, k = d.shape[-2], d.shape[-1]
-    padded = _pad_to_tiles(d, bm, bn)
-    out = (_tiled(padded, bm, bn) * _expand_tiles(scale_inv)).reshape(padded.shape)
-    return out[..., :m, :k] if padded.shape != d.shape else out
-
-
-# --------------------------------------------------------------------------- per tensor
-
-
-def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """NaN-ignoring ``max |x|`` as a 0-d fp32 tensor (0 for an empty tensor)."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return nan_ignoring_abs(x.float()).amax()
-
-
-def quantize_with_scale(
-    x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3", scale_inv: torch.Tensor | None = None
-) -> QTensor:
-    """Cast ``x`` with a given per-tensor fp32 ``scale`` (delayed scaling's cast).
-
-    ``scale_inv`` defaults to the correctly rounded ``1 / scale``; delayed scaling passes
-    the one stored in its state.
-    """
-    check_input_dtype(x)
-    fmt = check_format(fmt)
-    scale = scale.to(device=x.device, dtype=torch.float32).reshape(())
-    data = saturating_cast(x.float() * scale, fp8_max(fmt), fp8_dtype(fmt))
-    if scale_inv is None:
-        scale_inv = reciprocal(scale)
-    return QTensor(data, scale_inv.to(device=x.device, dtype=torch.float32).reshape(()), fmt, None)
-
-
-def quantize_per_tensor(
-    x: torch.Tensor, fmt: str = "e4m3", pow2_scales: bool = False, eps: float = 0.0
-) -> QTensor:
-    """Per-tensor current scaling (TE ``Float8CurrentScaling``).
-
-    ``amax = max |x|`` (NaN ignored), ``scale = fp8_max / amax`` (FLT_MAX if that overflows,
-    1 if amax is 0 or inf), optional power-of-2 rounding, ``data = sat_cast(x * scale)``,
-    ``scale_inv = 1 / scale`` (0-d fp32). Any shape.
-    """
-    check_input_dtype(x)
-    fmt = check_format(fmt)
-    scale = scale_from_amax(
-        tensor_amax(x), fp8_max(fmt), pow2=bool(pow2_scales), eps=float(eps), value_for_inf=FLT_MAX
-    )
-    return quantize_with_scale(x, scale, fmt)
-
-
-# --------------------------------------------------------------------------- block scaling
-
-
-def _check_rank(x: torch.Tensor, ranks, what: str) -> None:
-    if x.dim() not in ranks:
-        raise FP8ConfigError(
-            f"{what} takes a tensor of rank {' or '.join(map(str, ranks))}, "
-            f"got shape {tuple(x.shape)}",
-            key="x",
-            value=tuple(x.shape),
-        )
-
-
-def block_quantize_core(
-    x: torch.Tensor, bm: int, bn: int, fmt: str, pow2: bool, eps: float, value_for_inf: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantize ``[..., M, K]`` whose last two dims are multiples of ``(bm, bn)``.
-
-    Returns ``(data [..., M, K], scale [..., M/bm, K/bn])`` with ``scale`` the quantization
-    scale (not its inverse). Traceable by torch.compile.
-    """
-    tiles = _tiled(x.float(), bm, bn)
-    scale = scale_from_amax(
-        _tile_amax(tiles), fp8_max(fmt), pow2=pow2, eps=eps, value_for_inf=value_for_inf
-    )
-    data = saturating_cast(tiles * _expand_tiles(scale), fp8_max(fmt), fp8_dtype(fmt))
-    return data.reshape(x.shape), scale
+def _lead3(x: torch.Tensor) -> torch.Tensor:
+    """``[M, K]`` or ``[E, N, K]`` as a contiguous ``[B, M, K]`` (a view when possible)."""
+    x = x.detach()
+    x3 = x.unsqueeze(0) if x.dim() == 2 else x
+    return x3.contiguous()
 
 
 def quantize_blockwise(
@@ -253,65 +156,43 @@ def quantize_blockwise(
         x: ``[M, K]`` (fp32, bf16 or fp16), or ``[E, N, K]`` for a stack of MoE expert
             weights, quantized per expert (tiles never cross experts).
         block: ``(1, 128)`` (activations, gradients) or ``(128, 128)`` (weights); any
-            ``(rows, cols)`` works. An int ``n`` means ``(1, n)``.
-        fmt: ``"e4m3"`` or ``"e5m2"``.
-        pow2_scales: round scales down to powers of two (TE's default; NeMo RL sets
-            ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` for fp32 scales).
-        eps: amax floor.
+            ``(rows, cols)`` of positive ints works. An int ``n`` means ``(1, n)``.
+        fmt: ``"e4m3"`` or ``"e5m2"`` (or the torch float8 dtype).
+        pow2_scales: ``True`` to round scales down to powers of two (TE's default; NeMo RL
+            sets ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` for fp32 scales). A bool only.
+        eps: amax floor, a finite number >= 0.
 
     Per tile: ``amax`` (NaN ignored; out-of-range elements of partial tiles count as 0),
     ``scale = fp8_max / amax`` (the input dtype's max if that overflows, 1 if amax is 0 or
     inf), ``data = sat_cast(x * scale)``, ``scale_inv = 1 / scale``. ``scale_inv`` is
     ``[ceil(M/bm), ceil(K/bn)]``, or ``[E, ceil(N/bm), ceil(K/bn)]`` for 3-D input; data
-    keeps the input shape.
+    keeps the input shape. Runs on :func:`kernel_for`'s kernel; same bits as
+    :func:`quantize_blockwise_reference`.
     """
     check_input_dtype(x)
-    _check_rank(x, (2, 3), "quantize_blockwise")
+    check_rank(x, (2, 3), "quantize_blockwise")
     fmt = check_format(fmt)
     bm, bn = check_block(block)
-    m, k = x.shape[-2], x.shape[-1]
-    padded = _pad_to_tiles(x.float(), bm, bn)
-    data, scale = block_quantize_core(
-        padded, bm, bn, fmt, bool(pow2_scales), float(eps), input_dtype_max(x.dtype)
-    )
-    if padded.shape != x.shape:
-        data = data[..., :m, :k].contiguous()
-    return QTensor(data, reciprocal(scale), fmt, (bm, bn))
-
-
-# --------------------------------------------------------------------------- MXFP8
-
-
-def mx_quantize_core(
-    x: torch.Tensor, bm: int, bn: int, fmt: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8-quantize ``[..., M, K]`` with dims multiples of ``(bm, bn)``.
-
-    Returns ``(data, e)`` with ``e`` the biased E8M0 exponents as int32. Traceable.
-    """
-    tiles = _tiled(x.float(), bm, bn)
-    e = e8m0_from_amax(_tile_amax(tiles), fp8_max(fmt))
-    data = saturating_cast(mx_scale_tiles(tiles, e), fp8_max(fmt), fp8_dtype(fmt))
-    return data.reshape(x.shape), e
-
-
-def mx_scale_tiles(tiles: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """``tiles * exp2f_rcp(e)`` per tile (fp32, before the cast), through
-    :func:`~.scaling.e8m0_data_factors`. Traceable."""
-    m1, m2 = e8m0_data_factors(e)
-    return tiles * _expand_tiles(m1) * _expand_tiles(m2)
-
-
-def e8m0_tensor(e: torch.Tensor) -> torch.Tensor:
-    """int32 biased exponents -> ``torch.float8_e8m0fnu`` (the raw byte)."""
-    return e.to(torch.uint8).view(torch.float8_e8m0fnu)
+    pow2 = check_bool(pow2_scales, "pow2_scales")
+    eps = check_eps(eps)
+    kind = kernel_for(x, bn)
+    if kind == "cpu":
+        lib = _cpu.kernels()
+        assert lib is not None
+        data, sinv = lib.tiles(
+            _lead3(x), bm, bn, fmt, mx=False, pow2=pow2, eps=eps, vinf=input_dtype_max(x.dtype)
+        )
+        return QTensor(data.reshape(x.shape), sinv if x.dim() == 3 else sinv[0], fmt, (bm, bn))
+    if kind == "fused":
+        return _fused.quantize_blockwise_fused(x, (bm, bn), fmt, pow2, eps)
+    return quantize_blockwise_reference(x, (bm, bn), fmt, pow2, eps)
 
 
 def quantize_mxfp8(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
     """OCP MXFP8 (TE ``MXFP8BlockScaling``): one E8M0 scale per 32 elements.
 
     Args:
-        x: any rank >= 1 for 1x32 blocks along the last dim; rank 2 or 3 for 32x32.
+        x: any rank >= 1 for 1x32 blocks along the last dim; rank 2 or 3 for 32x32 and 32x1.
         block: ``32`` or ``(1, 32)`` (row-wise), ``(32, 1)`` (TE's column-wise copy,
             expressed on the untransposed tensor: the same bits as 1x32 on its transpose) or
             ``(32, 32)`` (TE ``enable_2d_quantization`` weights).
@@ -321,33 +202,75 @@ def quantize_mxfp8(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
     -> 0x00, inf -> 0xFE), ``data = sat_cast(x * 2^(127 - e))`` (TE's ``exp2f_rcp``: 2^127
     for byte 0, 2^-127 for 0xFE, so an inf saturates to +-fp8_max), ``scale_inv`` = the E8M0
     byte, ``[..., K/32]``. TE requires dims divisible by 32; here a partial block is
-    zero-padded like a partial block-scaling tile.
+    zero-padded like a partial block-scaling tile. Same bits as
+    :func:`quantize_mxfp8_reference`.
     """
     check_input_dtype(x)
     fmt = check_format(fmt)
-    bm, bn = check_block(block)
-    if (bm, bn) not in ((1, 32), (32, 1), (32, 32)):
-        raise FP8ConfigError(
-            f"MXFP8 blocks are 1x32, 32x1 or 32x32, got {bm}x{bn}", key="block", value=block
-        )
+    bm, bn = check_mx_block(block)
     if bm == 1:
-        _check_rank(x, tuple(range(1, 9)), "quantize_mxfp8")
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        check_rank(x, tuple(range(1, 9)), "quantize_mxfp8")
     else:
-        _check_rank(x, (2, 3), f"quantize_mxfp8 with {bm}x{bn} blocks")
-        x2 = x
-    m, k = x2.shape[-2], x2.shape[-1]
-    padded = _pad_to_tiles(x2.float(), bm, bn)
-    data, e = mx_quantize_core(padded, bm, bn, fmt)
-    if padded.shape != x2.shape:
-        data = data[..., :m, :k].contiguous()
-    scale_inv = e8m0_tensor(e)
-    if bm == 1:
-        data = data.reshape(x.shape)
-        scale_inv = scale_inv.reshape(*x.shape[:-1], scale_inv.shape[-1])
-    return QTensor(data, scale_inv, fmt, (bm, bn))
+        check_rank(x, (2, 3), f"quantize_mxfp8 with {bm}x{bn} blocks")
+    kind = kernel_for(x, bn)
+    if kind == "cpu":
+        lib = _cpu.kernels()
+        assert lib is not None
+        x3 = x.detach().reshape(1, -1, x.shape[-1]) if bm == 1 else _lead3(x)
+        data, e = lib.tiles(x3.contiguous(), bm, bn, fmt, mx=True)
+        if bm == 1:
+            e = e.reshape(*x.shape[:-1], e.shape[-1])
+        elif x.dim() == 2:
+            e = e[0]
+        return QTensor(data.reshape(x.shape), e.view(torch.float8_e8m0fnu), fmt, (bm, bn))
+    if kind == "fused":
+        return _fused.quantize_mxfp8_fused(x, (bm, bn), fmt)
+    return quantize_mxfp8_reference(x, (bm, bn), fmt)
 
 
-def num_tiles(n: int, b: int) -> int:
-    """``ceil(n / b)``."""
-    return math.ceil(n / b)
+def quantize_per_tensor(
+    x: torch.Tensor, fmt: str = "e4m3", pow2_scales: bool = False, eps: float = 0.0
+) -> QTensor:
+    """Per-tensor current scaling (TE ``Float8CurrentScaling``).
+
+    ``amax = max |x|`` (NaN ignored), ``scale = fp8_max / amax`` (FLT_MAX if that overflows,
+    1 if amax is 0 or inf), optional power-of-2 rounding (``pow2_scales``, a bool),
+    ``data = sat_cast(x * scale)``, ``scale_inv = 1 / scale`` (0-d fp32). Any shape. On the
+    CPU from :func:`kernel_min_numel` elements: one threaded amax pass and one cast pass of
+    the C++ kernels; same bits as :func:`quantize_per_tensor_reference`.
+    """
+    check_input_dtype(x)
+    fmt = check_format(fmt)
+    pow2 = check_bool(pow2_scales, "pow2_scales")
+    eps = check_eps(eps)
+    if kernel_for(x) != "cpu":
+        return quantize_per_tensor_reference(x, fmt, pow2, eps)
+    lib = _cpu.kernels()
+    assert lib is not None
+    xc = x.detach().contiguous()
+    amax = torch.tensor(lib.amax(xc), dtype=torch.float32)
+    scale = scale_from_amax(amax, fp8_max(fmt), pow2=pow2, eps=eps, value_for_inf=FLT_MAX)
+    data = lib.scaled_cast(xc, float(scale), fmt)
+    return QTensor(data, reciprocal(scale), fmt, None)
+
+
+def quantize_with_scale(
+    x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3", scale_inv: torch.Tensor | None = None
+) -> QTensor:
+    """Cast ``x`` with a given per-tensor fp32 ``scale`` (delayed scaling's cast):
+    ``data = sat_cast(x * scale)``. ``scale_inv`` defaults to the correctly rounded
+    ``1 / scale``; delayed scaling passes the one stored in its state. Same bits as
+    :func:`quantize_with_scale_reference`."""
+    check_input_dtype(x)
+    fmt = check_format(fmt)
+    check_scale_tensor(scale, "scale")
+    if scale_inv is not None:
+        check_scale_tensor(scale_inv, "scale_inv")
+    if kernel_for(x) != "cpu" or scale.device.type != "cpu":
+        return quantize_with_scale_reference(x, scale, fmt, scale_inv)
+    lib = _cpu.kernels()
+    assert lib is not None
+    s = scale.detach().to(torch.float32).reshape(())
+    data = lib.scaled_cast(x.detach().contiguous(), float(s), fmt)
+    sinv = reciprocal(s) if scale_inv is None else scale_inv.detach().to(torch.float32).reshape(())
+    return QTensor(data, sinv, fmt, None)

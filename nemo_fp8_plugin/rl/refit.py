@@ -18,8 +18,8 @@ them ``<name>_scale`` as uint8 ``[N, K/32]``, vLLM's own MXFP8 checkpoint layout
 tensor passes through untouched (the same tensor object).
 
 The numerics are :func:`nemo_fp8_plugin.numerics.quantize_blockwise` /
-:func:`~nemo_fp8_plugin.numerics.quantize_mxfp8` (TE-exact); large tensors go through their
-compiled (fused) versions, which are bit-identical.
+:func:`~nemo_fp8_plugin.numerics.quantize_mxfp8` (TE-exact), which run the fastest exact
+kernel for each tensor (on a CPU the single-pass C++ kernels; ``fused=`` picks another).
 """
 
 from __future__ import annotations
@@ -53,6 +53,22 @@ _ROW_PARALLEL = re.compile(
     r"(^|\.)(o_proj|down_proj|linear_proj|linear_fc2|dense_4h_to_h|"
     r"out_proj|wo|w2|w2_weight|c_proj|fc2|proj)(\.|_weight|$)"
 )
+
+
+def _quantizers():
+    from .. import numerics
+
+    block = {
+        None: numerics.quantize_blockwise,
+        True: numerics.quantize_blockwise_fused,
+        False: numerics.quantize_blockwise_reference,
+    }
+    mx = {
+        None: numerics.quantize_mxfp8,
+        True: numerics.quantize_mxfp8_fused,
+        False: numerics.quantize_mxfp8_reference,
+    }
+    return block, mx
 
 
 class RefitLayoutError(FP8ConfigError):
@@ -278,8 +294,10 @@ def quantize_for_refit(
         mx_scale_layout: MXFP8 only. ``"nemo_fp8"`` (default): ``<name>_scale_inv``,
             ``float8_e8m0fnu``, the recipe's tile layout. ``"compressed_tensors"``:
             ``<name>_scale``, ``uint8`` ``[N, K/32]`` (32x32 tiles are repeated per row).
-        fused: use the compiled quantizer (True), the eager reference (False), or decide by
-            size (None, default: compiled from 2^20 elements, see ``NEMO_FP8_FUSED_MIN_NUMEL``).
+        fused: which kernel quantizes: None (default) the public quantizers, which pick the
+            fastest exact one for the tensor (the single-pass C++ kernels on a CPU, compiled
+            ones on CUDA; :func:`nemo_fp8_plugin.numerics.kernel_for`); True the compiled
+            (``torch.compile``) ones; False the eager reference. All give the same bits.
 
     Yields:
         ``(name, float8 weight)`` then ``(scale_name, scales)`` for each FP8 weight, and
@@ -289,7 +307,6 @@ def quantize_for_refit(
         FP8ConfigError: per-tensor recipes (vLLM's refit path is block or MX), bad
             arguments. RefitLayoutError: a shard that does not split on block boundaries.
     """
-    from .. import numerics
     from ..registry import get_recipe
 
     _check_args(
@@ -333,11 +350,11 @@ def quantize_for_refit(
         raise FP8ConfigError(
             f"tp_rank {tp_rank} is not in [0, {tp_size})", key="tp_rank", value=tp_rank
         )
+    block_quantizers, mx_quantizers = _quantizers()
     keep = keep_bf16 if keep_bf16 is not None else _keep_bf16_from_rules(spec, num_layers)
     is_linear = is_linear_weight or default_is_linear_weight
     block = tuple(spec.weight_block)
     fmt = spec.format_for("weight")
-    min_numel = numerics.fused._state["min_numel"]
 
     for name, tensor in _items(named_tensors):
         if (
@@ -350,16 +367,12 @@ def quantize_for_refit(
         if sharded:
             _check_shard(name, tensor, block, tp_rank, tp_size, shard_dim)
         w = tensor.detach()
-        use_fused = fused if fused is not None else w.numel() >= min_numel
         if spec.scaling == "block":
-            quantize = (
-                numerics.quantize_blockwise_fused if use_fused else numerics.quantize_blockwise
-            )
+            quantize = block_quantizers[fused]
             q = quantize(w, block, fmt, pow2_scales=spec.pow2_scales, eps=spec.amax_epsilon)
             scales = q.scale_inv
         else:
-            quantize = numerics.quantize_mxfp8_fused if use_fused else numerics.quantize_mxfp8
-            q = quantize(w, block, fmt)
+            q = mx_quantizers[fused](w, block, fmt)
             scales = q.scale_inv
             if mx_scale_layout == "compressed_tensors":
                 scales = scales.view(torch.uint8)

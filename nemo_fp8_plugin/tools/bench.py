@@ -3,13 +3,19 @@
 Every figure is a ratio against a baseline measured in the same run (this machine is
 shared and noisy), each timing the best of several interleaved rounds:
 
-* block quantization of an 8192x8192 bf16 tensor (1x128, 128x128, MXFP8 1x32; eager
-  reference and fused) in GB/s next to ``torch.clone`` of the same tensor; bytes moved:
-  quantize 2 B read + 1 B written per element, clone 2 B + 2 B;
+* the public quantizers on an 8192x8192 bf16 tensor (``quantize_blockwise`` 1x128 and
+  128x128, ``quantize_mxfp8`` 1x32, ``quantize_per_tensor``; each runs the kernel
+  ``kernel_for`` picks) and their compiled (``fused``) and eager (``reference``) variants,
+  in GB/s next to ``torch.clone`` of the same tensor; bytes moved are read + written
+  (quantize: 2 B read, 1 B of data and the scales written per element; clone 2 B + 2 B).
+  First calls (the CPU kernel build, each compile) are timed apart and never in a ratio;
 * forward + backward of a 4096x4096 linear layer on 4096 tokens under each recipe's FP8
   emulation, divided by the same layer run plainly in fp32 and in bf16;
-* the trainer-side refit quantizer (``quantize_for_refit``) on Llama-3-8B-shaped layers in
-  GB/s next to a copy of the same weights.
+* the trainer-side refit quantizer (``quantize_for_refit``: public path, compiled,
+  reference) on Llama-3-8B-shaped layers in GB/s next to a copy of the same weights, on the
+  CPU or (``device="cuda"``) a GPU against a same-run device copy;
+* checkpoint export (:mod:`.bench_export`, when present) against a same-run safetensors
+  read + write of the same files.
 
 ``benchmarks/bench_numerics.py`` and ``benchmarks/bench_refit.py`` run the parts alone.
 Benchmarks, not tests: CI never runs them.
@@ -23,48 +29,108 @@ import torch.nn.functional as F
 from ..numerics import (
     FP8EmulatedLinear,
     fused_mode,
+    kernel_for,
     quantize_blockwise,
     quantize_blockwise_fused,
+    quantize_blockwise_reference,
     quantize_mxfp8,
     quantize_mxfp8_fused,
+    quantize_mxfp8_reference,
+    quantize_per_tensor,
+    quantize_per_tensor_reference,
 )
 from ..registry import get_recipe
 from ..rl import quantize_for_refit
-from .harness import interleaved, timed, timing_summary
+from .harness import Stopwatch, interleaved, timed, timing_summary
 
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
 
 
-def bench_quantize(n: int, reps: int) -> dict:
-    x = torch.randn(n, n, dtype=torch.bfloat16)
-    elems = x.numel()
-    cases = {
-        "clone": lambda: x.clone(),
-        "eager 1x128": lambda: quantize_blockwise(x, (1, 128)),
-        "eager 128x128": lambda: quantize_blockwise(x, (128, 128)),
-        "eager mxfp8 1x32": lambda: quantize_mxfp8(x, 32),
+def _moved(x: torch.Tensor, q) -> int:
+    """Bytes a quantizer moves: the input read plus the data and scales written."""
+    return (
+        x.numel() * x.element_size()
+        + q.data.numel()
+        + q.scale_inv.numel() * (q.scale_inv.element_size())
+    )
+
+
+def first_call_costs(device: str = "cpu") -> dict:
+    """One-time costs that no ratio includes: building the CPU kernels into an empty
+    directory (what a fresh machine pays once; later processes load the cached library)
+    and what this process paid (0 for a cache hit)."""
+    import tempfile
+    from pathlib import Path
+
+    from ..numerics import _cpu
+
+    out: dict = {"cpu kernel status": _cpu.status()}
+    if device == "cpu":
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                _, seconds = _cpu.build(directory=Path(tmp))
+                out["cpu kernel build, empty cache (s)"] = seconds
+            except RuntimeError as exc:
+                out["cpu kernel build, empty cache (s)"] = None
+                out["cpu kernel build error"] = str(exc)[:300]
+    return out
+
+
+def bench_quantize(n: int, reps: int, device: str = "cpu") -> dict:
+    """GB/s of the public quantizers (and the compiled and reference variants) on an
+    ``n x n`` bf16 tensor, against ``torch.clone`` of it in the same run."""
+    x = torch.randn(n, n, dtype=torch.bfloat16).to(device)
+    public = {
+        "quantize_blockwise 1x128": lambda: quantize_blockwise(x, (1, 128)),
+        "quantize_blockwise 128x128": lambda: quantize_blockwise(x, (128, 128)),
+        "quantize_mxfp8 1x32": lambda: quantize_mxfp8(x, 32),
+        "quantize_per_tensor": lambda: quantize_per_tensor(x),
+    }
+    fused = {
         "fused 1x128": lambda: quantize_blockwise_fused(x, (1, 128)),
         "fused 128x128": lambda: quantize_blockwise_fused(x, (128, 128)),
         "fused mxfp8 1x32": lambda: quantize_mxfp8_fused(x, 32),
     }
-    # first calls compile the fused kernels; not timed
-    for name, fn in cases.items():
-        if name.startswith("fused"):
-            fn()
-    eager_reps = max(2, reps // 3)
-    fast = interleaved({k: v for k, v in cases.items() if not k.startswith("eager")}, reps)
-    slow = interleaved(
-        {"clone": cases["clone"]} | {k: v for k, v in cases.items() if k.startswith("eager")},
-        eager_reps,
-    )
-    times = {**slow, **fast, "clone": fast["clone"] + slow["clone"]}
-    clone_gbs = elems * 4 / min(times["clone"]) / 1e9
+    reference = {
+        "reference 1x128": lambda: quantize_blockwise_reference(x, (1, 128)),
+        "reference 128x128": lambda: quantize_blockwise_reference(x, (128, 128)),
+        "reference mxfp8 1x32": lambda: quantize_mxfp8_reference(x, 32),
+        "reference per-tensor": lambda: quantize_per_tensor_reference(x),
+    }
+    clone = {"clone": lambda: x.clone()}
+    # first calls build the CPU kernels / compile the fused ones: timed here, not in a ratio
+    first: dict[str, float] = {}
+    moved: dict[str, int] = {"clone": 2 * x.numel() * x.element_size()}
+    for name, fn in {**public, **fused}.items():
+        with Stopwatch(device) as sw:
+            q = fn()
+        first[name] = sw.seconds
+        moved[name] = _moved(x, q)
+    for name, fn in reference.items():
+        moved[name] = _moved(x, fn())
+    fast = interleaved(clone | public | fused, reps, device)
+    slow = interleaved(clone | reference, max(2, reps // 3), device)
+    times = {**fast, **slow, "clone": fast["clone"] + slow["clone"]}
+    clone_gbs = moved["clone"] / min(times["clone"]) / 1e9
     rows = {}
     for name, ts in times.items():
-        moved = 4 if name == "clone" else 3
-        gbs = elems * moved / min(ts) / 1e9
+        gbs = moved[name] / min(ts) / 1e9
         rows[name] = {**timing_summary(ts), "GB/s": gbs, "x_clone": gbs / clone_gbs}
-    return {"shape": [n, n], "dtype": "bfloat16", "rows": rows}
+        if name in first:
+            rows[name]["first_call_s"] = first[name]
+    kinds = {
+        "quantize_blockwise": kernel_for(x, 128),
+        "quantize_mxfp8": kernel_for(x, 32),
+        "quantize_per_tensor": kernel_for(x),
+    }
+    return {
+        "shape": [n, n],
+        "dtype": "bfloat16",
+        "device": device,
+        "kernels": kinds,
+        "first_call": first_call_costs(device),
+        "rows": rows,
+    }
 
 
 def fwd_bwd(layer_fn, x, w, b):
@@ -131,18 +197,25 @@ def layer_weights(
 
 
 def check_exact(weights: dict, spec) -> int:
-    """Fused output on the weights' device == eager reference on the CPU, bit for bit."""
+    """The public path and the compiled one on the weights' device == the eager reference on
+    the CPU, bit for bit; returns the number of tensors compared."""
     cpu = {n: t.cpu() for n, t in weights.items()}
-    fast = dict(quantize_for_refit(weights, spec, keep_bf16=lambda n: False, fused=True))
     ref = dict(quantize_for_refit(cpu, spec, keep_bf16=lambda n: False, fused=False))
-    assert fast.keys() == ref.keys()
-    for name, want in ref.items():
-        got = fast[name].cpu()
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        if got.element_size() == 1:
-            got, want = got.view(torch.uint8), want.view(torch.uint8)
-        assert torch.equal(got, want), f"{name}: fused output differs from the CPU reference"
+    for fused in (None, True):
+        fast = dict(quantize_for_refit(weights, spec, keep_bf16=lambda n: False, fused=fused))
+        assert fast.keys() == ref.keys()
+        for name, want in ref.items():
+            got = fast[name].cpu()
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            if got.element_size() == 1:
+                got, want = got.view(torch.uint8), want.view(torch.uint8)
+            assert torch.equal(got, want), f"{name}: fused={fused} differs from the reference"
     return len(ref)
+
+
+REFIT_ROWS = {"refit": None, "refit fused": True, "refit reference": False}
+"""Row name -> ``quantize_for_refit(fused=...)``: the public quantizers' own choice, the
+compiled kernels, the eager reference."""
 
 
 def bench_refit(
@@ -153,11 +226,13 @@ def bench_refit(
     device: str = "cpu",
     check: bool = False,
 ) -> dict:
-    """GB/s of the refit quantizer (eager and fused) vs a copy of the same weights."""
+    """GB/s of the refit quantizer (public, compiled and reference paths) vs a same-run
+    copy (``clone``) of the same weights on ``device``; bytes are read + written."""
     dims = (1024, 256, 3584) if quick else (4096, 1024, 14336)
     weights = layer_weights(layers, *dims, device=device)
     spec = get_recipe(recipe)
     elems = sum(t.numel() for t in weights.values())
+    in_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     checked = None
     if check:
         with fused_mode(True, min_numel=0):
@@ -167,9 +242,9 @@ def bench_refit(
         for t in weights.values():
             t.clone()
 
-    out_bytes = {}
+    out_bytes: dict = {}
 
-    def refit(fused: bool):
+    def refit(fused):
         def run():
             total = 0
             for _, t in quantize_for_refit(weights, spec, keep_bf16=lambda n: False, fused=fused):
@@ -178,52 +253,88 @@ def bench_refit(
 
         return run
 
-    runs = {"copy (clone)": copy, "refit eager": refit(False), "refit fused": refit(True)}
+    runs = {"copy (clone)": copy} | {name: refit(f) for name, f in REFIT_ROWS.items()}
+    first = {}
     with fused_mode(True, min_numel=0):
-        runs["refit fused"]()  # compiles one kernel per weight shape; not timed
+        for name in ("refit", "refit fused"):  # CPU kernel build / one compile per shape
+            with Stopwatch(device) as sw:
+                runs[name]()
+            first[name] = sw.seconds
         best = {k: float("inf") for k in runs}
         for _ in range(rounds):
             for name, fn in runs.items():
-                if name == "refit eager" and best[name] < float("inf") and rounds > 2:
+                if name == "refit reference" and best[name] < float("inf") and rounds > 2:
                     continue  # the eager path is slow; one round is enough to place it
                 best[name] = min(best[name], *timed(fn, device))
-    copy_gbs = elems * 4 / best["copy (clone)"] / 1e9
+    copy_gbs = 2 * in_bytes / best["copy (clone)"] / 1e9
     rows = {}
     for name, t in best.items():
-        moved = (
-            elems * 4 if name.startswith("copy") else elems * 2 + out_bytes[name.endswith("fused")]
-        )
+        moved = 2 * in_bytes if name.startswith("copy") else in_bytes + out_bytes[REFIT_ROWS[name]]
         gbs = moved / t / 1e9
         rows[name] = {"best_s": t, "GB/s": gbs, "x_copy": gbs / copy_gbs}
+        if name in first:
+            rows[name]["first_call_s"] = first[name]
+    sample = next(iter(weights.values()))
     return {
         "recipe": spec.name,
         "layers": layers,
         "weights": elems,
         "device": device,
+        "kernel": kernel_for(sample, tuple(spec.weight_block)[1]),
         "checked_bit_exact": checked,
         "rows": rows,
     }
 
 
-def run_numerics(quick: bool = False, skip_bf16: bool = False) -> dict:
+def run_numerics(quick: bool = False, skip_bf16: bool = False, linear: bool = True) -> dict:
+    """The quantizer benchmark and (unless ``linear=False``) the emulated linear layer."""
     n_q, n_l, reps, bf16_reps = (1024, 512, 3, 1) if quick else (8192, 4096, 7, 1)
     with fused_mode(True, min_numel=0):
-        quant = bench_quantize(n_q, reps)
-        linear = bench_linear(n_l, n_l, max(2, reps // 2), 0 if skip_bf16 else bf16_reps)
-    return {"quantize": quant, "linear": linear}
+        result: dict = {"quantize": bench_quantize(n_q, reps)}
+        if linear:
+            result["linear"] = bench_linear(
+                n_l, n_l, max(2, reps // 2), 0 if skip_bf16 else bf16_reps
+            )
+    return result
+
+
+def _first_call_lines(first: dict) -> list[str]:
+    status = first.get("cpu kernel status", {})
+    build = first.get("cpu kernel build, empty cache (s)")
+    lines = []
+    if build is not None:
+        lines.append(
+            f"first-call cost (not in any ratio): CPU kernel build into an empty cache "
+            f"{build:.2f} s; this process {status.get('build_s') or 0:.2f} s "
+            f"(simd width {status.get('simd_width')})"
+        )
+    elif "cpu kernel build error" in first:
+        lines.append(f"CPU kernels unavailable: {first['cpu kernel build error']}")
+    return lines
+
+
+def render_quantize(quant: dict) -> str:
+    kinds = ", ".join(f"{k} -> {v}" for k, v in quant["kernels"].items())
+    lines = [
+        f"## Quantizers, {quant['shape'][0]}x{quant['shape'][1]} {quant['dtype']} "
+        f"(bytes read + written; kernels: {kinds})",
+        f"{'case':<28}{'best s':>9}{'median s':>10}{'GB/s':>8}{'x clone':>9}{'1st call s':>11}",
+    ]
+    for name, r in quant["rows"].items():
+        first = f"{r['first_call_s']:>11.3f}" if "first_call_s" in r else ""
+        lines.append(
+            f"{name:<28}{r['best_s']:>9.4f}{r['median_s']:>10.4f}{r['GB/s']:>8.2f}"
+            f"{r['x_clone']:>9.2f}{first}"
+        )
+    lines += _first_call_lines(quant.get("first_call", {}))
+    return "\n".join(lines)
 
 
 def render_numerics(result: dict) -> str:
-    quant, linear = result["quantize"], result["linear"]
-    lines = [
-        f"## Block quantization, {quant['shape'][0]}x{quant['shape'][1]} {quant['dtype']}",
-        f"{'case':<20}{'best s':>10}{'median s':>10}{'GB/s':>9}{'x clone':>9}",
-    ]
-    for name, r in quant["rows"].items():
-        lines.append(
-            f"{name:<20}{r['best_s']:>10.4f}{r['median_s']:>10.4f}{r['GB/s']:>9.2f}"
-            f"{r['x_clone']:>9.2f}"
-        )
+    lines = [render_quantize(result["quantize"])]
+    linear = result.get("linear")
+    if linear is None:
+        return lines[0]
     lines += [
         "",
         f"## Linear fwd+bwd, M=N=K={linear['M=N=K']} ({linear['tokens']} tokens)",
@@ -239,13 +350,15 @@ def render_numerics(result: dict) -> str:
 def render_refit(result: dict) -> str:
     lines = [
         f"## Refit quantizer, recipe {result['recipe']}, {result['layers']} layer(s), "
-        f"{result['weights'] / 1e6:.1f}M bf16 weights, device {result['device']}"
+        f"{result['weights'] / 1e6:.1f}M bf16 weights, device {result['device']} "
+        f"(public path: {result.get('kernel')})"
     ]
     if result["checked_bit_exact"] is not None:
         lines.append(
             f"check: {result['checked_bit_exact']} tensors bit-identical to the CPU reference"
         )
-    lines.append(f"{'case':<16}{'best s':>10}{'GB/s':>9}{'x copy':>9}")
+    lines.append(f"{'case':<18}{'best s':>10}{'GB/s':>9}{'x copy':>9}{'1st call s':>11}")
     for name, r in result["rows"].items():
-        lines.append(f"{name:<16}{r['best_s']:>10.3f}{r['GB/s']:>9.2f}{r['x_copy']:>9.2f}")
+        first = f"{r['first_call_s']:>11.3f}" if "first_call_s" in r else ""
+        lines.append(f"{name:<18}{r['best_s']:>10.3f}{r['GB/s']:>9.2f}{r['x_copy']:>9.2f}{first}")
     return "\n".join(lines)

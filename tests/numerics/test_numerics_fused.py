@@ -25,14 +25,16 @@ from nemo_fp8_plugin.numerics import (
     fp8_dtype,
     fp8_max,
     fused_mode,
-    quantize_blockwise,
     quantize_blockwise_fused,
-    quantize_mxfp8,
     quantize_mxfp8_fused,
-    quantize_per_tensor,
-    quantize_with_scale,
 )
 from nemo_fp8_plugin.numerics import fused as fused_mod
+
+# the eager reference, under the names the comparisons below read naturally with
+from nemo_fp8_plugin.numerics import quantize_blockwise_reference as quantize_blockwise
+from nemo_fp8_plugin.numerics import quantize_mxfp8_reference as quantize_mxfp8
+from nemo_fp8_plugin.numerics import quantize_per_tensor_reference as quantize_per_tensor
+from nemo_fp8_plugin.numerics import quantize_with_scale_reference as quantize_with_scale
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,8 @@
-"""Bit-exactness of the reference quantizers against NUMERICS.md (atol = rtol = 0).
+"""Bit-exactness of the quantizers against NUMERICS.md (atol = rtol = 0).
+
+Every test runs twice (the autouse ``impl`` fixture): through the CPU kernels the public
+functions dispatch to (``numerics/_cpu.py``, from the first element) and through the eager
+reference (kernels switched off), so both are held to the same independent oracle.
 
 The expected values come from ``test_numerics_reference.py`` (numpy, tile-by-tile loops,
 FP8 decoded from its bit layout), never from the code under test. Every case mixes random
@@ -54,6 +58,22 @@ PATTERNS = [
 def seeded():
     """The few tensors drawn without an explicit generator are reproducible too."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, params=["kernel", "reference"])
+def impl(request, monkeypatch):
+    """Which implementation the public quantizers run: the CPU kernels (from one element on)
+    or the eager reference."""
+    from nemo_fp8_plugin.numerics import kernel_for
+    from nemo_fp8_plugin.numerics import quantize as quantize_module
+
+    if request.param == "kernel":
+        monkeypatch.setitem(quantize_module._MIN_NUMEL, "value", 1)
+        assert kernel_for(torch.ones(8)) == "cpu", "the CPU kernels did not build"
+    else:
+        monkeypatch.setenv("NEMO_FP8_CPU_KERNEL", "0")
+        assert kernel_for(torch.ones(1 << 20)) == "reference"
+    return request.param
 
 
 def pattern(name: str, shape, dtype: torch.dtype, fmt: str, gen: torch.Generator) -> torch.Tensor:

@@ -277,3 +277,28 @@ def test_bad_requests():
     with pytest.raises(FP8ConfigError, match="last"):  # last-N rules need the layer count
         spec = get_recipe("fp8_blockwise").replace(bf16_layers={"last": 1})
         list(quantize_for_refit({"model.layers.0.mlp.up_proj.weight": torch.randn(128, 128)}, spec))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
+def test_default_kernel_is_bit_identical_to_the_reference(recipe):
+    """fused=None takes the public quantizers' own choice (the CPU kernels here)."""
+    from nemo_fp8_plugin.numerics import kernel_for
+
+    spec = get_recipe(recipe)
+    w = (torch.randn(384, 1280) * 0.02).to(torch.bfloat16)
+    w[5, 7], w[200, 1000], w[300, 3] = 300.0, float("nan"), float("-inf")
+    stack = (torch.randn(3, 256, 512) * 0.02).to(torch.float16)
+    weights = {
+        "model.layers.0.mlp.down_proj.weight": w,
+        "model.layers.0.mlp.experts.w13_weight": stack,
+    }
+    fast = dict(quantize_for_refit(weights, spec, keep_bf16=lambda n: False))
+    ref = dict(quantize_for_refit(weights, spec, keep_bf16=lambda n: False, fused=False))
+    assert fast.keys() == ref.keys() and len(fast) == 4
+    for name, want in ref.items():
+        got = fast[name]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if got.element_size() == 1:
+            got, want = got.view(torch.uint8), want.view(torch.uint8)
+        assert torch.equal(got, want), name
+    assert kernel_for(w, 128) in ("cpu", "reference")

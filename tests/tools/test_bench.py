@@ -35,16 +35,49 @@ def test_bench_quick_reports_every_ratio(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["quantize"]["rows"]["clone"]["x_clone"] == 1.0
-    assert {"eager 1x128", "fused 128x128", "fused mxfp8 1x32"} <= set(result["quantize"]["rows"])
+    quant = result["quantize"]["rows"]
+    assert quant["clone"]["x_clone"] == 1.0
+    public = {
+        "quantize_blockwise 1x128",
+        "quantize_blockwise 128x128",
+        "quantize_mxfp8 1x32",
+        "quantize_per_tensor",
+    }
+    assert public | {"reference 1x128", "fused 128x128", "fused mxfp8 1x32"} <= set(quant)
+    for name in public:
+        assert quant[name]["x_clone"] > 0 and quant[name]["first_call_s"] >= 0
+    assert result["quantize"]["kernels"]["quantize_blockwise"] == "cpu"
+    assert result["quantize"]["first_call"]["cpu kernel build, empty cache (s)"] > 0
     linear = result["linear"]["rows"]
     for recipe in ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"):
         assert linear[recipe]["x_fp32"] > 0
     assert result["refit"]["rows"]["copy (clone)"]["x_copy"] == 1.0
     assert result["environment"]["torch"] and result["environment"]["env"]["NEMO_FP8_FUSED"] == "0"
     assert result["refit"]["rows"]["refit fused"]["GB/s"] > 0
-    for heading in ("Block quantization", "Linear fwd+bwd", "Refit quantizer"):
+    assert result["refit"]["rows"]["refit"]["x_copy"] > 0
+    assert result["refit"]["kernel"] == "cpu"
+    assert result["export"]["ratio"] > 0
+    for heading in ("Quantizers", "first-call cost", "Linear fwd+bwd", "Refit quantizer"):
         assert heading in proc.stdout
+
+
+def test_quantize_bench_rows_and_ratios():
+    """The quantizer benchmark in process at a toy size (eager compiled-variant fallback):
+    every public function's row, ratios against the same run's clone, first calls apart."""
+    from nemo_fp8_plugin.numerics import fused_mode
+    from nemo_fp8_plugin.tools.bench import bench_quantize, render_quantize
+
+    with fused_mode(False):
+        result = bench_quantize(256, 2)
+    rows = result["rows"]
+    assert rows["clone"]["x_clone"] == 1.0
+    for name in ("quantize_blockwise 1x128", "quantize_mxfp8 1x32", "quantize_per_tensor"):
+        row = rows[name]
+        assert row["GB/s"] > 0 and "first_call_s" in row
+        assert row["x_clone"] == pytest.approx(row["GB/s"] / rows["clone"]["GB/s"])
+    assert "first_call_s" not in rows["reference 1x128"]
+    text = render_quantize(result)
+    assert "quantize_per_tensor" in text and "x clone" in text
 
 
 # --------------------------------------------------------------------------- the tools' harness

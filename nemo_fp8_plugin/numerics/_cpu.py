@@ -1,0 +1,301 @@
+"""Single-pass CPU quantizers: a small C++ library built at first use, bit-exact with the
+eager reference (:mod:`.reference`).
+
+Why C++: on x86 CPUs without a float8 conversion instruction (AVX2) torch and Inductor cast
+fp32 to float8 one element at a time, and the compiled kernel reads the tensor twice (amax,
+then scale and cast). ``_cpu_kernels.cpp`` encodes eight lanes at a time with integer
+arithmetic and processes one tile row at a time (amax, scale, cast while it is in cache),
+threaded over tile rows with OpenMP.
+
+Build: the C++ compiler Inductor uses (``$CXX``, else ``g++``, else ``c++``), ``-O3
+-fopenmp`` plus ``-mavx2 -mf16c`` where ``/proc/cpuinfo`` lists both; a plain C ABI loaded
+with :mod:`ctypes`, no torch headers, so it builds in a few seconds. The library is cached
+under ``$NEMO_FP8_CACHE_DIR``, else ``$XDG_CACHE_HOME/nemo_fp8_plugin``, else
+``~/.cache/nemo_fp8_plugin`` (``cpu_kernels/``), keyed by a hash of the source, the
+compiler's version and the flags, written atomically (safe for concurrent processes).
+Nothing to install: it needs only the compiler that torch.compile needs on a CPU anyway.
+
+If there is no compiler, the build fails, or ``NEMO_FP8_CPU_KERNEL=0``, :func:`kernels`
+returns None (one ``RuntimeWarning`` names the reason) and the public quantizers run the
+compiled or eager path instead, which give the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from .formats import fp8_dtype
+
+__all__ = ["CpuKernels", "kernels", "load", "status", "cache_dir", "compiler", "ABI_VERSION"]
+
+ABI_VERSION = 2
+_SOURCE = Path(__file__).with_name("_cpu_kernels.cpp")
+_IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FMT = {"e4m3": 0, "e5m2": 1}
+_BASE_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+_SIMD_FLAGS = ("-mavx2", "-mf16c")
+
+_lock = threading.Lock()
+_state: dict = {"lib": None, "tried": False, "error": None, "build_s": None, "path": None}
+
+_c_int, _c_i64, _c_float, _c_ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def enabled() -> bool:
+    """False when ``NEMO_FP8_CPU_KERNEL`` is ``0``/``false``/``no``."""
+    value = os.environ.get("NEMO_FP8_CPU_KERNEL", "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: ``$CXX`` (as Inductor and torch.utils.cpp_extension
+    read it), else ``g++``, else ``c++`` on the PATH; None if there is none."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        return shutil.which(cxx) or (cxx if os.path.isfile(cxx) else None)
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (never inside the package or the repository)."""
+    root = os.environ.get("NEMO_FP8_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = Path(xdg) if xdg else Path.home() / ".cache"
+        root = str(base / "nemo_fp8_plugin")
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _flags(simd: bool | None, defines: tuple[str, ...] = ()) -> list[str]:
+    if simd is None:
+        simd = {"avx2", "f16c"} <= _cpu_flags()
+    flags = list(_BASE_FLAGS) + (list(_SIMD_FLAGS) if simd else ["-DNEMO_FP8_NO_SIMD"])
+    return flags + [f"-D{d}" for d in defines]
+
+
+def _version(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def build(
+    simd: bool | None = None,
+    cxx: str | None = None,
+    directory: Path | None = None,
+    defines: tuple[str, ...] = (),
+) -> tuple[Path, float]:
+    """Compile the library (unless the cache has it); returns ``(path, seconds spent)``.
+
+    ``simd``: True for the AVX2 code, False for the portable one, None to pick by the CPU.
+    ``defines``: extra ``NAME=VALUE`` macros (tests shrink ``NF8_PANEL_BYTES``).
+    Raises ``RuntimeError`` naming the reason when it cannot build.
+    """
+    cxx = cxx or compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX, g++, c++)")
+    flags = _flags(simd, defines)
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, cxx.encode(), _version(cxx).encode(), " ".join(flags).encode()])
+    ).hexdigest()[:20]
+    directory = directory or cache_dir()
+    target = directory / f"nemo_fp8_cpu_{key}.so"
+    if target.is_file():
+        return target, 0.0
+    directory.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=directory)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cxx, *flags, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=600
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {(proc.stderr or proc.stdout).strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target, time.perf_counter() - start
+
+
+class CpuKernels:
+    """The loaded library. Inputs are contiguous CPU tensors (fp32, bf16 or fp16); every
+    call releases the GIL and runs on ``torch.get_num_threads()`` OpenMP threads."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        lib.nf8_abi_version.restype = _c_int
+        if lib.nf8_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path}: ABI {lib.nf8_abi_version()}, expected {ABI_VERSION}")
+        lib.nf8_simd_width.restype = _c_int
+        lib.nf8_tiles.restype = _c_int
+        lib.nf8_tiles.argtypes = [_c_ptr, _c_int, _c_i64, _c_i64, _c_i64, _c_int, _c_int]
+        lib.nf8_tiles.argtypes += [_c_int, _c_int, _c_int, _c_int, _c_float, _c_float]
+        lib.nf8_tiles.argtypes += [_c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64]
+        lib.nf8_amax.restype = _c_int
+        lib.nf8_amax.argtypes = [_c_ptr, _c_int, _c_i64, ctypes.POINTER(_c_float), _c_int]
+        lib.nf8_scaled_cast.restype = _c_int
+        lib.nf8_scaled_cast.argtypes = [_c_ptr, _c_int, _c_i64, _c_float, _c_int, _c_ptr, _c_int]
+        self._lib = lib
+        self.path = path
+        self.simd_width: int = lib.nf8_simd_width()
+        """8 for the AVX2 build, 1 for the portable one."""
+
+    @staticmethod
+    def _threads() -> int:
+        return max(1, torch.get_num_threads())
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"nemo_fp8 CPU kernel {what} returned {rc}")
+
+    def tiles(
+        self,
+        x: torch.Tensor,
+        bm: int,
+        bn: int,
+        fmt: str,
+        *,
+        mx: bool,
+        pow2: bool = False,
+        eps: float = 0.0,
+        vinf: float = 0.0,
+        panel_bytes: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tile-quantize a contiguous ``[B, M, K]`` tensor. Returns ``(data [B, M, K]
+        float8, scales [B, ceil(M/bm), ceil(K/bn)])``: fp32 ``scale_inv`` (block scaling)
+        or uint8 biased E8M0 exponents (``mx``). ``panel_bytes`` caps the input bytes of one
+        unit of work (whole tiles of one tile row; 0: the default, 4 MiB)."""
+        b, m, k = x.shape
+        mt, kt = -(-m // bm), -(-k // bn)
+        data = torch.empty((b, m, k), dtype=fp8_dtype(fmt))
+        scales = torch.empty((b, mt, kt), dtype=torch.uint8 if mx else torch.float32)
+        # the reference compares amax with eps in fp32: round eps the same way
+        eps32 = float(torch.tensor(eps, dtype=torch.float32))
+        rc = self._lib.nf8_tiles(
+            x.data_ptr(),
+            _IN[x.dtype],
+            b,
+            m,
+            k,
+            bm,
+            bn,
+            _FMT[fmt],
+            int(mx),
+            int(pow2),
+            int(eps > 0.0),
+            eps32,
+            vinf,
+            data.data_ptr(),
+            None if mx else scales.data_ptr(),
+            scales.data_ptr() if mx else None,
+            self._threads(),
+            panel_bytes,
+        )
+        self._check(rc, "nf8_tiles")
+        return data, scales
+
+    def amax(self, x: torch.Tensor) -> float:
+        """NaN-ignoring ``max |x|`` of a contiguous tensor."""
+        out = _c_float(0.0)
+        rc = self._lib.nf8_amax(
+            x.data_ptr(), _IN[x.dtype], x.numel(), ctypes.byref(out), self._threads()
+        )
+        self._check(rc, "nf8_amax")
+        return float(out.value)
+
+    def scaled_cast(self, x: torch.Tensor, scale: float, fmt: str) -> torch.Tensor:
+        """``sat_cast(x * scale)`` of a contiguous tensor, same shape, float8."""
+        data = torch.empty(x.shape, dtype=fp8_dtype(fmt))
+        rc = self._lib.nf8_scaled_cast(
+            x.data_ptr(),
+            _IN[x.dtype],
+            x.numel(),
+            scale,
+            _FMT[fmt],
+            data.data_ptr(),
+            self._threads(),
+        )
+        self._check(rc, "nf8_scaled_cast")
+        return data
+
+
+def load(
+    simd: bool | None = None,
+    cxx: str | None = None,
+    directory: Path | None = None,
+    defines: tuple[str, ...] = (),
+) -> CpuKernels:
+    """Build (or find in the cache) and load a library variant; raises on failure."""
+    path, _ = build(simd, cxx, directory, defines)
+    return CpuKernels(path)
+
+
+def kernels() -> CpuKernels | None:
+    """The process's library, built on first use; None when disabled or unavailable."""
+    if not enabled():
+        return None
+    if _state["tried"]:
+        return _state["lib"]
+    with _lock:
+        if not _state["tried"]:
+            try:
+                path, seconds = build()
+                _state["lib"] = CpuKernels(path)
+                _state["path"], _state["build_s"] = str(path), seconds
+            except Exception as exc:  # no compiler, a failed build, an unloadable library
+                _state["error"] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(
+                    "nemo_fp8_plugin.numerics: the CPU quantization kernels are unavailable "
+                    f"({_state['error'][:300]}); using the compiled or eager path "
+                    "(slower, same results)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            _state["tried"] = True
+    return _state["lib"]
+
+
+def status() -> dict:
+    """What :func:`kernels` found: ``enabled``, ``loaded``, ``simd_width``, ``path``,
+    ``build_s`` (seconds this process spent compiling; 0 for a cache hit; None before the
+    first use), ``error``."""
+    lib = _state["lib"]
+    return {
+        "enabled": enabled(),
+        "loaded": lib is not None,
+        "simd_width": lib.simd_width if lib is not None else None,
+        "path": _state["path"],
+        "build_s": _state["build_s"],
+        "error": _state["error"],
+    }
+
+
+def reset() -> None:
+    """Forget the loaded library so that the next :func:`kernels` call tries again (tests)."""
+    with _lock:
+        _state.update(lib=None, tried=False, error=None, build_s=None, path=None)
