@@ -16,7 +16,17 @@ from importlib import import_module
 from ..errors import FP8ConfigError
 
 # Subcommand modules, in the order `nemo-fp8 --help` lists them.
-COMMANDS = ("recipes", "explain", "apply", "analyze", "doctor", "demo", "rl_check", "bench")
+COMMANDS = (
+    "recipes",
+    "explain",
+    "apply",
+    "analyze",
+    "export",
+    "doctor",
+    "demo",
+    "rl_check",
+    "bench",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ checked with a real vLLM in tests/vllm.)"""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,259 @@ def test_source_dir_problems(tmp_path, state_dict):
     with pytest.raises(FP8ConfigError, match="source directory") as err:
         export_fp8_checkpoint(empty, empty, overwrite=True)
     assert err.value.key == "out_dir" and (empty / "pytorch_model.bin").exists()
+
+
+def _write_dir(root: Path, state_dict, parts: int = 2) -> Path:
+    """``state_dict`` as a sharded Hugging Face checkpoint directory with an index."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(CONFIG))
+    names = sorted(state_dict)
+    weight_map = {}
+    for i in range(parts):
+        file = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        chunk = names[i::parts]
+        save_file({n: state_dict[n] for n in chunk}, str(root / file))
+        weight_map.update({n: file for n in chunk})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return root
+
+
+def test_a_directory_exports_what_its_state_dict_exports(tmp_path, state_dict):
+    """Tensors are read into one reused buffer: every tensor of the output must still be the
+    one a state-dict export writes, bit for bit (a tensor overwritten by the next read would
+    differ)."""
+    src = _write_dir(tmp_path / "src", state_dict, parts=3)
+    from_dir = _read(export_fp8_checkpoint(src, tmp_path / "a", max_shard_bytes=150_000).path)
+    from_dict = _read(export_fp8_checkpoint(state_dict, tmp_path / "b", config=CONFIG).path)
+    assert set(from_dir) == set(from_dict)
+    for name, tensor in from_dict.items():
+        other = from_dir[name]
+        assert other.dtype == tensor.dtype and other.shape == tensor.shape, name
+        assert torch.equal(other.view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_shards_stay_within_max_shard_bytes_header_included(tmp_path, state_dict):
+    result = export_fp8_checkpoint(
+        state_dict, tmp_path / "ckpt", config=CONFIG, max_shard_bytes=100_000
+    )
+    files = sorted(result.path.glob("*.safetensors"))
+    assert len(files) == result.shards > 3
+    for f in files:
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])  # the reserved room is padded with spaces
+        assert n % 8 == 0 and raw[8 + n - 1 : 8 + n] in (b" ", b"}")
+        tensors = [k for k in header if k != "__metadata__"]
+        assert len(tensors) == 1 or len(raw) <= 100_000, (f.name, len(raw))
+        ends = sorted(header[k]["data_offsets"] for k in tensors)
+        assert ends[-1][1] == len(raw) - 8 - n  # data fills the rest of the file exactly
+
+
+def test_progress_bar_on_request_only(tmp_path, state_dict, capsys):
+    export_fp8_checkpoint(state_dict, tmp_path / "a", config=CONFIG, progress=True)
+    assert "export" in capsys.readouterr().err
+    export_fp8_checkpoint(state_dict, tmp_path / "b", config=CONFIG, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"overwrite": "false"}, "overwrite"),
+        ({"overwrite": 0}, "overwrite"),
+        ({"copy_other_files": "true"}, "copy_other_files"),
+        ({"progress": "false"}, "progress"),
+        ({"progress": 1}, "progress"),
+        ({"max_shard_bytes": True}, "max_shard_bytes"),
+        ({"max_shard_bytes": 1.5e9}, "max_shard_bytes"),
+        ({"max_shard_bytes": "5GB"}, "max_shard_bytes"),
+        ({"max_shard_bytes": -1}, "max_shard_bytes"),
+        ({"config": 42}, "config"),
+        ({"config": ""}, "config"),
+    ],
+)
+def test_argument_types_are_checked_and_named(tmp_path, state_dict, kwargs, key):
+    args = {"config": CONFIG, **kwargs}
+    with pytest.raises(FP8ConfigError) as err:
+        export_fp8_checkpoint(state_dict, tmp_path / "ckpt", **args)
+    assert err.value.key == key
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("out", [7, None, "", True, b"/tmp/x"])
+def test_out_dir_must_be_a_path(tmp_path, state_dict, out):
+    with pytest.raises(FP8ConfigError) as err:
+        export_fp8_checkpoint(state_dict, out, config=CONFIG)
+    assert err.value.key == "out_dir"
+
+
+@pytest.mark.parametrize("source", [3, "", ["a"], {"model.x.weight": [[1.0]]}, {1: torch.ones(2)}])
+def test_source_must_be_a_state_dict_or_a_directory(tmp_path, source):
+    with pytest.raises(FP8ConfigError) as err:
+        export_fp8_checkpoint(source, tmp_path / "ckpt", config=CONFIG)
+    assert err.value.key == "source"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_never_replaces_a_file_or_the_sources_parent(tmp_path, state_dict):
+    target = tmp_path / "file.txt"
+    target.write_text("mine")
+    with pytest.raises(FP8ConfigError) as err:
+        export_fp8_checkpoint(state_dict, target, config=CONFIG, overwrite=True)
+    assert err.value.key == "out_dir" and target.read_text() == "mine"
+    src = _write_dir(tmp_path / "models" / "src", state_dict)
+    with pytest.raises(FP8ConfigError, match="delete the source") as err:
+        export_fp8_checkpoint(src, tmp_path / "models", overwrite=True)
+    assert err.value.key == "out_dir" and (src / "config.json").is_file()
+
+
+def test_a_tensor_in_two_shards_is_refused_before_any_work(tmp_path, state_dict):
+    src = _write_dir(tmp_path / "src", state_dict)
+    name = "model.layers.0.mlp.up_proj.weight"
+    save_file({name: state_dict[name]}, str(src / "extra.safetensors"))
+    (src / "model.safetensors.index.json").unlink()  # every *.safetensors file is read
+    with pytest.raises(FP8ConfigError, match="appears in both") as err:
+        export_fp8_checkpoint(src, tmp_path / "out")
+    assert err.value.key == name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header-length", "not-json", "gap", "short"])
+def test_damaged_shards_are_refused_naming_the_file(tmp_path, state_dict, damage):
+    src = _write_dir(tmp_path / "src", state_dict, parts=1)
+    shard = src / "model-00001-of-00001.safetensors"
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    if damage == "truncated":
+        raw = raw[: len(raw) - 100]
+    elif damage == "header-length":
+        raw = struct.pack("<Q", len(raw)) + raw[8:]
+    elif damage == "not-json":
+        raw = raw[:8] + b"[" * n + raw[8 + n :]
+    elif damage == "gap":  # a tensor's offsets moved past the next one's
+        header = json.loads(raw[8 : 8 + n])
+        first = min(
+            (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]
+        )
+        header[first]["data_offsets"][0] += 2
+        text = json.dumps(header, separators=(",", ":")).encode().ljust(n, b" ")
+        assert len(text) == n
+        raw = raw[:8] + text + raw[8 + n :]
+    else:
+        raw = raw[:5]
+    shard.write_bytes(raw)
+    with pytest.raises(FP8ConfigError, match="not a readable safetensors file") as err:
+        export_fp8_checkpoint(src, tmp_path / "out")
+    assert err.value.key == "source" and shard.name in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_cli_export(tmp_path, state_dict, capsys):
+    import argparse
+
+    from nemo_fp8_plugin.cli import export as export_cli
+
+    parser = argparse.ArgumentParser()
+    export_cli.register(parser.add_subparsers())
+    src = _write_dir(tmp_path / "src", state_dict)
+    args = parser.parse_args(
+        [
+            "export",
+            str(src),
+            "-o",
+            str(tmp_path / "out"),
+            "--max-shard-size",
+            "100kB",
+            "--json",
+            "--no-progress",
+        ]
+    )
+    assert args.run(args) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["quantized"] == 14 and report["shards"] > 3 and captured.err == ""
+    assert report["quantization_config"]["weight_block_size"] == [128, 128]
+    for f in (tmp_path / "out").glob("*.safetensors"):  # one tensor over the size: alone
+        with safe_open(str(f), framework="pt") as fh:
+            assert len(fh.keys()) == 1 or f.stat().st_size <= 100_000, f.name
+    for argv, key in (
+        (["export", str(src), "-o", str(tmp_path / "out")], "-o"),  # exists
+        (["export", str(src), "-o", str(tmp_path / "x"), "--recipe", "fp8_current"], "--recipe"),
+        (
+            ["export", str(src), "-o", str(tmp_path / "x"), "--max-shard-size", "5 parsecs"],
+            "--max-shard-size",
+        ),
+        (
+            ["export", str(src), "-o", str(tmp_path / "x"), "--max-shard-size", "0"],
+            "--max-shard-size",
+        ),
+        (["export", str(tmp_path / "nope"), "-o", str(tmp_path / "x")], "CHECKPOINT"),
+    ):
+        args = parser.parse_args(argv)
+        with pytest.raises(FP8ConfigError) as err:
+            args.run(args)
+        assert err.value.key == key, argv
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "text,size", [("1024", 1024), ("500MB", 500 * 10**6), ("5GiB", 5 * 2**30), ("1.5 kb", 1500)]
+)
+def test_cli_sizes(text, size):
+    from nemo_fp8_plugin.cli.export import parse_size
+
+    assert parse_size(text, "--max-shard-size") == size
+
+
+def _write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file with the tensors in the given order (no alignment): what another
+    writer may produce, e.g. a bf16 tensor after an odd-sized uint8 one."""
+    header, blobs, at = {}, [], 0
+    for name, (dtype, t) in tensors.items():
+        blob = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(t.shape),
+            "data_offsets": [at, at + len(blob)],
+        }
+        blobs.append(blob)
+        at += len(blob)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # data starts 8-aligned, as the library writes it
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def test_unaligned_and_unlisted_dtypes_are_read_exactly(tmp_path, state_dict, monkeypatch):
+    """A bf16 weight at an odd offset (read, not mapped) and a dtype outside the reader's
+    table (float8_e4m3fnuz: read through the safetensors library) pass through intact."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(CONFIG))
+    odd = torch.arange(7, dtype=torch.uint8)
+    fnuz = torch.linspace(-2, 2, 16).to(torch.float8_e4m3fnuz)
+    q_name = "model.layers.1.self_attn.q_proj.weight"
+    _write_raw_safetensors(
+        src / "model.safetensors",
+        {
+            "model.odd_buffer": ("U8", odd),
+            q_name: ("BF16", state_dict[q_name]),
+            "model.norm.weight": ("BF16", state_dict["model.norm.weight"]),
+            "model.extra_scale": ("F8_E4M3FNUZ", fnuz),
+        },
+    )
+    from nemo_fp8_plugin.rl import export as export_module
+
+    reads = []
+    real_read_into = export_module._read_into
+    monkeypatch.setattr(
+        export_module, "_read_into", lambda *a: reads.append(a[2]) or real_read_into(*a)
+    )
+    out = _read(export_fp8_checkpoint(src, tmp_path / "out").path)
+    assert len(reads) == 2  # the two bf16 tensors at odd offsets; the uint8 one is mapped
+    ref = quantize_blockwise(state_dict[q_name], block=(128, 128))
+    assert torch.equal(out[q_name].view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(out[q_name + "_scale_inv"], ref.scale_inv)
+    assert torch.equal(out["model.odd_buffer"], odd)
+    assert torch.equal(out["model.norm.weight"], state_dict["model.norm.weight"])
+    assert out["model.extra_scale"].dtype == torch.float8_e4m3fnuz
+    assert torch.equal(out["model.extra_scale"].view(torch.uint8), fnuz.view(torch.uint8))

@@ -1,0 +1,128 @@
+"""``nemo-fp8 export CHECKPOINT -o OUT``: a Hugging Face safetensors checkpoint quantized to
+block FP8 (or MXFP8) in the layout vLLM loads natively
+(:func:`nemo_fp8_plugin.rl.export_fp8_checkpoint`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+# The library's argument names, as this command spells them.
+_FLAGS = {
+    "source": "CHECKPOINT",
+    "out_dir": "-o",
+    "spec": "--recipe",
+    "max_shard_bytes": "--max-shard-size",
+}
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write an FP8 checkpoint that vLLM loads natively",
+        description="Quantize the linear weights of a Hugging Face safetensors checkpoint "
+        "with the recipe's generation-side layout (block FP8 with _scale_inv tensors for "
+        "fp8_blockwise / fp8_subchannel, MXFP8 for mxfp8), one tensor at a time, and write "
+        "a checkpoint directory with the matching quantization_config. The output is built "
+        "under a temporary name and renamed into place when complete.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="directory to create")
+    p.add_argument(
+        "--recipe",
+        default="fp8_blockwise",
+        metavar="NAME",
+        help="block or mx recipe (default fp8_blockwise)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GiB",
+        metavar="SIZE",
+        help="largest safetensors file written, in bytes or with a unit (500MB, 5GiB; "
+        "default 5GiB)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace OUT if it is an existing directory"
+    )
+    p.add_argument(
+        "--no-copy-other-files",
+        action="store_true",
+        help="do not copy the tokenizer and other non-weight files",
+    )
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+def parse_size(text: str, key: str) -> int:
+    """``"500MB"`` -> 500_000_000, ``"5GiB"`` -> 5 * 2**30, ``"1024"`` -> 1024."""
+    from ..errors import FP8ConfigError
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise FP8ConfigError(
+            f"expected a size such as 500MB or 5GiB, got {text!r}"[:200], key=key, value=text
+        )
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise FP8ConfigError("the size must be positive", key=key, value=text)
+    return size
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._io import dump_json
+    from ..errors import FP8ConfigError
+
+    max_bytes = parse_size(args.max_shard_size, "--max-shard-size")
+    from ..rl import export_fp8_checkpoint
+
+    try:
+        result = export_fp8_checkpoint(
+            args.checkpoint,
+            args.output,
+            args.recipe,
+            max_shard_bytes=max_bytes,
+            overwrite=args.overwrite,
+            copy_other_files=not args.no_copy_other_files,
+            progress=False if args.no_progress else None,
+        )
+    except FP8ConfigError as err:
+        flag = _FLAGS.get(err.key or "")
+        if flag is None:
+            raise
+        raise FP8ConfigError(err.bare_message, key=flag, value=err.value, hint=err.hint) from None
+    if args.json:
+        sys.stdout.write(
+            dump_json(
+                {
+                    "path": str(result.path),
+                    "quantized": result.quantized,
+                    "passed_through": result.passed_through,
+                    "shards": result.shards,
+                    "bytes": result.bytes,
+                    "quantization_config": result.quantization_config,
+                }
+            )
+        )
+    else:
+        print(
+            f"wrote {result.path}: {result.quantized} weights in FP8, {result.passed_through} "
+            f"tensors as they came, {result.shards} shard{'s' if result.shards != 1 else ''}, "
+            f"{result.bytes / 1e9:.2f} GB"
+        )
+    return 0
