@@ -1,34 +1,43 @@
-"""``nemo-fp8 rl-check``: end-to-end FP8 RL on the CPU, four arms, mismatch tables."""
+"""``nemo-fp8 rl-check``: end-to-end FP8 RL on the CPU, six arms over seeds, tables and curves."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+_ARM_HELP = "bf16,fp8-gen,fp8-gen-is,fp8-e2e,fp8-e2e-is,fp8-e2e-is-kv"
+
 
 def register(sub) -> None:
     p = sub.add_parser(
         "rl-check",
-        help="run a tiny GRPO loop in BF16 and FP8 arms and print mismatch tables",
+        help="run a tiny GRPO loop in BF16 and FP8 arms over seeds; mismatch, reward, costs",
         description="Train a tiny causal LM by GRPO on a toy task with a verifiable reward, "
-        "with rollouts from a separate generation engine refit after every step, in "
-        "four arms: bf16; fp8-gen (FP8 generation only); fp8-e2e (FP8 generation "
-        "and training, the same recipe); fp8-gen-is (FP8 generation with the "
-        "importance-sampling correction). Prints one table per arm and a summary: "
-        "token_mult_prob_error, gen_kl_error, final reward, and the refit share of "
-        "step time. CPU only; the full check takes a few minutes, --quick under a "
-        "minute.",
+        "with rollouts from a separate generation engine refit after every step, in six "
+        "arms: bf16; fp8-gen (FP8 generation only); fp8-gen-is (the same with token-level "
+        "TIS, ratio 2); fp8-e2e (FP8 generation and training); fp8-e2e-is (NVIDIA's recipe: "
+        "end to end plus TIS); fp8-e2e-is-kv (plus an FP8 KV cache with per-step scales). "
+        "The engine quantizes as vLLM does, the trainer as Transformer Engine does. Prints "
+        "the final reward (mean and 95%% interval over seeds), the mismatch metrics and the "
+        "measured cost of each phase. CPU only; the full check (5 seeds) takes 5-15 minutes on "
+        "two cores, --quick about a minute.",
     )
     p.add_argument(
-        "--quick", action="store_true", help="the short form CI runs (fewer, smaller steps)"
+        "--quick", action="store_true", help="the short form CI runs (2 seeds, 10 small steps)"
     )
     p.add_argument(
-        "--arms",
+        "--arms", default=None, help=f"comma-separated subset of {_ARM_HELP} (default: all)"
+    )
+    p.add_argument("--steps", default=None, metavar="N", help="GRPO steps per arm and seed")
+    p.add_argument("--seeds", default=None, metavar="N", help="number of seeds (default 5)")
+    p.add_argument("--seed", default=None, metavar="N", help="first seed (default 0)")
+    p.add_argument(
+        "--jobs",
         default=None,
-        help="comma-separated subset of bf16,fp8-gen,fp8-e2e,fp8-gen-is (default: all)",
+        metavar="N",
+        help="seeds run in parallel processes (default: as many as there are seeds and CPU "
+        "cores; the records are the same, only the timings differ)",
     )
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per arm")
-    p.add_argument("--seed", type=int, default=None, help="seed (default 0)")
     p.add_argument(
         "--recipe",
         default=None,
@@ -36,23 +45,70 @@ def register(sub) -> None:
         "for power-of-2 scales)",
     )
     p.add_argument(
+        "--generation-numerics",
+        default=None,
+        metavar="NAME",
+        help="how the engine quantizes activations: vllm (default, as vLLM's QuantFP8), "
+        "vllm_deepgemm_ue8m0, or trainer (the trainer's own numerics, not what a GPU does)",
+    )
+    p.add_argument(
         "--json",
         default=None,
         metavar="PATH",
-        help="also write the per-step records and the summary as JSON",
+        help="also write the settings, the summary and every step's record as JSON",
     )
-    p.add_argument("--quiet", action="store_true", help="no per-step progress on stderr")
+    p.add_argument(
+        "--png",
+        default=None,
+        metavar="PATH",
+        help="write the reward and token_mult_prob_error curves (default with --json: "
+        "the JSON path with .png)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
 
+def _int(text: str | None, key: str, lo: int, hi: int) -> int | None:
+    from ..errors import FP8ConfigError
+
+    if text is None:
+        return None
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise FP8ConfigError(f"expected an integer, got {text!r}", key=key, value=text) from None
+    if not lo <= value <= hi:
+        raise FP8ConfigError(f"must be in [{lo}, {hi}], got {value}", key=key, value=value)
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
-    from .._io import check_output_file
+    from pathlib import Path
+
+    from .._io import check_output_file, same_file
     from ..errors import FP8ConfigError
     from ..registry import get_recipe
-    from ..tools.rl_check import ARMS, FULL, QUICK, render_tables, run_check, with_overrides
+    from ..tools.rl_check import (
+        ARMS,
+        FULL,
+        LIMITS,
+        QUICK,
+        render_tables,
+        run_check,
+        with_overrides,
+    )
     from ._args import name_list
 
+    # Every check before any work: a typo must not cost a finished run its results.
     check_output_file(args.json, "--json")
+    png = args.png
+    if png is None and args.json is not None:
+        png = str(Path(args.json).with_suffix(".png"))
+        if png == args.json:
+            png = args.json + ".png"
+    check_output_file(png, "--png")
+    if args.json is not None and png is not None and same_file(args.json, png):
+        raise FP8ConfigError("--json and --png name the same file", key="--png", value=png)
     arms = tuple(
         name_list(args.arms, "--arms", noun="arm", hint=f"one or more of {', '.join(ARMS)}") or ARMS
     )
@@ -61,15 +117,23 @@ def run(args: argparse.Namespace) -> int:
             raise FP8ConfigError(
                 f"unknown arm {arm!r}", key="--arms", value=arm, hint=f"one of {', '.join(ARMS)}"
             )
-    if args.steps is not None and not 1 <= args.steps <= 100_000:
-        raise FP8ConfigError(
-            f"must be in [1, 100000], got {args.steps}", key="--steps", value=args.steps
-        )
-    # torch seeds each stream with seed + 1 ... seed + 4: keep all of them in its range
-    if args.seed is not None and not 0 <= args.seed <= 2**32 - 5:
-        raise FP8ConfigError(
-            f"must be in [0, {2**32 - 5}], got {args.seed}", key="--seed", value=args.seed
-        )
+    if len(set(arms)) != len(arms):
+        raise FP8ConfigError("an arm is named twice", key="--arms", value=args.arms)
+    steps = _int(args.steps, "--steps", *LIMITS["steps"])
+    seeds = _int(args.seeds, "--seeds", *LIMITS["seeds"])
+    seed = _int(args.seed, "--seed", *LIMITS["seed"])
+    jobs = _int(args.jobs, "--jobs", 1, 64)
+    numerics = args.generation_numerics
+    if numerics is not None:
+        from ..spec import GENERATION_NUMERICS
+
+        if numerics not in GENERATION_NUMERICS:
+            raise FP8ConfigError(
+                f"unknown generation numerics {numerics!r}",
+                key="--generation-numerics",
+                value=numerics,
+                hint=f"one of {', '.join(GENERATION_NUMERICS)}",
+            )
     if args.recipe is not None:
         try:
             spec = get_recipe(args.recipe)
@@ -85,24 +149,31 @@ def run(args: argparse.Namespace) -> int:
                 value=args.recipe,
                 hint="use fp8_blockwise or fp8_subchannel",
             )
-    settings = with_overrides(
-        QUICK if args.quick else FULL, steps=args.steps, seed=args.seed, recipe=args.recipe
-    )
-    progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    results = run_check(settings, arms=arms, progress=progress)
-    sys.stdout.write(render_tables(results, settings))
-    if args.json:
-        from dataclasses import asdict
+    if png is not None:
+        from ..tools.harness import pyplot
 
+        pyplot()  # a missing matplotlib fails now, not when the results are ready
+    settings = with_overrides(
+        QUICK if args.quick else FULL,
+        steps=steps,
+        seeds=seeds,
+        seed=seed,
+        recipe=args.recipe,
+        generation_numerics=numerics,
+    )
+    if jobs is None:
+        import os
+
+        jobs = max(1, min(settings.seeds, os.cpu_count() or 1))
+    result = run_check(settings, arms=arms, progress=not args.quiet, jobs=jobs)
+    from ..tools.rl_check import plot_curves, summarize, to_json
+
+    summary = summarize(result)
+    sys.stdout.write(render_tables(result, summary))
+    if args.json:
         from ..tools.harness import environment, write_json
 
-        write_json(
-            args.json,
-            {
-                "environment": environment(),
-                "settings": asdict(settings),
-                "summary": [r.summary() for r in results],
-                "steps": {r.name: [asdict(s) for s in r.steps] for r in results},
-            },
-        )
+        write_json(args.json, {"environment": environment(), **to_json(result, summary)})
+    if png is not None:
+        plot_curves(result, png)
     return 0

@@ -41,7 +41,12 @@ this module does the same, framework-neutrally.
 NeMo RL does) and Hugging Face attention modules (any module that calls
 ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``: the calibrator registers a
 recording wrapper around that implementation through transformers' ``AttentionInterface``
-and switches the model to it while attached).
+and switches the model to it while attached). Any other attention kernel module can opt in:
+a module whose class sets ``nemo_fp8_qkv_layout = "bhsd"`` (``[batch, heads, seq,
+head_dim]``) or ``"sbhd"`` (megatron-core's) gets the same forward pre-hook on its first three
+inputs (q, k, v). Such a module plays vLLM's ``Attention`` layer (``self_attn.attn``): its
+scales are named after its parent, so ``model.layers.0.self_attn.attn`` gives
+``model.layers.0.self_attn.attn.k_scale``.
 
 Two ways to use it:
 
@@ -88,6 +93,8 @@ _MEGATRON_LAYER = re.compile(
 # The last ``layers.<i>`` of a module name: the transformer layer index.
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 _ROLES = ("q", "k", "v")
+# nemo_fp8_qkv_layout -> the heads and head_dim dimensions of its q, k, v.
+_CORE_LAYOUTS = {"bhsd": (1, 3), "sbhd": (2, 3)}
 _WRAPPER_PREFIX = "nemo_fp8_kv_calibration:"
 
 # Calibrators currently attached, by model (refresh_scales(model) finds them here).
@@ -258,9 +265,16 @@ class KVScaleCalibrator:
                 and hasattr(getattr(module, "config", None), "_attn_implementation")
             ):
                 kind = "hf"
+            elif getattr(type(module), "nemo_fp8_qkv_layout", None) in _CORE_LAYOUTS:
+                kind = "core"
             else:
                 continue
-            prefix = self.name_map(self._global_name(name, module, kind, modules))
+            # vLLM's Attention layer is <attention module>.attn; the scales are named after
+            # the attention module (vllm_scale_name adds the .attn back)
+            scale_owner = (
+                name[: -len(".attn")] if kind == "core" and name.endswith(".attn") else name
+            )
+            prefix = self.name_map(self._global_name(scale_owner, module, kind, modules))
             if prefix in owner:
                 raise FP8ConfigError(
                     f"attention modules {owner[prefix]!r} and {name!r} both name their scales "
@@ -275,7 +289,8 @@ class KVScaleCalibrator:
             raise FP8ConfigError(
                 f"no attention module found in {type(self.model).__name__}: the calibrator hooks "
                 f"megatron-core core attention ({', '.join(_MCORE_ATTENTION)}) and Hugging Face "
-                f"attention modules (k_proj, v_proj, config._attn_implementation)",
+                f"attention modules (k_proj, v_proj, config._attn_implementation), or a module "
+                f"whose class sets nemo_fp8_qkv_layout ('bhsd' or 'sbhd')",
                 key="model",
             )
         return found
@@ -338,6 +353,14 @@ class KVScaleCalibrator:
 
         return hook
 
+    def _core_hook(self, layer: str, heads_dims: tuple[int, ...]):
+        def hook(module, args, kwargs):
+            named = [kwargs.get(n) for n in ("q", "k", "v")]
+            q, k, v = (list(args[:3]) + named[len(args[:3]) :])[:3]
+            self._record(layer, q, k, v, heads_dims)
+
+        return hook
+
     def attach(self) -> KVScaleCalibrator:
         """Install the hooks; they record every forward call until :meth:`detach`."""
         if self._handles or self._hf_configs:
@@ -347,6 +370,11 @@ class KVScaleCalibrator:
             if kind == "mcore":
                 self._handles.append(
                     module.register_forward_pre_hook(self._mcore_hook(layer), with_kwargs=True)
+                )
+            elif kind == "core":
+                dims = _CORE_LAYOUTS[type(module).nemo_fp8_qkv_layout]
+                self._handles.append(
+                    module.register_forward_pre_hook(self._core_hook(layer, dims), with_kwargs=True)
                 )
             else:
                 module._nemo_fp8_kv_record = (weakref.ref(self), layer)

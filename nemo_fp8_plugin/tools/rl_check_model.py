@@ -15,7 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MirrorSumTask", "TinyLlama", "BF16Linear", "bf16_gemms", "FP8EngineLinear", "Engine"]
+__all__ = [
+    "MirrorSumTask",
+    "TinyLlama",
+    "BF16Linear",
+    "bf16_gemms",
+    "CoreAttention",
+    "FP8EngineLinear",
+    "Engine",
+]
 
 
 # --------------------------------------------------------------------------- the task
@@ -80,6 +88,72 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
+class CoreAttention(nn.Module):
+    """The attention kernel on ``q, k, v`` ``[batch, heads, seq, head_dim]``: vLLM's
+    ``self_attn.attn`` (its ``Attention`` layer, which owns the KV cache and its ``k_scale`` /
+    ``v_scale``), megatron-core's ``core_attention``.
+
+    ``nemo_fp8_qkv_layout`` tells :class:`~nemo_fp8_plugin.rl.kv_scales.KVScaleCalibrator` to
+    record its first three inputs as q, k, v. With ``kv_cache_dtype="fp8"`` (the engine of
+    the FP8-KV arm) new keys and values are stored in the cache as vLLM's FP8 KV cache stores
+    them, ``E4M3(sat(k / k_scale))``, and dequantized (``* k_scale``) where attention reads
+    them, prefill included (vLLM writes the cache first and attends over it)."""
+
+    nemo_fp8_qkv_layout = "bhsd"
+
+    def __init__(self, head_dim: int, kv_cache_dtype: str = "auto"):
+        super().__init__()
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+        self.head_dim = head_dim
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype == "fp8":
+            # vLLM's parameter names: model.layers.<i>.self_attn.attn.{k,v}_scale
+            self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+            self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+
+    def _to_cache(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache_dtype != "fp8":
+            return t
+        from ..numerics.scaling import saturating_cast
+
+        # vLLM's reshape_and_cache: fp32 x / scale, saturating round-to-nearest-even cast
+        return saturating_cast(t.float() / scale, 448.0, torch.float8_e4m3fn)
+
+    def _from_cache(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return t.float() * scale if self.kv_cache_dtype == "fp8" else t.float()
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: dict | None = None
+    ) -> torch.Tensor:
+        t = q.shape[2]
+        if cache is None:
+            # training kernel: scores in fp32, scaled after the product, BF16 probabilities
+            s = k.shape[2]
+            allowed = torch.ones(t, s, dtype=torch.bool).tril()
+            scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
+            probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+            out = probs.to(v.dtype).float() @ v.float()
+            return out.to(v.dtype)
+        k_scale = getattr(self, "k_scale", None)
+        v_scale = getattr(self, "v_scale", None)
+        kc, vc = self._to_cache(k, k_scale), self._to_cache(v, v_scale)
+        past = 0
+        if "k" in cache:
+            past = cache["k"].shape[2]
+            kc = torch.cat([cache["k"], kc], dim=2)
+            vc = torch.cat([cache["v"], vc], dim=2)
+        cache["k"], cache["v"] = kc, vc
+        s = kc.shape[2]
+        allowed = torch.ones(t, s, dtype=torch.bool).tril(diagonal=past)
+        # generation kernel (KV cache): q pre-scaled, fp32 probabilities; the same math
+        # in another order, as vLLM's attention differs from Megatron's
+        kf, vf = self._from_cache(kc, k_scale), self._from_cache(vc, v_scale)
+        scores = (q.float() * (1.0 / math.sqrt(self.head_dim))) @ kf.transpose(-1, -2)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return (probs @ vf).to(v.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int):
         super().__init__()
@@ -88,33 +162,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, hidden, bias=False)
         self.v_proj = nn.Linear(hidden, hidden, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.attn = CoreAttention(self.head_dim)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         split = lambda y: y.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # noqa: E731
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
-        past = 0
-        if cache is not None:
-            if "k" in cache:
-                past = cache["k"].shape[2]
-                k = torch.cat([cache["k"], k], dim=2)
-                v = torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
-        s = k.shape[2]
-        allowed = torch.ones(t, s, dtype=torch.bool).tril(diagonal=past)
-        if cache is None:
-            # training kernel: scores in fp32, scaled after the product, BF16 probabilities
-            scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
-            probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-            out = probs.to(v.dtype).float() @ v.float()
-        else:
-            # generation kernel (KV cache): q pre-scaled, fp32 probabilities; the same math
-            # in another order, as vLLM's attention differs from Megatron's
-            scores = (q.float() * (1.0 / math.sqrt(self.head_dim))) @ k.float().transpose(-1, -2)
-            probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-            out = probs @ v.float()
-        out = out.to(v.dtype).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out)
+        out = self.attn(q, k, v, cache)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -190,9 +245,14 @@ class TinyLlama(nn.Module):
 class FP8EngineLinear(nn.Module):
     """The engine's block-FP8 linear: float8 ``weight`` [N, K] and fp32 ``weight_scale_inv``
     [ceil(N/128), ceil(K/128)] (vLLM's layout), loaded in place at every refit; activations are
-    quantized per 1x128 tile at run time and the GEMM is the emulated scaled FP8 GEMM."""
+    quantized per 1x128 group at run time as the engine computes it
+    (:func:`nemo_fp8_plugin.numerics.vllm_numerics.quantize_activation`, ``numerics``
+    ``"vllm"``: ``s = amax / 448``, ``q = x / s``, not the trainer's ``x * (448 / amax)``) and
+    the GEMM is the emulated scaled FP8 GEMM."""
 
-    def __init__(self, out_features: int, in_features: int, pow2_scales: bool):
+    def __init__(
+        self, out_features: int, in_features: int, pow2_scales: bool, numerics: str = "vllm"
+    ):
         super().__init__()
         tiles = (math.ceil(out_features / 128), math.ceil(in_features / 128))
         self.register_buffer(
@@ -200,37 +260,76 @@ class FP8EngineLinear(nn.Module):
         )
         self.register_buffer("weight_scale_inv", torch.ones(tiles, dtype=torch.float32))
         self.pow2_scales = pow2_scales
+        self.numerics = numerics
+
+    def requantize_loaded(self) -> None:
+        """After a refit under ``vllm_deepgemm_ue8m0``: requantize the loaded weight to
+        power-of-2 block scales in place, as vLLM's DeepGEMM path does after loading."""
+        from ..numerics import QTensor
+        from ..numerics.vllm_numerics import requantize_ue8m0
+
+        if self.numerics != "vllm_deepgemm_ue8m0":
+            return
+        q = requantize_ue8m0(QTensor(self.weight, self.weight_scale_inv, "e4m3", (128, 128)))
+        self.weight.copy_(q.data)
+        self.weight_scale_inv.copy_(q.scale_inv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..numerics import QTensor, fp8_gemm, quantize_blockwise
+        from ..numerics import QTensor, fp8_gemm
+        from ..numerics.vllm_numerics import quantize_activation
 
         lead = x.shape[:-1]
-        xq = quantize_blockwise(x.reshape(-1, x.shape[-1]), (1, 128), "e4m3", self.pow2_scales)
+        xq = quantize_activation(
+            x.reshape(-1, x.shape[-1]), self.numerics, (1, 128), pow2_scales=self.pow2_scales
+        )
         wq = QTensor(self.weight, self.weight_scale_inv, "e4m3", (128, 128))
         return fp8_gemm(xq, wq, out_dtype=x.dtype).reshape(*lead, -1)
 
 
 class Engine:
     """The generation side: a :class:`TinyLlama` copy in BF16 whose linear layers named in
-    ``fp8_modules`` are :class:`FP8EngineLinear`. Weights arrive by name, as a refit sends
-    them."""
+    ``fp8_modules`` are :class:`FP8EngineLinear` (activations quantized with ``numerics``);
+    with ``kv_cache_dtype="fp8"`` every attention layer keeps an FP8 KV cache with the
+    per-layer ``k_scale`` / ``v_scale`` buffers vLLM names
+    ``model.layers.<i>.self_attn.attn.{k,v}_scale``. Weights and scales arrive by name, as a
+    refit sends them."""
 
-    def __init__(self, template: TinyLlama, fp8_modules: set[str], pow2_scales: bool):
+    def __init__(
+        self,
+        template: TinyLlama,
+        fp8_modules: set[str],
+        pow2_scales: bool,
+        *,
+        numerics: str = "vllm",
+        kv_cache_dtype: str = "auto",
+    ):
         self.model = copy.deepcopy(template).to(torch.bfloat16).eval()
         self.fp8 = bool(fp8_modules)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fp8_linears: dict[str, FP8EngineLinear] = {}
         for name in sorted(fp8_modules):
             parent, _, leaf = name.rpartition(".")
             old = self.model.get_submodule(name)
-            self.model.get_submodule(parent).register_module(
-                leaf, FP8EngineLinear(old.out_features, old.in_features, pow2_scales)
-            )
+            new = FP8EngineLinear(old.out_features, old.in_features, pow2_scales, numerics)
+            self.model.get_submodule(parent).register_module(leaf, new)
+            self.fp8_linears[f"{name}.weight"] = new
+        if kv_cache_dtype != "auto":
+            for layer in self.model.model.layers:
+                old_attn = layer.self_attn.attn
+                layer.self_attn.attn = CoreAttention(old_attn.head_dim, kv_cache_dtype)
         bf16_gemms(self.model)
         self.slots = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+
+    @property
+    def kv_scale_names(self) -> list[str]:
+        """Names of the engine's KV-cache scale buffers (empty without an FP8 KV cache)."""
+        return [n for n in self.slots if n.endswith((".attn.k_scale", ".attn.v_scale"))]
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy each tensor into the slot of the same name, in place; returns bytes received."""
         received = 0
+        loaded = set()
         for name, tensor in named:
             slot = self.slots.get(name)
             if slot is None or slot.shape != tensor.shape or slot.dtype != tensor.dtype:
@@ -240,7 +339,11 @@ class Engine:
                     f"{None if slot is None else (tuple(slot.shape), slot.dtype)}"
                 )
             slot.copy_(tensor)
+            loaded.add(name)
             received += tensor.numel() * tensor.element_size()
+        for name, linear in self.fp8_linears.items():
+            if name in loaded:
+                linear.requantize_loaded()
         return received
 
     @torch.no_grad()
