@@ -1085,3 +1085,27 @@ def test_model_overrides_cannot_carry_a_per_module_quant_recipe():
     hk = native_keys(spec)
     assert "quant_recipe" not in json.dumps(hk.keys)
     assert any("training runs the modules it matches in FP8" in w for w in hk.warnings)
+
+
+@pytest.mark.parametrize(
+    ("numerics", "named"),
+    [
+        ("vllm", None),
+        ("trainer", "generation_numerics=trainer"),
+        ("vllm_deepgemm_ue8m0", "VLLM_USE_DEEP_GEMM_E8M0=0"),
+    ],
+)
+def test_generation_numerics_nemo_rl_cannot_express_is_said(numerics, named):
+    """NeMo RL generates with vLLM's own kernels (vLLM's numerics) and turns DeepGEMM's E8M0
+    mode off whenever it turns DeepGEMM on (its generation/vllm/quantization/fp8.py), so
+    only ``generation_numerics: vllm`` is what NeMo RL runs; the others are said, not
+    silently dropped. A BF16-generation recipe has nothing to say."""
+    spec = get_recipe({"recipe": "fp8_blockwise", "generation_numerics": numerics})
+    said = [w for w in native_keys(spec).warnings if "generation_numerics" in w]
+    if named is None:
+        assert said == []
+    else:
+        (warning,) = said
+        assert named in warning
+    bf16_gen = get_recipe({"recipe": "fp8_current", "generation_numerics": "trainer"})
+    assert not [w for w in native_keys(bf16_gen).warnings if "generation_numerics" in w]

@@ -159,6 +159,20 @@ def _unexpressible(spec: RecipeSpec) -> list[str]:
         out.append(
             "NeMo RL: MXFP8 weight tiles of 32x32 cannot be expressed in fp8_cfg (1x32 is used)"
         )
+    if _generation_fp8(spec) and spec.generation_numerics == "trainer":
+        out.append(
+            "NeMo RL: generation_numerics=trainer cannot be expressed: NeMo RL generates "
+            "with vLLM's own FP8 kernels, which quantize activations as vLLM does "
+            "(generation_numerics: vllm); the trainer's numerics exist only in the plugin's "
+            "nemo_fp8 emulation"
+        )
+    if _generation_fp8(spec) and spec.generation_numerics == "vllm_deepgemm_ue8m0":
+        out.append(
+            "NeMo RL: generation_numerics=vllm_deepgemm_ue8m0 cannot be expressed: NeMo RL "
+            "sets VLLM_USE_DEEP_GEMM_E8M0=0 whenever use_deep_gemm is on (its "
+            "generation/vllm/quantization/fp8.py), so vLLM generates with fp32 block scales "
+            "(generation_numerics: vllm)"
+        )
     if training:
         if spec.amax_epsilon:
             out.append(
