@@ -303,6 +303,20 @@ class BF16Rules:
         }
 
 
+def check_importance_combination(level: str, truncation: str | None) -> None:
+    """Refuse ``seq-mask-tis`` with sequence-level ratios (it masks sequences but weights
+    tokens; NeMo RL's loss refuses the combination too). One check for the recipe's
+    ``importance_sampling`` block and for :func:`nemo_fp8_plugin.rl.importance_weights`."""
+    if truncation == "seq-mask-tis" and level == "sequence":
+        raise FP8ConfigError(
+            "seq-mask-tis masks sequences but weights tokens; it cannot be "
+            "combined with sequence-level ratios",
+            key="level",
+            value="sequence",
+            hint="use level: token (NeMo RL refuses the combination too)",
+        )
+
+
 @dataclass(frozen=True)
 class ImportanceSampling:
     """Token-level importance-sampling correction of the generation/training mismatch (RL only).
@@ -356,15 +370,7 @@ class ImportanceSampling:
                 key="ratio_min",
                 value=self.ratio_min,
             )
-        if self.truncation == "seq-mask-tis" and self.level == "sequence":
-            # the same refusal as nemo_fp8_plugin.rl.importance (and NeMo RL's loss)
-            raise FP8ConfigError(
-                "seq-mask-tis masks sequences but weights tokens; it cannot be "
-                "combined with sequence-level ratios",
-                key="level",
-                value="sequence",
-                hint="use level: token (NeMo RL refuses the combination too)",
-            )
+        check_importance_combination(self.level, self.truncation)
 
     @classmethod
     def from_mapping(cls, value: Any, base: ImportanceSampling | None = None) -> ImportanceSampling:

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import FP8ConfigError, format_value, suggest
+from ..spec import check_importance_combination
 
 __all__ = [
     "importance_weights",
@@ -120,14 +121,7 @@ def _settings(level: Any, truncation: Any, ratio_max: Any, ratio_min: Any) -> _S
         raise FP8ConfigError(
             f"ratio_min ({low}) exceeds ratio_max ({high})", key="ratio_min", value=ratio_min
         )
-    if truncation == "seq-mask-tis" and level == "sequence":
-        raise FP8ConfigError(
-            "seq-mask-tis masks sequences but weights tokens; it cannot be "
-            "combined with sequence-level ratios",
-            key="level",
-            value="sequence",
-            hint="use level: token (NeMo RL refuses the combination too)",
-        )
+    check_importance_combination(level, truncation)
     return _Settings(level, truncation, high, low)
 
 
