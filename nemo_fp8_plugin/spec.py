@@ -39,6 +39,7 @@ __all__ = [
     "RecipeSpec",
     "Finding",
     "normalize_hardware",
+    "check_importance_combination",
 ]
 
 SCALING_KINDS = _caps.SCALING_KINDS
