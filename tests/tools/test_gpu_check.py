@@ -118,6 +118,15 @@ def test_whole_check_through_the_script_with_only_torch(tmp_path):
     assert {row["fmt"] for row in fake_quant} == {"e4m3", "e5m2", "e2m1"}
     assert parts["refit"]["status"] == "ok" and parts["refit"]["bit_exact"] is True
     assert parts["refit"]["refit_gb_s"] > 0 and parts["refit"]["copy_gb_s"] > 0
+    bandwidth = parts["refit"]["quantizers"]
+    assert bandwidth["kernel"] == "cpu" and bandwidth["clone_gb_s"] > 0  # the C++ kernels here
+    for case in (
+        "quantize_blockwise 1x128",
+        "quantize_blockwise 128x128",
+        "quantize_mxfp8 1x32",
+        "quantize_per_tensor",
+    ):
+        assert bandwidth[case]["gb_s"] > 0 and bandwidth[case]["ratio_vs_clone"] > 0, case
     assert parts["gemm"] == {
         "status": "skipped",
         "seconds": parts["gemm"]["seconds"],
