@@ -256,6 +256,7 @@ class KVScaleCalibrator:
         modules = dict(self.model.named_modules())
         owner: dict[str, str] = {}
         for name, module in modules.items():
+            _refuse_latent_attention(name, module, modules)
             # Subclasses count (custom core attentions plug in through the layer spec).
             if any(c.__name__ in _MCORE_ATTENTION for c in type(module).__mro__):
                 kind = "mcore"
@@ -572,6 +573,33 @@ def merge_max(parts: list[dict[str, float] | None]) -> dict[str, float]:
         for name, value in (part or {}).items():
             merged[name] = max(merged.get(name, 0.0), value)
     return merged
+
+
+_MCORE_LATENT_ATTENTION = ("MLASelfAttention", "MultiLatentAttention")
+
+
+def _refuse_latent_attention(name: str, module: Any, modules: dict[str, Any]) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Moonlight, Kimi) has no per-step KV
+    scales here: vLLM's MLA caches the compressed latent (``kv_c`` after ``kv_a_layernorm``,
+    with ``k_pe``) under one ``k_scale`` per layer (``...self_attn.mla_attn.mla_attn``), which
+    calibrating the up-projected keys and values does not measure. Refused rather than
+    returning scales vLLM would drop or misread."""
+    parent = modules.get(name.rpartition(".")[0]) if "." in name else None
+    mcore_mla = parent is not None and any(
+        c.__name__ in _MCORE_LATENT_ATTENTION for c in type(parent).__mro__
+    )
+    if hasattr(module, "kv_a_proj_with_mqa") or (
+        mcore_mla and any(c.__name__ in _MCORE_ATTENTION for c in type(module).__mro__)
+    ):
+        where = name.rpartition(".")[0] if mcore_mla else name
+        raise FP8ConfigError(
+            f"{where} is multi-head latent attention (MLA): vLLM's FP8 KV cache stores its "
+            "compressed latent under one k_scale per layer, which key/value calibration does "
+            "not measure, so per-step KV scales are not supported for MLA models",
+            key="model",
+            hint="keep kv_cache: auto, or serve an FP8 KV cache with vLLM's default scale 1.0 "
+            "and no refresh",
+        )
 
 
 def _layer_number(module: Any) -> int | None:

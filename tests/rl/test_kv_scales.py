@@ -420,3 +420,60 @@ def test_scale_names_are_vllm_attention_parameters(module, prefix, role):
     from nemo_fp8_plugin.rl.kv_scales import vllm_scale_name
 
     assert vllm_scale_name(vllm_attention_name(module), role) == f"{prefix}.attn.{role}_scale"
+
+
+def test_latent_attention_is_refused_hugging_face():
+    """DeepSeek-V3's real Hugging Face attention (tiny config): MLA caches a compressed latent
+    under one scale in vLLM, which key/value calibration does not measure; refused naming
+    the module, not answered with scales vLLM would drop."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1,
+    )  # fmt: skip
+    model = DeepseekV3ForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(FP8ConfigError, match=r"model\.layers\.0\.self_attn is multi-head latent"):
+        refresh_scales(model, forward=lambda: model(ids))
+
+
+def test_latent_attention_is_refused_megatron_core():
+    """megatron-core's MLASelfAttention holds an ordinary core attention, which the calibrator
+    would otherwise hook. Its constructor needs CUDA (rotary buffers on the current device)
+    and TE's core attention (k_channels), so the real class is instantiated without running
+    it, holding the demo's real CPU core attention: what is checked is only that the
+    calibrator looks at the core attention's parent class."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_fp8_plugin.tools.demo.model import cpu_core_attention_class, init_megatron_cpu
+
+    init_megatron_cpu()
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True
+    )
+    core = cpu_core_attention_class()(
+        config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
+    mla = MLASelfAttention.__new__(MLASelfAttention)
+    torch.nn.Module.__init__(mla)
+    mla.core_attention = core
+    layer = torch.nn.Module()
+    layer.self_attention = mla
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([layer])
+    with pytest.raises(FP8ConfigError, match=r"decoder\.layers\.0\.self_attention is multi-head"):
+        KVScaleCalibrator(model)
+    # the same core attention under an ordinary parent is hooked
+    plain = torch.nn.Module()
+    plain.decoder = torch.nn.Module()
+    plain.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    plain.decoder.layers[0].self_attention = torch.nn.Module()
+    plain.decoder.layers[0].self_attention.core_attention = core
+    assert KVScaleCalibrator(plain).layer_names == ["model.layers.0.self_attn"]
