@@ -37,7 +37,7 @@ import pytest
 import torch
 import vllm
 
-from tiny_models import LLAMA, llama_state_dict
+from tiny_models import LLAMA, llama_state_dict, set_numerics
 
 # slow: all tests but one share a ~13 s engine start
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -182,22 +182,6 @@ def assert_matches_trainer(samples, model, reference_bf16=None):
         TIMES["mean_abs_dlogprob_vs_unquantized"] = float(far.mean())
     TIMES.setdefault("mean_abs_dlogprob_vs_emulation", []).append(float(diffs.mean()))
     return diffs
-
-
-def set_numerics(llm, value: str) -> int:
-    """Switch every ``nemo_fp8`` layer of the running engine to ``generation_numerics``
-    ``value`` (the quantizer reads it at each GEMM); returns the number of layers."""
-
-    def run(worker, value=value):
-        touched = 0
-        for module in worker.model_runner.get_model().modules():
-            quantizer = getattr(getattr(module, "quant_method", None), "quantizer", None)
-            if quantizer is not None:
-                quantizer.numerics = value
-                touched += 1
-        return touched
-
-    return llm.collective_rpc(run)[0]
 
 
 def data_ptrs(llm):

@@ -21,7 +21,7 @@ import pytest
 import torch
 import vllm
 
-from tiny_models import MIXTRAL, mixtral_state_dict, write_checkpoint
+from tiny_models import MIXTRAL, mixtral_state_dict, set_numerics, write_checkpoint
 
 # slow: the MoE engine start and its refits take ~10 s
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -169,22 +169,6 @@ def llm(checkpoint):
     engine = _engine(checkpoint, SPEC, generation_numerics="trainer")
     yield engine
     del engine
-
-
-def set_numerics(llm, value: str) -> int:
-    """Switch every ``nemo_fp8`` layer of the running engine to ``generation_numerics``
-    ``value``; returns the number of layers."""
-
-    def run(worker, value=value):
-        touched = 0
-        for module in worker.model_runner.get_model().modules():
-            quantizer = getattr(getattr(module, "quant_method", None), "quantizer", None)
-            if quantizer is not None:
-                quantizer.numerics = value
-                touched += 1
-        return touched
-
-    return llm.collective_rpc(run)[0]
 
 
 def check_against(llm, model, reference_bf16=None, seed=0):

@@ -99,3 +99,19 @@ def write_checkpoint(directory: Path, config: dict, state_dict: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state_dict, str(directory / "model.safetensors"))
     return directory
+
+
+def set_numerics(llm, value: str) -> int:
+    """Switch every ``nemo_fp8`` layer of a running engine to ``generation_numerics`` ``value``
+    (the quantizer reads it at each GEMM); returns the number of layers switched."""
+
+    def run(worker, value=value):
+        touched = 0
+        for module in worker.model_runner.get_model().modules():
+            quantizer = getattr(getattr(module, "quant_method", None), "quantizer", None)
+            if quantizer is not None:
+                quantizer.numerics = value
+                touched += 1
+        return touched
+
+    return llm.collective_rpc(run)[0]
