@@ -235,6 +235,43 @@ class RecipeCapability:
         act = self.tiles[0]
         return None if act is None else act[1]
 
+    # Kind predicates (as TE's ``Recipe.delayed()``/``mxfp8()``): the one place a kind is
+    # compared as a string, so code elsewhere asks the row, not the spelling.
+    @property
+    def is_delayed(self) -> bool:
+        """Delayed scaling: per-tensor scales from an amax history (TE ``DelayedScaling``)."""
+        return self.scaling == "delayed"
+
+    @property
+    def is_current(self) -> bool:
+        """Per-tensor current scaling (TE ``Float8CurrentScaling``)."""
+        return self.scaling == "tensorwise"
+
+    @property
+    def is_block(self) -> bool:
+        """FP8 block scaling, 1x128 / 128x128 tiles (TE ``Float8BlockScaling``)."""
+        return self.scaling == "block"
+
+    @property
+    def is_mx(self) -> bool:
+        """MXFP8: 1x32 E8M0 scales (TE ``MXFP8BlockScaling``)."""
+        return self.scaling == "mx"
+
+    @property
+    def is_nvfp4(self) -> bool:
+        """NVFP4: E2M1 elements, E4M3 group scales, fp32 tensor scale (TE ``NVFP4BlockScaling``)."""
+        return self.scaling == "nvfp4"
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale per tensor (delayed or current scaling): no tiles."""
+        return self.tiles[0] is None
+
+    @property
+    def tiled(self) -> bool:
+        """Scales per tile or group (block, MXFP8, NVFP4)."""
+        return self.tiles[0] is not None
+
 
 _NONE: frozenset[tuple[int, int]] = frozenset()
 _ALL_FP8 = frozenset({"ada", "hopper", "blackwell", "blackwell_sm120"})
