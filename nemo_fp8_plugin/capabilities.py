@@ -520,7 +520,6 @@ def amax_epsilon_problem(scaling: str, amax_epsilon: float) -> str | None:
     )
 
 
-
 class _SpecLike(Protocol):
     # Read-only members, so that a frozen dataclass (RecipeSpec) matches.
     @property
