@@ -198,7 +198,7 @@ def test_trap_in_a_fresh_process_both_env_states():
     "override,key",
     [
         ({"recipe": "fp8_delayed", "pow2_scales": True}, "pow2_scales"),
-        ({"recipe": "mxfp8", "amax_epsilon": 1e-6}, "amax_epsilon"),
+        ({"recipe": "fp8_delayed", "amax_epsilon": 1e-6}, "amax_epsilon"),
     ],
 )
 def test_unexpressible_settings_refused(override, key, te_unset):
