@@ -8,27 +8,9 @@ own code: ``EngineArgs(**kwargs)`` (the mapping of ``vllm.LLM``), the argument p
 quantization registry (``get_quantization_config``: our registered ``nemo_fp8``) and
 ``create_engine_config`` on this CPU machine.
 
-(b) **GPU branches on CPU.** vLLM's real kernel selection (``init_fp8_linear_kernel``,
-``init_mxfp8_linear_kernel``, the fused-MoE oracle and quant config), reached through real
-vLLM layers (``MergedColumnParallelLinear``, Mixtral's ``MixtralMoE``) built with the
-``nemo_fp8`` config, with the platform's compute capability patched to SM90 / SM100 and
-the DeepGEMM variables on and off. Each test asserts which kernel vLLM picks for each
-recipe, that the plugin refuses (one line naming the key and the vLLM version) or sets what
-would otherwise change the numerics, and, where the chosen kernel's weight processing is
-plain torch, that the loadable parameters and the plugin's scales survive it. No GPU kernel
-runs.
-
-What stands in for what cannot install on a CPU machine, each against vLLM's real source:
-
-* the CUDA platform: ``vllm.platforms.cuda`` cannot import without the CUDA build's
-  ``vllm._C``; every vLLM module holds the one platform object, so its class (the CPU
-  platform) is given ``PlatformEnum.CUDA``, a device capability, and
-  ``CudaPlatformBase.support_deep_gemm`` compiled from the installed ``vllm/platforms/cuda.py``;
-* the CUTLASS capability probes of ``vllm._C`` (``cutlass_scaled_mm_supports_fp8`` /
-  ``_block_fp8``): the rules of vLLM's ``csrc/.../scaled_mm_entry.cu`` for a CUDA >= 12.8
-  build (FP8 from SM89, block FP8 from SM90, SM100 included);
-* DeepGEMM and FlashInfer being installed: their ``has_*`` probes answer True (the kernels
-  themselves never run).
+The GPU branches (vLLM's kernel selection on a patched platform) are in
+``test_contract_gpu.py`` and ``test_contract_stock.py`` (a stock install per GPU); the
+emulation numerics in ``test_contract_emulation.py``.
 """
 
 from __future__ import annotations

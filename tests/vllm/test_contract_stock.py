@@ -94,7 +94,7 @@ def test_linear_on_a_stock_install(vllm_env, fake_gpu, sm, recipe, with_env):
 
 
 def test_the_subchannel_refusal_says_set_it_to_zero(vllm_env, fake_gpu):
-    """"Unset VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER" means 1 (vLLM's default), the value that
+    """ "Unset VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER" means 1 (vLLM's default), the value that
     picks the kernel: the hint says 0, and engine_env sets 0."""
     fake_gpu(90)
     with pytest.raises(FP8ConfigError) as err:
