@@ -33,7 +33,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION  # noqa: E402
-from nemo_fp8_plugin.rl import (
+from nemo_fp8_plugin.rl import (  # noqa: E402
     importance_weights,
     mismatch_metrics,
     quantize_for_refit,
