@@ -48,6 +48,31 @@ def _scheme_kind(scheme: Any):
     return row
 
 
+def _check_release(features: tuple[str, ...], prefix: str) -> None:
+    """Refuse a layer whose part of the method the running vLLM release cannot serve
+    (:mod:`.versions`: facts read from each release's source), naming the release and the
+    minimum."""
+    import vllm
+
+    from ...errors import FP8ConfigError
+    from . import versions
+
+    version = str(getattr(vllm, "__version__", "0"))
+    for feature in features:
+        why = versions.unsupported(feature, version)
+        if why is None:
+            continue
+        minimum = versions.feature_minimum(feature)
+        raise FP8ConfigError(
+            f"nemo_fp8: {prefix}: vLLM {version} cannot serve {versions.FEATURES[feature]} "
+            f"(needs vLLM >= {minimum}): {why}",
+            key="vllm",
+            value=version,
+            hint=f"install vLLM >= {minimum} (the method is tested on {versions.TESTED}), "
+            f"or keep these layers in BF16",
+        )
+
+
 class NemoFp8Config(QuantizationConfig):
     """Block FP8 / MXFP8 with weights that can be replaced in place every RL step.
 
@@ -264,17 +289,21 @@ class NemoFp8Config(QuantizationConfig):
 
         from . import methods
 
+        kind = _scheme_kind(self.scheme)
         if isinstance(layer, LinearBase):
             if self.is_bf16(prefix):
                 return methods.NemoBF16LinearMethod()
+            _check_release(("block_linear" if kind.is_block else "mx_linear",), prefix)
             return methods.NemoFp8LinearMethod(self, prefix)
         if isinstance(layer, RoutedExperts):
             if self.is_bf16(prefix):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
+            _check_release(("moe", "block_moe" if kind.is_block else "mx_moe"), prefix)
             return methods.NemoFp8MoEMethod(self, layer, prefix)
         if isinstance(layer, (Attention, MLAAttention)):
             # MLAAttention (DeepSeek-V3, Moonlight, Kimi) is no Attention subclass, but takes
             # its KV-cache method from the quant config the same way (_init_kv_cache_quant).
+            _check_release(("kv",), prefix)
             return methods.NemoFp8KVCacheMethod(self, prefix)
         return None
 
