@@ -16,7 +16,7 @@ import vllm.utils.flashinfer as flashinfer_utils
 from fake_gpu import GPU_PARAMS, assert_refusal, linear, moe
 from vllm import envs
 
-from nemo_fp8_plugin.capabilities import CAPABILITIES, arch_of_capability
+from nemo_fp8_plugin.capabilities import CAPABILITIES, arch_of_capability, capability
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts.vllm import engine_env
 from nemo_fp8_plugin.registry import get_recipe
@@ -48,7 +48,7 @@ def _linear_outcome(sm: int, recipe: str, with_env: bool) -> tuple[str | None, s
     through FlashInfer's CuTe-DSL (SM100) or CUTLASS kernel (SM12x), weight-only Marlin on
     SM90."""
     spec = get_recipe(recipe)
-    if spec.scaling == "mx":
+    if capability(spec.scaling).is_mx:
         if sm < 100:
             return "MarlinMxfp8LinearKernel", "scheme"
         # CuTe-DSL is SM100-family only; FlashInfer's CUTLASS kernel covers SM12x.
@@ -86,7 +86,7 @@ def test_linear_on_a_stock_install(vllm_env, fake_gpu, sm, recipe, with_env):
     layer = linear(vllm_env, recipe)
     method = layer.quant_method
     assert method.use_vllm and type(method._kernel).__name__ == kernel
-    if get_recipe(recipe).scaling == "block":
+    if capability(get_recipe(recipe).scaling).is_block:
         # The activation scales the kernel computes are the recipe's: pow2 or fp32.
         quant = getattr(method._kernel, "quant_fp8", None)
         if quant is not None:
@@ -160,7 +160,7 @@ def test_the_capability_table_agrees_with_vllm(vllm_env, fake_gpu, sm, recipe):
     except FP8ConfigError:
         accepted = False
     in_table = arch in CAPABILITIES[spec.scaling].generation_archs
-    if spec.scaling == "block" and not spec.pow2_scales and sm >= 100:
+    if capability(spec.scaling).is_block and not spec.pow2_scales and sm >= 100:
         assert in_table and not accepted  # the kind runs there; this recipe's fp32 scales not
         return
     assert accepted is in_table, (arch, recipe)
