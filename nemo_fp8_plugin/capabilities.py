@@ -468,9 +468,10 @@ CAPABILITIES: dict[str, RecipeCapability] = {
         scale_format="e8m0",
         amax_floor=False,
         training_archs=frozenset({"blackwell"}),
-        # vLLM's MXFP8 linear kernels need SM100 (FlashInfer); on SM90 it falls back to
-        # weight-only Marlin or emulation without an error.
-        generation_archs=frozenset({"blackwell"}),
+        # vLLM 0.32's W8A8 MXFP8 linear kernels: FlashInfer's CuTe-DSL/TRT-LLM (SM100
+        # family) and CUTLASS mm_mxfp8 (SM100 and later, SM12x included; B12x on SM12x);
+        # on SM90 it falls back to weight-only Marlin or emulation without an error.
+        generation_archs=frozenset({"blackwell", "blackwell_sm120"}),
         vllm_generation=True,
         nemo_rl_generation=True,
         token_align=32,

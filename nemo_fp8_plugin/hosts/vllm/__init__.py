@@ -232,22 +232,34 @@ def engine_env(spec) -> dict[str, str]:
     takes UE8M0 scale factors only and the method asks for ``VLLM_USE_DEEP_GEMM=0`` instead
     (CUTLASS keeps fp32 block scales); a recipe stating ``hardware: blackwell`` with fp32
     block scales is refused by the recipe itself (TE needs power-of-2 block scales there).
-    Power-of-2 recipes (``fp8_subchannel``), ``generation_numerics: vllm_deepgemm_ue8m0``
-    (DeepGEMM's E8M0 mode wanted) and MXFP8 need nothing (vLLM's defaults). The
+    A power-of-2 recipe (``fp8_subchannel``) needs ``VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0``
+    unless it states a non-Hopper ``hardware``: vLLM 0.32 defaults it to 1 and FlashInfer is
+    a requirement of its CUDA build, so on SM90 FlashInfer's block kernel is picked, which
+    quantizes activations itself with fp32 scales (elsewhere the variable changes nothing).
+    ``generation_numerics: vllm_deepgemm_ue8m0`` (DeepGEMM's E8M0 mode wanted) and MXFP8
+    need nothing (vLLM's defaults). The
     ``nemo_fp8`` method refuses to load when the kernel vLLM picked would change the
     recipe's numerics, naming the variable; this mapping is what avoids the refusal.
     Returns ``{}`` when nothing is needed.
     """
+    from ...capabilities import capability
     from ...registry import get_recipe
 
     spec = get_recipe(spec)
     if (
         spec.generation == "fp8"
-        and spec.scaling == "block"
+        and capability(spec.scaling).is_block
         and not spec.pow2_scales
         and spec.generation_numerics != "vllm_deepgemm_ue8m0"
     ):
         return {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    if (
+        spec.generation == "fp8"
+        and capability(spec.scaling).is_block
+        and spec.pow2_scales
+        and spec.hardware in (None, "hopper")
+    ):
+        return {"VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
     return {}
 
 
