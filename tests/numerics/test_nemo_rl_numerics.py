@@ -25,8 +25,7 @@ from nemo_fp8_plugin.numerics.nemo_rl_numerics import quantize_weight_nemo_rl
 from nemo_fp8_plugin.numerics.quantize import quantize_blockwise
 
 FP8_PY = (
-    Path("/work/shared/data/nemo_rl/src")
-    / "nemo_rl/models/generation/vllm/quantization/fp8.py"
+    Path("/work/shared/data/nemo_rl/src") / "nemo_rl/models/generation/vllm/quantization/fp8.py"
 )
 
 
@@ -36,9 +35,7 @@ def nemo_rl_cast(pow2: bool = False):
     tree = ast.parse(FP8_PY.read_text())
     wanted = {"cast_tensor_to_fp8_blockwise", "FP8Config"}
     nodes = [
-        n
-        for n in tree.body
-        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in wanted
+        n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in wanted
     ]
     assert {n.name for n in nodes} == wanted
     namespace = {
@@ -129,7 +126,9 @@ def test_the_edge_rules_are_what_the_docstring_says():
     assert scale[0, 0] == 1.0
     # padding with the last element: the last tile's amax is 5, not the tile's own values
     _, scale = quantize_weight_nemo_rl(cases["large last element"])
-    assert scale[-1, -1] == torch.reciprocal(torch.tensor(448.0) * torch.reciprocal(torch.tensor(5.0)))
+    assert scale[-1, -1] == torch.reciprocal(
+        torch.tensor(448.0) * torch.reciprocal(torch.tensor(5.0))
+    )
 
 
 def test_not_te_block_quantization():
