@@ -17,6 +17,7 @@ import io
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -454,3 +455,52 @@ def test_help_says_what_the_code_does(capsys):
     assert f"number of seeds (default {rl_check.FULL.seeds})" in text
     for arm in ARMS:
         assert arm in text
+
+
+# ------------------------------------------------------------------ docs/rl.md against its run
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "rl.md"
+SHIPPED = DOC.parent / "data" / "rl_check.json"
+BEGIN, END = "<!-- rl-check tables: docs/data/rl_check.json -->", "<!-- /rl-check tables -->"
+
+
+def _shipped():
+    data = json.loads(SHIPPED.read_text())
+    settings = rl_check.CheckSettings(**data["settings"])
+    result = rl_check.CheckResult(settings, tuple(data["arms"]), [], data["summary"]["seconds"])
+    return data, rl_check.render_tables(result, data["summary"])
+
+
+def test_the_pages_tables_are_those_of_the_shipped_run():
+    """Every table row of the page's result block is a row rl-check renders from the shipped
+    JSON (the run the page cites), so no figure on the page is typed by hand."""
+    data, rendered = _shipped()
+    page = DOC.read_text()
+    assert page.count(BEGIN) == 1 and page.count(END) == 1
+    block = page.split(BEGIN)[1].split(END)[0]
+    rows = [line for line in block.splitlines() if line.startswith("|")]
+    assert len(rows) >= 3 * (2 + len(data["arms"]))  # reward, mismatch, attribution tables
+    lines = set(rendered.splitlines())
+    for row in rows:
+        assert row in lines, row
+    assert _power_sentence(data) in " ".join(page.split())
+
+
+def _power_sentence(data) -> str:
+    return rl_check._power_line(data["summary"]["power"]["pooled"])
+
+
+def test_the_pages_prose_numbers_are_the_shipped_runs():
+    data, _ = _shipped()
+    s = data["settings"]
+    page = " ".join(DOC.read_text().split())
+    arms = data["summary"]["arms"]
+    claims = [
+        f"--seeds {s['seeds']} --steps {s['steps']}",
+        f"{s['seeds']} seeds x {s['steps']} GRPO steps",
+    ]
+    for arm in ("fp8-e2e", "fp8-e2e-te-refit", "fp8-gen", "bf16", "fp8-e2e-is-kv"):
+        claims.append(f"`{arm}` {arms[arm]['token_mult_prob_error']['mean']:.5f}")
+    for claim in claims:
+        assert claim in page, claim
+    assert data["summary"]["eval_disjoint"] is True
