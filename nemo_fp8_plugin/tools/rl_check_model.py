@@ -425,7 +425,9 @@ class Engine:
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy each tensor into the slot of the same name, in place; returns bytes received."""
+        """Copy each tensor into the slot of the same name, in place; returns bytes received.
+        Under ``weight_path="nemo_rl"`` a BF16 weight of an FP8 layer is first quantized as
+        NeMo RL's worker does, into that layer's ``weight`` and ``weight_scale_inv``."""
         received = 0
         loaded = set()
         for sent, payload in named:
