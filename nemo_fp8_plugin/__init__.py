@@ -14,7 +14,7 @@ from .errors import FP8ConfigError, HostUnavailableError, RecipeRegistryError
 from .registry import ENTRY_POINT_GROUP, get_recipe, list_recipes, register_recipe
 from .spec import BF16Rules, ImportanceSampling, RecipeSpec
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "__version__",

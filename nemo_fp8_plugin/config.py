@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .dotted import get_path
 from .errors import LIMITS, FP8ConfigError, check_limit, format_value, suggest
 from .registry import RecipeRegistry, default_registry, load_yaml_file
 from .spec import RecipeSpec, normalize_hardware
@@ -103,18 +104,6 @@ class FP8Request:
     model: str | None = None
     hardware: str | None = None
     hardware_key: str | None = None
-
-
-def get_path(mapping: Any, path: tuple[str, ...] | str, default: Any = None) -> Any:
-    """``mapping[a][b]...`` or ``default`` when any step is missing or not a mapping."""
-    if isinstance(path, str):
-        path = tuple(path.split("."))
-    node = mapping
-    for part in path:
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -500,11 +489,41 @@ def find_fp8_request(
     refuse) leaves the target out of the spec and only in :attr:`FP8Request.hardware`; the
     spelling of the target is still checked. Raises :class:`FP8ConfigError` naming the key
     for every mistake.
+
+    Steps: the recipe names the request keys carry (:func:`_named_recipes`, the ``fp8:``
+    block's in :func:`_read_fp8_block`), no recipe field at the top level, one recipe, the
+    hardware target (:func:`_hardware_target`), the block's overrides applied
+    (:func:`_with_overrides`).
     """
     if not isinstance(config, Mapping):
         raise FP8ConfigError(f"a config must be a mapping, got {format_value(config)}")
     reg = default_registry()
-    named: list[tuple[str, str]] = []  # (key, recipe name)
+    named = _named_recipes(config, reg)
+    block = config.get("fp8")
+    overrides, model = _read_fp8_block(block, reg, named)
+    if not named:
+        return None
+    _refuse_top_level_fields(config, named[0][1])
+    spec = reg.get(_one_recipe(named))
+    target, target_key = _hardware_target(block, hardware)
+    if hardware is not None:
+        overrides["hardware"] = target
+    if not check_hardware:
+        overrides.pop("hardware", None)
+    if overrides:
+        spec = _with_overrides(spec, overrides, block, hardware)
+    keys = tuple(dict.fromkeys(k.split(".recipe")[0] for k, _ in named))
+    if block is not None and "fp8" not in keys:
+        keys = keys + ("fp8",)
+    if model is None:
+        model = _model_named_by_host(config)
+    return FP8Request(spec=spec, keys=keys, model=model, hardware=target, hardware_key=target_key)
+
+
+def _named_recipes(config: Mapping[str, Any], reg: RecipeRegistry) -> list[tuple[str, str]]:
+    """``(key, recipe name)`` for every ``precision:`` / ``policy.precision:`` naming one of
+    our recipes, and a Bridge ``mixed_precision:`` naming one."""
+    named: list[tuple[str, str]] = []
     for path in _PRECISION_KEYS:
         name = _precision_recipe(get_path(config, path), ".".join(path))
         if name is not None:
@@ -523,81 +542,93 @@ def find_fp8_request(
             hint=f"a recipe ({', '.join(reg.names())}), "
             f"a Megatron-Bridge recipe such as bf16_mixed, or its block",
         )
+    return named
 
-    block = config.get("fp8")
-    overrides: dict[str, Any] = {}
-    model = None
-    if block is not None:
-        if isinstance(block, str):
-            if block not in reg:
-                err = _unknown_recipe(reg, block, "fp8")
-                if block.strip().lower() in _NATIVE_FP8_VALUES:
-                    # megatron-core's and NeMo's own `fp8: hybrid|e4m3` switch, at the root
-                    err = FP8ConfigError(
-                        err.bare_message,
-                        key="fp8",
-                        value=block,
-                        hint=(
-                            f"{block!r} is megatron-core's own fp8 format switch: it belongs under "
-                            "model: (or language_model:); at the root, fp8 names one of our "
-                            f"recipes: {', '.join(reg.names())}"
-                        ),
-                    )
-                raise err
-            named.append(("fp8", block))
-        elif isinstance(block, Mapping):
-            allowed = set(RecipeSpec.OVERRIDABLE) | set(FP8_BLOCK_EXTRA_KEYS)
-            for k in block:
-                if not isinstance(k, str) or k not in allowed:
-                    near = suggest(k, sorted(allowed))
-                    raise FP8ConfigError(
-                        "unknown key",
-                        key=f"fp8.{k}",
-                        hint=f"did you mean {near!r}?"
-                        if near
-                        else f"valid keys: {', '.join(sorted(allowed))}",
-                    )
-            overrides = {k: v for k, v in block.items() if k not in FP8_BLOCK_EXTRA_KEYS}
-            model = block.get("model")
-            if model is not None and not isinstance(model, str):
-                raise FP8ConfigError(
-                    f"expected a model name or config.json path, got {format_value(model)}",
-                    key="fp8.model",
-                    value=model,
-                )
-            if "recipe" in block:
-                if not isinstance(block["recipe"], str):
-                    raise FP8ConfigError(
-                        f"expected a recipe name, got {format_value(block['recipe'])}",
-                        key="fp8.recipe",
-                        value=block["recipe"],
-                    )
-                if block["recipe"] not in reg:
-                    raise _unknown_recipe(reg, block["recipe"], "fp8.recipe")
-                named.append(("fp8.recipe", block["recipe"]))
-            elif not named:
-                raise FP8ConfigError(
-                    "is required: the fp8 block must start from a registered recipe",
-                    key="fp8.recipe",
-                    hint=f"valid recipes: {', '.join(reg.names())}",
-                )
-        else:
+
+def _read_fp8_block(
+    block: Any, reg: RecipeRegistry, named: list[tuple[str, str]]
+) -> tuple[dict[str, Any], str | None]:
+    """The ``fp8:`` block's overrides and model; its recipe is appended to ``named``."""
+    if block is None:
+        return {}, None
+    if isinstance(block, str):
+        if block not in reg:
+            raise _unknown_fp8_name(reg, block)
+        named.append(("fp8", block))
+        return {}, None
+    if not isinstance(block, Mapping):
+        raise FP8ConfigError(
+            f"expected a recipe name or a mapping, got {format_value(block)}",
+            key="fp8",
+            value=block,
+        )
+    allowed = set(RecipeSpec.OVERRIDABLE) | set(FP8_BLOCK_EXTRA_KEYS)
+    for k in block:
+        if not isinstance(k, str) or k not in allowed:
+            near = suggest(k, sorted(allowed))
             raise FP8ConfigError(
-                f"expected a recipe name or a mapping, got {format_value(block)}",
-                key="fp8",
-                value=block,
+                "unknown key",
+                key=f"fp8.{k}",
+                hint=f"did you mean {near!r}?"
+                if near
+                else f"valid keys: {', '.join(sorted(allowed))}",
             )
+    overrides = {k: v for k, v in block.items() if k not in FP8_BLOCK_EXTRA_KEYS}
+    model = block.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FP8ConfigError(
+            f"expected a model name or config.json path, got {format_value(model)}",
+            key="fp8.model",
+            value=model,
+        )
+    if "recipe" in block:
+        if not isinstance(block["recipe"], str):
+            raise FP8ConfigError(
+                f"expected a recipe name, got {format_value(block['recipe'])}",
+                key="fp8.recipe",
+                value=block["recipe"],
+            )
+        if block["recipe"] not in reg:
+            raise _unknown_recipe(reg, block["recipe"], "fp8.recipe")
+        named.append(("fp8.recipe", block["recipe"]))
+    elif not named:
+        raise FP8ConfigError(
+            "is required: the fp8 block must start from a registered recipe",
+            key="fp8.recipe",
+            hint=f"valid recipes: {', '.join(reg.names())}",
+        )
+    return overrides, model
 
-    if not named:
-        return None
+
+def _unknown_fp8_name(reg: RecipeRegistry, block: str) -> FP8ConfigError:
+    err = _unknown_recipe(reg, block, "fp8")
+    if block.strip().lower() not in _NATIVE_FP8_VALUES:
+        return err
+    # megatron-core's and NeMo's own `fp8: hybrid|e4m3` switch, at the root
+    return FP8ConfigError(
+        err.bare_message,
+        key="fp8",
+        value=block,
+        hint=(
+            f"{block!r} is megatron-core's own fp8 format switch: it belongs under "
+            "model: (or language_model:); at the root, fp8 names one of our "
+            f"recipes: {', '.join(reg.names())}"
+        ),
+    )
+
+
+def _refuse_top_level_fields(config: Mapping[str, Any], recipe: str) -> None:
     for key in _RECIPE_ONLY_FIELDS:
         if key in config:  # read by no host at the top level: the recipe would silently lack it
             raise FP8ConfigError(
                 "a recipe field at the top level is read by nothing",
                 key=key,
                 value=config[key],
-                hint=f"put it in the fp8 block: fp8: {{recipe: {named[0][1]}, {key}: ...}}",
+                hint=f"put it in the fp8 block: fp8: {{recipe: {recipe}, {key}: ...}}",
             )
+
+
+def _one_recipe(named: list[tuple[str, str]]) -> str:
     distinct = sorted({name for _, name in named})
     if len(distinct) > 1:
         where = ", ".join(f"{k}={n!r}" for k, n in named)
@@ -607,43 +638,37 @@ def find_fp8_request(
             value=named[1][1],
             hint="name one recipe, or make every key name the same one",
         )
-    spec = reg.get(distinct[0])
-    target = target_key = None
+    return distinct[0]
+
+
+def _hardware_target(block: Any, hardware: str | None) -> tuple[str | None, str | None]:
+    """``(architecture, the key that stated it)``: ``--hardware``, else ``fp8.hardware``."""
     if hardware is not None:
-        overrides["hardware"] = target = normalize_hardware(hardware, key="--hardware")
-        target_key = "--hardware"
-    elif isinstance(block, Mapping) and block.get("hardware") is not None:
-        target, target_key = (
-            normalize_hardware(block["hardware"], key="fp8.hardware"),
-            "fp8.hardware",
-        )
-    if not check_hardware:
-        overrides.pop("hardware", None)
-    if overrides:
-        try:
-            spec = spec.with_overrides(overrides, prefix="fp8")
-        except FP8ConfigError as err:
-            # A hardware finding comes from the command line unless the fp8 block said it.
-            from_flag = (
-                hardware is not None
-                and (err.key or "").endswith("hardware")
-                and not (
-                    isinstance(block, Mapping)
-                    and "hardware" in block
-                    and block["hardware"] == hardware
-                )
+        return normalize_hardware(hardware, key="--hardware"), "--hardware"
+    if isinstance(block, Mapping) and block.get("hardware") is not None:
+        return normalize_hardware(block["hardware"], key="fp8.hardware"), "fp8.hardware"
+    return None, None
+
+
+def _with_overrides(
+    spec: RecipeSpec, overrides: dict[str, Any], block: Any, hardware: str | None
+) -> RecipeSpec:
+    try:
+        return spec.with_overrides(overrides, prefix="fp8")
+    except FP8ConfigError as err:
+        # A hardware finding comes from the command line unless the fp8 block said it.
+        from_flag = (
+            hardware is not None
+            and (err.key or "").endswith("hardware")
+            and not (
+                isinstance(block, Mapping) and "hardware" in block and block["hardware"] == hardware
             )
-            if not from_flag:
-                raise
-            raise FP8ConfigError(
-                err.bare_message, key="--hardware", value=hardware, hint=err.hint
-            ) from None
-    keys = tuple(dict.fromkeys(k.split(".recipe")[0] for k, _ in named))
-    if block is not None and "fp8" not in keys:
-        keys = keys + ("fp8",)
-    if model is None:
-        model = _model_named_by_host(config)
-    return FP8Request(spec=spec, keys=keys, model=model, hardware=target, hardware_key=target_key)
+        )
+        if not from_flag:
+            raise
+        raise FP8ConfigError(
+            err.bare_message, key="--hardware", value=hardware, hint=err.hint
+        ) from None
 
 
 def _model_named_by_host(config: Mapping[str, Any]) -> str | None:

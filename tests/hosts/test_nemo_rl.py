@@ -25,8 +25,9 @@ from conftest import nemo_rl_configs
 from nemo_fp8_plugin._io import dump_yaml
 from nemo_fp8_plugin.cli import main as cli_main
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts import HostAdapter, get_adapter
-from nemo_fp8_plugin.hosts.nemo_rl import apply_nemo_rl, native_keys
+from nemo_fp8_plugin.hosts import HostAdapter, apply_path, get_adapter
+from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
+from nemo_fp8_plugin.hosts.nemo_rl import NeMoRLAdapter, native_keys
 from nemo_fp8_plugin.registry import get_recipe
 
 pytestmark = pytest.mark.torch_free
@@ -193,10 +194,10 @@ def test_moonlight_warns_that_training_cannot_keep_modules_in_bf16(tmp_path):
         ),
         relative_defaults=True,
     )
-    result = apply_nemo_rl(src, output=tmp_path / "o.yaml")
+    result = apply_path(NEMO_RL, src, output=tmp_path / "o.yaml")
     assert result.warnings, "NeMo RL's training side has no per-module BF16 key"
     with pytest.raises(FP8ConfigError):
-        apply_nemo_rl(src, output=tmp_path / "o.yaml", strict=True)
+        apply_path(NEMO_RL, src, output=tmp_path / "o.yaml", strict=True)
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "nemo_rl"
@@ -288,7 +289,7 @@ def test_output_is_idempotent(tmp_path):
     first = out.read_bytes()
     assert run_cli("apply", str(out), "--host", "nemo-rl", "--in-place") == 0
     assert out.read_bytes() == first
-    again = apply_nemo_rl(out, output=tmp_path / "elsewhere" / "x.yaml")
+    again = apply_path(NEMO_RL, out, output=tmp_path / "elsewhere" / "x.yaml")
     assert again.data["policy"] == yaml.safe_load(first)["policy"]
     assert any("no FP8 recipe requested" in w for w in again.warnings)
 
@@ -344,7 +345,7 @@ def _with_native(tmp_path, native: dict, **fp8_edits):
 def test_contradicting_native_keys_are_refused_by_name(tmp_path, capsys, native, key):
     src = _with_native(tmp_path, native)
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(src)
+        apply_path(NEMO_RL, src)
     assert err.value.key == key
     out = tmp_path / "never.yaml"
     assert run_cli("apply", str(src), "--host", "nemo-rl", "-o", str(out)) == 2
@@ -367,7 +368,7 @@ def test_native_keys_that_agree_are_kept(tmp_path):
         },
         kv_cache="fp8",
     )
-    data = apply_nemo_rl(src).data
+    data = apply_path(NEMO_RL, src).data
     # the user's spellings stay (fp8_e4m3 is vLLM's name for fp8 on CUDA)
     assert data["policy"]["generation"]["vllm_cfg"]["kv_cache_dtype"] == "fp8_e4m3"
     assert data["policy"]["megatron_cfg"]["env_vars"]["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] == 1
@@ -385,7 +386,7 @@ def test_native_keys_that_agree_are_kept(tmp_path):
 )
 def test_keys_nemo_rl_would_drop_silently_are_refused(tmp_path, native, key):
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(_with_native(tmp_path, native))
+        apply_path(NEMO_RL, _with_native(tmp_path, native))
     assert err.value.key == key
 
 
@@ -399,7 +400,7 @@ def test_removed_root_key_still_referenced_is_refused(tmp_path):
         relative_defaults=True,
     )
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(src)
+        apply_path(NEMO_RL, src)
     assert err.value.key == "checkpointing.checkpoint_dir"
 
 
@@ -407,7 +408,7 @@ def test_removed_root_key_still_referenced_is_refused(tmp_path):
 
 
 def apply_8b(tmp_path, **fp8):
-    result = apply_nemo_rl(eight_b(tmp_path, **fp8), output=tmp_path / "out.yaml")
+    result = apply_path(NEMO_RL, eight_b(tmp_path, **fp8), output=tmp_path / "out.yaml")
     (tmp_path / "out.yaml").write_text(yaml.safe_dump(result.data, sort_keys=False))
     return flatten(resolved(tmp_path / "out.yaml")), result.warnings
 
@@ -479,7 +480,7 @@ def test_preset_fp8_param_true_is_written_false_for_nemo_rl(tmp_path, recipe):
         lambda d: d["policy"].update(precision=recipe),
         relative_defaults=True,
     )
-    result = apply_nemo_rl(src)
+    result = apply_path(NEMO_RL, src)
     assert result.data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is False
     (warning,) = [w for w in result.warnings if "fp8_param" in w]
     assert "token_mult_prob_error" in warning and "fp8_param: true" in warning
@@ -505,7 +506,7 @@ def test_fp8_param_stated_by_the_user_is_kept(tmp_path):
         },
         recipe="mxfp8",
     )
-    data = apply_nemo_rl(native).data
+    data = apply_path(NEMO_RL, native).data
     assert data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is True
     assert native_keys(get_recipe("mxfp8"), fp8_param_stated=True).warnings == []
 
@@ -527,7 +528,7 @@ def test_fp8_current_trains_tensorwise_generates_bf16_and_warns(tmp_path):
 
 def test_fp8_current_with_fp8_kv_cache_is_refused(tmp_path):
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(eight_b(tmp_path, recipe="fp8_current", kv_cache="fp8"))
+        apply_path(NEMO_RL, eight_b(tmp_path, recipe="fp8_current", kv_cache="fp8"))
     assert err.value.key == "fp8.kv_cache"
 
 
@@ -543,7 +544,7 @@ def test_fp8_delayed_is_refused_with_a_suggestion(tmp_path, capsys, how):
         tmp_path, CONFIGS / "grpo_math_8B_megatron.yaml", edit, relative_defaults=True
     )
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(src)
+        apply_path(NEMO_RL, src)
     assert err.value.key == ("policy.precision" if how == "policy.precision" else "fp8.recipe")
     assert "fp8_blockwise" in str(err.value)
     assert run_cli("apply", str(src), "--host", "nemo-rl") == 2
@@ -560,7 +561,7 @@ def test_generation_only_refuses_enabled_fp8_training(tmp_path):
         tmp_path, {"policy": {"megatron_cfg": {"fp8_cfg": {"enabled": True}}}}, training="bf16"
     )
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(src)
+        apply_path(NEMO_RL, src)
     assert err.value.key == f"{MEG}.fp8_cfg.enabled"
 
 
@@ -607,14 +608,14 @@ def test_importance_sampling_keys(tmp_path, is_block, expected):
 
 def test_sequence_level_needs_a_sequence_level_loss(tmp_path):
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(eight_b(tmp_path, importance_sampling={"level": "sequence"}))
+        apply_path(NEMO_RL, eight_b(tmp_path, importance_sampling={"level": "sequence"}))
     assert err.value.key == "loss_fn.token_level_loss"
     src = _with_native(
         tmp_path,
         {"loss_fn": {"token_level_loss": False}},
         importance_sampling={"level": "sequence"},
     )
-    assert apply_nemo_rl(src).data["loss_fn"]["sequence_level_importance_ratios"] is True
+    assert apply_path(NEMO_RL, src).data["loss_fn"]["sequence_level_importance_ratios"] is True
 
 
 def test_importance_sampling_off_leaves_the_loss_alone(tmp_path):
@@ -644,8 +645,8 @@ def test_stdout_overlay_points_at_absolute_parents(tmp_path, capsys):
 
 def test_resolved_output_has_no_defaults_and_every_key(tmp_path):
     src = eight_b(tmp_path)
-    overlay = apply_nemo_rl(src, output=tmp_path / "a.yaml")
-    full = apply_nemo_rl(src, resolve=True)
+    overlay = apply_path(NEMO_RL, src, output=tmp_path / "a.yaml")
+    full = apply_path(NeMoRLAdapter(resolve=True), src)
     assert "defaults" not in full.data
     (tmp_path / "a.yaml").write_text(dump_yaml(overlay.data))
     (tmp_path / "full.yaml").write_text(dump_yaml(full.data))
@@ -661,7 +662,7 @@ def test_request_in_a_parent_root_key_falls_back_to_resolved_output(tmp_path):
     )
     child = tmp_path / "child.yaml"
     child.write_text(f"defaults: {parent.name}\ngrpo:\n  max_num_steps: 7\n")
-    result = apply_nemo_rl(child, output=tmp_path / "out.yaml")
+    result = apply_path(NEMO_RL, child, output=tmp_path / "out.yaml")
     assert "defaults" not in result.data and "precision" not in result.data
     assert result.data["grpo"]["max_num_steps"] == 7
     assert any("fully resolved" in w for w in result.warnings)
@@ -697,11 +698,11 @@ def _one_b(tmp_path, edit):
 def test_fp8_training_needs_the_megatron_path(tmp_path):
     src = _one_b(tmp_path, lambda d: d.update(precision="fp8_blockwise"))
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(src)
+        apply_path(NEMO_RL, src)
     assert err.value.key == f"{MEG}.enabled"
     # generation-only FP8 works with DTensor training
     src = _one_b(tmp_path, lambda d: d.update(fp8={"recipe": "fp8_blockwise", "training": "bf16"}))
-    out = apply_nemo_rl(src).data
+    out = apply_path(NEMO_RL, src).data
     assert out["policy"]["generation"]["vllm_cfg"]["precision"] == "fp8"
     assert "megatron_cfg" not in out["policy"]
 
@@ -709,13 +710,13 @@ def test_fp8_training_needs_the_megatron_path(tmp_path):
 def test_fp8_generation_needs_the_vllm_backend(tmp_path):
     src = _with_native(tmp_path, {"policy": {"generation": {"backend": "megatron"}}})
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(src)
+        apply_path(NEMO_RL, src)
     assert err.value.key == "policy.generation.backend"
     # training-only FP8 does not care which engine generates
     src = _with_native(
         tmp_path, {"policy": {"generation": {"backend": "megatron"}}}, generation="bf16"
     )
-    assert apply_nemo_rl(src).data["policy"]["megatron_cfg"]["fp8_cfg"]["enabled"] is True
+    assert apply_path(NEMO_RL, src).data["policy"]["megatron_cfg"]["fp8_cfg"]["enabled"] is True
 
 
 def test_config_without_generation_gets_training_keys_only(tmp_path):
@@ -732,7 +733,7 @@ def test_config_without_generation_gets_training_keys_only(tmp_path):
             }
         )
     )
-    result = apply_nemo_rl(src)
+    result = apply_path(NEMO_RL, src)
     assert result.data == {
         "policy": {
             "model_name": "meta-llama/Llama-3.1-8B-Instruct",
@@ -748,7 +749,7 @@ def test_config_without_generation_gets_training_keys_only(tmp_path):
     }
     assert any("policy.generation" in w for w in result.warnings)
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(_gen_only(src))
+        apply_path(NEMO_RL, _gen_only(src))
     assert err.value.key == "fp8.training"
 
 
@@ -763,7 +764,7 @@ def _gen_only(src: Path) -> Path:
 
 def test_generation_only_with_a_recipe_nemo_rl_cannot_generate_is_refused(tmp_path):
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(eight_b(tmp_path, recipe="fp8_current", training="bf16"))
+        apply_path(NEMO_RL, eight_b(tmp_path, recipe="fp8_current", training="bf16"))
     assert err.value.key == "fp8.training" and "fp8_blockwise" in str(err.value)
 
 
@@ -901,7 +902,7 @@ def test_fp8_current_preset_first_last_layers_in_native_keys():
 def test_model_overrides_that_contradict_the_recipe_are_refused(tmp_path, native, fp8, key):
     src = _with_native(tmp_path, {"policy": {"megatron_cfg": {"model_overrides": native}}}, **fp8)
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(src)
+        apply_path(NEMO_RL, src)
     assert err.value.key == key and "\n" not in str(err.value)
 
 
@@ -921,7 +922,7 @@ def test_model_overrides_that_agree_or_are_neutral_are_kept(tmp_path):
         },
         bf16_layers={"first": 1},
     )
-    ov = apply_nemo_rl(src).data["policy"]["megatron_cfg"]["model_overrides"]
+    ov = apply_path(NEMO_RL, src).data["policy"]["megatron_cfg"]["model_overrides"]
     assert ov == {
         "num_layers_at_start_in_bf16": 1,
         "first_last_layers_bf16": True,
@@ -932,7 +933,7 @@ def test_model_overrides_that_agree_or_are_neutral_are_kept(tmp_path):
         tmp_path,
         {"policy": {"megatron_cfg": {"model_overrides": {"first_last_layers_bf16": False}}}},
     )
-    assert apply_nemo_rl(plain).data["policy"]["megatron_cfg"]["model_overrides"] == {
+    assert apply_path(NEMO_RL, plain).data["policy"]["megatron_cfg"]["model_overrides"] == {
         "first_last_layers_bf16": False
     }
 
@@ -945,7 +946,7 @@ def test_backward_override_in_env_vars_is_refused(tmp_path):
         {"policy": {"megatron_cfg": {"env_vars": {"NVTE_BACKWARD_OVERRIDE": "high_precision"}}}},
     )
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(src)
+        apply_path(NEMO_RL, src)
     assert err.value.key == f"{MEG}.env_vars.NVTE_BACKWARD_OVERRIDE"
     assert "\n" not in str(err.value) and "backward" in str(err.value)
     # generation-only FP8 trains in BF16: the variable changes nothing there
@@ -954,7 +955,7 @@ def test_backward_override_in_env_vars_is_refused(tmp_path):
         {"policy": {"megatron_cfg": {"env_vars": {"NVTE_BACKWARD_OVERRIDE": "high_precision"}}}},
         training="bf16",
     )
-    apply_nemo_rl(gen)
+    apply_path(NEMO_RL, gen)
 
 
 # ------------------------------------------------------------------ MXFP8 rollouts (issue 13, item 2)
@@ -1022,7 +1023,7 @@ def test_block_training_with_mxfp8_generation_is_refused_with_the_reason(
 ):
     src = _with_native(tmp_path, native, **fp8)
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(src)
+        apply_path(NEMO_RL, src)
     assert err.value.key == key and "128x128" in str(err.value) and "1x32 E8M0" in str(err.value)
     assert "\n" not in str(err.value)
 

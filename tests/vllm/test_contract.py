@@ -63,6 +63,7 @@ from vllm.platforms import PlatformEnum, current_platform
 from vllm.platforms.interface import DeviceCapability
 
 from nemo_fp8_plugin.errors import FP8ConfigError
+from nemo_fp8_plugin.hosts import apply_mapping, get_adapter
 from nemo_fp8_plugin.hosts.vllm import (
     QUANT_METHOD,
     TESTED_VLLM,
@@ -70,9 +71,14 @@ from nemo_fp8_plugin.hosts.vllm import (
     engine_kwargs,
     quantization_config,
 )
-from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
 from nemo_fp8_plugin.registry import get_recipe, list_recipes
 from tiny_models import LLAMA, MIXTRAL, llama_state_dict, mixtral_state_dict, write_checkpoint
+
+
+def apply_vllm(config):
+    """``apply --host vllm`` on a mapping: (output, warnings)."""
+    result = apply_mapping(get_adapter("vllm"), config)
+    return result.data, result.warnings
 
 pytestmark = pytest.mark.vllm
 
