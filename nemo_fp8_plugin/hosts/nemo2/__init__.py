@@ -194,10 +194,11 @@ def _spec_arg(spec: RecipeSpec) -> str:
 def plugin_config(spec: RecipeSpec, model=None, base: Mapping[str, Any] | None = None):
     """``run.Config(MegatronMixedPrecision, ...)`` for ``spec`` on top of ``base`` arguments
     (default: NeMo's ``bf16_mixed``). Imports NeMo-Run and NeMo."""
+    # Refused first, as apply refuses it (the plugin-only factory runs here too).
+    fields = _fields_of(recipe_keys(ADAPTER, spec, model=model))
     import nemo_run as run
     from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
 
-    fields = _fields_of(recipe_keys(ADAPTER, spec, model=model))
     args = {k: _dtype(v) for k, v in (base or BF16_MIXED).items()}
     return run.Config(MegatronMixedPrecision, **args, **fields)
 
