@@ -101,12 +101,12 @@ def fresh_config(host: str, recipe: str) -> dict:
     }[host]
 
 
-def outcome(fn):
-    """``("ok", value)`` or ``("refused", key)``."""
+def outcome(fn, *args):
+    """``("ok", fn(*args))`` or ``("refused", key)``."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return "ok", fn()
+            return "ok", fn(*args)
     except FP8ConfigError as err:
         return "refused", err.key
 
@@ -151,8 +151,8 @@ def test_apply_and_recipe_keys_refuse_alike_and_spell_is_what_merge_writes(
     adapter = get_adapter(host)
     for recipe in _recipes():
         config = fresh_config(host, recipe)
-        applied = outcome(lambda: apply_mapping(adapter, config))
-        direct = outcome(lambda: recipe_keys(host, recipe))
+        applied = outcome(apply_mapping, adapter, config)
+        direct = outcome(recipe_keys, host, recipe)
         ctx = mapping_context(config)
         assert same_refusal(direct, applied, ctx.request.keys), (host, recipe, direct, applied)
         if applied[0] == "refused":
@@ -218,11 +218,11 @@ def test_every_entry_point_refuses_what_apply_refuses(host, entry_point_recipe):
     from nemo_fp8_plugin.registry import get_recipe
 
     for recipe in _recipes():
-        direct = outcome(lambda: recipe_keys(host, recipe))
+        direct = outcome(recipe_keys, host, recipe)
         for name, entry in _host_entry_points(host).items():
             if direct[0] == "ok" and name != "engine_kwargs":
                 continue  # would build the host's object: the host's own tests do
-            got = outcome(lambda: entry(get_recipe(recipe)))
+            got = outcome(entry, get_recipe(recipe))
             assert same_refusal(direct, got), (host, name, recipe, direct, got)
             if name == "engine_kwargs" and got[0] == "ok":
                 assert got[1] == recipe_keys(host, recipe).keys
