@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .._io import check_output_file, same_file
+    from ..capabilities import capability
     from ..errors import FP8ConfigError
     from ..registry import get_recipe
     from ..tools.rl_check import (
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             raise FP8ConfigError(
                 err.bare_message, key="--recipe", value=args.recipe, hint=err.hint
             ) from None
-        if spec.scaling != "block":
+        if not capability(spec.scaling).is_block:
             raise FP8ConfigError(
                 f"{args.recipe} is {spec.scaling} scaling; rl-check's FP8 "
                 f"generation engine is block FP8 (NeMo RL's vLLM path)",

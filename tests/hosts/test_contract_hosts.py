@@ -668,7 +668,9 @@ def test_bridge_both_model_forms_for_every_preset(form, tmp_path, monkeypatch):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
-    from test_host_bridge import GPTModelConfigStandIn
+
+    sys.path.insert(0, str(Path(__file__).parent / "bridge"))  # its own folder (issue 22)
+    from test_bridge_adapter import GPTModelConfigStandIn
 
     from nemo_fp8_plugin.hosts.bridge.callback import FP8ScaleRefreshBridgeCallback
 

@@ -108,11 +108,11 @@ def _dtype(name: str) -> dict[str, Any]:
     return {"_target_": f"torch.{name}", "_call_": False}
 
 
-def base_fields(kind: str = "bf16") -> dict[str, Any]:
+def base_fields(base: str = "bf16") -> dict[str, Any]:
     """Bridge's ``bf16_mixed`` / ``fp16_mixed`` fields as Bridge YAML (a dtype as
     ``{_target_: torch.bfloat16, _call_: false}``, Bridge's own YAML spelling); a new dict
     on every call so no two YAML nodes share an object (PyYAML would emit anchors)."""
-    if kind == "fp16":
+    if base == "fp16":
         return {
             "bf16": False,
             "fp16": True,

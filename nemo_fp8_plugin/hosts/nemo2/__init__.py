@@ -299,7 +299,7 @@ PLUGIN_TARGETS = frozenset(
     }
 )
 """Every import path of NeMo's ``MegatronMixedPrecision`` (the class and NeMo's two
-re-exports of it); ``tests/hosts/test_host_nemo2.py`` resolves each to the one class."""
+re-exports of it); ``tests/hosts/nemo2/test_nemo2_adapter.py`` resolves each to the one class."""
 
 
 def _is_plugin_mapping(node: Any) -> bool:
