@@ -44,7 +44,7 @@ variables TE reads at import. Two places check it inside the training process: t
 <name>``; :func:`mixed_precision_config` runs
 :func:`nemo_fp8_plugin.hosts.te.verify_installed_te`), and
 :class:`nemo_fp8_plugin.hosts.bridge.callback.FP8ScaleRefreshBridgeCallback` at the start of training. The
-expanded YAML block of :func:`apply_config` is built by stock Bridge, so for it only the
+expanded YAML block ``apply --host bridge`` writes is built by stock Bridge, so for it only the
 callback checks.
 """
 
