@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = ["build_report", "render_text", "detect_host"]
 
+
 def build_report(
     path: str | Path,
     *,

@@ -267,8 +267,9 @@ def test_the_tools_face_contract_lists_every_tools_module():
     assert face["forbidden_modules"] == ["nemo_fp8_plugin"] and face["as_packages"] is False
     tools = REPO / "nemo_fp8_plugin" / "tools"
     modules = {
-        ".".join(("nemo_fp8_plugin", "tools", *p.relative_to(tools).with_suffix("").parts))
-        .removesuffix(".__init__")
+        ".".join(
+            ("nemo_fp8_plugin", "tools", *p.relative_to(tools).with_suffix("").parts)
+        ).removesuffix(".__init__")
         for p in tools.rglob("*.py")
     }
     assert set(face["source_modules"]) == modules

@@ -417,7 +417,9 @@ def _model_of(
     if request is None:
         return _FoundModel()
     if model_config is not None:
-        return _FoundModel(describe_model(str(model_config), key="--model-config"), (), "--model-config")
+        return _FoundModel(
+            describe_model(str(model_config), key="--model-config"), (), "--model-config"
+        )
     if model is not None:
         return _FoundModel(describe_model(model, key="--model"), (), "--model")
     block = config.get("fp8")

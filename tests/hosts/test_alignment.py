@@ -198,19 +198,22 @@ def test_packed_configs_are_left_to_nemo_rls_packer(tmp_path):
 
 
 def test_dynamic_batching_rounding_is_aligned_too(tmp_path):
-    result = apply_path(NEMO_RL,
+    result = apply_path(
+        NEMO_RL,
         _input(
             tmp_path,
             MOONLIGHT,
             {"recipe": "nvfp4"},
             policy={"dynamic_batching": {"enabled": True, "sequence_length_round": 64}},
-        )
+        ),
     )
     assert result.data["policy"]["dynamic_batching"]["sequence_length_round"] == 128
 
 
 def test_bf16_training_needs_no_alignment(tmp_path):
-    result = apply_path(NEMO_RL, _input(tmp_path, MOONLIGHT, {"recipe": "mxfp8", "training": "bf16"}))
+    result = apply_path(
+        NEMO_RL, _input(tmp_path, MOONLIGHT, {"recipe": "mxfp8", "training": "bf16"})
+    )
     assert (
         result.data["policy"]["make_sequence_length_divisible_by"]
         == "${policy.megatron_cfg.tensor_model_parallel_size}"

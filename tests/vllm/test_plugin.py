@@ -23,6 +23,7 @@ def apply_vllm(config):
     result = apply_mapping(get_adapter("vllm"), config)
     return result.data, result.warnings
 
+
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]

@@ -310,11 +310,7 @@ def register(
     wanted = (
         names
         if names is not None
-        else [
-            s.name
-            for s in list_recipes()
-            if BRIDGE_RECIPES.get(_own_recipe_key(s)) is None
-        ]
+        else [s.name for s in list_recipes() if BRIDGE_RECIPES.get(_own_recipe_key(s)) is None]
     )
     added: list[str] = []
     for name in wanted:

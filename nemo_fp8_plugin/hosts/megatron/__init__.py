@@ -124,7 +124,6 @@ CONFLICTING_FIELDS = ("fp8_quantizer_factory", "fp4", "fp4_recipe", "fp4_param",
 (``quant_recipe`` only when our rules need one of their own)."""
 
 
-
 def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
     """(spec key, reason) for each setting megatron-core would silently drop."""
     if spec.training != "fp8":
@@ -454,7 +453,9 @@ def write_distributed_fields(out: dict, spec: RecipeSpec) -> list[str]:
     fields = ddp_config_fields(spec)
     if not fields:
         return []
-    return _write_ddp(out, fields if isinstance(out.get("language_model"), Mapping) else {"ddp": fields})
+    return _write_ddp(
+        out, fields if isinstance(out.get("language_model"), Mapping) else {"ddp": fields}
+    )
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:

@@ -114,7 +114,6 @@ def plugin_fields(spec: RecipeSpec, model=None) -> HostKeys:
     return hk
 
 
-
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     """NeMo 2's spelling: the ``trainer.plugins`` block (and ``model.config.quant_recipe``),
     complete as ``apply`` writes it into a config without a plugin (``MegatronMixedPrecision``

@@ -74,8 +74,14 @@ def _in_file(ctx: HostContext) -> bool:
 def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     refusal = _refusal(spec)
     if refusal:
-        key = "recipe" if ctx is None else (
-            "fp8.recipe" if isinstance(ctx.resolved.get("fp8"), Mapping) else ctx.request.keys[0]
+        key = (
+            "recipe"
+            if ctx is None
+            else (
+                "fp8.recipe"
+                if isinstance(ctx.resolved.get("fp8"), Mapping)
+                else ctx.request.keys[0]
+            )
         )
         raise FP8ConfigError(
             refusal,
