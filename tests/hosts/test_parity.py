@@ -248,6 +248,25 @@ def test_the_plugin_factory_refuses_an_entry_point_recipe_that_apply_refuses(
     assert factory.value.key == applied.value.key == "amax_epsilon"
 
 
+@pytest.mark.slow
+@pytest.mark.host  # NeMo-Run's Config of NeMo's own MegatronMixedPrecision
+def test_the_plugin_factory_builds_the_fields_apply_writes(entry_point_recipe):
+    from nemo_fp8_plugin.hosts import nemo2
+    from nemo_fp8_plugin.registry import get_recipe
+
+    for recipe in _recipes():
+        direct = outcome(recipe_keys, "nemo2", recipe)
+        if direct[0] != "ok":
+            continue
+        built = nemo2.plugin_config(get_recipe(recipe))
+        applied = apply_mapping(get_adapter("nemo2"), fresh_config("nemo2", recipe))
+        plugin = applied.data["trainer"]["plugins"]
+        for key, value in direct[1].keys["trainer"]["plugins"].items():
+            if key == "_target_" or key in nemo2.BF16_MIXED:
+                continue
+            assert getattr(built, key) == value == plugin[key], (recipe, key)
+
+
 def _cli(capsys, *argv) -> tuple[int, str]:
     code = main([str(a) for a in argv])
     err = capsys.readouterr().err
