@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .._io import check_output_file, same_file
+    from ..capabilities import capability
     from ..errors import FP8ConfigError
     from ..registry import get_recipe
     from ..tools.rl_check import (

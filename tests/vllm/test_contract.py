@@ -31,15 +31,22 @@ import vllm.model_executor.layers.quantization.online.mxfp8
 import vllm.model_executor.models.mixtral
 import yaml
 
+from nemo_fp8_plugin.hosts import apply_mapping, get_adapter
 from nemo_fp8_plugin.hosts.vllm import (
     QUANT_METHOD,
     TESTED_VLLM,
     engine_kwargs,
     quantization_config,
 )
-from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
 from nemo_fp8_plugin.registry import get_recipe, list_recipes
 from tiny_models import LLAMA, llama_state_dict, write_checkpoint
+
+
+def apply_vllm(config):
+    """``apply --host vllm`` on a mapping: (output, warnings)."""
+    result = apply_mapping(get_adapter("vllm"), config)
+    return result.data, result.warnings
+
 
 pytestmark = pytest.mark.vllm
 
