@@ -492,7 +492,7 @@ def test_unaligned_and_unlisted_dtypes_are_read_exactly(tmp_path, state_dict, mo
             "model.extra_scale": ("F8_E4M3FNUZ", fnuz),
         },
     )
-    from nemo_fp8_plugin.rl import export as export_module
+    from nemo_fp8_plugin.rl import safetensors_io as export_module
 
     reads = []
     real_read_into = export_module._read_into
