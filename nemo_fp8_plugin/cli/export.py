@@ -134,7 +134,10 @@ def run(args: argparse.Namespace) -> int:
         if flag is None:
             raise
         raise FP8ConfigError(
-            _flags_for(err.bare_message), key=flag, value=err.value, hint=_flags_for(err.hint)
+            _flags_for(err.bare_message) or "",
+            key=flag,
+            value=err.value,
+            hint=_flags_for(err.hint),
         ) from None
     for name in result.skipped:
         print(

@@ -304,21 +304,14 @@ def export_fp8_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     with interruptible(), _locked(out):
         _check_out_dir(out, source_dir, overwrite)  # again: another export may have finished
-        tmp = _make_temp_dir(out)
-        bar = None
-
-        def done(nbytes: int) -> None:
-            if bar is not None:
-                bar.update(nbytes)
-
-        named: Iterable[tuple[str, torch.Tensor]]
+        bar = _progress_bar(total, progress)
         if entries is not None:
-            named = st.stream_entries(entries, done)
+            named = st.stream_entries(entries, bar.update if bar is not None else _ignore)
         else:
             assert isinstance(source, Mapping)
-            named = _stream_mapping(source, done)
+            named = _stream_mapping(source, bar.update if bar is not None else _ignore)
+        tmp = _make_temp_dir(out)
         try:
-            bar = _progress_bar(total, progress)
             result = _write(
                 tmp,
                 out,
@@ -339,6 +332,10 @@ def export_fp8_checkpoint(
                 bar.close()
     result.path = out
     return result
+
+
+def _ignore(nbytes: int) -> None:
+    """No progress bar: the byte counts go nowhere."""
 
 
 def _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_files):
@@ -638,9 +635,9 @@ class _BackgroundWriter:
 
     def gate(self, named: Iterable[tuple[str, torch.Tensor]]):
         for name, tensor in named:
-            need = self.budget - (3 * tensor.numel() * tensor.element_size()) // 2
+            room = max(0, self.budget - (3 * tensor.numel() * tensor.element_size()) // 2)
             with self._cond:
-                self._cond.wait_for(lambda: self._pending <= max(0, need))
+                self._cond.wait_for(lambda room=room: self._pending <= room)
             self._raise()
             yield name, tensor
             del tensor

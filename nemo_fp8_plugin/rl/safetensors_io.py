@@ -362,8 +362,7 @@ def checked_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     dtype = st_dtype_name(tensor.dtype)
     if dtype is None:
         raise FP8ConfigError(
-            f"tensor {format_value(name)} has dtype {tensor.dtype}, which safetensors "
-            f"cannot store",
+            f"tensor {format_value(name)} has dtype {tensor.dtype}, which safetensors cannot store",
             key=name,
         )
     t = tensor.detach()

@@ -91,9 +91,7 @@ def test_a_tensor_name_with_escape_sequences_is_printed_escaped(tmp_path, capsys
     """A name in two shards: the refusal names it, escaped (a terminal would run it)."""
     name = "model.layers.0.mlp.up_proj.weight\x1b]0;pwned\x07"
     src = _source(tmp_path, names=(name,))
-    save_file(
-        {name: torch.zeros(2, 2, dtype=torch.bfloat16)}, str(src / "model-extra.safetensors")
-    )
+    save_file({name: torch.zeros(2, 2, dtype=torch.bfloat16)}, str(src / "model-extra.safetensors"))
     _refused(capsys, ["export", str(src), "-o", str(tmp_path / "out")], "appears in both")
 
 

@@ -108,9 +108,7 @@ def test_a_signal_restores_the_old_output_and_removes_temp_files(tmp_path, where
     assert proc.stderr.strip() == "nemo-fp8 export: interrupted"
     if overwrite:
         assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == (
-        ["ckpt", "src"] if overwrite else ["src"]
-    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["ckpt", "src"] if overwrite else ["src"])
 
 
 @pytest.mark.parametrize("where", ["write", "swap"])
@@ -157,9 +155,9 @@ def test_two_exports_to_one_new_directory_do_not_both_write(tmp_path, monkeypatc
     assert isinstance(second, FP8ConfigError) and second.key == "out_dir", second
     assert "another export" in str(second)
     assert result.quantization_config["quant_method"] == "fp8"  # the first one's, not mxfp8
-    assert json.loads((out / "config.json").read_text())["quantization_config"][
-        "quant_method"
-    ] == ("fp8")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == (
+        "fp8"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "src"]
 
 
@@ -235,7 +233,9 @@ def test_a_single_safetensors_file_is_a_source(tmp_path):
     result = export_fp8_checkpoint(src / "model.safetensors", tmp_path / "b")
     from_file = load_file(str(result.path / "model.safetensors"))
     assert from_file.keys() == from_dir.keys()
-    assert all(torch.equal(from_file[k].view(torch.uint8), from_dir[k].view(torch.uint8)) for k in from_dir)
+    assert all(
+        torch.equal(from_file[k].view(torch.uint8), from_dir[k].view(torch.uint8)) for k in from_dir
+    )
 
 
 def test_one_shard_of_an_indexed_checkpoint_is_refused(tmp_path):
