@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from .._io import atomic_write_text, check_output_dir, same_file
+from .._io import check_output_dir, same_file
 from .._signals import interruptible, signals_held
 from ..errors import FP8ConfigError, format_value, one_line
 from . import safetensors_io as st
@@ -529,7 +529,7 @@ def _write(
     high_precision: list[str] = []
     background = _BackgroundWriter(writer, budget=2 * largest)
     try:
-        with _quantizer_threads():
+        with quantizer_threads():
             for name, tensor in _quantized(background.gate(named), spec, hf_config):
                 background.add(name, tensor)
                 if name.endswith(_SCALE_SUFFIX):
@@ -551,13 +551,13 @@ def _write(
     result.bytes = writer.total_bytes
     if len(writer.files) > 1:
         index = {"metadata": {"total_size": writer.total_bytes}, "weight_map": weight_map}
-        atomic_write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+        _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
 
     qcfg = _quantization_config(spec, _ignored_layers(high_precision, quantized_modules))
     result.quantization_config = qcfg
     new_config = dict(hf_config)
     new_config["quantization_config"] = qcfg
-    atomic_write_text(tmp / "config.json", json.dumps(new_config, indent=2, sort_keys=False) + "\n")
+    _write_text(tmp / "config.json", json.dumps(new_config, indent=2, sort_keys=False) + "\n")
     if source_dir is not None and copy_other_files:
         result.skipped = _copy_other_files(source_dir, tmp)
     return result
@@ -570,7 +570,7 @@ def _quantized(named, spec, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @contextlib.contextmanager
-def _quantizer_threads() -> Iterator[None]:
+def quantizer_threads() -> Iterator[None]:
     """torch's (and so the C++ quantizer's) thread count for the export: the cores this
     process may run on that other work is not using now (the 1-minute load average, less
     this process's own share), at least one, at most torch's setting; restored after.
@@ -661,6 +661,16 @@ class _BackgroundWriter:
         self._stopped = True
         self._queue.put(None)
         self._thread.join()
+
+
+def _write_text(path: Path, text: str) -> None:
+    """A new file in the export's own temporary directory. No temp file and rename of its
+    own (the directory is renamed into place whole) and no fsync: an fsync here made the
+    export wait for the disk to take every shard written before it (ext4 commits the
+    journal with the data it orders), which a copy of the checkpoint never does. Like a
+    copy, the export is durable once the system writes it back (``sync`` to force it)."""
+    with open(path, "x", encoding="utf-8") as fh:
+        fh.write(text)
 
 
 def _copy_other_files(source_dir: Path, tmp: Path) -> list[str]:
