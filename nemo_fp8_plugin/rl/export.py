@@ -18,8 +18,9 @@ The quantization is :func:`nemo_fp8_plugin.rl.quantize_for_refit` (bit-identical
 refit sends). Everything streams, one tensor at a time, through
 :mod:`nemo_fp8_plugin.rl.safetensors_io` (which says why it is not the safetensors library's
 own API: memory): each source tensor is read, quantized, and appended to the current output
-shard. Peak memory is about one source tensor and its quantized copy, whatever the checkpoint
-or shard size (``tests/rl/test_export_memory.py`` checks it in a fresh process).
+shard, on a writer thread while the next tensor is read and quantized. Peak memory stays
+within twice the largest tensor, whatever the checkpoint or shard size
+(``tests/rl/test_export_memory.py`` checks it in a fresh process).
 
 What a failure leaves: the directory is built under a temporary name beside ``out_dir``
 (``.<name>.nemo-fp8-export-<random>.tmp``) and renamed into place at the end, so a crash
@@ -264,8 +265,8 @@ def export_fp8_checkpoint(
     """Quantize a model's weights and write a checkpoint vLLM loads natively.
 
     Tensors stream through one at a time (read, quantize, append to the current output
-    shard), so memory stays at about one source tensor and its FP8 copy whatever the size
-    of the checkpoint or its shards.
+    shard, the write overlapping the next tensor's read and quantization), so memory stays
+    within twice the largest tensor whatever the size of the checkpoint or its shards.
 
     Args:
         source: a state dict in Hugging Face naming (``{name: tensor}``, any device), a

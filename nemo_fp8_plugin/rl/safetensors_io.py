@@ -4,8 +4,8 @@ Why not ``safetensors``' own API: its memory. ``safe_open`` maps a whole shard a
 count as resident until the shard is closed, and ``save_file`` builds the whole output file
 in memory before writing it; an export through them peaked at 593 MiB above baseline on the
 419 MB checkpoint of ``tests/rl/test_export_memory.py`` (one mapped source shard plus the
-quantized output shard), against 24 MiB for this module, and a 5 GB shard would cost 5 GB or
-more. The bound the test holds (twice the largest tensor plus 300 MiB) cannot be met through
+quantized output shard), against 24 MiB for the streaming export when it was written, and a
+5 GB shard would cost 5 GB or more. The bound the test holds (twice the largest tensor plus 300 MiB) cannot be met through
 the library, so this module reads and writes the format itself (the format is a little-endian
 u64 header length, a JSON header, then the tensors' bytes at the header's offsets):
 

@@ -112,3 +112,33 @@ def test_a_missing_source_names_the_argument(tmp_path, capsys):
         "CHECKPOINT",
         "not found",
     )
+
+
+def test_an_output_name_with_a_non_utf8_byte_is_written_and_shown_escaped(tmp_path):
+    """The temporary names are built from the safe characters of the output's name, and the
+    "wrote" line escapes what the terminal's encoding cannot show."""
+    import os
+    import subprocess
+    import sys
+
+    import nemo_fp8_plugin
+
+    src = _source(tmp_path)
+    out = tmp_path / os.fsdecode(b"out\xff")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(Path(nemo_fp8_plugin.__file__).resolve().parents[1]),
+        PYTHONIOENCODING="utf-8",
+        PYTHONWARNINGS="ignore",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_fp8_plugin", "export", str(src), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("wrote ") and "out\\udcff" in proc.stdout
+    assert (out / "model.safetensors").exists()
+    assert sorted(os.listdir(os.fsencode(tmp_path))) == [b"out\xff", b"src"]
