@@ -587,7 +587,7 @@ def quantizer_threads() -> Iterator[None]:
 
 def _write_text(path: Path, text: str) -> None:
     """A new file in the export's own temporary directory. No temp file and rename of its
-    own (the directory is renamed into place whole) and no fsync: an fsync here made the
+    own (the directory is renamed into place whole) and no fsync: an fsync here can make the
     export wait for the disk to take every shard written before it (ext4 commits the
     journal with the data it orders), which a copy of the checkpoint never does. Like a
     copy, the export is durable once the system writes it back (``sync`` to force it)."""
