@@ -293,15 +293,15 @@ def export_fp8_checkpoint(
     Raises:
         FP8ConfigError: a bad argument (named by ``key``), a source that is not a readable
             safetensors checkpoint, an output that exists, cannot be written, or is being
-            written by another export.
+            written by another export (a lock).
     """
     spec = _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_files)
-    _check_flag("progress", progress, none_ok=True)
     source_dir, entries, total = _source(source)
     hf_config = _read_config(config, source_dir)
     out = Path(out_dir)
     _check_out_dir(out, source_dir, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _check_flag("progress", progress, none_ok=True)
     with interruptible(), _locked(out):
         _check_out_dir(out, source_dir, overwrite)  # again: another export may have finished
         bar = _progress_bar(total, progress)
@@ -312,16 +312,8 @@ def export_fp8_checkpoint(
             named = _stream_mapping(source, bar.update if bar is not None else _ignore)
         tmp = _make_temp_dir(out)
         try:
-            result = _write(
-                tmp,
-                out,
-                named,
-                spec,
-                hf_config,
-                max_shard_bytes,
-                source_dir,
-                copy_other_files,
-            )
+            args = (spec, hf_config, max_shard_bytes, source_dir, copy_other_files)
+            result = _write(tmp, out, named, *args)
             _swap_into_place(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -338,7 +330,7 @@ def _ignore(nbytes: int) -> None:
 
 
 def _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_files):
-    """Every argument but the source checked; returns the recipe."""
+    """Every argument but the source and ``progress`` checked; returns the recipe."""
     from ..registry import get_recipe
 
     if isinstance(out_dir, bool) or not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
