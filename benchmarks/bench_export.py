@@ -5,8 +5,11 @@ Writes a synthetic Llama-shaped bf16 checkpoint (hidden 4096, MLP 14336, 8 KV he
 layers and a 32000-token tied embedding: 1.92 GB in shards with a
 ``model.safetensors.index.json``; ``--quick``: 52 MB of quarter-width layers) into a temporary
 directory under ``--workdir`` (default: the system temp directory), removes it afterwards,
-and prints export and copy seconds, GB/s, their ratio, the first export's time (kernel
-builds) and the export's peak resident memory measured in a fresh Python. Usage::
+and prints export and copy seconds, GB/s, their ratio (best, median, per-round median, and the
+per-round median over the rounds at load average below 1.5: only those count), the load
+average at each round, a stage profile (read, read+quantize, whole export), the first
+export's time (kernel builds) and the export's peak resident memory measured in a fresh
+Python. Usage::
 
     .venv/bin/python benchmarks/bench_export.py [--quick] [--workdir DIR] [--json out.json]
 """

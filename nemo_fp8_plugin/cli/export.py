@@ -40,7 +40,11 @@ def register(sub) -> None:
         "a checkpoint directory with the matching quantization_config. The output is built "
         "under a temporary name and renamed into place when complete.",
     )
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    p.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a checkpoint directory, or its one *.safetensors file",
+    )
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="directory to create")
     p.add_argument(
         "--recipe",
@@ -68,20 +72,43 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+_SIZE_DIGITS = 40
+"""Most digits a size may have (2**63 bytes has 19): more is a typo, refused before any
+arithmetic on it."""
+
+
 def parse_size(text: str, key: str) -> int:
-    """``"500MB"`` -> 500_000_000, ``"5GiB"`` -> 5 * 2**30, ``"1024"`` -> 1024."""
-    from ..errors import FP8ConfigError
+    """``"500MB"`` -> 500_000_000, ``"5GiB"`` -> 5 * 2**30, ``"1024"`` -> 1024; at most
+    :data:`~nemo_fp8_plugin.rl.export.MAX_SHARD_BYTES`."""
+    from fractions import Fraction
+
+    from ..errors import FP8ConfigError, format_value
 
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise FP8ConfigError(
-            f"expected a size such as 500MB or 5GiB, got {text!r}"[:200], key=key, value=text
+            f"expected a size such as 500MB or 5GiB, got {format_value(text)}", key=key
         )
-    size = int(float(match.group(1)) * _UNITS[unit])
+    number = match.group(1)
+    limit = 2**63 - 1  # a file offset is a signed 64-bit number (rl.export.MAX_SHARD_BYTES)
+    # exact arithmetic (a float overflows at 400 digits and rounds long before)
+    size = int(Fraction(number) * _UNITS[unit]) if len(number) <= _SIZE_DIGITS else limit + 1
     if size <= 0:
         raise FP8ConfigError("the size must be positive", key=key, value=text)
+    if size > limit:
+        raise FP8ConfigError(
+            f"{format_value(text, 40)} is more than the largest size, {limit} bytes",
+            key=key,
+        )
     return size
+
+
+def _flags_for(text: str | None) -> str | None:
+    """The library's argument spellings in a message, as this command's flags."""
+    if text is None:
+        return None
+    return text.replace("overwrite=True", "--overwrite")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
     max_bytes = parse_size(args.max_shard_size, "--max-shard-size")
     from ..rl import export_fp8_checkpoint
+    from ..rl.export import shown_path
 
     try:
         result = export_fp8_checkpoint(
@@ -105,7 +133,18 @@ def run(args: argparse.Namespace) -> int:
         flag = _FLAGS.get(err.key or "")
         if flag is None:
             raise
-        raise FP8ConfigError(err.bare_message, key=flag, value=err.value, hint=err.hint) from None
+        raise FP8ConfigError(
+            _flags_for(err.bare_message) or "",
+            key=flag,
+            value=err.value,
+            hint=_flags_for(err.hint),
+        ) from None
+    for name in result.skipped:
+        print(
+            f"nemo-fp8 export: note: {shown_path(name)} of the checkpoint directory not "
+            f"copied (only its regular files are)",
+            file=sys.stderr,
+        )
     if args.json:
         sys.stdout.write(
             dump_json(
@@ -121,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"wrote {result.path}: {result.quantized} weights in FP8, {result.passed_through} "
+            f"wrote {shown_path(result.path)}: {result.quantized} weights in FP8, {result.passed_through} "
             f"tensors as they came, {result.shards} shard{'s' if result.shards != 1 else ''}, "
             f"{result.bytes / 1e9:.2f} GB"
         )

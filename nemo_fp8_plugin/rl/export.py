@@ -15,43 +15,43 @@ MXFP8 recipes write the plugin's ``nemo_fp8`` quantization config instead (vLLM'
 checkpoint format is block FP8 only), so they load with ``quantization="nemo_fp8"``.
 
 The quantization is :func:`nemo_fp8_plugin.rl.quantize_for_refit` (bit-identical to what a
-refit sends). Everything streams, one tensor at a time:
+refit sends). Everything streams, one tensor at a time, through
+:mod:`nemo_fp8_plugin.rl.safetensors_io` (which says why it is not the safetensors library's
+own API: memory): each source tensor is read, quantized, and appended to the current output
+shard. Peak memory is about one source tensor and its quantized copy, whatever the checkpoint
+or shard size (``tests/rl/test_export_memory.py`` checks it in a fresh process).
 
-- a safetensors source is read tensor by tensor, in file order, each tensor through a
-  memory map of its own bytes that is released with the tensor (``safe_open`` maps the
-  whole shard, and its pages count as resident until the shard is closed: a 5 GB shard
-  would cost 5 GB of resident memory);
-- each output tensor is written to the current output shard as soon as it exists. A
-  safetensors file starts with its header, which is only known once the shard is complete,
-  so each shard reserves room for the header, writes its tensors after that room, and fills
-  the header in (padded with spaces, which the format allows) when it is closed.
-
-Peak memory is about one source tensor and its quantized copy, whatever the checkpoint or
-shard size (``tests/rl/test_export_memory.py`` checks it in a fresh process). The directory
-is built under a temporary name beside ``out_dir`` and renamed into place at the end, so a
-crash never leaves a half-written checkpoint.
+What a failure leaves: the directory is built under a temporary name beside ``out_dir``
+(``.<name>.nemo-fp8-export-<random>.tmp``) and renamed into place at the end, so a crash
+never leaves a half-written checkpoint. SIGTERM and SIGINT raise (:mod:`nemo_fp8_plugin._signals`),
+so the temporary directory is removed; the swap of ``overwrite`` (old directory to
+``.<name>.nemo-fp8-export-<random>.old``, new one into place) holds them until both renames
+are done. What a SIGKILL leaves carries that prefix, and the next export to the same
+``out_dir`` removes it (or, where ``out_dir`` itself is missing, puts the old directory back).
+A lock file (``.<name>.nemo-fp8-export.lock``, ``flock``) keeps two exports from writing the
+same ``out_dir`` at once: the second is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-import mmap
 import os
+import re
+import secrets
 import shutil
-import struct
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
-from .._io import atomic_write_text, check_output_dir, same_file
-from ..errors import FP8ConfigError, format_value
+from .._io import check_output_dir, same_file
+from .._signals import interruptible, signals_held
+from ..errors import FP8ConfigError, format_value, one_line
+from . import safetensors_io as st
 
 __all__ = ["export_fp8_checkpoint", "ExportResult", "WEIGHT_FILES"]
 
@@ -65,37 +65,15 @@ WEIGHT_FILES = (
 )
 """Files of a source directory that are replaced, not copied (weights and their index)."""
 
+MAX_SHARD_BYTES = 2**63 - 1
+"""Largest ``max_shard_bytes`` accepted (a file offset is a signed 64-bit number)."""
+
+TEMP_MARK = ".nemo-fp8-export-"
+"""What names this module's temporary entries beside ``out_dir``:
+``.<name>`` + TEMP_MARK + ``<random>.tmp`` (the new directory) or ``.old`` (the one it
+replaces), and ``.<name>.nemo-fp8-export.lock``."""
+
 _SCALE_SUFFIX = "_scale_inv"
-
-_MAX_HEADER_BYTES = 100 * 2**20
-"""Largest safetensors header read (the limit the safetensors library itself applies)."""
-
-# safetensors dtype names <-> torch dtypes (the format's own spelling). Others are asked of
-# the safetensors library (_st_dtype_name) or read through it (_read_with_safetensors).
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-for _name, _attr in (
-    ("F8_E8M0", "float8_e8m0fnu"),
-    ("U16", "uint16"),
-    ("U32", "uint32"),
-    ("U64", "uint64"),
-):
-    if hasattr(torch, _attr):
-        _ST_DTYPES[_name] = getattr(torch, _attr)
-_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
 
 @dataclass
@@ -109,6 +87,8 @@ class ExportResult:
         shards: number of safetensors files.
         bytes: total bytes of tensor data written.
         quantization_config: the mapping written into ``config.json``.
+        skipped: entries of the source directory not copied (subdirectories such as
+            ``original/``, FIFOs and other non-regular files), by name.
     """
 
     path: Path
@@ -117,6 +97,7 @@ class ExportResult:
     shards: int = 0
     bytes: int = 0
     quantization_config: dict[str, Any] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -148,7 +129,9 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
         regular_file(path, key="config", what="config.json")
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
+            # ValueError: not JSON, or an integer past Python's 4300-digit limit;
+            # RecursionError: arrays nested past the interpreter's stack
             raise FP8ConfigError(
                 f"cannot read {path}: {format_value(str(exc))}", key="config", value=str(path)
             ) from None
@@ -211,393 +194,6 @@ def _check_out_dir(out: Path, source_dir: Path | None, overwrite: bool) -> None:
                 value=str(out),
             )
     check_output_dir(out, "out_dir")  # the parent exists or can be made, and is writable
-
-
-# --------------------------------------------------------------------------- reading
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One tensor of a safetensors file, from its header."""
-
-    name: str
-    file: Path
-    dtype: str  # the safetensors spelling (BF16, F32, ...)
-    shape: tuple[int, ...]
-    begin: int  # absolute offsets in the file
-    end: int
-
-
-def _safetensors_files(source: Path) -> list[Path]:
-    from ..config import safetensors_files
-
-    # Index entries stay inside the directory; only regular files are opened (a FIFO blocks).
-    files = safetensors_files(source, key="source")
-    if not files:
-        other = [p.name for p in source.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-        hint = (
-            "convert it to safetensors first (transformers: save_pretrained(..., "
-            "safe_serialization=True))"
-            if other
-            else None
-        )
-        raise FP8ConfigError(
-            f"no *.safetensors files in {source}", key="source", value=str(source), hint=hint
-        )
-    return files
-
-
-def _bad_file(path: Path, why: str) -> FP8ConfigError:
-    return FP8ConfigError(
-        f"{path} is not a readable safetensors file ({why})", key="source", value=str(path)
-    )
-
-
-def _read_header(path: Path) -> list[_Entry]:
-    """The tensors of one safetensors file, in file order, checked as the format requires
-    (offsets inside the file, contiguous, sizes matching shapes) before any data is read."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise _bad_file(path, "shorter than a header")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER_BYTES or 8 + n > size:
-                raise _bad_file(path, f"header length {n} does not fit the file")
-            text = fh.read(n)
-    except OSError as exc:
-        raise FP8ConfigError(
-            f"cannot read {path}: {exc.strerror or exc}", key="source", value=str(path)
-        ) from None
-    try:
-        header = json.loads(text.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." past the stack
-        raise _bad_file(path, f"header is not JSON: {format_value(str(exc))}") from None
-    if not isinstance(header, dict):
-        raise _bad_file(path, "header is not a JSON object")
-    base = 8 + n
-    entries: list[_Entry] = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            ok = (
-                isinstance(dtype, str)
-                and isinstance(shape, list)
-                and all(type(d) is int and d >= 0 for d in shape)
-                and type(begin) is int
-                and type(end) is int
-                and 0 <= begin <= end
-            )
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise _bad_file(path, f"bad header entry for {format_value(name)}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        known = _ST_DTYPES.get(dtype)
-        if known is not None and (end - begin) != numel * known.itemsize:
-            raise _bad_file(path, f"{format_value(name)}: {end - begin} bytes for {shape} {dtype}")
-        entries.append(_Entry(name, path, dtype, tuple(shape), base + begin, base + end))
-    entries.sort(key=lambda e: (e.begin, e.end))
-    at = base
-    for e in entries:
-        if e.begin != at:
-            raise _bad_file(path, f"{format_value(e.name)}: data offsets are not contiguous")
-        at = e.end
-    if at != size:
-        raise _bad_file(path, f"data ends at byte {at}, the file has {size}")
-    return entries
-
-
-def _plan(files: list[Path]) -> list[_Entry]:
-    """Every tensor of the checkpoint, from the headers alone; a name in two shards is
-    refused here, before any work (which copy would win is not ours to guess)."""
-    entries: list[_Entry] = []
-    seen: dict[str, Path] = {}
-    for path in files:
-        for e in _read_header(path):
-            if e.name in seen:
-                raise FP8ConfigError(
-                    f"tensor {format_value(e.name)} appears in both {seen[e.name].name} and "
-                    f"{path.name}",
-                    key=e.name,
-                )
-            seen[e.name] = path
-            entries.append(e)
-    return entries
-
-
-def _read_into(fh: BinaryIO, view: memoryview, path: Path) -> None:
-    done = 0
-    while done < len(view):
-        got = fh.readinto(view[done:])
-        if not got:
-            raise _bad_file(path, "it ended early (truncated while being read?)")
-        done += got
-
-
-def _read_with_safetensors(entry: _Entry) -> torch.Tensor:
-    """A dtype this module does not spell (a newer format addition): read by the library."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(entry.file), framework="pt") as fh:
-            return fh.get_tensor(entry.name).clone()  # off the memory map before it closes
-    except Exception as exc:  # the library's own error types; the file is the user's
-        raise _bad_file(entry.file, format_value(str(exc))) from None
-
-
-def _map(fh: BinaryIO, entry: _Entry, dtype: torch.dtype) -> torch.Tensor | None:
-    """The tensor's bytes mapped from the file (a private mapping of just this tensor, so
-    its pages count as resident only while the tensor lives), or None where a mapping does
-    not fit (data not aligned to the element size)."""
-    if entry.begin % dtype.itemsize:
-        return None
-    start = entry.begin - entry.begin % mmap.ALLOCATIONGRANULARITY
-    try:
-        mm = mmap.mmap(fh.fileno(), entry.end - start, offset=start, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError):
-        return None
-    if hasattr(mm, "madvise"):
-        with contextlib.suppress(OSError):
-            mm.madvise(mmap.MADV_SEQUENTIAL)
-    raw = torch.frombuffer(
-        mm, dtype=torch.uint8, count=entry.end - entry.begin, offset=entry.begin - start
-    )
-    return raw.view(dtype).reshape(entry.shape)  # holds the mapping until it is freed
-
-
-def _stream_entries(entries: list[_Entry], on_done) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor in file order: mapped from the file (one mapping per tensor, released
-    with the tensor, so about one tensor's pages are resident, not the shard's), or where a
-    mapping does not fit, read into a buffer of its own (not a reused one: the consumer's
-    generator still holds the previous tensor when it asks for the next).
-    """
-    fh: BinaryIO | None = None
-    open_path: Path | None = None
-    try:
-        for e in entries:
-            dtype = _ST_DTYPES.get(e.dtype)
-            nbytes = e.end - e.begin
-            if dtype is None or sys.byteorder != "little":
-                tensor = _read_with_safetensors(e)
-            elif nbytes == 0:
-                tensor = torch.empty(e.shape, dtype=dtype)
-            else:
-                if e.file != open_path:
-                    if fh is not None:
-                        fh.close()
-                    fh, open_path = open(e.file, "rb", buffering=0), e.file
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                mapped = _map(fh, e, dtype)
-                if mapped is not None:
-                    tensor = mapped
-                else:
-                    raw = torch.empty(nbytes, dtype=torch.uint8)
-                    fh.seek(e.begin)
-                    _read_into(fh, memoryview(raw.numpy()), e.file)
-                    tensor = raw.view(dtype).reshape(e.shape)
-                del mapped
-            yield e.name, tensor
-            del tensor
-            on_done(nbytes)
-    except OSError as exc:
-        where = open_path if open_path is not None else (entries[0].file if entries else "")
-        raise FP8ConfigError(
-            f"cannot read {where}: {exc.strerror or exc}", key="source", value=str(where)
-        ) from None
-    finally:
-        if fh is not None:
-            fh.close()
-
-
-def _stream_mapping(source: Mapping, on_done) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in source.items():
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise FP8ConfigError(
-                f"expected tensor names mapped to torch.Tensor, got {format_value(name)}: "
-                f"{type(tensor).__name__}",
-                key="source",
-            )
-        yield name, tensor
-        on_done(tensor.numel() * tensor.element_size())
-
-
-def _progress_bar(total: int, enabled: bool | None):
-    """A byte counter on stderr (tqdm's rule when ``enabled`` is None: only on a terminal)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm comes with the analyze extra; without it, no bar
-        return None
-    return tqdm(
-        total=total,
-        desc="export",
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        file=sys.stderr,
-        disable=None if enabled is None else not enabled,
-        leave=False,
-    )
-
-
-# --------------------------------------------------------------------------- writing
-
-
-@functools.cache
-def _st_dtype_name(dtype: torch.dtype) -> str | None:
-    """The safetensors spelling of a dtype outside the table, as the library writes it."""
-    try:
-        from safetensors.torch import save
-
-        blob = save({"x": torch.empty(1, dtype=dtype)})
-        (n,) = struct.unpack("<Q", blob[:8])
-        return str(json.loads(blob[8 : 8 + n])["x"]["dtype"])
-    except Exception:  # no safetensors, or a dtype it cannot store
-        return None
-
-
-def _round8(n: int) -> int:
-    return (n + 7) // 8 * 8
-
-
-class _ShardWriter:
-    """Writes safetensors shards of at most ``max_bytes`` (header included) into a directory,
-    each tensor as it arrives.
-
-    A shard reserves header room when it opens (``_room``), writes tensor data after it, and
-    closes when the next tensor would pass ``max_bytes`` or its header would outgrow the
-    room; closing writes the header, padded with spaces to the reserved size.
-
-    Writes are synchronous. A writer thread overlapping the next tensor's quantization gave
-    no clear gain on the 2-core machine (the quantizer's OpenMP threads then share a core
-    with it), and it would break the memory bound: a passed-through tensor still being
-    written, the next tensor and its FP8 copy reach 2.5x the largest tensor.
-    """
-
-    _META = '"__metadata__":{"format":"pt"}'
-
-    def __init__(self, directory: Path, max_bytes: int, shown: Path) -> None:
-        self.directory = directory
-        self.max_bytes = max_bytes
-        self.shown = shown  # the path errors name (the temporary directory is ours)
-        self.default_room = min(max(_round8(max_bytes // 64), 1024), 2**20)
-        self.files: list[tuple[Path, list[str]]] = []
-        self.names: set[str] = set()
-        self.total_bytes = 0
-        self._fh: BinaryIO | None = None
-        self._handles: list[BinaryIO] = []  # closed when their shard is, or by abort
-        self._path: Path | None = None
-        self._room = 0
-        self._fragments: list[str] = []
-        self._shard_names: list[str] = []
-        self._header_len = 0
-        self._data = 0
-
-    def _fail(self, exc: OSError) -> OSError:
-        return OSError(exc.errno, exc.strerror or str(exc), str(self.shown))
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.names:
-            raise FP8ConfigError(
-                f"tensor {format_value(name)} appears twice in the output (the source has it "
-                f"twice, or has a tensor by the name of a scale this export writes)",
-                key=name,
-            )
-        dtype = _ST_NAMES.get(tensor.dtype) or _st_dtype_name(tensor.dtype)
-        if dtype is None:
-            raise FP8ConfigError(
-                f"tensor {format_value(name)} has dtype {tensor.dtype}, which safetensors "
-                f"cannot store",
-                key=name,
-            )
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        t = t.resolve_conj().resolve_neg().contiguous()
-        size = t.numel() * t.element_size()
-        if self._fh is not None:
-            fragment = self._fragment(name, dtype, t.shape, self._data, size)
-            if (
-                self._header_len + 1 + len(fragment) > self._room
-                or 8 + self._room + self._data + size > self.max_bytes
-            ):
-                self.close_shard()
-        if self._fh is None:
-            fragment = self._fragment(name, dtype, t.shape, 0, size)
-            # room for this entry and its scale's, whatever the name's length
-            self._open(max(self.default_room, _round8(len(self._META) + 8 + 3 * len(fragment))))
-        self._fragments.append(fragment)
-        self._shard_names.append(name)
-        self._header_len += 1 + len(fragment)
-        self.names.add(name)
-        if size:
-            fh = self._fh
-            assert fh is not None  # opened above
-            try:
-                fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            except OSError as exc:
-                raise self._fail(exc) from None
-        self._data += size
-        self.total_bytes += size
-
-    @staticmethod
-    def _fragment(name: str, dtype: str, shape, begin: int, size: int) -> str:
-        info = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, begin + size]}
-        return json.dumps(name) + ":" + json.dumps(info, separators=(",", ":"))
-
-    def _open(self, room: int) -> None:
-        self._path = self.directory / f".shard-{len(self.files) + 1:05d}.safetensors"
-        self._room = room
-        self._fragments, self._shard_names, self._data = [], [], 0
-        self._header_len = 2 + len(self._META)  # the braces and the metadata entry
-        try:
-            self._fh = open(self._path, "wb")
-            self._handles.append(self._fh)
-            self._fh.seek(8 + room)
-        except OSError as exc:
-            raise self._fail(exc) from None
-
-    def close_shard(self) -> None:
-        if self._fh is None or self._path is None:
-            return
-        header = "{" + ",".join([self._META, *self._fragments]) + "}"
-        data = header.encode("ascii")  # json.dumps escapes every non-ASCII character
-        if len(data) != self._header_len or len(data) > self._room:  # pragma: no cover
-            raise AssertionError(f"safetensors header size {len(data)} != {self._header_len}")
-        fh, self._fh = self._fh, None
-        try:
-            fh.seek(0)
-            fh.write(struct.pack("<Q", self._room) + data.ljust(self._room))  # spaces
-            fh.close()
-        except OSError as exc:
-            raise self._fail(exc) from None
-        self.files.append((self._path, self._shard_names))
-
-    def abort(self) -> None:
-        """Close what is open (after a failure; the caller removes the files)."""
-        for fh in self._handles:
-            fh.close()  # a no-op for those already closed
-        self._fh = None
-
-    def finish(self) -> dict[str, str]:
-        """Close the last shard and rename the shards to Hugging Face names; returns the
-        weight map."""
-        self.close_shard()
-        total = len(self.files)
-        weight_map: dict[str, str] = {}
-        for i, (path, names) in enumerate(self.files, start=1):
-            final = (
-                "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
-            )
-            path.rename(self.directory / final)
-            weight_map.update({n: final for n in names})
-        return weight_map
 
 
 # --------------------------------------------------------------------------- the export
@@ -672,19 +268,22 @@ def export_fp8_checkpoint(
     of the checkpoint or its shards.
 
     Args:
-        source: a state dict in Hugging Face naming (``{name: tensor}``, any device), or a
-            Hugging Face checkpoint directory with safetensors weights and ``config.json``.
+        source: a state dict in Hugging Face naming (``{name: tensor}``, any device), a
+            Hugging Face checkpoint directory with safetensors weights and ``config.json``,
+            or the one ``*.safetensors`` file of such a directory (one without an index).
         out_dir: the directory to create. It must not exist unless ``overwrite``.
         spec: the recipe (name, ``fp8:``-style mapping or :class:`~nemo_fp8_plugin.spec.RecipeSpec`);
             its scaling, tiles, ``pow2_scales`` and generation-side BF16 rules decide what is
             quantized. Default ``"fp8_blockwise"``.
         config: the model's Hugging Face config (mapping, ``config.json`` path, or an object
-            with ``to_dict``). Required for a state dict; defaults to ``source/config.json``.
+            with ``to_dict``). Required for a state dict; defaults to the source directory's
+            ``config.json``.
         max_shard_bytes: largest safetensors file written (header included), unless one
             tensor alone is larger. Default 5 GiB.
         overwrite: replace an existing ``out_dir`` directory (atomically). Default False.
-        copy_other_files: copy the source directory's other files (tokenizer, generation
-            config, ...). Default True.
+        copy_other_files: copy the source directory's other regular files (tokenizer,
+            generation config, ...); subdirectories are not copied and are listed in
+            :attr:`ExportResult.skipped`. Default True.
         progress: a progress bar on stderr (bytes of the source done): True, False, or None
             (default) for one only when stderr is a terminal.
 
@@ -693,8 +292,45 @@ def export_fp8_checkpoint(
 
     Raises:
         FP8ConfigError: a bad argument (named by ``key``), a source that is not a readable
-            safetensors checkpoint, an output that exists or cannot be written.
+            safetensors checkpoint, an output that exists, cannot be written, or is being
+            written by another export (a lock).
     """
+    spec = _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_files)
+    source_dir, entries, total = _source(source)
+    hf_config = _read_config(config, source_dir)
+    out = Path(out_dir)
+    _check_out_dir(out, source_dir, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_flag("progress", progress, none_ok=True)
+    with interruptible(), _locked(out):
+        _check_out_dir(out, source_dir, overwrite)  # again: another export may have finished
+        bar = _progress_bar(total, progress)
+        if entries is not None:
+            named = st.stream_entries(entries, bar.update if bar is not None else _ignore)
+        else:
+            assert isinstance(source, Mapping)
+            named = _stream_mapping(source, bar.update if bar is not None else _ignore)
+        tmp = _make_temp_dir(out)
+        try:
+            args = (spec, hf_config, max_shard_bytes, source_dir, copy_other_files)
+            result = _write(tmp, out, named, *args)
+            _swap_into_place(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+    result.path = out
+    return result
+
+
+def _ignore(nbytes: int) -> None:
+    """No progress bar: the byte counts go nowhere."""
+
+
+def _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_files):
+    """Every argument but the source and ``progress`` checked; returns the recipe."""
     from ..registry import get_recipe
 
     if isinstance(out_dir, bool) or not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
@@ -703,7 +339,6 @@ def export_fp8_checkpoint(
         )
     _check_flag("overwrite", overwrite)
     _check_flag("copy_other_files", copy_other_files)
-    _check_flag("progress", progress, none_ok=True)
     if not (
         config is None
         or isinstance(config, (Mapping, str, os.PathLike))
@@ -729,66 +364,140 @@ def export_fp8_checkpoint(
     if (
         isinstance(max_shard_bytes, bool)
         or not isinstance(max_shard_bytes, int)
-        or max_shard_bytes <= 0
+        or not 0 < max_shard_bytes <= MAX_SHARD_BYTES
     ):
         raise FP8ConfigError(
-            f"expected a positive number of bytes, got {format_value(max_shard_bytes)}",
+            f"expected a positive number of bytes up to {MAX_SHARD_BYTES}, got "
+            f"{format_value(max_shard_bytes)}",
             key="max_shard_bytes",
             value=max_shard_bytes,
         )
-    source_dir: Path | None = None
-    entries: list[_Entry] | None = None
+    return spec
+
+
+# --------------------------------------------------------------------------- the source
+
+
+def _source(source) -> tuple[Path | None, list[st.Entry] | None, int]:
+    """(source directory, its tensors from the headers, total bytes) for a directory or a
+    file; (None, None, total bytes) for a state dict, checked before any work."""
     if isinstance(source, (str, os.PathLike)):
         if not str(source):
             raise FP8ConfigError("expected a checkpoint directory, got ''", key="source", value="")
-        source_dir = Path(source)
-        if not source_dir.is_dir():
+        path = Path(source)
+        if path.is_file() and path.suffix == ".safetensors":
+            source_dir, files, index = _single_file(path)
+        elif path.is_dir():
+            source_dir = path
+            files, index = _safetensors_files(path), _index_weight_map(path)
+        else:
             raise FP8ConfigError(
-                f"checkpoint directory not found: {source_dir}", key="source", value=str(source_dir)
+                f"checkpoint directory or safetensors file not found: {path}",
+                key="source",
+                value=str(path),
             )
-        entries = _plan(_safetensors_files(source_dir))
-        total = sum(e.end - e.begin for e in entries)
-    elif isinstance(source, Mapping):
-        total = sum(
-            v.numel() * v.element_size() for v in source.values() if isinstance(v, torch.Tensor)
-        )
-    else:
+        entries = st.plan(files, index)
+        return source_dir, entries, sum(e.end - e.begin for e in entries)
+    if isinstance(source, Mapping):
+        for name, tensor in source.items():
+            _check_state_dict_item(name, tensor)
+        return None, None, sum(v.numel() * v.element_size() for v in source.values())
+    raise FP8ConfigError(
+        f"expected a state dict or a checkpoint directory, got {format_value(source)}",
+        key="source",
+    )
+
+
+def _single_file(path: Path) -> tuple[Path, list[Path], None]:
+    """A checkpoint's one weights file (as ``analyze`` accepts it); its directory gives the
+    config and the other files. One shard of an indexed checkpoint is refused: the export
+    would be part of a model."""
+    from ..config import regular_file
+
+    directory = path.parent
+    if (directory / "model.safetensors.index.json").exists():
         raise FP8ConfigError(
-            f"expected a state dict or a checkpoint directory, got {format_value(source)}",
+            f"{path} is one shard of the checkpoint in {directory} (it has "
+            f"model.safetensors.index.json); exporting it alone would write part of a model",
+            key="source",
+            value=str(path),
+            hint=f"export the directory {directory}",
+        )
+    return directory, [regular_file(path, key="source", what="safetensors file")], None
+
+
+def _safetensors_files(source: Path) -> list[Path]:
+    from ..config import safetensors_files
+
+    # Index entries stay inside the directory; only regular files are opened (a FIFO blocks).
+    try:
+        files = safetensors_files(source, key="source")
+    except RecursionError:  # an index nested past the interpreter's stack
+        raise FP8ConfigError(
+            f"{source / 'model.safetensors.index.json'} is nested too deeply to read",
+            key="source",
+            value=str(source),
+        ) from None
+    if not files:
+        other = [p.name for p in source.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        hint = (
+            "convert it to safetensors first (transformers: save_pretrained(..., "
+            "safe_serialization=True))"
+            if other
+            else None
+        )
+        raise FP8ConfigError(
+            f"no *.safetensors files in {source}", key="source", value=str(source), hint=hint
+        )
+    return files
+
+
+def _index_weight_map(source: Path) -> dict[str, str] | None:
+    """The index's ``weight_map`` (already checked by ``safetensors_files``), or None."""
+    index = source / "model.safetensors.index.json"
+    if not index.exists():
+        return None
+    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    return weight_map if isinstance(weight_map, dict) else None
+
+
+def _check_state_dict_item(name: Any, tensor: Any) -> None:
+    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+        raise FP8ConfigError(
+            f"expected tensor names mapped to torch.Tensor, got {format_value(name)}: "
+            f"{type(tensor).__name__}",
             key="source",
         )
-    hf_config = _read_config(config, source_dir)
+    if name == st.METADATA_KEY or tensor.is_meta:
+        st.checked_tensor(name, tensor)  # raises, naming the tensor
 
-    out = Path(out_dir)
-    _check_out_dir(out, source_dir, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name[:64]}.", suffix=".tmp", dir=out.parent))
-    bar = None
 
-    def done(nbytes: int) -> None:
-        if bar is not None:
-            bar.update(nbytes)
+def _stream_mapping(source: Mapping, on_done) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in source.items():
+        _check_state_dict_item(name, tensor)  # again: a mapping may change as it is read
+        yield name, tensor
+        on_done(tensor.numel() * tensor.element_size())
 
-    named: Iterable[tuple[str, torch.Tensor]]
-    if entries is not None:
-        named = _stream_entries(entries, done)
-    else:
-        assert isinstance(source, Mapping)
-        named = _stream_mapping(source, done)
+
+def _progress_bar(total: int, enabled: bool | None):
+    """A byte counter on stderr (tqdm's rule when ``enabled`` is None: only on a terminal)."""
     try:
-        bar = _progress_bar(total, progress)
-        result = _write(
-            tmp, out, named, spec, hf_config, max_shard_bytes, source_dir, copy_other_files
-        )
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    result.path = out
-    return result
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the analyze extra; without it, no bar
+        return None
+    return tqdm(
+        total=total,
+        desc="export",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=None if enabled is None else not enabled,
+        leave=False,
+    )
+
+
+# --------------------------------------------------------------------------- writing
 
 
 def _write(
@@ -801,25 +510,28 @@ def _write(
     source_dir: Path | None,
     copy_other_files: bool,
 ) -> ExportResult:
-    from .refit import quantize_for_refit
-
-    writer = _ShardWriter(tmp, max_shard_bytes, shown=out)
+    writer = st.ShardWriter(tmp, max_shard_bytes, shown=out)
     result = ExportResult(path=tmp)
     quantized_modules: set[str] = set()
     high_precision: list[str] = []
+    # Writes stay on this thread: a writer thread overlapping the next tensor's quantization
+    # (tried, within the memory bound) took more CPU time (median 2.9 s against 2.3 s on the
+    # 2.01 GB benchmark checkpoint, 2 shared cores) for no gain in wall time, and doubled
+    # the peak memory (the largest tensor still queued while the next one is read).
     try:
-        for name, tensor in quantize_for_refit(named, spec, num_layers=_num_layers(hf_config)):
-            writer.add(name, tensor)
-            if name.endswith(_SCALE_SUFFIX):
-                quantized_modules.add(_module_of(name[: -len(_SCALE_SUFFIX)]))
-                result.quantized += 1
-            elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                pass
-            else:
-                result.passed_through += 1
-                if name.endswith(".weight") and tensor.dim() in (2, 3):
-                    high_precision.append(name)
-            del tensor
+        with quantizer_threads():
+            for name, tensor in _quantized(named, spec, hf_config):
+                writer.add(name, tensor)
+                if name.endswith(_SCALE_SUFFIX):
+                    quantized_modules.add(_module_of(name[: -len(_SCALE_SUFFIX)]))
+                    result.quantized += 1
+                elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    pass
+                else:
+                    result.passed_through += 1
+                    if name.endswith(".weight") and tensor.dim() in (2, 3):
+                        high_precision.append(name)
+                del tensor
         weight_map = writer.finish()
     finally:
         writer.abort()
@@ -827,35 +539,166 @@ def _write(
     result.bytes = writer.total_bytes
     if len(writer.files) > 1:
         index = {"metadata": {"total_size": writer.total_bytes}, "weight_map": weight_map}
-        atomic_write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+        _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
 
     qcfg = _quantization_config(spec, _ignored_layers(high_precision, quantized_modules))
     result.quantization_config = qcfg
     new_config = dict(hf_config)
     new_config["quantization_config"] = qcfg
-    atomic_write_text(tmp / "config.json", json.dumps(new_config, indent=2, sort_keys=False) + "\n")
-
+    _write_text(tmp / "config.json", json.dumps(new_config, indent=2, sort_keys=False) + "\n")
     if source_dir is not None and copy_other_files:
-        for item in source_dir.iterdir():
-            if item.name == "config.json" or any(item.match(p) for p in WEIGHT_FILES):
-                continue
-            if item.is_file():  # regular files (a link's target); no FIFO, no directory
-                shutil.copy2(item, tmp / item.name)
+        result.skipped = _copy_other_files(source_dir, tmp)
     return result
+
+
+def _quantized(named, spec, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    from .refit import quantize_for_refit
+
+    return quantize_for_refit(named, spec, num_layers=_num_layers(hf_config))
+
+
+@contextlib.contextmanager
+def quantizer_threads() -> Iterator[None]:
+    """torch's (and so the C++ quantizer's) thread count for the export: the cores this
+    process may run on that other work is not using now (the 1-minute load average, less
+    this process's own share), at least one, at most torch's setting; restored after.
+    OpenMP threads that outnumber the free cores wait on each other at every barrier: on a
+    loaded 2-core machine two threads made the export 2-3x slower than one."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        others = max(0.0, os.getloadavg()[0] - 1.0)  # this process counts about 1 when busy
+    except (AttributeError, OSError):
+        others = 0.0
+    torch.set_num_threads(max(1, min(before, round((cores or 1) - others))))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """A new file in the export's own temporary directory. No temp file and rename of its
+    own (the directory is renamed into place whole) and no fsync: an fsync here can make the
+    export wait for the disk to take every shard written before it (ext4 commits the
+    journal with the data it orders), which a copy of the checkpoint never does. Like a
+    copy, the export is durable once the system writes it back (``sync`` to force it)."""
+    with open(path, "x", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def _copy_other_files(source_dir: Path, tmp: Path) -> list[str]:
+    """Copy the source's regular non-weight files; returns the names of what was not copied
+    (subdirectories, FIFOs, sockets, devices)."""
+    skipped: list[str] = []
+    for item in sorted(source_dir.iterdir()):
+        if item.name == "config.json" or any(item.match(p) for p in WEIGHT_FILES):
+            continue
+        if item.is_file():  # regular files (a link's target); no FIFO, no directory
+            shutil.copy2(item, tmp / item.name)
+        else:
+            skipped.append(item.name + ("/" if item.is_dir() else ""))
+    return skipped
+
+
+# --------------------------------------------------------------------------- the output
+
+
+def _stem(out: Path) -> str:
+    """``out``'s name as the prefix of its temporary entries: the characters safe in any
+    file system and encoding (a name with a non-UTF-8 byte would break a prefix built from
+    it), at most 64."""
+    return "." + (re.sub(r"[^A-Za-z0-9_.-]", "_", out.name)[:64] or "_")
+
+
+def _make_temp_dir(out: Path) -> Path:
+    """A new directory beside ``out``, created with mode 0777 so the umask decides its
+    mode, as for any directory the user makes (``tempfile.mkdtemp`` makes 0700)."""
+    for _ in range(100):
+        tmp = out.parent / f"{_stem(out)}{TEMP_MARK}{secrets.token_hex(4)}.tmp"
+        try:
+            os.mkdir(tmp, 0o777)
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"no free temporary name beside {out}")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Hold ``out``'s lock file for the export (refused if another export holds it), and
+    clean what an export to ``out`` killed by SIGKILL left behind."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock, no cleanup
+        yield
+        return
+    lock = out.parent / f"{_stem(out)}{TEMP_MARK[:-1]}.lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FP8ConfigError(
+                f"another export is writing {out} (it holds {lock.name})",
+                key="out_dir",
+                value=str(out),
+                hint="wait for it to finish, or pick another directory",
+            ) from None
+        # The file may have been removed by the export that held it before: then this lock
+        # guards nothing, and the next open makes a new file.
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                break
+        os.close(fd)
+    try:
+        _clean_leftovers(out)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+        os.close(fd)
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Remove the temporary entries an export to ``out`` left when it was killed (called
+    with the lock held, so none is in use). A ``.old`` directory with no ``out`` is the old
+    output of a swap cut between its two renames: it is put back, not removed."""
+    prefix = _stem(out) + TEMP_MARK
+    for item in sorted(out.parent.iterdir()):
+        if not item.name.startswith(prefix) or item.is_symlink() or not item.is_dir():
+            continue
+        if item.name.endswith(".old") and not out.exists() and not out.is_symlink():
+            os.replace(item, out)
+        elif item.name.endswith((".tmp", ".old")):
+            shutil.rmtree(item, ignore_errors=True)
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
     """Rename the finished directory to ``out``; an existing ``out`` is replaced only after
-    the new one is complete."""
+    the new one is complete, and the swap (two renames and the old directory's removal) is
+    not cut by SIGTERM or SIGINT."""
     if not out.exists():
         os.replace(tmp, out)
         return
-    backup = Path(tempfile.mkdtemp(prefix=f".{out.name[:64]}.", suffix=".old", dir=out.parent))
-    backup.rmdir()
-    os.replace(out, backup)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(backup, out)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
+    backup = out.parent / f"{_stem(out)}{TEMP_MARK}{secrets.token_hex(4)}.old"
+    with signals_held() as pending:
+        os.replace(out, backup)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(backup, out)
+            raise
+        if pending:  # interrupted during the swap: undone, as if the signal came before it
+            os.replace(out, tmp)
+            os.replace(backup, out)
+            return  # the signal is delivered as the block ends; the caller removes tmp
+        shutil.rmtree(backup, ignore_errors=True)  # a few files: quick, and never left
+
+
+def shown_path(path: Path | str) -> str:
+    """A path as the CLI prints it: one line, every character encodable (a name with a
+    non-UTF-8 byte or a terminal escape sequence is escaped, not printed raw)."""
+    text = os.fsdecode(path) if not isinstance(path, str) else path
+    return one_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))

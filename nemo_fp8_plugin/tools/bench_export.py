@@ -234,91 +234,144 @@ def _copy_checkpoint(src: Path, dst: Path) -> None:
             shutil.copyfile(f, dst / f.name)
 
 
+QUIET_LOAD = 1.5
+"""Ratios count only for rounds that started and ended with the 1-minute load average below
+this (the machine is shared; an oversubscribed CPU moves both arms unevenly)."""
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _synthetic(src: Path, model: dict[str, int], quick: bool) -> tuple[dict[str, int], float]:
+    config = {
+        "hidden_size": model["hidden"],
+        "intermediate_size": model["intermediate"],
+        "num_hidden_layers": model["layers"],
+        "num_attention_heads": model["hidden"] // 128,
+        "num_key_value_heads": model["kv_heads"],
+        "head_dim": 128,
+        "vocab_size": model["vocab"],
+        "tie_word_embeddings": True,
+    }
+    t0 = time.perf_counter()
+    info = write_synthetic_checkpoint(
+        src, _llama_shapes(**model), shard_bytes=(8 if quick else 500) * 2**20, config=config
+    )
+    return info, time.perf_counter() - t0
+
+
+def _clean(root: Path) -> None:
+    for d in root.iterdir():
+        if d.name != "src":
+            shutil.rmtree(d)
+    # start each run with no dirty pages queued for the disk by the one before, so neither
+    # arm pays for the other's write-back
+    os.sync()
+
+
+def stage_profile(src: Path) -> dict[str, float]:
+    """Seconds of the export's stages, one run each: ``read_s`` (every source tensor
+    streamed and summed, which touches every byte), ``read_quantize_s`` (streamed through
+    ``quantize_for_refit``, output dropped); the rest of an export is writing."""
+    import torch
+
+    from ..rl.export import quantizer_threads
+    from ..rl.refit import quantize_for_refit
+    from ..rl.safetensors_io import plan, stream_entries
+
+    entries = plan(sorted(src.glob("*.safetensors")))
+    t0 = time.perf_counter()
+    for _, tensor in stream_entries(entries, lambda n: None):
+        torch.sum(tensor.view(torch.uint8).reshape(-1)[:: 4096 // tensor.element_size()])
+    read_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with quantizer_threads():
+        for _ in quantize_for_refit(stream_entries(entries, lambda n: None), "fp8_blockwise"):
+            pass
+    return {"read_s": read_s, "read_quantize_s": time.perf_counter() - t0}
+
+
+def _rounds(src: Path, root: Path, rounds: int) -> tuple[dict[str, list[float]], dict]:
+    from ..rl import export_fp8_checkpoint
+
+    counter = iter(range(10**9))
+    last: dict[str, Any] = {}
+
+    def export() -> None:
+        last["result"] = export_fp8_checkpoint(
+            src, root / f"export-{next(counter)}", "fp8_blockwise", progress=False
+        )
+
+    def copy() -> None:
+        _copy_checkpoint(src, root / f"copy-{next(counter)}")
+
+    samples: dict[str, list[float]] = {"export": [], "copy": [], "load": []}
+    last["first_s"] = timed(export)[0]
+    last["output_bytes"] = sum(f.stat().st_size for f in last["result"].path.glob("*.safetensors"))
+    last["shards"] = last["result"].shards
+    _clean(root)
+    for _ in range(rounds):
+        load = [_load()]
+        for name, fn in (("export", export), ("copy", copy)):
+            samples[name] += timed(fn)
+            _clean(root)
+        load.append(_load())
+        samples["load"].append(max((x for x in load if x is not None), default=float("nan")))
+    return samples, last
+
+
 def bench_export(quick: bool = False, workdir: str | None = None) -> dict:
     """Time ``export_fp8_checkpoint`` against a same-run safetensors copy of a synthetic
     Llama-shaped checkpoint (about 2 GB; 50 MB with ``quick``) written under ``workdir``
     (default: the system temp directory) and removed afterwards.
 
     Returns the figures: ``ratio`` (export throughput / copy throughput, best runs) and
-    ``ratio_paired_median`` (per round), ``export_s`` /
-    ``copy_s`` (best run) and their medians, ``first_export_s``, ``checkpoint_bytes``,
-    ``output_bytes``, ``export_gbps`` / ``copy_gbps`` (checkpoint bytes per second),
-    ``peak_rss_bytes`` (above baseline, fresh process) with ``largest_tensor_bytes`` and
-    ``rss_bound_bytes``, counts, ``rounds``, ``quick`` and ``environment``.
+    ``ratio_paired_median`` (per round), ``ratio_quiet_median`` (the per-round ratios of the
+    rounds at load below :data:`QUIET_LOAD`, None without one), ``load_samples`` (the
+    highest 1-minute load average seen at each round's start and end), ``export_s`` /
+    ``copy_s`` (best run) and their medians, ``stages`` (:func:`stage_profile`),
+    ``first_export_s``, ``checkpoint_bytes``, ``output_bytes``, ``export_gbps`` /
+    ``copy_gbps`` (checkpoint bytes per second), ``peak_rss_bytes`` (above baseline, fresh
+    process) with ``largest_tensor_bytes`` and ``rss_bound_bytes``, counts, ``rounds``,
+    ``quick`` and ``environment``.
     """
-    from ..rl import export_fp8_checkpoint
-
     if not isinstance(quick, bool):
         raise TypeError(f"quick must be True or False, not {type(quick).__name__}")
     if workdir is not None and not isinstance(workdir, (str, os.PathLike)):
         raise TypeError(f"workdir must be a path or None, not {type(workdir).__name__}")
-    model = QUICK if quick else FULL
     rounds = 1 if quick else 5
     root = Path(tempfile.mkdtemp(prefix="nemo-fp8-bench-export-", dir=workdir))
     try:
         src = root / "src"
-        config = {
-            "hidden_size": model["hidden"],
-            "intermediate_size": model["intermediate"],
-            "num_hidden_layers": model["layers"],
-            "num_attention_heads": model["hidden"] // 128,
-            "num_key_value_heads": model["kv_heads"],
-            "head_dim": 128,
-            "vocab_size": model["vocab"],
-            "tie_word_embeddings": True,
-        }
-        t0 = time.perf_counter()
-        info = write_synthetic_checkpoint(
-            src,
-            _llama_shapes(**model),
-            shard_bytes=(8 if quick else 500) * 2**20,
-            config=config,
-        )
-        write_s = time.perf_counter() - t0
-        counter = iter(range(10**9))
-        last: dict[str, Any] = {}
-
-        def export() -> None:
-            last["result"] = export_fp8_checkpoint(
-                src, root / f"export-{next(counter)}", "fp8_blockwise", progress=False
-            )
-
-        def copy() -> None:
-            _copy_checkpoint(src, root / f"copy-{next(counter)}")
-
-        def clean() -> None:
-            for d in root.iterdir():
-                if d.name != "src":
-                    shutil.rmtree(d)
-            # start each run with no dirty pages queued for the disk by the one before, so
-            # neither arm pays for the other's write-back
-            os.sync()
-
-        first = timed(export)[0]
-        output_bytes = sum(f.stat().st_size for f in last["result"].path.glob("*.safetensors"))
-        shards = last["result"].shards
-        clean()
-        samples: dict[str, list[float]] = {"export": [], "copy": []}
-        for _ in range(rounds):
-            for name, fn in (("export", export), ("copy", copy)):
-                samples[name] += timed(fn)
-                clean()
+        info, write_s = _synthetic(src, QUICK if quick else FULL, quick)
+        samples, last = _rounds(src, root, rounds)
+        stages = stage_profile(src)
         memory = measure_export_memory(src, root / "memory")
-        clean()
+        _clean(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return _figures(info, write_s, samples, last, stages, memory, quick, rounds)
+
+
+def _figures(info, write_s, samples, last, stages, memory, quick, rounds) -> dict:
     export_t, copy_t = timing_summary(samples["export"]), timing_summary(samples["copy"])
     gb = info["bytes"] / 1e9
+    per_round = [c / e for e, c in zip(samples["export"], samples["copy"]) if e > 0]
+    quiet = [r for r, load in zip(per_round, samples["load"]) if load < QUIET_LOAD]
     return {
         "quick": quick,
         "rounds": rounds,
         "checkpoint_bytes": info["bytes"],
         "tensors": info["tensors"],
         "source_shards": info["shards"],
-        "output_shards": shards,
-        "output_bytes": output_bytes,
+        "output_shards": last["shards"],
+        "output_bytes": last["output_bytes"],
         "write_synthetic_s": write_s,
-        "first_export_s": first,
+        "first_export_s": last["first_s"],
         "export_s": export_t["best_s"],
         "export_median_s": export_t["median_s"],
         "copy_s": copy_t["best_s"],
@@ -329,11 +382,13 @@ def bench_export(quick: bool = False, workdir: str | None = None) -> dict:
         "ratio_median": ratio(copy_t["median_s"], export_t["median_s"]),
         # each round's export against the copy run right after it: load that changes
         # between rounds cancels out
-        "ratio_paired_median": median(
-            c / e for e, c in zip(samples["export"], samples["copy"]) if e > 0
-        ),
+        "ratio_paired_median": median(per_round),
+        "ratio_quiet_median": median(quiet),
+        "quiet_rounds": len(quiet),
+        "load_samples": samples["load"],
         "export_samples_s": samples["export"],
         "copy_samples_s": samples["copy"],
+        "stages": stages,
         "peak_rss_bytes": memory["delta_bytes"],
         "peak_rss_hwm_reset": memory["hwm_reset"],
         "largest_tensor_bytes": info["largest"],
@@ -369,6 +424,20 @@ def render_export(result: dict) -> str:
             "ratio export / copy (best, median, per-round median)",
             f"{r(result['ratio'])}, {r(result['ratio_median'])}, "
             f"{r(result.get('ratio_paired_median'))}",
+        ),
+        (
+            f"per-round median at load < {QUIET_LOAD}",
+            f"{r(result.get('ratio_quiet_median'))} ({result.get('quiet_rounds', 0)} of "
+            f"{result['rounds']} rounds)",
+        ),
+        (
+            "load average per round",
+            ", ".join(f"{x:.1f}" for x in result.get("load_samples", [])),
+        ),
+        (
+            "stages: read / read+quantize / whole export (median)",
+            f"{result['stages']['read_s']:.2f} s / {result['stages']['read_quantize_s']:.2f} s"
+            f" / {result['export_median_s']:.2f} s",
         ),
         ("first export (kernel builds included)", f"{result['first_export_s']:.2f} s"),
         ("output", f"{result['output_bytes'] / 1e9:.2f} GB in {result['output_shards']} shards"),

@@ -203,19 +203,25 @@ def test_existing_output_is_refused_or_replaced_whole(tmp_path, state_dict):
 
 
 class _FailingSource(dict):
-    """A state dict whose stream breaks half way (a crash during export)."""
+    """A state dict whose stream breaks half way (a crash during export): the first pass
+    (the export's up-front check of names and tensors) goes through, the second, which
+    feeds the quantizer and the writer, breaks at the sixth tensor."""
+
+    passes = 0
 
     def items(self):
+        self.passes += 1
         for i, item in enumerate(super().items()):
-            if i == 5:
+            if i == 5 and self.passes > 1:
                 raise RuntimeError("disk on fire")
             yield item
 
 
 def test_a_crash_leaves_nothing_behind(tmp_path, state_dict):
+    source = _FailingSource(state_dict)
     with pytest.raises(RuntimeError, match="disk on fire"):
-        export_fp8_checkpoint(_FailingSource(state_dict), tmp_path / "ckpt", config=CONFIG)
-    assert list(tmp_path.iterdir()) == []
+        export_fp8_checkpoint(source, tmp_path / "ckpt", config=CONFIG)
+    assert source.passes == 2 and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -492,7 +498,7 @@ def test_unaligned_and_unlisted_dtypes_are_read_exactly(tmp_path, state_dict, mo
             "model.extra_scale": ("F8_E4M3FNUZ", fnuz),
         },
     )
-    from nemo_fp8_plugin.rl import export as export_module
+    from nemo_fp8_plugin.rl import safetensors_io as export_module
 
     reads = []
     real_read_into = export_module._read_into

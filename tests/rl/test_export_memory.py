@@ -77,7 +77,11 @@ def test_quick_benchmark_reports_every_figure(tmp_path):
     assert result["ratio"] == pytest.approx(result["copy_s"] / result["export_s"])
     assert 40e6 < result["checkpoint_bytes"] < 60e6 and result["source_shards"] > 1
     assert 0 < result["peak_rss_bytes"] < result["rss_bound_bytes"]
+    assert len(result["load_samples"]) == result["rounds"]  # ratios count only when quiet
+    assert result["quiet_rounds"] == sum(x < 1.5 for x in result["load_samples"])
+    assert 0 < result["stages"]["read_s"] and 0 < result["stages"]["read_quantize_s"]
     table = render_export(result)
+    assert "load average per round" in table and "stages" in table
     assert table.startswith("| export benchmark |") and "ratio" in table
     with pytest.raises(TypeError):
         bench_export(quick="yes")  # type: ignore[arg-type]
