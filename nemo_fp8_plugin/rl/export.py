@@ -119,7 +119,7 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
             hint="pass config= (a mapping or a path to config.json)",
         )
     if isinstance(config, (str, os.PathLike)):
-        from ..config import regular_file
+        from .._io import regular_file
 
         path = Path(config)
         if not str(config):
@@ -412,7 +412,7 @@ def _single_file(path: Path) -> tuple[Path, list[Path], None]:
     """A checkpoint's one weights file (as ``analyze`` accepts it); its directory gives the
     config and the other files. One shard of an indexed checkpoint is refused: the export
     would be part of a model."""
-    from ..config import regular_file
+    from .._io import regular_file
 
     directory = path.parent
     if (directory / "model.safetensors.index.json").exists():
@@ -427,7 +427,7 @@ def _single_file(path: Path) -> tuple[Path, list[Path], None]:
 
 
 def _safetensors_files(source: Path) -> list[Path]:
-    from ..config import safetensors_files
+    from .._io import safetensors_files
 
     # Index entries stay inside the directory; only regular files are opened (a FIFO blocks).
     try:
