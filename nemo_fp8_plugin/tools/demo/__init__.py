@@ -21,7 +21,49 @@ from typing import Any
 
 from ..harness import ArmRecord, Stopwatch, environment, pyplot, ratio, write_json, write_png
 
-__all__ = ["TrainSettings", "ArmResult", "load_demo_config", "run_demo", "default_config"]
+__all__ = [
+    "TrainSettings",
+    "ArmResult",
+    "load_demo_config",
+    "run_demo",
+    "default_config",
+    "pick_threads",
+    "load_average",
+    "QUIET_LOAD",
+]
+
+
+QUIET_LOAD = 1.5
+"""Load average (one minute) below which a run's step-time ratios count."""
+
+
+def load_average() -> float | None:
+    """The one-minute load average, None where the OS has none."""
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def pick_threads() -> tuple[int, str]:
+    """torch's intra-op threads for the whole run (every arm the same, so ratios stay
+    fair) and why: ``OMP_NUM_THREADS`` / ``NEMO_FP8_CPU_THREADS`` when set, else one per
+    core this process may use that the load average leaves idle. On an oversubscribed
+    machine torch's threads wait for each other at every op (measured: a 1024x512 clone
+    0.7 ms on one thread, 69 ms on two at load 10)."""
+    import os
+
+    from ...numerics import _cpu
+
+    for name in ("NEMO_FP8_CPU_THREADS", "OMP_NUM_THREADS"):
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw), f"${name}"
+    cores = _cpu.available_cores()
+    load = load_average() or 0.0
+    return _cpu.idle_threads(cores, load), f"{cores} cores at load {load:.2f}"
 
 
 def default_config() -> Path:
@@ -66,6 +108,9 @@ class ArmResult(ArmRecord[float]):
     """Linear modules kept in BF16 by the recipe's rules."""
     linear_modules: int = 0
     """Linear modules in the model."""
+    load_average: float | None = None
+    """One-minute load average when the arm finished (the machine may be shared: step
+    ratios count only below :data:`QUIET_LOAD`)."""
 
     @property
     def losses(self) -> list[float]:
@@ -307,6 +352,7 @@ def run_arm(
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.3f}")
+        result.load_average = load_average()
         model.eval()
         with torch.no_grad():
             evals = [float(_loss(model, b)) for b in data.eval]
@@ -361,9 +407,25 @@ def summarize(results: list[ArmResult]) -> list[dict[str, Any]]:
                 "linear_modules": r.linear_modules,
                 "steps_done": len(r.losses),
                 "completed": r.completed,
+                "load_average": r.load_average,
             }
         )
     return rows
+
+
+def load_note(rows: list[dict[str, Any]]) -> str:
+    """The line under the table: the highest load average an arm finished at, and whether
+    the step-time ratios count (only below :data:`QUIET_LOAD`)."""
+    loads = [r["load_average"] for r in rows if r.get("load_average") is not None]
+    if not loads:
+        return "load average: unknown; step-time ratios count only on a quiet machine"
+    worst = max(loads)
+    verdict = (
+        "the step-time ratios count"
+        if worst < QUIET_LOAD
+        else f"the step-time ratios do not count (they need load < {QUIET_LOAD})"
+    )
+    return f"load average up to {worst:.2f} during the run: {verdict}"
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
@@ -383,6 +445,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
             f"{fmt(row['step_time_vs_bf16'], '16.2f') + ('x' if row['step_time_vs_bf16'] else ''):>17} "
             f"{layers:>12}{done}"
         )
+    lines.append(load_note(rows))
     return "\n".join(lines)
 
 
@@ -459,6 +522,11 @@ def run_demo(
         f"{train.steps} steps x {train.micro_batch_size}x{gpt.seq_length} bytes of Python stdlib source"
     )
     log(f"  arms: {', '.join(a for a, _ in arms)}; output: {out_dir.resolve()}")
+    import torch
+
+    threads, why = pick_threads()
+    torch.set_num_threads(threads)
+    log(f"  threads: {threads} ({why})")
     results: list[ArmResult] = []
     interrupted = False
     report: dict[str, Any] = {}
@@ -472,6 +540,9 @@ def run_demo(
             train=asdict(train),
             recipe_requested=request.spec.name if request else None,
             environment=env,
+            threads=threads,
+            threads_reason=why,
+            quiet_load=QUIET_LOAD,
             interrupted=interrupted,
             rows=summarize(results),
             curves={r.name: r.losses for r in results},
