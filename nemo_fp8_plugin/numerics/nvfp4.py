@@ -38,6 +38,7 @@ imports only torch, the plugin's error type and the CPU kernel loader.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -186,6 +187,13 @@ def rht_matrix(
 ) -> torch.Tensor:
     """The 16 x 16 RHT matrix ``diag(RHT_SIGNS) @ H16 / 4`` (orthogonal; entries +-1/4, exact
     in every float dtype). A row vector ``v`` of 16 is transformed as ``v @ rht_matrix()``."""
+    return _rht(dtype, torch.device(device) if device is not None else None).clone()
+
+
+@functools.lru_cache(maxsize=32)
+def _rht(dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
+    """:func:`rht_matrix`, built once per dtype and device (read only: callers never write
+    to it; the emulation transforms every wgrad operand with it)."""
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
     m = signs[:, None] * _sylvester(NVFP4_GROUP) * 0.25
     return m.to(dtype=dtype, device=device)
@@ -202,7 +210,7 @@ def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
             value=tuple(x.shape),
         )
     rows = x.contiguous().reshape(-1, NVFP4_GROUP)
-    return (rows @ rht_matrix(x.dtype, x.device)).reshape(x.shape)
+    return (rows @ _rht(x.dtype, x.device)).reshape(x.shape)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -446,7 +454,7 @@ def fake_quant_nvfp4(
     _, _, out = lib.nvfp4(x2, block[0], float(amax), u, packed=False, fake=True)
     if rht:
         m, k = out.shape
-        out = (out.reshape(-1, NVFP4_GROUP) @ rht_matrix(torch.float32, out.device).T).reshape(m, k)
+        out = (out.reshape(-1, NVFP4_GROUP) @ _rht(torch.float32, out.device).T).reshape(m, k)
     return out.reshape(x.shape)
 
 
@@ -583,6 +591,6 @@ def dequantize_nvfp4(
         factor = factor.repeat_interleave(bm, dim=0)[:m]
     out = (values * factor.unsqueeze(-1)).reshape(m, k)
     if undo_rht and q.rht:
-        out = (out.reshape(-1, NVFP4_GROUP) @ rht_matrix(torch.float32, out.device).T).reshape(m, k)
+        out = (out.reshape(-1, NVFP4_GROUP) @ _rht(torch.float32, out.device).T).reshape(m, k)
     out = out.reshape(q.shape)
     return out if dtype == torch.float32 else out.to(dtype)

@@ -15,7 +15,8 @@ accumulation does, and costs the same on both sides of the ratio.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,10 @@ class ArmResult(ArmRecord[float]):
     """Linear modules kept in BF16 by the recipe's rules."""
     linear_modules: int = 0
     """Linear modules in the model."""
+    step_cpu_seconds: list[float] = field(default_factory=list)
+    """CPU seconds this process spent in each step (``time.process_time``, all threads):
+    on a shared machine wall time also counts the time slices other processes took, CPU
+    time does not."""
     load_average: float | None = None
     """One-minute load average when the arm finished (the machine may be shared: step
     ratios count only below :data:`QUIET_LOAD`)."""
@@ -121,6 +126,16 @@ class ArmResult(ArmRecord[float]):
     def step_time_s(self) -> float | None:
         """Median seconds per training step, the first steps (one-off allocation) left out."""
         return self.steady_step_s()
+
+    @property
+    def step_cpu_s(self) -> float | None:
+        """Median CPU seconds per step, the same steps left out as :attr:`step_time_s`."""
+        times = self.step_cpu_seconds
+        if not times:
+            return None
+        kept = sorted(times[min(5, len(times) // 2) :])
+        mid = len(kept) // 2
+        return kept[mid] if len(kept) % 2 else (kept[mid - 1] + kept[mid]) / 2
 
 
 def load_demo_config(path: str | Path):
@@ -340,6 +355,7 @@ def run_arm(
                 return result
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, train)
+            cpu_start = time.process_time()
             with Stopwatch() as sw:
                 loss = _loss(model, batch)
                 loss.backward()
@@ -347,6 +363,7 @@ def run_arm(
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             result.step_seconds.append(sw.seconds)
+            result.step_cpu_seconds.append(time.process_time() - cpu_start)
             value = float(loss.detach())
             result.steps.append(value)
             if bar is not None:
@@ -396,6 +413,7 @@ def summarize(results: list[ArmResult]) -> list[dict[str, Any]]:
         if base is not None and base.eval_loss and r.eval_loss is not None:
             gap = (r.eval_loss - base.eval_loss) / base.eval_loss
         step_ratio = ratio(r.step_time_s, base.step_time_s if base is not None else None)
+        cpu_ratio = ratio(r.step_cpu_s, base.step_cpu_s if base is not None else None)
         rows.append(
             {
                 "recipe": r.name,
@@ -403,6 +421,8 @@ def summarize(results: list[ArmResult]) -> list[dict[str, Any]]:
                 "loss_gap_vs_bf16": gap,
                 "step_time_s": r.step_time_s,
                 "step_time_vs_bf16": step_ratio,
+                "step_cpu_s": r.step_cpu_s,
+                "step_cpu_vs_bf16": cpu_ratio,
                 "bf16_modules": r.bf16_modules,
                 "linear_modules": r.linear_modules,
                 "steps_done": len(r.losses),
@@ -432,9 +452,12 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
+    def times(value):
+        return "-" if value is None else f"{value:.2f}x"
+
     lines = [
         f"{'recipe':<16} {'final loss':>10} {'gap vs BF16':>11} {'step time vs BF16':>17} "
-        f"{'BF16 linears':>12}"
+        f"{'CPU time vs BF16':>16} {'BF16 linears':>12}"
     ]
     for row in rows:
         layers = f"{row['bf16_modules']}/{row['linear_modules']}"
@@ -442,7 +465,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{row['recipe']:<16} {fmt(row['final_loss'], '10.4f')} "
             f"{fmt(row['loss_gap_vs_bf16'], '+11.2%')} "
-            f"{fmt(row['step_time_vs_bf16'], '16.2f') + ('x' if row['step_time_vs_bf16'] else ''):>17} "
+            f"{times(row['step_time_vs_bf16']):>17} "
+            f"{times(row.get('step_cpu_vs_bf16')):>16} "
             f"{layers:>12}{done}"
         )
     lines.append(load_note(rows))
