@@ -322,7 +322,6 @@ class CpuKernels:
         self._check(rc, "nf8_scaled_cast")
         return data
 
-
     # ------------------------------------------------------------ fake quantization
 
     def fake_quant_tiles(
@@ -372,7 +371,14 @@ class CpuKernels:
         eps32 = float(torch.tensor(eps, dtype=torch.float32))
         fmax = 448.0 if fmt == "e4m3" else 57344.0
         self._lib.nf8_scale_from_amax(
-            amax, fmax, int(pow2), int(eps > 0.0), eps32, vinf, ctypes.byref(scale), ctypes.byref(inv)
+            amax,
+            fmax,
+            int(pow2),
+            int(eps > 0.0),
+            eps32,
+            vinf,
+            ctypes.byref(scale),
+            ctypes.byref(inv),
         )
         return float(scale.value), float(inv.value)
 

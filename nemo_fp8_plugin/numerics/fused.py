@@ -423,9 +423,7 @@ def fake_quant_per_tensor(
     lib = _cpu_kernels(x, None)
     if lib is not None:  # amax pass, then one cast-and-decode pass
         xc = x.contiguous()
-        scale, scale_inv = lib.scale_from_amax(
-            lib.amax(xc), fmt, pow2=pow2, eps=eps, vinf=FLT_MAX
-        )
+        scale, scale_inv = lib.scale_from_amax(lib.amax(xc), fmt, pow2=pow2, eps=eps, vinf=FLT_MAX)
         return lib.fake_quant_scaled(xc, scale, scale_inv, fmt, amax=False)[0]
     if not _use_fused(x, force):
         return eager()
