@@ -24,7 +24,10 @@ def test_rows_carry_wall_and_cpu_ratios_and_the_load():
     assert mx["load_average"] == 1.1
     text = D.render_table(rows)
     assert "CPU time vs BF16" in text and "1.20x" in text and "1.05x" in text
-    assert text.splitlines()[-1] == "load average up to 1.10 during the run: the step-time ratios count"
+    assert (
+        text.splitlines()[-1]
+        == "load average up to 1.10 during the run: the step-time ratios count"
+    )
 
 
 def test_a_busy_run_says_its_ratios_do_not_count():
