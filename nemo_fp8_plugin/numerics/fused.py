@@ -77,6 +77,7 @@ __all__ = [
     "fake_quant_per_tensor",
     "fake_quant_with_scale",
     "compile_failed",
+    "cpu_fake_quant_enabled",
 ]
 
 _lock = threading.Lock()
@@ -285,10 +286,16 @@ def _scaled_fq(x, scale, scale_inv, *, fmt):
 # --------------------------------------------------------------------------- drivers
 
 
+def cpu_fake_quant_enabled() -> bool:
+    """Whether the fake quantizers may take the C++ CPU kernels: the fused switch
+    (``NEMO_FP8_FUSED``, :func:`fused_mode`), whatever became of torch.compile."""
+    return bool(_state["enabled"])
+
+
 def _cpu_kernels(x: torch.Tensor, dims: tuple[int, ...] | None = (2,)):
     """The C++ CPU library when it handles ``x`` (a CPU tensor of an input dtype, non-empty,
     of a rank in ``dims``, None for any rank) and the fused path is on, else None."""
-    if not fused_enabled() or x.device.type != "cpu" or x.numel() == 0:
+    if not cpu_fake_quant_enabled() or x.device.type != "cpu" or x.numel() == 0:
         return None
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None

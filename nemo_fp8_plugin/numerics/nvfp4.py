@@ -350,9 +350,9 @@ def _cpu_lib(x: torch.Tensor):
     """The C++ library for a non-empty CPU tensor (None: the eager path)."""
     if x.device.type != "cpu" or x.numel() == 0:
         return None
-    from .fused import fused_enabled  # the same switch as the FP8 fake quantizers
+    from .fused import cpu_fake_quant_enabled  # the FP8 fake quantizers' switch
 
-    return _cpu.kernels() if fused_enabled() else None
+    return _cpu.kernels() if cpu_fake_quant_enabled() else None
 
 
 def _prepare(x, block, global_amax, rht, stochastic, generator):
