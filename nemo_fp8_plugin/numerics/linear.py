@@ -138,29 +138,14 @@ class RoleQuantizer:
         return fake_quant_nvfp4(t, tuple(block), rht=rht, stochastic=stochastic)
 
     def cached(self, key: tuple | None, which: str, compute) -> torch.Tensor:
-        """``compute()``, reused while ``key`` (the weight's storage, version counter and
-        optimizer-step count, :func:`weight_key`) is unchanged: a weight is fake-quantized
-        once per optimizer step, not once per micro-batch. Under delayed scaling an entry
-        is reused only while the role's scale is the one it was cast with, and the cast's
-        amax is recorded again, so the scaling state evolves exactly as without the cache.
-        ``key`` None: no caching."""
+        """``compute()``, reused while ``key`` (:func:`weight_key`: the weight's storage,
+        version counter and the optimizer-step count) is unchanged, so that a weight is
+        fake-quantized once per optimizer step, not once per micro-batch. ``which`` names
+        the copy (``row``, ``col``); ``key`` None: no caching. Not for delayed scaling,
+        whose casts depend on the scaling state (:meth:`rowwise_weight`)."""
         if key is None:
             return compute()
         entry = self._cache.get(which)
-        if self.state is not None:
-            if entry is not None and entry[0] == key:
-                self._before_cast()
-                if bool(torch.equal(self.state.scale, entry[2])):
-                    self.state.record_amax(entry[3])
-                    return entry[1]
-                # a new scale: cast again (its update already ran)
-                deq, amax = fake_quant_with_scale(
-                    entry[4], self.state.scale, self.state.scale_inv, self.fmt
-                )
-                self.state.record_amax(amax)
-                self._cache[which] = (key, deq, self.state.scale.clone(), amax, entry[4])
-                return deq
-            return compute()
         if entry is not None and entry[0] == key:
             return entry[1]
         value = compute()
@@ -168,16 +153,26 @@ class RoleQuantizer:
         return value
 
     def rowwise_weight(self, w: torch.Tensor, key: tuple | None) -> torch.Tensor:
-        """:meth:`rowwise` of a weight through :meth:`cached`."""
-        if key is None or self.state is None:
+        """:meth:`rowwise` of a weight, cached per :meth:`cached`.
+
+        Delayed scaling: every call still folds the history into the scale and records the
+        weight's amax (the amax of an unchanged weight is the cached one), and the cached
+        values are reused only while the scale is the one they were cast with; so the
+        scaling state and the bits evolve exactly as without the cache."""
+        if self.state is None:
             return self.cached(key, "row", lambda: self.rowwise(w))
+        if key is None:
+            return self.rowwise(w)
+        self._before_cast()
         entry = self._cache.get("row")
         if entry is not None and entry[0] == key:
-            return self.cached(key, "row", lambda: self.rowwise(w))
-        self._before_cast()
+            _, deq, scale, amax = entry
+            if bool(torch.equal(self.state.scale, scale)):
+                self.state.record_amax(amax)
+                return deq
         deq, amax = fake_quant_with_scale(w, self.state.scale, self.state.scale_inv, self.fmt)
         self.state.record_amax(amax)
-        self._cache["row"] = (key, deq, self.state.scale.clone(), amax, w)
+        self._cache["row"] = (key, deq, self.state.scale.clone(), amax)
         return deq
 
     def columnwise(self, t: torch.Tensor, rowwise_result: torch.Tensor | None) -> torch.Tensor:
