@@ -5,7 +5,11 @@ Why C++: on x86 CPUs without a float8 conversion instruction (AVX2) torch and In
 fp32 to float8 one element at a time, and the compiled kernel reads the tensor twice (amax,
 then scale and cast). ``_cpu_kernels.cpp`` encodes eight lanes at a time with integer
 arithmetic and processes one tile row at a time (amax, scale, cast while it is in cache),
-threaded over tile rows with OpenMP.
+threaded over tile rows with OpenMP. The same file holds the emulation's fake quantizers
+(quantize, then dequantize to fp32 in the same pass: block scaling and MXFP8 with row or
+column tiles, per tensor, a given scale with its amax) and the NVFP4 kernel (packed E2M1
+codes and E4M3 scales, or the fp32 fake-quantized values). Threads: :func:`threads_for`
+(one for small tensors; capped by the available cores and the load average).
 
 Build: the C++ compiler Inductor uses (``$CXX``, else ``g++``, else ``c++``), ``-O3
 -fopenmp`` plus ``-mavx2 -mf16c`` where ``/proc/cpuinfo`` lists both; a plain C ABI loaded

@@ -11,6 +11,11 @@
 // panels of whole tiles of at most 4 MiB, threaded with OpenMP (dynamic chunks); the amax
 // pass over a panel leaves it in cache for the scale-and-cast pass, so the input is read
 // from memory once.
+//
+// Also here: the emulated linear's fake quantizers (nf8_fake_quant_*: quantize and
+// dequantize to fp32 in one pass, decoding through torch's own float8 table) and NVFP4
+// (nf8_nvfp4: numerics/nvfp4.py's quantizer; the RHT and the stochastic-rounding draws
+// come from the caller, computed by the reference's own torch ops).
 
 #include <cmath>
 #include <cstdint>
