@@ -5,8 +5,10 @@ The figures of ``nemo_fp8_plugin.tools.bench`` (see its docstring): the public q
 (``quantize_blockwise`` 1x128 / 128x128, ``quantize_mxfp8`` 1x32, ``quantize_per_tensor``),
 their compiled and reference variants, on an 8192x8192 bf16 tensor vs ``torch.clone`` of it
 in the same run (bytes read + written; first calls, including the CPU kernel build, timed
-apart), and a 4096x4096 linear's fwd+bwd per recipe's FP8 emulation vs the same layer in
-fp32 and bf16. Usage::
+apart), and a 4096x4096 linear's fwd+bwd per recipe's FP8 emulation (six recipes) vs the
+same layer in fp32, bf16 and the BF16-emulated linear (the demo's BF16 arm), with the load
+average: the ratios count only at load < 1.5, and the output says whether they do.
+Usage::
 
     .venv/bin/python benchmarks/bench_numerics.py [--quick] [--skip-bf16] [--skip-linear]
         [--json out.json]
@@ -18,6 +20,7 @@ fp32 and bf16. Usage::
 from __future__ import annotations
 
 import argparse
+import os
 
 from nemo_fp8_plugin.tools.bench import render_numerics, run_numerics
 from nemo_fp8_plugin.tools.harness import environment, write_json
@@ -38,7 +41,10 @@ def main() -> None:
     args = parser.parse_args()
     env = environment()
     result = run_numerics(quick=args.quick, skip_bf16=args.skip_bf16, linear=not args.skip_linear)
-    print(f"# bench_numerics  torch {env['torch']}  threads {env['threads']}  isa {env['isa']}\n")
+    print(
+        f"# bench_numerics  torch {env['torch']}  threads {env['threads']}  isa {env['isa']}"
+        f"  load average {os.getloadavg()[0]:.2f} at the start\n"
+    )
     print(render_numerics(result))
     if args.json:
         write_json(args.json, {"environment": env, **result})

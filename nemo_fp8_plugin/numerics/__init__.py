@@ -57,9 +57,15 @@ from .linear import (
     LayerEmulator,
     RoleQuantizer,
     bf16_linear,
+    clear_weight_cache,
     emulated_linear,
 )
-from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from .nvfp4 import (
+    dequantize_nvfp4,
+    fake_quant_nvfp4,
+    quantize_nvfp4,
+    quantize_nvfp4_reference,
+)
 from .quantize import (
     QTensor,
     kernel_for,
@@ -130,4 +136,7 @@ __all__ = [
     "check_recipe",
     "quantize_nvfp4",
     "dequantize_nvfp4",
+    "quantize_nvfp4_reference",
+    "fake_quant_nvfp4",
+    "clear_weight_cache",
 ]

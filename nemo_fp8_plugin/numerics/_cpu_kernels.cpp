@@ -11,6 +11,11 @@
 // panels of whole tiles of at most 4 MiB, threaded with OpenMP (dynamic chunks); the amax
 // pass over a panel leaves it in cache for the scale-and-cast pass, so the input is read
 // from memory once.
+//
+// Also here: the emulated linear's fake quantizers (nf8_fake_quant_*: quantize and
+// dequantize to fp32 in one pass, decoding through torch's own float8 table) and NVFP4
+// (nf8_nvfp4: numerics/nvfp4.py's quantizer; the RHT and the stochastic-rounding draws
+// come from the caller, computed by the reference's own torch ops).
 
 #include <cmath>
 #include <cstdint>
@@ -417,11 +422,356 @@ void cast_all(const void* x, int64_t n, float scale, uint8_t* out, int nthreads)
 }
 
 
+
+// ---------------------------------------------------------------------------------------
+// Fake quantization (quantize, then dequantize to fp32, in one pass): the emulated linear's
+// operands. out = lut[code(x * m1 * m2)] * dq per tile, where lut is torch's own float8 ->
+// fp32 table (passed in, so a NaN code decodes to torch's bits) and dq the tile's
+// dequantization factor (fp32 scale_inv, or 2^(e - 127) from torch's E8M0 table). The
+// second product is by 1.0 for block scaling, which changes no bit (NaN payloads included).
+
+template <int IN, int FMT>
+inline void span_fq(const void* x, int64_t i, int64_t n, float m1, float m2, float dq,
+                    const float* lut, float* out) {
+    int64_t j = 0;
+#if NF8_SIMD
+    const __m256 vm1 = _mm256_set1_ps(m1), vm2 = _mm256_set1_ps(m2), vdq = _mm256_set1_ps(dq);
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(load8<IN>(x, i + j), vm1), vm2);
+        __m256 d = _mm256_i32gather_ps(lut, encode8<FMT>(v), 4);
+        _mm256_storeu_ps(out + i + j, _mm256_mul_ps(d, vdq));
+    }
+#endif
+    for (; j < n; ++j) {
+        float v = (load1<IN>(x, i + j) * m1) * m2;
+        out[i + j] = lut[encode1<FMT>(v)] * dq;
+    }
+}
+
+struct FQJob {
+    const void* x;
+    int64_t m, k;
+    int bm, bn, mx, pow2, eps_on;
+    float eps, vinf;
+    float* out;
+    const float* lut;    // float8 byte -> fp32 (torch's conversion)
+    const float* e8lut;  // E8M0 byte -> fp32 (torch's conversion)
+};
+
+// The scale factors of one tile from its (NaN-ignoring) amax.
+inline void tile_factors(const FQJob& J, float amax, float fmax, float rcp, float* m1, float* m2,
+                         float* dq) {
+    if (J.mx) {
+        uint32_t e = e8m0_from_amax(amax, rcp);
+        e8m0_factors(e, m1, m2);
+        *dq = J.e8lut[e];
+    } else {
+        float s = scale_from_amax(amax, fmax, J.pow2, J.eps_on, J.eps, J.vinf);
+        *m1 = s;
+        *m2 = 1.0f;
+        *dq = reciprocal(s);
+    }
+}
+
+// Tiles whose rows are contiguous runs (bn >= 2): one tile row at a time, amax then cast,
+// the tile row still in cache for the second pass.
+template <int IN, int FMT>
+void fq_rows(const FQJob& J, int nthreads) {
+    const int64_t mt = (J.m + J.bm - 1) / J.bm, kt = (J.k + J.bn - 1) / J.bn;
+    const float fmax = Fmt<FMT>::MAXF;
+    const float rcp = (float)(1.0 / (double)fmax);
+    const int64_t per_unit = (int64_t)J.bm * J.k;
+    const int chunk = (int)(per_unit >= 65536 ? 1 : 65536 / (per_unit > 0 ? per_unit : 1));
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<float> amax(kt), m1(kt), m2(kt), dq(kt);
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t rb = 0; rb < mt; ++rb) {
+            const int64_t r0 = rb * J.bm, r1 = r0 + J.bm < J.m ? r0 + J.bm : J.m;
+            for (int64_t t = 0; t < kt; ++t) amax[t] = 0.0f;
+            for (int64_t r = r0; r < r1; ++r)
+                for (int64_t t = 0; t < kt; ++t) {
+                    const int64_t c0 = t * J.bn, n = c0 + J.bn <= J.k ? J.bn : J.k - c0;
+                    amax[t] = span_amax<IN>(J.x, r * J.k + c0, n, amax[t]);
+                }
+            for (int64_t t = 0; t < kt; ++t) tile_factors(J, amax[t], fmax, rcp, &m1[t], &m2[t], &dq[t]);
+            for (int64_t r = r0; r < r1; ++r)
+                for (int64_t t = 0; t < kt; ++t) {
+                    const int64_t c0 = t * J.bn, n = c0 + J.bn <= J.k ? J.bn : J.k - c0;
+                    span_fq<IN, FMT>(J.x, r * J.k + c0, n, m1[t], m2[t], dq[t], J.lut, J.out);
+                }
+        }
+    }
+}
+
+// Column tiles (bn == 1: a bm x 1 tile is a run of one column, the column-wise copy of a
+// 1xN-tiled tensor): the amaxes of 8 columns live in one vector; a unit of work is one tile
+// row of at most 256 columns.
+template <int IN, int FMT>
+void fq_cols(const FQJob& J, int nthreads) {
+    const int64_t mt = (J.m + J.bm - 1) / J.bm;
+    const int64_t CW = 256;
+    const int64_t ct = (J.k + CW - 1) / CW;
+    const int64_t units = mt * ct;
+    const float fmax = Fmt<FMT>::MAXF;
+    const float rcp = (float)(1.0 / (double)fmax);
+#pragma omp parallel num_threads(nthreads)
+    {
+        alignas(32) float amax[256], m1[256], m2[256], dq[256];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t rb = u / ct, cb = u % ct;
+            const int64_t r0 = rb * J.bm, r1 = r0 + J.bm < J.m ? r0 + J.bm : J.m;
+            const int64_t c0 = cb * CW, nc = c0 + CW <= J.k ? CW : J.k - c0;
+            int64_t c = 0;
+#if NF8_SIMD
+            for (; c + 8 <= nc; c += 8) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t r = r0; r < r1; ++r) acc = _mm256_max_ps(abs8(load8<IN>(J.x, r * J.k + c0 + c)), acc);
+                _mm256_store_ps(amax + c, acc);
+            }
+#endif
+            for (; c < nc; ++c) {
+                float acc = 0.0f;
+                for (int64_t r = r0; r < r1; ++r) {
+                    float a = std::fabs(load1<IN>(J.x, r * J.k + c0 + c));
+                    acc = a > acc ? a : acc;
+                }
+                amax[c] = acc;
+            }
+            for (c = 0; c < nc; ++c) tile_factors(J, amax[c], fmax, rcp, &m1[c], &m2[c], &dq[c]);
+            for (int64_t r = r0; r < r1; ++r) {
+                const int64_t row = r * J.k + c0;
+                c = 0;
+#if NF8_SIMD
+                for (; c + 8 <= nc; c += 8) {
+                    __m256 v = _mm256_mul_ps(_mm256_mul_ps(load8<IN>(J.x, row + c), _mm256_load_ps(m1 + c)),
+                                             _mm256_load_ps(m2 + c));
+                    __m256 d = _mm256_i32gather_ps(J.lut, encode8<FMT>(v), 4);
+                    _mm256_storeu_ps(J.out + row + c, _mm256_mul_ps(d, _mm256_load_ps(dq + c)));
+                }
+#endif
+                for (; c < nc; ++c) {
+                    float v = (load1<IN>(J.x, row + c) * m1[c]) * m2[c];
+                    J.out[row + c] = J.lut[encode1<FMT>(v)] * dq[c];
+                }
+            }
+        }
+    }
+}
+
+// Per-tensor fake quantization with a given scale; the NaN-ignoring amax of x comes back
+// in *amax_out when it is not null (delayed scaling records it in the same pass).
+template <int IN, int FMT>
+void fq_scaled(const void* x, int64_t n, float scale, float dq, const float* lut, float* out,
+               float* amax_out, int nthreads) {
+    const int64_t chunk = 1 << 15;
+    const int64_t nchunks = (n + chunk - 1) / chunk;
+    float result = 0.0f;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float acc = 0.0f;
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t c = 0; c < nchunks; ++c) {
+            const int64_t i = c * chunk, len = i + chunk <= n ? chunk : n - i;
+            if (amax_out) acc = span_amax<IN>(x, i, len, acc);
+            span_fq<IN, FMT>(x, i, len, scale, 1.0f, dq, lut, out);
+        }
+#pragma omp critical
+        result = acc > result ? acc : result;
+    }
+    if (amax_out) *amax_out = result;
+}
+
+// ---------------------------------------------------------------------------------------
+// NVFP4 (numerics/nvfp4.py): E2M1 elements, an E4M3 decode scale per 1x16 group or 16x16
+// tile, an fp32 global scale. Amaxes propagate NaN (torch.amax), as the reference.
+
+constexpr float FLT_MAX_F = 3.4028234663852886e38f;
+const float E2M1_GRID[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+// NaN-propagating max |x| over [i, i + n), folded into acc (NaN once seen stays NaN).
+template <int IN>
+inline float span_amax_nan(const void* x, int64_t i, int64_t n, float acc) {
+    int64_t j = 0;
+    bool nan = std::isnan(acc);
+#if NF8_SIMD
+    if (n >= 8) {
+        __m256 va = _mm256_setzero_ps(), vn = _mm256_setzero_ps();
+        for (; j + 8 <= n; j += 8) {
+            __m256 a = abs8(load8<IN>(x, i + j));
+            vn = _mm256_or_ps(vn, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            va = _mm256_max_ps(a, va);
+        }
+        if (_mm256_movemask_ps(vn)) nan = true;
+        float m = hmax8(va);
+        if (!nan) acc = m > acc ? m : acc;
+    }
+#endif
+    for (; j < n; ++j) {
+        float a = std::fabs(load1<IN>(x, i + j));
+        if (std::isnan(a)) nan = true;
+        else if (!nan) acc = a > acc ? a : acc;
+    }
+    return nan ? std::nanf("") : acc;
+}
+
+// E2M1 code (sign in bit 3) of v = x * enc, clamped to +-6; u: the uniform draw (SR) or < 0.
+inline uint32_t e2m1_code(float v, float u, bool sr) {
+    if (v > 6.0f) v = 6.0f;
+    if (v < -6.0f) v = -6.0f;
+    const float a = std::fabs(v);
+    uint32_t mag = 0;
+    if (!sr) {
+        mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+    } else {
+        uint32_t lo = 0;
+        for (int g = 1; g < 8; ++g) lo += a >= E2M1_GRID[g];
+        const uint32_t hi = lo + 1 > 7 ? 7 : lo + 1;
+        const float gap = E2M1_GRID[hi] - E2M1_GRID[lo];
+        const float p = gap > 0.0f ? (a - E2M1_GRID[lo]) / gap : 0.0f;
+        mag = lo + (u < p ? 1 : 0);
+        if (std::isnan(a)) mag = 0;
+    }
+    return mag | (v < 0.0f ? 8u : 0u);
+}
+
+#if NF8_SIMD
+// Eight codes (int32 lanes) of v = x * enc; u8: the uniform draws (SR only).
+inline __m256i e2m1_code8(__m256 v, __m256 u8, bool sr) {
+    const __m256 six = _mm256_set1_ps(6.0f);
+    // min/max with the constant first: a NaN lane stays NaN (the second operand is returned)
+    __m256 c = _mm256_max_ps(_mm256_set1_ps(-6.0f), _mm256_min_ps(six, v));
+    __m256 a = abs8(c);
+    __m256i mag;
+    if (!sr) {
+        __m256i m = _mm256_setzero_si256();
+        m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_GT_OQ)));
+        m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(0.75f), _CMP_GE_OQ)));
+        m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(1.25f), _CMP_GT_OQ)));
+        m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(1.75f), _CMP_GE_OQ)));
+        m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(2.5f), _CMP_GT_OQ)));
+        m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(3.5f), _CMP_GE_OQ)));
+        m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(5.0f), _CMP_GT_OQ)));
+        mag = m;
+    } else {
+        __m256i lo = _mm256_setzero_si256();
+        for (int g = 1; g < 8; ++g)
+            lo = _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(E2M1_GRID[g]), _CMP_GE_OQ)));
+        __m256i hi = _mm256_min_epi32(_mm256_add_epi32(lo, _mm256_set1_epi32(1)), _mm256_set1_epi32(7));
+        __m256 lov = _mm256_i32gather_ps(E2M1_GRID, lo, 4), hiv = _mm256_i32gather_ps(E2M1_GRID, hi, 4);
+        __m256 gap = _mm256_sub_ps(hiv, lov);
+        __m256 pos = _mm256_cmp_ps(gap, _mm256_setzero_ps(), _CMP_GT_OQ);
+        __m256 safe = _mm256_blendv_ps(_mm256_set1_ps(1.0f), gap, pos);
+        __m256 p = _mm256_and_ps(_mm256_div_ps(_mm256_sub_ps(a, lov), safe), pos);
+        // NaN lanes: lo = 0 and u < NaN is false, so the magnitude is 0
+        mag = _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(u8, p, _CMP_LT_OQ)));
+    }
+    __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(c, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_or_si256(mag, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
+}
+#endif
+
+struct NVJob {
+    const void* x;
+    int64_t m, k;
+    int bm;
+    float mult, gdec;     // global_encode * fp32(1/6); 1 / global_encode
+    const float* u;       // [m, k] uniform draws (stochastic rounding) or null
+    uint8_t* packed;      // [m, k/2] or null
+    uint8_t* scales;      // E4M3 [ceil(m/bm), k/16] or null
+    float* deq;           // [m, k] fake-quantized fp32 or null
+    const float* e4lut;   // E4M3 byte -> fp32 (torch's conversion)
+};
+
+const float E2M1_LUT[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+template <int IN>
+void nvfp4_tiles(const NVJob& J, int nthreads) {
+    const int64_t mt = (J.m + J.bm - 1) / J.bm, kt = J.k / 16;
+    const int64_t per_unit = (int64_t)J.bm * J.k;
+    const int chunk = (int)(per_unit >= 65536 ? 1 : 65536 / (per_unit > 0 ? per_unit : 1));
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<float> vmax(kt), enc(kt), fac(kt);
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t rb = 0; rb < mt; ++rb) {
+            const int64_t r0 = rb * J.bm, r1 = r0 + J.bm < J.m ? r0 + J.bm : J.m;
+            for (int64_t t = 0; t < kt; ++t) vmax[t] = 0.0f;
+            for (int64_t r = r0; r < r1; ++r)
+                for (int64_t t = 0; t < kt; ++t) vmax[t] = span_amax_nan<IN>(J.x, r * J.k + t * 16, 16, vmax[t]);
+            for (int64_t t = 0; t < kt; ++t) {
+                float d = vmax[t] * J.mult;
+                if (d > FLT_MAX_F) d = FLT_MAX_F;
+                if (d > 448.0f) d = 448.0f;
+                if (d < -448.0f) d = -448.0f;
+                uint8_t byte = std::isnan(d) ? (uint8_t)0x7F : encode1<0>(d);
+                if (J.scales) J.scales[rb * kt + t] = byte;
+                const float denom = J.e4lut[byte] * J.gdec;
+                float e = 1.0f / denom;
+                if (e > FLT_MAX_F) e = FLT_MAX_F;
+                enc[t] = e;
+                fac[t] = denom;
+            }
+            alignas(32) int32_t codes[16];
+            for (int64_t r = r0; r < r1; ++r)
+                for (int64_t t = 0; t < kt; ++t) {
+                    const int64_t i = r * J.k + t * 16;
+#if NF8_SIMD
+                    const __m256 ve = _mm256_set1_ps(enc[t]);
+                    for (int h = 0; h < 2; ++h) {
+                        __m256 v = _mm256_mul_ps(load8<IN>(J.x, i + 8 * h), ve);
+                        __m256 u8 = J.u ? _mm256_loadu_ps(J.u + i + 8 * h) : _mm256_setzero_ps();
+                        __m256i cd = e2m1_code8(v, u8, J.u != nullptr);
+                        _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * h), cd);
+                        if (J.deq)
+                            _mm256_storeu_ps(J.deq + i + 8 * h,
+                                             _mm256_mul_ps(_mm256_i32gather_ps(E2M1_LUT, cd, 4), _mm256_set1_ps(fac[t])));
+                    }
+#else
+                    for (int j = 0; j < 16; ++j) {
+                        float v = load1<IN>(J.x, i + j) * enc[t];
+                        codes[j] = (int32_t)e2m1_code(v, J.u ? J.u[i + j] : 0.0f, J.u != nullptr);
+                        if (J.deq) J.deq[i + j] = E2M1_LUT[codes[j]] * fac[t];
+                    }
+#endif
+                    if (J.packed)
+                        for (int j = 0; j < 8; ++j)
+                            J.packed[i / 2 + j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+                }
+        }
+    }
+}
+
+template <int IN>
+float amax_all_nan(const void* x, int64_t n, int nthreads) {
+    const int64_t chunk = 1 << 16;
+    const int64_t nchunks = (n + chunk - 1) / chunk;
+    float result = 0.0f;
+    bool nan = false;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float acc = 0.0f;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t c = 0; c < nchunks; ++c) {
+            const int64_t i = c * chunk;
+            acc = span_amax_nan<IN>(x, i, i + chunk <= n ? chunk : n - i, acc);
+        }
+#pragma omp critical
+        {
+            if (std::isnan(acc)) nan = true;
+            else result = acc > result ? acc : result;
+        }
+    }
+    return nan ? std::nanf("") : result;
+}
+
 }  // namespace
 
 extern "C" {
 
-int nf8_abi_version() { return 2; }
+int nf8_abi_version() { return 3; }
 int nf8_simd_width() { return NF8_SIMD ? 8 : 1; }
 
 // Block scaling (mx == 0: fp32 scale_inv [batch, ceil(m/bm), ceil(k/bn)]) or MXFP8 (mx == 1:
@@ -467,6 +817,87 @@ int nf8_scaled_cast(const void* x, int in_dtype, int64_t n, float scale, int fmt
         case 3: cast_all<IN_BF16, 1>(x, n, scale, out, nthreads); return 0;
         case 4: cast_all<IN_F16, 0>(x, n, scale, out, nthreads); return 0;
         case 5: cast_all<IN_F16, 1>(x, n, scale, out, nthreads); return 0;
+    }
+    return 1;
+}
+
+// Fake quantization of a contiguous [m, k] tensor with bm x bn tiles: block scaling (mx == 0)
+// or MXFP8 (mx == 1); fp32 result in out. lut: the format's 256 float8 -> fp32 values;
+// e8lut: the 256 E8M0 -> fp32 values (MXFP8).
+int nf8_fake_quant_tiles(const void* x, int in_dtype, int64_t m, int64_t k, int bm, int bn,
+                         int fmt, int mx, int pow2, int eps_on, float eps, float vinf,
+                         const float* lut, const float* e8lut, float* out, int nthreads) {
+    if (bm < 1 || bn < 1 || m < 0 || k < 0 || nthreads < 1) return 2;
+    FQJob J{x, m, k, bm, bn, mx, pow2, eps_on, eps, vinf, out, lut, e8lut};
+    const int sel = in_dtype * 2 + fmt;
+    const bool cols = bn == 1;
+#define NF8_FQ(I, F) (cols ? fq_cols<I, F>(J, nthreads) : fq_rows<I, F>(J, nthreads))
+    switch (sel) {
+        case 0: NF8_FQ(IN_F32, 0); return 0;
+        case 1: NF8_FQ(IN_F32, 1); return 0;
+        case 2: NF8_FQ(IN_BF16, 0); return 0;
+        case 3: NF8_FQ(IN_BF16, 1); return 0;
+        case 4: NF8_FQ(IN_F16, 0); return 0;
+        case 5: NF8_FQ(IN_F16, 1); return 0;
+    }
+#undef NF8_FQ
+    return 1;
+}
+
+// Per-tensor fake quantization: out = lut[code(x * scale)] * scale_inv for n elements; the
+// NaN-ignoring amax of x into *amax_out when not null.
+int nf8_fake_quant_scaled(const void* x, int in_dtype, int64_t n, float scale, float scale_inv,
+                          int fmt, const float* lut, float* out, float* amax_out, int nthreads) {
+    if (n < 0 || nthreads < 1) return 2;
+    const int sel = in_dtype * 2 + fmt;
+    switch (sel) {
+        case 0: fq_scaled<IN_F32, 0>(x, n, scale, scale_inv, lut, out, amax_out, nthreads); return 0;
+        case 1: fq_scaled<IN_F32, 1>(x, n, scale, scale_inv, lut, out, amax_out, nthreads); return 0;
+        case 2: fq_scaled<IN_BF16, 0>(x, n, scale, scale_inv, lut, out, amax_out, nthreads); return 0;
+        case 3: fq_scaled<IN_BF16, 1>(x, n, scale, scale_inv, lut, out, amax_out, nthreads); return 0;
+        case 4: fq_scaled<IN_F16, 0>(x, n, scale, scale_inv, lut, out, amax_out, nthreads); return 0;
+        case 5: fq_scaled<IN_F16, 1>(x, n, scale, scale_inv, lut, out, amax_out, nthreads); return 0;
+    }
+    return 1;
+}
+
+// TE's scale from an amax (scaling.scale_from_amax) and its correctly rounded inverse.
+int nf8_scale_from_amax(float amax, float fmax, int pow2, int eps_on, float eps, float vinf,
+                        float* scale, float* scale_inv) {
+    *scale = scale_from_amax(amax, fmax, pow2, eps_on, eps, vinf);
+    *scale_inv = reciprocal(*scale);
+    return 0;
+}
+
+// NaN-propagating max |x| (NVFP4's global amax; torch.amax semantics).
+int nf8_amax_nan(const void* x, int in_dtype, int64_t n, float* out, int nthreads) {
+    if (n < 0 || nthreads < 1) return 2;
+    switch (in_dtype) {
+        case IN_F32: *out = amax_all_nan<IN_F32>(x, n, nthreads); return 0;
+        case IN_BF16: *out = amax_all_nan<IN_BF16>(x, n, nthreads); return 0;
+        case IN_F16: *out = amax_all_nan<IN_F16>(x, n, nthreads); return 0;
+    }
+    return 1;
+}
+
+// NVFP4 of a contiguous [m, k] tensor (k a multiple of 16), bm = 1 or 16, given the global
+// amax: packed E2M1 codes, E4M3 scales and/or the fp32 fake-quantized values (any pointer
+// may be null). u: uniform draws for stochastic rounding, or null for round to nearest.
+int nf8_nvfp4(const void* x, int in_dtype, int64_t m, int64_t k, int bm, float global_amax,
+              const float* u, const float* e4lut, uint8_t* packed, uint8_t* scales, float* deq,
+              int nthreads) {
+    if ((bm != 1 && bm != 16) || m < 0 || k < 0 || k % 16 || nthreads < 1) return 2;
+    // nvfp4_global_encode_scale: fp32 2688 / amax, capped at FLT_MAX, 0 -> 1 (NaN stays)
+    float genc = 2688.0f / global_amax;
+    if (genc > FLT_MAX_F) genc = FLT_MAX_F;
+    if (genc == 0.0f) genc = 1.0f;
+    const float gdec = 1.0f / genc;
+    const float one_sixth = 1.0f / 6.0f;
+    NVJob J{x, m, k, bm, genc * one_sixth, gdec, u, packed, scales, deq, e4lut};
+    switch (in_dtype) {
+        case IN_F32: nvfp4_tiles<IN_F32>(J, nthreads); return 0;
+        case IN_BF16: nvfp4_tiles<IN_BF16>(J, nthreads); return 0;
+        case IN_F16: nvfp4_tiles<IN_F16>(J, nthreads); return 0;
     }
     return 1;
 }

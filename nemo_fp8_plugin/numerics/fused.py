@@ -3,7 +3,10 @@
 The eager functions in :mod:`.reference` are the reference. The public quantizers
 (:mod:`.quantize`) use these kernels for CUDA tensors; on a CPU they use the single-pass C++
 kernels of :mod:`._cpu`, which are faster there (docs/performance.md), and these stay
-reachable by name. The kernels here compute the same values with a formulation that
+reachable by name. The fake quantizers (``fake_quant_*``, the emulated linear's operands)
+run on a CPU tensor as one C++ pass (quantize, then dequantize with torch's own float8 ->
+fp32 table, one read and one write per tile) at any size, whenever the library loads and
+the fused path is on; ``fused_mode(False)`` keeps them eager. The kernels here compute the same values with a formulation that
 ``torch.compile`` turns into one or two tight loops (C++/OpenMP on CPU, Triton on CUDA):
 
 * amax: ``where(|x| == |x|, |x|, 0)`` (a vector compare) instead of ``isnan``;
@@ -38,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import _cpu
 from .formats import (
     check_bool,
     check_eps,
@@ -73,6 +77,7 @@ __all__ = [
     "fake_quant_per_tensor",
     "fake_quant_with_scale",
     "compile_failed",
+    "cpu_fake_quant_enabled",
 ]
 
 _lock = threading.Lock()
@@ -281,6 +286,24 @@ def _scaled_fq(x, scale, scale_inv, *, fmt):
 # --------------------------------------------------------------------------- drivers
 
 
+def cpu_fake_quant_enabled() -> bool:
+    """Whether the fake quantizers may take the C++ CPU kernels: the fused switch
+    (``NEMO_FP8_FUSED``, :func:`fused_mode`), whatever became of torch.compile."""
+    return bool(_state["enabled"])
+
+
+def _cpu_kernels(x: torch.Tensor, dims: tuple[int, ...] | None = (2,)):
+    """The C++ CPU library when it handles ``x`` (a CPU tensor of an input dtype, non-empty,
+    of a rank in ``dims``, None for any rank) and the fused path is on, else None."""
+    if not cpu_fake_quant_enabled() or x.device.type != "cpu" or x.numel() == 0:
+        return None
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if dims is not None and x.dim() not in dims:
+        return None
+    return _cpu.kernels()
+
+
 def _divisible(x: torch.Tensor, bm: int, bn: int) -> bool:
     return x.dim() >= 2 and x.shape[-2] % bm == 0 and x.shape[-1] % bn == 0
 
@@ -365,6 +388,12 @@ def fake_quant_blockwise(
     def eager():
         return quantize_blockwise_reference(x, (bm, bn), fmt, pow2, eps).dequantize()
 
+    lib = _cpu_kernels(x)
+    if lib is not None:  # one pass in C++, any tile (partial tiles as the reference pads)
+        vinf = input_dtype_max(x.dtype)
+        return lib.fake_quant_tiles(
+            x.contiguous(), bm, bn, fmt, mx=False, pow2=pow2, eps=eps, vinf=vinf
+        )
     if x.dim() != 2 or not _divisible(x, bm, bn) or not _use_fused(x, force):
         return eager()
     static = dict(bm=bm, bn=bn, fmt=fmt, pow2=pow2, eps=eps, vinf=input_dtype_max(x.dtype))
@@ -379,6 +408,9 @@ def fake_quant_mxfp8(x: torch.Tensor, block, fmt: str, *, force: bool = False) -
     def eager():
         return quantize_mxfp8_reference(x, (bm, bn), fmt).dequantize()
 
+    lib = _cpu_kernels(x)
+    if lib is not None:
+        return lib.fake_quant_tiles(x.contiguous(), bm, bn, fmt, mx=True)
     if x.dim() != 2 or not _divisible(x, bm, bn) or not _use_fused(x, force):
         return eager()
     return _run("mx_fq", _mx_fq, dict(bm=bm, bn=bn, fmt=fmt), (x,), eager)
@@ -395,6 +427,11 @@ def fake_quant_per_tensor(
     def eager():
         return quantize_per_tensor_reference(x, fmt, pow2, eps).dequantize()
 
+    lib = _cpu_kernels(x, None)
+    if lib is not None:  # amax pass, then one cast-and-decode pass
+        xc = x.contiguous()
+        scale, scale_inv = lib.scale_from_amax(lib.amax(xc), fmt, pow2=pow2, eps=eps, vinf=FLT_MAX)
+        return lib.fake_quant_scaled(xc, scale, scale_inv, fmt, amax=False)[0]
     if not _use_fused(x, force):
         return eager()
     return _run("tensor_fq", _tensor_fq, dict(fmt=fmt, pow2=pow2, eps=eps), (x,), eager)
@@ -410,6 +447,13 @@ def fake_quant_with_scale(
         q = quantize_with_scale_reference(x, scale, fmt, scale_inv=scale_inv)
         return q.dequantize(), tensor_amax(x)
 
+    lib = _cpu_kernels(x, None)
+    if lib is not None and scale.device.type == "cpu" and scale_inv.device.type == "cpu":
+        # one pass: cast with the given scale and the amax delayed scaling records
+        out, amax = lib.fake_quant_scaled(
+            x.contiguous(), float(scale.float()), float(scale_inv.float()), fmt, amax=True
+        )
+        return out, torch.tensor(amax, dtype=torch.float32)
     if not _use_fused(x, force):
         return eager()
     return _run("scaled_fq", _scaled_fq, dict(fmt=fmt), (x, scale, scale_inv), eager)

@@ -23,6 +23,8 @@ TE's order (a step's scale comes from earlier steps' amaxes).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -34,7 +36,7 @@ from .fused import (
     fake_quant_per_tensor,
     fake_quant_with_scale,
 )
-from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from .nvfp4 import fake_quant_nvfp4
 from .quantize import tensor_amax
 from .recipe import RecipeLike, check_recipe
 
@@ -46,6 +48,8 @@ __all__ = [
     "ROLES",
     "BF16EmulatedLinear",
     "bf16_linear",
+    "weight_key",
+    "clear_weight_cache",
 ]
 
 ROLES = ("input", "weight", "grad_output")
@@ -83,6 +87,7 @@ class RoleQuantizer:
         """Process group whose ranks share this role's amax (TE ``reduce_amax``); None
         keeps it local. Set with :func:`~nemo_fp8_plugin.numerics.set_amax_reduction_group`:
         the ranks of a group must run the same layers in the same order."""
+        self._cache: dict[str, tuple] = {}
         self.state = None
         if self.scaling == "delayed":
             self.state = DelayedScalingState(
@@ -129,8 +134,46 @@ class RoleQuantizer:
         # transform on both operands of the weight-gradient GEMM (the column-wise copies of
         # the input and the gradient). The transform is undone after dequantizing: the two
         # operands' H^T H cancels in the GEMM, so this is that GEMM's product exactly.
-        q = quantize_nvfp4(t, tuple(block), rht=rht, stochastic=self.role == "grad_output")
-        return dequantize_nvfp4(q, torch.float32, undo_rht=rht)
+        stochastic = self.role == "grad_output"
+        return fake_quant_nvfp4(t, tuple(block), rht=rht, stochastic=stochastic)
+
+    def cached(self, key: tuple | None, which: str, compute) -> torch.Tensor:
+        """``compute()``, reused while ``key`` (:func:`weight_key`: the weight's storage,
+        version counter and the optimizer-step count) is unchanged, so that a weight is
+        fake-quantized once per optimizer step, not once per micro-batch. ``which`` names
+        the copy (``row``, ``col``); ``key`` None: no caching. Not for delayed scaling,
+        whose casts depend on the scaling state (:meth:`rowwise_weight`)."""
+        if key is None:
+            return compute()
+        entry = self._cache.get(which)
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        value = compute()
+        self._cache[which] = (key, value)
+        return value
+
+    def rowwise_weight(self, w: torch.Tensor, key: tuple | None) -> torch.Tensor:
+        """:meth:`rowwise` of a weight, cached per :meth:`cached`.
+
+        Delayed scaling: every call still folds the history into the scale and records the
+        weight's amax (the amax of an unchanged weight is the cached one), and the cached
+        values are reused only while the scale is the one they were cast with; so the
+        scaling state and the bits evolve exactly as without the cache."""
+        if self.state is None:
+            return self.cached(key, "row", lambda: self.rowwise(w))
+        if key is None:
+            return self.rowwise(w)
+        self._before_cast()
+        entry = self._cache.get("row")
+        if entry is not None and entry[0] == key:
+            _, deq, scale, amax = entry
+            if bool(torch.equal(self.state.scale, scale)):
+                self.state.record_amax(amax)
+                return deq
+        deq, amax = fake_quant_with_scale(w, self.state.scale, self.state.scale_inv, self.fmt)
+        self.state.record_amax(amax)
+        self._cache["row"] = (key, deq, self.state.scale.clone(), amax)
+        return deq
 
     def columnwise(self, t: torch.Tensor, rowwise_result: torch.Tensor | None) -> torch.Tensor:
         """fp32 fake-quantized ``t.T`` (tiles along the first dim of ``t``), ``[C, R]``.
@@ -171,6 +214,9 @@ class LayerEmulator:
         self.quantizers = {role: RoleQuantizer(spec, role, device) for role in ROLES}
         self.calibrating = False
         self.enabled = True
+        self.weight_key: tuple | None = None
+        """Set by :func:`emulated_linear` before each call: the weight's cache key
+        (:func:`weight_key`), or None when the weight cache is off."""
 
     @property
     def states(self) -> dict[str, DelayedScalingState]:
@@ -190,7 +236,8 @@ class _EmulatedLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, emu: LayerEmulator, wgrad_into_main_grad: bool):
         qin, qw = emu.quantizers["input"], emu.quantizers["weight"]
         xq = qin.rowwise(x)
-        wq = qw.rowwise(weight)
+        key = emu.weight_key
+        wq = qw.rowwise_weight(weight, key)
         out = torch.matmul(xq, wq.t())
         if bias is not None:
             out = out + bias.float()
@@ -206,6 +253,7 @@ class _EmulatedLinearFn(torch.autograd.Function):
         w_keep = wq if qw.columnwise_reuses_rowwise else weight
         ctx.save_for_backward(x_keep, w_keep, weight)
         ctx.x_dtype = x.dtype
+        ctx.weight_key = key
         return out.to(x.dtype)
 
     @staticmethod
@@ -217,7 +265,10 @@ class _EmulatedLinearFn(torch.autograd.Function):
         dyq = qg.rowwise(dy)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            w_col = qw.columnwise(w_keep, w_keep if qw.columnwise_reuses_rowwise else None)
+            if qw.columnwise_reuses_rowwise:
+                w_col = qw.columnwise(w_keep, w_keep)
+            else:  # quantized again from the weight: once per optimizer step
+                w_col = qw.cached(ctx.weight_key, "col", lambda: qw.columnwise(w_keep, None))
             grad_x = torch.matmul(dyq, w_col.t()).to(ctx.x_dtype)
         if ctx.needs_input_grad[1] or ctx.wgrad_into_main_grad:
             if ctx.fp8_wgrad:
@@ -244,6 +295,51 @@ def _accumulate_main_grad(weight: torch.Tensor, dw: torch.Tensor):
         maker = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
         return maker(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
     return None
+
+
+_steps = {"count": 0, "hooked": False}
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _steps["count"] += 1
+
+
+def weight_cache_enabled() -> bool:
+    """False when ``NEMO_FP8_WEIGHT_CACHE`` is ``0``/``false``/``no``/``off``."""
+    value = os.environ.get("NEMO_FP8_WEIGHT_CACHE", "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def clear_weight_cache() -> None:
+    """Invalidate every cached fake-quantized weight (after writing weights in place through
+    ``.data`` outside an optimizer step, which bumps no version counter)."""
+    _steps["count"] += 1
+
+
+def weight_key(weight: torch.Tensor, dtype: torch.dtype) -> tuple | None:
+    """What a cached fake-quantized weight is valid for: the parameter's storage
+    (``data_ptr``), shape, strides, dtypes and version counter (``_version``, which every
+    in-place write through autograd's view of it bumps) and the count of optimizer steps
+    taken in this process (a post-step hook on every ``torch.optim.Optimizer``, which
+    catches optimizers that write through ``.data``). None (no caching) when
+    ``NEMO_FP8_WEIGHT_CACHE=0``."""
+    if not weight_cache_enabled():
+        return None
+    if not _steps["hooked"]:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(_count_step)
+        _steps["hooked"] = True
+    return (
+        weight.data_ptr(),
+        tuple(weight.shape),
+        tuple(weight.stride()),
+        weight.dtype,
+        dtype,
+        weight.device,
+        weight._version,
+        _steps["count"],
+    )
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -276,6 +372,7 @@ def emulated_linear(
             emu.quantizers["weight"].record(weight)
         return torch.nn.functional.linear(x, weight, bias)
     lead = x.shape[:-1]
+    emu.weight_key = weight_key(weight, dtype)
     with torch.autocast(device_type=x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         w = weight.to(dtype)

@@ -25,26 +25,36 @@ TE's fixed sign vector), in the input dtype, before any amax is taken. Stochasti
 E2M1 neighbours with probability proportional to closeness, from ``torch.rand`` drawn with
 the given generator: unbiased, and deterministic for a given generator state.
 
+On a CPU, :func:`quantize_nvfp4` and :func:`fake_quant_nvfp4` run the single-pass C++
+kernel of :mod:`._cpu` (same bits: the RHT stays the torch matmul the reference runs, and
+stochastic rounding reads the same ``torch.rand`` draws, passed in);
+:func:`quantize_nvfp4_reference` is the eager path, kept reachable by name.
+
 The oracle is TE 2.20.2's own pure-torch reference
 (``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``), which
 ``tests/numerics/test_numerics_nvfp4.py`` runs against this module; see ``docs/nvfp4.md``. This file
-imports only torch and the plugin's error type.
+imports only torch, the plugin's error type and the CPU kernel loader.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import FP8ConfigError
+from . import _cpu
 from .formats import E2M1_MAX
 from .formats import E4M3_MAX as _E4M3_MAX
 
 __all__ = [
     "NVFP4Tensor",
     "quantize_nvfp4",
+    "quantize_nvfp4_reference",
+    "fake_quant_nvfp4",
     "dequantize_nvfp4",
     "NVFP4_BLOCKS",
     "NVFP4_GROUP",
@@ -177,6 +187,13 @@ def rht_matrix(
 ) -> torch.Tensor:
     """The 16 x 16 RHT matrix ``diag(RHT_SIGNS) @ H16 / 4`` (orthogonal; entries +-1/4, exact
     in every float dtype). A row vector ``v`` of 16 is transformed as ``v @ rht_matrix()``."""
+    return _rht(dtype, torch.device(device) if device is not None else None).clone()
+
+
+@functools.lru_cache(maxsize=32)
+def _rht(dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
+    """:func:`rht_matrix`, built once per dtype and device (read only: callers never write
+    to it; the emulation transforms every wgrad operand with it)."""
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
     m = signs[:, None] * _sylvester(NVFP4_GROUP) * 0.25
     return m.to(dtype=dtype, device=device)
@@ -193,7 +210,7 @@ def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
             value=tuple(x.shape),
         )
     rows = x.contiguous().reshape(-1, NVFP4_GROUP)
-    return (rows @ rht_matrix(x.dtype, x.device)).reshape(x.shape)
+    return (rows @ _rht(x.dtype, x.device)).reshape(x.shape)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -329,6 +346,38 @@ def _check_global_amax(global_amax, device) -> torch.Tensor:
 # --------------------------------------------------------------------------- quantize
 
 
+def _cpu_lib(x: torch.Tensor):
+    """The C++ library for a non-empty CPU tensor (None: the eager path)."""
+    if x.device.type != "cpu" or x.numel() == 0:
+        return None
+    from .fused import cpu_fake_quant_enabled  # the FP8 fake quantizers' switch
+
+    return _cpu.kernels() if cpu_fake_quant_enabled() else None
+
+
+def _prepare(x, block, global_amax, rht, stochastic, generator):
+    """Checks, the RHT (a torch matmul, as the reference), the global amax and the uniform
+    draws of stochastic rounding, for the C++ path."""
+    block, amax_in = _check_inputs(x, block, global_amax, rht, stochastic, generator)
+    x2 = x.reshape(-1, x.shape[-1])
+    if rht:
+        x2 = random_hadamard_transform(x2)
+    return block, amax_in, x2.contiguous()
+
+
+def _cpu_global_amax(lib, x2: torch.Tensor, amax_in) -> torch.Tensor:
+    if amax_in is not None:
+        return amax_in.to(torch.float32)
+    amax = lib.amax_nan(x2)
+    return torch.tensor(math.nan if math.isnan(amax) else amax, dtype=torch.float32)
+
+
+def _draws(x2: torch.Tensor, stochastic: bool, generator) -> torch.Tensor | None:
+    if not stochastic:
+        return None
+    return torch.rand(x2.shape, generator=generator, dtype=torch.float32, device=x2.device)
+
+
 @torch.no_grad()
 def quantize_nvfp4(
     x: torch.Tensor,
@@ -340,6 +389,88 @@ def quantize_nvfp4(
     generator: torch.Generator | None = None,
 ) -> NVFP4Tensor:
     """Quantize ``x`` (``[..., K]``, K a multiple of 16; float32, bfloat16 or float16) to NVFP4.
+
+    Args:
+        x: the tensor; leading dims are flattened into ``M`` rows.
+        block: ``(1, 16)`` (one decode scale per 16 elements of a row) or ``(16, 16)`` (one per
+            16x16 tile; a last partial tile of rows is zero-padded, which never raises an amax).
+        global_amax: the per-tensor amax to scale with (a number or one-element tensor, >= 0);
+            default ``max |x|`` (after the RHT), NaN-propagating as TE's reference.
+        rht: apply the 16-point random Hadamard transform to the last dim first (TE does this
+            to the wgrad operands: pass the transposed tensor, ``x.t()``, whose last dim is the
+            GEMM's reduction dim).
+        stochastic: stochastic rounding of the elements (scales unchanged).
+        generator: the ``torch.Generator`` the stochastic rounding draws from (on ``x``'s
+            device); ``None`` draws from torch's default generator.
+
+    Returns:
+        :class:`NVFP4Tensor`. On a CPU the C++ kernel computes it, else
+        :func:`quantize_nvfp4_reference`; the same bits.
+
+    Raises:
+        FP8ConfigError: naming ``x``, ``block``, ``global_amax``, ``rht``, ``stochastic`` or
+            ``generator``.
+    """
+    lib = _cpu_lib(x) if isinstance(x, torch.Tensor) else None
+    if lib is None or x.dtype not in _INPUT_DTYPES:
+        return quantize_nvfp4_reference(
+            x, block, global_amax=global_amax, rht=rht, stochastic=stochastic, generator=generator
+        )
+    block, amax_in, x2 = _prepare(x, block, global_amax, rht, stochastic, generator)
+    amax = _cpu_global_amax(lib, x2, amax_in)
+    u = _draws(x2, stochastic, generator)
+    data, scales, _ = lib.nvfp4(x2, block[0], float(amax), u, packed=True, fake=False)
+    return NVFP4Tensor(
+        data=data,
+        scale_inv=scales,
+        global_amax=amax,
+        block=block,
+        shape=x.shape,
+        dtype=x.dtype,
+        rht=rht,
+        stochastic=stochastic,
+    )
+
+
+@torch.no_grad()
+def fake_quant_nvfp4(
+    x: torch.Tensor,
+    block=(1, 16),
+    *,
+    rht: bool = False,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``dequantize_nvfp4(quantize_nvfp4(x, ...), torch.float32, undo_rht=rht)`` (the
+    emulated linear's NVFP4 operand), on a CPU in one C++ pass that writes the fp32 values
+    without packing; the same bits as the two calls."""
+    lib = _cpu_lib(x) if isinstance(x, torch.Tensor) else None
+    if lib is None or x.dtype not in _INPUT_DTYPES:
+        q = quantize_nvfp4(x, block, rht=rht, stochastic=stochastic, generator=generator)
+        return dequantize_nvfp4(q, torch.float32, undo_rht=rht)
+    block, amax_in, x2 = _prepare(x, block, None, rht, stochastic, generator)
+    amax = _cpu_global_amax(lib, x2, amax_in)
+    u = _draws(x2, stochastic, generator)
+    _, _, out = lib.nvfp4(x2, block[0], float(amax), u, packed=False, fake=True)
+    if rht:
+        m, k = out.shape
+        out = (out.reshape(-1, NVFP4_GROUP) @ _rht(torch.float32, out.device).T).reshape(m, k)
+    return out.reshape(x.shape)
+
+
+@torch.no_grad()
+def quantize_nvfp4_reference(
+    x: torch.Tensor,
+    block=(1, 16),
+    *,
+    global_amax=None,
+    rht: bool = False,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """The eager reference of :func:`quantize_nvfp4` (same arguments, same result).
+
+    Quantize ``x`` (``[..., K]``, K a multiple of 16; float32, bfloat16 or float16) to NVFP4.
 
     Args:
         x: the tensor; leading dims are flattened into ``M`` rows.
@@ -460,6 +591,6 @@ def dequantize_nvfp4(
         factor = factor.repeat_interleave(bm, dim=0)[:m]
     out = (values * factor.unsqueeze(-1)).reshape(m, k)
     if undo_rht and q.rht:
-        out = (out.reshape(-1, NVFP4_GROUP) @ rht_matrix(torch.float32, out.device).T).reshape(m, k)
+        out = (out.reshape(-1, NVFP4_GROUP) @ _rht(torch.float32, out.device).T).reshape(m, k)
     out = out.reshape(q.shape)
     return out if dtype == torch.float32 else out.to(dtype)

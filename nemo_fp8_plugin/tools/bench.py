@@ -10,7 +10,9 @@ shared and noisy), each timing the best of several interleaved rounds:
   (quantize: 2 B read, 1 B of data and the scales written per element; clone 2 B + 2 B).
   First calls (the CPU kernel build, each compile) are timed apart and never in a ratio;
 * forward + backward of a 4096x4096 linear layer on 4096 tokens under each recipe's FP8
-  emulation, divided by the same layer run plainly in fp32 and in bf16;
+  emulation, divided by the same layer run plainly in fp32 and in bf16, and by the
+  BF16-emulated linear (the demo's BF16 arm) interleaved with it; the load average is
+  recorded and the ratios count only at load < 1.5 (the output says which);
 * the trainer-side refit quantizer (``quantize_for_refit``: public path, compiled,
   reference) on Llama-3-8B-shaped layers in GB/s next to a copy of the same weights, on the
   CPU or (``device="cuda"``) a GPU against a same-run device copy;
@@ -28,6 +30,8 @@ import torch.nn.functional as F
 
 from ..numerics import (
     FP8EmulatedLinear,
+    bf16_linear,
+    clear_weight_cache,
     fused_mode,
     kernel_for,
     quantize_blockwise,
@@ -43,7 +47,31 @@ from ..registry import get_recipe
 from ..rl import quantize_for_refit
 from .harness import Stopwatch, interleaved, timed, timing_summary
 
-RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
+RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8", "nvfp4"]
+
+QUIET_LOAD = 1.5
+"""One-minute load average below which a run's ratios count (the machine is shared: at a
+higher load the arms' time slices differ)."""
+
+
+def load_average() -> float | None:
+    """The one-minute load average (None where the OS has none)."""
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def load_verdict(loads: list[float | None]) -> str:
+    """One line: the highest load seen and whether the ratios count."""
+    seen = [x for x in loads if x is not None]
+    if not seen:
+        return f"load average unknown: ratios count only at load < {QUIET_LOAD}"
+    worst = max(seen)
+    verdict = "these ratios count" if worst < QUIET_LOAD else "these ratios do not count"
+    return f"load average up to {worst:.2f}: ratios count only at load < {QUIET_LOAD}; {verdict}"
 
 
 def _moved(x: torch.Tensor, q) -> int:
@@ -144,11 +172,19 @@ def fwd_bwd(layer_fn, x, w, b):
 
 
 def bench_linear(n: int, tokens: int, reps: int, bf16_reps: int) -> dict:
-    """Best-of-``reps`` fwd+bwd times; bf16 is timed ``bf16_reps`` times (0 skips it)."""
+    """Best-of-``reps`` fwd+bwd times; bf16 is timed ``bf16_reps`` times (0 skips it).
+
+    Each recipe's emulated layer is set against the same run's fp32 layer, plain bf16
+    (``bf16_reps``) and the BF16-emulated linear (:func:`~..numerics.bf16_linear`, the
+    demo's BF16 arm: operands rounded to BF16, fp32 GEMMs), interleaved with it. Every
+    emulated run re-quantizes its weight (the weight cache is cleared): the cost of a
+    step of one micro-batch."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, n, generator=gen)
     w = torch.randn(n, n, generator=gen) / n**0.5
+    load_start = load_average()
     plain32 = fwd_bwd(lambda xx, ww, b: F.linear(xx, ww), x, w, None)
+    bf16_emulated = fwd_bwd(lambda xx, ww, b: bf16_linear(xx, ww, None), x, w, None)
     plain16 = fwd_bwd(lambda xx, ww, b: F.linear(xx, ww), x.bfloat16(), w.bfloat16(), None)
     results = {}
     layers = {}
@@ -158,20 +194,40 @@ def bench_linear(n: int, tokens: int, reps: int, bf16_reps: int) -> dict:
 
         def emulated(xx, ww, b, layer=layer):
             layer.weight = torch.nn.Parameter(ww)  # fresh leaf per run, same values
+            clear_weight_cache()  # as after an optimizer step
             return layer(xx)
 
         run = fwd_bwd(emulated, x, w, None)
         run()  # compiles this recipe's kernels; not timed
         results[recipe] = run
     plain32()
-    times = interleaved({"fp32": plain32} | results, reps)
+    bf16_emulated()
+    times = interleaved({"fp32": plain32, "bf16 linear": bf16_emulated} | results, reps)
     bf16 = min(timed(plain16, reps=bf16_reps)) if bf16_reps else float("nan")
     t32 = min(times["fp32"])
-    rows = {"fp32": timing_summary(times["fp32"]), "bf16": {"best_s": bf16}}
+    tb = min(times["bf16 linear"])
+    rows = {
+        "fp32": timing_summary(times["fp32"]),
+        "bf16": {"best_s": bf16},
+        "bf16 linear": {**timing_summary(times["bf16 linear"]), "x_fp32": tb / t32},
+    }
     for recipe in RECIPES:
         row = timing_summary(times[recipe])
-        rows[recipe] = {**row, "x_fp32": row["best_s"] / t32, "x_bf16": row["best_s"] / bf16}
-    return {"M=N=K": n, "tokens": tokens, "rows": rows}
+        rows[recipe] = {
+            **row,
+            "x_fp32": row["best_s"] / t32,
+            "x_bf16": row["best_s"] / bf16,
+            "x_bf16_linear": row["best_s"] / tb,
+        }
+    loads = {"start": load_start, "end": load_average()}
+    return {
+        "M=N=K": n,
+        "tokens": tokens,
+        "rows": rows,
+        "load_average": loads,
+        "quiet_load": QUIET_LOAD,
+        "ratios_count": all(v is not None and v < QUIET_LOAD for v in loads.values()),
+    }
 
 
 def layer_weights(
@@ -338,12 +394,17 @@ def render_numerics(result: dict) -> str:
     lines += [
         "",
         f"## Linear fwd+bwd, M=N=K={linear['M=N=K']} ({linear['tokens']} tokens)",
-        f"{'case':<16}{'best s':>10}{'median s':>10}{'x fp32':>9}{'x bf16':>9}",
+        f"{'case':<16}{'best s':>10}{'median s':>10}{'x fp32':>9}{'x bf16':>9}"
+        f"{'x bf16 linear':>15}",
     ]
     for name, r in linear["rows"].items():
         med = f"{r['median_s']:>10.3f}" if "median_s" in r else f"{'':>10}"
-        extra = f"{r['x_fp32']:>9.2f}{r['x_bf16']:>9.3f}" if "x_fp32" in r else ""
+        extra = f"{r['x_fp32']:>9.2f}" if "x_fp32" in r else ""
+        if "x_bf16" in r:
+            extra += f"{r['x_bf16']:>9.3f}{r['x_bf16_linear']:>15.2f}"
         lines.append(f"{name:<16}{r['best_s']:>10.3f}{med}{extra}")
+    loads = linear.get("load_average", {})
+    lines.append(load_verdict([loads.get("start"), loads.get("end")]))
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@ set: the refit quantizer's main variant (128x128, bf16), a 1x128 gradient varian
 fp32), MXFP8 1x32, and the per-tensor and delayed casts used by the emulation. The Inductor
 cache makes reruns cheap.
 
-Every test runs with the fused path forced on (``fused_mode(True)``), whatever
+The C++ CPU kernels, which the fake quantizers take on a CPU, are switched off here
+(``NEMO_FP8_CPU_KERNEL=0``). Every test runs with the fused path forced on (``fused_mode(True)``), whatever
 ``NEMO_FP8_FUSED`` says, and checks that the compiled kernels really ran (``compiled``
 records each compiled call that returned): a compile failure fails the test instead of
 quietly comparing the eager path with itself.
@@ -56,6 +57,9 @@ def compiled(monkeypatch):
 
     monkeypatch.setattr(fused_mod, "_compiled", spy)
     monkeypatch.setitem(fused_mod._state, "failed", None)
+    # the fake quantizers take the C++ kernels on a CPU (test_numerics_fakequant_cpu.py);
+    # off here, so that these tests hold the compiled kernels (the CUDA path) to the bits
+    monkeypatch.setenv("NEMO_FP8_CPU_KERNEL", "0")
     torch.manual_seed(0)
     with fused_mode(True):
         yield ran

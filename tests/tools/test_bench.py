@@ -49,8 +49,10 @@ def test_bench_quick_reports_every_ratio(tmp_path):
     assert result["quantize"]["kernels"]["quantize_blockwise"] == "cpu"
     assert result["quantize"]["first_call"]["cpu kernel build, empty cache (s)"] > 0
     linear = result["linear"]["rows"]
-    for recipe in ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"):
-        assert linear[recipe]["x_fp32"] > 0
+    for recipe in RECIPES:
+        assert linear[recipe]["x_fp32"] > 0 and linear[recipe]["x_bf16_linear"] > 0
+    assert set(result["linear"]["load_average"]) == {"start", "end"}
+    assert "ratios count only at load < 1.5" in proc.stdout
     assert result["refit"]["rows"]["copy (clone)"]["x_copy"] == 1.0
     assert result["environment"]["torch"] and result["environment"]["env"]["NEMO_FP8_FUSED"] == "0"
     assert result["refit"]["rows"]["refit fused"]["GB/s"] > 0
@@ -59,6 +61,30 @@ def test_bench_quick_reports_every_ratio(tmp_path):
     assert result["export"]["ratio"] > 0
     for heading in ("Quantizers", "first-call cost", "Linear fwd+bwd", "Refit quantizer"):
         assert heading in proc.stdout
+
+
+RECIPES = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8", "nvfp4")
+
+
+def test_linear_bench_sets_every_recipe_against_the_bf16_linear():
+    """The emulated linear's fwd+bwd per recipe (six) against the same run's BF16-emulated
+    linear, with the load average recorded and the verdict printed (a toy size: this
+    checks that the benchmark runs and what it reports, not its ratios)."""
+    from nemo_fp8_plugin.tools import bench
+
+    result = bench.bench_linear(128, 64, 1, 0)
+    rows = result["rows"]
+    assert rows["bf16 linear"]["best_s"] > 0
+    for recipe in RECIPES:
+        assert rows[recipe]["x_bf16_linear"] == pytest.approx(
+            rows[recipe]["best_s"] / rows["bf16 linear"]["best_s"]
+        )
+    assert result["quiet_load"] == 1.5
+    text = bench.render_numerics({"quantize": bench.bench_quantize(64, 1), "linear": result})
+    assert "x bf16 linear" in text and "ratios count only at load < 1.5" in text
+    assert bench.load_verdict([0.5, 4.0]).endswith("these ratios do not count")
+    assert bench.load_verdict([0.5, 1.2]).endswith("these ratios count")
+    assert "unknown" in bench.load_verdict([None])
 
 
 def test_quantize_bench_rows_and_ratios():

@@ -60,6 +60,11 @@ def test_table_files_and_loss_gap(short_run):
     for name in rows:
         assert name in proc.stdout
     assert "gap vs BF16" in proc.stdout and str(out) in proc.stdout
+    # the step ratios with the load they were measured at, CPU time beside wall time
+    assert "CPU time vs BF16" in proc.stdout and "load average up to" in proc.stdout
+    assert report["threads"] >= 1 and report["threads_reason"] and report["quiet_load"] == 1.5
+    for row in rows.values():
+        assert row["step_cpu_vs_bf16"] > 0 and row["load_average"] is not None
 
 
 def test_ctrl_c_leaves_a_partial_valid_result(tmp_path):

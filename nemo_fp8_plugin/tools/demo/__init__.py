@@ -15,13 +15,56 @@ accumulation does, and costs the same on both sides of the ratio.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..harness import ArmRecord, Stopwatch, environment, pyplot, ratio, write_json, write_png
 
-__all__ = ["TrainSettings", "ArmResult", "load_demo_config", "run_demo", "default_config"]
+__all__ = [
+    "TrainSettings",
+    "ArmResult",
+    "load_demo_config",
+    "run_demo",
+    "default_config",
+    "pick_threads",
+    "load_average",
+    "QUIET_LOAD",
+]
+
+
+QUIET_LOAD = 1.5
+"""Load average (one minute) below which a run's step-time ratios count."""
+
+
+def load_average() -> float | None:
+    """The one-minute load average, None where the OS has none."""
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def pick_threads() -> tuple[int, str]:
+    """torch's intra-op threads for the whole run (every arm the same, so ratios stay
+    fair) and why: ``OMP_NUM_THREADS`` / ``NEMO_FP8_CPU_THREADS`` when set, else one per
+    core this process may use that the load average leaves idle. On an oversubscribed
+    machine torch's threads wait for each other at every op (measured: a 1024x512 clone
+    0.7 ms on one thread, 69 ms on two at load 10)."""
+    import os
+
+    from ...numerics import _cpu
+
+    for name in ("NEMO_FP8_CPU_THREADS", "OMP_NUM_THREADS"):
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw), f"${name}"
+    cores = _cpu.available_cores()
+    load = load_average() or 0.0
+    return _cpu.idle_threads(cores, load), f"{cores} cores at load {load:.2f}"
 
 
 def default_config() -> Path:
@@ -66,6 +109,13 @@ class ArmResult(ArmRecord[float]):
     """Linear modules kept in BF16 by the recipe's rules."""
     linear_modules: int = 0
     """Linear modules in the model."""
+    step_cpu_seconds: list[float] = field(default_factory=list)
+    """CPU seconds this process spent in each step (``time.process_time``, all threads):
+    on a shared machine wall time also counts the time slices other processes took, CPU
+    time does not."""
+    load_average: float | None = None
+    """One-minute load average when the arm finished (the machine may be shared: step
+    ratios count only below :data:`QUIET_LOAD`)."""
 
     @property
     def losses(self) -> list[float]:
@@ -76,6 +126,16 @@ class ArmResult(ArmRecord[float]):
     def step_time_s(self) -> float | None:
         """Median seconds per training step, the first steps (one-off allocation) left out."""
         return self.steady_step_s()
+
+    @property
+    def step_cpu_s(self) -> float | None:
+        """Median CPU seconds per step, the same steps left out as :attr:`step_time_s`."""
+        times = self.step_cpu_seconds
+        if not times:
+            return None
+        kept = sorted(times[min(5, len(times) // 2) :])
+        mid = len(kept) // 2
+        return kept[mid] if len(kept) % 2 else (kept[mid - 1] + kept[mid]) / 2
 
 
 def load_demo_config(path: str | Path):
@@ -295,6 +355,7 @@ def run_arm(
                 return result
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, train)
+            cpu_start = time.process_time()
             with Stopwatch() as sw:
                 loss = _loss(model, batch)
                 loss.backward()
@@ -302,11 +363,13 @@ def run_arm(
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             result.step_seconds.append(sw.seconds)
+            result.step_cpu_seconds.append(time.process_time() - cpu_start)
             value = float(loss.detach())
             result.steps.append(value)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.3f}")
+        result.load_average = load_average()
         model.eval()
         with torch.no_grad():
             evals = [float(_loss(model, b)) for b in data.eval]
@@ -350,6 +413,7 @@ def summarize(results: list[ArmResult]) -> list[dict[str, Any]]:
         if base is not None and base.eval_loss and r.eval_loss is not None:
             gap = (r.eval_loss - base.eval_loss) / base.eval_loss
         step_ratio = ratio(r.step_time_s, base.step_time_s if base is not None else None)
+        cpu_ratio = ratio(r.step_cpu_s, base.step_cpu_s if base is not None else None)
         rows.append(
             {
                 "recipe": r.name,
@@ -357,22 +421,43 @@ def summarize(results: list[ArmResult]) -> list[dict[str, Any]]:
                 "loss_gap_vs_bf16": gap,
                 "step_time_s": r.step_time_s,
                 "step_time_vs_bf16": step_ratio,
+                "step_cpu_s": r.step_cpu_s,
+                "step_cpu_vs_bf16": cpu_ratio,
                 "bf16_modules": r.bf16_modules,
                 "linear_modules": r.linear_modules,
                 "steps_done": len(r.losses),
                 "completed": r.completed,
+                "load_average": r.load_average,
             }
         )
     return rows
+
+
+def load_note(rows: list[dict[str, Any]]) -> str:
+    """The line under the table: the highest load average an arm finished at, and whether
+    the step-time ratios count (only below :data:`QUIET_LOAD`)."""
+    loads = [r["load_average"] for r in rows if r.get("load_average") is not None]
+    if not loads:
+        return "load average: unknown; step-time ratios count only on a quiet machine"
+    worst = max(loads)
+    verdict = (
+        "the step-time ratios count"
+        if worst < QUIET_LOAD
+        else f"the step-time ratios do not count (they need load < {QUIET_LOAD})"
+    )
+    return f"load average up to {worst:.2f} during the run: {verdict}"
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
+    def times(value):
+        return "-" if value is None else f"{value:.2f}x"
+
     lines = [
         f"{'recipe':<16} {'final loss':>10} {'gap vs BF16':>11} {'step time vs BF16':>17} "
-        f"{'BF16 linears':>12}"
+        f"{'CPU time vs BF16':>16} {'BF16 linears':>12}"
     ]
     for row in rows:
         layers = f"{row['bf16_modules']}/{row['linear_modules']}"
@@ -380,9 +465,11 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{row['recipe']:<16} {fmt(row['final_loss'], '10.4f')} "
             f"{fmt(row['loss_gap_vs_bf16'], '+11.2%')} "
-            f"{fmt(row['step_time_vs_bf16'], '16.2f') + ('x' if row['step_time_vs_bf16'] else ''):>17} "
+            f"{times(row['step_time_vs_bf16']):>17} "
+            f"{times(row.get('step_cpu_vs_bf16')):>16} "
             f"{layers:>12}{done}"
         )
+    lines.append(load_note(rows))
     return "\n".join(lines)
 
 
@@ -459,6 +546,11 @@ def run_demo(
         f"{train.steps} steps x {train.micro_batch_size}x{gpt.seq_length} bytes of Python stdlib source"
     )
     log(f"  arms: {', '.join(a for a, _ in arms)}; output: {out_dir.resolve()}")
+    import torch
+
+    threads, why = pick_threads()
+    torch.set_num_threads(threads)
+    log(f"  threads: {threads} ({why})")
     results: list[ArmResult] = []
     interrupted = False
     report: dict[str, Any] = {}
@@ -472,6 +564,9 @@ def run_demo(
             train=asdict(train),
             recipe_requested=request.spec.name if request else None,
             environment=env,
+            threads=threads,
+            threads_reason=why,
+            quiet_load=QUIET_LOAD,
             interrupted=interrupted,
             rows=summarize(results),
             curves={r.name: r.losses for r in results},
