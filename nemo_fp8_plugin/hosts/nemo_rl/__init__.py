@@ -88,6 +88,7 @@ from ...capabilities import (
     ENV_BLOCK_FP32_SCALES,
     ENV_CURRENT_POW2_SCALES,
     NVFP4_GENERATION_REFUSAL,
+    arch_by_name,
     te_env,
     token_alignment,
 )
@@ -237,6 +238,24 @@ BLOCK_MX_REFUSAL = (
 )
 """Why ``fp8_blockwise`` / ``fp8_subchannel`` training and MXFP8 rollouts do not mix."""
 
+DEEP_GEMM_BLACKWELL = (
+    "NeMo RL's use_deep_gemm: true sets VLLM_USE_DEEP_GEMM=1 and VLLM_USE_DEEP_GEMM_E8M0=0 "
+    "(nemo_rl/models/generation/vllm/quantization/fp8.py), i.e. DeepGEMM with fp32 block "
+    "scales, and DeepGEMM on Blackwell (SM100) takes UE8M0 scale factors only"
+)
+"""Why block-FP8 generation on Blackwell must not ask NeMo RL for DeepGEMM."""
+
+
+def deep_gemm_wanted(spec: RecipeSpec) -> bool:
+    """Whether block-FP8 generation written for NeMo RL asks for DeepGEMM: on Hopper (SM90),
+    or when no target GPU is stated (NVIDIA's FP8 configs, written for H100); never for a
+    Blackwell target (:data:`DEEP_GEMM_BLACKWELL`; vLLM does not pick DeepGEMM on SM12x)."""
+    if spec.hardware is None:
+        return True
+    arch = arch_by_name(spec.hardware)
+    return arch is None or (9, 0) in arch.sm
+
+
 NVFP4_OVERRIDES = ("fp4", "fp4_recipe", "fp4_param")
 """``model_overrides`` keys (megatron-core ``TransformerConfig`` FP4 fields) nvfp4 writes."""
 
@@ -303,7 +322,7 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
     if generation:
         put(f"{_VLLM}.precision", "fp8")
         if spec.scaling == "block":
-            put(f"{_VLLM}.use_deep_gemm", True)
+            put(f"{_VLLM}.use_deep_gemm", deep_gemm_wanted(spec))
             if spec.pow2_scales:
                 put(f"{_VLLM}.pow2_weight_scaling_factors", True)
                 put(f"{_VLLM}.pow2_activation_scaling_factors", True)
@@ -875,6 +894,20 @@ def _merge(ctx, resolve: bool) -> ApplyResult:
         )
     for key, want, written in _desired(spec, hk, rl=rl):
         have = get_path(resolved, key, _MISSING)
+        if _leaf(key) == "use_deep_gemm" and get_path(raw, key, None) is False:
+            # The user's own file turns DeepGEMM off: a kernel choice, not numerics (vLLM's
+            # CUTLASS/Triton block kernels take the same fp32 scales), so it is kept.
+            _set_path(out, key, False)
+            if want is True:
+                notes.append(f"nemo-rl: {key}: false kept as your config states it")
+            continue
+        if _leaf(key) == "use_deep_gemm" and have is True and want is False:
+            raise FP8ConfigError(
+                f"is true, but the target GPU is {spec.hardware}: {DEEP_GEMM_BLACKWELL}",
+                key=key,
+                value=True,
+                hint=f"set {key}: false (vLLM then uses its CUTLASS block-FP8 kernels)",
+            )
         if _leaf(key) == "moe_router_dtype" and get_path(raw, key, None) == "fp64":
             # The user's own file asks for an fp64 router: more precise than the fp32 FP8
             # recipes need, so it is the user's choice, kept (an inherited fp64 is not).
