@@ -45,7 +45,9 @@ __all__ = [
     "installed_version",
     "StackMatch",
     "match_stack",
-    "stack_versions",
+    "misfits",
+    "Assumed",
+    "assumed_versions",
 ]
 
 Version = tuple[int, ...]
@@ -458,11 +460,19 @@ STACK_NAMES: tuple[str, ...] = tuple(s.name for s in STACKS)
 
 
 def get_stack(name: str) -> Stack:
-    """The :class:`Stack` called ``name`` (``KeyError`` naming the choices otherwise)."""
+    """The :class:`Stack` called ``name``; :class:`FP8ConfigError` (key ``--stack``) naming
+    the choices otherwise."""
     for s in STACKS:
         if s.name == name:
             return s
-    raise KeyError(f"unknown stack {name!r}; choose one of {', '.join(STACK_NAMES)}")
+    from .errors import FP8ConfigError
+
+    raise FP8ConfigError(
+        f"{name!r} is not a named stack",
+        key="--stack",
+        value=name,
+        hint=f"one of {', '.join(STACK_NAMES)}",
+    )
 
 
 # --------------------------------------------------------------------------- detection
@@ -537,7 +547,9 @@ class StackMatch:
         return self.stack is not None and not self.untested
 
 
-def _misfits(stack: Stack, versions: Mapping[str, str]) -> list[str]:
+def misfits(stack: Stack, versions: Mapping[str, str]) -> list[str]:
+    """One line per host of ``versions`` outside ``stack``'s range: what it has, what the
+    stack needs."""
     out = []
     for host, rng in stack.ranges.items():
         have = versions.get(host)
@@ -558,26 +570,49 @@ def match_stack(versions: Mapping[str, str | None]) -> StackMatch:
     best: tuple[int, Stack | None, list[str]] = (-1, None, [])
     for stack in STACKS:
         constrained = [h for h in stack.ranges if h in have]
-        misfits = _misfits(stack, have)
-        if constrained and not misfits:
+        off = misfits(stack, have)
+        if constrained and not off:
             return StackMatch(stack, have, untested)
-        fits = len(constrained) - len(misfits)
+        fits = len(constrained) - len(off)
         if constrained and fits > best[0]:
-            best = (fits, stack, misfits)
+            best = (fits, stack, off)
     return StackMatch(None, have, untested, best[1], tuple(best[2]))
 
 
-def stack_versions(name: str | None) -> tuple[str, dict[str, str | None], str]:
-    """The host versions a command assumes: ``(stack label, host -> version, how chosen)``.
+@dataclass(frozen=True)
+class Assumed:
+    """The host versions a command assumes (:func:`assumed_versions`).
 
-    ``name`` given: that stack's pinned versions (``"chosen with --stack"``). None: the
-    versions installed here, labelled with the stack they match (``"detected"``), or
-    ``"untested set"`` when none matches."""
+    Attributes:
+        label: the stack's name, or ``"untested set"`` when the installed versions match none.
+        versions: host -> version (None: not installed, when detected).
+        how: ``"chosen with --stack"`` or ``"detected from the installed packages"``.
+        match: the detection's :class:`StackMatch` (None when chosen with ``--stack``).
+    """
+
+    label: str
+    versions: Mapping[str, str | None]
+    how: str
+    match: StackMatch | None = None
+
+    def version(self, host: str) -> str | None:
+        """The assumed version of ``host`` (None: unknown or absent)."""
+        return self.versions.get(host)
+
+    @property
+    def line(self) -> str:
+        """``stack: nemo-rl-0.6 (chosen with --stack)``, for a command's first line."""
+        return f"stack: {self.label} ({self.how})"
+
+
+def assumed_versions(name: str | None = None) -> Assumed:
+    """``name`` given: that stack's pinned versions. None: the versions installed here,
+    labelled with the stack they match, or ``"untested set"`` when none matches (never
+    silently the newest)."""
     if name is not None:
         stack = get_stack(name)
-        return stack.name, dict(stack.versions), "chosen with --stack"
+        return Assumed(stack.name, dict(stack.versions), "chosen with --stack")
     installed = installed_versions()
     m = match_stack(installed)
-    if m.stack is not None:
-        return m.stack.name, installed, "detected from the installed packages"
-    return "untested set", installed, "detected from the installed packages (no named stack)"
+    label = m.stack.name if m.stack is not None else "untested set"
+    return Assumed(label, installed, "detected from the installed packages", m)
