@@ -33,11 +33,12 @@ import warnings
 from importlib import metadata
 from typing import Any
 
-from ..stacks import DISTRIBUTIONS as PACKAGES
+from ..stacks import DISTRIBUTIONS
 
-# PACKAGES: reported package -> distribution names that provide it (first installed one wins),
-# the stacks table's. The oldest Transformer Engine each scaling kind needs is a fact of that
-# table too (the recipe class's entry), asked through stacks.lookup.
+PACKAGES = DISTRIBUTIONS
+"""Reported package -> distribution names that provide it (first installed one wins): the
+stacks table's. The oldest Transformer Engine each scaling kind needs is a fact of that table
+too (the recipe class's entry, asked through :func:`nemo_fp8_plugin.stacks.lookup`)."""
 
 MIN_CUDA_BLOCK = (12, 9)
 """Block-scaled GEMMs on Hopper need cuBLAS from CUDA 12.9."""
@@ -100,10 +101,12 @@ def package_versions() -> dict[str, str | None]:
 def stack_report(versions: dict[str, str | None], stack: str | None = None) -> dict[str, Any]:
     """Which named stack ``versions`` is (or, with ``stack``, how it differs from that one),
     whether each version is tested, and what to change when the set is no tested stack."""
-    from ..stacks import TESTED, misfits, get_stack, match_stack
+    from ..stacks import TESTED, Stack, get_stack, match_stack, misfits
 
     match = match_stack(versions)
     have = {h: v for h, v in versions.items() if v}
+    named: Stack | None
+    name: str | None
     if stack is not None:
         named = get_stack(stack)
         changes = misfits(named, have)
