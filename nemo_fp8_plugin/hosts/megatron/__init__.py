@@ -62,7 +62,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, List  # noqa: UP035 - see bf16_quant_recipe
 
-from ...capabilities import CAPABILITIES
+from ...capabilities import CAPABILITIES, capability
 from ...config import FP8Request, get_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
@@ -442,6 +442,25 @@ def ddp_config_fields(spec: RecipeSpec) -> dict[str, bool]:
     }
 
 
+FP4_PARAM_GATHER = "ddp.fp4_param_gather"
+"""The stacks-table fact (:data:`nemo_fp8_plugin.stacks.FACTS`): megatron-core >= 0.18's
+``DistributedDataParallelConfig.fp4_param_gather``, without which the distributed optimizer does
+not all-gather (requantize) NVFP4 parameters."""
+
+
+def fp4_ddp_fields(spec: RecipeSpec, megatron_core: str | None) -> dict[str, bool]:
+    """``{"fp4_param_gather": fp8_param}`` for nvfp4 training on a megatron-core that has the
+    field (``megatron_core``: its version; the stacks table decides), else empty (0.16.1's
+    ``DistributedDataParallelConfig`` has no such field and would refuse it)."""
+    from ...stacks import lookup
+
+    if spec.training != "fp8" or not capability(spec.scaling).is_nvfp4:
+        return {}
+    if not lookup("megatron-core", FP4_PARAM_GATHER, megatron_core).present:
+        return {}
+    return {"fp4_param_gather": spec.fp8_param}
+
+
 def optimizer_config_fields(spec: RecipeSpec) -> dict[str, Any]:
     """megatron-core ``OptimizerConfig`` kwargs for ``spec``: ``fp8_recipe`` (the distributed
     optimizer handles FP8 parameters per recipe) and ``reuse_grad_buf_for_mxfp8_param_ag``.
@@ -474,7 +493,9 @@ def build_ddp_config(spec: RecipeSpec, *, config_class=None, **base: Any):
     return _construct(config_class, {**base, **fields}, spec)
 
 
-def write_distributed_fields(out: dict, spec: RecipeSpec) -> list[str]:
+def write_distributed_fields(
+    out: dict, spec: RecipeSpec, *, megatron_core: str | None = None
+) -> list[str]:
     """Write :func:`ddp_config_fields` into an ``apply --host megatron`` output; returns the
     keys written.
 
@@ -483,8 +504,9 @@ def write_distributed_fields(out: dict, spec: RecipeSpec) -> list[str]:
     arguments, so they go at the root, beside ``use_distributed_optimizer``; otherwise under
     ``ddp:`` (created when absent: ``DistributedDataParallelConfig(**config["ddp"])``, the
     name Megatron-Bridge uses for the same class). A value already there that differs is
-    refused, naming the key."""
-    fields = ddp_config_fields(spec)
+    refused, naming the key. ``megatron_core``: the version written for (nvfp4's
+    ``fp4_param_gather`` from 0.18, :func:`fp4_ddp_fields`)."""
+    fields = {**ddp_config_fields(spec), **fp4_ddp_fields(spec, megatron_core)}
     if not fields:
         return []
     if isinstance(out.get("language_model"), Mapping):
@@ -697,6 +719,27 @@ def merge_native(
     return list(keys)
 
 
+def _fp4_gather_notes(spec: RecipeSpec, core: str | None, written: list[str]) -> list[str]:
+    """What to do about ``fp4_param_gather`` when it was not written for FP4 parameters."""
+    if not (capability(spec.scaling).is_nvfp4 and spec.fp8_param) or "fp4_param_gather" in written:
+        return []
+    from ...stacks import fact
+
+    since = fact("megatron-core", FP4_PARAM_GATHER)
+    minimum = since.minimum if since is not None else "0.18"
+    if core is None:
+        return [
+            f"megatron: NVFP4 parameters: megatron-core >= {minimum} also needs "
+            f"ddp.fp4_param_gather: true (the distributed optimizer requantizes them only with "
+            f"it); the megatron-core version is unknown here, pass --stack to write it"
+        ]
+    return [
+        f"megatron: megatron-core {core} has no ddp.fp4_param_gather (from {minimum}), which "
+        f"the distributed optimizer needs to requantize NVFP4 parameters; keep fp8_param: false "
+        f"for nvfp4 there, or use megatron-core >= {minimum}"
+    ]
+
+
 def apply_config(
     config: Mapping[str, Any], *, hardware: str | None = None, strict: bool = False
 ) -> ApplyResult:
@@ -726,8 +769,11 @@ def _merge(ctx) -> ApplyResult:
     # A quant_recipe of our own is compared like any key; someone else's contradicts ours.
     conflicting = tuple(k for k in CONFLICTING_FIELDS if k not in hk.keys)
     merge_native(section, hk.keys, where=where, conflicting=conflicting)
-    write_distributed_fields(out, spec)  # the DDP side (fp8_param_gather, MXFP8 buffer reuse)
-    notes = [
+    # the DDP side (fp8_param_gather, MXFP8 buffer reuse, NVFP4's fp4_param_gather)
+    core = ctx.stack.version("megatron-core") if ctx.stack is not None else None
+    written = write_distributed_fields(out, spec, megatron_core=core)
+    notes = _fp4_gather_notes(spec, core, written)
+    notes += [
         f"megatron: export {var}={value} in the training process's environment "
         f"before Transformer Engine is imported; megatron-core does not check it: "
         f"a script building its config with nemo_fp8_plugin.hosts.megatron."

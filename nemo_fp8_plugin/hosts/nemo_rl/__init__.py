@@ -256,6 +256,15 @@ def deep_gemm_wanted(spec: RecipeSpec) -> bool:
     return arch is None or (9, 0) in arch.sm
 
 
+NVFP4_PARAM_GATHER_WARNING = (
+    "NeMo RL: FP4 parameters (model_overrides.fp4_param: true) without fp4_param_gather: NeMo "
+    "RL builds megatron-core's DistributedDataParallelConfig from fixed keys of "
+    "policy.megatron_cfg.distributed_data_parallel_config (nemo_rl/models/megatron/setup.py, "
+    "commit 7ea279a), none of them fp4_param_gather (megatron-core >= 0.18), which the "
+    "distributed optimizer needs to requantize NVFP4 parameters"
+)
+"""Why FP4 parameters through NeMo RL lack the DDP half megatron-core >= 0.18 has."""
+
 NVFP4_OVERRIDES = ("fp4", "fp4_recipe", "fp4_param")
 """``model_overrides`` keys (megatron-core ``TransformerConfig`` FP4 fields) nvfp4 writes."""
 
@@ -300,6 +309,8 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
             # which NeMo RL merges before it applies fp8_cfg (left disabled: FP4 xor FP8).
             for name, value in zip(NVFP4_OVERRIDES, ("e2m1", "nvfp4", fp8_param)):
                 put(f"{_MEGATRON}.model_overrides.{name}", value)
+            if fp8_param:
+                warnings.append(NVFP4_PARAM_GATHER_WARNING)
         else:
             put(
                 f"{_MEGATRON}.fp8_cfg",
