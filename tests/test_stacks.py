@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import nemo_rl_configs
+from conftest import REPO, nemo_rl_configs
 from nemo_fp8_plugin import stacks
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.errors import FP8ConfigError
@@ -150,3 +150,29 @@ def test_nemo_rl_config_explained_for_its_stack(capsys):
     assert main(["explain", str(path), "--stack", "nemo-rl-0.6"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "stack: nemo-rl-0.6 (chosen with --stack)"  # asks for no recipe
+
+
+# --------------------------------------------------------------------------- docs
+
+
+DOCS = REPO / "docs" / "hosts"
+
+
+@pytest.mark.parametrize("page", ["te.md", "megatron.md", "nemo2.md", "bridge.md", "nemo_rl.md"])
+def test_host_pages_state_the_tested_versions_per_stack(page):
+    text = (DOCS / page).read_text()
+    section = text.split("## Tested versions per stack", 1)[1]
+    rows = {
+        s.name: ln
+        for s in stacks.STACKS
+        for ln in section.splitlines()
+        if ln.startswith(f"| `{s.name}`")
+    }
+    assert rows, page
+    header = section.split("\n|---", 1)[0]
+    for name, row in rows.items():  # the versions the page states for a stack are the table's
+        te = stacks.get_stack(name).versions.get("transformer-engine")
+        if te and "Transformer Engine" in header:
+            assert te.rsplit(".", 1)[0] in row or "2.9 to 2.11" in row, (page, name, row)
+    if page == "te.md":
+        assert all(v in section for v in stacks.TESTED["transformer-engine"])
