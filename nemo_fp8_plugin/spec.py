@@ -726,13 +726,9 @@ class RecipeSpec:
                     value=True,
                     hint="set pow2_scales: false, or use mxfp8 (E8M0 scales)",
                 )
-            if self.fp8_dot_product_attention:
-                raise FP8ConfigError(
-                    "Transformer Engine's NVFP4BlockScaling has no FP4/FP8 "
-                    "attention (fp8_dpa is always false there)",
-                    key="fp8_dot_product_attention",
-                    value=True,
-                )
+            # FP8 attention under NVFP4 (NVFP4BlockScaling.fp8_dpa) depends on the host
+            # version (megatron-core passes it from 0.20: nemo_fp8_plugin.stacks.FACTS), so
+            # the adapters decide it, naming the version where it would be dropped.
             if self.generation == "fp8":
                 raise FP8ConfigError(
                     f"nvfp4 cannot generate: {_caps.NVFP4_GENERATION_REFUSAL}",

@@ -163,9 +163,16 @@ def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
             for attr in QUANTIZER_ROLES
         }
     elif spec.scaling == "nvfp4":
-        # TE 2.20 NVFP4BlockScaling: FP4 elements, E4M3 block scales, attention not quantized.
+        # NVFP4BlockScaling: FP4 elements, E4M3 block scales; FP8 attention where asked
+        # (megatron-core >= 0.20 passes fp8_dpa; the megatron adapter refuses it before).
         te = nvfp4_te_fields(spec)
-        fields = {"fp4_format": fmt, "fp8_format": "E4M3", **te, "fp8_dpa": False, "fp8_mha": False}
+        fields = {
+            "fp4_format": fmt,
+            "fp8_format": "E4M3",
+            **te,
+            "fp8_dpa": spec.fp8_dot_product_attention,
+            "fp8_mha": spec.fp8_multi_head_attention,
+        }
         rht, sr, two_d = (
             not te["disable_rht"],
             not te["disable_stochastic_rounding"],

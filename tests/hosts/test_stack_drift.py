@@ -81,3 +81,48 @@ def test_nemo_rl_cannot_set_fp4_param_gather_and_says_so():
         in native_keys(get_recipe("nvfp4"), fp8_param_stated=True).warnings
     )
     assert NVFP4_PARAM_GATHER_WARNING not in native_keys(get_recipe("nvfp4")).warnings
+
+
+# --------------------------------------------------------------------------- NVFP4 + FP8 attention
+
+NVFP4_DPA = {"recipe": "nvfp4", "fp8_dot_product_attention": True}
+
+
+def test_the_spec_accepts_nvfp4_fp8_attention():
+    """Whether FP8 attention under NVFP4 runs is a host-version question (megatron-core passes
+    fp8_dpa to NVFP4BlockScaling from 0.20), so the spec no longer refuses it outright."""
+    assert get_recipe(NVFP4_DPA).fp8_dot_product_attention is True
+
+
+@pytest.mark.host
+def test_megatron_core_0_16_1_refuses_it_naming_the_version(tmp_path, capsys):
+    src = tmp_path / "in.yaml"
+    src.write_text(
+        "fp8: {recipe: nvfp4, fp8_dot_product_attention: true}\nmodel: {num_layers: 4}\n"
+    )
+    for host in ("megatron", "nemo2", "bridge"):
+        assert main(["apply", str(src), "--host", host]) == 2
+        err = capsys.readouterr().err
+        assert "fp8.fp8_dot_product_attention" in err and "megatron-core 0.16.1" in err, host
+        assert "from 0.20" in err
+
+
+def test_a_megatron_core_that_passes_fp8_dpa_gets_it(monkeypatch):
+    """With megatron-core 0.20 (its get_fp4_recipe passes fp8_dpa; the version is what
+    honoured_fp8_fields reports, patched here: 0.20 does not install), the field is written."""
+    from nemo_fp8_plugin.hosts.megatron import source
+
+    patched = source.HonouredFields(dict(source.FALLBACK), "0.20.0", "installed")
+    monkeypatch.setattr(source, "honoured_fp8_fields", lambda: patched)
+    spec = get_recipe(NVFP4_DPA)
+    assert mg.dropped_settings(spec) == []
+    keys = mg.transformer_config_fields(spec).keys
+    assert keys["fp4"] == "e2m1" and keys["fp8_dot_product_attention"] is True
+    assert "fp8_dot_product_attention" not in mg.transformer_config_fields(get_recipe("nvfp4")).keys
+
+
+def test_nemo_rl_says_training_attention_stays_bf16():
+    from nemo_fp8_plugin.hosts.nemo_rl import native_keys as nemo_rl_keys
+
+    warnings = nemo_rl_keys(get_recipe(NVFP4_DPA)).warnings
+    assert any("FP8 attention has no fp8_cfg key" in w for w in warnings)

@@ -260,3 +260,12 @@ def test_skip_reason_names_the_wheel_path():
     with pytest.raises((pytest.skip.Exception, pytest.fail.Exception)) as out:
         _wheel("0.0.0")
     assert re.search(r"transformer_engine-0\.0\.0-py3-none-any\.whl is absent", str(out.value))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_nvfp4_fp8_attention_is_a_field_of_every_release(version, tmp_path, monkeypatch):
+    """NVFP4BlockScaling(fp8_dpa=True) builds and reads back on each release (the megatron
+    adapter decides whether the host passes it)."""
+    spec = get_recipe({"recipe": "nvfp4", "fp8_dot_product_attention": True})
+    mod = load_te(version, tmp_path, monkeypatch, te.required_env(spec))
+    assert te.build_te_recipe(spec, mod, te_version=version).fp8_dpa is True

@@ -212,6 +212,9 @@ def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
     for key, field, neutral in _RECIPE_FIELDS:
         if getattr(spec, key) == neutral or honoured.honours(recipe, field):
             continue
+        if capability(spec.scaling).is_nvfp4 and key == "fp8_dot_product_attention":
+            out += _fp4_attention(honoured)
+            continue
         readers = honoured.recipes_reading(field)
         instead = _presets_for(readers)
         where = f"only for fp8_recipe {' and '.join(readers)}" if readers else "for no fp8_recipe"
@@ -227,6 +230,29 @@ def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
             )
         )
     return out
+
+
+FP4_DPA = "get_fp4_recipe.fp8_dpa"
+"""The stacks-table fact: megatron-core >= 0.20's ``get_fp4_recipe`` passes
+``fp8_dpa=config.fp8_dot_product_attention`` to ``NVFP4BlockScaling``."""
+
+
+def _fp4_attention(honoured) -> list[tuple[str, str]]:
+    """FP8 attention under nvfp4: honoured from megatron-core 0.20, dropped before."""
+    from ...stacks import lookup
+
+    answer = lookup("megatron-core", FP4_DPA, honoured.version)
+    if answer.present:
+        return []
+    minimum = answer.fact.minimum if answer.fact is not None else "0.20"
+    return [
+        (
+            "fp8_dot_product_attention",
+            f"{honoured.label}'s get_fp4_recipe builds NVFP4BlockScaling() without fp8_dpa "
+            f"(megatron-core passes it from {minimum}), so attention would run in BF16; use "
+            f"megatron-core >= {minimum}, or remove fp8_dot_product_attention",
+        )
+    ]
 
 
 def _presets_for(megatron_recipes: list[str]) -> list[str]:
@@ -378,6 +404,8 @@ def _fp4_fields(spec: RecipeSpec, model=None) -> HostKeys:
         "fp4_recipe": FP8_RECIPE["nvfp4"],
         "fp4_param": spec.fp8_param,
     }
+    if spec.fp8_dot_product_attention:  # reached only where honoured (dropped_settings)
+        keys["fp8_dot_product_attention"] = True
     rules = _rules_keys(spec, model)
     keys.update(rules.keys)
     warnings = [f"megatron: {key}: {reason}; dropped" for key, reason in dropped_settings(spec)]
