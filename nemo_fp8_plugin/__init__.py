@@ -10,11 +10,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .errors import FP8ConfigError, HostUnavailableError, RecipeRegistryError
 from .registry import ENTRY_POINT_GROUP, get_recipe, list_recipes, register_recipe
 from .spec import BF16Rules, ImportanceSampling, RecipeSpec
-
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",

@@ -217,3 +217,110 @@ def check_output_dir(path: str | os.PathLike[str] | None, key: str) -> None:
     if path.exists() and not path.is_dir():
         raise FP8ConfigError(f"{path} is a file; name a folder", key=key, value=str(path))
     _check_creatable(path / "x", key, shown=path)
+
+
+# --------------------------------------------------------------------------- reading safely
+
+
+def regular_file(path: str | Path, *, key: str | None, what: str = "file") -> Path:
+    """File safety (one home, :mod:`nemo_fp8_plugin._io`): ``path`` if it names a regular file (symlinks followed); else an
+    :class:`FP8ConfigError` naming ``key``. Read nothing that is not one: a FIFO blocks its
+    reader until someone writes, ``/dev/zero`` never ends."""
+    from .errors import FP8ConfigError
+
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FP8ConfigError(f"{what} not found: {path}", key=key, value=str(path)) from None
+    except OSError as exc:
+        raise FP8ConfigError(
+            f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
+        ) from None
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a special file"
+        )
+        raise FP8ConfigError(f"{path} is {kind}, not a regular {what}", key=key, value=str(path))
+    return path
+
+
+_INDEX_BYTES = 64 * 2**20
+"""Largest ``model.safetensors.index.json`` read (DeepSeek-V3's, 91k tensors, is 9 MB)."""
+
+
+def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
+    """The safetensors shards of a Hugging Face checkpoint directory, checked before any is
+    opened: with ``model.safetensors.index.json``, the files its ``weight_map`` names, each
+    a plain file name of ``directory`` (``../x``, ``sub/x`` or an absolute path, which would
+    read files elsewhere, is refused) and a regular file (symlinks followed); without one,
+    the directory's regular ``*.safetensors`` files. Raises :class:`FP8ConfigError` naming ``key``; an empty list
+    when there are none."""
+    from .errors import FP8ConfigError, check_limit, format_value
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if not index.exists() and not index.is_symlink():
+        return [
+            regular_file(f, key=key, what="safetensors file")  # a FIFO: refused
+            for f in sorted(directory.glob("*.safetensors"))
+            if not f.is_dir()
+        ]
+    regular_file(index, key=key, what="safetensors index")
+    try:
+        with open(index, "rb") as fh:
+            text = fh.read(_INDEX_BYTES + 1)
+        check_limit(len(text), _INDEX_BYTES, f"{index} is too large: bytes", key=key)
+        weight_map = json.loads(text.decode("utf-8"))["weight_map"]
+    except FP8ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FP8ConfigError(
+            f"{index} is not a readable safetensors index "
+            f"({type(exc).__name__}: {format_value(str(exc))})",
+            key=key,
+            value=str(index),
+        ) from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise FP8ConfigError(
+            f"{index}: weight_map must map tensor names to file names", key=key, value=str(index)
+        )
+    files: list[Path] = []
+    for name in dict.fromkeys(weight_map.values()):
+        shard = directory / name
+        # By name, not by resolved target: a Hugging Face cache snapshot links every shard
+        # to a blob elsewhere, which its owner put there; the index may only name entries.
+        if Path(name).name != name or name in ("", ".", "..") or "\\" in name:
+            raise FP8ConfigError(
+                f"{index} names {format_value(name)}, which is not a file of {directory}",
+                key=key,
+                value=name,
+                hint="index entries are file names inside the checkpoint",
+            )
+        if not shard.exists():
+            raise FP8ConfigError(
+                f"{index} names {format_value(name)}, which is not in {directory}",
+                key=key,
+                value=str(shard),
+            )
+        files.append(regular_file(shard, key=key, what="safetensors shard"))
+    return files
+
+
+def regular_entries(directory: str | Path, *, key: str) -> None:
+    """Refuse a directory a library will read files from (transformers' ``from_pretrained``)
+    when one of its entries is a FIFO, socket or device: opening one would block or never
+    end, inside code that cannot be told not to."""
+    for entry in Path(directory).iterdir():
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            continue  # a dangling link is not read either
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            regular_file(entry, key=key)

@@ -1,18 +1,21 @@
 """One table of what each recipe needs and where it runs (standard library only).
 
-Every host adapter, ``doctor``, ``explain`` and the spec's own hardware findings ask this
-module, so a fact (a tile shape, a Transformer Engine variable, the GPUs a recipe runs on) is
-written once. Sources: Transformer Engine 2.20 (``common/recipe/__init__.py``,
-``pytorch/quantization.py``: ``check_*_support``), megatron-core 0.16 (``fp8_utils.py``), vLLM
-0.32 (``kernels/linear``), NeMo RL (``models/generation/fp8.py``); ``../shared/HOSTS.md`` and
-``../shared/NUMERICS.md`` restate them.
+Every host adapter, ``doctor``, ``explain`` and the spec's own checks ask this module, so a
+fact (a tile shape, a Transformer Engine variable, the GPUs a recipe runs on, a combination a
+host refuses) is written once, in a row of :data:`CAPABILITIES`. Sources: Transformer Engine
+2.20 (``common/recipe/__init__.py``, ``pytorch/quantization.py``: ``check_*_support``),
+megatron-core 0.16 (``fp8_utils.py``, ``transformer_config.py``), vLLM 0.32
+(``kernels/linear``), NeMo RL (``models/generation/fp8.py``); ``docs/numerics.md`` states the
+numerics with the upstream file of each rule.
 
 The keys are the spec's ``scaling`` kinds (:data:`ScalingKind`); nothing here imports the spec,
-so the spec module can import this one.
+so the spec module can import this one. Code elsewhere asks a row's predicates
+(:attr:`RecipeCapability.is_block`, ...) and fields, never the kind's spelling.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -24,9 +27,15 @@ __all__ = [
     "ARCHS",
     "ARCH_NAMES",
     "FP8_MAX",
+    "E2M1_MAX",
+    "E8M0_MAX",
+    "FORMAT_MAX",
+    "TILE_KEYS",
     "RecipeCapability",
     "CAPABILITIES",
+    "VLLM_SCHEMES",
     "capability",
+    "amax_epsilon_problem",
     "ENV_BLOCK_FP32_SCALES",
     "ENV_CURRENT_POW2_SCALES",
     "ENV_BACKWARD_OVERRIDE",
@@ -61,8 +70,28 @@ Side = Literal["training", "generation"]
 engine (vLLM)."""
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
-"""Largest finite magnitude of each element format (``torch.finfo(torch.float8_e4m3fn).max``
-and ``torch.finfo(torch.float8_e5m2).max``; the numerics read torch's own values)."""
+"""Largest finite magnitude of each FP8 element format: E4M3 (4 exponent bits, bias 7, 3
+mantissa bits, no infinity: 1.75 * 2**8) and E5M2 (IEEE-like, bias 15: 1.75 * 2**15). These
+equal ``torch.finfo(torch.float8_e4m3fn).max`` and ``torch.finfo(torch.float8_e5m2).max``,
+which :mod:`nemo_fp8_plugin.numerics.formats` reads from torch (this module imports no torch;
+``tests/test_capabilities.py`` checks the two agree)."""
+
+E2M1_MAX = 6.0
+"""Largest FP4 E2M1 magnitude (2 exponent bits, bias 1, 1 mantissa bit: 1.5 * 2**2), the
+element format of NVFP4 (:data:`nemo_fp8_plugin.numerics.formats.E2M1_MAX` derives it from the
+bit layout)."""
+
+E8M0_MAX = 2.0**127
+"""Largest E8M0 scale (an exponent byte with bias 127; byte 0xFE is 2**127, 0xFF is NaN):
+``torch.finfo(torch.float8_e8m0fnu).max``. MXFP8's block scales."""
+
+FORMAT_MAX: dict[str, float] = {**FP8_MAX, "e2m1": E2M1_MAX, "e8m0": E8M0_MAX}
+"""Element or scale format -> its largest finite magnitude (what a row's
+:attr:`RecipeCapability.element_max` reads)."""
+
+TILE_KEYS = ("activation_block", "weight_block", "gradient_block")
+"""The spec fields of the three GEMM operand roles, in the order of
+:attr:`RecipeCapability.tiles` (activation, weight, output gradient)."""
 
 ENV_BLOCK_FP32_SCALES = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 """``"1"``: Float8BlockScaling's class-level quantizer parameters use fp32 scales; anything
@@ -98,39 +127,61 @@ NVFP4_GENERATION_REFUSAL = (
 """Why ``nvfp4`` never generates (vLLM, NeMo RL): generation stays BF16."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Arch:
     """A GPU generation as the validation knows it.
 
     Attributes:
         name: the value ``hardware:`` / ``--hardware`` normalizes to.
         sm: compute capabilities (major, minor) of the generation.
-        gpus: GPU names that mean this generation (lower case, no spaces or dashes).
+        gpus: GPU names that mean this generation (lower case, no spaces, dashes or
+            underscores; a name the text starts with matches, so ``nvidia-smi``'s memory sizes
+            and form factors after the model are ignored).
+        families: regular expressions, matched at the start of the same normalized text, for
+            product lines whose model numbers follow a pattern (GeForce ``RTX 5090``,
+            ``RTX 5000 Ada Generation``, ``RTX PRO 4500 Blackwell``).
         fp8: whether its tensor cores have FP8 at all (Ampere has none).
     """
 
     name: str
     sm: tuple[tuple[int, int], ...]
     gpus: tuple[str, ...]
+    families: tuple[str, ...] = ()
     fp8: bool = True
 
 
 ARCHS: tuple[Arch, ...] = (
     Arch(
-        "ampere",
-        ((8, 0), (8, 6), (8, 7)),
-        ("a100", "a800", "a10", "a10g", "a30", "a40", "rtx3090", "rtxa6000"),
+        name="ampere",
+        sm=((8, 0), (8, 6), (8, 7)),
+        gpus=("a100", "a800", "a10", "a10g", "a30", "a40", "a16"),
+        # RTX A6000/A5000/A4000..., GeForce RTX 3050-3090.
+        families=(r"rtxa\d{4}", r"rtx30[5-9]0"),
         fp8=False,
     ),
-    Arch("ada", ((8, 9),), ("l4", "l40", "l40s", "rtx4090", "rtx6000ada")),
-    Arch("hopper", ((9, 0),), ("h100", "h200", "h800", "h20", "gh200")),
-    Arch("blackwell", ((10, 0), (10, 3)), ("b100", "b200", "b300", "gb200", "gb300")),
-    # SM 12.x: RTX PRO 6000 Blackwell and GeForce RTX 50: FP8 tensor cores, but Transformer
-    # Engine refuses MXFP8 there (`_compute_mxfp8_support`: "not supported on 12.0+").
     Arch(
-        "blackwell_sm120",
-        ((12, 0), (12, 1)),
-        ("rtxpro6000", "rtx5090", "rtx5080", "dgxspark", "gb10"),
+        name="ada",
+        sm=((8, 9),),
+        gpus=("l4", "l40", "l40s", "l20", "rtx6000ada"),
+        # GeForce RTX 4050-4090 (4090 D, 4070 Ti SUPER, ...), and the workstation "RTX <n> Ada
+        # Generation" (2000, 4000 SFF, 4500, 5000, 6000): the only RTX names that say "ada".
+        families=(r"rtx40[5-9]0", r"rtx\d{4}(sff)?ada"),
+    ),
+    Arch(name="hopper", sm=((9, 0),), gpus=("h100", "h200", "h800", "h20", "gh200")),
+    Arch(
+        name="blackwell",
+        sm=((10, 0), (10, 3)),
+        gpus=("b100", "b200", "b300", "gb200", "gb300"),
+    ),
+    # SM 12.x: RTX PRO Blackwell, GeForce RTX 50, DGX Spark (GB10, SM 12.1): FP8 tensor cores,
+    # but Transformer Engine refuses MXFP8 there (`_compute_mxfp8_support`: "not supported on
+    # 12.0+").
+    Arch(
+        name="blackwell_sm120",
+        sm=((12, 0), (12, 1)),
+        gpus=("rtxpro6000", "dgxspark", "gb10"),
+        # GeForce RTX 5050-5090 and RTX PRO 2000-6000 Blackwell.
+        families=(r"rtx50[5-9]0", r"rtxpro\d{4}"),
     ),
 )
 """GPU generations, oldest first."""
@@ -139,18 +190,34 @@ ARCH_NAMES: tuple[str, ...] = tuple(a.name for a in ARCHS if a.fp8)
 """Architectures that have FP8 (what messages offer; an Ampere target such as ``a100`` is
 accepted too, and :func:`hardware_problems` says nothing runs there)."""
 
+# "sm90", "sm_90a", "sm100a", "sm_100f", "compute_90", "sm 12.1": a CUDA architecture name.
+# The "a"/"f" suffixes (arch-specific / family features) name the same compute capability.
+_SM = re.compile(r"(?:sm|compute|cc)(\d{1,2}?)\.?(\d)[af]?")
+# nvidia-smi prefixes that carry no generation ("NVIDIA GeForce RTX 4090").
+_VENDOR = ("nvidia", "geforce")
+
+
+def _normalized(name: str) -> str:
+    text = name.strip().lower()
+    for sep in ("-", " ", "_"):
+        text = text.replace(sep, "")
+    for prefix in _VENDOR:
+        if text.startswith(prefix):
+            text = text[len(prefix) :]
+    return text
+
 
 def arch_by_name(name: str) -> Arch | None:
-    """The :class:`Arch` for an architecture name, ``sm90``-style spelling or GPU name
-    (``"H100"``, ``"NVIDIA H100 80GB HBM3"``, ``"sm_100"``), or None."""
-    text = name.strip().lower().replace("-", "").replace(" ", "").replace("_", "")
-    if text.startswith("nvidia"):
-        text = text[len("nvidia") :]
+    """The :class:`Arch` for an architecture name, CUDA architecture spelling or GPU name
+    (``"H100"``, ``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA GeForce RTX 5090"``, ``"sm_90a"``,
+    ``"sm100a"``, ``"sm121"``), or None."""
+    text = _normalized(name)
     for arch in ARCHS:
         if text == arch.name.replace("_", ""):
             return arch
-        if any(text == f"sm{major}{minor}" for major, minor in arch.sm):
-            return arch
+    sm = _SM.fullmatch(text)
+    if sm:
+        return arch_of_capability(int(sm.group(1)), int(sm.group(2)))
     # nvidia-smi names carry memory sizes and form factors after the model ("NVIDIA H100 80GB
     # HBM3"): the longest GPU name the text starts with wins, so "a100" beats "a10".
     names = sorted(
@@ -161,11 +228,16 @@ def arch_by_name(name: str) -> Arch | None:
     for gpu, arch in names:
         if text.startswith(gpu):
             return arch
+    for arch in ARCHS:
+        if any(re.match(family, text) for family in arch.families):
+            return arch
     return None
 
 
 def arch_of_capability(major: int, minor: int) -> Arch | None:
-    """The :class:`Arch` of a CUDA compute capability, or None for pre-Ampere GPUs."""
+    """The :class:`Arch` of a CUDA compute capability, or None for pre-Ampere GPUs (and
+    capabilities no GPU has, such as 9.5). Every SM 12.x minor version is the SM 12 family
+    (12.0 RTX PRO / GeForce RTX 50, 12.1 GB10); 10.x and 11.x are Blackwell."""
     for arch in ARCHS:
         if (major, minor) in arch.sm:
             return arch
@@ -176,28 +248,62 @@ def arch_of_capability(major: int, minor: int) -> Arch | None:
     return None
 
 
-@dataclass(frozen=True)
+_Tile = tuple[int, int]
+
+
+@dataclass(frozen=True, kw_only=True)
 class RecipeCapability:
-    """What one scaling kind is, needs and runs on.
+    """What one scaling kind is, needs and runs on: one row of :data:`CAPABILITIES`.
 
     Attributes:
         scaling: the :data:`ScalingKind` this row describes.
         te_class: Transformer Engine recipe class (``transformer_engine.common.recipe``).
         megatron_recipe: megatron-core ``fp8_recipe`` value (also NeMo 2's and Bridge's, and
-            NeMo RL's ``fp8_cfg.fp8_recipe``).
-        tiles: ``(activation, weight, gradient)`` default tile shapes, None per tensor.
-        allowed_tiles: per role, the tile shapes the recipe accepts.
-        history: whether scales come from an amax history (only delayed scaling).
-        scale_format: ``"fp32"`` (scale may be power-of-2 rounded), ``"e8m0"`` or ``"e4m3"``
-            (NVFP4: E4M3 block scales under one fp32 scale per tensor).
+            NeMo RL's ``fp8_cfg.fp8_recipe``); for NVFP4 megatron-core's ``fp4_recipe`` value.
+        megatron_field: the megatron-core field ``megatron_recipe`` goes to: ``fp8_recipe``, or
+            ``fp4_recipe`` for NVFP4 (with ``fp4: e2m1``; the FP8 fields stay off). The FP4
+            field: a host asks ``row.megatron_field == "fp4_recipe"``, not the kind.
+        tiles: ``(activation, weight, gradient)`` default tile shapes (the order of
+            :data:`TILE_KEYS`), None per tensor.
+        allowed_tiles: per role, the tile shapes the recipe accepts (empty per tensor); the
+            spec refuses any other.
+        history: whether scales come from an amax history (only delayed scaling). NeMo RL
+            refuses such a recipe: a refit changes the weights every step, so the history of
+            past steps is stale.
+        scale_format: ``"fp32"`` (scale may be power-of-2 rounded), ``"e8m0"`` (always a
+            power of two: the spec requires ``pow2_scales: true``) or ``"e4m3"`` (NVFP4: E4M3
+            block scales under one fp32 scale per tensor; ``pow2_scales: true`` refused).
+        fp8_formats: the spec ``fp8_format`` values the kind takes (``e4m3``/``hybrid`` for
+            the FP8 kinds, ``e2m1`` for NVFP4 and only there).
+        amax_floor: whether an amax floor (``amax_epsilon``) means anything for the kind's
+            scales. False for MXFP8: its E8M0 exponent is rounded up from the block's own amax,
+            and no host has a floor for it (TE 2.20's ``MXFP8BlockScaling`` has no
+            ``amax_epsilon``, nor has the ``nemo_fp8`` vLLM method's MX scheme), so the spec
+            refuses ``amax_epsilon > 0`` (:func:`amax_epsilon_problem`).
+        te_amax_epsilon: whether TE's recipe class takes an amax epsilon (``QParams``'s, on
+            ``Float8CurrentScaling`` and ``Float8BlockScaling``); elsewhere a training host
+            drops the spec's ``amax_epsilon`` with a warning.
+        fp8_attention: whether TE's recipe class runs FP8 attention (``fp8_dpa``); the spec
+            refuses ``fp8_dot_product_attention: true`` where it does not (TE 2.14-2.20:
+            ``Float8BlockScaling`` asserts ``not fp8_dpa``). True for NVFP4: TE 2.14.1 and
+            2.20.2's ``NVFP4BlockScaling`` takes ``fp8_dpa``; a host version that does not pass
+            it (megatron-core < 0.20) is refused by its adapter.
+        bf16_edge_layers: whether megatron-core keeps the first/last layers in BF16 under this
+            kind (``first_last_layers_bf16``; megatron-core 0.16 refuses it with delayed
+            scaling, so the spec refuses ``bf16_layers.first``/``last`` for training there).
         training_archs: architectures Transformer Engine trains this recipe on.
         generation_archs: architectures where vLLM 0.32 has real FP8 kernels for it (empty:
             the plugin's vLLM path has no such layout).
-        vllm_generation: whether the plugin's ``nemo_fp8`` vLLM method serves it.
-        nemo_rl_generation: whether NeMo RL's own FP8 generation path serves it.
+        vllm_generation: whether the plugin's ``nemo_fp8`` vLLM method serves it (its
+            ``scheme``, :data:`VLLM_SCHEMES`); elsewhere vLLM generates in BF16.
+        nemo_rl_generation: whether NeMo RL's own FP8 generation path (vLLM block or MX FP8
+            weights) serves it; elsewhere NeMo RL generates in BF16.
+        deepgemm_generation: whether vLLM's DeepGEMM block-FP8 kernels serve it
+            (``generation_numerics: vllm_deepgemm_ue8m0`` is refused elsewhere).
+        generation_refusal: why FP8 generation is refused outright (the spec refuses
+            ``generation: fp8``), or None. A kind without a vLLM path but without a refusal
+            generates in BF16 with a warning.
         te_env: the TE variable whose value decides this recipe's scales at TE import, or None.
-        megatron_field: the megatron-core field ``megatron_recipe`` goes to: ``fp8_recipe``, or
-            ``fp4_recipe`` for NVFP4 (with ``fp4: e2m1``; the FP8 fields stay off).
         token_align: what the token count (the product of the leading dims of a GEMM input, per
             rank) must be a multiple of: TE 2.20's ``get_align_size_for_quantization`` (16 for
             per-tensor and block FP8, which also covers ``assert_dim_for_fp8_exec``'s 8; 32 for
@@ -213,18 +319,27 @@ class RecipeCapability:
     scaling: ScalingKind
     te_class: str
     megatron_recipe: str
-    tiles: tuple[tuple[int, int] | None, tuple[int, int] | None, tuple[int, int] | None]
-    allowed_tiles: tuple[
-        frozenset[tuple[int, int]], frozenset[tuple[int, int]], frozenset[tuple[int, int]]
-    ]
-    history: bool
-    scale_format: Literal["fp32", "e8m0", "e4m3"]
-    training_archs: frozenset[str]
-    generation_archs: frozenset[str]
-    vllm_generation: bool
-    nemo_rl_generation: bool
-    te_env: str | None
     megatron_field: Literal["fp8_recipe", "fp4_recipe"] = "fp8_recipe"
+    tiles: tuple[_Tile | None, _Tile | None, _Tile | None] = (None, None, None)
+    allowed_tiles: tuple[frozenset[_Tile], frozenset[_Tile], frozenset[_Tile]] = (
+        frozenset(),
+        frozenset(),
+        frozenset(),
+    )
+    history: bool = False
+    scale_format: Literal["fp32", "e8m0", "e4m3"] = "fp32"
+    fp8_formats: tuple[str, ...] = ("e4m3", "hybrid")
+    amax_floor: bool = True
+    te_amax_epsilon: bool = False
+    fp8_attention: bool = True
+    bf16_edge_layers: bool = True
+    training_archs: frozenset[str]
+    generation_archs: frozenset[str] = frozenset()
+    vllm_generation: bool = False
+    nemo_rl_generation: bool = False
+    deepgemm_generation: bool = False
+    generation_refusal: str | None = None
+    te_env: str | None = None
     token_align: int = 16
     dim_align: int = 16
     tile_align: int | None = None
@@ -272,100 +387,142 @@ class RecipeCapability:
         """Scales per tile or group (block, MXFP8, NVFP4)."""
         return self.tiles[0] is not None
 
+    @property
+    def element_format(self) -> str:
+        """Element format of forward tensors: ``"e4m3"``, or ``"e2m1"`` for FP4 (NVFP4)."""
+        return "e2m1" if "e2m1" in self.fp8_formats else "e4m3"
 
-_NONE: frozenset[tuple[int, int]] = frozenset()
+    @property
+    def element_max(self) -> float:
+        """Largest magnitude of :attr:`element_format` (448, or 6 for E2M1)."""
+        return FORMAT_MAX[self.element_format]
+
+    @property
+    def fixed_pow2(self) -> bool | None:
+        """What ``pow2_scales`` must be, from :attr:`scale_format`: True for E8M0 scales,
+        False for E4M3 block scales, None where fp32 scales take either."""
+        return {"e8m0": True, "e4m3": False}.get(self.scale_format)
+
+    @property
+    def argless_tiles(self) -> tuple[_Tile | None, _Tile | None, _Tile | None] | None:
+        """The tiles a host gets when it builds TE's recipe with no tile arguments
+        (megatron-core's ``get_fp8_recipe``): :attr:`tiles`, or None when there are none (per
+        tensor) or when :attr:`te_env` pins them at TE import (NVFP4's
+        ``NVTE_NVFP4_DISABLE_2D_QUANTIZATION``, from :func:`te_env`), so the spec's own
+        tiles reach TE."""
+        if self.per_tensor or self.is_nvfp4:
+            return None
+        return self.tiles
+
+    def default_tile(self, key: str) -> _Tile | None:
+        """The default tile of a :data:`TILE_KEYS` role (``"weight_block"``, ...)."""
+        return self.tiles[TILE_KEYS.index(key)]
+
+    def allowed(self, key: str) -> frozenset[_Tile]:
+        """The tiles a :data:`TILE_KEYS` role accepts (empty per tensor)."""
+        return self.allowed_tiles[TILE_KEYS.index(key)]
+
+
 _ALL_FP8 = frozenset({"ada", "hopper", "blackwell", "blackwell_sm120"})
 
 CAPABILITIES: dict[str, RecipeCapability] = {
     "delayed": RecipeCapability(
-        "delayed",
-        "DelayedScaling",
-        "delayed",
-        (None, None, None),
-        (_NONE, _NONE, _NONE),
+        scaling="delayed",
+        te_class="DelayedScaling",
+        megatron_recipe="delayed",
         history=True,
-        scale_format="fp32",
+        amax_floor=True,
+        bf16_edge_layers=False,
         training_archs=_ALL_FP8,
-        generation_archs=frozenset(),
-        vllm_generation=False,
-        nemo_rl_generation=False,
-        te_env=None,
     ),
     "tensorwise": RecipeCapability(
-        "tensorwise",
-        "Float8CurrentScaling",
-        "tensorwise",
-        (None, None, None),
-        (_NONE, _NONE, _NONE),
-        history=False,
-        scale_format="fp32",
+        scaling="tensorwise",
+        te_class="Float8CurrentScaling",
+        megatron_recipe="tensorwise",
+        te_amax_epsilon=True,
         training_archs=_ALL_FP8,
-        generation_archs=frozenset(),
-        vllm_generation=False,
-        nemo_rl_generation=False,
         te_env=ENV_CURRENT_POW2_SCALES,
     ),
     "block": RecipeCapability(
-        "block",
-        "Float8BlockScaling",
-        "blockwise",
-        ((1, 128), (128, 128), (1, 128)),
-        (frozenset({(1, 128), (128, 128)}),) * 3,
-        history=False,
-        scale_format="fp32",
+        scaling="block",
+        te_class="Float8BlockScaling",
+        megatron_recipe="blockwise",
+        tiles=((1, 128), (128, 128), (1, 128)),
+        allowed_tiles=(frozenset({(1, 128), (128, 128)}),) * 3,
+        te_amax_epsilon=True,
+        fp8_attention=False,
         # Hopper natively (cuBLAS >= 12.9 block-scaled GEMMs); Blackwell by TE's MXFP8
         # emulation, which needs power-of-2 scales (see hardware_problems).
         training_archs=frozenset({"hopper", "blackwell"}),
         generation_archs=frozenset({"hopper", "blackwell", "blackwell_sm120"}),
         vllm_generation=True,
         nemo_rl_generation=True,
+        deepgemm_generation=True,
         te_env=ENV_BLOCK_FP32_SCALES,
         tile_align=128,
     ),
     "mx": RecipeCapability(
-        "mx",
-        "MXFP8BlockScaling",
-        "mxfp8",
-        ((1, 32), (1, 32), (1, 32)),
-        (frozenset({(1, 32)}), frozenset({(1, 32), (32, 32)}), frozenset({(1, 32)})),
-        history=False,
+        scaling="mx",
+        te_class="MXFP8BlockScaling",
+        megatron_recipe="mxfp8",
+        tiles=((1, 32), (1, 32), (1, 32)),
+        allowed_tiles=(frozenset({(1, 32)}), frozenset({(1, 32), (32, 32)}), frozenset({(1, 32)})),
         scale_format="e8m0",
+        amax_floor=False,
         training_archs=frozenset({"blackwell"}),
-        # vLLM's MXFP8 linear kernels need SM100 (FlashInfer); on SM90 it falls back to
-        # weight-only Marlin or emulation without an error.
-        generation_archs=frozenset({"blackwell"}),
+        # vLLM 0.32's W8A8 MXFP8 linear kernels: FlashInfer's CuTe-DSL/TRT-LLM (SM100
+        # family) and CUTLASS mm_mxfp8 (SM100 and later, SM12x included; B12x on SM12x);
+        # on SM90 it falls back to weight-only Marlin or emulation without an error.
+        generation_archs=frozenset({"blackwell", "blackwell_sm120"}),
         vllm_generation=True,
         nemo_rl_generation=True,
-        te_env=None,
         token_align=32,
         dim_align=32,
     ),
     "nvfp4": RecipeCapability(
-        "nvfp4",
-        "NVFP4BlockScaling",
-        "nvfp4",
-        ((1, 16), (16, 16), (1, 16)),
-        (frozenset({(1, 16)}), frozenset({(16, 16), (1, 16)}), frozenset({(1, 16)})),
-        history=False,
+        scaling="nvfp4",
+        te_class="NVFP4BlockScaling",
+        megatron_recipe="nvfp4",
+        megatron_field="fp4_recipe",
+        tiles=((1, 16), (16, 16), (1, 16)),
+        allowed_tiles=(frozenset({(1, 16)}), frozenset({(16, 16), (1, 16)}), frozenset({(1, 16)})),
         scale_format="e4m3",
+        fp8_formats=("e2m1",),
+        # TE 2.14/2.20's NVFP4BlockScaling has fp8_dpa (FP8 attention under an FP4 recipe)
+        # without an assert against it; whether a host passes it depends on its version
+        # (megatron-core from 0.20: stacks.FACTS), so the adapters decide, naming the version.
         # TE's own gate (check_nvfp4_support) is SM >= 10.0; the plugin trains NVFP4 on the
         # data-center Blackwells (SM100/SM103) only, where NVIDIA's NVFP4 recipes are run.
         training_archs=frozenset({"blackwell"}),
-        generation_archs=frozenset(),
-        vllm_generation=False,
-        nemo_rl_generation=False,
-        te_env=None,
-        megatron_field="fp4_recipe",
+        generation_refusal=NVFP4_GENERATION_REFUSAL,
         token_align=128,
         dim_align=32,
     ),
 }
 """Scaling kind -> :class:`RecipeCapability`."""
 
+VLLM_SCHEMES: tuple[str, ...] = tuple(k for k, row in CAPABILITIES.items() if row.vllm_generation)
+"""The kinds the ``nemo_fp8`` vLLM method serves (its ``quantization_config.scheme`` values)."""
+
 
 def capability(scaling: str) -> RecipeCapability:
     """The row for a scaling kind (KeyError for a kind the table does not know)."""
     return CAPABILITIES[scaling]
+
+
+def amax_epsilon_problem(scaling: str, amax_epsilon: float) -> str | None:
+    """Why ``amax_epsilon`` cannot be used with ``scaling`` (a row whose
+    :attr:`~RecipeCapability.amax_floor` is False), or None. The one statement of the rule: the
+    spec refuses with it, and so does the ``nemo_fp8`` vLLM method's config, which can be
+    written by hand."""
+    row = CAPABILITIES[scaling]
+    if not amax_epsilon or row.amax_floor:
+        return None
+    return (
+        f"amax_epsilon {amax_epsilon!r} has no meaning for {row.te_class} (its E8M0 "
+        f"exponents are rounded up from each block's own amax: Transformer Engine's "
+        f"{row.te_class} and vLLM's nemo_fp8 method have no amax floor)"
+    )
 
 
 class _SpecLike(Protocol):
@@ -414,7 +571,7 @@ def te_env(spec: _SpecLike) -> dict[str, str]:
     """
     if spec.training != "fp8":
         return {}
-    if spec.scaling == "nvfp4":
+    if CAPABILITIES[spec.scaling].is_nvfp4:
         # Every NVFP4 class default TE reads at import, pinned to the value the spec means.
         return {
             ENV_NVFP4[f]: ("1" if v else "0") if isinstance(v, bool) else str(v)
@@ -457,7 +614,7 @@ _LABELS = {
     "ada": "Ada (SM89)",
     "hopper": "Hopper (SM90)",
     "blackwell": "Blackwell (SM100/SM103)",
-    "blackwell_sm120": "Blackwell SM 12.0 (RTX PRO 6000)",
+    "blackwell_sm120": "Blackwell SM 12.x (RTX PRO 6000, GeForce RTX 50)",
 }
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._io import regular_entries, regular_file, safetensors_files
+from .dotted import get_path
 from .errors import LIMITS, FP8ConfigError, check_limit, format_value, suggest
 from .registry import RecipeRegistry, default_registry, load_yaml_file
 from .spec import RecipeSpec, normalize_hardware
@@ -105,18 +107,6 @@ class FP8Request:
     hardware_key: str | None = None
 
 
-def get_path(mapping: Any, path: tuple[str, ...] | str, default: Any = None) -> Any:
-    """``mapping[a][b]...`` or ``default`` when any step is missing or not a mapping."""
-    if isinstance(path, str):
-        path = tuple(path.split("."))
-    node = mapping
-    for part in path:
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """Parent-first merge as OmegaConf does it: mappings merge, everything else replaces."""
     out = {k: copy.deepcopy(v) for k, v in base.items()}
@@ -163,112 +153,6 @@ def _read_mapping(path: Path) -> dict[str, Any]:
             f"{path} must hold a mapping at the top level, got {type(data).__name__}"
         )
     return data
-
-
-def regular_file(path: str | Path, *, key: str | None, what: str = "file") -> Path:
-    """``path`` if it names a regular file (symlinks followed); else an
-    :class:`FP8ConfigError` naming ``key``. Read nothing that is not one: a FIFO blocks its
-    reader until someone writes, ``/dev/zero`` never ends."""
-    import stat
-
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise FP8ConfigError(f"{what} not found: {path}", key=key, value=str(path)) from None
-    except OSError as exc:
-        raise FP8ConfigError(
-            f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
-        ) from None
-    if not stat.S_ISREG(mode):
-        kind = (
-            "a directory"
-            if stat.S_ISDIR(mode)
-            else "a FIFO"
-            if stat.S_ISFIFO(mode)
-            else "a special file"
-        )
-        raise FP8ConfigError(f"{path} is {kind}, not a regular {what}", key=key, value=str(path))
-    return path
-
-
-_INDEX_BYTES = 64 * 2**20
-"""Largest ``model.safetensors.index.json`` read (DeepSeek-V3's, 91k tensors, is 9 MB)."""
-
-
-def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
-    """The safetensors shards of a Hugging Face checkpoint directory, checked before any is
-    opened: with ``model.safetensors.index.json``, the files its ``weight_map`` names, each
-    a plain file name of ``directory`` (``../x``, ``sub/x`` or an absolute path, which would
-    read files elsewhere, is refused) and a regular file (symlinks followed); without one,
-    the directory's regular ``*.safetensors`` files. Raises :class:`FP8ConfigError` naming ``key``; an empty list
-    when there are none."""
-    import json
-
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if not index.exists() and not index.is_symlink():
-        return [
-            regular_file(f, key=key, what="safetensors file")  # a FIFO: refused
-            for f in sorted(directory.glob("*.safetensors"))
-            if not f.is_dir()
-        ]
-    regular_file(index, key=key, what="safetensors index")
-    try:
-        with open(index, "rb") as fh:
-            text = fh.read(_INDEX_BYTES + 1)
-        check_limit(len(text), _INDEX_BYTES, f"{index} is too large: bytes", key=key)
-        weight_map = json.loads(text.decode("utf-8"))["weight_map"]
-    except FP8ConfigError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FP8ConfigError(
-            f"{index} is not a readable safetensors index "
-            f"({type(exc).__name__}: {format_value(str(exc))})",
-            key=key,
-            value=str(index),
-        ) from None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise FP8ConfigError(
-            f"{index}: weight_map must map tensor names to file names", key=key, value=str(index)
-        )
-    files: list[Path] = []
-    for name in dict.fromkeys(weight_map.values()):
-        shard = directory / name
-        # By name, not by resolved target: a Hugging Face cache snapshot links every shard
-        # to a blob elsewhere, which its owner put there; the index may only name entries.
-        if Path(name).name != name or name in ("", ".", "..") or "\\" in name:
-            raise FP8ConfigError(
-                f"{index} names {format_value(name)}, which is not a file of {directory}",
-                key=key,
-                value=name,
-                hint="index entries are file names inside the checkpoint",
-            )
-        if not shard.exists():
-            raise FP8ConfigError(
-                f"{index} names {format_value(name)}, which is not in {directory}",
-                key=key,
-                value=str(shard),
-            )
-        files.append(regular_file(shard, key=key, what="safetensors shard"))
-    return files
-
-
-def regular_entries(directory: str | Path, *, key: str) -> None:
-    """Refuse a directory a library will read files from (transformers' ``from_pretrained``)
-    when one of its entries is a FIFO, socket or device: opening one would block or never
-    end, inside code that cannot be told not to."""
-    import stat
-
-    for entry in Path(directory).iterdir():
-        try:
-            mode = entry.stat().st_mode
-        except OSError:
-            continue  # a dangling link is not read either
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            regular_file(entry, key=key)
 
 
 class _Chain:
@@ -500,11 +384,41 @@ def find_fp8_request(
     refuse) leaves the target out of the spec and only in :attr:`FP8Request.hardware`; the
     spelling of the target is still checked. Raises :class:`FP8ConfigError` naming the key
     for every mistake.
+
+    Steps: the recipe names the request keys carry (:func:`_named_recipes`, the ``fp8:``
+    block's in :func:`_read_fp8_block`), no recipe field at the top level, one recipe, the
+    hardware target (:func:`_hardware_target`), the block's overrides applied
+    (:func:`_with_overrides`).
     """
     if not isinstance(config, Mapping):
         raise FP8ConfigError(f"a config must be a mapping, got {format_value(config)}")
     reg = default_registry()
-    named: list[tuple[str, str]] = []  # (key, recipe name)
+    named = _named_recipes(config, reg)
+    block = config.get("fp8")
+    overrides, model = _read_fp8_block(block, reg, named)
+    if not named:
+        return None
+    _refuse_top_level_fields(config, named[0][1])
+    spec = reg.get(_one_recipe(named))
+    target, target_key = _hardware_target(block, hardware)
+    if hardware is not None:
+        overrides["hardware"] = target
+    if not check_hardware:
+        overrides.pop("hardware", None)
+    if overrides:
+        spec = _with_overrides(spec, overrides, block, hardware)
+    keys = tuple(dict.fromkeys(k.split(".recipe")[0] for k, _ in named))
+    if block is not None and "fp8" not in keys:
+        keys = keys + ("fp8",)
+    if model is None:
+        model = _model_named_by_host(config)
+    return FP8Request(spec=spec, keys=keys, model=model, hardware=target, hardware_key=target_key)
+
+
+def _named_recipes(config: Mapping[str, Any], reg: RecipeRegistry) -> list[tuple[str, str]]:
+    """``(key, recipe name)`` for every ``precision:`` / ``policy.precision:`` naming one of
+    our recipes, and a Bridge ``mixed_precision:`` naming one."""
+    named: list[tuple[str, str]] = []
     for path in _PRECISION_KEYS:
         name = _precision_recipe(get_path(config, path), ".".join(path))
         if name is not None:
@@ -523,81 +437,93 @@ def find_fp8_request(
             hint=f"a recipe ({', '.join(reg.names())}), "
             f"a Megatron-Bridge recipe such as bf16_mixed, or its block",
         )
+    return named
 
-    block = config.get("fp8")
-    overrides: dict[str, Any] = {}
-    model = None
-    if block is not None:
-        if isinstance(block, str):
-            if block not in reg:
-                err = _unknown_recipe(reg, block, "fp8")
-                if block.strip().lower() in _NATIVE_FP8_VALUES:
-                    # megatron-core's and NeMo's own `fp8: hybrid|e4m3` switch, at the root
-                    err = FP8ConfigError(
-                        err.bare_message,
-                        key="fp8",
-                        value=block,
-                        hint=(
-                            f"{block!r} is megatron-core's own fp8 format switch: it belongs under "
-                            "model: (or language_model:); at the root, fp8 names one of our "
-                            f"recipes: {', '.join(reg.names())}"
-                        ),
-                    )
-                raise err
-            named.append(("fp8", block))
-        elif isinstance(block, Mapping):
-            allowed = set(RecipeSpec.OVERRIDABLE) | set(FP8_BLOCK_EXTRA_KEYS)
-            for k in block:
-                if not isinstance(k, str) or k not in allowed:
-                    near = suggest(k, sorted(allowed))
-                    raise FP8ConfigError(
-                        "unknown key",
-                        key=f"fp8.{k}",
-                        hint=f"did you mean {near!r}?"
-                        if near
-                        else f"valid keys: {', '.join(sorted(allowed))}",
-                    )
-            overrides = {k: v for k, v in block.items() if k not in FP8_BLOCK_EXTRA_KEYS}
-            model = block.get("model")
-            if model is not None and not isinstance(model, str):
-                raise FP8ConfigError(
-                    f"expected a model name or config.json path, got {format_value(model)}",
-                    key="fp8.model",
-                    value=model,
-                )
-            if "recipe" in block:
-                if not isinstance(block["recipe"], str):
-                    raise FP8ConfigError(
-                        f"expected a recipe name, got {format_value(block['recipe'])}",
-                        key="fp8.recipe",
-                        value=block["recipe"],
-                    )
-                if block["recipe"] not in reg:
-                    raise _unknown_recipe(reg, block["recipe"], "fp8.recipe")
-                named.append(("fp8.recipe", block["recipe"]))
-            elif not named:
-                raise FP8ConfigError(
-                    "is required: the fp8 block must start from a registered recipe",
-                    key="fp8.recipe",
-                    hint=f"valid recipes: {', '.join(reg.names())}",
-                )
-        else:
+
+def _read_fp8_block(
+    block: Any, reg: RecipeRegistry, named: list[tuple[str, str]]
+) -> tuple[dict[str, Any], str | None]:
+    """The ``fp8:`` block's overrides and model; its recipe is appended to ``named``."""
+    if block is None:
+        return {}, None
+    if isinstance(block, str):
+        if block not in reg:
+            raise _unknown_fp8_name(reg, block)
+        named.append(("fp8", block))
+        return {}, None
+    if not isinstance(block, Mapping):
+        raise FP8ConfigError(
+            f"expected a recipe name or a mapping, got {format_value(block)}",
+            key="fp8",
+            value=block,
+        )
+    allowed = set(RecipeSpec.OVERRIDABLE) | set(FP8_BLOCK_EXTRA_KEYS)
+    for k in block:
+        if not isinstance(k, str) or k not in allowed:
+            near = suggest(k, sorted(allowed))
             raise FP8ConfigError(
-                f"expected a recipe name or a mapping, got {format_value(block)}",
-                key="fp8",
-                value=block,
+                "unknown key",
+                key=f"fp8.{k}",
+                hint=f"did you mean {near!r}?"
+                if near
+                else f"valid keys: {', '.join(sorted(allowed))}",
             )
+    overrides = {k: v for k, v in block.items() if k not in FP8_BLOCK_EXTRA_KEYS}
+    model = block.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FP8ConfigError(
+            f"expected a model name or config.json path, got {format_value(model)}",
+            key="fp8.model",
+            value=model,
+        )
+    if "recipe" in block:
+        if not isinstance(block["recipe"], str):
+            raise FP8ConfigError(
+                f"expected a recipe name, got {format_value(block['recipe'])}",
+                key="fp8.recipe",
+                value=block["recipe"],
+            )
+        if block["recipe"] not in reg:
+            raise _unknown_recipe(reg, block["recipe"], "fp8.recipe")
+        named.append(("fp8.recipe", block["recipe"]))
+    elif not named:
+        raise FP8ConfigError(
+            "is required: the fp8 block must start from a registered recipe",
+            key="fp8.recipe",
+            hint=f"valid recipes: {', '.join(reg.names())}",
+        )
+    return overrides, model
 
-    if not named:
-        return None
+
+def _unknown_fp8_name(reg: RecipeRegistry, block: str) -> FP8ConfigError:
+    err = _unknown_recipe(reg, block, "fp8")
+    if block.strip().lower() not in _NATIVE_FP8_VALUES:
+        return err
+    # megatron-core's and NeMo's own `fp8: hybrid|e4m3` switch, at the root
+    return FP8ConfigError(
+        err.bare_message,
+        key="fp8",
+        value=block,
+        hint=(
+            f"{block!r} is megatron-core's own fp8 format switch: it belongs under "
+            "model: (or language_model:); at the root, fp8 names one of our "
+            f"recipes: {', '.join(reg.names())}"
+        ),
+    )
+
+
+def _refuse_top_level_fields(config: Mapping[str, Any], recipe: str) -> None:
     for key in _RECIPE_ONLY_FIELDS:
         if key in config:  # read by no host at the top level: the recipe would silently lack it
             raise FP8ConfigError(
                 "a recipe field at the top level is read by nothing",
                 key=key,
                 value=config[key],
-                hint=f"put it in the fp8 block: fp8: {{recipe: {named[0][1]}, {key}: ...}}",
+                hint=f"put it in the fp8 block: fp8: {{recipe: {recipe}, {key}: ...}}",
             )
+
+
+def _one_recipe(named: list[tuple[str, str]]) -> str:
     distinct = sorted({name for _, name in named})
     if len(distinct) > 1:
         where = ", ".join(f"{k}={n!r}" for k, n in named)
@@ -607,43 +533,37 @@ def find_fp8_request(
             value=named[1][1],
             hint="name one recipe, or make every key name the same one",
         )
-    spec = reg.get(distinct[0])
-    target = target_key = None
+    return distinct[0]
+
+
+def _hardware_target(block: Any, hardware: str | None) -> tuple[str | None, str | None]:
+    """``(architecture, the key that stated it)``: ``--hardware``, else ``fp8.hardware``."""
     if hardware is not None:
-        overrides["hardware"] = target = normalize_hardware(hardware, key="--hardware")
-        target_key = "--hardware"
-    elif isinstance(block, Mapping) and block.get("hardware") is not None:
-        target, target_key = (
-            normalize_hardware(block["hardware"], key="fp8.hardware"),
-            "fp8.hardware",
-        )
-    if not check_hardware:
-        overrides.pop("hardware", None)
-    if overrides:
-        try:
-            spec = spec.with_overrides(overrides, prefix="fp8")
-        except FP8ConfigError as err:
-            # A hardware finding comes from the command line unless the fp8 block said it.
-            from_flag = (
-                hardware is not None
-                and (err.key or "").endswith("hardware")
-                and not (
-                    isinstance(block, Mapping)
-                    and "hardware" in block
-                    and block["hardware"] == hardware
-                )
+        return normalize_hardware(hardware, key="--hardware"), "--hardware"
+    if isinstance(block, Mapping) and block.get("hardware") is not None:
+        return normalize_hardware(block["hardware"], key="fp8.hardware"), "fp8.hardware"
+    return None, None
+
+
+def _with_overrides(
+    spec: RecipeSpec, overrides: dict[str, Any], block: Any, hardware: str | None
+) -> RecipeSpec:
+    try:
+        return spec.with_overrides(overrides, prefix="fp8")
+    except FP8ConfigError as err:
+        # A hardware finding comes from the command line unless the fp8 block said it.
+        from_flag = (
+            hardware is not None
+            and (err.key or "").endswith("hardware")
+            and not (
+                isinstance(block, Mapping) and "hardware" in block and block["hardware"] == hardware
             )
-            if not from_flag:
-                raise
-            raise FP8ConfigError(
-                err.bare_message, key="--hardware", value=hardware, hint=err.hint
-            ) from None
-    keys = tuple(dict.fromkeys(k.split(".recipe")[0] for k, _ in named))
-    if block is not None and "fp8" not in keys:
-        keys = keys + ("fp8",)
-    if model is None:
-        model = _model_named_by_host(config)
-    return FP8Request(spec=spec, keys=keys, model=model, hardware=target, hardware_key=target_key)
+        )
+        if not from_flag:
+            raise
+        raise FP8ConfigError(
+            err.bare_message, key="--hardware", value=hardware, hint=err.hint
+        ) from None
 
 
 def _model_named_by_host(config: Mapping[str, Any]) -> str | None:

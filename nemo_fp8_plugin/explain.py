@@ -4,55 +4,17 @@ and for every host exactly what ``nemo-fp8 apply --host <host>`` writes (the sam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConflictingKeyError, FP8ConfigError
+from .hosts import detect_host
 from .registry import default_registry
 
 if TYPE_CHECKING:
     from .config import FP8Request
 
 __all__ = ["build_report", "render_text", "detect_host"]
-
-_VLLM_ENGINE_KEYS = (
-    "tensor_parallel_size",
-    "tensor-parallel-size",
-    "max_model_len",
-    "max-model-len",
-    "gpu_memory_utilization",
-    "gpu-memory-utilization",
-    "quantization",
-    "kv_cache_dtype",
-    "kv-cache-dtype",
-    "served_model_name",
-    "served-model-name",
-    "enforce_eager",
-    "enforce-eager",
-    "dtype",
-)
-
-
-def detect_host(config: Mapping[str, Any]) -> str | None:
-    """The host a config is written for, from its shape: ``policy:`` with ``megatron_cfg`` or
-    ``generation`` is NeMo RL; ``trainer:`` NeMo 2; ``mixed_precision:`` Megatron-Bridge; a
-    string ``model:`` with vLLM engine options vLLM; a ``model:`` or ``language_model:``
-    mapping megatron-core; None for a config with none of these (``precision:`` alone)."""
-    policy = config.get("policy")
-    if isinstance(policy, Mapping) and ("megatron_cfg" in policy or "generation" in policy):
-        return "nemo-rl"
-    if isinstance(config.get("trainer"), Mapping):
-        return "nemo2"
-    if "mixed_precision" in config:
-        return "bridge"
-    if isinstance(config.get("model"), str) and any(k in config for k in _VLLM_ENGINE_KEYS):
-        return "vllm"
-    if isinstance(config.get("model"), Mapping) or isinstance(
-        config.get("language_model"), Mapping
-    ):
-        return "megatron"
-    return None
 
 
 def build_report(
@@ -110,19 +72,12 @@ def build_report(
     report["warnings"] += list(ctx.model_notes)
     description = ctx.model
     if description is not None:
-        from .hosts.alignment import dimension_findings
-        from .hosts.nemo_rl.values import resolved_value
+        from .hosts import check_model_shape
 
         report["model"] = description.name
         report["model_description"] = description.summary()
-        for finding in dimension_findings(request.spec, description, ctx.resolved, resolved_value):
-            if finding.level == "error":  # MXFP8 cannot run on a partial 32-element block
-                raise FP8ConfigError(
-                    finding.message,
-                    key=finding.key,
-                    hint=f"recipe {request.spec.name!r} on model {description.name}",
-                )
-            report["warnings"].append(f"{finding.key}: {finding.message}")
+        # The check apply runs (hosts.run), so both refuse the same model, naming one key.
+        report["warnings"] += check_model_shape(ctx)
         try:
             layers, rule_warnings, notes = _layers_section(request.spec, description)
         except FP8ConfigError as err:  # rules contradicting the model: name the config key
@@ -309,7 +264,11 @@ def render_text(
         lines[-1] += f"; {stack}"
     lines += [f"warning: {w}" for w in report.get("warnings", [])]
     if own is not None and own in hosts:
-        lines += [f"warning: {_with_host(w, own)}" for w in hosts[own].get("warnings", [])]
+        lines += [
+            f"warning: {_with_host(w, own)}"
+            for w in hosts[own].get("warnings", [])
+            if w not in report.get("warnings", [])  # the model-shape ones are shown above
+        ]
     lines.append(
         f"recipe: {recipe['name']}  (requested by {', '.join(report['keys'])}; "
         f"{report['recipe_source']})"

@@ -632,12 +632,9 @@ class RecipeSpec:
     # ------------------------------------------------------------------ validation
 
     def _check_tiles(self) -> None:
-        blocks = {
-            "activation_block": self.activation_block,
-            "weight_block": self.weight_block,
-            "gradient_block": self.gradient_block,
-        }
-        if self.scaling in ("delayed", "tensorwise"):
+        row = _caps.capability(self.scaling)
+        blocks = {key: getattr(self, key) for key in _caps.TILE_KEYS}
+        if row.per_tensor:
             for key, blk in blocks.items():
                 if blk is not None:
                     raise FP8ConfigError(
@@ -647,121 +644,45 @@ class RecipeSpec:
                         hint="remove it or use scaling: block",
                     )
             return
-        if self.scaling == "block":
-            allowed = {
-                "activation_block": {(1, 128), (128, 128)},
-                "weight_block": {(1, 128), (128, 128)},
-                "gradient_block": {(1, 128), (128, 128)},
-            }
-            default = {
-                "activation_block": "[1, 128]",
-                "weight_block": "[128, 128]",
-                "gradient_block": "[1, 128]",
-            }
-        elif self.scaling == "nvfp4":
-            # TE's NVFP4BlockScaling: 1x16 groups for activations and gradients, 16x16 tiles
-            # for weights unless disable_2d_quantization (1x16 for every tensor).
-            allowed = {
-                "activation_block": {(1, 16)},
-                "weight_block": {(16, 16), (1, 16)},
-                "gradient_block": {(1, 16)},
-            }
-            default = {
-                "activation_block": "[1, 16]",
-                "weight_block": "[16, 16]",
-                "gradient_block": "[1, 16]",
-            }
-        else:
-            allowed = {
-                "activation_block": {(1, 32)},
-                "weight_block": {(1, 32), (32, 32)},
-                "gradient_block": {(1, 32)},
-            }
-            default = {
-                "activation_block": "[1, 32]",
-                "weight_block": "[1, 32]",
-                "gradient_block": "[1, 32]",
-            }
         for key, blk in blocks.items():
-            if blk is None or blk not in allowed[key]:
+            allowed = row.allowed(key)
+            if blk is None or blk not in allowed:
                 shown = "missing" if blk is None else f"{list(blk)} is not supported"
                 raise FP8ConfigError(
                     f"{shown} for scaling: {self.scaling}",
                     key=key,
                     value=None if blk is None else list(blk),
-                    hint=f"use {default[key]}; allowed: "
-                    f"{', '.join(str(list(b)) for b in sorted(allowed[key]))}",
+                    hint=f"use {list(row.default_tile(key) or ())}; allowed: "
+                    f"{', '.join(str(list(b)) for b in sorted(allowed))}",
                 )
-        if self.scaling == "block":
-            two_d = [k for k, b in blocks.items() if b == (128, 128)]
-            if len(two_d) > 1:
-                # cuBLAS has no 2D-by-2D block-scaled GEMM; TE asserts the same.
-                raise FP8ConfigError(
-                    f"{' and '.join(two_d)} are both 128x128: no GEMM takes two 2D-scaled operands",
-                    key=two_d[1],
-                    value=[128, 128],
-                )
+        # cuBLAS has no 2D-by-2D block-scaled GEMM; TE asserts the same. (Only block scaling
+        # lets more than one role take a 2D tile.)
+        two_d = [k for k, b in blocks.items() if b is not None and b[0] > 1]
+        if len(two_d) > 1:
+            tile = blocks[two_d[1]]
+            raise FP8ConfigError(
+                f"{' and '.join(two_d)} are both {tile[0]}x{tile[1]}: no GEMM takes two "
+                f"2D-scaled operands",
+                key=two_d[1],
+                value=list(tile),
+            )
 
     def _check_combinations(self) -> None:
-        if (self.scaling == "nvfp4") != (self.fp8_format == "e2m1"):
-            if self.scaling == "nvfp4":
-                raise FP8ConfigError(
-                    f"NVFP4 elements are FP4 E2M1 (TE fp4_format E2M1); "
-                    f"{self.fp8_format!r} is an FP8 format",
-                    key="fp8_format",
-                    value=self.fp8_format,
-                    hint="use e2m1",
-                )
-            raise FP8ConfigError(
-                f"e2m1 (FP4) is the element format of scaling: nvfp4 only, not of {self.scaling}",
-                key="fp8_format",
-                value="e2m1",
-                hint="use e4m3 or hybrid, or scaling: nvfp4",
-            )
-        if self.scaling == "nvfp4":
-            if self.pow2_scales:
-                raise FP8ConfigError(
-                    "NVFP4 block scales are E4M3 under an fp32 per-tensor scale, not powers of two",
-                    key="pow2_scales",
-                    value=True,
-                    hint="set pow2_scales: false, or use mxfp8 (E8M0 scales)",
-                )
-            # FP8 attention under NVFP4 (NVFP4BlockScaling.fp8_dpa) depends on the host
-            # version (megatron-core passes it from 0.20: nemo_fp8_plugin.stacks.FACTS), so
-            # the adapters decide it, naming the version where it would be dropped.
-            if self.generation == "fp8":
-                raise FP8ConfigError(
-                    f"nvfp4 cannot generate: {_caps.NVFP4_GENERATION_REFUSAL}",
-                    key="generation",
-                    value="fp8",
-                    hint="set generation: bf16 (NVFP4 training, BF16 rollouts), "
-                    "or use mxfp8 for FP8 rollouts on Blackwell",
-                )
-        if self.scaling == "mx" and not self.pow2_scales:
-            raise FP8ConfigError(
-                "MXFP8 scales are E8M0 (powers of two); pow2_scales must be true",
-                key="pow2_scales",
-                value=False,
-            )
+        row = _caps.capability(self.scaling)
+        self._check_row_refusals(row)
         if self.fp8_multi_head_attention and not self.fp8_dot_product_attention:
             raise FP8ConfigError(
                 "needs fp8_dot_product_attention: true", key="fp8_multi_head_attention", value=True
             )
-        if self.scaling == "block" and self.fp8_dot_product_attention:
-            raise FP8ConfigError(
-                "Transformer Engine's block recipe has no FP8 attention",
-                key="fp8_dot_product_attention",
-                value=True,
-            )
         if (
-            self.scaling == "delayed"
+            not row.bf16_edge_layers
             and (self.bf16_layers.first or self.bf16_layers.last)
             and self.bf16_layers.acts_on("training")
         ):
             which = "first" if self.bf16_layers.first else "last"
             count = getattr(self.bf16_layers, which)
             raise FP8ConfigError(
-                f"{count} layer(s) in BF16 cannot be combined with delayed "
+                f"{count} layer(s) in BF16 cannot be combined with {self.scaling} "
                 "scaling (megatron-core refuses the combination)",
                 key=f"bf16_layers.{which}",
                 value=count,
@@ -773,7 +694,7 @@ class RecipeSpec:
                 key="training",
                 value="bf16",
             )
-        if self.generation_numerics == "vllm_deepgemm_ue8m0" and self.scaling != "block":
+        if self.generation_numerics == "vllm_deepgemm_ue8m0" and not row.deepgemm_generation:
             raise FP8ConfigError(
                 f"vllm_deepgemm_ue8m0 is vLLM's DeepGEMM block-FP8 path (scaling: block), "
                 f"not a {self.scaling} one",
@@ -787,6 +708,63 @@ class RecipeSpec:
                 key="kv_cache",
                 value="fp8",
                 hint="set generation: fp8 or kv_cache: auto",
+            )
+
+    def _check_row_refusals(self, row: _caps.RecipeCapability) -> None:
+        """What the scaling kind's row refuses: its element formats, its scale format's
+        power-of-2 rule, an amax floor, FP8 attention, FP8 generation."""
+        if self.fp8_format not in row.fp8_formats:
+            if row.element_format == "e2m1":
+                raise FP8ConfigError(
+                    f"{row.te_class} elements are FP4 E2M1 (TE fp4_format E2M1); "
+                    f"{self.fp8_format!r} is an FP8 format",
+                    key="fp8_format",
+                    value=self.fp8_format,
+                    hint="use e2m1",
+                )
+            fp4 = [k for k, r in _caps.CAPABILITIES.items() if self.fp8_format in r.fp8_formats]
+            raise FP8ConfigError(
+                f"{self.fp8_format} (FP4) is the element format of scaling: "
+                f"{' or '.join(fp4)} only, not of {self.scaling}",
+                key="fp8_format",
+                value=self.fp8_format,
+                hint=f"use {' or '.join(row.fp8_formats)}, or scaling: {' or '.join(fp4)}",
+            )
+        if row.fixed_pow2 is not None and self.pow2_scales != row.fixed_pow2:
+            if row.fixed_pow2:
+                raise FP8ConfigError(
+                    f"{row.te_class} scales are E8M0 (powers of two); pow2_scales must be true",
+                    key="pow2_scales",
+                    value=False,
+                )
+            raise FP8ConfigError(
+                f"{row.te_class} block scales are E4M3 under an fp32 per-tensor scale, not "
+                "powers of two",
+                key="pow2_scales",
+                value=True,
+                hint="set pow2_scales: false, or use mxfp8 (E8M0 scales)",
+            )
+        floor = _caps.amax_epsilon_problem(self.scaling, self.amax_epsilon)
+        if floor:
+            raise FP8ConfigError(
+                floor,
+                key="amax_epsilon",
+                value=self.amax_epsilon,
+                hint="use 0, or a block recipe (fp8_blockwise) for an amax floor",
+            )
+        if self.fp8_dot_product_attention and not row.fp8_attention:
+            raise FP8ConfigError(
+                f"Transformer Engine's {row.te_class} has no FP8 attention (fp8_dpa)",
+                key="fp8_dot_product_attention",
+                value=True,
+            )
+        if self.generation == "fp8" and row.generation_refusal:
+            raise FP8ConfigError(
+                f"{self.scaling} cannot generate: {row.generation_refusal}",
+                key="generation",
+                value="fp8",
+                hint="set generation: bf16 (train in this recipe, BF16 rollouts), "
+                "or use mxfp8 for FP8 rollouts on Blackwell",
             )
 
     def findings(self) -> list[Finding]:

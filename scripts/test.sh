@@ -5,7 +5,9 @@
 # Extra arguments go to both pytest runs (e.g. -m "not slow"; docs/architecture.md,
 # "Test subsets"). Every step runs even when an earlier one fails; the exit status is
 # non-zero when any step failed. Configuration: pyproject.toml ([tool.ruff], [tool.mypy],
-# [tool.importlinter], [tool.pytest.ini_options]).
+# [tool.importlinter], [tool.pytest.ini_options]). tests/test_install.py (slow, ~2 min) needs
+# the package registry: it builds the wheel (pip fetches hatchling) and makes a venv with the
+# lowest ruamel.yaml (constraints-oldest.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test

@@ -249,3 +249,37 @@ def test_torch_free_test_modules_import_no_torch_or_host():
                 if root in TORCH_OR_HOST:
                     offenders.append(f"{path.relative_to(REPO)}:{line}: {root}")
     assert not offenders, "torch_free modules import torch or a host:\n" + "\n".join(offenders)
+
+
+def test_the_tools_face_contract_lists_every_tools_module():
+    """The tools -> package face contract names modules, not packages (``as_packages =
+    false``: the face is forbidden, the package's own modules are not), so a new tools module
+    must be listed to be covered."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: import-linter's own TOML reader
+        import tomli as tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"
+    ]
+    (face,) = [c for c in contracts if "package face" in c["name"]]
+    assert face["forbidden_modules"] == ["nemo_fp8_plugin"] and face["as_packages"] is False
+    tools = REPO / "nemo_fp8_plugin" / "tools"
+    modules = {
+        ".".join(
+            ("nemo_fp8_plugin", "tools", *p.relative_to(tools).with_suffix("").parts)
+        ).removesuffix(".__init__")
+        for p in tools.rglob("*.py")
+    }
+    assert set(face["source_modules"]) == modules
+
+
+def test_a_tools_module_importing_the_face_breaks_the_contract():
+    """The contract can fail: grimp sees ``from .. import __version__`` in a tools module as
+    an import of the face, which the contract forbids."""
+    graph = grimp.build_graph("nemo_fp8_plugin")
+    importers = graph.find_modules_that_directly_import("nemo_fp8_plugin")
+    assert not {m for m in importers if m.startswith("nemo_fp8_plugin.tools")}
+    harness = (REPO / "nemo_fp8_plugin" / "tools" / "harness.py").read_text()
+    assert "from .._version import __version__" in harness

@@ -15,18 +15,25 @@ import os
 import tempfile
 from pathlib import Path
 
+from nemo_fp8_plugin import get_recipe
+from nemo_fp8_plugin.hosts.vllm import engine_env, engine_kwargs
+
+SPEC = get_recipe({"recipe": "fp8_blockwise", "kv_cache": "fp8"})  # FP8: the one line
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: tensors by reference
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# FP8: the variables vLLM reads at start-up, before it is imported (a stock CUDA install's
+# VLLM_USE_DEEP_GEMM_E8M0=1 would requantize fp8_blockwise's fp32 scales: refused at load).
+for _name, _value in engine_env(SPEC).items():
+    os.environ.setdefault(_name, _value)
 
-import torch
-import vllm
-from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+import torch  # noqa: E402
+import vllm  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from nemo_fp8_plugin import get_recipe
-from nemo_fp8_plugin.hosts.vllm import engine_kwargs
-from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION
-from nemo_fp8_plugin.rl import (
+from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION  # noqa: E402
+from nemo_fp8_plugin.rl import (  # noqa: E402
     importance_weights,
     mismatch_metrics,
     quantize_for_refit,
@@ -52,7 +59,7 @@ CONFIG = dict(
 def main() -> None:
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
-    spec = get_recipe({"recipe": "fp8_blockwise", "kv_cache": "fp8"})  # FP8: the one line
+    spec = SPEC
 
     # A model checkpoint both sides start from (use your own instead).
     ckpt = Path(tempfile.mkdtemp(prefix="tiny-llama-"))

@@ -128,7 +128,7 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
             key="--activations",
             value=str(model_dir),
         )
-    from ..config import regular_entries
+    from .._io import regular_entries
 
     regular_entries(model_dir, key="--activations")  # transformers would block on a FIFO
     texts, token_ids = load_samples(samples)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..capabilities import capability
 from ..errors import FP8ConfigError
 
 __all__ = [
@@ -105,8 +106,9 @@ def quantizer_key(spec, role: str) -> tuple:
     """Recipes that quantize a role identically share one key (delayed and current scaling
     quantize a weight alike; see :func:`quantize_dequantize`)."""
     block = spec.weight_block if role == "weight" else spec.activation_block
-    kind = "tensor" if spec.scaling in ("delayed", "tensorwise") else spec.scaling
-    return (kind, block, spec.pow2_scales if kind != "mx" else True)
+    row = capability(spec.scaling)
+    kind = "tensor" if row.per_tensor else spec.scaling
+    return (kind, block, spec.pow2_scales if row.fixed_pow2 is None else row.fixed_pow2)
 
 
 def quantize_dequantize(x, spec, role: str):
@@ -114,13 +116,14 @@ def quantize_dequantize(x, spec, role: str):
     from ..numerics import quantize_blockwise, quantize_mxfp8, quantize_per_tensor
 
     block = spec.weight_block if role == "weight" else spec.activation_block
-    if spec.scaling in ("delayed", "tensorwise"):
+    row = capability(spec.scaling)
+    if row.per_tensor:
         # Delayed scaling's weight scale comes from the amax history, which for a weight at
         # steady state equals its current amax: current scaling is the faithful stand-in.
         q = quantize_per_tensor(x, "e4m3", pow2_scales=spec.pow2_scales)
-    elif spec.scaling == "block":
+    elif row.is_block:
         q = quantize_blockwise(x, block=block, fmt="e4m3", pow2_scales=spec.pow2_scales)
-    elif spec.scaling == "nvfp4":  # TE's NVFP4, bit-exact (forward operands: no RHT)
+    elif row.is_nvfp4:  # TE's NVFP4, bit-exact (forward operands: no RHT)
         from ..numerics import quantize_nvfp4
 
         q = quantize_nvfp4(x, tuple(block))

@@ -38,7 +38,7 @@ _EMBEDDING = re.compile(
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The ``.safetensors`` files of a checkpoint (a file, or a directory with or without a
     ``model.safetensors.index.json``)."""
-    from ..config import regular_file, safetensors_files
+    from .._io import regular_file, safetensors_files
 
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():

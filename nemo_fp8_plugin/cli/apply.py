@@ -9,6 +9,7 @@ from pathlib import Path
 
 def register(sub) -> None:
     from ..hosts import HOSTS
+    from ._args import add_model_options
 
     p = sub.add_parser(
         "apply",
@@ -21,6 +22,7 @@ def register(sub) -> None:
         "shows the same result before you write it.",
     )
     p.add_argument("config", help="path to a YAML (or JSON) config")
+    add_model_options(p)
     # `nemo_rl` is how the package and its docs spell NeMo RL; accept it next to `nemo-rl`.
     p.add_argument(
         "--host",
@@ -48,25 +50,6 @@ def register(sub) -> None:
         "--diff",
         action="store_true",
         help="print a unified diff of CONFIG and the result; write nothing",
-    )
-    p.add_argument(
-        "--hardware",
-        default=None,
-        help="target GPU (h100, h200, b200, ...) or architecture for the hardware checks",
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        metavar="NAME",
-        help="resolve the per-layer rules against this built-in model, overriding the "
-        "model the config names (as explain does)",
-    )
-    p.add_argument(
-        "--model-config",
-        default=None,
-        metavar="PATH",
-        help="resolve the per-layer rules against a Hugging Face config.json (or a "
-        "checkpoint directory holding one)",
     )
     p.add_argument(
         "--strict", action="store_true", help="treat rules the host cannot express as errors"

@@ -7,6 +7,8 @@ import sys
 
 
 def register(sub) -> None:
+    from ._args import add_model_options
+
     p = sub.add_parser(
         "explain",
         help="show the resolved recipe of a config",
@@ -17,29 +19,11 @@ def register(sub) -> None:
         "from its shape, or --host). --json has every host.",
     )
     p.add_argument("config", help="path to a YAML (or JSON) config")
+    add_model_options(p)
     p.add_argument(
         "--json",
         action="store_true",
         help="print the whole report as JSON (every host, every module)",
-    )
-    p.add_argument(
-        "--hardware",
-        default=None,
-        help="target GPU (h100, h200, b200, ...) or architecture for the hardware checks",
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        metavar="NAME",
-        help="resolve the per-layer rules against this built-in model (HF id or short "
-        "name such as llama3.1-8b), overriding the model the config names",
-    )
-    p.add_argument(
-        "--model-config",
-        default=None,
-        metavar="PATH",
-        help="resolve the per-layer rules against a Hugging Face config.json (or a "
-        "checkpoint directory holding one); nothing is downloaded",
     )
     p.add_argument(
         "--host",

@@ -1,27 +1,30 @@
 """Host adapters: one per host, one contract, one pipeline.
 
 Every host (NeMo 2, Megatron-Bridge, megatron-core, NeMo RL, vLLM, Transformer Engine)
-implements :class:`HostAdapter` once, in its own package under ``nemo_fp8_plugin.hosts``, and
-is listed in :data:`ADAPTERS`. ``nemo-fp8 apply``, ``nemo-fp8 explain``, the NeMo-Run
-factories, the Bridge registration and the vLLM plugin all go through :func:`run`:
+subclasses :class:`HostAdapter` once, as ``ADAPTER`` in its own module
+``nemo_fp8_plugin.hosts.<host>`` (:data:`ADAPTERS`). Two entry functions use it:
 
-    request -> refuse -> spell -> merge (conflicts refused) -> strict -> result
-
-so ``explain`` shows exactly what ``apply`` writes and refuses exactly what ``apply``
-refuses. A command loads and parses its config once (:func:`load_context`); adapters read
-the :class:`HostContext` and never the file.
+* :func:`run`, for a config: ``request -> refuse -> spell -> merge (conflicts refused) ->
+  strict -> result``; ``nemo-fp8 apply`` and ``nemo-fp8 explain`` both run it, so explain
+  shows exactly what apply writes and refuses exactly what apply refuses. A command loads
+  and parses its config once (:func:`load_context`); adapters read the :class:`HostContext`
+  and never the file.
+* :func:`recipe_keys`, for code that starts from a recipe, not a file (the NeMo-Run
+  factories, Bridge's ``register`` / ``mixed_precision_config``, vLLM's ``engine_kwargs``,
+  the training callbacks): ``refuse -> spell``, the same refusals and the same keys.
 
 Nothing here imports a host: each adapter imports its host inside the functions that need it.
 """
 
 from __future__ import annotations
 
+import abc
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ConflictingKeyError, FP8ConfigError
 
@@ -44,7 +47,13 @@ __all__ = [
     "run",
     "apply_path",
     "apply_mapping",
-    "ConfigEditAdapter",
+    "recipe_keys",
+    "refuse_recipe",
+    "detect_host",
+    "check_model_shape",
+    "model_shape_findings",
+    "megatron_model_section",
+    "refuse_other_host",
     "NO_REQUEST",
     "available_hosts",
     "diff_written",
@@ -55,11 +64,13 @@ ADAPTERS = {
     "bridge": "nemo_fp8_plugin.hosts.bridge:ADAPTER",
     "megatron": "nemo_fp8_plugin.hosts.megatron:ADAPTER",
     "nemo-rl": "nemo_fp8_plugin.hosts.nemo_rl:ADAPTER",
-    "vllm": "nemo_fp8_plugin.hosts.vllm.adapter:ADAPTER",
+    "vllm": "nemo_fp8_plugin.hosts.vllm:ADAPTER",
     "te": "nemo_fp8_plugin.hosts.te:ADAPTER",
 }
-"""CLI host name -> ``module:attribute`` of its adapter object. The order is the order
-``explain`` shows hosts in."""
+"""CLI host name -> ``module:attribute`` of its adapter object, by one rule: ``ADAPTER`` of
+the host's own module ``nemo_fp8_plugin.hosts.<host>`` (a package may define the class in
+``adapter.py``; its ``__init__`` exports it). The order is the order ``explain`` shows hosts
+in."""
 
 HOSTS = tuple(ADAPTERS)
 """Every host name ``--host`` accepts (``nemo_rl`` is accepted for ``nemo-rl``)."""
@@ -79,11 +90,13 @@ class HostKeys:
         keys: native keys and values, nested as they appear in the host's config.
         warnings: what the host cannot express, each naming the rule and the host.
         env: environment variables the host's training process must have.
+        notes: advice that loses nothing (copied onto :attr:`ApplyResult.notes`).
     """
 
     keys: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"keys": self.keys}
@@ -145,6 +158,10 @@ class HostContext:
         request: the FP8 request found in ``resolved`` (None: the config asks for none).
         model: the model description the per-layer rules resolve against, or None.
         model_notes: why there is no model description when one would matter.
+        model_key: where the model description came from, as the key a message names: a
+            section holding megatron-core sizes (``language_model``, ``model.config``, ...;
+            a dimension is named ``<section>.<field>``), or the key naming the model
+            (``--model``, ``--model-config``, ``fp8.model``, ``policy.model_name``, ``model``).
         stated: the fields the user wrote in the ``fp8:`` block (``{"fp8_param", ...}``),
             so an adapter can tell a user's choice from a preset's default.
         hardware: the ``--hardware`` target, or None.
@@ -163,6 +180,7 @@ class HostContext:
     request: FP8Request | None
     model: ModelDescription | None = None
     model_notes: tuple[str, ...] = ()
+    model_key: str | None = None
     stated: frozenset[str] = frozenset()
     hardware: str | None = None
     output: Path | None = None
@@ -179,61 +197,75 @@ class HostContext:
     @property
     def in_file(self) -> bool:
         """Whether every request key is in the file itself (not only in a parent)."""
-        from ..config import get_path
+        from ..dotted import get_path
 
         missing = object()
         return self.request is not None and all(
             get_path(self.raw, k, missing) is not missing for k in self.request.keys
         )
 
+    @property
+    def prefix(self) -> str:
+        """``"fp8"`` when the request is an ``fp8:`` block (spec keys are named under it)."""
+        return "fp8" if self.request is not None and "fp8" in self.request.keys else ""
 
-@runtime_checkable
-class HostAdapter(Protocol):
-    """The contract every host implements, once.
 
-    ``spell`` is pure data from the spec (no host import, no file); ``merge`` refuses what
-    the host cannot run or what the config contradicts (:class:`ConflictingKeyError` for a
-    native key set otherwise) and returns the output; ``validate`` feeds a result to the
-    host's own code where the host is installed and says what it checked.
+class HostAdapter(abc.ABC):
+    """The contract every host implements, once (as vLLM's ``QuantizationConfig``: the
+    abstract methods must be defined, or the subclass cannot be constructed; the hooks have
+    default bodies).
+
+    The pipeline (:func:`run`) calls, in order: :meth:`refuse` (every refusal of the host, in
+    one place), :meth:`spell` (the host's keys, plain data), :meth:`merge` (writes exactly
+    those keys into the config, refusing a native key that contradicts them). Entry points
+    that start from a recipe (:func:`recipe_keys`) call :meth:`refuse` and :meth:`spell` with
+    ``ctx=None``.
     """
 
-    name: str
+    name: ClassVar[str]
     """The ``--host`` name."""
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None) -> HostKeys:
-        """The host's native keys for ``spec`` (``ctx`` adds the model and the user's
-        stated fields when there is a config)."""
-        ...
+    runtime: ClassVar[str] = ""
+    """Which code applies these keys when the job runs (the host's own FP8 path, or this
+    package's), copied onto :attr:`ApplyResult.runtime`."""
 
-    def merge(self, ctx: HostContext) -> ApplyResult:
-        """The config rewritten into the host's keys (``ctx.request`` is not None)."""
-        ...
+    follows_defaults: ClassVar[bool] = False
+    """Whether the host reads a NeMo RL ``defaults:`` chain (a request in a parent file is
+    then the config's); False: the request must be in the file itself."""
+
+    @abc.abstractmethod
+    def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
+        """Raise :class:`FP8ConfigError`, naming the key, for what the host cannot run:
+        ``spec`` alone when ``ctx`` is None (an entry point that starts from a recipe), and
+        with ``ctx`` also what the config states (layer counts, sections, other keys)."""
+
+    @abc.abstractmethod
+    def spell(
+        self, spec: RecipeSpec, ctx: HostContext | None = None, *, model: Any = None
+    ) -> HostKeys:
+        """The host's native keys for ``spec``, nested as the host's config holds them (plain
+        data, no host import, no file). ``ctx`` adds the model, the user's stated fields and
+        the layout of the config; without it ``model`` (a model description) may be given."""
+
+    @abc.abstractmethod
+    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
+        """The config with ``keys`` (what :meth:`spell` gave for ``ctx``) written in; a
+        native key already set to something else is refused with
+        :class:`ConflictingKeyError`. ``ctx.request`` is not None."""
 
     def passthrough(self, ctx: HostContext) -> Any:
-        """The output for a config that asks for no recipe (normally the input as is)."""
-        ...
+        """The output for a config that asks for no recipe: the file as written."""
+        return copy.deepcopy(dict(ctx.raw))
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         """Check ``result`` with the host's own code; raise :class:`FP8ConfigError` when the
         host rejects it; return one line per check made or skipped (and why)."""
-        ...
-
-
-class ConfigEditAdapter:
-    """Shared behaviour of the adapters whose output is the input config with the host's
-    keys merged in (every host but Transformer Engine): a config that asks for no recipe is
-    written back as it is, and the file is read as written (no ``defaults:`` chain)."""
-
-    name: str = ""
-    follows_defaults = False
-
-    def passthrough(self, ctx: HostContext) -> Any:
-        return copy.deepcopy(dict(ctx.raw))
+        return [f"{self.name}: not checked (no check of the host's own code here)"]
 
 
 def apply_path(adapter: HostAdapter, path: str | Path, **context: Any) -> ApplyResult:
-    """:func:`run` on a config file: what each host module's ``apply_file`` is. ``context``:
-    the keyword arguments of :func:`load_context` (``hardware``, ``strict``, ``output``...)."""
+    """:func:`run` on a config file. ``context``: the keyword arguments of
+    :func:`load_context` (``hardware``, ``strict``, ``output``...)."""
     return run(adapter, load_context(path, **context))
 
 
@@ -263,6 +295,26 @@ def available_hosts() -> list[str]:
     ]
 
 
+def refuse_recipe(host: str | HostAdapter, spec: RecipeSpec) -> None:
+    """Everything ``host`` refuses of ``spec`` alone (no config): what ``apply`` refuses of a
+    config asking for the same recipe, minus what only the config can state."""
+    adapter = get_adapter(host) if isinstance(host, str) else host
+    adapter.refuse(spec, None)
+
+
+def recipe_keys(host: str | HostAdapter, spec: Any, *, model: Any = None) -> HostKeys:
+    """The one function for code that starts from a recipe rather than a config (NeMo-Run
+    factories, Bridge's registration, vLLM's ``engine_kwargs``, the training callbacks):
+    ``spec`` (a :class:`RecipeSpec`, a name or a mapping) refused as ``apply`` refuses it,
+    then spelt as ``apply`` spells it."""
+    from ..registry import get_recipe
+
+    adapter = get_adapter(host) if isinstance(host, str) else host
+    spec = get_recipe(spec)
+    adapter.refuse(spec, None)
+    return adapter.spell(spec, None, model=model)
+
+
 def load_context(
     path: str | Path,
     *,
@@ -290,23 +342,16 @@ def load_context(
     path = Path(path)
     raw, resolved = load_config_chain(path)
     request = find_fp8_request(resolved, hardware=hardware, check_hardware=check_hardware)
-    found, notes = (
-        (None, ()) if request is None else _model_of(request, resolved, path, model, model_config)
-    )
-    block = resolved.get("fp8")
-    stated = (
-        frozenset(k for k in block if isinstance(k, str))
-        if isinstance(block, Mapping)
-        else frozenset()
-    )
+    found = _model_of(request, resolved, path, model, model_config)
     return HostContext(
         path=path,
         raw=raw,
         resolved=resolved,
         request=request,
-        model=found,
-        model_notes=tuple(notes),
-        stated=stated,
+        model=found.model,
+        model_notes=tuple(found.notes),
+        model_key=found.key,
+        stated=_stated(resolved),
         hardware=hardware,
         output=Path(output) if output not in (None, "-") else None,
         strict=strict,
@@ -324,7 +369,8 @@ def mapping_context(
     model: str | None = None,
 ) -> HostContext:
     """A :class:`HostContext` for a config mapping built in code (no file, no ``defaults:``
-    chain): what the library functions ``apply_config(mapping)`` use."""
+    chain); a model file the mapping names is read relative to ``path``'s directory (the
+    working directory without one)."""
     from ..config import find_fp8_request
     from ..errors import format_value
 
@@ -332,95 +378,207 @@ def mapping_context(
         raise FP8ConfigError(f"a config must be a mapping, got {format_value(config)}")
     request = find_fp8_request(config, hardware=hardware)
     where = Path(path) if path is not None else Path("config.yaml")
-    found, notes = (None, ()) if request is None else _model_of(request, config, where, model, None)
-    block = config.get("fp8")
-    stated = (
-        frozenset(k for k in block if isinstance(k, str))
-        if isinstance(block, Mapping)
-        else frozenset()
-    )
+    found = _model_of(request, config, where, model, None)
     return HostContext(
         path=Path(path) if path is not None else None,
         raw=config,
         resolved=config,
         request=request,
-        model=found,
-        model_notes=tuple(notes),
-        stated=stated,
+        model=found.model,
+        model_notes=tuple(found.notes),
+        model_key=found.key,
+        stated=_stated(config),
         hardware=hardware,
         strict=strict,
     )
 
 
+def _stated(config: Mapping[str, Any]) -> frozenset[str]:
+    block = config.get("fp8")
+    if not isinstance(block, Mapping):
+        return frozenset()
+    return frozenset(k for k in block if isinstance(k, str))
+
+
+@dataclass(frozen=True)
+class _FoundModel:
+    model: ModelDescription | None = None
+    notes: tuple[str, ...] = ()
+    key: str | None = None
+
+
 def _model_of(
-    request: FP8Request,
+    request: FP8Request | None,
     config: Mapping[str, Any],
     path: Path,
     model: str | None,
     model_config: str | Path | None,
-) -> tuple[ModelDescription | None, list[str]]:
-    """The model description the rules resolve against, and why there is none.
+) -> _FoundModel:
+    """The model description the rules resolve against, where it came from, and why there
+    is none.
 
     Precedence: ``--model-config``, ``--model``, ``fp8.model`` (its errors are the user's),
     the megatron-core sizes of the config's ``model:`` section, then a model name the host
     config carries (NeMo RL ``policy.model_name``, a vLLM ``model:``), which may be unknown
-    to the built-in table without that being an error.
+    to the built-in table without that being an error. Files are read relative to the
+    config's directory, whatever the working directory.
     """
     from ..rules import describe_model
 
+    if request is None:
+        return _FoundModel()
     if model_config is not None:
-        return describe_model(str(model_config), key="--model-config"), []
+        return _FoundModel(
+            describe_model(str(model_config), key="--model-config"), (), "--model-config"
+        )
     if model is not None:
-        return describe_model(model, key="--model"), []
+        return _FoundModel(describe_model(model, key="--model"), (), "--model")
     block = config.get("fp8")
     if isinstance(block, Mapping) and block.get("model") is not None:
-        return describe_model(block["model"], key="fp8.model", base_dir=path.parent), []
-    sizes = _megatron_model_fields(config)
+        found = describe_model(block["model"], key="fp8.model", base_dir=path.parent)
+        return _FoundModel(found, (), "fp8.model")
+    sizes = megatron_model_section(config)
     if sizes is not None:
+        where, section = sizes
         try:
-            return describe_model(sizes, key="model"), []
+            return _FoundModel(describe_model(section, key=where), (), where)
         except FP8ConfigError as err:
-            return None, [f"{err}; per-layer decisions are not shown"]
-    named = request.model
+            return _FoundModel(None, (f"{err}; per-layer decisions are not shown",))
+    named, key = request.model, "policy.model_name" if request.model else None
     if named is None and isinstance(config.get("model"), str):  # vLLM engine configs
-        named = config["model"]
+        named, key = config["model"], "model"
     if named is not None:
         try:
-            return describe_model(named, key="model", base_dir=path.parent), []
+            return _FoundModel(describe_model(named, key="model", base_dir=path.parent), (), key)
         except FP8ConfigError as err:
-            return None, [f"{err}; per-layer decisions are not shown"]
+            return _FoundModel(None, (f"{err}; per-layer decisions are not shown",))
     if not request.spec.bf16_layers.empty:
-        return None, [
-            "the config names no model: pass --model NAME or --model-config PATH to "
-            "see which layers the bf16_layers rules keep in BF16"
-        ]
-    return None, []
+        return _FoundModel(
+            None,
+            (
+                "the config names no model: pass --model NAME or --model-config PATH to "
+                "see which layers the bf16_layers rules keep in BF16",
+            ),
+        )
+    return _FoundModel()
 
 
-def _megatron_model_fields(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """A ``model:`` / ``language_model:`` section with megatron-core sizes."""
+def megatron_model_section(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
+    """``(dotted key, section)`` of the ``language_model:`` / ``model:`` section (or its
+    ``config`` / ``transformer`` mapping: NeMo 2, Bridge's GPTModelConfig) that holds
+    megatron-core sizes, or None."""
     for name in ("language_model", "model"):
         node = config.get(name)
-        nested = (
-            [node.get(k) for k in ("config", "transformer")] if isinstance(node, Mapping) else []
-        )
-        for candidate in (node, *nested):
+        if not isinstance(node, Mapping):
+            continue
+        for where, candidate in (
+            (name, node),
+            (f"{name}.config", node.get("config")),
+            (f"{name}.transformer", node.get("transformer")),
+        ):
             if (
                 isinstance(candidate, Mapping)
                 and isinstance(candidate.get("num_layers"), int)
                 and isinstance(candidate.get("hidden_size"), int)
             ):
-                return candidate
+                return where, candidate
     return None
 
 
-def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
-    """The one pipeline: request -> refuse -> spell -> merge -> strict -> result."""
-    if (
-        ctx.request is not None
-        and not getattr(adapter, "follows_defaults", False)
-        and not ctx.in_file
+def model_shape_findings(ctx: HostContext) -> list[Any]:
+    """What the model's GEMM dimensions (split as the config splits them) mean for the
+    recipe, each keyed by the config key to change: the TP key when the split is at fault,
+    ``<section>.<field>`` for sizes the config states, else the key naming the model.
+    ``explain`` and :func:`run` (so ``apply``) both read this one list."""
+    if ctx.request is None or ctx.model is None:
+        return []
+    from .alignment import dimension_findings
+    from .nemo_rl.values import resolved_value
+
+    found = dimension_findings(ctx.spec, ctx.model, ctx.resolved, resolved_value)
+    out = []
+    for f in found:
+        key = f.key
+        if key.startswith("model.") and ctx.model_key is not None:
+            field_name = key.split(".", 1)[1]
+            named = megatron_model_section(ctx.resolved)
+            key = (
+                f"{ctx.model_key}.{field_name}"
+                if named is not None and named[0] == ctx.model_key
+                else ctx.model_key
+            )
+        out.append(type(f)(f.level, key, f.message))
+    return out
+
+
+def check_model_shape(ctx: HostContext) -> list[str]:
+    """Refuse a model the recipe's GEMMs cannot run (:func:`model_shape_findings` at level
+    error); return the warnings, one line each."""
+    warnings = []
+    for f in model_shape_findings(ctx):
+        if f.level == "error":  # MXFP8 cannot run on a partial 32-element block
+            assert ctx.model is not None
+            raise FP8ConfigError(
+                f"{f.message} (model {ctx.model.name})",
+                key=f.key,
+                hint=f"recipe {ctx.spec.name!r}: use a tensor parallel size that keeps "
+                f"every per-rank size a multiple, or another recipe",
+            )
+        warnings.append(f"{f.key}: {f.message}")
+    return warnings
+
+
+_VLLM_ENGINE_KEYS = (
+    "tensor_parallel_size",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "quantization",
+    "kv_cache_dtype",
+    "served_model_name",
+    "enforce_eager",
+    "dtype",
+)
+
+
+def detect_host(config: Mapping[str, Any]) -> str | None:
+    """The host a config is written for, from its shape: ``policy:`` with ``megatron_cfg`` or
+    ``generation`` is NeMo RL; ``trainer:`` NeMo 2; ``mixed_precision:`` Megatron-Bridge; a
+    string ``model:`` with vLLM engine options (dashes or underscores) vLLM; a ``model:`` or
+    ``language_model:`` mapping megatron-core; None for a config with none of these
+    (``precision:`` alone)."""
+    policy = config.get("policy")
+    if isinstance(policy, Mapping) and ("megatron_cfg" in policy or "generation" in policy):
+        return "nemo-rl"
+    if isinstance(config.get("trainer"), Mapping):
+        return "nemo2"
+    if "mixed_precision" in config:
+        return "bridge"
+    options = {k.replace("-", "_") for k in config if isinstance(k, str)}
+    if isinstance(config.get("model"), str) and options & set(_VLLM_ENGINE_KEYS):
+        return "vllm"
+    if isinstance(config.get("model"), Mapping) or isinstance(
+        config.get("language_model"), Mapping
     ):
+        return "megatron"
+    return None
+
+
+def refuse_other_host(adapter: HostAdapter, ctx: HostContext, accepted: tuple[str, ...]) -> None:
+    """Refuse a config whose shape says it is for another host (:func:`detect_host`) than
+    ``accepted``: its keys would land where that host never reads them."""
+    other = detect_host(ctx.raw)
+    if other is not None and other not in accepted:
+        raise FP8ConfigError(
+            f"this is a {other} config (from its shape), not a {adapter.name} one: "
+            f"{adapter.name}'s keys would be written where {other} never reads them",
+            key="--host",
+            value=adapter.name,
+            hint=f"use --host {other}",
+        )
+
+
+def _refuse_parent_request(adapter: HostAdapter, ctx: HostContext) -> None:
+    if ctx.request is not None and not adapter.follows_defaults and not ctx.in_file:
         raise FP8ConfigError(
             f"the FP8 request is in a parent file named by defaults:, which "
             f"{adapter.name} configs do not have",
@@ -428,6 +586,11 @@ def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
             hint="put the request in this file (only NeMo RL configs chain "
             "parents), or use --host nemo-rl",
         )
+
+
+def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
+    """The one pipeline: request -> refuse -> spell -> merge -> strict -> result."""
+    _refuse_parent_request(adapter, ctx)
     if ctx.request is None:
         data = adapter.passthrough(ctx)
         result = ApplyResult(data=data, warnings=[NO_REQUEST], requested=False, fmt=ctx.fmt)
@@ -437,18 +600,23 @@ def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
 
     # Typed before merging: a list where the host reads a mapping names its key.
     check_sections(adapter.name, ctx.raw)
-    if getattr(adapter, "follows_defaults", False):
+    if adapter.follows_defaults:
         check_sections(adapter.name, ctx.resolved)
+    # The model's shape first, as explain checks it before any host.
+    shape = check_model_shape(ctx)
+    adapter.refuse(ctx.spec, ctx)
+    keys = adapter.spell(ctx.spec, ctx)
     try:
-        result = adapter.merge(ctx)
+        result = adapter.merge(ctx, keys)
     except ConflictingKeyError as err:
         raise ConflictingKeyError(
             f"{err.bare_message} (host {adapter.name})", key=err.key, value=err.value, hint=err.hint
         ) from None
+    result.warnings[:0] = [w for w in shape if w not in result.warnings]
     if result.written is None:
         result.written, result.removed = diff_written(ctx.raw, result.data)
     if not result.runtime:
-        result.runtime = getattr(adapter, "runtime", "")
+        result.runtime = adapter.runtime
     if ctx.strict and result.warnings:
         more = f" (and {len(result.warnings) - 1} more)" if len(result.warnings) > 1 else ""
         raise FP8ConfigError(

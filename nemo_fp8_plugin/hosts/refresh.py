@@ -274,7 +274,9 @@ class ScaleRefresher:
     def wants_refresh(self, resumed: bool) -> bool:
         if self.refreshed or not resumed or not self.refresh_on_resume:
             return False
-        return self.spec is None or self.spec.scaling == "delayed"
+        from ..capabilities import capability
+
+        return self.spec is None or capability(self.spec.scaling).is_delayed
 
     # -- work
 

@@ -58,9 +58,9 @@ Nothing here imports TE at module level; :func:`build_te_recipe` and
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -77,7 +77,7 @@ from ..errors import FP8ConfigError, HostUnavailableError
 from ..spec import RecipeSpec
 from ..stacks import fact as _host_fact
 from ..stacks import installed_version
-from . import ApplyResult, HostKeys
+from . import ApplyResult, HostAdapter, HostContext, HostKeys
 
 __all__ = [
     "TE_RECIPE_CLASS",
@@ -95,7 +95,8 @@ __all__ = [
     "FP8_WGRAD_IGNORED",
     "ENV_BACKWARD_OVERRIDE",
     "native_keys",
-    "apply_file",
+    "TEAdapter",
+    "ADAPTER",
 ]
 
 TE_RECIPE_CLASS = {kind: row.te_class for kind, row in CAPABILITIES.items()}
@@ -637,21 +638,11 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     return HostKeys(keys=te_recipe_description(spec), warnings=warnings, env=required_env(spec))
 
 
-def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
-    """For a plain TE script: the recipe a config asks for, as the object to construct.
-
-    Output: ``{"transformer_engine": {"class", "fields", "quantizers", "env"}}``. TE has no
-    config file of its own, so the input config is not rewritten.
-    """
-    from . import apply_path
-
-    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
-
-
-class TEAdapter:
+class TEAdapter(HostAdapter):
     """Transformer Engine itself, for scripts that build their own recipe object: the output
     is a new document describing the recipe (class, fields, quantizer parameters, env), not
-    an edit of the input config."""
+    an edit of the input config (``apply --host te`` on any config: its keys stay as they
+    are, so a config of any host may be described)."""
 
     name = "te"
     runtime = (
@@ -660,25 +651,32 @@ class TEAdapter:
     )
     follows_defaults = True  # the output is a description, so a parent's request is fine
 
-    def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
-        return native_keys(spec)
+    def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
+        # Nothing: what TE has no field for is a warning of the description (its script
+        # builds the object, and build_te_recipe refuses a mismatch there).
+        return None
 
-    def merge(self, ctx) -> ApplyResult:
-        hk = native_keys(ctx.spec)
+    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
+        hk = native_keys(spec)
         out = dict(hk.keys)
         if hk.env:
             out["env"] = hk.env
-        data = {"transformer_engine": out}
-        return ApplyResult(data=data, warnings=list(hk.warnings), env=dict(hk.env), written=data)
+        return HostKeys(keys={"transformer_engine": out}, warnings=hk.warnings, env=hk.env)
 
-    def passthrough(self, ctx):
+    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
+        data = copy.deepcopy(keys.keys)
+        return ApplyResult(
+            data=data, warnings=list(keys.warnings), env=dict(keys.env), written=data
+        )
+
+    def passthrough(self, ctx: HostContext):
         raise FP8ConfigError(
             f"{ctx.path or 'the config'} asks for no FP8 recipe",
             key="precision",
             hint="add `precision: <recipe>` or an `fp8:` block",
         )
 
-    def validate(self, result: ApplyResult, ctx) -> list[str]:
+    def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         """Build the recipe with TE's own recipe module and read every field back."""
         try:
             te_recipe = import_te_recipe_module()

@@ -1,6 +1,12 @@
-"""FP8 element formats and argument checks shared by the numerics package.
+"""Element and scale formats (their constants derived from torch and the bit layouts) and the
+argument checks shared by the numerics package.
 
-Only torch and the plugin's stdlib-only error type are imported here.
+Only torch and the plugin's stdlib-only error type are imported here. The maxima come from
+``torch.finfo`` where torch has the dtype, as torchao does (``torchao/prototype/mx_formats/
+constants.py``, torchao 0.18: ``F8E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max``), and from
+the bit layout where it has none (E2M1, which torch stores only packed two to a byte). The
+torch-free capability table (:data:`nemo_fp8_plugin.capabilities.FORMAT_MAX`) states the same
+numbers; ``tests/test_capabilities.py`` checks that both agree.
 """
 
 from __future__ import annotations
@@ -13,6 +19,15 @@ from ..errors import FP8ConfigError, format_value
 
 __all__ = [
     "FORMATS",
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "E2M1_MAX",
+    "E2M1_EXP_BIAS",
+    "E2M1_MANTISSA_BITS",
+    "E8M0_EXPONENT_BIAS",
+    "E8M0_NAN",
+    "E8M0_MAX",
+    "E8M0_MIN",
     "fp8_dtype",
     "fp8_max",
     "check_format",
@@ -28,7 +43,41 @@ FORMATS = ("e4m3", "e5m2")
 (``torch.float8_e5m2``, max 57344)."""
 
 _DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+"""448: E4M3 (``float8_e4m3fn``: 4 exponent bits, bias 7, 3 mantissa bits, no infinity; only
+S.1111.111 is NaN, so the largest is 1.75 * 2**8)."""
+
+E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)
+"""57344: E5M2 (IEEE-like, bias 15, infinities: the largest is 1.75 * 2**15)."""
+
+E2M1_EXP_BIAS = 1
+"""FP4 E2M1's exponent bias (OCP MX specification v1.0, section 5.3.3)."""
+
+E2M1_MANTISSA_BITS = 1
+"""FP4 E2M1's mantissa bits."""
+
+_E2M1_EXP_BITS = 2
+
+E2M1_MAX = 2.0 ** (2**_E2M1_EXP_BITS - 1 - E2M1_EXP_BIAS) * (
+    1.0 + (2**E2M1_MANTISSA_BITS - 1) / 2**E2M1_MANTISSA_BITS
+)
+"""6: FP4 E2M1 (no infinity or NaN; the largest exponent field 3 with bias 1 is 2**2, times
+1.5), NVFP4's element format. torch has no ``finfo`` for its packed ``float4_e2m1fn_x2``."""
+
+E8M0_EXPONENT_BIAS = 127
+"""E8M0 (``torch.float8_e8m0fnu``): a byte ``e`` is the scale ``2**(e - 127)``."""
+
+E8M0_NAN = 0xFF
+"""The E8M0 byte that is NaN (the format has no zero and no infinity)."""
+
+E8M0_MAX = float(torch.finfo(torch.float8_e8m0fnu).max)
+"""2**127 (byte 0xFE)."""
+
+E8M0_MIN = float(torch.finfo(torch.float8_e8m0fnu).tiny)
+"""2**-127 (byte 0x00)."""
+
+_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
 _FROM_DTYPE = {v: k for k, v in _DTYPES.items()}
 
 # Inputs Transformer Engine quantizes; anything else would be rounded before the cast.

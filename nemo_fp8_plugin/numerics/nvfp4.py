@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import FP8ConfigError
+from .formats import E2M1_MAX
+from .formats import E4M3_MAX as _E4M3_MAX
 
 __all__ = [
     "NVFP4Tensor",
@@ -62,8 +64,6 @@ NVFP4_GROUP = 16
 NVFP4_BLOCKS = ((1, NVFP4_GROUP), (NVFP4_GROUP, NVFP4_GROUP))
 """Accepted ``block`` values: 1x16 groups (activations, gradients), 16x16 tiles (weights)."""
 
-E2M1_MAX = 6.0
-_E4M3_MAX = 448.0
 _FLT_MAX = float(torch.finfo(torch.float32).max)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -10,8 +10,9 @@ Three families, each returning a :class:`QTensor`:
 * :func:`quantize_mxfp8_reference` - one E8M0 scale per 32 elements (OCP MXFP8, TE
   ``MXFP8BlockScaling``).
 
-The semantics are ``shared/NUMERICS.md`` (TE's kernels); ``docs/numerics.md`` lists where
-they differ from NUMERICS.md's wording and from torchao. These functions are the truth every
+The semantics are TE's kernels, stated rule by rule with their upstream files in
+``docs/numerics.md``, which also lists where the code follows a kernel's edge case and where
+torchao differs. These functions are the truth every
 faster path is tested against, bit for bit: the public :mod:`.quantize` functions dispatch to
 the single-pass CPU kernels (:mod:`._cpu`) or the compiled ones (:mod:`.fused`) and fall back
 to these. No Python loop runs over blocks.

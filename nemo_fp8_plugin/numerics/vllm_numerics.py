@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import FP8ConfigError
+from .formats import E4M3_MAX
 from .quantize import QTensor, quantize_blockwise
 
 __all__ = [
@@ -60,7 +61,7 @@ NUMERICS = ("vllm", "vllm_deepgemm_ue8m0", "trainer")
 power-of-2 scales, and weights requantized as DeepGEMM's E8M0 mode does), ``trainer``
 (Transformer Engine's numerics, which no vLLM GPU kernel computes)."""
 
-VLLM_FP8_MAX = 448.0
+VLLM_FP8_MAX = E4M3_MAX
 """E4M3's largest finite value, vLLM's ``_FP8_MAX`` on CUDA and CPU (not ROCm's fnuz 224)."""
 
 VLLM_MIN_SCALE = 1.0 / (VLLM_FP8_MAX * 512.0)

@@ -71,6 +71,7 @@ from typing import Any
 import torch
 
 from ..errors import FP8ConfigError, format_value
+from ..numerics.formats import E4M3_MAX
 
 __all__ = [
     "KVScaleCalibrator",
@@ -83,8 +84,9 @@ __all__ = [
     "FP8_E4M3_MAX",
 ]
 
-FP8_E4M3_MAX = 448.0
-"""Largest finite E4M3 value: ``amax_p * margin`` maps onto it."""
+FP8_E4M3_MAX = E4M3_MAX
+"""Largest finite E4M3 value (448, from ``torch.finfo``: :data:`nemo_fp8_plugin.numerics.formats.E4M3_MAX`): ``amax_p * margin``
+maps onto it."""
 
 _MCORE_ATTENTION = ("DotProductAttention", "TEDotProductAttention")
 _MEGATRON_LAYER = re.compile(

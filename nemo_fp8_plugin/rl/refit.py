@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from ..capabilities import capability
 from ..errors import FP8ConfigError, format_value
 
 __all__ = [
@@ -104,7 +105,11 @@ def scale_name(name: str, spec=None, *, mx_scale_layout: str = "nemo_fp8") -> st
     """The name of a quantized weight's scale tensor: ``<name>_scale_inv`` (block scaling,
     and MXFP8 for the plugin's ``nemo_fp8`` method), or ``<name>_scale`` (MXFP8 in vLLM's
     compressed-tensors layout)."""
-    if spec is not None and spec.scaling == "mx" and mx_scale_layout == "compressed_tensors":
+    if (
+        spec is not None
+        and capability(spec.scaling).is_mx
+        and mx_scale_layout == "compressed_tensors"
+    ):
         return f"{name}_scale"
     return f"{name}_scale_inv"
 
@@ -328,7 +333,8 @@ def quantize_for_refit(
     if spec.generation != "fp8":
         yield from _items(named_tensors)
         return
-    if spec.scaling not in ("block", "mx"):
+    row = capability(spec.scaling)
+    if not row.vllm_generation:  # the layouts the nemo_fp8 vLLM method loads
         raise FP8ConfigError(
             f"refit quantization needs block or mx scaling, not "
             f"{spec.scaling!r} (recipe {spec.name}): vLLM's FP8 refit "
@@ -367,7 +373,7 @@ def quantize_for_refit(
         if sharded:
             _check_shard(name, tensor, block, tp_rank, tp_size, shard_dim)
         w = tensor.detach()
-        if spec.scaling == "block":
+        if row.is_block:
             quantize = block_quantizers[fused]
             q = quantize(w, block, fmt, pow2_scales=spec.pow2_scales, eps=spec.amax_epsilon)
             scales = q.scale_inv

@@ -220,7 +220,7 @@ def environment(device=None) -> dict[str, Any]:
     environment variables of :data:`RELEVANT_ENV_PREFIXES` / :data:`RELEVANT_ENV_NAMES`."""
     import torch
 
-    from .. import __version__
+    from .._version import __version__
 
     info: dict[str, Any] = {
         "plugin": __version__,

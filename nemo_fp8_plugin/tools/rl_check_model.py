@@ -17,13 +17,18 @@ from torch import nn
 
 __all__ = [
     "MirrorSumTask",
+    "PromptSplit",
     "TinyLlama",
     "BF16Linear",
     "bf16_gemms",
     "CoreAttention",
     "FP8EngineLinear",
     "Engine",
+    "WEIGHT_PATHS",
 ]
+
+WEIGHT_PATHS = ("trainer", "nemo_rl")
+"""What a refit sends the engine's FP8 layers (:class:`Engine`)."""
 
 
 # --------------------------------------------------------------------------- the task
@@ -54,6 +59,60 @@ class MirrorSumTask:
 
     def reward(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
         return (completions == self.answers(prompts)).float().mean(dim=1)
+
+    @property
+    def space(self) -> int:
+        """How many distinct prompts there are (``10 ** digits``)."""
+        return 10**self.digits
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        """Prompts of the integer ids ``[n]`` in ``[0, space)`` (the digits of the id)."""
+        powers = 10 ** torch.arange(self.digits - 1, -1, -1)
+        body = (ids[:, None] // powers) % 10
+        n = ids.shape[0]
+        return torch.cat([torch.full((n, 1), self.BOS), body, torch.full((n, 1), self.SEP)], dim=1)
+
+    def decode(self, prompts: torch.Tensor) -> torch.Tensor:
+        """The integer id of each prompt ``[n, prompt_len]`` (inverse of :meth:`encode`)."""
+        powers = 10 ** torch.arange(self.digits - 1, -1, -1)
+        return (prompts[:, 1 : 1 + self.digits] * powers).sum(dim=1)
+
+
+class PromptSplit:
+    """A seed's evaluation prompts, held out from every prompt it trains on.
+
+    ``eval_count`` distinct prompts are drawn without replacement; :meth:`train` draws training
+    prompts uniformly from the others. Whatever trains (warm-up batches and their checks,
+    RL prompts, calibration batches) is passed to :meth:`note`, and :meth:`overlap` counts the
+    evaluation prompts among them from those records, not from how they were drawn."""
+
+    def __init__(self, task: MirrorSumTask, eval_count: int, gen: torch.Generator):
+        if not 0 < eval_count < task.space:
+            raise ValueError(f"eval_count must be in [1, {task.space - 1}], got {eval_count}")
+        self.task = task
+        eval_ids = torch.randperm(task.space, generator=gen)[:eval_count]
+        self.held_out = torch.zeros(task.space, dtype=torch.bool)
+        self.held_out[eval_ids] = True
+        self.eval = task.encode(eval_ids)
+        self.trained = torch.zeros(task.space, dtype=torch.bool)
+
+    def train(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        """``n`` training prompts (with replacement) from outside the evaluation set."""
+        ids = torch.randint(0, self.task.space, (n,), generator=gen)
+        redraw = self.held_out[ids]
+        while redraw.any():
+            ids[redraw] = torch.randint(0, self.task.space, (int(redraw.sum()),), generator=gen)
+            redraw = self.held_out[ids]
+        return self.task.encode(ids)
+
+    def note(self, prompts: torch.Tensor) -> None:
+        """Record prompts (or whole sequences, prompt first) that something trained on."""
+        self.trained[self.task.decode(prompts[:, : self.task.prompt_len])] = True
+
+    def overlap(self) -> int:
+        """Evaluation prompts that also occur among the noted training prompts."""
+        eval_ids = self.task.decode(self.eval)
+        return int(self.trained[eval_ids].sum())
 
 
 # --------------------------------------------------------------------------- the model
@@ -97,7 +156,11 @@ class CoreAttention(nn.Module):
     record its first three inputs as q, k, v. With ``kv_cache_dtype="fp8"`` (the engine of
     the FP8-KV arm) new keys and values are stored in the cache as vLLM's FP8 KV cache stores
     them, ``E4M3(sat(k / k_scale))``, and dequantized (``* k_scale``) where attention reads
-    them, prefill included (vLLM writes the cache first and attends over it)."""
+    them, prefill included (vLLM writes the cache first and attends over it). Queries are
+    quantized too, as vLLM 0.32's ``Attention.forward`` does whenever the KV cache is FP8 and
+    the backend takes quantized queries (FlashAttention does): ``QuantFP8(static=True,
+    PER_TENSOR)`` with ``q_scale``, ``E4M3(clamp(fp32(q) * reciprocal(q_scale)))``, read back
+    by the kernel as ``q8 * q_scale`` (its ``q_descale``)."""
 
     nemo_fp8_qkv_layout = "bhsd"
 
@@ -111,6 +174,8 @@ class CoreAttention(nn.Module):
             # vLLM's parameter names: model.layers.<i>.self_attn.attn.{k,v}_scale
             self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
             self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+            # model.layers.<i>.self_attn.attn.q_scale (1.0 until calibrated: vLLM's default)
+            self.register_buffer("q_scale", torch.ones((), dtype=torch.float32))
 
     def _to_cache(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.kv_cache_dtype != "fp8":
@@ -122,6 +187,14 @@ class CoreAttention(nn.Module):
 
     def _from_cache(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return t.float() * scale if self.kv_cache_dtype == "fp8" else t.float()
+
+    def _query(self, q: torch.Tensor) -> torch.Tensor:
+        """The query as the attention kernel reads it (fp32)."""
+        if self.kv_cache_dtype != "fp8":
+            return q.float()
+        # vLLM's QuantFP8.forward_native, static per-tensor: multiply by the reciprocal
+        q8 = (q.float() * self.q_scale.reciprocal()).clamp(-448.0, 448.0)
+        return q8.to(torch.float8_e4m3fn).float() * self.q_scale
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: dict | None = None
@@ -149,7 +222,7 @@ class CoreAttention(nn.Module):
         # generation kernel (KV cache): q pre-scaled, fp32 probabilities; the same math
         # in another order, as vLLM's attention differs from Megatron's
         kf, vf = self._from_cache(kc, k_scale), self._from_cache(vc, v_scale)
-        scores = (q.float() * (1.0 / math.sqrt(self.head_dim))) @ kf.transpose(-1, -2)
+        scores = (self._query(q) * (1.0 / math.sqrt(self.head_dim))) @ kf.transpose(-1, -2)
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         return (probs @ vf).to(v.dtype)
 
@@ -291,8 +364,15 @@ class Engine:
     ``fp8_modules`` are :class:`FP8EngineLinear` (activations quantized with ``numerics``);
     with ``kv_cache_dtype="fp8"`` every attention layer keeps an FP8 KV cache with the
     per-layer ``k_scale`` / ``v_scale`` buffers vLLM names
-    ``model.layers.<i>.self_attn.attn.{k,v}_scale``. Weights and scales arrive by name, as a
-    refit sends them."""
+    ``model.layers.<i>.self_attn.attn.{k,v}_scale`` (and ``q_scale``). Weights and scales arrive
+    by name, as a refit sends them.
+
+    ``weight_path`` says what a refit sends for the FP8 layers: ``"trainer"``, float8
+    ``weight`` plus ``weight_scale_inv`` quantized on the trainer (the plugin's
+    ``quantize_for_refit``, Transformer Engine's numerics, bit-identical to the trainer's FP8
+    weights); ``"nemo_rl"``, the BF16 ``weight``, which the engine quantizes itself on load as
+    NeMo RL's vLLM worker does
+    (:func:`nemo_fp8_plugin.numerics.nemo_rl_numerics.quantize_weight_nemo_rl`)."""
 
     def __init__(
         self,
@@ -302,7 +382,12 @@ class Engine:
         *,
         numerics: str = "vllm",
         kv_cache_dtype: str = "auto",
+        weight_path: str = "trainer",
     ):
+        if weight_path not in WEIGHT_PATHS:
+            raise ValueError(f"weight_path must be one of {WEIGHT_PATHS}, got {weight_path!r}")
+        self.weight_path = weight_path
+        self.pow2_scales = pow2_scales
         self.model = copy.deepcopy(template).to(torch.bfloat16).eval()
         self.fp8 = bool(fp8_modules)
         self.kv_cache_dtype = kv_cache_dtype
@@ -325,26 +410,52 @@ class Engine:
         """Names of the engine's KV-cache scale buffers (empty without an FP8 KV cache)."""
         return [n for n in self.slots if n.endswith((".attn.k_scale", ".attn.v_scale"))]
 
+    @property
+    def q_scale_names(self) -> list[str]:
+        """Names of the engine's query scale buffers (FP8 KV cache only)."""
+        return [n for n in self.slots if n.endswith(".attn.q_scale")]
+
+    def _nemo_rl_quantize(self, name: str, tensor: torch.Tensor):
+        """NeMo RL's worker-side quantization of a BF16 weight of an FP8 layer, as the
+        (name, tensor) pairs its patched ``load_weights`` passes on to vLLM."""
+        from ..numerics.nemo_rl_numerics import quantize_weight_nemo_rl
+
+        data, scale_inv = quantize_weight_nemo_rl(tensor, pow2_scales=self.pow2_scales)
+        return [(name, data), (f"{name}_scale_inv", scale_inv)]
+
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy each tensor into the slot of the same name, in place; returns bytes received."""
+        """Copy each tensor into the slot of the same name, in place; returns bytes received.
+        Under ``weight_path="nemo_rl"`` a BF16 weight of an FP8 layer is first quantized as
+        NeMo RL's worker does, into that layer's ``weight`` and ``weight_scale_inv``."""
         received = 0
         loaded = set()
-        for name, tensor in named:
-            slot = self.slots.get(name)
-            if slot is None or slot.shape != tensor.shape or slot.dtype != tensor.dtype:
-                raise RuntimeError(
-                    f"refit sent {name} {tuple(tensor.shape)} {tensor.dtype}; the "
-                    f"engine expects "
-                    f"{None if slot is None else (tuple(slot.shape), slot.dtype)}"
-                )
-            slot.copy_(tensor)
-            loaded.add(name)
-            received += tensor.numel() * tensor.element_size()
+        for sent, payload in named:
+            received += payload.numel() * payload.element_size()
+            pairs = [(sent, payload)]
+            if (
+                self.weight_path == "nemo_rl"
+                and sent in self.fp8_linears
+                and payload.dtype != torch.float8_e4m3fn
+            ):
+                pairs = self._nemo_rl_quantize(sent, payload)
+            for name, tensor in pairs:
+                self._copy(name, tensor)
+                loaded.add(name)
         for name, linear in self.fp8_linears.items():
             if name in loaded:
                 linear.requantize_loaded()
         return received
+
+    def _copy(self, name: str, tensor: torch.Tensor) -> None:
+        slot = self.slots.get(name)
+        if slot is None or slot.shape != tensor.shape or slot.dtype != tensor.dtype:
+            raise RuntimeError(
+                f"refit sent {name} {tuple(tensor.shape)} {tensor.dtype}; the "
+                f"engine expects "
+                f"{None if slot is None else (tuple(slot.shape), slot.dtype)}"
+            )
+        slot.copy_(tensor)
 
     @torch.no_grad()
     def generate(
@@ -352,15 +463,20 @@ class Engine:
         prompts: torch.Tensor,
         new_tokens: int,
         gen: torch.Generator | None,
+        forced: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample (or, with ``gen=None``, greedily pick) ``new_tokens`` tokens after each prompt
-        with a KV cache; returns the tokens and the engine's log-probability of each."""
+        with a KV cache; returns the tokens and the engine's log-probability of each.
+        ``forced`` ``[batch, new_tokens]``: take these tokens instead and score them (the same
+        computation as sampling them, so the log-probabilities are those sampling reports)."""
         caches = [{} for _ in self.model.model.layers]
         logp = self.model(prompts, caches, 0)[:, -1]
         tokens, logps = [], []
         pos = prompts.shape[1]
         for i in range(new_tokens):
-            if gen is None:
+            if forced is not None:
+                tok = forced[:, i]
+            elif gen is None:
                 tok = logp.argmax(-1)
             else:
                 tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)

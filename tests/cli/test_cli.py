@@ -232,7 +232,7 @@ def test_mxfp8_on_a_model_with_partial_32_blocks_is_an_error(tmp_path):
         )
     )
     out = cli("explain", write(tmp_path, "precision: mxfp8\n"), "--model-config", cfg)
-    assert_one_line_error(out, "model.hidden_size", "1008", "32")
+    assert_one_line_error(out, "--model-config: hidden_size 1008", "1008", "32")
     # block scaling only warns: partial 128-tiles work, at a cost (1008 is 16-aligned, as
     # every FP8 GEMM needs)
     out = cli("explain", write(tmp_path, "precision: fp8_blockwise\n"), "--model-config", cfg)

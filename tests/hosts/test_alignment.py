@@ -20,8 +20,9 @@ from conftest import nemo_rl_configs, upstream_file
 from nemo_fp8_plugin import FP8ConfigError
 from nemo_fp8_plugin.capabilities import CAPABILITIES, SCALING_KINDS, token_alignment
 from nemo_fp8_plugin.cli import main
+from nemo_fp8_plugin.hosts import apply_path
 from nemo_fp8_plugin.hosts.alignment import parallel_sizes
-from nemo_fp8_plugin.hosts.nemo_rl import apply_nemo_rl
+from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 from nemo_fp8_plugin.hosts.nemo_rl.values import resolved_value
 
 pytestmark = pytest.mark.torch_free
@@ -152,7 +153,7 @@ def _input(tmp_path, base, fp8, policy=None, megatron=None):
 )
 def test_unpacked_moonlight_gets_the_sequence_alignment(tmp_path, fp8, megatron, need):
     """NVIDIA's Moonlight config runs without packing and pads to TP (1): too small for FP8."""
-    result = apply_nemo_rl(_input(tmp_path, MOONLIGHT, fp8, megatron=megatron))
+    result = apply_path(NEMO_RL, _input(tmp_path, MOONLIGHT, fp8, megatron=megatron))
     assert result.data["policy"]["make_sequence_length_divisible_by"] == need
     note = next(n for n in result.notes if KEY in n)
     assert f"set to {need}" in note and "tensor_model_parallel_size" in note  # what it was
@@ -182,34 +183,37 @@ def test_a_stated_value_is_kept_raised_or_refused(tmp_path, value, outcome):
     )
     if outcome == "refused":
         with pytest.raises(FP8ConfigError) as err:
-            apply_nemo_rl(path)
+            apply_path(NEMO_RL, path)
         assert err.value.key == KEY and "multiple of 16" in str(err.value)
         assert main(["apply", str(path), "--host", "nemo-rl"]) == 2
         return
-    out = apply_nemo_rl(path).data
+    out = apply_path(NEMO_RL, path).data
     assert out["policy"]["make_sequence_length_divisible_by"] == outcome
 
 
 def test_packed_configs_are_left_to_nemo_rls_packer(tmp_path):
-    result = apply_nemo_rl(_input(tmp_path, LLAMA_8B, {"recipe": "fp8_blockwise"}))
+    result = apply_path(NEMO_RL, _input(tmp_path, LLAMA_8B, {"recipe": "fp8_blockwise"}))
     assert "make_sequence_length_divisible_by" not in result.data["policy"]
     assert any("pads packed sequences to a multiple of 128" in n for n in result.notes)
 
 
 def test_dynamic_batching_rounding_is_aligned_too(tmp_path):
-    result = apply_nemo_rl(
+    result = apply_path(
+        NEMO_RL,
         _input(
             tmp_path,
             MOONLIGHT,
             {"recipe": "nvfp4"},
             policy={"dynamic_batching": {"enabled": True, "sequence_length_round": 64}},
-        )
+        ),
     )
     assert result.data["policy"]["dynamic_batching"]["sequence_length_round"] == 128
 
 
 def test_bf16_training_needs_no_alignment(tmp_path):
-    result = apply_nemo_rl(_input(tmp_path, MOONLIGHT, {"recipe": "mxfp8", "training": "bf16"}))
+    result = apply_path(
+        NEMO_RL, _input(tmp_path, MOONLIGHT, {"recipe": "mxfp8", "training": "bf16"})
+    )
     assert (
         result.data["policy"]["make_sequence_length_divisible_by"]
         == "${policy.megatron_cfg.tensor_model_parallel_size}"
@@ -227,7 +231,7 @@ def test_bf16_training_needs_no_alignment(tmp_path):
 def test_a_tp_size_that_makes_alignment_impossible_is_refused(tmp_path, megatron, key, capsys):
     path = _input(tmp_path, MOONLIGHT, {"recipe": "mxfp8"}, megatron=megatron)
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(path)
+        apply_path(NEMO_RL, path)
     assert err.value.key == key and "Moonlight" in str(err.value)
     assert main(["apply", str(path), "--host", "nemo-rl"]) == 2
     err_line = capsys.readouterr().err.strip()
@@ -275,7 +279,8 @@ def test_explain_and_doctor_report_model_sizes_before_the_run(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"fp8: {{recipe: nvfp4, model: {model}}}\n")
     assert main(["explain", str(cfg)]) == 2
-    assert "model.hidden_size" in capsys.readouterr().err
+    # The key that names the model (the sizes are the file's, not the config's).
+    assert "fp8.model: hidden_size 1008" in capsys.readouterr().err
     assert main(["doctor", str(cfg), "--json"]) == 1
     verdict = json.loads(capsys.readouterr().out)["recipes"][0]
     assert verdict["runnable"] is False

@@ -41,9 +41,9 @@ import yaml
 from conftest import REPO, load_te_recipe_module, upstream_file
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.config import load_config
-from nemo_fp8_plugin.hosts import bridge, te
+from nemo_fp8_plugin.hosts import apply_path, bridge, te
 from nemo_fp8_plugin.hosts import megatron as mg
-from nemo_fp8_plugin.hosts.nemo_rl import apply_nemo_rl
+from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL_ADAPTER
 from nemo_fp8_plugin.registry import list_recipes
 
 PRESETS = [s.name for s in list_recipes()]
@@ -398,7 +398,7 @@ def test_megatron_examples_with_every_preset_build(name, preset, tmp_path):
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     try:
-        out = mg.apply_file(path).data
+        out = apply_path(mg.ADAPTER, path).data
     except FP8ConfigError as err:
         pytest.fail(f"{name} + {preset} refused: {err}")
     section = out[mg.section_path(out)[0]]
@@ -571,7 +571,7 @@ def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path):
     applied = 0
     for label, src in _nemo_rl_inputs(tmp_path):
         try:
-            out = apply_nemo_rl(src, output=tmp_path / "out" / src.name).data
+            out = apply_path(NEMO_RL_ADAPTER, src, output=tmp_path / "out" / src.name).data
         except FP8ConfigError:
             continue  # refused (delayed scaling, DTensor training, a contradicting FP8 twin)
         applied += 1
@@ -668,7 +668,9 @@ def test_bridge_both_model_forms_for_every_preset(form, tmp_path, monkeypatch):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
-    from test_host_bridge import GPTModelConfigStandIn
+
+    sys.path.insert(0, str(Path(__file__).parent / "bridge"))  # its own folder (issue 22)
+    from test_bridge_adapter import GPTModelConfigStandIn
 
     from nemo_fp8_plugin.hosts.bridge.callback import FP8ScaleRefreshBridgeCallback
 
@@ -708,7 +710,7 @@ def test_bridge_example_with_every_preset(preset, tmp_path):
     data["mixed_precision"] = preset
     path = tmp_path / "bridge.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    block = bridge.apply_file(path).data["mixed_precision"]
+    block = apply_path(bridge.ADAPTER, path).data["mixed_precision"]
     if get_recipe(preset).scaling == "nvfp4":  # Bridge's own registered recipe, by name
         assert block == bridge.BRIDGE_RECIPES["nvfp4"]
         return

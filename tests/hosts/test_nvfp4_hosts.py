@@ -23,9 +23,9 @@ from conftest import load_te_recipe_module, nemo_rl_configs, upstream_file
 from nemo_fp8_plugin import FP8ConfigError, RecipeSpec, get_recipe, list_recipes
 from nemo_fp8_plugin.capabilities import CAPABILITIES, ENV_NVFP4, NVFP4_GENERATION_REFUSAL
 from nemo_fp8_plugin.cli import main
-from nemo_fp8_plugin.hosts import bridge, mapping_context, run, te
+from nemo_fp8_plugin.hosts import apply_path, bridge, mapping_context, run, te
 from nemo_fp8_plugin.hosts import megatron as mg
-from nemo_fp8_plugin.hosts.nemo_rl import apply_nemo_rl
+from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 from nemo_fp8_plugin.registry import load_yaml_file, preset_dir
 
 NEMO_RL_SRC = Path("/work/shared/data/nemo_rl/src/nemo_rl")
@@ -214,12 +214,12 @@ def test_megatron_yaml_with_a_native_fp8_is_refused(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("precision: nvfp4\nmodel: {num_layers: 4, hidden_size: 256, fp8: hybrid}\n")
     with pytest.raises(FP8ConfigError) as err:
-        mg.apply_file(path)
+        apply_path(mg.ADAPTER, path)
     assert err.value.key == "model.fp8"
     path.write_text(
         "precision: nvfp4\nmodel: {num_layers: 4, hidden_size: 256, num_attention_heads: 4}\n"
     )
-    result = mg.apply_file(path)
+    result = apply_path(mg.ADAPTER, path)
     assert result.data["model"]["fp4"] == "e2m1" and result.data["ddp"]["fp8_param_gather"] is False
     assert mg.ADAPTER.validate(result, mapping_context(yaml.safe_load(path.read_text())))
 
@@ -228,7 +228,7 @@ def test_fp8_recipes_refuse_a_native_fp4(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("precision: fp8_blockwise\nmodel: {num_layers: 4, fp4: e2m1}\n")
     with pytest.raises(FP8ConfigError) as err:
-        mg.apply_file(path)
+        apply_path(mg.ADAPTER, path)
     assert err.value.key == "model.fp4"
 
 
@@ -312,14 +312,14 @@ def test_bridge_yaml_names_bridges_recipe_and_register_adds_no_duplicate(mp, tmp
     assert mp.MIXED_PRECISION_RECIPES["bf16_with_nvfp4_mixed"].__module__ == mp.__name__
     path = tmp_path / "b.yaml"
     path.write_text("mixed_precision: bf16_mixed\nprecision: nvfp4\nmodel: {num_layers: 4}\n")
-    out = bridge.apply_file(path).data
+    out = apply_path(bridge.ADAPTER, path).data
     assert out["mixed_precision"] == "bf16_with_nvfp4_mixed"
     cfg = mp.get_mixed_precision_config(out["mixed_precision"])  # Bridge resolves the name
     mine = bridge.mixed_precision_config("nvfp4", mp_module=mp)
     assert dataclasses.asdict(cfg) == {**dataclasses.asdict(mine), "fp8_recipe": cfg.fp8_recipe}
     # and stops there: the output asks for nothing more
     path.write_text(yaml.safe_dump(out))
-    assert bridge.apply_file(path).data == out
+    assert apply_path(bridge.ADAPTER, path).data == out
 
 
 def test_bridge_variant_gets_the_block_and_setup_pushes_fp4(mp, tmp_path):
@@ -329,7 +329,7 @@ def test_bridge_variant_gets_the_block_and_setup_pushes_fp4(mp, tmp_path):
 
     path = tmp_path / "b.yaml"
     path.write_text("fp8: {recipe: nvfp4, bf16_layers: {last: 2}}\nmodel: {num_layers: 4}\n")
-    result = bridge.apply_file(path)
+    result = apply_path(bridge.ADAPTER, path)
     block = result.data["mixed_precision"]
     assert isinstance(block, dict) and any("bf16_with_nvfp4_mixed" in n for n in result.notes)
     import torch
@@ -391,7 +391,7 @@ def _moonlight(tmp_path, fp8, **policy):
 def test_nemo_rl_nvfp4_reaches_the_provider_through_model_overrides(tmp_path):
     from megatron.core.transformer import TransformerConfig
 
-    result = apply_nemo_rl(_moonlight(tmp_path, {"recipe": "nvfp4", "fp8_param": True}))
+    result = apply_path(NEMO_RL, _moonlight(tmp_path, {"recipe": "nvfp4", "fp8_param": True}))
     meg = result.data["policy"]["megatron_cfg"]
     assert meg["model_overrides"] == {"fp4": "e2m1", "fp4_recipe": "nvfp4", "fp4_param": True}
     assert "fp8_cfg" not in meg or not meg["fp8_cfg"].get("enabled")
@@ -430,7 +430,7 @@ def test_nemo_rl_nvfp4_with_sequence_packing_is_refused(tmp_path):
     path = tmp_path / "in.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(path)
+        apply_path(NEMO_RL, path)
     assert err.value.key == "policy.sequence_packing.enabled" and "128" in str(err.value)
 
 
@@ -439,7 +439,7 @@ def test_nemo_rl_nvfp4_next_to_an_enabled_fp8_cfg_is_refused(tmp_path):
         tmp_path, {"recipe": "nvfp4"}, megatron_cfg={"enabled": True, "fp8_cfg": {"enabled": True}}
     )
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(path)
+        apply_path(NEMO_RL, path)
     assert err.value.key == "policy.megatron_cfg.fp8_cfg.enabled"
 
 

@@ -229,6 +229,10 @@ def test_explain_says_which_code_runs_for_each_host():
     example = ROOT / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
     hosts = json.loads(cli("explain", example, "--json").stdout)["hosts"]
     assert "init_fp8" in hosts["nemo-rl"]["runtime"] and "not used" in hosts["nemo-rl"]["runtime"]
-    assert "nemo_fp8 quantization method" in hosts["vllm"]["runtime"]
+    # Issue 23: vLLM's keys do not go into a NeMo RL config (apply refuses, so explain does).
+    assert "not a vllm one" in hosts["vllm"]["refused"]
+    vllm = ROOT / "conf" / "examples" / "vllm_llama8b_fp8_blockwise.yaml"
+    own = json.loads(cli("explain", vllm, "--json").stdout)["hosts"]["vllm"]
+    assert "nemo_fp8 quantization method" in own["runtime"]
     for name, section in hosts.items():
         assert section.get("runtime") or "refused" in section, name

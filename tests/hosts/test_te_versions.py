@@ -18,6 +18,7 @@ import importlib.util
 import re
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -236,7 +237,8 @@ def test_bridge_registered_recipes_resolve_on_every_version(version, tmp_path, m
     """Megatron-Bridge 0.6.2's own mixed_precision.py (from its wheel) with our recipes
     registered resolves each in a process whose TE is this one (nvfp4 is Bridge's own
     bf16_with_nvfp4_mixed, reached through mixed_precision_config, which checks TE too)."""
-    from test_host_bridge import _AllowList, _load_bridge_mixed_precision
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "bridge"))  # its folder (issue 22)
+    from test_bridge_adapter import _AllowList, _load_bridge_mixed_precision
 
     from nemo_fp8_plugin.hosts import bridge
 

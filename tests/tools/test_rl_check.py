@@ -1,12 +1,13 @@
 """`nemo-fp8 rl-check --quick`: the robust parts of the end-to-end FP8 RL check.
 
-One quick run (2 seeds, 8 small steps, two worker processes; about a minute on two CPU
+One smoke run (2 seeds, 8 small steps, two worker processes; a minute or two on two CPU
 cores) through the CLI, shared by the tests. What must hold whatever the seed: the BF16
 arm's mismatch is tiny; FP8 generation with BF16 training is clearly further off; end to end
-(the trainer quantizes the same weights, with TE's numerics where the engine uses vLLM's)
 comes back closer; the FP8 KV cache adds mismatch of its own; every cost is measured; the
-FP8 refit payload is about half the BF16 one. Whether BF16 learns is the full run's claim
-(docs/rl.md), not the quick run's.
+trainer-side FP8 refit payload is about half the BF16 one NeMo RL sends; evaluation prompts
+are held out; the attribution's baseline is the step's recorded mismatch. Whether BF16
+learns, and the reward comparison, are the full run's claims (docs/rl.md), not the smoke
+run's. The statistics (power, bounds) are tested on inputs of known value.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ import contextlib
 import io
 import json
 import math
+import statistics
+from pathlib import Path
 
 import pytest
+import torch
 
 from nemo_fp8_plugin.cli import main as cli_main
 from nemo_fp8_plugin.tools import rl_check
 from nemo_fp8_plugin.tools.rl_check import ARMS, QUICK, run_seed, t_interval
+
+NEMO_RL_ARMS = [a for a in ARMS if rl_check.ARM_SPECS[a].fp8_generation and a != "fp8-e2e-te-refit"]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -46,7 +52,7 @@ def excess(row):
 @pytest.mark.slow
 def test_every_arm_and_seed_ran_and_reported(quick):
     assert quick["arms"] == list(ARMS)
-    assert len(ARMS) == 6
+    assert len(ARMS) == 7
     seeds = list(range(QUICK.seeds))
     assert quick["settings"]["seeds"] == len(seeds) >= 2
     for arm in ARMS:
@@ -79,8 +85,13 @@ def test_mismatch_ordering(quick):
     bf16, gen, e2e = excess(arms["bf16"]), excess(arms["fp8-gen"]), excess(arms["fp8-e2e"])
     assert bf16 < 5e-3  # kernel-order noise only
     assert gen > 3 * bf16  # the engine samples from a policy the trainer never sees
-    assert e2e < 0.8 * gen  # same quantized weights on both sides
-    assert e2e > bf16  # but vLLM's activation numerics are not TE's: not zero by construction
+    assert e2e < 0.8 * gen  # the trainer runs the FP8 numerics too
+    # Not zero by construction: E4M3 rounding amplifies the two sides' BF16 attention-order
+    # noise (an activation near a rounding boundary lands on different codes), which stays
+    # even with identical quantizers on both sides (--generation-numerics trainer keeps about
+    # 90% of this excess); vLLM's quotient vs TE's product and NeMo RL's worker-side weight
+    # quantization add only a little.
+    assert e2e > bf16
     assert arms["fp8-e2e"]["gen_kl_error"]["mean"] < arms["fp8-gen"]["gen_kl_error"]["mean"]
 
 
@@ -91,6 +102,12 @@ def test_paired_first_step(quick):
     for seed in range(QUICK.seeds):
         step = {arm: quick["run"][(arm, seed)]["steps"][0] for arm in ARMS}
         assert step["fp8-gen"]["reward"] == step["fp8-e2e"]["reward"]
+        # the same trainer, engines with other weights (NeMo RL's quantizer is not TE's):
+        # the mismatch differs at some step (a step's weights may quantize alike)
+        te, nemo = (quick["run"][(arm, seed)]["steps"] for arm in ("fp8-e2e-te-refit", "fp8-e2e"))
+        assert [t["token_mult_prob_error"] for t in te] != [
+            t["token_mult_prob_error"] for t in nemo
+        ]
         assert step["fp8-e2e"]["token_mult_prob_error"] < step["fp8-gen"]["token_mult_prob_error"]
         # an IS arm is its plain twin until its first (weighted) update
         for plain, weighted in (("fp8-gen", "fp8-gen-is"), ("fp8-e2e", "fp8-e2e-is")):
@@ -110,19 +127,24 @@ def test_costs_are_measured(quick):
         assert 0.0 < shares["generate"] < 1.0 and 0.0 < shares["train"] < 1.0
         assert 0.0 < shares["load"] < 0.5
         assert sum(shares.values()) <= 1.0 + 1e-9
-        quantized = arm != "bf16"
-        assert (shares["quantize"] > 0.0) == quantized, arm
+        # NeMo RL quantizes in the engine (its load); only the TE refit quantizes on the trainer
+        on_trainer = rl_check.ARM_SPECS[arm].weight_path == "trainer" and arm != "bf16"
+        assert (shares["quantize"] > 0.0) == on_trainer, arm
         with_kv = arm.endswith("-kv")
         assert (shares["kv_calibration"] > 0.0) == with_kv, arm
         assert (shares["kv_refresh"] > 0.0) == with_kv, arm
-    assert arms["fp8-gen"]["refit_mib"] < 0.6 * arms["bf16"]["refit_mib"]
+    assert arms["fp8-e2e-te-refit"]["refit_mib"] < 0.6 * arms["bf16"]["refit_mib"]
+    assert arms["fp8-gen"]["refit_mib"] == arms["bf16"]["refit_mib"]  # NeMo RL sends BF16
+    # the engine's own quantization makes NeMo RL's load dearer than a plain copy
+    assert arms["fp8-gen"]["shares"]["load"] > arms["bf16"]["shares"]["load"]
 
 
 @pytest.mark.slow
 def test_kv_scales_were_calibrated_and_refreshed(quick):
     for seed in range(QUICK.seeds):
         scales = quick["run"][("fp8-e2e-is-kv", seed)]["kv_scales"]
-        names = {f"model.layers.{i}.self_attn.attn.{r}_scale" for i in (0, 1) for r in "kv"}
+        # include_q=True, as NeMo RL's GRPO loop calibrates: q scales too
+        names = {f"model.layers.{i}.self_attn.attn.{r}_scale" for i in (0, 1) for r in "qkv"}
         assert set(scales) == names
         # calibrated, not the initial 1.0: amax * 1.05 / 448 of activations of order 1-10
         assert all(1e-4 < v < 0.2 for v in scales.values()), scales
@@ -210,3 +232,275 @@ def test_the_default_png_next_to_the_json_is_checked_too(monkeypatch, capsys, tm
         == 2
     )
     assert "same file" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ held-out prompts, bounds, attribution
+
+
+@pytest.mark.slow
+def test_evaluation_prompts_are_held_out(quick):
+    assert quick["summary"]["eval_disjoint"] is True
+    for run in quick["runs"]:
+        assert run["eval_overlap"] == 0, (run["arm"], run["seed"])
+
+
+def test_prompt_split_counts_what_trained_not_how_it_was_drawn():
+    from nemo_fp8_plugin.tools.rl_check_model import MirrorSumTask, PromptSplit
+
+    task = MirrorSumTask(3)
+    gen = torch.Generator().manual_seed(0)
+    split = PromptSplit(task, 200, gen)
+    assert len(set(task.decode(split.eval).tolist())) == 200  # distinct
+    assert torch.equal(task.encode(task.decode(split.eval)), split.eval)
+    drawn = split.train(5000, gen)
+    split.note(drawn)
+    assert split.overlap() == 0
+    assert not set(task.decode(drawn).tolist()) & set(task.decode(split.eval).tolist())
+    split.note(torch.cat([split.eval[3:5], task.answers(split.eval[3:5])], dim=1))
+    assert split.overlap() == 2  # two evaluation prompts trained on: caught
+
+
+@pytest.mark.slow
+def test_nightly_bounds_are_reported_per_arm(quick):
+    for arm in ARMS:
+        bound = quick["by_arm"][arm]["nightly_bound"]
+        assert bound["bound"] == (2.0 if arm.endswith("-kv") else 1.1)
+        errors = [
+            st["token_mult_prob_error"]
+            for r in quick["runs"]
+            if r["arm"] == arm
+            for st in r["steps"]
+        ]
+        assert bound["steps"] == len(errors)
+        assert bound["steps_above"] == sum(e >= bound["bound"] for e in errors)
+        assert bound["max"] == max(errors)
+    assert "steps >= NeMo RL bound" in quick["text"]
+
+
+def _result(
+    finals: dict[str, list[float]], errors: dict[str, list[float]] | None = None, smoke=False
+):
+    """A CheckResult of known values (no run): final rewards per arm and seed, step errors."""
+    s = rl_check.with_overrides(QUICK, seeds=len(finals["bf16"]), smoke=smoke)
+    runs = []
+    for arm, values in finals.items():
+        for seed, final in enumerate(values):
+            r = rl_check.SeedArmResult(arm, seed, start_reward=0.4, final_reward=final)
+            r.eval_overlap = 0
+            for k, e in enumerate((errors or {}).get(arm, [1.0])):
+                r.steps.append(
+                    rl_check.StepRecord(k, 0.5, e, 0.0, 0.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0, 0, 0, 0, 1)
+                )
+            runs.append(r)
+    return rl_check.CheckResult(s, tuple(finals), runs)
+
+
+def test_power_analysis_seed_counts_for_a_known_sd():
+    # paired SD 0.033 (today's): a 95% half-width <= 0.03 takes 8 seeds, 80% power 12
+    p = rl_check.power_analysis(0.033, 0.03, seeds=5)
+    assert p["seeds_to_resolve"] == 8 and p["seeds_for_power"] == 12
+    assert p["half_width"] == pytest.approx(2.776445 * 0.033 / math.sqrt(5))
+    assert p["resolves"] is False
+    assert rl_check.power_analysis(0.033, 0.03, seeds=8)["resolves"] is True
+    # half the SD: a quarter of the seeds, about
+    assert rl_check.power_analysis(0.0165, 0.03)["seeds_for_power"] == 5
+    assert rl_check.power_analysis(float("nan"))["seeds_to_resolve"] is None
+
+
+def test_the_summary_states_power_from_the_runs_own_paired_sd():
+    # paired differences with SD exactly 0.033 in one arm, 0 in the other
+    d = [0.033 * x for x in (-1.5, -0.5, 0.5, 1.5)]
+    d = [x / (statistics.stdev(d) / 0.033) for x in d]
+    base = [0.6, 0.5, 0.7, 0.65]
+    result = _result({"bf16": base, "fp8-gen": [b + x for b, x in zip(base, d)], "fp8-e2e": base})
+    summary = rl_check.summarize(result)
+    assert summary["arms"]["fp8-gen"]["final_vs_bf16_sd"] == pytest.approx(0.033)
+    per_arm = summary["power"]["per_arm"]["fp8-gen"]
+    assert per_arm["seeds_for_power"] == 12 and per_arm["resolves"] is False
+    pooled = summary["power"]["pooled"]
+    assert pooled["paired_sd"] == pytest.approx(0.033 / math.sqrt(2))
+    text = rl_check.render_tables(result, summary)
+    assert "does NOT resolve a 0.03 gap" in text
+
+
+def test_bound_shares_of_known_steps():
+    errors = {"bf16": [1.0, 1.0], "fp8-gen": [1.05, 1.1, 1.2, 1.0], "fp8-e2e-is-kv": [1.5, 2.0]}
+    result = _result({a: [0.5] for a in errors}, errors)
+    arms = rl_check.summarize(result)["arms"]
+    assert arms["fp8-gen"]["nightly_bound"]["steps_above"] == 2  # 1.1 is not < 1.1
+    assert arms["fp8-gen"]["nightly_bound"]["share_above"] == 0.5
+    assert arms["fp8-e2e-is-kv"]["nightly_bound"]["steps_above"] == 1  # bound 2.0
+    assert arms["bf16"]["nightly_bound"]["share_above"] == 0.0
+
+
+@pytest.mark.slow
+def test_attribution_baseline_is_the_recorded_step(quick):
+    step = QUICK.steps - 1  # attribution_step -1
+    kinds = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    for arm in ARMS:
+        for seed in range(QUICK.seeds):
+            run = quick["run"][(arm, seed)]
+            rows = run["attribution"]
+            if not rl_check.ARM_SPECS[arm].fp8_generation:
+                assert rows == []
+                continue
+            assert rows[0]["bf16"] == "none"
+            recorded = run["steps"][step]["token_mult_prob_error"]
+            assert rows[0]["token_mult_prob_error"] == pytest.approx(recorded, abs=1e-6)
+            names = {r["bf16"] for r in rows[1:]}
+            expected = (
+                kinds | {"layer.0", "layer.1"} | ({"kv_cache"} if arm.endswith("-kv") else set())
+            )
+            assert names == expected
+            key = "both_sides_removed" if rl_check.ARM_SPECS[arm].fp8_training else "removed"
+            ranked = [r[key] for r in rows[1:]]
+            assert ranked == sorted(ranked, reverse=True)
+    # generation only: keeping every FP8 layer of a side in BF16 removes most of the excess
+    for seed in range(QUICK.seeds):
+        rows = {r["bf16"]: r for r in quick["run"][("fp8-gen", seed)]["attribution"]}
+        assert rows["layer.0"]["removed"] + rows["layer.1"]["removed"] > 0.5
+    assert "Mismatch attribution at step" in quick["text"]
+
+
+# ------------------------------------------------------------------ the engine's pieces
+
+
+def _template():
+    from nemo_fp8_plugin.tools.rl_check_model import TinyLlama
+
+    torch.manual_seed(0)
+    return TinyLlama(16, 10, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4)
+
+
+def test_nemo_rl_engine_quantizes_the_refit_bf16_weights_as_nemo_rl_does():
+    from nemo_fp8_plugin.numerics.nemo_rl_numerics import quantize_weight_nemo_rl
+    from nemo_fp8_plugin.registry import get_recipe
+    from nemo_fp8_plugin.rl import quantize_for_refit
+    from nemo_fp8_plugin.tools.rl_check_model import Engine
+
+    template = _template()
+    spec = get_recipe("fp8_blockwise")
+    modules = rl_check.fp8_modules_of(template, spec, 2)
+    trainer = rl_check.Trainer(template, 1e-3)
+    with torch.no_grad():  # weights that are not a fresh init's
+        for p in trainer.model.parameters():
+            p.mul_(1.7).add_(0.01)
+    nemo = Engine(template, modules, pow2_scales=False, weight_path="nemo_rl")
+    te = Engine(template, modules, pow2_scales=False, weight_path="trainer")
+    rl_check._refit(trainer, nemo, spec, 2)
+    rl_check._refit(trainer, te, spec, 2)
+    bf16 = dict(trainer.state_for_refit())
+    refit = dict(quantize_for_refit(list(bf16.items()), spec, num_layers=2))
+    differ = 0
+    for name, linear in nemo.fp8_linears.items():
+        data, scale = quantize_weight_nemo_rl(bf16[name])
+        assert torch.equal(linear.weight.view(torch.uint8), data.view(torch.uint8)), name
+        assert torch.equal(linear.weight_scale_inv, scale), name
+        other = te.fp8_linears[name]
+        assert torch.equal(other.weight.view(torch.uint8), refit[name].view(torch.uint8))
+        differ += int((other.weight_scale_inv != linear.weight_scale_inv).sum())
+    assert differ > 0  # the two quantizers disagree somewhere: two weight paths, two arms
+
+
+def test_fp8_kv_engine_quantizes_queries_with_q_scale():
+    from nemo_fp8_plugin.tools.rl_check_model import CoreAttention
+
+    attn = CoreAttention(32, "fp8")
+    attn.k_scale.fill_(0.01)
+    attn.v_scale.fill_(0.02)
+    attn.q_scale.fill_(0.013)
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 5, 32).to(torch.bfloat16) for _ in range(3))
+    out = attn(q, k, v, {})
+    # vLLM: QuantFP8(static, per tensor): fp32(q) * reciprocal(q_scale), clamp, cast
+    q8 = (q.float() * torch.tensor(0.013).reciprocal()).clamp(-448, 448).to(torch.float8_e4m3fn)
+    qd = q8.float() * 0.013
+    kd = (k.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 0.01
+    vd = (v.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 0.02
+    scores = (qd * (1 / math.sqrt(32))) @ kd.transpose(-1, -2)
+    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    assert torch.equal(out, (torch.softmax(scores, -1) @ vd).to(torch.bfloat16))
+    attn.q_scale.fill_(0.5)  # another q_scale, another result: the scale is used
+    assert not torch.equal(attn(q, k, v, {}), out)
+
+
+def test_forced_tokens_score_what_sampling_reported():
+    from nemo_fp8_plugin.tools.rl_check_model import Engine, MirrorSumTask
+
+    template = _template()
+    task = MirrorSumTask(4)
+    engine = Engine(template, set(), pow2_scales=False)
+    prompts = task.prompts(16, torch.Generator().manual_seed(1))
+    tokens, lp = engine.generate(prompts, 4, torch.Generator().manual_seed(2))
+    again, lp2 = engine.generate(prompts, 4, None, forced=tokens)
+    assert torch.equal(again, tokens) and torch.equal(lp2, lp)
+
+
+# ------------------------------------------------------------------ the CLI's words
+
+
+@pytest.mark.slow
+def test_the_smoke_run_says_it_is_one(quick):
+    assert "SMOKE RUN" in quick["text"]
+    assert "| no |" not in quick["text"]  # no "learns: no" verdicts from a smoke run
+    assert all(quick["by_arm"][a]["learns"] is None for a in ARMS)
+
+
+def test_help_says_what_the_code_does(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["rl-check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "%%" not in text and "95% interval" in text
+    assert f"{QUICK.seeds} seeds, {QUICK.steps} small steps" in text
+    assert f"number of seeds (default {rl_check.FULL.seeds})" in text
+    for arm in ARMS:
+        assert arm in text
+
+
+# ------------------------------------------------------------------ docs/rl.md against its run
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "rl.md"
+SHIPPED = DOC.parent / "data" / "rl_check.json"
+BEGIN, END = "<!-- rl-check tables: docs/data/rl_check.json -->", "<!-- /rl-check tables -->"
+
+
+def _shipped():
+    data = json.loads(SHIPPED.read_text())
+    settings = rl_check.CheckSettings(**data["settings"])
+    result = rl_check.CheckResult(settings, tuple(data["arms"]), [], data["summary"]["seconds"])
+    return data, rl_check.render_tables(result, data["summary"])
+
+
+def test_the_pages_tables_are_those_of_the_shipped_run():
+    """Every table row of the page's result block is a row rl-check renders from the shipped
+    JSON (the run the page cites), so no figure on the page is typed by hand."""
+    data, rendered = _shipped()
+    page = DOC.read_text()
+    assert page.count(BEGIN) == 1 and page.count(END) == 1
+    block = page.split(BEGIN)[1].split(END)[0]
+    rows = [line for line in block.splitlines() if line.startswith("|")]
+    assert len(rows) >= 3 * (2 + len(data["arms"]))  # reward, mismatch, attribution tables
+    lines = set(rendered.splitlines())
+    for row in rows:
+        assert row in lines, row
+    assert _power_sentence(data) in " ".join(page.split())
+
+
+def _power_sentence(data) -> str:
+    return rl_check._power_line(data["summary"]["power"]["pooled"])
+
+
+def test_the_pages_prose_numbers_are_the_shipped_runs():
+    data, _ = _shipped()
+    s = data["settings"]
+    page = " ".join(DOC.read_text().split())
+    arms = data["summary"]["arms"]
+    claims = [
+        f"--seeds {s['seeds']} --steps {s['steps']}",
+        f"{s['seeds']} seeds x {s['steps']} GRPO steps",
+    ]
+    for arm in ("fp8-e2e", "fp8-e2e-te-refit", "fp8-gen", "bf16", "fp8-e2e-is-kv"):
+        claims.append(f"`{arm}` {arms[arm]['token_mult_prob_error']['mean']:.5f}")
+    for claim in claims:
+        assert claim in page, claim
+    assert data["summary"]["eval_disjoint"] is True

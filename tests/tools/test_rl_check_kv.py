@@ -67,9 +67,11 @@ def test_fp8_kv_cache_stores_e4m3_of_k_over_scale_and_reads_it_back_scaled():
     k8 = (k.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
     v8 = (v.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(cache["k"].view(torch.uint8), k8.view(torch.uint8))
-    # attention over the dequantized cache (prefill included)
+    # attention over the dequantized cache (prefill included), with the query quantized as
+    # vLLM quantizes it when the KV cache is FP8 (q_scale 1.0 until calibrated)
     kd, vd = k8.float() * 0.01, v8.float() * 0.02
-    scores = (q.float() * (1 / math.sqrt(32))) @ kd.transpose(-1, -2)
+    qd = q.float().clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    scores = (qd * (1 / math.sqrt(32))) @ kd.transpose(-1, -2)
     scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
     assert torch.equal(out, (torch.softmax(scores, -1) @ vd).to(torch.bfloat16))
     # a value beyond 448 * scale saturates instead of overflowing

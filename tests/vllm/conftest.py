@@ -26,3 +26,55 @@ from tiny_models import LLAMA, llama_state_dict, write_checkpoint
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"), LLAMA, llama_state_dict())
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``fake_gpu(sm, deep_gemm_installed=True, flashinfer=True, env=None)``: the platform
+    vLLM sees becomes a CUDA GPU of capability ``sm`` (90, 100, 120) with a stock install's
+    defaults (see ``fake_gpu.py``)."""
+    import fake_gpu as gpu
+
+    with gpu.patched_platform(monkeypatch):
+        yield lambda sm, **kw: gpu.install(monkeypatch, sm, **kw)
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory):
+    """vLLM's config context (a tiny Mixtral, bf16: an MoE model, so vLLM also creates its
+    expert-parallel group) and a one-rank gloo process group, as a worker has them; torn
+    down after the module."""
+    import tempfile
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.engine.arg_utils import EngineArgs
+
+    from tiny_models import MIXTRAL, mixtral_state_dict
+
+    ckpt = write_checkpoint(
+        tmp_path_factory.mktemp("contract-mixtral"), MIXTRAL, mixtral_state_dict()
+    )
+    vcfg = EngineArgs(
+        model=str(ckpt),
+        dtype="bfloat16",
+        max_model_len=128,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+    ).create_engine_config()
+    started = not torch.distributed.is_initialized()
+    with set_current_vllm_config(vcfg):
+        if started:
+            ps.init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"file://{tempfile.mktemp()}",
+            )
+        ps.ensure_model_parallel_initialized(1, 1)
+    yield vcfg
+    if started:
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()

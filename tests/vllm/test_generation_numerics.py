@@ -350,8 +350,13 @@ def test_moe_experts_keep_their_weights_under_deepgemm_numerics():
 def test_recipe_field_reaches_the_quantization_config():
     """``generation_numerics`` travels from the ``fp8:`` block to vLLM's
     ``quantization_config`` (``engine_kwargs`` and ``apply --host vllm`` alike)."""
+    from nemo_fp8_plugin.hosts import apply_mapping, get_adapter
     from nemo_fp8_plugin.hosts.vllm import engine_kwargs, quantization_config
-    from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
+
+    def apply_vllm(config):
+        result = apply_mapping(get_adapter("vllm"), config)
+        return result.data, result.warnings
+
     from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 
     assert quantization_config("fp8_blockwise")["generation_numerics"] == "vllm"

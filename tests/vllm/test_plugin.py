@@ -14,8 +14,15 @@ import torch
 import yaml
 
 from nemo_fp8_plugin.errors import FP8ConfigError
+from nemo_fp8_plugin.hosts import apply_mapping, get_adapter
 from nemo_fp8_plugin.hosts.vllm import QUANT_METHOD, engine_kwargs, engine_spelling
-from nemo_fp8_plugin.hosts.vllm.adapter import apply_vllm
+
+
+def apply_vllm(config):
+    """``apply --host vllm`` on a mapping: (output, warnings)."""
+    result = apply_mapping(get_adapter("vllm"), config)
+    return result.data, result.warnings
+
 
 pytestmark = pytest.mark.vllm
 

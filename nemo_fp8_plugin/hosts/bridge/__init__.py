@@ -44,7 +44,7 @@ variables TE reads at import. Two places check it inside the training process: t
 <name>``; :func:`mixed_precision_config` runs
 :func:`nemo_fp8_plugin.hosts.te.verify_installed_te`), and
 :class:`nemo_fp8_plugin.hosts.bridge.callback.FP8ScaleRefreshBridgeCallback` at the start of training. The
-expanded YAML block of :func:`apply_config` is built by stock Bridge, so for it only the
+expanded YAML block ``apply --host bridge`` writes is built by stock Bridge, so for it only the
 callback checks.
 """
 
@@ -52,13 +52,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ...capabilities import capability
 from ...errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
+from .. import ApplyResult, HostAdapter, HostContext, HostKeys, recipe_keys
 from ..megatron import (
     check_layer_counts,
     merge_native,
@@ -77,8 +77,6 @@ __all__ = [
     "native_keys",
     "mixed_precision_config",
     "register",
-    "apply_config",
-    "apply_file",
     "transformer_config_of",
     "transformer_config_path",
     "transformer_section",
@@ -110,11 +108,11 @@ def _dtype(name: str) -> dict[str, Any]:
     return {"_target_": f"torch.{name}", "_call_": False}
 
 
-def base_fields(kind: str = "bf16") -> dict[str, Any]:
+def base_fields(base: str = "bf16") -> dict[str, Any]:
     """Bridge's ``bf16_mixed`` / ``fp16_mixed`` fields as Bridge YAML (a dtype as
     ``{_target_: torch.bfloat16, _call_: false}``, Bridge's own YAML spelling); a new dict
     on every call so no two YAML nodes share an object (PyYAML would emit anchors)."""
-    if kind == "fp16":
+    if base == "fp16":
         return {
             "bf16": False,
             "fp16": True,
@@ -167,15 +165,21 @@ def mixed_precision_fields(spec: RecipeSpec, model=None) -> HostKeys:
     also ``fp4_param_gather`` (Bridge's name for FP4 parameters, kept in sync with
     ``fp4_param``)."""
     hk = precision_config_fields(spec, model, host="bridge")
-    if spec.training == "fp8" and spec.scaling == "nvfp4":
+    if spec.training == "fp8" and capability(spec.scaling).is_nvfp4:
         hk.keys["fp4_param_gather"] = spec.fp8_param
     return hk
+
+
+def _own_recipe_key(spec: RecipeSpec) -> str:
+    """The key of :data:`BRIDGE_RECIPES` a spec is looked up by: its scaling kind for nvfp4
+    (any nvfp4 spec may be Bridge's recipe), else its name."""
+    return "nvfp4" if capability(spec.scaling).is_nvfp4 else spec.name
 
 
 def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:
     """Bridge's own recipe with exactly ``spec``'s mixed-precision fields (``fp8_recipe`` is
     inert without ``fp8``), or None."""
-    name = BRIDGE_RECIPES.get(spec.scaling if spec.scaling == "nvfp4" else spec.name)
+    name = BRIDGE_RECIPES.get(_own_recipe_key(spec))
     if name is None or spec.training != "fp8":
         return None
     fields = {
@@ -188,19 +192,45 @@ def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     """Bridge's spelling: the ``mixed_precision`` block (and ``model.quant_recipe``)."""
+    return _spell(spec, model, current=None, section="model")
+
+
+def _spell(spec: RecipeSpec, model, *, current: Any, section: str) -> HostKeys:
+    """The ``mixed_precision`` value for a config whose current one is ``current`` (None,
+    a Bridge recipe name, or a block, whose own fields are kept: only the FP8 fields are
+    given), and ``quant_recipe`` under ``section`` (``model`` or ``model.transformer``)."""
     hk = mixed_precision_fields(spec, model)
     if not hk.keys:
         return hk
     fields = dict(hk.keys)
     quant = fields.pop("quant_recipe", None)
     own = bridge_recipe_name(spec, model)
-    keys: dict[str, Any] = {
-        "mixed_precision": own
-        or {"_target_": MIXED_PRECISION_TARGET, **base_fields("bf16"), **fields}
-    }
+    block: Any
+    if own is not None and (
+        current is None
+        or current == own
+        or (isinstance(current, str) and _BASE_NAMES.get(current) == "bf16")
+    ):
+        block = own  # Bridge's own registered recipe, by name
+    elif isinstance(current, Mapping):
+        block = fields
+    else:
+        base = _BASE_NAMES.get(current, "bf16") if isinstance(current, str) else "bf16"
+        block = {"_target_": MIXED_PRECISION_TARGET, **base_fields(base), **fields}
+    keys: dict[str, Any] = {"mixed_precision": block}
     if quant is not None:
-        keys["model"] = {"quant_recipe": _quant_recipe_yaml(quant)}
+        from ...dotted import set_path
+
+        set_path(keys, f"{section}.quant_recipe", _quant_recipe_yaml(quant))
     return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
+
+
+def _current_block(ctx: HostContext) -> Any:
+    """The config's ``mixed_precision`` the FP8 fields go into (None when the request itself
+    was a ``mixed_precision:`` naming one of our recipes: it is replaced)."""
+    if "mixed_precision" in ctx.request.keys:
+        return None
+    return ctx.raw.get("mixed_precision")
 
 
 def _quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
@@ -242,11 +272,11 @@ def mixed_precision_config(
     from ..te import verify_installed_te
 
     spec = get_recipe(spec)
-    _refuse(spec)
+    recipe_keys(ADAPTER, spec, model=model)  # the refusals apply makes
     verify_installed_te(spec, where="the Megatron-Bridge training process")
     mp = _mp_module(mp_module)
     hk = mixed_precision_fields(spec, model)
-    own = BRIDGE_RECIPES.get(spec.scaling if spec.scaling == "nvfp4" else spec.name)
+    own = BRIDGE_RECIPES.get(_own_recipe_key(spec))
     # Start from Bridge's own recipe where it has one (nvfp4: bf16_with_nvfp4_mixed).
     cfg = getattr(mp, own)() if own and hasattr(mp, own) else mp.bf16_mixed()
     for key, value in hk.keys.items():
@@ -280,11 +310,7 @@ def register(
     wanted = (
         names
         if names is not None
-        else [
-            s.name
-            for s in list_recipes()
-            if BRIDGE_RECIPES.get(s.scaling if s.scaling == "nvfp4" else s.name) is None
-        ]
+        else [s.name for s in list_recipes() if BRIDGE_RECIPES.get(_own_recipe_key(s)) is None]
     )
     added: list[str] = []
     for name in wanted:
@@ -342,12 +368,6 @@ def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
             allowlist.add_exact(target)
     else:
         instantiate_module.register_allowed_target_prefix(TARGET_PREFIX)
-
-
-def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
-    refuse_dropped(
-        spec, prefix, host="Megatron-Bridge (megatron-core)", training_host="Megatron-Bridge"
-    )
 
 
 # --------------------------------------------------------------------------- ConfigContainer.model
@@ -417,36 +437,11 @@ def transformer_section(config: dict) -> tuple[dict, str]:
 # --------------------------------------------------------------------------- YAML
 
 
-def apply_config(
-    config: Mapping[str, Any], *, hardware: str | None = None, strict: bool = False
-) -> ApplyResult:
-    """Rewrite a Bridge YAML mapping: the request (``precision:``, ``fp8:``, or a
-    ``mixed_precision:`` naming one of our recipes) becomes the ``mixed_precision`` block
-    (``_target_: MixedPrecisionConfig``), which stock Bridge builds without this package;
-    the :data:`ADAPTER` pipeline on a mapping."""
-    return apply_mapping(ADAPTER, config, hardware=hardware, strict=strict)
-
-
-def _merge(ctx) -> ApplyResult:
-    config, request = ctx.raw, ctx.request
-    spec = request.spec
-    _refuse(spec, prefix="fp8" if "fp8" in request.keys else "")
-    check_layer_counts(config, request)
-    hk = mixed_precision_fields(spec, ctx.model)
-    current = config.get("mixed_precision")
-    if "mixed_precision" in request.keys:
-        current = None  # it named one of our recipes: replaced by the block
-    fields = {k: v for k, v in hk.keys.items() if k != "quant_recipe"}
-    own = bridge_recipe_name(spec, ctx.model)
-    notes: list[str] = []
-    if own is not None and (
-        current is None
-        or current == own
-        or (isinstance(current, str) and _BASE_NAMES.get(current) == "bf16")
-    ):
-        block: Any = own  # Bridge's own registered recipe, by name
-    elif current is None or isinstance(current, str):
-        if current is not None and current not in _BASE_NAMES:
+def _refuse_block(spec: RecipeSpec, current: Any) -> None:
+    """A ``mixed_precision`` the FP8 fields cannot go into: another Bridge recipe's name, a
+    block whose ``_target_`` is not Bridge's class, or anything else."""
+    if isinstance(current, str):
+        if current not in _BASE_NAMES and current != bridge_recipe_name(spec):
             raise ConflictingKeyError(
                 f"already names the Megatron-Bridge recipe {current!r}, which "
                 f"conflicts with FP8 recipe {spec.name!r}",
@@ -454,11 +449,6 @@ def _merge(ctx) -> ApplyResult:
                 value=current,
                 hint="state the recipe once",
             )
-        block = {
-            "_target_": MIXED_PRECISION_TARGET,
-            **base_fields(_BASE_NAMES.get(current, "bf16")),
-            **copy.deepcopy(fields),
-        }
     elif isinstance(current, Mapping):
         target = current.get("_target_")
         if target is not None and (
@@ -472,8 +462,25 @@ def _merge(ctx) -> ApplyResult:
                 hint=f"the FP8 fields go into Bridge's own "
                 f"class: _target_: {MIXED_PRECISION_TARGET}, or no _target_",
             )
-        block = copy.deepcopy(dict(current))
-        merge_native(block, fields, where="mixed_precision.", conflicting=("fp4",))
+    elif current is not None:
+        raise FP8ConfigError(
+            f"expected a recipe name or a mapping, got {format_value(current)}",
+            key="mixed_precision",
+            value=current,
+        )
+
+
+def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
+    """Write the spelling: ``mixed_precision`` (Bridge's own recipe by name, a new block, or
+    the FP8 fields merged into the config's block) and ``quant_recipe`` into the model's
+    TransformerConfig section."""
+    spec, request = ctx.spec, ctx.request
+    current = _current_block(ctx)
+    spelt = keys.keys.get("mixed_precision")
+    notes: list[str] = []
+    if isinstance(current, Mapping) and isinstance(spelt, Mapping):
+        block: Any = copy.deepcopy(dict(current))
+        merge_native(block, spelt, where="mixed_precision.", conflicting=("fp4",))
         if block.get("fp8_param") not in (None, spec.fp8_param):
             raise ConflictingKeyError(
                 f"already set to {format_value(block['fp8_param'])}",
@@ -481,20 +488,16 @@ def _merge(ctx) -> ApplyResult:
                 value=block["fp8_param"],
             )
     else:
-        raise FP8ConfigError(
-            f"expected a recipe name or a mapping, got {format_value(current)}",
-            key="mixed_precision",
-            value=current,
-        )
-    out = _replace_request(config, request.keys, block)
-    if "quant_recipe" in hk.keys:
+        block = copy.deepcopy(spelt)
+    out = _replace_request(ctx.raw, request.keys, block)
+    quant = keys.keys.get("model", {})
+    if quant:
         # model: is a provider (itself a TransformerConfig) or, on Bridge HEAD, a
         # GPTModelConfig holding it under model.transformer.
         section, where = transformer_section(out)
-        merge_native(
-            section, {"quant_recipe": _quant_recipe_yaml(hk.keys["quant_recipe"])}, where=where
-        )
-    if spec.scaling == "nvfp4" and own is None:
+        fields = quant.get("transformer", quant) if where == "model.transformer." else quant
+        merge_native(section, fields, where=where)
+    if capability(spec.scaling).is_nvfp4 and bridge_recipe_name(spec, ctx.model) is None:
         notes.append(
             f"bridge: {spec.name} as requested differs from Megatron-Bridge's "
             f"bf16_with_nvfp4_mixed (BF16 layers, FP4 parameters or the base), so the "
@@ -505,9 +508,9 @@ def _merge(ctx) -> ApplyResult:
         f"applied after Transformer Engine is imported); stock Bridge builds this "
         f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."
         f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start"
-        for var, value in hk.env.items()
+        for var, value in keys.env.items()
     ]
-    return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
+    return ApplyResult(data=out, warnings=list(keys.warnings), notes=notes, env=dict(keys.env))
 
 
 def _replace_request(config: Mapping[str, Any], request_keys, block: dict) -> dict:
@@ -526,12 +529,7 @@ def _replace_request(config: Mapping[str, Any], request_keys, block: dict) -> di
     return remove_request_keys(out, [k for k in request_keys if "." in k])  # policy.precision
 
 
-def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
-    """``nemo-fp8 apply CONFIG --host bridge``: see :func:`apply_config`."""
-    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
-
-
-class BridgeAdapter(ConfigEditAdapter):
+class BridgeAdapter(HostAdapter):
     """Megatron-Bridge (a ``mixed_precision`` block of ``MixedPrecisionConfig`` fields)."""
 
     name = "bridge"
@@ -541,12 +539,30 @@ class BridgeAdapter(ConfigEditAdapter):
         "the script calls nemo_fp8_plugin.hosts.bridge.register()"
     )
 
-    def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
-        return native_keys(spec, ctx.model if ctx is not None else None)
+    def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
+        prefix = ctx.prefix if ctx is not None else ""
+        refuse_dropped(
+            spec, prefix, host="Megatron-Bridge (megatron-core)", training_host="Megatron-Bridge"
+        )
+        if ctx is not None:
+            check_layer_counts(ctx)
+            _refuse_block(spec, _current_block(ctx))
 
-    merge = staticmethod(_merge)
+    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
+        if ctx is None:
+            return _spell(spec, model, current=None, section="model")
+        model = dict(ctx.raw).get("model")
+        section = (
+            "model.transformer"
+            if isinstance(model, Mapping) and _is_model_config_yaml(model)
+            else "model"
+        )
+        return _spell(spec, ctx.model, current=_current_block(ctx), section=section)
 
-    def validate(self, result: ApplyResult, ctx) -> list[str]:
+    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
+        return _merge(ctx, keys)
+
+    def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         # Bridge needs Python >= 3.12 and Transformer Engine at import: where it imports, its
         # own MixedPrecisionConfig checks the block; elsewhere say so.
         try:

@@ -20,6 +20,10 @@ class FP8ScaleRefreshBridgeCallback:
 
     def __init__(self, recipe=None, **kwargs):
         self.refresher = ScaleRefresher(recipe, **kwargs)
+        if self.refresher.spec is not None:  # what apply --host bridge refuses, refused here
+            from .. import refuse_recipe
+
+            refuse_recipe("bridge", self.refresher.spec)
 
     @property
     def stats(self) -> dict:

@@ -33,7 +33,7 @@ scaling; in 0.16.1 ``fp8_dot_product_attention`` outside delayed/tensorwise and
 :mod:`.source`), non-default block tiles, MXFP8 32x32 weight tiles, ``pow2_scales`` under
 delayed scaling, and ``fp8_wgrad: false`` (megatron-core 0.16 passes it to TE only for
 delayed scaling, as ``override_linear_precision``, which TE 2.x ignores).
-:func:`dropped_settings` lists them; ``apply_file`` refuses a config that asks for one,
+:func:`dropped_settings` lists them; ``apply`` refuses a config that asks for one,
 naming the key, and ``native_keys`` reports them as warnings. Scale rounding
 (``pow2_scales`` for block and current scaling) is carried by the environment variable of
 :func:`nemo_fp8_plugin.hosts.te.required_env`: :func:`build_transformer_config` and
@@ -42,7 +42,7 @@ that calls them (:func:`nemo_fp8_plugin.hosts.te.verify_installed_te`); a Megatr
 from YAML calls neither, so its training script must call that check itself.
 
 ``bf16_layers.first`` / ``last`` beyond the layer count the config states
-(``num_layers`` of the section the fields go to) are refused by ``apply_file``
+(``num_layers`` of the section the fields go to) are refused by ``apply``
 (:func:`check_layer_counts`), as ``nemo-fp8 explain`` refuses them, rather than written for
 megatron-core to reject at model build time.
 
@@ -59,14 +59,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, List  # noqa: UP035 - see bf16_quant_recipe
 
 from ...capabilities import CAPABILITIES, capability
-from ...config import FP8Request, get_path
+from ...dotted import delete_path, get_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
+from .. import ApplyResult, HostAdapter, HostContext, HostKeys, refuse_recipe
 from ..te import required_env
 
 __all__ = [
@@ -84,10 +83,7 @@ __all__ = [
     "quant_recipe_object",
     "bf16_quant_recipe",
     "bf16_patterns",
-    "apply_config",
-    "apply_file",
     "section_path",
-    "model_for_rules",
     "check_layer_counts",
     "merge_native",
     "remove_request_keys",
@@ -127,8 +123,6 @@ CONFLICTING_FIELDS = ("fp8_quantizer_factory", "fp4", "fp4_recipe", "fp4_param",
 """Native keys that, when already set in an input config, contradict the recipe we write
 (``quant_recipe`` only when our rules need one of their own)."""
 
-_TILES = {"block": ((1, 128), (128, 128), (1, 128)), "mx": ((1, 32), (1, 32), (1, 32))}
-
 
 def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
     """(spec key, reason) for each setting megatron-core would silently drop."""
@@ -136,6 +130,7 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
         return []
     out: list[tuple[str, str]] = []
     kind = spec.scaling
+    row = capability(kind)
     if spec.amax_epsilon:
         out.append(
             (
@@ -144,7 +139,7 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
                 "default amax epsilon (0)",
             )
         )
-    if not spec.reduce_amax and kind == "delayed":
+    if not spec.reduce_amax and row.is_delayed:
         out.append(
             (
                 "reduce_amax",
@@ -153,7 +148,7 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
             )
         )
     out += _unread_fields(spec)
-    if kind == "delayed" and spec.pow2_scales:
+    if row.is_delayed and spec.pow2_scales:
         out.append(("pow2_scales", "delayed scaling has no power-of-2 scale option"))
     if not spec.fp8_wgrad:
         # megatron-core 0.16 reads fp8_wgrad only to build DelayedScaling's
@@ -173,8 +168,8 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
                 "use fp8_wgrad: true",
             )
         )
-    if kind in _TILES:
-        act, wgt, grad = _TILES[kind]
+    if row.is_block or row.is_mx:  # megatron-core passes no tile shape for these
+        act, wgt, grad = row.tiles
         for key, want in (
             ("activation_block", act),
             ("weight_block", wgt),
@@ -286,38 +281,14 @@ def _rules_keys(spec: RecipeSpec, model=None) -> HostKeys:
     return HostKeys(keys=keys, warnings=list(rules.warnings))
 
 
-def model_for_rules(config: Mapping[str, Any], request: FP8Request):
-    """The model description per-module rules resolve against, or None (generic patterns).
-
-    ``fp8.model`` when the config names one (its errors propagate); else the config's own
-    model section when it has megatron-core sizes, else the model name the host config
-    carries, when the built-in table knows it.
-    """
-    if not request.spec.bf16_layers.modules:
-        return None
-    from ...rules import describe_model
-
-    block = config.get("fp8")
-    if isinstance(block, Mapping) and block.get("model") is not None:
-        return describe_model(block["model"], key="fp8.model")
-    section = get_path(config, section_path(config))
-    for candidate in (section, request.model):
-        if candidate is None or (isinstance(candidate, Mapping) and "num_layers" not in candidate):
-            continue
-        try:
-            return describe_model(candidate)
-        except FP8ConfigError:
-            continue  # a name the table does not know: fall back to generic patterns
-    return None
-
-
-def _stated_layers(config: Mapping[str, Any]) -> tuple[int, str] | None:
-    """(layer count, what states it) for :func:`check_layer_counts`, or None."""
-    path = section_path(config)
-    section = get_path(config, path)
+def _stated_layers(ctx: HostContext) -> tuple[int, str] | None:
+    """(layer count, what states it) for :func:`check_layer_counts`, or None: ``num_layers``
+    of the section the fields go to (NeMo 2 keeps it under ``model.config``, a Bridge
+    GPTModelConfig under ``model.transformer``), else the model description of the context
+    (read relative to the config's directory)."""
+    path = section_path(ctx.raw)
+    section = get_path(ctx.raw, path)
     where = ".".join(path)
-    # NeMo 2 keeps the TransformerConfig fields one level down, under model.config; a
-    # Megatron-Bridge GPTModelConfig / HybridModelConfig under model.transformer.
     for node, label in (
         (section, where),
         (get_path(section, "config"), f"{where}.config"),
@@ -326,27 +297,22 @@ def _stated_layers(config: Mapping[str, Any]) -> tuple[int, str] | None:
         value = node.get("num_layers") if isinstance(node, Mapping) else None
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value, f"the model ({label}.num_layers)"
-    block = config.get("fp8")
-    if isinstance(block, Mapping) and block.get("model") is not None:
-        from ...rules import describe_model
-
-        model = describe_model(block["model"], key="fp8.model")
-        return model.num_layers, model.name
+    if ctx.model is not None:
+        return ctx.model.num_layers, ctx.model.name
     return None
 
 
-def check_layer_counts(config: Mapping[str, Any], request: FP8Request) -> None:
+def check_layer_counts(ctx: HostContext) -> None:
     """Refuse ``bf16_layers.first`` / ``last`` that the layer count the config states cannot
     hold, with the error ``nemo-fp8 explain`` gives, instead of writing
     ``num_layers_at_start_in_bf16`` / ``..._end_...`` for megatron-core to reject when it
-    builds the model. The count is ``num_layers`` of the section the fields go to (or of its
-    ``config`` mapping), else that of the model ``fp8.model`` names; without one nothing is
-    checked (megatron-core's own validation remains)."""
-    spec = request.spec
+    builds the model; without a count nothing is checked (megatron-core's own validation
+    remains)."""
+    spec = ctx.spec
     rules = spec.bf16_layers
     if spec.training != "fp8" or not rules.acts_on("training") or not (rules.first or rules.last):
         return
-    stated = _stated_layers(config)
+    stated = _stated_layers(ctx)
     if stated is None:
         return
     # The very check explain reaches through rules.resolve(), so both commands agree.
@@ -355,7 +321,7 @@ def check_layer_counts(config: Mapping[str, Any], request: FP8Request) -> None:
     try:
         _check_counts(rules, *stated)
     except FP8ConfigError as err:
-        raise (err.with_prefix("fp8") if "fp8" in request.keys else err) from None
+        raise (err.with_prefix(ctx.prefix) if ctx.prefix else err) from None
 
 
 def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
@@ -369,16 +335,15 @@ def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
             keys={},
             warnings=["megatron: training: bf16 in this recipe, so megatron-core gets no FP8 keys"],
         )
-    if spec.scaling == "nvfp4":
+    row = capability(spec.scaling)
+    if row.is_nvfp4:
         return _fp4_fields(spec, model)
     keys: dict[str, Any] = {
         "fp8": spec.fp8_format,
         "fp8_recipe": FP8_RECIPE[spec.scaling],
-        "fp8_margin": spec.margin if spec.scaling == "delayed" else 0,
-        "fp8_amax_history_len": spec.amax_history_len if spec.scaling == "delayed" else 1,
-        "fp8_amax_compute_algo": spec.amax_compute_algo
-        if spec.scaling == "delayed"
-        else "most_recent",
+        "fp8_margin": spec.margin if row.is_delayed else 0,
+        "fp8_amax_history_len": spec.amax_history_len if row.is_delayed else 1,
+        "fp8_amax_compute_algo": spec.amax_compute_algo if row.is_delayed else "most_recent",
         "fp8_wgrad": spec.fp8_wgrad,
         "fp8_dot_product_attention": spec.fp8_dot_product_attention,
         "fp8_multi_head_attention": spec.fp8_multi_head_attention,
@@ -401,7 +366,7 @@ def _fp4_fields(spec: RecipeSpec, model=None) -> HostKeys:
         "fp8_recipe": None,
         "fp8_param": False,
         "fp4": "e2m1",
-        "fp4_recipe": FP8_RECIPE["nvfp4"],
+        "fp4_recipe": capability(spec.scaling).megatron_recipe,
         "fp4_param": spec.fp8_param,
     }
     if spec.fp8_dot_product_attention:  # reached only where honoured (dropped_settings)
@@ -443,7 +408,7 @@ def precision_config_fields(spec: RecipeSpec, model=None, *, host: str) -> HostK
         )
     mc = transformer_config_fields(spec, model)
     keys = {k: mc.keys[k] for k in PRECISION_CONFIG_FP8_FIELDS if k in mc.keys}
-    if spec.scaling == "nvfp4":  # NeMo 2.7.3 and Bridge 0.6.2 both have fp4 and fp4_recipe
+    if capability(spec.scaling).is_nvfp4:  # NeMo 2.7.3 and Bridge 0.6.2: fp4, fp4_recipe
         keys.update({k: mc.keys[k] for k in ("fp4", "fp4_recipe")})
     keys.update(ddp_config_fields(spec))
     if "quant_recipe" in mc.keys:
@@ -463,10 +428,11 @@ def ddp_config_fields(spec: RecipeSpec) -> dict[str, bool]:
     optimizer warns for MXFP8 without both). Empty when training is not FP8."""
     if spec.training != "fp8":
         return {}
-    fp8 = spec.scaling != "nvfp4"  # FP4 parameters are TransformerConfig.fp4_param
+    row = capability(spec.scaling)
+    fp8 = not row.is_nvfp4  # FP4 parameters are TransformerConfig.fp4_param
     return {
         "fp8_param_gather": fp8 and spec.fp8_param,
-        "reuse_grad_buf_for_mxfp8_param_ag": spec.scaling == "mx" and spec.fp8_param,
+        "reuse_grad_buf_for_mxfp8_param_ag": row.is_mx and spec.fp8_param,
     }
 
 
@@ -496,7 +462,7 @@ def optimizer_config_fields(spec: RecipeSpec) -> dict[str, Any]:
     if spec.training != "fp8":
         return {}
     return {
-        "fp8_recipe": FP8_RECIPE[spec.scaling] if spec.scaling != "nvfp4" else None,
+        "fp8_recipe": None if capability(spec.scaling).is_nvfp4 else FP8_RECIPE[spec.scaling],
         "reuse_grad_buf_for_mxfp8_param_ag": ddp_config_fields(spec)[
             "reuse_grad_buf_for_mxfp8_param_ag"
         ],
@@ -537,20 +503,9 @@ def write_distributed_fields(
     fields = {**ddp_config_fields(spec), **fp4_ddp_fields(spec, megatron_core)}
     if not fields:
         return []
-    if isinstance(out.get("language_model"), Mapping):
-        target, where = out, ""
-    else:
-        if out.get("ddp") is None:
-            out["ddp"] = {}
-        target, where = out["ddp"], "ddp."
-        if not isinstance(target, dict):
-            raise FP8ConfigError(
-                f"expected a mapping of DistributedDataParallelConfig fields, "
-                f"got {format_value(target)}",
-                key="ddp",
-                value=target,
-            )
-    return merge_native(target, fields, where=where)
+    return _write_ddp(
+        out, fields if isinstance(out.get("language_model"), Mapping) else {"ddp": fields}
+    )
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
@@ -627,8 +582,8 @@ def build_transformer_config(spec: RecipeSpec, model=None, *, config_class=None,
     """
     if config_class is None:
         from megatron.core.transformer import TransformerConfig as config_class
+    refuse_recipe(ADAPTER, spec)
     hk = transformer_config_fields(spec, model)
-    refuse_dropped(spec)
     _verify_te(spec)
     clash = sorted(set(base) & set(hk.keys))
     if clash:
@@ -643,8 +598,8 @@ def build_transformer_config(spec: RecipeSpec, model=None, *, config_class=None,
 def apply_to_transformer_config(config, spec: RecipeSpec, model=None):
     """A copy of an existing ``TransformerConfig`` with the recipe's fields, validated again
     by megatron-core (``dataclasses.replace`` runs ``__post_init__`` on the copy)."""
+    refuse_recipe(ADAPTER, spec)
     hk = transformer_config_fields(spec, model)
-    refuse_dropped(spec)
     _verify_te(spec)
     return _construct(lambda **kw: dataclasses.replace(config, **kw), _objects(hk.keys), spec)
 
@@ -710,12 +665,7 @@ def remove_request_keys(config: Mapping[str, Any], keys) -> dict:
     (``FP8Request.keys``: dotted paths such as ``precision`` or ``policy.precision``)."""
     out = copy.deepcopy(dict(config))
     for dotted in keys:
-        parts = dotted.split(".")
-        node = out
-        for part in parts[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(parts[-1], None)
+        delete_path(out, dotted)
     return out
 
 
@@ -768,39 +718,30 @@ def _fp4_gather_notes(spec: RecipeSpec, core: str | None, written: list[str]) ->
     ]
 
 
-def apply_config(
-    config: Mapping[str, Any], *, hardware: str | None = None, strict: bool = False
-) -> ApplyResult:
-    """Rewrite a loaded config: the plugin's request keys become TransformerConfig keys
-    (the :data:`ADAPTER` pipeline on a mapping)."""
-    return apply_mapping(ADAPTER, config, hardware=hardware, strict=strict)
 
-
-def _merge(ctx) -> ApplyResult:
-    config, request = ctx.raw, ctx.request
-    spec = request.spec
-    refuse_dropped(spec, prefix="fp8" if "fp8" in request.keys else "")
-    check_layer_counts(config, request)
-    hk = transformer_config_fields(spec, ctx.model)
-    out = remove_request_keys(config, request.keys)
-    path = section_path(out)
-    if out.get(path[0]) is None:
-        out[path[0]] = {}
-    section = out[path[0]]
+def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
+    """Write :meth:`MegatronAdapter.spell`'s keys: the TransformerConfig fields into their
+    section, the DistributedDataParallelConfig fields under ``ddp:`` (or at the root of
+    Megatron-LM's ``--yaml-cfg`` layout)."""
+    spec = ctx.spec
+    out = remove_request_keys(ctx.raw, ctx.request.keys)
+    name = section_path(out)[0]
+    if out.get(name) is None:
+        out[name] = {}
+    section = out[name]
     if not isinstance(section, dict):
         raise FP8ConfigError(
             f"expected a mapping of model fields, got {format_value(section)}",
-            key=path[0],
+            key=name,
             value=section,
         )
-    where = f"{path[0]}."
+    fields = keys.keys.get(name, {})
     # A quant_recipe of our own is compared like any key; someone else's contradicts ours.
-    conflicting = tuple(k for k in CONFLICTING_FIELDS if k not in hk.keys)
-    merge_native(section, hk.keys, where=where, conflicting=conflicting)
+    conflicting = tuple(k for k in CONFLICTING_FIELDS if k not in fields)
+    merge_native(section, fields, where=f"{name}.", conflicting=conflicting)
     # the DDP side (fp8_param_gather, MXFP8 buffer reuse, NVFP4's fp4_param_gather)
-    core = ctx.stack.version("megatron-core") if ctx.stack is not None else None
-    written = write_distributed_fields(out, spec, megatron_core=core)
-    notes = _fp4_gather_notes(spec, core, written)
+    written = _write_ddp(out, {k: v for k, v in keys.keys.items() if k != name})
+    notes = _fp4_gather_notes(spec, _stack_core(ctx), written)
     notes += [
         f"megatron: export {var}={value} in the training process's environment "
         f"before Transformer Engine is imported; megatron-core does not check it: "
@@ -808,9 +749,48 @@ def _merge(ctx) -> ApplyResult:
         f"build_transformer_config is checked there, otherwise call "
         f"nemo_fp8_plugin.hosts.te.verify_installed_te({_recipe_literal(spec)}) "
         f"in the training script before the model is built"
-        for var, value in hk.env.items()
+        for var, value in keys.env.items()
     ]
-    return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
+    return ApplyResult(data=out, warnings=list(keys.warnings), notes=notes, env=dict(keys.env))
+
+
+def _stack_core(ctx: HostContext | None) -> str | None:
+    """The megatron-core version the context assumes (``--stack``, else the installed one);
+    None without a context or a stack (a mapping given in code)."""
+    if ctx is None or ctx.stack is None:
+        return None
+    return ctx.stack.version("megatron-core")
+
+
+def _spell(
+    spec: RecipeSpec, config: Mapping[str, Any] | None, model, megatron_core: str | None = None
+) -> HostKeys:
+    """The TransformerConfig fields under their section (``language_model`` or ``model``),
+    and the DDP fields where :func:`write_distributed_fields` puts them (nvfp4's
+    ``fp4_param_gather`` where ``megatron_core`` has it, :func:`fp4_ddp_fields`)."""
+    hk = transformer_config_fields(spec, model)
+    name = section_path(config or {})[0]
+    keys: dict[str, Any] = {name: dict(hk.keys)} if hk.keys else {}
+    ddp = {**ddp_config_fields(spec), **fp4_ddp_fields(spec, megatron_core)}
+    if ddp:
+        keys.update(ddp) if name == "language_model" else keys.update(ddp=ddp)
+    return HostKeys(keys=keys, warnings=list(hk.warnings), env=dict(hk.env))
+
+
+def _write_ddp(out: dict, placed: Mapping[str, Any]) -> list[str]:
+    """Merge the DDP part of the spelling (``{"ddp": {...}}`` or root fields) into ``out``."""
+    if "ddp" not in placed:
+        return merge_native(out, placed, where="") if placed else []
+    if out.get("ddp") is None:
+        out["ddp"] = {}
+    if not isinstance(out["ddp"], dict):
+        raise FP8ConfigError(
+            f"expected a mapping of DistributedDataParallelConfig fields, "
+            f"got {format_value(out['ddp'])}",
+            key="ddp",
+            value=out["ddp"],
+        )
+    return merge_native(out["ddp"], placed["ddp"], where="ddp.")
 
 
 def _recipe_literal(spec: RecipeSpec) -> str:
@@ -827,13 +807,7 @@ def _recipe_literal(spec: RecipeSpec) -> str:
     return repr({"recipe": spec.name, **diff}) if diff else repr(spec.name)
 
 
-def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
-    """``nemo-fp8 apply CONFIG --host megatron``: the file as written (a ``defaults:`` chain
-    is not merged in, so no key is lost or duplicated) through the :data:`ADAPTER` pipeline."""
-    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
-
-
-def _validate(result: ApplyResult, ctx) -> list[str]:
+def _validate(result: ApplyResult, ctx: HostContext) -> list[str]:
     """Build megatron-core's own ``TransformerConfig`` from the written section (its
     ``__post_init__`` validates the FP8 fields), when megatron-core is importable."""
     try:
@@ -862,7 +836,7 @@ def _megatron_version() -> str:
         return "(unknown version)"
 
 
-class MegatronAdapter(ConfigEditAdapter):
+class MegatronAdapter(HostAdapter):
     """megatron-core (``TransformerConfig`` fields in a YAML ``model:`` section)."""
 
     name = "megatron"
@@ -872,11 +846,21 @@ class MegatronAdapter(ConfigEditAdapter):
         "training script calls nemo_fp8_plugin.hosts.megatron.build_transformer_config"
     )
 
-    def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
-        return transformer_config_fields(spec, ctx.model if ctx is not None else None)
+    def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
+        refuse_dropped(spec, ctx.prefix if ctx is not None else "")
+        if ctx is not None:
+            check_layer_counts(ctx)
 
-    merge = staticmethod(_merge)
-    validate = staticmethod(_validate)
+    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
+        if ctx is not None:
+            return _spell(spec, ctx.raw, ctx.model, _stack_core(ctx))
+        return _spell(spec, None, model)
+
+    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
+        return _merge(ctx, keys)
+
+    def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
+        return _validate(result, ctx)
 
 
 ADAPTER = MegatronAdapter()

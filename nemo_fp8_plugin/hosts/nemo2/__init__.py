@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from ...capabilities import capability
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
+from .. import ApplyResult, HostAdapter, HostContext, HostKeys, recipe_keys
 from ..megatron import (
     check_layer_counts,
     merge_native,
@@ -70,8 +70,6 @@ __all__ = [
     "callback_config",
     "add_fp8_to_recipe",
     "plugin_only_warning",
-    "apply_config",
-    "apply_file",
     "BF16_MIXED",
 ]
 
@@ -111,33 +109,44 @@ def plugin_fields(spec: RecipeSpec, model=None) -> HostKeys:
     ``model.config`` fields of :data:`MODEL_CONFIG_FIELDS` (``quant_recipe`` when per-module
     rules need one, ``fp4_param`` for nvfp4)."""
     hk = precision_config_fields(spec, model, host="nemo2")
-    if spec.training == "fp8" and spec.scaling == "nvfp4":
+    if spec.training == "fp8" and capability(spec.scaling).is_nvfp4:
         hk.keys["fp4_param"] = spec.fp8_param
     return hk
-
-
-def _plugin_only(keys: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in keys.items() if k not in MODEL_CONFIG_FIELDS}
 
 
 def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     """NeMo 2's spelling: the ``trainer.plugins`` block (and ``model.config.quant_recipe``),
     complete as ``apply`` writes it into a config without a plugin (``MegatronMixedPrecision``
     requires ``precision``), so it can be copied as it stands."""
+    return _spell(spec, model, existing_plugin=False)
+
+
+def _spell(spec: RecipeSpec, model, *, existing_plugin: bool) -> HostKeys:
+    """The plugin block (only the FP8 fields when the config has a plugin already, whose
+    precision and dtypes are kept) and the ``model.config`` fields."""
     hk = plugin_fields(spec, model)
     if not hk.keys:
         return hk
     fields = dict(hk.keys)
     quant = fields.pop("quant_recipe", None)
     fp4_param = fields.pop("fp4_param", None)
-    keys: dict[str, Any] = {
-        "trainer": {"plugins": {"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED), **fields}}
-    }
+    plugin = (
+        fields
+        if existing_plugin
+        else {"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED), **fields}
+    )
+    keys: dict[str, Any] = {"trainer": {"plugins": plugin}}
     if quant is not None:
         keys["model"] = {"config": {"quant_recipe": quant_recipe_yaml(quant)}}
     if fp4_param is not None:
         keys.setdefault("model", {}).setdefault("config", {})["fp4_param"] = fp4_param
     return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
+
+
+def _fields_of(keys: HostKeys) -> dict[str, Any]:
+    """The ``MegatronMixedPrecision`` FP8 arguments of a spelling (no target, no base)."""
+    plugin = keys.keys.get("trainer", {}).get("plugins", {})
+    return {k: v for k, v in plugin.items() if k != "_target_" and k not in BF16_MIXED}
 
 
 QUANT_RECIPE_TARGET = "nemo_fp8_plugin.hosts.targets.bf16_quant_recipe"
@@ -184,11 +193,11 @@ def _spec_arg(spec: RecipeSpec) -> str:
 def plugin_config(spec: RecipeSpec, model=None, base: Mapping[str, Any] | None = None):
     """``run.Config(MegatronMixedPrecision, ...)`` for ``spec`` on top of ``base`` arguments
     (default: NeMo's ``bf16_mixed``). Imports NeMo-Run and NeMo."""
+    # Refused first, as apply refuses it (the plugin-only factory runs here too).
+    fields = _fields_of(recipe_keys(ADAPTER, spec, model=model))
     import nemo_run as run
     from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
 
-    hk = plugin_fields(spec, model)
-    fields = _plugin_only(hk.keys)
     args = {k: _dtype(v) for k, v in (base or BF16_MIXED).items()}
     return run.Config(MegatronMixedPrecision, **args, **fields)
 
@@ -230,8 +239,8 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
     """
     import nemo_run as run
 
-    _refuse(spec)
-    hk = plugin_fields(spec, model)
+    keys = recipe_keys(ADAPTER, spec, model=model)
+    model_config = keys.keys.get("model", {}).get("config", {})
     trainer = getattr(recipe, "trainer", None)
     if trainer is None:
         raise FP8ConfigError(
@@ -239,7 +248,7 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
         )
     plugins = getattr(trainer, "plugins", None)
     plugin = _find_plugin(plugins)
-    fields = _plugin_only(hk.keys)
+    fields = _fields_of(keys)
     if plugin is None:
         new = plugin_config(spec, model)
         if isinstance(plugins, list):
@@ -254,14 +263,14 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
             )
         for key, value in fields.items():
             setattr(plugin, key, value)
-    if "quant_recipe" in hk.keys:
-        from ..megatron import bf16_patterns, bf16_quant_recipe
+    if "quant_recipe" in model_config:
+        from ..megatron import bf16_quant_recipe
 
         recipe.model.config.quant_recipe = run.Config(
-            bf16_quant_recipe, patterns=bf16_patterns(hk.keys["quant_recipe"])
+            bf16_quant_recipe, patterns=model_config["quant_recipe"]["patterns"]
         )
-    if "fp4_param" in hk.keys:
-        recipe.model.config.fp4_param = hk.keys["fp4_param"]
+    if "fp4_param" in model_config:
+        recipe.model.config.fp4_param = model_config["fp4_param"]
     if callback:
         callbacks = list(getattr(trainer, "callbacks", None) or [])
         callbacks.append(callback_config(spec))
@@ -278,10 +287,6 @@ def _find_plugin(plugins):
     return None
 
 
-def _refuse(spec: RecipeSpec, prefix: str = "") -> None:
-    refuse_dropped(spec, prefix, host="NeMo 2 (megatron-core)", training_host="NeMo 2")
-
-
 # --------------------------------------------------------------------------- YAML
 
 
@@ -293,7 +298,7 @@ PLUGIN_TARGETS = frozenset(
     }
 )
 """Every import path of NeMo's ``MegatronMixedPrecision`` (the class and NeMo's two
-re-exports of it); ``tests/hosts/test_host_nemo2.py`` resolves each to the one class."""
+re-exports of it); ``tests/hosts/nemo2/test_nemo2_adapter.py`` resolves each to the one class."""
 
 
 def _is_plugin_mapping(node: Any) -> bool:
@@ -318,51 +323,62 @@ def _is_plugin_mapping(node: Any) -> bool:
     return False
 
 
-def apply_config(
-    config: Mapping[str, Any], *, hardware: str | None = None, strict: bool = False
-) -> ApplyResult:
-    """Rewrite a NeMo 2 / NeMo-Run YAML mapping: the plugin's request keys become the
-    ``trainer.plugins`` block (and ``model.config.quant_recipe`` for per-module rules); the
-    :data:`ADAPTER` pipeline on a mapping.
-
-    The scale-refresh callback is not written into ``trainer.callbacks``: NeMo-Run's YAML
-    loader cannot build a list of ``_target_`` mappings (it cannot load the callback list its
-    own ``--to-yaml`` writes either). A note gives the command-line form instead."""
-    return apply_mapping(ADAPTER, config, hardware=hardware, strict=strict)
-
-
-def _merge(ctx) -> ApplyResult:
-    config, request = ctx.raw, ctx.request
-    spec = request.spec
-    _refuse(spec, prefix="fp8" if "fp8" in request.keys else "")
-    check_layer_counts(config, request)
-    hk = plugin_fields(spec, ctx.model)
-    fields = _plugin_only(hk.keys)
-    out = remove_request_keys(config, request.keys)
-    trainer = out.setdefault("trainer", {})
-    if not isinstance(trainer, dict):
+def _plugin_node(config: Mapping[str, Any]) -> tuple[str, int | None] | None:
+    """Where the config's ``MegatronMixedPrecision`` block is: ``("trainer.plugins.",
+    None)``, ``("trainer.plugins[i].", i)`` in a list, or None (a new block goes in). Refuses
+    a ``trainer`` or ``trainer.plugins`` that cannot hold the plugin."""
+    trainer = config.get("trainer")
+    if trainer is None:
+        return None
+    if not isinstance(trainer, Mapping):
         raise FP8ConfigError(
             f"expected a mapping, got {format_value(trainer)}", key="trainer", value=trainer
         )
     plugins = trainer.get("plugins")
     if isinstance(plugins, list):
         index = next((i for i, p in enumerate(plugins) if _is_plugin_mapping(p)), None)
-        if index is None:
-            plugins.append({"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED)})
-            index = len(plugins) - 1
-        plugin, where = plugins[index], f"trainer.plugins[{index}]."
-    elif plugins is None:
-        plugin = trainer["plugins"] = {"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED)}
-        where = "trainer.plugins."
-    elif _is_plugin_mapping(plugins):
-        plugin, where = plugins, "trainer.plugins."
-    else:
+        return None if index is None else (f"trainer.plugins[{index}].", index)
+    if plugins is None:
+        return None
+    if _is_plugin_mapping(plugins):
+        return "trainer.plugins.", None
+    raise FP8ConfigError(
+        f"is not a MegatronMixedPrecision plugin: {format_value(plugins)}",
+        key="trainer.plugins",
+        value=plugins,
+        hint=f"NeMo 2 FP8 needs _target_: {PLUGIN_TARGET}",
+    )
+
+
+def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
+    """Write the spelling: the FP8 fields into the config's plugin (a new one, NeMo's
+    ``bf16_mixed`` values, when it has none), the ``model.config`` fields beside it.
+
+    The scale-refresh callback is not written into ``trainer.callbacks``: NeMo-Run's YAML
+    loader cannot build a list of ``_target_`` mappings (it cannot load the callback list its
+    own ``--to-yaml`` writes either). A note gives the command-line form instead."""
+    spec = ctx.spec
+    fields = _fields_of(keys)
+    out = remove_request_keys(ctx.raw, ctx.request.keys)
+    trainer = out.setdefault("trainer", {})
+    if not isinstance(trainer, dict):
         raise FP8ConfigError(
-            f"is not a MegatronMixedPrecision plugin: {format_value(plugins)}",
-            key="trainer.plugins",
-            value=plugins,
-            hint=f"NeMo 2 FP8 needs _target_: {PLUGIN_TARGET}",
+            f"expected a mapping, got {format_value(trainer)}", key="trainer", value=trainer
         )
+    found = _plugin_node(out)
+    block = keys.keys.get("trainer", {}).get("plugins", {})
+    if found is None:
+        new = {"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED), **copy.deepcopy(block)}
+        if isinstance(trainer.get("plugins"), list):
+            trainer["plugins"].append(new)
+            where = f"trainer.plugins[{len(trainer['plugins']) - 1}]."
+        else:
+            trainer["plugins"] = new
+            where = "trainer.plugins."
+        plugin = new
+    else:
+        where, index = found
+        plugin = trainer["plugins"] if index is None else trainer["plugins"][index]
     # NeMo's deprecated alias; a different value would contradict fp8_param_gather.
     if "fp8_params" in plugin and plugin["fp8_params"] not in (
         None,
@@ -374,7 +390,7 @@ def _merge(ctx) -> ApplyResult:
             value=plugin["fp8_params"],
         )
     merge_native(plugin, fields, where=where, conflicting=() if "fp4" in fields else ("fp4",))
-    model_fields = {k: hk.keys[k] for k in MODEL_CONFIG_FIELDS if k in hk.keys}
+    model_fields = keys.keys.get("model", {}).get("config", {})
     if model_fields:
         model = out.setdefault("model", {})
         cfg = model.setdefault("config", {}) if isinstance(model, dict) else None
@@ -383,21 +399,14 @@ def _merge(ctx) -> ApplyResult:
                 "cannot place per-module rules or fp4_param: model.config is not a mapping",
                 key="model.config",
             )
-        if "quant_recipe" in model_fields:
-            model_fields["quant_recipe"] = quant_recipe_yaml(model_fields["quant_recipe"])
         merge_native(cfg, model_fields, where="model.config.")
     notes = [
         f"nemo2: set {var}={value} in the executor's env_vars (or the shell, for "
         f"--direct runs), and add the start-of-training check: "
         f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]"
-        for var, value in hk.env.items()
+        for var, value in keys.env.items()
     ]
-    return ApplyResult(data=out, warnings=list(hk.warnings), notes=notes, env=dict(hk.env))
-
-
-def apply_file(path: Path, *, hardware: str | None = None, strict: bool = False) -> ApplyResult:
-    """``nemo-fp8 apply CONFIG --host nemo2``: see :func:`apply_config`."""
-    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
+    return ApplyResult(data=out, warnings=list(keys.warnings), notes=notes, env=dict(keys.env))
 
 
 def _validate(result: ApplyResult, ctx) -> list[str]:
@@ -422,7 +431,7 @@ def _validate(result: ApplyResult, ctx) -> list[str]:
     return [f"nemo2: MegatronMixedPrecision accepted {len(kwargs)} arguments"]
 
 
-class NeMo2Adapter(ConfigEditAdapter):
+class NeMo2Adapter(HostAdapter):
     """NeMo 2 (NeMo-Run YAML; a ``MegatronMixedPrecision`` plugin in ``trainer.plugins``)."""
 
     name = "nemo2"
@@ -432,11 +441,23 @@ class NeMo2Adapter(ConfigEditAdapter):
         "<recipe>_callback factories (TE check, scale refresh)"
     )
 
-    def spell(self, spec: RecipeSpec, ctx=None) -> HostKeys:
-        return native_keys(spec, ctx.model if ctx is not None else None)
+    def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
+        prefix = ctx.prefix if ctx is not None else ""
+        refuse_dropped(spec, prefix, host="NeMo 2 (megatron-core)", training_host="NeMo 2")
+        if ctx is not None:
+            _plugin_node(ctx.raw)
+            check_layer_counts(ctx)
 
-    merge = staticmethod(_merge)
-    validate = staticmethod(_validate)
+    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
+        if ctx is None:
+            return _spell(spec, model, existing_plugin=False)
+        return _spell(spec, ctx.model, existing_plugin=_plugin_node(ctx.raw) is not None)
+
+    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
+        return _merge(ctx, keys)
+
+    def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
+        return _validate(result, ctx)
 
 
 ADAPTER = NeMo2Adapter()

@@ -44,6 +44,10 @@ class FP8ScaleRefreshCallback(_LightningCallback):
             verify_te=verify_te,
             log_every_n_steps=log_every_n_steps,
         )
+        if self.refresher.spec is not None:  # what apply --host nemo2 refuses, refused here
+            from .. import refuse_recipe
+
+            refuse_recipe("nemo2", self.refresher.spec)
         self._resumed = False
         self._last_step = None
 

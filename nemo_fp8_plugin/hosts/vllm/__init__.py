@@ -29,7 +29,9 @@ __all__ = [
     "engine_spelling",
     "engine_env",
     "register",
+    "refuse_spec",
     "TESTED_VLLM",
+    "ADAPTER",
 ]
 
 TESTED_VLLM = "0.32.0"
@@ -107,24 +109,16 @@ def engine_spelling(
     Returns:
         ``(kwargs, warnings)``; ``kwargs`` is ``{}`` when the recipe leaves generation in BF16.
     """
+    from ...capabilities import capability
     from ...registry import get_recipe
 
     spec = get_recipe(spec)
+    refuse_spec(spec)
     found: list[str] = []
-    if spec.scaling == "nvfp4":
-        from ...capabilities import NVFP4_GENERATION_REFUSAL
-        from ...errors import FP8ConfigError
-
-        raise FP8ConfigError(
-            f"vLLM cannot generate with nvfp4: {NVFP4_GENERATION_REFUSAL}",
-            key="scaling",
-            value="nvfp4",
-            hint="serve the model in BF16 (no recipe in the vLLM config), or use "
-            "mxfp8 for FP8 generation on Blackwell",
-        )
     if spec.generation != "fp8":
         return {}, ["generation: bf16 in this recipe; vLLM runs in the model dtype"]
-    if spec.scaling not in ("block", "mx"):
+    row = capability(spec.scaling)
+    if not (row.is_block or row.is_mx):
         # The nemo_fp8 method implements the block-scaled recipes NeMo RL generates with;
         # per-tensor scales would have to be re-derived from a history that a refit resets.
         return {}, [
@@ -152,12 +146,39 @@ def engine_spelling(
         "hf_overrides": {"quantization_config": qcfg},
         "kv_cache_dtype": kv,
     }
-    if spec.scaling == "mx" and spec.hardware not in (None, "blackwell"):
+    if row.is_mx and spec.hardware not in (None, "blackwell"):
         found.append(
             f"scaling: mx on {spec.hardware}: no MXFP8 tensor-core GEMM there (vLLM falls "
             f"back to weight-only or emulated kernels); use fp8_blockwise on Hopper"
         )
     return kwargs, found
+
+
+def refuse_spec(spec) -> None:
+    """Every refusal vLLM makes of a recipe alone (the adapter's
+    :meth:`~nemo_fp8_plugin.hosts.HostAdapter.refuse` adds those of a config): nvfp4
+    generation, and MXFP8 with an ``amax_epsilon`` its E8M0 scales cannot honour."""
+    from ...capabilities import NVFP4_GENERATION_REFUSAL, capability
+    from ...errors import FP8ConfigError
+
+    row = capability(spec.scaling)
+    if row.is_nvfp4:
+        raise FP8ConfigError(
+            f"vLLM cannot generate with nvfp4: {NVFP4_GENERATION_REFUSAL}",
+            key="scaling",
+            value=spec.scaling,
+            hint="serve the model in BF16 (no recipe in the vLLM config), or use "
+            "mxfp8 for FP8 generation on Blackwell",
+        )
+    if row.is_mx and spec.amax_epsilon:
+        raise FP8ConfigError(
+            f"{spec.amax_epsilon!r} has no meaning for MXFP8 (E8M0 exponents "
+            f"come from the amax itself, no floor), so vLLM's nemo_fp8 method "
+            f"cannot honour it",
+            key="amax_epsilon",
+            value=spec.amax_epsilon,
+            hint="use 0 with mxfp8, or a block recipe (fp8_blockwise)",
+        )
 
 
 def quantization_config(spec, model=None) -> dict[str, Any]:
@@ -170,17 +191,7 @@ def quantization_config(spec, model=None) -> dict[str, Any]:
     from ...registry import get_recipe
 
     spec = get_recipe(spec)
-    if spec.scaling == "mx" and spec.amax_epsilon:
-        from ...errors import FP8ConfigError
-
-        raise FP8ConfigError(
-            f"{spec.amax_epsilon!r} has no meaning for MXFP8 (E8M0 exponents "
-            f"come from the amax itself, no floor), so vLLM's nemo_fp8 method "
-            f"cannot honour it",
-            key="amax_epsilon",
-            value=spec.amax_epsilon,
-            hint="use 0 with mxfp8, or a block recipe (fp8_blockwise)",
-        )
+    refuse_spec(spec)
     ignored, first, last, found = _rules_spelling(spec, model)
     cfg: dict[str, Any] = {
         "quant_method": QUANT_METHOD,
@@ -215,6 +226,11 @@ def engine_kwargs(spec, model=None, *, platform: str | None = None) -> dict[str,
     ``platform="cpu"`` the cache stays in the model dtype and a warning says why. Without
     ``platform`` a GPU is assumed; the method also checks the dtype the engine really uses.
     """
+    from ...registry import get_recipe
+    from .. import refuse_recipe
+
+    spec = get_recipe(spec)
+    refuse_recipe(ADAPTER, spec)  # the refusals of `apply --host vllm`
     kwargs, found = engine_spelling(spec, model, platform=platform)
     for message in found:
         warnings.warn(message, stacklevel=2)
@@ -232,22 +248,34 @@ def engine_env(spec) -> dict[str, str]:
     takes UE8M0 scale factors only and the method asks for ``VLLM_USE_DEEP_GEMM=0`` instead
     (CUTLASS keeps fp32 block scales); a recipe stating ``hardware: blackwell`` with fp32
     block scales is refused by the recipe itself (TE needs power-of-2 block scales there).
-    Power-of-2 recipes (``fp8_subchannel``), ``generation_numerics: vllm_deepgemm_ue8m0``
-    (DeepGEMM's E8M0 mode wanted) and MXFP8 need nothing (vLLM's defaults). The
+    A power-of-2 recipe (``fp8_subchannel``) needs ``VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0``
+    unless it states a non-Hopper ``hardware``: vLLM 0.32 defaults it to 1 and FlashInfer is
+    a requirement of its CUDA build, so on SM90 FlashInfer's block kernel is picked, which
+    quantizes activations itself with fp32 scales (elsewhere the variable changes nothing).
+    ``generation_numerics: vllm_deepgemm_ue8m0`` (DeepGEMM's E8M0 mode wanted) and MXFP8
+    need nothing (vLLM's defaults). The
     ``nemo_fp8`` method refuses to load when the kernel vLLM picked would change the
     recipe's numerics, naming the variable; this mapping is what avoids the refusal.
     Returns ``{}`` when nothing is needed.
     """
+    from ...capabilities import capability
     from ...registry import get_recipe
 
     spec = get_recipe(spec)
     if (
         spec.generation == "fp8"
-        and spec.scaling == "block"
+        and capability(spec.scaling).is_block
         and not spec.pow2_scales
         and spec.generation_numerics != "vllm_deepgemm_ue8m0"
     ):
         return {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    if (
+        spec.generation == "fp8"
+        and capability(spec.scaling).is_block
+        and spec.pow2_scales
+        and spec.hardware in (None, "hopper")
+    ):
+        return {"VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
     return {}
 
 
@@ -263,3 +291,6 @@ def register() -> None:
 
     # Registering again (a second call in one process) only re-binds the same class.
     register_quantization_config(QUANT_METHOD)(NemoFp8Config)
+
+
+from .adapter import ADAPTER  # noqa: E402 - the adapter reads the functions above lazily

@@ -31,13 +31,14 @@ and named in a warning.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
+from ...dotted import delete_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
-from .. import ApplyResult, ConfigEditAdapter, HostKeys, apply_mapping, apply_path
+from .. import ApplyResult, HostAdapter, HostContext, HostKeys, refuse_other_host
 
-__all__ = ["native_keys", "apply_file", "apply_vllm"]
+__all__ = ["native_keys", "VLLMAdapter", "ADAPTER"]
 
 
 def native_keys(spec, model=None) -> HostKeys:
@@ -48,12 +49,12 @@ def native_keys(spec, model=None) -> HostKeys:
     return HostKeys(keys=kwargs, warnings=found)
 
 
-def _style(config: dict) -> str:
+def _style(config: Mapping[str, Any]) -> str:
     """``-`` when the file spells options with dashes (``vllm serve --config`` style)."""
     return "-" if any(isinstance(k, str) and "-" in k for k in config) else "_"
 
 
-def _find(config: dict, name: str) -> tuple[str | None, Any]:
+def _find(config: Mapping[str, Any], name: str) -> tuple[str | None, Any]:
     """The key (either spelling) under which ``config`` sets option ``name``, and its value."""
     for key in (name, name.replace("_", "-")):
         if key in config:
@@ -61,7 +62,7 @@ def _find(config: dict, name: str) -> tuple[str | None, Any]:
     return None, None
 
 
-def _refuse_two_spellings(config: dict) -> None:
+def _refuse_two_spellings(config: Mapping[str, Any]) -> None:
     """vLLM reads ``max-model-len`` and ``max_model_len`` as one option, and keeps one of
     the two silently: a config giving both is refused, naming both."""
     first: dict[str, str] = {}
@@ -79,48 +80,40 @@ def _refuse_two_spellings(config: dict) -> None:
             )
 
 
-def _drop_request_keys(config: dict, keys: tuple[str, ...]) -> None:
-    for dotted in keys:
-        parts = dotted.split(".")
-        node = config
-        for part in parts[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(parts[-1], None)
-
-
 def _canonical(value: Any) -> Any:
     # vLLM reads `fp8` as E4M3 for the KV cache.
     return "fp8_e4m3" if value == "fp8" else value
 
 
-def apply_vllm(config: dict, *, hardware: str | None = None) -> tuple[dict, list[str]]:
-    """Rewrite an engine-config mapping; returns ``(new mapping, warnings)`` (the
-    :data:`ADAPTER` pipeline on a mapping)."""
-    result = apply_mapping(ADAPTER, config, hardware=hardware)
-    return result.data, result.warnings
-
-
-def _merge(ctx) -> ApplyResult:
+def _spell(spec, ctx: HostContext) -> HostKeys:
+    """The engine options in the file's spelling (dashes or underscores); ``device: cpu``
+    read as the target platform (vLLM >= 0.32 has no such engine argument)."""
     from . import engine_spelling
 
-    config, request = ctx.raw, ctx.request
-    _refuse_two_spellings(config)
-    out = copy.deepcopy(config)
-    _drop_request_keys(out, request.keys)
-    device_key, device = _find(out, "device")
+    device_key, device = _find(ctx.raw, "device")
     platform = "cpu" if device == "cpu" else None
-    kwargs, found = engine_spelling(request.spec, ctx.model, platform=platform)
-    if device_key is not None:  # vLLM 0.32's EngineArgs has no `device`
-        del out[device_key]
+    kwargs, found = engine_spelling(spec, ctx.model, platform=platform)
+    if device_key is not None:
         found.append(
             f"{device_key}: {format_value(device)} is not an engine argument of vLLM "
             f">= 0.32 (`vllm serve --config` refuses it; the installed vLLM build picks "
             f"the platform): read as the target platform and left out of the output"
         )
-    sep = _style(out)
+    sep = _style({k: v for k, v in ctx.raw.items() if k not in ctx.request.keys})
+    return HostKeys(keys={k.replace("_", sep): v for k, v in kwargs.items()}, warnings=found)
 
-    for name, value in kwargs.items():
+
+def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
+    """Write the engine options, replacing the request; ``hf_overrides`` keeps the config's
+    other overrides; any option already set otherwise is refused, naming it."""
+    out = copy.deepcopy(dict(ctx.raw))
+    for dotted in ctx.request.keys:
+        delete_path(out, dotted)
+    device_key, _ = _find(out, "device")
+    if device_key is not None:  # vLLM 0.32's EngineArgs has no `device`
+        del out[device_key]
+    for spelt, value in keys.keys.items():
+        name = spelt.replace("-", "_")
         key, current = _find(out, name)
         if name == "hf_overrides":
             current = {} if current is None else current
@@ -153,18 +146,11 @@ def _merge(ctx) -> ApplyResult:
             )
         if key is not None:
             del out[key]
-        out[name.replace("_", sep)] = value
-    return ApplyResult(data=out, warnings=list(found), fmt=ctx.fmt)
+        out[spelt] = value
+    return ApplyResult(data=out, warnings=list(keys.warnings), fmt=ctx.fmt)
 
 
-def apply_file(
-    path: str | Path, *, hardware: str | None = None, strict: bool = False, **_: Any
-) -> ApplyResult:
-    """Read a vLLM engine config (YAML or JSON) and return it with the FP8 engine arguments."""
-    return apply_path(ADAPTER, path, hardware=hardware, strict=strict)
-
-
-class VLLMAdapter(ConfigEditAdapter):
+class VLLMAdapter(HostAdapter):
     """vLLM (an engine config: ``vllm serve --config`` YAML / ``vllm.LLM(**kwargs)``)."""
 
     name = "vllm"
@@ -174,12 +160,23 @@ class VLLMAdapter(ConfigEditAdapter):
         "vLLM runs; in-place refit goes through its worker extension"
     )
 
-    def spell(self, spec, ctx=None) -> HostKeys:
-        return native_keys(spec, ctx.model if ctx is not None else None)
+    def refuse(self, spec, ctx: HostContext | None) -> None:
+        from . import refuse_spec
 
-    merge = staticmethod(_merge)
+        if ctx is not None:
+            refuse_other_host(self, ctx, ("vllm",))
+            _refuse_two_spellings(ctx.raw)
+        refuse_spec(spec)
 
-    def validate(self, result: ApplyResult, ctx) -> list[str]:
+    def spell(self, spec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
+        if ctx is None:
+            return native_keys(spec, model)
+        return _spell(spec, ctx)
+
+    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
+        return _merge(ctx, keys)
+
+    def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         """vLLM's own ``EngineArgs`` takes the output's engine options (dashes or
         underscores), when vLLM is importable."""
         try:

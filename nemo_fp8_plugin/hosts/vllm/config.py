@@ -34,6 +34,45 @@ def _as_block(value: Any, key: str) -> list[int] | None:
     raise ValueError(f"nemo_fp8 quantization_config.{key}: expected [rows, cols], got {value!r}")
 
 
+def _scheme_kind(scheme: Any):
+    """The capability row of ``quantization_config.scheme`` (a scaling kind the method
+    serves: ``block`` or ``mx``), or ValueError."""
+    from ...capabilities import CAPABILITIES
+
+    row = CAPABILITIES.get(scheme) if isinstance(scheme, str) else None
+    if row is None or not row.vllm_generation:
+        served = [k for k, r in CAPABILITIES.items() if r.vllm_generation]
+        raise ValueError(
+            f"nemo_fp8 quantization_config.scheme: expected one of {served}, got {scheme!r}"
+        )
+    return row
+
+
+def _check_release(features: tuple[str, ...], prefix: str) -> None:
+    """Refuse a layer whose part of the method the running vLLM release cannot serve
+    (:mod:`.versions`: facts read from each release's source), naming the release and the
+    minimum."""
+    import vllm
+
+    from ...errors import FP8ConfigError
+    from . import versions
+
+    version = str(getattr(vllm, "__version__", "0"))
+    for feature in features:
+        why = versions.unsupported(feature, version)
+        if why is None:
+            continue
+        minimum = versions.feature_minimum(feature)
+        raise FP8ConfigError(
+            f"nemo_fp8: {prefix}: vLLM {version} cannot serve {versions.FEATURES[feature]} "
+            f"(needs vLLM >= {minimum}): {why}",
+            key="vllm",
+            value=version,
+            hint=f"install vLLM >= {minimum} (the method is tested on {versions.TESTED}), "
+            f"or keep these layers in BF16",
+        )
+
+
 class NemoFp8Config(QuantizationConfig):
     """Block FP8 / MXFP8 with weights that can be replaced in place every RL step.
 
@@ -83,16 +122,13 @@ class NemoFp8Config(QuantizationConfig):
         generation_numerics: str = "vllm",
     ) -> None:
         super().__init__()
-        if scheme not in ("block", "mx"):
-            raise ValueError(
-                f"nemo_fp8 quantization_config.scheme: expected 'block' or 'mx', got {scheme!r}"
-            )
-        default_w = [128, 128] if scheme == "block" else [1, 32]
-        default_a = [1, 128] if scheme == "block" else [1, 32]
+        kind = _scheme_kind(scheme)
+        default_w = [128, 128] if kind.is_block else [1, 32]
+        default_a = [1, 128] if kind.is_block else [1, 32]
         self.scheme = scheme
         self.weight_block_size = weight_block_size or default_w
         self.activation_block_size = activation_block_size or default_a
-        allowed_w = [[128, 128], [1, 128]] if scheme == "block" else [[1, 32], [32, 32]]
+        allowed_w = [[128, 128], [1, 128]] if kind.is_block else [[1, 32], [32, 32]]
         if self.weight_block_size not in allowed_w:
             raise ValueError(
                 f"nemo_fp8 quantization_config.weight_block_size: {self.weight_block_size} "
@@ -103,7 +139,7 @@ class NemoFp8Config(QuantizationConfig):
                 f"nemo_fp8 quantization_config.activation_block_size: expected "
                 f"{default_a} for scheme {scheme!r}, got {self.activation_block_size}"
             )
-        self.pow2_scales = bool(pow2_scales) or scheme == "mx"
+        self.pow2_scales = bool(pow2_scales) or kind.is_mx
         try:
             self.amax_epsilon = float(amax_epsilon or 0.0)
         except (TypeError, ValueError):
@@ -116,7 +152,7 @@ class NemoFp8Config(QuantizationConfig):
                 f"nemo_fp8 quantization_config.amax_epsilon: expected a finite "
                 f"number >= 0, got {amax_epsilon!r}"
             )
-        if self.amax_epsilon and scheme == "mx":
+        if self.amax_epsilon and kind.is_mx:
             raise ValueError(
                 "nemo_fp8 quantization_config.amax_epsilon: MXFP8 (scheme 'mx') has "
                 "no amax floor (E8M0 exponents come from the amax directly); use 0"
@@ -140,7 +176,7 @@ class NemoFp8Config(QuantizationConfig):
                 f"nemo_fp8 quantization_config.generation_numerics: expected one of "
                 f"{', '.join(GENERATION_NUMERICS)}, got {generation_numerics!r}"
             )
-        if generation_numerics == "vllm_deepgemm_ue8m0" and scheme != "block":
+        if generation_numerics == "vllm_deepgemm_ue8m0" and not kind.is_block:
             raise ValueError(
                 "nemo_fp8 quantization_config.generation_numerics: vllm_deepgemm_ue8m0 is "
                 f"vLLM's DeepGEMM block-FP8 path, not scheme {scheme!r} (use vllm or trainer)"
@@ -253,17 +289,21 @@ class NemoFp8Config(QuantizationConfig):
 
         from . import methods
 
+        kind = _scheme_kind(self.scheme)
         if isinstance(layer, LinearBase):
             if self.is_bf16(prefix):
                 return methods.NemoBF16LinearMethod()
+            _check_release(("block_linear" if kind.is_block else "mx_linear",), prefix)
             return methods.NemoFp8LinearMethod(self, prefix)
         if isinstance(layer, RoutedExperts):
             if self.is_bf16(prefix):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
+            _check_release(("moe", "block_moe" if kind.is_block else "mx_moe"), prefix)
             return methods.NemoFp8MoEMethod(self, layer, prefix)
         if isinstance(layer, (Attention, MLAAttention)):
             # MLAAttention (DeepSeek-V3, Moonlight, Kimi) is no Attention subclass, but takes
             # its KV-cache method from the quant config the same way (_init_kv_cache_quant).
+            _check_release(("kv",), prefix)
             return methods.NemoFp8KVCacheMethod(self, prefix)
         return None
 

@@ -1,6 +1,6 @@
 """A real megatron-core GPTModel that trains on a CPU, single process.
 
-megatron-core runs on CPU once three CUDA-only spots are avoided (HOSTS.md):
+megatron-core 0.16.1 runs on CPU once three CUDA-only spots are avoided:
 * the model-parallel RNG tracker: ``initialize_rng_tracker(inference_rng_tracker=True)``
   instead of ``model_parallel_cuda_manual_seed``;
 * ``DotProductAttention`` preallocates its score buffer on the current CUDA device

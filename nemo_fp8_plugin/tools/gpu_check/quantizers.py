@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...capabilities import capability
 from .result import Deadline
 
 __all__ = ["edge_inputs", "check_quantizers"]
@@ -82,7 +83,7 @@ def check_quantizers(
             block, fmt = spec.block_for(role), spec.format_for(role)
             for dtype in (torch.float32, torch.bfloat16):
                 for case, x in edge_inputs(rows, cols, dtype, seed=len(results)).items():
-                    if spec.scaling == "nvfp4":  # FP4: quantize_nvfp4 and its dequantize
+                    if capability(spec.scaling).is_nvfp4:  # FP4: quantize_nvfp4, dequantize
                         row, fq = _check_nvfp4(numerics, spec, role, x, device)
                         row.update(case=case, dtype=str(dtype).split(".")[-1])
                         results.append(row)
@@ -113,7 +114,7 @@ def check_quantizers(
                         fake_quant.append(row)
                         if not row["bit_exact"]:
                             mismatches.append(row)
-    delayed = [s for s in specs if s.scaling == "delayed"]
+    delayed = [s for s in specs if capability(s.scaling).is_delayed]
     if delayed:
         row = _check_delayed(numerics, delayed[0], device)
         results.append(row)
@@ -140,7 +141,8 @@ def _fake_quant_variants(numerics, spec, block, fmt, x: torch.Tensor):
     from ...numerics import fused
     from ...numerics.scaling import FLT_MAX, reciprocal
 
-    if spec.scaling == "delayed":
+    row = capability(spec.scaling)
+    if row.is_delayed:
         # A scale from a smaller (stale) amax, as delayed scaling has after a growth step,
         # so the clamp to +-fp8_max is exercised along with the rounding.
         stale = numerics.tensor_amax(x) * 0.5
@@ -161,7 +163,7 @@ def _fake_quant_variants(numerics, spec, block, fmt, x: torch.Tensor):
             )
 
         return [("fake_quant_with_scale", None, ref, run)]
-    if spec.scaling == "tensorwise":
+    if row.is_current:
         return [
             (
                 "fake_quant_per_tensor",
@@ -183,7 +185,7 @@ def _fake_quant_variants(numerics, spec, block, fmt, x: torch.Tensor):
     tiles = [tuple(block)] + ([(block[1], block[0])] if block[0] != block[1] else [])
     out = []
     for tile in tiles:
-        if spec.scaling == "block":
+        if row.is_block:
             out.append(
                 (
                     "fake_quant_blockwise",
@@ -279,11 +281,12 @@ def _check_nvfp4(numerics, spec, role: str, x: torch.Tensor, device) -> tuple[di
 
 
 def _quantize(numerics, spec, block, fmt, x, *, fused: bool):
-    if spec.scaling in ("delayed", "tensorwise"):
+    row = capability(spec.scaling)
+    if row.per_tensor:
         return numerics.quantize_per_tensor(
             x, fmt=fmt, pow2_scales=spec.pow2_scales, eps=spec.amax_epsilon
         )
-    if spec.scaling == "block":
+    if row.is_block:
         fn = numerics.quantize_blockwise_fused if fused else numerics.quantize_blockwise
         return fn(x, block=block, fmt=fmt, pow2_scales=spec.pow2_scales, eps=spec.amax_epsilon)
     fn = numerics.quantize_mxfp8_fused if fused else numerics.quantize_mxfp8

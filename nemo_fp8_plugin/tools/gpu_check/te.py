@@ -62,7 +62,7 @@ def unpad_te_scales(
 
     TE pads scales for cuBLAS: 1x128 scales are stored transposed as ``[ceil(K/128),
     roundup(M, 4)]``, 128x128 scales as ``[ceil(M/128), roundup(ceil(K/128), 4)]``
-    (../shared/NUMERICS.md). ``rows`` is M, ``scale_cols`` the reference's scale columns."""
+    (docs/numerics.md, block scaling). ``rows`` is M, ``scale_cols`` the reference's scale columns."""
     if block_dim == 1:
         return scale_inv[:, :rows].t()
     return scale_inv[:, :scale_cols]

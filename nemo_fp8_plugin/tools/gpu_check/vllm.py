@@ -44,6 +44,9 @@ MIN_SECONDS = 90.0
 """Below this much of the check's time budget the part is skipped rather than started: an
 engine start alone can take a minute."""
 
+CHILD_RECIPE = "fp8_blockwise"
+"""The recipe the child runs (``gpu_vllm_refit.py``'s default ``--recipe``)."""
+
 STEPS, PROMPTS, MAX_TOKENS = 2, 4, 16
 """The child's run: two refits (one to compare before and after), four prompts of 16 tokens."""
 
@@ -125,7 +128,15 @@ def read_refit_result(out_json: Path, returncode: int, stderr: str | None = "") 
 
 
 def _child_env() -> dict[str, str]:
+    """The child's environment: this one, the package on ``PYTHONPATH``, and the variables
+    ``engine_env`` asks for the recipe the child runs (its default, ``fp8_blockwise`` with an
+    FP8 KV cache), unless already set: a stock CUDA install's ``VLLM_USE_DEEP_GEMM_E8M0=1``
+    would make the ``nemo_fp8`` method refuse it at load. (The script applies them too.)"""
+    from ...hosts.vllm import engine_env
+
     env = dict(os.environ)
+    for name, value in engine_env({"recipe": CHILD_RECIPE, "kv_cache": "fp8"}).items():
+        env.setdefault(name, value)
     root = str(_package_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

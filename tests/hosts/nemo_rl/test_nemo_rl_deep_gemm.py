@@ -21,7 +21,8 @@ import yaml
 from conftest import nemo_rl_configs
 from nemo_fp8_plugin.cli import main as cli_main
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts.nemo_rl import apply_nemo_rl
+from nemo_fp8_plugin.hosts import apply_path
+from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 
 pytestmark = pytest.mark.host
 
@@ -96,7 +97,8 @@ def test_the_upstream_statement_is_what_the_fact_says():
     ],
 )
 def test_blackwell_never_asks_for_deep_gemm_with_fp32_scales(tmp_path, hardware, fp8):
-    result = apply_nemo_rl(
+    result = apply_path(
+        NEMO_RL,
         _input(tmp_path, fp8=fp8), output=tmp_path / "out.yaml", hardware=hardware
     )
     cfg = _vllm_cfg(result)
@@ -107,7 +109,7 @@ def test_blackwell_never_asks_for_deep_gemm_with_fp32_scales(tmp_path, hardware,
 
 @pytest.mark.parametrize("hardware", [None, "H100", "NVIDIA H200"])
 def test_hopper_and_unstated_targets_keep_nvidias_deep_gemm(tmp_path, hardware):
-    result = apply_nemo_rl(_input(tmp_path), output=tmp_path / "out.yaml", hardware=hardware)
+    result = apply_path(NEMO_RL, _input(tmp_path), output=tmp_path / "out.yaml", hardware=hardware)
     assert _vllm_cfg(result)["use_deep_gemm"] is True  # as grpo_math_8B_megatron_fp8.yaml
 
 
@@ -125,7 +127,8 @@ def test_the_cli_hardware_flag_reaches_the_deep_gemm_choice(tmp_path):
 
 def test_a_stated_deep_gemm_true_on_blackwell_is_refused(tmp_path):
     with pytest.raises(FP8ConfigError) as err:
-        apply_nemo_rl(
+        apply_path(
+        NEMO_RL,
             _input(tmp_path, {"use_deep_gemm": True}, fp8=BLACKWELL_BLOCK),
             output=tmp_path / "out.yaml",
             hardware="b200",
@@ -136,7 +139,8 @@ def test_a_stated_deep_gemm_true_on_blackwell_is_refused(tmp_path):
 
 @pytest.mark.parametrize("hardware", [None, "h100", "b200"])
 def test_the_users_own_deep_gemm_false_is_kept(tmp_path, hardware):
-    result = apply_nemo_rl(
+    result = apply_path(
+        NEMO_RL,
         _input(tmp_path, {"use_deep_gemm": False}, fp8=BLACKWELL_BLOCK),
         output=tmp_path / "out.yaml",
         hardware=hardware,

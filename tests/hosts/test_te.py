@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, load_te_recipe_module
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
-from nemo_fp8_plugin.hosts import te
+from nemo_fp8_plugin.hosts import apply_path, te
 
 pytestmark = pytest.mark.host
 
@@ -198,7 +198,7 @@ def test_trap_in_a_fresh_process_both_env_states():
     "override,key",
     [
         ({"recipe": "fp8_delayed", "pow2_scales": True}, "pow2_scales"),
-        ({"recipe": "mxfp8", "amax_epsilon": 1e-6}, "amax_epsilon"),
+        ({"recipe": "fp8_delayed", "amax_epsilon": 1e-6}, "amax_epsilon"),
     ],
 )
 def test_unexpressible_settings_refused(override, key, te_unset):
@@ -247,7 +247,7 @@ def test_te_adapter_imports_no_host():
 def test_apply_file_describes_the_object(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("precision: fp8_blockwise\n")
-    out = te.apply_file(cfg).data["transformer_engine"]
+    out = apply_path(te.ADAPTER, cfg).data["transformer_engine"]
     assert out["class"] == "Float8BlockScaling"
     assert out["env"] == {te.ENV_BLOCK_FP32_SCALES: "1"}
     assert out["quantizers"]["fp8_quant_fwd_inp"] == {"power_2_scale": False, "amax_epsilon": 0.0}

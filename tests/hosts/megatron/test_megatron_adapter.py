@@ -15,6 +15,7 @@ from megatron.core.transformer import TransformerConfig
 from conftest import REPO, load_te_recipe_module
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.cli import main
+from nemo_fp8_plugin.hosts import apply_path
 from nemo_fp8_plugin.hosts import megatron as mg
 
 pytestmark = pytest.mark.host
@@ -121,7 +122,7 @@ def test_settings_megatron_would_drop_are_refused(override, key, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"fp8": override, "model": {"num_layers": 4}}))
     with pytest.raises(FP8ConfigError) as err:
-        mg.apply_file(cfg)
+        apply_path(mg.ADAPTER, cfg)
     assert err.value.key == f"fp8.{key}"
 
 
@@ -137,7 +138,7 @@ def test_megatron_own_validation_surfaces_as_our_error():
 def _apply(tmp_path, text: str, name: str = "in.yaml"):
     path = tmp_path / name
     path.write_text(text)
-    return mg.apply_file(path)
+    return apply_path(mg.ADAPTER, path)
 
 
 BASE_YAML = """\
@@ -215,7 +216,7 @@ def test_no_request_leaves_config_unchanged(tmp_path):
 
 
 def test_example_config_applies_and_validates():
-    out = mg.apply_file(REPO / "conf" / "examples" / "megatron_gpt_fp8_current.yaml").data
+    out = apply_path(mg.ADAPTER, REPO / "conf" / "examples" / "megatron_gpt_fp8_current.yaml").data
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     model = {k: v for k, v in out["model"].items() if k in fields}
     assert model["fp8_recipe"] == "tensorwise"
@@ -407,11 +408,11 @@ def test_fp8_attention_get_fp8_recipe_drops_is_refused(override, key, instead, t
     assert "megatron-core 0.16.1" in warning
     with pytest.raises(FP8ConfigError) as err:
         mg.build_transformer_config(spec, **MODEL)
-    assert err.value.key == f"fp8.{key}"
+    assert err.value.key == key  # a recipe, not a config: the spec field (hosts.recipe_keys)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"fp8": override, "model": {"num_layers": 4}}))
     with pytest.raises(FP8ConfigError) as err:
-        mg.apply_file(cfg)
+        apply_path(mg.ADAPTER, cfg)
     assert err.value.key == f"fp8.{key}"
     assert main(["apply", str(cfg), "--host", "megatron"]) == 2
     line = capsys.readouterr().err.strip()

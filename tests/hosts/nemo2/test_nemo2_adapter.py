@@ -22,7 +22,7 @@ import yaml
 
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin._io import dump_yaml
-from nemo_fp8_plugin.hosts import nemo2
+from nemo_fp8_plugin.hosts import apply_path, nemo2
 
 pytestmark = pytest.mark.host
 
@@ -100,7 +100,7 @@ def runs(tmp_path_factory):
     overlay_request.write_text(
         "fp8:\n  recipe: fp8_blockwise\n  bf16_layers: {first: 2, modules: ['*.linear_qkv']}\n"
     )
-    (work / "overlay.yaml").write_text(dump_yaml(nemo2.apply_file(overlay_request).data))
+    (work / "overlay.yaml").write_text(dump_yaml(apply_path(nemo2.ADAPTER, overlay_request).data))
     invocations = {
         f"plugin_{r}": [
             "llm",
@@ -271,7 +271,7 @@ def test_plugin_fields(recipe):
 def _apply(tmp_path, text, name="in.yaml"):
     path = tmp_path / name
     path.write_text(text)
-    return nemo2.apply_file(path)
+    return apply_path(nemo2.ADAPTER, path)
 
 
 NEMO_RUN_YAML = """\

@@ -27,7 +27,7 @@ from megatron.core.transformer import TransformerConfig
 
 from conftest import load_te_recipe_module, upstream_file
 from nemo_fp8_plugin import FP8ConfigError, RecipeRegistryError, get_recipe
-from nemo_fp8_plugin.hosts import bridge
+from nemo_fp8_plugin.hosts import apply_path, bridge
 
 pytestmark = pytest.mark.host
 
@@ -168,7 +168,7 @@ def test_bridge_source_has_the_allow_list_function():
 def _apply(tmp_path, text, name="in.yaml"):
     path = tmp_path / name
     path.write_text(text)
-    return bridge.apply_file(path)
+    return apply_path(bridge.ADAPTER, path)
 
 
 BRIDGE_YAML = """\
