@@ -70,6 +70,7 @@ from ..capabilities import (
     ENV_BLOCK_FP32_SCALES,
     ENV_CURRENT_POW2_SCALES,
     ENV_NVFP4,
+    capability,
     nvfp4_te_fields,
     te_env,
 )
@@ -121,6 +122,72 @@ def _block_dim(block) -> int:
     return 2 if block is not None and block[0] > 1 else 1
 
 
+def _attention(spec: RecipeSpec) -> dict[str, Any]:
+    """The recipe's FP8 attention switches (on every class but ``Float8BlockScaling``)."""
+    return {"fp8_dpa": spec.fp8_dot_product_attention, "fp8_mha": spec.fp8_multi_head_attention}
+
+
+def _qparams(spec: RecipeSpec) -> dict[str, dict[str, Any]]:
+    """The per-role ``QParams`` of current and block scaling."""
+    return {
+        attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
+        for attr in QUANTIZER_ROLES
+    }
+
+
+def _delayed_fields(spec: RecipeSpec, fmt: str) -> dict[str, Any]:
+    return {
+        "fp8_format": fmt,
+        "margin": spec.margin,
+        "amax_history_len": spec.amax_history_len,
+        "amax_compute_algo": spec.amax_compute_algo,
+        "reduce_amax": spec.reduce_amax,
+        **_attention(spec),
+    }
+
+
+def _block_fields(spec: RecipeSpec, fmt: str) -> dict[str, Any]:
+    return {
+        "fp8_format": fmt,
+        "use_f32_scales": not spec.pow2_scales,
+        "x_block_scaling_dim": _block_dim(spec.activation_block),
+        "w_block_scaling_dim": _block_dim(spec.weight_block),
+        "grad_block_scaling_dim": _block_dim(spec.gradient_block),
+    }
+
+
+def _nvfp4_description(spec: RecipeSpec, fmt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``NVFP4BlockScaling``'s fields and the quantizer parameters its ``__post_init__``
+    derives: FP4 elements, E4M3 block scales; FP8 attention where asked (megatron-core >=
+    0.20 passes fp8_dpa; the megatron adapter refuses it before)."""
+    te = nvfp4_te_fields(spec)
+    fields = {"fp4_format": fmt, "fp8_format": "E4M3", **te, **_attention(spec)}
+    rht, sr, two_d = (
+        not te["disable_rht"],
+        not te["disable_stochastic_rounding"],
+        not te["disable_2d_quantization"],
+    )
+    # Read back, never set: a TE deriving them otherwise fails.
+    quantizers = {
+        "fp4_quant_fwd_inp": {
+            "random_hadamard_transform": rht,
+            "stochastic_rounding": False,
+            "fp4_2d_quantization": False,
+        },
+        "fp4_quant_fwd_weight": {
+            "random_hadamard_transform": False,
+            "stochastic_rounding": False,
+            "fp4_2d_quantization": two_d,
+        },
+        "fp4_quant_bwd_grad": {
+            "random_hadamard_transform": rht,
+            "stochastic_rounding": sr,
+            "fp4_2d_quantization": False,
+        },
+    }
+    return fields, quantizers
+
+
 def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
     """The TE recipe a spec means, as plain data (no TE import).
 
@@ -129,87 +196,29 @@ def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
     empty for recipes without per-role quantizer parameters (delayed, MXFP8).
     """
     fmt = _FORMAT[spec.fp8_format]
+    row = capability(spec.scaling)
     quantizers: dict[str, dict[str, Any]] = {}
-    if spec.scaling == "delayed":
-        fields = {
-            "fp8_format": fmt,
-            "margin": spec.margin,
-            "amax_history_len": spec.amax_history_len,
-            "amax_compute_algo": spec.amax_compute_algo,
-            "reduce_amax": spec.reduce_amax,
-            "fp8_dpa": spec.fp8_dot_product_attention,
-            "fp8_mha": spec.fp8_multi_head_attention,
-        }
-    elif spec.scaling == "tensorwise":
-        fields = {
-            "fp8_format": fmt,
-            "use_power_2_scales": spec.pow2_scales,
-            "fp8_dpa": spec.fp8_dot_product_attention,
-            "fp8_mha": spec.fp8_multi_head_attention,
-        }
-        quantizers = {
-            attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
-            for attr in QUANTIZER_ROLES
-        }
-    elif spec.scaling == "block":
-        fields = {
-            "fp8_format": fmt,
-            "use_f32_scales": not spec.pow2_scales,
-            "x_block_scaling_dim": _block_dim(spec.activation_block),
-            "w_block_scaling_dim": _block_dim(spec.weight_block),
-            "grad_block_scaling_dim": _block_dim(spec.gradient_block),
-        }
-        quantizers = {
-            attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
-            for attr in QUANTIZER_ROLES
-        }
-    elif spec.scaling == "nvfp4":
-        # NVFP4BlockScaling: FP4 elements, E4M3 block scales; FP8 attention where asked
-        # (megatron-core >= 0.20 passes fp8_dpa; the megatron adapter refuses it before).
-        te = nvfp4_te_fields(spec)
-        fields = {
-            "fp4_format": fmt,
-            "fp8_format": "E4M3",
-            **te,
-            "fp8_dpa": spec.fp8_dot_product_attention,
-            "fp8_mha": spec.fp8_multi_head_attention,
-        }
-        rht, sr, two_d = (
-            not te["disable_rht"],
-            not te["disable_stochastic_rounding"],
-            not te["disable_2d_quantization"],
-        )
-        # What __post_init__ derives (read back, never set: a TE deriving them otherwise fails).
-        quantizers = {
-            "fp4_quant_fwd_inp": {
-                "random_hadamard_transform": rht,
-                "stochastic_rounding": False,
-                "fp4_2d_quantization": False,
-            },
-            "fp4_quant_fwd_weight": {
-                "random_hadamard_transform": False,
-                "stochastic_rounding": False,
-                "fp4_2d_quantization": two_d,
-            },
-            "fp4_quant_bwd_grad": {
-                "random_hadamard_transform": rht,
-                "stochastic_rounding": sr,
-                "fp4_2d_quantization": False,
-            },
-        }
+    if row.is_delayed:
+        fields = _delayed_fields(spec, fmt)
+    elif row.is_current:
+        fields = {"fp8_format": fmt, "use_power_2_scales": spec.pow2_scales, **_attention(spec)}
+        quantizers = _qparams(spec)
+    elif row.is_block:
+        fields, quantizers = _block_fields(spec, fmt), _qparams(spec)
+    elif row.is_nvfp4:
+        fields, quantizers = _nvfp4_description(spec, fmt)
     else:  # mx
         fields = {
             "fp8_format": fmt,
             "margin": spec.margin,
             "enable_2d_quantization": spec.weight_block == (32, 32),
-            "fp8_dpa": spec.fp8_dot_product_attention,
-            "fp8_mha": spec.fp8_multi_head_attention,
+            **_attention(spec),
         }
     # TE >= 2.15 defaults every recipe's backward_override from NVTE_BACKWARD_OVERRIDE at
     # import; the spec's backward is FP8, so the object to build pins it off (TE < 2.15 has no
     # such field and ignores the argument: its backward is the recipe's own).
     fields["backward_override"] = None
-    return {"class": TE_RECIPE_CLASS[spec.scaling], "fields": fields, "quantizers": quantizers}
+    return {"class": row.te_class, "fields": fields, "quantizers": quantizers}
 
 
 def required_env(spec: RecipeSpec) -> dict[str, str]:
@@ -224,12 +233,15 @@ def required_env(spec: RecipeSpec) -> dict[str, str]:
 def _unsupported(spec: RecipeSpec) -> list[tuple[str, str]]:
     """(spec key, reason) for settings TE's recipe for this scaling kind has no field for."""
     out = []
-    if spec.scaling in ("delayed", "mx", "nvfp4") and spec.amax_epsilon:
-        out.append(("amax_epsilon", f"TE's {TE_RECIPE_CLASS[spec.scaling]} has no amax epsilon"))
-    if spec.scaling == "delayed" and spec.pow2_scales:
-        out.append(("pow2_scales", "TE's DelayedScaling has no power-of-2 scale option"))
-    if spec.scaling == "block" and spec.fp8_dot_product_attention:
-        out.append(("fp8_dot_product_attention", "TE's Float8BlockScaling has no FP8 attention"))
+    row = capability(spec.scaling)
+    if not row.te_amax_epsilon and spec.amax_epsilon:
+        out.append(("amax_epsilon", f"TE's {row.te_class} has no amax epsilon"))
+    if row.is_delayed and spec.pow2_scales:
+        out.append(("pow2_scales", f"TE's {row.te_class} has no power-of-2 scale option"))
+    # The spec refuses it already (row.fp8_attention: Float8BlockScaling asserts not fp8_dpa;
+    # NVFP4BlockScaling takes it); kept for a spec built without its checks.
+    if not row.fp8_attention and spec.fp8_dot_product_attention:
+        out.append(("fp8_dot_product_attention", f"TE's {row.te_class} has no FP8 attention"))
     if not spec.fp8_wgrad:
         out.append(("fp8_wgrad", FP8_WGRAD_IGNORED))
     return out
@@ -452,12 +464,13 @@ def host_built_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
     te_recipe = te_recipe or import_te_recipe_module()
     desc = te_recipe_description(spec)
     cls = getattr(te_recipe, desc["class"])
-    if spec.scaling == "nvfp4":
+    row = capability(spec.scaling)
+    if row.is_nvfp4:
         return cls()  # megatron-core 0.16 fp4_utils.get_fp4_recipe: NVFP4BlockScaling()
     fmt = te_recipe.Format[desc["fields"]["fp8_format"]]
-    if spec.scaling == "tensorwise":
+    if row.is_current:
         return cls(fp8_format=fmt, fp8_dpa=spec.fp8_dot_product_attention)
-    if spec.scaling == "delayed":
+    if row.is_delayed:
         return cls(
             fp8_format=fmt,
             margin=spec.margin,
@@ -490,7 +503,7 @@ def _refuse_backward_override(spec: RecipeSpec, te_recipe: ModuleType, where: st
     name = TE_RECIPE_CLASS[spec.scaling]
     if value not in _BACKWARD_MODES:
         effect = "which Transformer Engine rejects when the recipe is built"
-    elif spec.scaling == "delayed":
+    elif capability(spec.scaling).is_delayed:
         effect = "which DelayedScaling refuses (TE raises when megatron-core builds the recipe)"
     else:
         effect = (
@@ -556,14 +569,15 @@ def verify_host_recipe(
         return
     te_recipe = te_recipe or import_te_recipe_module()
     _refuse_backward_override(spec, te_recipe, where)
-    if spec.scaling == "nvfp4":
+    row = capability(spec.scaling)
+    if row.is_nvfp4:
         _refuse_nvfp4_defaults(spec, te_recipe, where, te_version)
         return
-    if spec.scaling == "mx":
+    if row.is_mx:
         # megatron-core builds MXFP8BlockScaling(fp8_format=...) only: the TE must at least
         # be able to express the spec's tiles.
         _absent_off_fields(spec, _recipe_class(spec, te_recipe, te_version), _mx(spec), te_version)
-    if spec.scaling not in ("block", "tensorwise"):
+    if not (row.is_block or row.is_current):
         return
     obj = host_built_recipe(spec, te_recipe)
     problems = recipe_mismatches(obj, spec, check_fields=False)

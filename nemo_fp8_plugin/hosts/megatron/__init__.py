@@ -718,7 +718,6 @@ def _fp4_gather_notes(spec: RecipeSpec, core: str | None, written: list[str]) ->
     ]
 
 
-
 def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
     """Write :meth:`MegatronAdapter.spell`'s keys: the TransformerConfig fields into their
     section, the DistributedDataParallelConfig fields under ``ddp:`` (or at the root of

@@ -98,8 +98,7 @@ def test_the_upstream_statement_is_what_the_fact_says():
 )
 def test_blackwell_never_asks_for_deep_gemm_with_fp32_scales(tmp_path, hardware, fp8):
     result = apply_path(
-        NEMO_RL,
-        _input(tmp_path, fp8=fp8), output=tmp_path / "out.yaml", hardware=hardware
+        NEMO_RL, _input(tmp_path, fp8=fp8), output=tmp_path / "out.yaml", hardware=hardware
     )
     cfg = _vllm_cfg(result)
     assert cfg["precision"] == "fp8" and cfg.get("use_deep_gemm") is False
@@ -128,7 +127,7 @@ def test_the_cli_hardware_flag_reaches_the_deep_gemm_choice(tmp_path):
 def test_a_stated_deep_gemm_true_on_blackwell_is_refused(tmp_path):
     with pytest.raises(FP8ConfigError) as err:
         apply_path(
-        NEMO_RL,
+            NEMO_RL,
             _input(tmp_path, {"use_deep_gemm": True}, fp8=BLACKWELL_BLOCK),
             output=tmp_path / "out.yaml",
             hardware="b200",
