@@ -25,8 +25,10 @@ def build_report(
     model_config: str | Path | None = None,
     strict: bool = False,
     host: str | None = None,
+    stack: str | None = None,
 ) -> dict[str, Any]:
     """The report ``nemo-fp8 explain`` prints; the ``--json`` output is exactly this.
+    ``stack``: the ``--stack`` name the host versions are assumed from (None: detected).
 
     ``model`` (a built-in model name) or ``model_config`` (a Hugging Face ``config.json`` or
     checkpoint directory) override the model the config names. ``host`` overrides the host
@@ -39,10 +41,21 @@ def build_report(
 
     # A target the recipe cannot run on is reported below (an error only under --strict).
     ctx = load_context(
-        path, hardware=hardware, model=model, model_config=model_config, check_hardware=False
+        path,
+        hardware=hardware,
+        model=model,
+        model_config=model_config,
+        check_hardware=False,
+        stack=stack,
     )
     own = get_adapter(host).name if host is not None else detect_host(ctx.resolved)
     report: dict[str, Any] = {"config": str(path), "host": own}
+    if ctx.stack is not None:
+        report["stack"] = {
+            "name": ctx.stack.label,
+            "how": ctx.stack.how,
+            "versions": dict(ctx.stack.versions),
+        }
     request = ctx.request
     if request is None:
         from .hosts import NO_REQUEST
@@ -233,8 +246,13 @@ def render_text(
     own = report.get("host")
     hosts = report.get("hosts", {})
     lines = [f"config: {report['config']}"]
+    # which host versions the keys below assume (--stack, else the installed ones)
+    stack = (
+        f"stack: {report['stack']['name']} ({report['stack']['how']})" if "stack" in report else ""
+    )
     recipe = report.get("recipe")
     if recipe is None:
+        lines += [stack] if stack else []
         lines += [f"warning: {w}" for w in report.get("warnings", [])]
         return "\n".join(lines) + "\n"
     if own is not None:
@@ -242,6 +260,8 @@ def render_text(
         lines.append(f"host: {own} ({how})")
     else:
         lines.append("host: none detected from the config's shape (--host NAME shows one)")
+    if stack:
+        lines[-1] += f"; {stack}"
     lines += [f"warning: {w}" for w in report.get("warnings", [])]
     if own is not None and own in hosts:
         lines += [

@@ -55,6 +55,13 @@ def register(sub) -> None:
         "--strict", action="store_true", help="treat rules the host cannot express as errors"
     )
     p.add_argument(
+        "--stack",
+        default=None,
+        metavar="NAME",
+        help="write for this named stack's host versions (nemo-rl-0.6, nemo-2.7, latest; "
+        "default: the installed versions)",
+    )
+    p.add_argument(
         "--validate",
         action="store_true",
         help="also feed the result to the host's own code where the host is installed "
@@ -81,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
         model_config=args.model_config,
         strict=args.strict,
         output=Path(args.config) if args.diff else target,
+        stack=args.stack,
     )
+    if args.stack is not None and ctx.stack is not None:
+        print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
     if target is not None and not args.in_place:
         _refuse_own_files(Path(args.config), target, ctx.raw)
     result = run_pipeline(adapter, ctx)

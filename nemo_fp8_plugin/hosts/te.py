@@ -70,11 +70,14 @@ from ..capabilities import (
     ENV_BLOCK_FP32_SCALES,
     ENV_CURRENT_POW2_SCALES,
     ENV_NVFP4,
+    capability,
     nvfp4_te_fields,
     te_env,
 )
 from ..errors import FP8ConfigError, HostUnavailableError
 from ..spec import RecipeSpec
+from ..stacks import fact as _host_fact
+from ..stacks import installed_version
 from . import ApplyResult, HostAdapter, HostContext, HostKeys
 
 __all__ = [
@@ -119,6 +122,72 @@ def _block_dim(block) -> int:
     return 2 if block is not None and block[0] > 1 else 1
 
 
+def _attention(spec: RecipeSpec) -> dict[str, Any]:
+    """The recipe's FP8 attention switches (on every class but ``Float8BlockScaling``)."""
+    return {"fp8_dpa": spec.fp8_dot_product_attention, "fp8_mha": spec.fp8_multi_head_attention}
+
+
+def _qparams(spec: RecipeSpec) -> dict[str, dict[str, Any]]:
+    """The per-role ``QParams`` of current and block scaling."""
+    return {
+        attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
+        for attr in QUANTIZER_ROLES
+    }
+
+
+def _delayed_fields(spec: RecipeSpec, fmt: str) -> dict[str, Any]:
+    return {
+        "fp8_format": fmt,
+        "margin": spec.margin,
+        "amax_history_len": spec.amax_history_len,
+        "amax_compute_algo": spec.amax_compute_algo,
+        "reduce_amax": spec.reduce_amax,
+        **_attention(spec),
+    }
+
+
+def _block_fields(spec: RecipeSpec, fmt: str) -> dict[str, Any]:
+    return {
+        "fp8_format": fmt,
+        "use_f32_scales": not spec.pow2_scales,
+        "x_block_scaling_dim": _block_dim(spec.activation_block),
+        "w_block_scaling_dim": _block_dim(spec.weight_block),
+        "grad_block_scaling_dim": _block_dim(spec.gradient_block),
+    }
+
+
+def _nvfp4_description(spec: RecipeSpec, fmt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``NVFP4BlockScaling``'s fields and the quantizer parameters its ``__post_init__``
+    derives: FP4 elements, E4M3 block scales; FP8 attention where asked (megatron-core >=
+    0.20 passes fp8_dpa; the megatron adapter refuses it before)."""
+    te = nvfp4_te_fields(spec)
+    fields = {"fp4_format": fmt, "fp8_format": "E4M3", **te, **_attention(spec)}
+    rht, sr, two_d = (
+        not te["disable_rht"],
+        not te["disable_stochastic_rounding"],
+        not te["disable_2d_quantization"],
+    )
+    # Read back, never set: a TE deriving them otherwise fails.
+    quantizers = {
+        "fp4_quant_fwd_inp": {
+            "random_hadamard_transform": rht,
+            "stochastic_rounding": False,
+            "fp4_2d_quantization": False,
+        },
+        "fp4_quant_fwd_weight": {
+            "random_hadamard_transform": False,
+            "stochastic_rounding": False,
+            "fp4_2d_quantization": two_d,
+        },
+        "fp4_quant_bwd_grad": {
+            "random_hadamard_transform": rht,
+            "stochastic_rounding": sr,
+            "fp4_2d_quantization": False,
+        },
+    }
+    return fields, quantizers
+
+
 def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
     """The TE recipe a spec means, as plain data (no TE import).
 
@@ -127,80 +196,29 @@ def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
     empty for recipes without per-role quantizer parameters (delayed, MXFP8).
     """
     fmt = _FORMAT[spec.fp8_format]
+    row = capability(spec.scaling)
     quantizers: dict[str, dict[str, Any]] = {}
-    if spec.scaling == "delayed":
-        fields = {
-            "fp8_format": fmt,
-            "margin": spec.margin,
-            "amax_history_len": spec.amax_history_len,
-            "amax_compute_algo": spec.amax_compute_algo,
-            "reduce_amax": spec.reduce_amax,
-            "fp8_dpa": spec.fp8_dot_product_attention,
-            "fp8_mha": spec.fp8_multi_head_attention,
-        }
-    elif spec.scaling == "tensorwise":
-        fields = {
-            "fp8_format": fmt,
-            "use_power_2_scales": spec.pow2_scales,
-            "fp8_dpa": spec.fp8_dot_product_attention,
-            "fp8_mha": spec.fp8_multi_head_attention,
-        }
-        quantizers = {
-            attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
-            for attr in QUANTIZER_ROLES
-        }
-    elif spec.scaling == "block":
-        fields = {
-            "fp8_format": fmt,
-            "use_f32_scales": not spec.pow2_scales,
-            "x_block_scaling_dim": _block_dim(spec.activation_block),
-            "w_block_scaling_dim": _block_dim(spec.weight_block),
-            "grad_block_scaling_dim": _block_dim(spec.gradient_block),
-        }
-        quantizers = {
-            attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
-            for attr in QUANTIZER_ROLES
-        }
-    elif spec.scaling == "nvfp4":
-        # TE 2.20 NVFP4BlockScaling: FP4 elements, E4M3 block scales, attention not quantized.
-        te = nvfp4_te_fields(spec)
-        fields = {"fp4_format": fmt, "fp8_format": "E4M3", **te, "fp8_dpa": False, "fp8_mha": False}
-        rht, sr, two_d = (
-            not te["disable_rht"],
-            not te["disable_stochastic_rounding"],
-            not te["disable_2d_quantization"],
-        )
-        # What __post_init__ derives (read back, never set: a TE deriving them otherwise fails).
-        quantizers = {
-            "fp4_quant_fwd_inp": {
-                "random_hadamard_transform": rht,
-                "stochastic_rounding": False,
-                "fp4_2d_quantization": False,
-            },
-            "fp4_quant_fwd_weight": {
-                "random_hadamard_transform": False,
-                "stochastic_rounding": False,
-                "fp4_2d_quantization": two_d,
-            },
-            "fp4_quant_bwd_grad": {
-                "random_hadamard_transform": rht,
-                "stochastic_rounding": sr,
-                "fp4_2d_quantization": False,
-            },
-        }
+    if row.is_delayed:
+        fields = _delayed_fields(spec, fmt)
+    elif row.is_current:
+        fields = {"fp8_format": fmt, "use_power_2_scales": spec.pow2_scales, **_attention(spec)}
+        quantizers = _qparams(spec)
+    elif row.is_block:
+        fields, quantizers = _block_fields(spec, fmt), _qparams(spec)
+    elif row.is_nvfp4:
+        fields, quantizers = _nvfp4_description(spec, fmt)
     else:  # mx
         fields = {
             "fp8_format": fmt,
             "margin": spec.margin,
             "enable_2d_quantization": spec.weight_block == (32, 32),
-            "fp8_dpa": spec.fp8_dot_product_attention,
-            "fp8_mha": spec.fp8_multi_head_attention,
+            **_attention(spec),
         }
     # TE >= 2.15 defaults every recipe's backward_override from NVTE_BACKWARD_OVERRIDE at
     # import; the spec's backward is FP8, so the object to build pins it off (TE < 2.15 has no
     # such field and ignores the argument: its backward is the recipe's own).
     fields["backward_override"] = None
-    return {"class": TE_RECIPE_CLASS[spec.scaling], "fields": fields, "quantizers": quantizers}
+    return {"class": row.te_class, "fields": fields, "quantizers": quantizers}
 
 
 def required_env(spec: RecipeSpec) -> dict[str, str]:
@@ -215,12 +233,15 @@ def required_env(spec: RecipeSpec) -> dict[str, str]:
 def _unsupported(spec: RecipeSpec) -> list[tuple[str, str]]:
     """(spec key, reason) for settings TE's recipe for this scaling kind has no field for."""
     out = []
-    if spec.scaling in ("delayed", "mx", "nvfp4") and spec.amax_epsilon:
-        out.append(("amax_epsilon", f"TE's {TE_RECIPE_CLASS[spec.scaling]} has no amax epsilon"))
-    if spec.scaling == "delayed" and spec.pow2_scales:
-        out.append(("pow2_scales", "TE's DelayedScaling has no power-of-2 scale option"))
-    if spec.scaling == "block" and spec.fp8_dot_product_attention:
-        out.append(("fp8_dot_product_attention", "TE's Float8BlockScaling has no FP8 attention"))
+    row = capability(spec.scaling)
+    if not row.te_amax_epsilon and spec.amax_epsilon:
+        out.append(("amax_epsilon", f"TE's {row.te_class} has no amax epsilon"))
+    if row.is_delayed and spec.pow2_scales:
+        out.append(("pow2_scales", f"TE's {row.te_class} has no power-of-2 scale option"))
+    # The spec refuses it already (row.fp8_attention: Float8BlockScaling asserts not fp8_dpa;
+    # NVFP4BlockScaling takes it); kept for a spec built without its checks.
+    if not row.fp8_attention and spec.fp8_dot_product_attention:
+        out.append(("fp8_dot_product_attention", f"TE's {row.te_class} has no FP8 attention"))
     if not spec.fp8_wgrad:
         out.append(("fp8_wgrad", FP8_WGRAD_IGNORED))
     return out
@@ -252,10 +273,16 @@ def import_te_recipe_module() -> ModuleType:
     return recipe
 
 
-def build_te_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
+def build_te_recipe(
+    spec: RecipeSpec, te_recipe: ModuleType | None = None, *, te_version: str | None = None
+):
     """A TE recipe object for ``spec``, every field and quantizer parameter read back.
 
-    ``te_recipe`` is TE's ``transformer_engine.common.recipe`` module (imported when None).
+    ``te_recipe`` is TE's ``transformer_engine.common.recipe`` module (imported when None);
+    ``te_version`` its release, for messages (read from the installed package when None).
+    A field this TE's class does not declare is left out when the spec's value for it means
+    "feature off" (:data:`nemo_fp8_plugin.stacks.FACTS`: an older TE behaves exactly so), and
+    refused naming the version and the first release that has it otherwise.
     The quantizer parameters are set on the instance, overriding the class attributes TE
     fixed from the environment at import, so fp32 block scales take effect even when
     ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` was unset. Raises :class:`FP8ConfigError` when
@@ -272,15 +299,9 @@ def build_te_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
         raise FP8ConfigError(reason, key=key, value=getattr(spec, key))
     te_recipe = te_recipe or import_te_recipe_module()
     desc = te_recipe_description(spec)
-    cls = getattr(te_recipe, desc["class"], None)
-    if cls is None:
-        raise HostUnavailableError(
-            f"this Transformer Engine has no recipe class {desc['class']}",
-            key="scaling",
-            value=spec.scaling,
-            hint="upgrade transformer-engine",
-        )
-    kwargs = dict(desc["fields"])
+    cls = _recipe_class(spec, te_recipe, te_version)
+    absent = _absent_off_fields(spec, cls, desc["fields"], te_version)
+    kwargs = {k: v for k, v in desc["fields"].items() if k not in absent}
     for name in ("fp8_format", "fp4_format"):
         if name in kwargs:
             kwargs[name] = te_recipe.Format[kwargs[name]]
@@ -305,6 +326,77 @@ def build_te_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
             hint="this TE version ignores or renames a recipe field",
         )
     return obj
+
+
+def _te_label(te_version: str | None) -> str:
+    version = te_version or installed_version("transformer-engine")
+    return f"Transformer Engine {version}" if version else "this Transformer Engine"
+
+
+def _recipe_class(spec: RecipeSpec, te_recipe: ModuleType, te_version: str | None) -> Any:
+    """The TE class for ``spec``, or :class:`HostUnavailableError` naming the first release
+    that has it."""
+    name = TE_RECIPE_CLASS[spec.scaling]
+    cls = getattr(te_recipe, name, None)
+    if cls is None:
+        known = _host_fact("transformer-engine", name)
+        since = f" (it exists from {known.minimum})" if known is not None else ""
+        raise HostUnavailableError(
+            f"{_te_label(te_version)} has no recipe class {name}{since}",
+            key="scaling",
+            value=spec.scaling,
+            hint=f"use transformer-engine >= {known.minimum}" if known else "upgrade it",
+        )
+    return cls
+
+
+def _declares(cls: Any, name: str) -> bool:
+    return name in getattr(cls, "__dataclass_fields__", {}) or hasattr(cls, name)
+
+
+def _version_fact(class_name: str, name: str):
+    """The stacks table's entry for a recipe field that exists only in some TE releases."""
+    return _host_fact("transformer-engine", f"{class_name}.{name}") or _host_fact(
+        "transformer-engine", f"Recipe.{name}"
+    )
+
+
+_SPEC_KEY = {"enable_2d_quantization": "weight_block"}
+"""TE field -> the spec key that sets it (for the refusal), where the names differ."""
+
+
+def _absent_means_off(class_name: str, name: str, want: Any) -> bool:
+    """A field the TE class lacks, whose wanted value is what its absence means."""
+    known = _version_fact(class_name, name)
+    return known is not None and known.off == want
+
+
+def _absent_off_fields(
+    spec: RecipeSpec, cls: Any, fields: Mapping[str, Any], te_version: str | None
+) -> set[str]:
+    """Fields of ``fields`` that ``cls`` does not declare and whose value means "off" there
+    (left out of the constructor); raises :class:`FP8ConfigError` for one the spec turns on,
+    naming this TE's version and the first release that has the field."""
+    out = set()
+    for name, want in fields.items():
+        if _declares(cls, name):
+            continue
+        if _absent_means_off(cls.__name__, name, want):
+            out.add(name)
+            continue
+        known = _version_fact(cls.__name__, name)
+        if known is None:
+            continue  # not version-dependent as far as the table knows: the read-back decides
+        key = _SPEC_KEY.get(name, name)
+        raise FP8ConfigError(
+            f"{_te_label(te_version)} has no {cls.__name__}.{name} (it exists from "
+            f"Transformer Engine {known.minimum}: {known.doc}), and recipe {spec.name!r} needs "
+            f"{name}={want!r}",
+            key=key,
+            value=getattr(spec, key, want),
+            hint=f"use transformer-engine >= {known.minimum}, or the recipe's default for {key}",
+        )
+    return out
 
 
 def _kw(fields: Mapping[str, Any]) -> str:
@@ -350,8 +442,10 @@ def recipe_mismatches(
         have = getattr(obj, name, _MISSING)
         if name in ("fp8_format", "fp4_format"):
             have = getattr(have, "name", have)
-        if name == "backward_override" and have is _MISSING:
-            have = None  # TE < 2.15: no override exists, the backward is the recipe's own
+        if have is _MISSING and _absent_means_off(desc["class"], name, want):
+            # an older TE without the field behaves as the spec asks (backward_override
+            # before 2.15, NVFP4's row scaling and "4over6" before 2.16/2.17, ...)
+            continue
         if have != want:
             out.append((name, have, want))
     for attr, params in desc["quantizers"].items():
@@ -370,12 +464,13 @@ def host_built_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
     te_recipe = te_recipe or import_te_recipe_module()
     desc = te_recipe_description(spec)
     cls = getattr(te_recipe, desc["class"])
-    if spec.scaling == "nvfp4":
+    row = capability(spec.scaling)
+    if row.is_nvfp4:
         return cls()  # megatron-core 0.16 fp4_utils.get_fp4_recipe: NVFP4BlockScaling()
     fmt = te_recipe.Format[desc["fields"]["fp8_format"]]
-    if spec.scaling == "tensorwise":
+    if row.is_current:
         return cls(fp8_format=fmt, fp8_dpa=spec.fp8_dot_product_attention)
-    if spec.scaling == "delayed":
+    if row.is_delayed:
         return cls(
             fp8_format=fmt,
             margin=spec.margin,
@@ -408,7 +503,7 @@ def _refuse_backward_override(spec: RecipeSpec, te_recipe: ModuleType, where: st
     name = TE_RECIPE_CLASS[spec.scaling]
     if value not in _BACKWARD_MODES:
         effect = "which Transformer Engine rejects when the recipe is built"
-    elif spec.scaling == "delayed":
+    elif capability(spec.scaling).is_delayed:
         effect = "which DelayedScaling refuses (TE raises when megatron-core builds the recipe)"
     else:
         effect = (
@@ -425,21 +520,20 @@ def _refuse_backward_override(spec: RecipeSpec, te_recipe: ModuleType, where: st
     )
 
 
-def _refuse_nvfp4_defaults(spec: RecipeSpec, te_recipe: ModuleType, where: str) -> None:
+def _refuse_nvfp4_defaults(
+    spec: RecipeSpec, te_recipe: ModuleType, where: str, te_version: str | None = None
+) -> None:
     """The ``NVFP4BlockScaling`` class defaults TE fixed from ``NVTE_NVFP4_*`` at import,
     against the fields the spec means (read from the class, not an instance: a bad value makes
     the constructor assert, and the variable is what to name)."""
-    cls = getattr(te_recipe, "NVFP4BlockScaling", None)
-    if cls is None:
-        raise HostUnavailableError(
-            "this Transformer Engine has no NVFP4BlockScaling",
-            key="scaling",
-            value="nvfp4",
-            hint="upgrade transformer-engine (>= 2.7)",
-        )
+    cls = _recipe_class(spec, te_recipe, te_version)
     declared = getattr(cls, "__dataclass_fields__", {})
     want_env = required_env(spec)
-    for field, want in nvfp4_te_fields(spec).items():
+    fields = nvfp4_te_fields(spec)
+    absent = _absent_off_fields(spec, cls, fields, te_version)  # no variable to set there
+    for field, want in fields.items():
+        if field in absent:
+            continue
         have = declared[field].default if field in declared else getattr(cls, field, _MISSING)
         if have == want:
             continue
@@ -457,22 +551,33 @@ def _refuse_nvfp4_defaults(spec: RecipeSpec, te_recipe: ModuleType, where: str) 
 
 
 def verify_host_recipe(
-    spec: RecipeSpec, te_recipe: ModuleType | None = None, *, where: str = "the training process"
+    spec: RecipeSpec,
+    te_recipe: ModuleType | None = None,
+    *,
+    where: str = "the training process",
+    te_version: str | None = None,
 ) -> None:
     """Fail fast when TE, as imported in this process, would build a host-built recipe that
     differs from ``spec``: an ``NVTE_BACKWARD_OVERRIDE`` read at import (TE >= 2.15, every
     recipe), the wrong scale rounding (the fp32-scale trap, block and current scaling), or
     ``NVFP4BlockScaling`` class defaults fixed from another ``NVTE_NVFP4_*`` value (nvfp4).
     Call it inside the training process before the first step; raises
-    :class:`FP8ConfigError` naming the variable and the fix."""
+    :class:`FP8ConfigError` naming the variable and the fix. A field this TE lacks whose spec
+    value means "off" passes (an older TE behaves so); one the spec turns on is refused naming
+    ``te_version`` (the installed release when None) and the first release that has it."""
     if spec.training != "fp8":
         return
     te_recipe = te_recipe or import_te_recipe_module()
     _refuse_backward_override(spec, te_recipe, where)
-    if spec.scaling == "nvfp4":
-        _refuse_nvfp4_defaults(spec, te_recipe, where)
+    row = capability(spec.scaling)
+    if row.is_nvfp4:
+        _refuse_nvfp4_defaults(spec, te_recipe, where, te_version)
         return
-    if spec.scaling not in ("block", "tensorwise"):
+    if row.is_mx:
+        # megatron-core builds MXFP8BlockScaling(fp8_format=...) only: the TE must at least
+        # be able to express the spec's tiles.
+        _absent_off_fields(spec, _recipe_class(spec, te_recipe, te_version), _mx(spec), te_version)
+    if not (row.is_block or row.is_current):
         return
     obj = host_built_recipe(spec, te_recipe)
     problems = recipe_mismatches(obj, spec, check_fields=False)
@@ -504,6 +609,11 @@ def verify_host_recipe(
             else "activation_block",
             hint="use the preset's values for these fields with megatron-core based hosts",
         )
+
+
+def _mx(spec: RecipeSpec) -> dict[str, Any]:
+    fields: dict[str, Any] = te_recipe_description(spec)["fields"]
+    return {"enable_2d_quantization": fields["enable_2d_quantization"]}
 
 
 def verify_installed_te(

@@ -207,3 +207,80 @@ def test_doctor_never_advises_running_itself(capsys):
     assert "nemo-fp8 doctor" not in text
     assert "not checked: CUDA version" in text  # the check that note pointed at, made here
     assert text.splitlines()[-1].startswith("summary: cannot: mxfp8")
+
+
+# --------------------------------------------------------------------------- stacks
+
+
+def _with_versions(monkeypatch, **versions):
+    """The doctor sees these installed versions (others as installed here)."""
+    real = doctor.package_versions()
+    fake = {**real, **{k.replace("_", "-"): v for k, v in versions.items()}}
+    monkeypatch.setattr(doctor, "package_versions", lambda: fake)
+    return fake
+
+
+def test_the_test_environment_is_the_nemo_2_7_stack(capsys):
+    """This environment (NeMo 2.7.3, megatron-core 0.16.1, no TE) is the nemo-2.7 stack."""
+    stack = _json(capsys)["stack"]
+    assert stack["name"] == "nemo-2.7" and stack["matches"] and stack["tested"]
+    assert stack["hosts"]["megatron-core"]["tested"] is True
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "stack: nemo-2.7 (detected from the installed packages): a tested stack" in text
+    assert "megatron-core      0.16.1 (tested)" in text
+
+
+def test_a_nemo_rl_container_is_detected(capsys, monkeypatch):
+    _with_versions(
+        monkeypatch,
+        torch="2.11.0+cu129",
+        transformer_engine="2.14.1",
+        vllm="0.25.1",
+        megatron_core="0.20.0",
+        nemo_toolkit=None,
+        nemo_rl="0.6.0",
+    )
+    stack = _json(capsys)["stack"]
+    assert stack["name"] == "nemo-rl-0.6" and stack["tested"] is False  # core 0.20: source only
+    assert any("megatron-core 0.20.0 is not a version" in c for c in stack["changes"])
+
+
+def test_an_untested_set_says_what_to_change(capsys, monkeypatch):
+    """TE 2.17 with megatron-core 0.16.1 is no named stack; the nearest is nemo-2.7, whose
+    TE range megatron-core 0.16.1 itself requires."""
+    _with_versions(monkeypatch, transformer_engine="2.17.0")
+    stack = _json(capsys)["stack"]
+    assert stack["name"] is None and stack["matches"] is False and stack["nearest"] == "nemo-2.7"
+    assert any(
+        c.startswith("transformer-engine 2.17.0 -> 2.11.0 (>=2.9,<2.12)") for c in stack["changes"]
+    )
+    assert any("transformer-engine 2.17.0 is not a version" in c for c in stack["changes"])
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "stack: none of the named stacks" in text and "untested set" in text
+    assert "transformer-engine 2.17.0 (UNTESTED)" in text
+
+
+def test_stack_flag_checks_against_a_named_stack(capsys):
+    stack = _json(capsys, "--stack", "nemo-rl-0.6")["stack"]
+    assert stack["name"] == "nemo-rl-0.6" and stack["how"] == "chosen with --stack"
+    assert stack["matches"] is False
+    assert any(c.startswith("megatron-core 0.16.1 -> 0.20.0") for c in stack["changes"])
+    assert main(["doctor", "--stack", "nemo-2.7"]) == 0
+    assert "stack: nemo-2.7 (chosen with --stack): a tested stack" in capsys.readouterr().out
+
+
+def test_unknown_stack_is_bad_input(capsys):
+    assert main(["doctor", "--stack", "nemo-9"]) == 2
+    err = capsys.readouterr().err
+    assert "--stack" in err and "nemo-rl-0.6" in err and "Traceback" not in err
+
+
+def test_recipe_class_minimum_comes_from_the_stacks_table(capsys, monkeypatch):
+    """TE 2.5 has no NVFP4BlockScaling (from 2.7): nvfp4 cannot run, the others can."""
+    _with_versions(monkeypatch, transformer_engine="2.5.0")
+    recipes = {r["recipe"]: r for r in _json(capsys, "--hardware", "b200")["recipes"]}
+    assert recipes["nvfp4"]["runnable"] is False
+    assert any(">= 2.7 (NVFP4BlockScaling), found 2.5.0" in p for p in recipes["nvfp4"]["problems"])
+    assert not any("Transformer Engine >=" in p for p in recipes["mxfp8"]["problems"])

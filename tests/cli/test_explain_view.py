@@ -113,7 +113,7 @@ def test_warnings_come_first(tmp_path, capsys):
 def test_host_flag_and_all_hosts_show_more(capsys):
     example = REPO / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
     text = explain(capsys, example, "--host", "te")
-    assert text.splitlines()[1] == "host: te (--host)"
+    assert text.splitlines()[1].startswith("host: te (--host); stack: ")
     assert re.findall(r"^apply --host (\S+)", text, re.M) == ["te"]
     every = explain(capsys, example, "--all-hosts")
     assert re.findall(r"^apply --host ([^\s:]+)", every, re.M) == [

@@ -328,8 +328,21 @@ def test_spellings_of_replaced_values_follow_the_file(tmp_path, capsys):
     )
     rc, out, err = apply_cli(capsys, cfg, "--host", "nemo-rl")
     assert rc == 0, err
-    assert "      use_deep_gemm: True\n" in out and '      precision: "fp8"\n' in out
+    # use_deep_gemm: the user's own false is a kernel choice, kept as written (issue 23)
+    assert "      use_deep_gemm: False\n" in out and '      precision: "fp8"\n' in out
     assert "loss_fn:\n  use_importance_sampling_correction: true\n" in out  # grew: block
+
+
+def test_a_replaced_boolean_follows_the_files_capitalisation(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"defaults: {nemo_rl_configs() / 'grpo_math_8B_megatron.yaml'}\n"
+        "policy:\n  precision: fp8_blockwise\n"
+        "loss_fn:\n  use_importance_sampling_correction: False\n"
+    )
+    rc, out, err = apply_cli(capsys, cfg, "--host", "nemo-rl")
+    assert rc == 0, err
+    assert "loss_fn:\n  use_importance_sampling_correction: True\n" in out
 
 
 def test_a_flow_mapping_whose_keys_exist_stays_flow(tmp_path, capsys):

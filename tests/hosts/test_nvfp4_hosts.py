@@ -73,7 +73,6 @@ def test_nvfp4_is_the_sixth_preset_and_listed(capsys):
         ({"activation_block": [16, 16]}, "activation_block", "[1, 16]"),
         ({"gradient_block": None}, "gradient_block", "missing"),
         ({"pow2_scales": True}, "pow2_scales", "E4M3"),
-        ({"fp8_dot_product_attention": True}, "fp8_dot_product_attention", "attention"),
         ({"generation": "fp8"}, "generation", "ModelOpt"),
     ],
 )

@@ -207,6 +207,9 @@ def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
     for key, field, neutral in _RECIPE_FIELDS:
         if getattr(spec, key) == neutral or honoured.honours(recipe, field):
             continue
+        if capability(spec.scaling).is_nvfp4 and key == "fp8_dot_product_attention":
+            out += _fp4_attention(honoured)
+            continue
         readers = honoured.recipes_reading(field)
         instead = _presets_for(readers)
         where = f"only for fp8_recipe {' and '.join(readers)}" if readers else "for no fp8_recipe"
@@ -222,6 +225,29 @@ def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
             )
         )
     return out
+
+
+FP4_DPA = "get_fp4_recipe.fp8_dpa"
+"""The stacks-table fact: megatron-core >= 0.20's ``get_fp4_recipe`` passes
+``fp8_dpa=config.fp8_dot_product_attention`` to ``NVFP4BlockScaling``."""
+
+
+def _fp4_attention(honoured) -> list[tuple[str, str]]:
+    """FP8 attention under nvfp4: honoured from megatron-core 0.20, dropped before."""
+    from ...stacks import lookup
+
+    answer = lookup("megatron-core", FP4_DPA, honoured.version)
+    if answer.present:
+        return []
+    minimum = answer.fact.minimum if answer.fact is not None else "0.20"
+    return [
+        (
+            "fp8_dot_product_attention",
+            f"{honoured.label}'s get_fp4_recipe builds NVFP4BlockScaling() without fp8_dpa "
+            f"(megatron-core passes it from {minimum}), so attention would run in BF16; use "
+            f"megatron-core >= {minimum}, or remove fp8_dot_product_attention",
+        )
+    ]
 
 
 def _presets_for(megatron_recipes: list[str]) -> list[str]:
@@ -343,6 +369,8 @@ def _fp4_fields(spec: RecipeSpec, model=None) -> HostKeys:
         "fp4_recipe": capability(spec.scaling).megatron_recipe,
         "fp4_param": spec.fp8_param,
     }
+    if spec.fp8_dot_product_attention:  # reached only where honoured (dropped_settings)
+        keys["fp8_dot_product_attention"] = True
     rules = _rules_keys(spec, model)
     keys.update(rules.keys)
     warnings = [f"megatron: {key}: {reason}; dropped" for key, reason in dropped_settings(spec)]
@@ -408,6 +436,25 @@ def ddp_config_fields(spec: RecipeSpec) -> dict[str, bool]:
     }
 
 
+FP4_PARAM_GATHER = "ddp.fp4_param_gather"
+"""The stacks-table fact (:data:`nemo_fp8_plugin.stacks.FACTS`): megatron-core >= 0.18's
+``DistributedDataParallelConfig.fp4_param_gather``, without which the distributed optimizer does
+not all-gather (requantize) NVFP4 parameters."""
+
+
+def fp4_ddp_fields(spec: RecipeSpec, megatron_core: str | None) -> dict[str, bool]:
+    """``{"fp4_param_gather": fp8_param}`` for nvfp4 training on a megatron-core that has the
+    field (``megatron_core``: its version; the stacks table decides), else empty (0.16.1's
+    ``DistributedDataParallelConfig`` has no such field and would refuse it)."""
+    from ...stacks import lookup
+
+    if spec.training != "fp8" or not capability(spec.scaling).is_nvfp4:
+        return {}
+    if not lookup("megatron-core", FP4_PARAM_GATHER, megatron_core).present:
+        return {}
+    return {"fp4_param_gather": spec.fp8_param}
+
+
 def optimizer_config_fields(spec: RecipeSpec) -> dict[str, Any]:
     """megatron-core ``OptimizerConfig`` kwargs for ``spec``: ``fp8_recipe`` (the distributed
     optimizer handles FP8 parameters per recipe) and ``reuse_grad_buf_for_mxfp8_param_ag``.
@@ -440,7 +487,9 @@ def build_ddp_config(spec: RecipeSpec, *, config_class=None, **base: Any):
     return _construct(config_class, {**base, **fields}, spec)
 
 
-def write_distributed_fields(out: dict, spec: RecipeSpec) -> list[str]:
+def write_distributed_fields(
+    out: dict, spec: RecipeSpec, *, megatron_core: str | None = None
+) -> list[str]:
     """Write :func:`ddp_config_fields` into an ``apply --host megatron`` output; returns the
     keys written.
 
@@ -449,8 +498,9 @@ def write_distributed_fields(out: dict, spec: RecipeSpec) -> list[str]:
     arguments, so they go at the root, beside ``use_distributed_optimizer``; otherwise under
     ``ddp:`` (created when absent: ``DistributedDataParallelConfig(**config["ddp"])``, the
     name Megatron-Bridge uses for the same class). A value already there that differs is
-    refused, naming the key."""
-    fields = ddp_config_fields(spec)
+    refused, naming the key. ``megatron_core``: the version written for (nvfp4's
+    ``fp4_param_gather`` from 0.18, :func:`fp4_ddp_fields`)."""
+    fields = {**ddp_config_fields(spec), **fp4_ddp_fields(spec, megatron_core)}
     if not fields:
         return []
     return _write_ddp(
@@ -647,6 +697,27 @@ def merge_native(
     return list(keys)
 
 
+def _fp4_gather_notes(spec: RecipeSpec, core: str | None, written: list[str]) -> list[str]:
+    """What to do about ``fp4_param_gather`` when it was not written for FP4 parameters."""
+    if not (capability(spec.scaling).is_nvfp4 and spec.fp8_param) or "fp4_param_gather" in written:
+        return []
+    from ...stacks import fact
+
+    since = fact("megatron-core", FP4_PARAM_GATHER)
+    minimum = since.minimum if since is not None else "0.18"
+    if core is None:
+        return [
+            f"megatron: NVFP4 parameters: megatron-core >= {minimum} also needs "
+            f"ddp.fp4_param_gather: true (the distributed optimizer requantizes them only with "
+            f"it); the megatron-core version is unknown here, pass --stack to write it"
+        ]
+    return [
+        f"megatron: megatron-core {core} has no ddp.fp4_param_gather (from {minimum}), which "
+        f"the distributed optimizer needs to requantize NVFP4 parameters; keep fp8_param: false "
+        f"for nvfp4 there, or use megatron-core >= {minimum}"
+    ]
+
+
 def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
     """Write :meth:`MegatronAdapter.spell`'s keys: the TransformerConfig fields into their
     section, the DistributedDataParallelConfig fields under ``ddp:`` (or at the root of
@@ -667,8 +738,10 @@ def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
     # A quant_recipe of our own is compared like any key; someone else's contradicts ours.
     conflicting = tuple(k for k in CONFLICTING_FIELDS if k not in fields)
     merge_native(section, fields, where=f"{name}.", conflicting=conflicting)
-    _write_ddp(out, {k: v for k, v in keys.keys.items() if k != name})
-    notes = [
+    # the DDP side (fp8_param_gather, MXFP8 buffer reuse, NVFP4's fp4_param_gather)
+    written = _write_ddp(out, {k: v for k, v in keys.keys.items() if k != name})
+    notes = _fp4_gather_notes(spec, _stack_core(ctx), written)
+    notes += [
         f"megatron: export {var}={value} in the training process's environment "
         f"before Transformer Engine is imported; megatron-core does not check it: "
         f"a script building its config with nemo_fp8_plugin.hosts.megatron."
@@ -680,13 +753,24 @@ def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
     return ApplyResult(data=out, warnings=list(keys.warnings), notes=notes, env=dict(keys.env))
 
 
-def _spell(spec: RecipeSpec, config: Mapping[str, Any] | None, model) -> HostKeys:
+def _stack_core(ctx: HostContext | None) -> str | None:
+    """The megatron-core version the context assumes (``--stack``, else the installed one);
+    None without a context or a stack (a mapping given in code)."""
+    if ctx is None or ctx.stack is None:
+        return None
+    return ctx.stack.version("megatron-core")
+
+
+def _spell(
+    spec: RecipeSpec, config: Mapping[str, Any] | None, model, megatron_core: str | None = None
+) -> HostKeys:
     """The TransformerConfig fields under their section (``language_model`` or ``model``),
-    and the DDP fields where :func:`write_distributed_fields` puts them."""
+    and the DDP fields where :func:`write_distributed_fields` puts them (nvfp4's
+    ``fp4_param_gather`` where ``megatron_core`` has it, :func:`fp4_ddp_fields`)."""
     hk = transformer_config_fields(spec, model)
     name = section_path(config or {})[0]
     keys: dict[str, Any] = {name: dict(hk.keys)} if hk.keys else {}
-    ddp = ddp_config_fields(spec)
+    ddp = {**ddp_config_fields(spec), **fp4_ddp_fields(spec, megatron_core)}
     if ddp:
         keys.update(ddp) if name == "language_model" else keys.update(ddp=ddp)
     return HostKeys(keys=keys, warnings=list(hk.warnings), env=dict(hk.env))
@@ -768,7 +852,7 @@ class MegatronAdapter(HostAdapter):
 
     def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
         if ctx is not None:
-            return _spell(spec, ctx.raw, ctx.model)
+            return _spell(spec, ctx.raw, ctx.model, _stack_core(ctx))
         return _spell(spec, None, model)
 
     def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:

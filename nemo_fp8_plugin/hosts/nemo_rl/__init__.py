@@ -84,10 +84,13 @@ from __future__ import annotations
 from .adapter import ADAPTER, NeMoRLAdapter
 from .spelling import (
     BLOCK_MX_REFUSAL,
+    DEEP_GEMM_BLACKWELL,
     FP8_PARAM_WARNING,
     NOT_FP8,
     NVFP4_OVERRIDES,
+    NVFP4_PARAM_GATHER_WARNING,
     TRAINING_RECIPE,
+    deep_gemm_wanted,
     native_keys,
 )
 
@@ -98,6 +101,9 @@ __all__ = [
     "FP8_PARAM_WARNING",
     "BLOCK_MX_REFUSAL",
     "NVFP4_OVERRIDES",
+    "NVFP4_PARAM_GATHER_WARNING",
+    "DEEP_GEMM_BLACKWELL",
+    "deep_gemm_wanted",
     "NeMoRLAdapter",
     "ADAPTER",
 ]

@@ -28,11 +28,23 @@ from .checks import (
     _neutral,
     _same,
 )
-from .spelling import _MEGATRON, _is_moe, _refusal, native_keys
+from .spelling import (
+    _MEGATRON,
+    _VLLM,
+    DEEP_GEMM_BLACKWELL,
+    _generation_fp8,
+    _is_moe,
+    _refusal,
+    deep_gemm_wanted,
+    native_keys,
+)
 
 __all__ = ["NeMoRLAdapter", "ADAPTER"]
 
 _MISSING = object()
+
+_DEEP_GEMM = f"{_VLLM}.use_deep_gemm"
+"""NeMo RL's switch for vLLM's DeepGEMM block-FP8 kernels."""
 
 
 def _rewrite_defaults(value: Any, source: Path, output: Path | None) -> Any:
@@ -93,9 +105,33 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     if ctx is None:
         return
     _checks(spec, ctx.resolved)
+    _refuse_deep_gemm(spec, ctx)
     _dropped_keys(ctx.resolved)
     _interpolation_users(ctx.resolved, list(ctx.request.keys))
     sequence_alignment(spec, ctx.resolved)
+
+
+def _block_generation(spec: RecipeSpec, ctx: HostContext) -> bool:
+    """Whether NeMo RL generates this recipe with block-FP8 vLLM layers (use_deep_gemm)."""
+    return (
+        _generation_fp8(spec)
+        and capability(spec.scaling).is_block
+        and _has_generation(ctx.resolved)
+    )
+
+
+def _refuse_deep_gemm(spec: RecipeSpec, ctx: HostContext) -> None:
+    """A config stating ``use_deep_gemm: true`` for block-FP8 generation on Blackwell is
+    refused (:data:`DEEP_GEMM_BLACKWELL`); the user's own ``false`` is kept by :func:`_spell`."""
+    if not _block_generation(spec, ctx) or deep_gemm_wanted(spec):
+        return
+    if get_path(ctx.resolved, _DEEP_GEMM, None) is True:
+        raise FP8ConfigError(
+            f"is true, but the target GPU is {spec.hardware}: {DEEP_GEMM_BLACKWELL}",
+            key=_DEEP_GEMM,
+            value=True,
+            hint=f"set {_DEEP_GEMM}: false (vLLM then uses its CUTLASS block-FP8 kernels)",
+        )
 
 
 def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
@@ -127,6 +163,12 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
         )
         keys = nest({k: v for k, v in flatten(keys) if k.startswith(_MEGATRON + ".")})
     writes, notes = sequence_alignment(spec, resolved)
+    if _block_generation(spec, ctx) and get_path(ctx.raw, _DEEP_GEMM, None) is False:
+        # The user's own file turns DeepGEMM off: a kernel choice, not numerics (vLLM's
+        # CUTLASS/Triton block kernels take the same fp32 scales), so it is kept.
+        if get_path(keys, _DEEP_GEMM, None) is True:
+            notes.append(f"nemo-rl: {_DEEP_GEMM}: false kept as your config states it")
+        set_path(keys, _DEEP_GEMM, False)
     for key, value in writes.items():
         set_path(keys, key, value)
     if capability(spec.scaling).is_nvfp4 and training:

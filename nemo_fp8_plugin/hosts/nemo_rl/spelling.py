@@ -11,6 +11,7 @@ from ...capabilities import (
     CAPABILITIES,
     ENV_BLOCK_FP32_SCALES,
     ENV_CURRENT_POW2_SCALES,
+    arch_by_name,
     capability,
     te_env,
 )
@@ -25,6 +26,9 @@ __all__ = [
     "FP8_PARAM_WARNING",
     "BLOCK_MX_REFUSAL",
     "NVFP4_OVERRIDES",
+    "DEEP_GEMM_BLACKWELL",
+    "NVFP4_PARAM_GATHER_WARNING",
+    "deep_gemm_wanted",
     "MEGATRON",
     "VLLM",
 ]
@@ -61,7 +65,7 @@ NOT_FP8 = _NotFP8()
 
 
 def _refusal(spec: RecipeSpec) -> str | None:
-    if capability(spec.scaling).is_delayed:
+    if capability(spec.scaling).history:
         return (
             "NeMo RL cannot use delayed scaling: its scales come from an amax history of past "
             "steps, which goes stale when RL changes the weights every step"
@@ -72,8 +76,7 @@ def _refusal(spec: RecipeSpec) -> str | None:
 def _generation_fp8(spec: RecipeSpec) -> bool:
     # NeMo RL's vLLM path quantizes weights per 128x128 block or per 32 (MX); there is no
     # per-tensor FP8 generation path, so tensorwise recipes generate in BF16.
-    row = capability(spec.scaling)
-    return spec.generation == "fp8" and (row.is_block or row.is_mx)
+    return spec.generation == "fp8" and capability(spec.scaling).nemo_rl_generation
 
 
 def _unexpressible(spec: RecipeSpec) -> list[str]:
@@ -174,6 +177,33 @@ BLOCK_MX_REFUSAL = (
 )
 """Why ``fp8_blockwise`` / ``fp8_subchannel`` training and MXFP8 rollouts do not mix."""
 
+DEEP_GEMM_BLACKWELL = (
+    "NeMo RL's use_deep_gemm: true sets VLLM_USE_DEEP_GEMM=1 and VLLM_USE_DEEP_GEMM_E8M0=0 "
+    "(nemo_rl/models/generation/vllm/quantization/fp8.py), i.e. DeepGEMM with fp32 block "
+    "scales, and DeepGEMM on Blackwell (SM100) takes UE8M0 scale factors only"
+)
+"""Why block-FP8 generation on Blackwell must not ask NeMo RL for DeepGEMM."""
+
+
+def deep_gemm_wanted(spec: RecipeSpec) -> bool:
+    """Whether block-FP8 generation written for NeMo RL asks for DeepGEMM: on Hopper (SM90),
+    or when no target GPU is stated (NVIDIA's FP8 configs, written for H100); never for a
+    Blackwell target (:data:`DEEP_GEMM_BLACKWELL`; vLLM does not pick DeepGEMM on SM12x)."""
+    if spec.hardware is None:
+        return True
+    arch = arch_by_name(spec.hardware)
+    return arch is None or (9, 0) in arch.sm
+
+
+NVFP4_PARAM_GATHER_WARNING = (
+    "NeMo RL: FP4 parameters (model_overrides.fp4_param: true) without fp4_param_gather: NeMo "
+    "RL builds megatron-core's DistributedDataParallelConfig from fixed keys of "
+    "policy.megatron_cfg.distributed_data_parallel_config (nemo_rl/models/megatron/setup.py, "
+    "commit 7ea279a), none of them fp4_param_gather (megatron-core >= 0.18), which the "
+    "distributed optimizer needs to requantize NVFP4 parameters"
+)
+"""Why FP4 parameters through NeMo RL lack the DDP half megatron-core >= 0.18 has."""
+
 NVFP4_OVERRIDES = ("fp4", "fp4_recipe", "fp4_param")
 """``model_overrides`` keys (megatron-core ``TransformerConfig`` FP4 fields) nvfp4 writes."""
 
@@ -232,6 +262,8 @@ def _training_keys(
         # which NeMo RL merges before it applies fp8_cfg (left disabled: FP4 xor FP8).
         for name, value in zip(NVFP4_OVERRIDES, ("e2m1", "nvfp4", fp8_param)):
             set_path(keys, f"{_MEGATRON}.model_overrides.{name}", value)
+        if fp8_param:
+            warnings.append(NVFP4_PARAM_GATHER_WARNING)
     else:
         set_path(
             keys,
@@ -256,7 +288,7 @@ def _training_keys(
 def _generation_keys(spec: RecipeSpec, keys: dict[str, Any]) -> None:
     set_path(keys, f"{_VLLM}.precision", "fp8")
     if capability(spec.scaling).is_block:
-        set_path(keys, f"{_VLLM}.use_deep_gemm", True)
+        set_path(keys, f"{_VLLM}.use_deep_gemm", deep_gemm_wanted(spec))
         if spec.pow2_scales:
             set_path(keys, f"{_VLLM}.pow2_weight_scaling_factors", True)
             set_path(keys, f"{_VLLM}.pow2_activation_scaling_factors", True)

@@ -118,7 +118,7 @@ def engine_spelling(
     if spec.generation != "fp8":
         return {}, ["generation: bf16 in this recipe; vLLM runs in the model dtype"]
     row = capability(spec.scaling)
-    if not (row.is_block or row.is_mx):
+    if not row.vllm_generation:
         # The nemo_fp8 method implements the block-scaled recipes NeMo RL generates with;
         # per-tensor scales would have to be re-derived from a history that a refit resets.
         return {}, [
@@ -158,23 +158,23 @@ def refuse_spec(spec) -> None:
     """Every refusal vLLM makes of a recipe alone (the adapter's
     :meth:`~nemo_fp8_plugin.hosts.HostAdapter.refuse` adds those of a config): nvfp4
     generation, and MXFP8 with an ``amax_epsilon`` its E8M0 scales cannot honour."""
-    from ...capabilities import NVFP4_GENERATION_REFUSAL, capability
+    from ...capabilities import amax_epsilon_problem, capability
     from ...errors import FP8ConfigError
 
     row = capability(spec.scaling)
-    if row.is_nvfp4:
+    if row.generation_refusal:
         raise FP8ConfigError(
-            f"vLLM cannot generate with nvfp4: {NVFP4_GENERATION_REFUSAL}",
+            f"vLLM cannot generate with {spec.scaling}: {row.generation_refusal}",
             key="scaling",
             value=spec.scaling,
             hint="serve the model in BF16 (no recipe in the vLLM config), or use "
             "mxfp8 for FP8 generation on Blackwell",
         )
-    if row.is_mx and spec.amax_epsilon:
+    # The spec refuses it already; a spec built without its checks still cannot reach vLLM.
+    floor = amax_epsilon_problem(spec.scaling, spec.amax_epsilon)
+    if floor:
         raise FP8ConfigError(
-            f"{spec.amax_epsilon!r} has no meaning for MXFP8 (E8M0 exponents "
-            f"come from the amax itself, no floor), so vLLM's nemo_fp8 method "
-            f"cannot honour it",
+            f"{floor}, so vLLM's nemo_fp8 method cannot honour it",
             key="amax_epsilon",
             value=spec.amax_epsilon,
             hint="use 0 with mxfp8, or a block recipe (fp8_blockwise)",

@@ -122,13 +122,15 @@ class NemoFp8Config(QuantizationConfig):
         generation_numerics: str = "vllm",
     ) -> None:
         super().__init__()
+        from ...capabilities import amax_epsilon_problem
+
         kind = _scheme_kind(scheme)
-        default_w = [128, 128] if kind.is_block else [1, 32]
-        default_a = [1, 128] if kind.is_block else [1, 32]
+        default_w = list(kind.default_tile("weight_block") or ())
+        default_a = list(kind.default_tile("activation_block") or ())
         self.scheme = scheme
         self.weight_block_size = weight_block_size or default_w
         self.activation_block_size = activation_block_size or default_a
-        allowed_w = [[128, 128], [1, 128]] if kind.is_block else [[1, 32], [32, 32]]
+        allowed_w = [list(t) for t in sorted(kind.allowed("weight_block"))]
         if self.weight_block_size not in allowed_w:
             raise ValueError(
                 f"nemo_fp8 quantization_config.weight_block_size: {self.weight_block_size} "
@@ -139,7 +141,7 @@ class NemoFp8Config(QuantizationConfig):
                 f"nemo_fp8 quantization_config.activation_block_size: expected "
                 f"{default_a} for scheme {scheme!r}, got {self.activation_block_size}"
             )
-        self.pow2_scales = bool(pow2_scales) or kind.is_mx
+        self.pow2_scales = bool(pow2_scales) or bool(kind.fixed_pow2)
         try:
             self.amax_epsilon = float(amax_epsilon or 0.0)
         except (TypeError, ValueError):
@@ -152,11 +154,9 @@ class NemoFp8Config(QuantizationConfig):
                 f"nemo_fp8 quantization_config.amax_epsilon: expected a finite "
                 f"number >= 0, got {amax_epsilon!r}"
             )
-        if self.amax_epsilon and kind.is_mx:
-            raise ValueError(
-                "nemo_fp8 quantization_config.amax_epsilon: MXFP8 (scheme 'mx') has "
-                "no amax floor (E8M0 exponents come from the amax directly); use 0"
-            )
+        floor = amax_epsilon_problem(scheme, self.amax_epsilon)
+        if floor:
+            raise ValueError(f"nemo_fp8 quantization_config.amax_epsilon: {floor}; use 0")
         self.ignored_layers = list(ignored_layers or [])
         self.num_first_layers_in_bf16 = int(num_first_layers_in_bf16 or 0)
         self.num_last_layers_in_bf16 = int(num_last_layers_in_bf16 or 0)
@@ -176,7 +176,7 @@ class NemoFp8Config(QuantizationConfig):
                 f"nemo_fp8 quantization_config.generation_numerics: expected one of "
                 f"{', '.join(GENERATION_NUMERICS)}, got {generation_numerics!r}"
             )
-        if generation_numerics == "vllm_deepgemm_ue8m0" and not kind.is_block:
+        if generation_numerics == "vllm_deepgemm_ue8m0" and not kind.deepgemm_generation:
             raise ValueError(
                 "nemo_fp8 quantization_config.generation_numerics: vllm_deepgemm_ue8m0 is "
                 f"vLLM's DeepGEMM block-FP8 path, not scheme {scheme!r} (use vllm or trainer)"

