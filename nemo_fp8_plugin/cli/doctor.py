@@ -310,7 +310,7 @@ def check_recipe(
         except FP8ConfigError as err:
             runnable = False
             problems.append(str(err))
-    if spec.scaling == "block" and arch == "hopper":
+    if capability(spec.scaling).is_block and arch == "hopper":
         cuda = _version_tuple(gpu.get("cuda"))
         if cuda is None:
             not_checked.append("CUDA version (torch reports none)")
@@ -340,7 +340,7 @@ def check_recipe(
     effective: bool | None = None
     # NVFP4's TE defaults come from NVTE_NVFP4_* at import, as block/current scaling's do.
     if spec.training == "fp8" and (
-        capability(spec.scaling).te_env is not None or spec.scaling == "nvfp4"
+        capability(spec.scaling).te_env is not None or capability(spec.scaling).is_nvfp4
     ):
         if te_module is None:
             not_checked.append(f"TE's effective quantizer parameters ({te_reason})")

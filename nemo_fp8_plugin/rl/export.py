@@ -50,6 +50,7 @@ import torch
 
 from .._io import check_output_dir, same_file
 from .._signals import interruptible, signals_held
+from ..capabilities import capability
 from ..errors import FP8ConfigError, format_value, one_line
 from . import safetensors_io as st
 
@@ -230,7 +231,7 @@ def _ignored_layers(
 
 
 def _quantization_config(spec, ignored: list[str]) -> dict[str, Any]:
-    if spec.scaling == "block":
+    if capability(spec.scaling).is_block:
         cfg: dict[str, Any] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
@@ -353,7 +354,7 @@ def _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_fi
     except FP8ConfigError as err:  # the argument is `spec`
         key = "spec" if err.key in (None, "recipe") else f"spec.{err.key}"
         raise FP8ConfigError(err.bare_message, key=key, value=err.value, hint=err.hint) from None
-    if spec.generation != "fp8" or spec.scaling not in ("block", "mx"):
+    if spec.generation != "fp8" or not capability(spec.scaling).vllm_generation:
         raise FP8ConfigError(
             f"recipe {spec.name!r} has no FP8 generation checkpoint format "
             f"(scaling: {spec.scaling}, generation: {spec.generation})",
