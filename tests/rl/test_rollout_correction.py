@@ -17,6 +17,7 @@ import math
 import types
 import zipfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -168,13 +169,16 @@ def test_is_weights_equal_verls(verl, batch, level, window, normalize):
     train, rollout, mask = batch
     high, low = window
     spec = high if low is None else f"{low}_{high}"
-    ref, _ = verl.compute_rollout_correction_weights(
-        train - rollout,
-        mask,
-        rollout_is=level,
-        rollout_is_threshold=spec,
-        rollout_is_batch_normalize=normalize,
-    )
+    # verl takes a distributed mean when a process group is up (another test may have left
+    # one); ours is the single-process mean, so verl is run as a single process.
+    with mock.patch.object(torch.distributed, "is_initialized", return_value=False):
+        ref, _ = verl.compute_rollout_correction_weights(
+            train - rollout,
+            mask,
+            rollout_is=level,
+            rollout_is_threshold=spec,
+            rollout_is_batch_normalize=normalize,
+        )
     ours = verl_is_weights(train, rollout, mask, level, high, low, batch_normalize=normalize)
     _same(ours, ref)
 
