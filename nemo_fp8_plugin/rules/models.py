@@ -496,6 +496,15 @@ def _llama(layers, hidden, ffn):
     }
 
 
+def _qwen2(layers, hidden, ffn):
+    return {
+        "model_type": "qwen2",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+    }
+
+
 def _qwen3(layers, hidden, ffn):
     return {
         "model_type": "qwen3",
@@ -557,6 +566,11 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
     "llama3.2-1b": _llama(16, 2048, 8192),
     "llama3.2-3b": _llama(28, 3072, 8192),
     "llama3.3-70b": _llama(80, 8192, 28672),
+    # Qwen2.5 (model_type qwen2): Qwen/Qwen2.5-*/config.json on Hugging Face; 1.5B is NeMo
+    # RL's grpo_math_1B.yaml default (policy.model_name: Qwen/Qwen2.5-1.5B).
+    "qwen2.5-0.5b": _qwen2(24, 896, 4864),
+    "qwen2.5-1.5b": _qwen2(28, 1536, 8960),
+    "qwen2.5-7b": _qwen2(28, 3584, 18944),
     "qwen3-0.6b": _qwen3(28, 1024, 3072),
     "qwen3-1.7b": _qwen3(28, 2048, 6144),
     "qwen3-4b": _qwen3(36, 2560, 9728),

@@ -12,7 +12,7 @@ from ...dotted import get_path
 from ...errors import FP8ConfigError
 from ...spec import RecipeSpec
 
-__all__ = ["SEQUENCE_KEY", "sequence_alignment"]
+__all__ = ["SEQUENCE_KEY", "SELF_PACKING_MODELS", "model_self_packs", "sequence_alignment"]
 
 SEQUENCE_KEY = "policy.make_sequence_length_divisible_by"
 """What NeMo RL pads unpacked training sequences to a multiple of."""
@@ -22,6 +22,49 @@ DYNAMIC_ROUND_KEY = "policy.dynamic_batching.sequence_length_round"
 
 ALIGNMENT_KEYS = (SEQUENCE_KEY, DYNAMIC_ROUND_KEY)
 """The keys :func:`sequence_alignment` may write."""
+
+MODEL_KEY = "policy.model_name"
+"""The Hugging Face model NeMo RL trains."""
+
+SELF_PACKING_MODELS: tuple[tuple[str, str], ...] = (
+    ("qwen3.5", "Qwen3.5 (HF model_type qwen3_5 / qwen3_5_moe)"),
+    ("qwen3-vl", "Qwen3-VL (HF model_type qwen3_vl / qwen3_vl_moe)"),
+)
+"""Model-name prefixes (lowercased basename, ``_`` read as ``-``) of models that pack
+sequences inside their own forward, so NeMo RL hands them an unpacked ``[B, S]`` batch and
+its packer's FP8 padding never runs (NeMo RL 7ea279a,
+``models/policy/workers/megatron_policy_worker.py:147-165`` ``_model_self_packs_for_cp``:
+``model_owns_packing`` or a ``Qwen3VLModel``; sets ``delegate_pack_to_model`` at :607).
+Megatron-Bridge 0.6.2 builds Qwen3.5 and Qwen3.5-MoE checkpoints as ``Qwen3VLModel``
+(``models/qwen_vl/qwen35_vl_bridge.py:138-142`` ``qwen3_5_moe``, ``:271-275``
+``qwen3_5``). A version fact: when ``HostContext.stack`` lands it belongs to the NeMo RL
+row of ``stacks.py`` (from 7ea279a on)."""
+
+
+def _basename(model_name: Any) -> str | None:
+    if not isinstance(model_name, str) or not model_name.strip():
+        return None
+    return model_name.strip().rstrip("/").rsplit("/", 1)[-1].lower().replace("_", "-")
+
+
+def model_self_packs(model_name: Any) -> str | None:
+    """The :data:`SELF_PACKING_MODELS` description ``model_name`` matches, else None."""
+    base = _basename(model_name)
+    if base is None:
+        return None
+    return next((what for prefix, what in SELF_PACKING_MODELS if base.startswith(prefix)), None)
+
+
+def _in_model_table(model_name: Any) -> bool:
+    from ...rules.models import describe_model
+
+    if _basename(model_name) is None:
+        return False
+    try:
+        describe_model(model_name, key=MODEL_KEY)
+    except FP8ConfigError:
+        return False
+    return True
 
 
 def _packing_divisor(spec: RecipeSpec) -> int:
@@ -38,7 +81,11 @@ def sequence_alignment(spec: RecipeSpec, resolved: Mapping[str, Any]) -> tuple[d
 
     Packed sequences: NeMo RL pads them itself for its ``fp8_cfg`` recipes, so nothing is
     written; nvfp4 reaches the model through ``model_overrides``, which the packer does not
-    know, so packing is refused. Unpacked: ``make_sequence_length_divisible_by`` (and
+    know, so packing is refused. Except where the model packs inside its forward
+    (:data:`SELF_PACKING_MODELS`) or is not in the model table (it might): there each
+    sequence must carry the alignment itself, so ``make_sequence_length_divisible_by`` is
+    set, to TE's alignment x TP (whether or not sequence parallelism is on) x 2 CP.
+    Unpacked: ``make_sequence_length_divisible_by`` (and
     ``dynamic_batching.sequence_length_round`` when dynamic batching is on) must be a multiple
     of :func:`~nemo_fp8_plugin.capabilities.token_alignment`; unset or a divisor of it (too
     small) is raised to it, with a note; anything else cannot work and is refused."""
@@ -48,27 +95,42 @@ def sequence_alignment(spec: RecipeSpec, resolved: Mapping[str, Any]) -> tuple[d
     from .values import resolved_value
 
     sizes = parallel_sizes(resolved, resolved_value)
+    model_name = resolved_value(resolved, MODEL_KEY)
+    self_packs = model_self_packs(model_name)
+    cautious = self_packs is not None or not _in_model_table(model_name)
+    tp_factor = sizes.sequence_parallel or (cautious and sizes.tensor_parallel > 1)
     need = token_alignment(
         spec.scaling,
         tensor_parallel=sizes.tensor_parallel,
-        sequence_parallel=sizes.sequence_parallel,
+        sequence_parallel=tp_factor,
         context_parallel=sizes.context_parallel,
     )
     why = (
         f"{spec.name}'s GEMMs need the tokens per rank to be a multiple of "
         f"{capability(spec.scaling).token_align} (Transformer Engine)"
-        + (
-            f", times TP {sizes.tensor_parallel} with sequence parallelism"
-            if sizes.sequence_parallel
-            else ""
-        )
+        + (f", times TP {sizes.tensor_parallel}" if tp_factor else "")
         + (f", times 2 x CP {sizes.context_parallel}" if sizes.context_parallel > 1 else "")
     )
-    if resolved_value(resolved, "policy.sequence_packing.enabled", False) is True:
+    if cautious:
+        why += (
+            f"; {self_packs} packs sequences in its own forward (NeMo RL's "
+            "delegate_pack_to_model), so NeMo RL's packer does not pad them"
+            if self_packs
+            else f"; {model_name!r} is not in the model table, so TP is counted as if "
+            "sequence parallel and packing as if the model packed itself"
+        )
+    packed = resolved_value(resolved, "policy.sequence_packing.enabled", False) is True
+    if packed and self_packs is None and (not cautious or capability(spec.scaling).is_nvfp4):
         return {}, [_packed(spec, why, need)]
     keys = [SEQUENCE_KEY]
     if resolved_value(resolved, "policy.dynamic_batching.enabled", False) is True:
         keys.append(DYNAMIC_ROUND_KEY)
+    return _raise_to(resolved, keys, need, why)
+
+
+def _raise_to(resolved: Mapping[str, Any], keys: list[str], need: int, why: str):
+    from .values import resolved_value
+
     writes: dict[str, Any] = {}
     notes: list[str] = []
     for key in keys:

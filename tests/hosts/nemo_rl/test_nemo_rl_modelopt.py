@@ -1,0 +1,127 @@
+"""ModelOpt QAT NVFP4 presets write NVIDIA's keys (issue 24, item 1).
+
+Each shipped recipe's keys are compared with its twin in the NeMo RL snapshot
+(``/work/shared/data/nemo_rl``, commit 7ea279a): ``examples/modelopt/
+qa_grpo_llama8b_megatron.v2.yaml``, ``qa_grpo_nano3_megatron.yaml`` and the real-quant
+recipe ``grpo-nanov3-30ba3b-4n4g-megatron-qa-nvfp4-w4a16-real.yaml``; the keys are the
+ones NeMo RL's TypedDicts declare (``models/policy/__init__.py``,
+``models/generation/vllm/config.py``), read by ``ast``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_fp8_plugin.dotted import get_path
+from nemo_fp8_plugin.errors import FP8ConfigError
+from nemo_fp8_plugin.hosts.nemo_rl.modelopt import (
+    DEFAULT_NVFP4_IGNORE,
+    modelopt_qat_keys,
+    real_quant_ignore,
+)
+from nemo_fp8_plugin.spec import BF16Rules
+
+pytestmark = pytest.mark.torch_free
+
+SNAPSHOT = Path("/work/shared/data/nemo_rl")
+MODELOPT = SNAPSHOT / "examples" / "modelopt"
+RECIPE = (
+    SNAPSHOT
+    / "examples/configs/recipes/llm/grpo-nanov3-30ba3b-4n4g-megatron-qa-nvfp4-w4a16-real.yaml"
+)
+
+
+def _yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def _declared(path: str, cls: str) -> set[str]:
+    tree = ast.parse((SNAPSHOT / "src" / path).read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+
+
+@pytest.mark.parametrize(
+    "preset, twin",
+    [
+        ("nvfp4-w4a16", MODELOPT / "qa_grpo_llama8b_megatron.v2.yaml"),
+        ("nano3-nvfp4-w4a16", MODELOPT / "qa_grpo_nano3_megatron.yaml"),
+    ],
+)
+def test_preset_keys_are_the_twin_configs_values(preset, twin):
+    shipped = _yaml(twin)
+    keys = modelopt_qat_keys(preset)
+    for key, value in keys.items():
+        assert get_path(shipped, key) == value, key
+    # every quantization key the twin sets is written
+    policy = shipped["policy"]
+    for name in [k for k in policy if k.startswith("quant_") or k == "disable_modelopt_layer_spec"]:
+        assert f"policy.{name}" in keys
+    assert "policy.generation.quant_cfg" in keys
+
+
+def test_real_quant_recipe_ignore_list_comes_from_the_bf16_rules():
+    shipped = _yaml(RECIPE)["policy"]["generation"]
+    rules = BF16Rules(modules=tuple(shipped["real_quant_ignore"]))
+    keys = modelopt_qat_keys("nano3-nvfp4-w4a16", rules, real_quant=True)
+    assert keys["policy.generation.real_quant"] is shipped["real_quant"] is True
+    assert keys["policy.generation.real_quant_ignore"] == shipped["real_quant_ignore"]
+
+
+def test_first_and_last_layers_become_layer_globs():
+    rules = BF16Rules(first=1, last=2, modules=("lm_head",))
+    assert real_quant_ignore(rules, num_layers=52) == [
+        "lm_head",
+        "*.layers.0.*",
+        "*.layers.50.*",
+        "*.layers.51.*",
+    ]
+    with pytest.raises(FP8ConfigError) as err:
+        real_quant_ignore(BF16Rules(last=1))
+    assert err.value.key == "bf16_layers.last"
+
+
+def test_without_rules_real_quant_uses_nemo_rls_default_list():
+    src = (SNAPSHOT / "src/nemo_rl/modelopt/utils.py").read_text()
+    tree = ast.parse(src)
+    assign = next(
+        n
+        for n in tree.body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "DEFAULT_NVFP4_IGNORE"
+    )
+    assert list(DEFAULT_NVFP4_IGNORE) == ast.literal_eval(assign.value)
+    keys = modelopt_qat_keys("nvfp4-w4a16", real_quant=True)
+    assert keys["policy.generation.real_quant_ignore"] == list(DEFAULT_NVFP4_IGNORE)
+
+
+def test_every_written_key_is_one_nemo_rl_declares():
+    policy = _declared("nemo_rl/models/policy/__init__.py", "PolicyConfig")
+    generation = _declared("nemo_rl/models/generation/vllm/config.py", "VllmConfig")
+    keys = modelopt_qat_keys("nano3-nvfp4-w4a16", BF16Rules(modules=("lm_head",)), real_quant=True)
+    for key in keys:
+        parts = key.split(".")
+        if parts[1] == "generation":
+            assert parts[2] in generation, key
+        elif parts[1] != "megatron_cfg":
+            assert parts[1] in policy, key
+
+
+def test_generation_rules_without_real_quant_are_refused_naming_the_key():
+    with pytest.raises(FP8ConfigError) as err:
+        modelopt_qat_keys("nvfp4-w4a16", BF16Rules(modules=("*router*",)))
+    assert err.value.key == "bf16_layers" and "real_quant_ignore" in str(err.value)
+    with pytest.raises(FP8ConfigError) as err:
+        modelopt_qat_keys("nvfp4-w4a4")
+    assert err.value.key == "modelopt.preset"
+
+
+def test_the_nvfp4_generation_refusal_names_the_versions_and_the_modelopt_route():
+    from nemo_fp8_plugin.capabilities import NVFP4_GENERATION_REFUSAL, capability
+
+    assert capability("nvfp4").generation_refusal == NVFP4_GENERATION_REFUSAL
+    for fact in ("NeMo RL (7ea279a)", "vLLM (0.25.1", "policy.generation.quant_cfg", "modelopt"):
+        assert fact in NVFP4_GENERATION_REFUSAL
