@@ -390,12 +390,24 @@ def get_recipe(recipe: str | Mapping[str, Any] | RecipeSpec) -> RecipeSpec:
     if isinstance(recipe, str) and recipe.lstrip().startswith("{"):
         import json  # only for the JSON form
 
+        from .errors import format_value
+
         try:
             recipe = json.loads(recipe)
+        except RecursionError:
+            raise FP8ConfigError(
+                "the JSON recipe mapping is nested too deeply", key="recipe"
+            ) from None
         except ValueError as exc:
             raise FP8ConfigError(
-                f"not a valid JSON recipe mapping: {exc}", key="recipe", value=recipe
+                f"not a valid JSON recipe mapping: {format_value(str(exc), limit=200)}",
+                key="recipe",
+                value=recipe,
             ) from None
+    if isinstance(recipe, (dict, list)):
+        from .errors import check_depth
+
+        check_depth(recipe, key="recipe", what="the recipe mapping")
     reg = default_registry()
     if isinstance(recipe, str):
         return reg.get(recipe)
