@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import stat
 import tempfile
@@ -15,6 +16,7 @@ __all__ = [
     "atomic_write_bytes",
     "dump_yaml",
     "dump_json",
+    "dump_config_json",
     "check_output_file",
     "check_output_dir",
     "same_file",
@@ -143,6 +145,81 @@ def dump_yaml(data: Any) -> str:
 
 def dump_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
+
+
+def dump_config_json(data: Any) -> str:
+    """A config as JSON, refusing what JSON cannot say rather than writing something else:
+    two keys that become one JSON string (YAML's ``1`` and ``'1'``, ``true`` and
+    ``'true'``, ``null`` and ``'null'``), a NaN or infinity (not JSON), binary data
+    (``!!binary``), sets. Dates are written as their ISO strings. Each refusal is an
+    :class:`FP8ConfigError` naming the key's dotted path."""
+    import datetime
+
+    from .errors import FP8ConfigError, format_value
+
+    def name(path: tuple[str, ...]) -> str:
+        return ".".join(path) or "(top level)"
+
+    todo: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while todo:
+        here, path = todo.pop()
+        if isinstance(here, dict):
+            seen: dict[str, Any] = {}
+            for k, v in here.items():
+                if isinstance(k, float) and not math.isfinite(k):
+                    raise FP8ConfigError(
+                        "a NaN or infinite key cannot be written as JSON",
+                        key=name(path + (str(k),)),
+                        hint="write YAML (an output name not ending in .json)",
+                    )
+                if isinstance(k, str):
+                    as_json = k
+                elif k is None or isinstance(k, (bool, int, float)):
+                    as_json = json.dumps(k)  # what json.dumps makes of the key: 1, true, null
+                else:
+                    raise FP8ConfigError(
+                        f"a key of type {type(k).__name__} cannot be written as JSON",
+                        key=name(path),
+                        hint="write YAML (an output name not ending in .json)",
+                    )
+                if as_json in seen:
+                    raise FP8ConfigError(
+                        f"keys {format_value(seen[as_json])} and {format_value(k)} would both "
+                        f"be written as the JSON key {format_value(as_json)}",
+                        key=name(path + (as_json,)),
+                        hint="rename one, or write YAML (an output name not ending in .json)",
+                    )
+                seen[as_json] = k
+                todo.append((v, path + (as_json,)))
+        elif isinstance(here, (list, tuple)):
+            todo.extend((v, path + (str(i),)) for i, v in enumerate(here))
+        elif isinstance(here, float) and not math.isfinite(here):
+            raise FP8ConfigError(
+                f"{here} is not a JSON number",
+                key=name(path),
+                value=here,
+                hint="write YAML (an output name not ending in .json), or a finite number",
+            )
+        elif isinstance(here, (bytes, bytearray, set, frozenset)):
+            kind = "binary data (!!binary)" if isinstance(here, (bytes, bytearray)) else "a set"
+            raise FP8ConfigError(
+                f"{kind} cannot be written as JSON",
+                key=name(path),
+                hint="write YAML (an output name not ending in .json)",
+            )
+        elif not (here is None or isinstance(here, (bool, int, float, str))) and not isinstance(
+            here, (datetime.date, datetime.time)
+        ):
+            raise FP8ConfigError(
+                f"a value of type {type(here).__name__} cannot be written as JSON",
+                key=name(path),
+                hint="write YAML (an output name not ending in .json)",
+            )
+
+    def iso(value: Any) -> str:
+        return value.isoformat()
+
+    return json.dumps(data, indent=2, sort_keys=False, allow_nan=False, default=iso) + "\n"
 
 
 def _nearest_existing(path: Path) -> Path:

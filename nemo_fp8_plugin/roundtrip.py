@@ -25,7 +25,7 @@ the file it read instead of printing a fresh rendering of the result:
    exactly; otherwise nothing is written.
 
 A file the pipeline does not change is returned as it is, so ``apply`` on its own output is a
-no-op byte for byte. JSON stays JSON (rendered with :func:`nemo_fp8_plugin._io.dump_json`
+no-op byte for byte. JSON stays JSON (rendered with :func:`nemo_fp8_plugin._io.dump_config_json`
 when it changes).
 """
 
@@ -80,11 +80,11 @@ def render(
         edit: whether ``data`` is ``raw`` edited (False: a new document, Transformer Engine's).
         where: the input's name for messages.
     """
-    from ._io import dump_json, dump_yaml
+    from ._io import dump_config_json, dump_yaml
 
     unchanged = edit and not written and not removed
     if fmt == "json":
-        return source if unchanged and source_fmt == "json" else dump_json(data)
+        return source if unchanged and source_fmt == "json" else dump_config_json(data)
     if not edit:
         return dump_yaml(data)
     if unchanged and source_fmt == "yaml":
