@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -45,6 +46,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     if st is not None and not stat.S_ISREG(st.st_mode):
         _write_through(target, st.st_mode, data, shown)
         return shown
+    with _signals_raise():
+        _replace_file(target, st, data, shown)
+    return shown
+
+
+def _replace_file(target: Path, st: os.stat_result | None, data: bytes, shown: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent)
@@ -68,7 +75,36 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         if isinstance(exc, OSError):  # disk full, quota, read-only: the user's path, not ours
             raise OSError(exc.errno, exc.strerror, str(shown)) from None
         raise
-    return shown
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """While a temp file exists, SIGTERM (and SIGHUP) raise :class:`SystemExit` (exit code
+    128 + the signal) instead of ending the process on the spot, so the ``except`` that
+    removes the temp file runs; SIGINT already raises KeyboardInterrupt. Only the main
+    thread can set handlers, and a handler someone else installed is left alone.
+
+    (A small local handler: the export side's shared ``_signals`` module was not on main
+    when this was written.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    saved = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, None):
+            saved[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _temp_prefix(target: Path) -> str:
@@ -79,8 +115,15 @@ def _temp_prefix(target: Path) -> str:
     except (OSError, ValueError):
         limit = 255
     room = max(1, limit - len(".") - len(".") - 8 - len(".tmp"))
-    name = target.name.encode("utf-8")[:room].decode("utf-8", "ignore") or "out"
-    return f".{name}."
+    # The name as the file system stores it (a byte that is not UTF-8 is a surrogate
+    # escape in ``str``), cut at a character boundary when it is UTF-8.
+    whole = os.fsencode(target.name)
+    try:
+        whole.decode("utf-8")
+        name = whole[:room].decode("utf-8", "ignore")
+    except UnicodeDecodeError:  # not UTF-8 already: keep its bytes as they are
+        name = os.fsdecode(whole[:room])
+    return f".{name or 'out'}."
 
 
 def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:
