@@ -141,8 +141,9 @@ def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:
         raise OSError(
             errno.EINVAL, f"is {kind}; name a file (or - for standard output)", str(shown)
         )
+    held = _HELD_FIFOS.pop(os.path.realpath(target), None)
     try:
-        fd = os.open(target, flags)
+        fd = held if held is not None else os.open(target, flags)
     except OSError as err:
         if err.errno == errno.ENXIO:
             raise OSError(
@@ -288,10 +289,18 @@ def _check_creatable(path: Path, key: str, *, shown: Path) -> None:
         )
 
 
-def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
+def check_output_file(
+    path: str | os.PathLike[str] | None,
+    key: str,
+    *,
+    read_only_ok: bool = True,
+    force_flag: str = "--force",
+) -> None:
     """Refuse, before any work starts, an output file path that cannot be written (a
-    directory, under a file, in a read-only place): a typo in ``--json`` must not cost a
-    finished run its results."""
+    directory, under a file, in a read-only place, a FIFO nobody reads): a typo in
+    ``--json`` must not cost a finished run its results. With ``read_only_ok=False`` an
+    existing regular file without write permission (0444) is refused too: replacing it
+    (rename needs only the directory) would silently undo its owner's protection."""
     from .errors import FP8ConfigError
 
     if path is None:
@@ -303,6 +312,15 @@ def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
         mode = os.stat(path).st_mode
     except OSError:
         mode = None
+    if mode is not None and stat.S_ISREG(mode) and not read_only_ok and not mode & 0o222:
+        raise FP8ConfigError(
+            f"{path} is read-only (mode {stat.S_IMODE(mode):04o}); it was not replaced",
+            key=key,
+            value=str(path),
+            hint=f"pass {force_flag} to replace it anyway, or make it writable",
+        )
+    if mode is not None and stat.S_ISFIFO(mode):
+        _check_fifo_reader(path, key)
     if mode is not None and not stat.S_ISREG(mode):
         # written through, never replaced (atomic_write_bytes): it must take the bytes
         if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
@@ -313,6 +331,33 @@ def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
             raise FP8ConfigError(f"{path} is not writable", key=key, value=str(path))
         return
     _check_creatable(Path(os.path.realpath(path)), key, shown=path)
+
+
+def _check_fifo_reader(path: Path, key: str) -> None:
+    """A FIFO is written through at the end; with no reader that write fails, so refuse it
+    now. The probe's descriptor stays open (:data:`_HELD_FIFOS`) and the final write uses
+    it: closing it would hand the reader an end of file before the results exist."""
+    from .errors import FP8ConfigError
+
+    real = os.path.realpath(path)
+    if real in _HELD_FIFOS:
+        return
+    try:
+        fd = os.open(real, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno == errno.ENXIO:
+            raise FP8ConfigError(
+                f"{path} is a FIFO that no process is reading; nothing would be written",
+                key=key,
+                value=str(path),
+                hint="start its reader first, or name a file",
+            ) from None
+        raise OSError(err.errno, err.strerror, str(path)) from None
+    _HELD_FIFOS[real] = fd
+
+
+_HELD_FIFOS: dict[str, int] = {}
+"""Write descriptors of output FIFOs checked before the work, by real path."""
 
 
 def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:

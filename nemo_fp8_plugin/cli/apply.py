@@ -51,6 +51,11 @@ def register(sub) -> None:
         action="store_true",
         help="print a unified diff of CONFIG and the result; write nothing",
     )
+    where.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a read-only (e.g. 0444) output file; without it one is refused",
+    )
     p.add_argument(
         "--strict", action="store_true", help="treat rules the host cannot express as errors"
     )
@@ -71,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from ..roundtrip import render, unified_diff
 
     target = _target(args)
-    check_output_file(target, "--in-place" if args.in_place else "--output")
+    check_output_file(
+        target, "--in-place" if args.in_place else "--output", read_only_ok=args.force
+    )
     adapter = get_adapter(args.host)
     # --diff shows the edit --in-place would make (relative references stay as they are)
     ctx = load_context(
