@@ -390,8 +390,6 @@ def get_recipe(recipe: str | Mapping[str, Any] | RecipeSpec) -> RecipeSpec:
     if isinstance(recipe, str) and recipe.lstrip().startswith("{"):
         import json  # only for the JSON form
 
-        from .errors import format_value
-
         try:
             recipe = json.loads(recipe)
         except RecursionError:
