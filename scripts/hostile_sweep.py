@@ -123,8 +123,12 @@ def cases(tmp: Path) -> list[Case]:
     out.append(Case("bench --json FIFO (no reader)", ["bench", "--quick", "--json", fifo], expect_rc=(2,), needle="--json", timeout=20))
     # demo: each value in range, product huge
     demo = tmp / "demo.yaml"
-    demo.write_text("model:\n  hidden_size: 65536\n  num_layers: 64\n  ffn_hidden_size: 262144\n  vocab_size: 256\ntrain:\n  steps: 1\n")
-    out.append(Case("demo with a terabyte-sized model", ["demo", demo, "--out", tmp / "demo_out", "--recipes", "fp8_blockwise"], expect_rc=(2,), timeout=60))
+    demo.write_text(
+        "precision: fp8_blockwise\nmodel:\n  num_layers: 4\n  hidden_size: 1024\n"
+        "  ffn_hidden_size: 4096\n  num_attention_heads: 128\n  seq_length: 8192\n"
+        "  vocab_size: 65536\ntrain:\n  micro_batch_size: 512\n  steps: 1\n"
+    )
+    out.append(Case("demo with a terabyte-sized model", ["demo", demo, "--out", tmp / "demo_out", "--recipes", "fp8_blockwise"], expect_rc=(2,), needle="GiB", timeout=60))
     return out
 
 
