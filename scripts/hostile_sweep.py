@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+SOURCE = REPO
+"""Where the package the children import lives (a test may point it at another tree)."""
 BASE = "precision: fp8_blockwise\n"
 
 
@@ -31,7 +33,7 @@ def _cli(python: str) -> list[str]:
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(SOURCE) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
 
