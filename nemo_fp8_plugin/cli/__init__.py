@@ -92,10 +92,20 @@ def main(argv: list[str] | None = None) -> int:
 def _error(command: str, message: str, *, kind: str = "error: ") -> None:
     """One line on standard error (bounded: a message is at most a few hundred characters
     whatever the input it names)."""
-    text = f"nemo-fp8 {command}: {kind}{one_line(message)}"
+    text = f"nemo-fp8 {command}: {kind}{one_line(printable_path(message))}"
     if len(text) > _MESSAGE_MAX:
         text = text[: _MESSAGE_MAX - 3] + "..."
     print(text, file=sys.stderr)
+
+
+def printable_path(text: str) -> str:
+    """``text`` with the bytes of a file name that is not UTF-8 (surrogate escapes in a
+    ``str``) shown as ``\\xff``: no stream can encode them as they are."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 _MESSAGE_MAX = 2000

@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.config} unchanged", file=sys.stderr)
             return 0
         atomic_write_text(target, text)
-        print(f"wrote {target}", file=sys.stderr)
+        from . import printable_path
+
+        print(f"wrote {printable_path(str(target))}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
