@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,8 +37,18 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 class Case:
-    def __init__(self, name, argv, *, expect_rc=(0, 2), needle=None, env=None, shell=None,
-                 check=None, timeout=120):
+    def __init__(
+        self,
+        name,
+        argv,
+        *,
+        expect_rc=(0, 2),
+        needle=None,
+        env=None,
+        shell=None,
+        check=None,
+        timeout=120,
+    ):
         self.name, self.argv, self.expect_rc, self.needle = name, argv, expect_rc, needle
         self.env, self.shell, self.check, self.timeout = env or {}, shell, check, timeout
 
@@ -51,28 +59,107 @@ def cases(tmp: Path) -> list[Case]:
     cfg.write_text(BASE)
 
     # streams
-    out.append(Case("recipes | head -1", None, expect_rc=(0,), shell="{cli} recipes | head -1 >/dev/null; exit ${{PIPESTATUS[0]}}"))
-    out.append(Case("recipes >&- (stdout closed)", None, expect_rc=(2,), needle="standard output", shell="{cli} recipes >&-"))
-    out.append(Case("explain >&- (stdout closed)", None, expect_rc=(2,), needle="standard output", shell=f"{{cli}} explain {cfg} >&-"))
+    out.append(
+        Case(
+            "recipes | head -1",
+            None,
+            expect_rc=(0,),
+            shell="{cli} recipes | head -1 >/dev/null; exit ${{PIPESTATUS[0]}}",
+        )
+    )
+    out.append(
+        Case(
+            "recipes >&- (stdout closed)",
+            None,
+            expect_rc=(2,),
+            needle="standard output",
+            shell="{cli} recipes >&-",
+        )
+    )
+    out.append(
+        Case(
+            "explain >&- (stdout closed)",
+            None,
+            expect_rc=(2,),
+            needle="standard output",
+            shell=f"{{cli}} explain {cfg} >&-",
+        )
+    )
     uni = tmp / "uni.yaml"
     uni.write_text("# café\nprecision: fp8_blockwise\nname: 'naïve'\n", encoding="utf-8")
-    out.append(Case("PYTHONIOENCODING=ascii apply non-ASCII", ["apply", uni, "--host", "megatron"], expect_rc=(2,), needle="encoding", env={"PYTHONIOENCODING": "ascii"}))
-    out.append(Case("PYTHONIOENCODING=ascii explain non-ASCII", ["explain", uni], env={"PYTHONIOENCODING": "ascii"}))
+    out.append(
+        Case(
+            "PYTHONIOENCODING=ascii apply non-ASCII",
+            ["apply", uni, "--host", "megatron"],
+            expect_rc=(2,),
+            needle="encoding",
+            env={"PYTHONIOENCODING": "ascii"},
+        )
+    )
+    out.append(
+        Case(
+            "PYTHONIOENCODING=ascii explain non-ASCII",
+            ["explain", uni],
+            env={"PYTHONIOENCODING": "ascii"},
+        )
+    )
     # file names
-    out.append(Case("-o name with a non-UTF-8 byte", ["apply", cfg, "--host", "megatron", "-o", os.fsdecode(str(tmp).encode() + b"/out\xff.yaml")], expect_rc=(0,)))
+    out.append(
+        Case(
+            "-o name with a non-UTF-8 byte",
+            [
+                "apply",
+                cfg,
+                "--host",
+                "megatron",
+                "-o",
+                os.fsdecode(str(tmp).encode() + b"/out\xff.yaml"),
+            ],
+            expect_rc=(0,),
+        )
+    )
     # deep / huge model configs
     deep = tmp / "deep"
     deep.mkdir()
     (deep / "config.json").write_text("[" * 5000 + "]" * 5000)
-    out.append(Case("--model-config deeply nested", ["explain", cfg, "--model-config", deep / "config.json"], expect_rc=(2,), needle="--model-config"))
+    out.append(
+        Case(
+            "--model-config deeply nested",
+            ["explain", cfg, "--model-config", deep / "config.json"],
+            expect_rc=(2,),
+            needle="--model-config",
+        )
+    )
     fp8model = tmp / "fp8model.yaml"
     fp8model.write_text(f"fp8:\n  recipe: fp8_blockwise\n  model: {deep / 'config.json'}\n")
-    out.append(Case("fp8.model deeply nested config.json", ["explain", fp8model], expect_rc=(2,), needle="model"))
+    out.append(
+        Case(
+            "fp8.model deeply nested config.json",
+            ["explain", fp8model],
+            expect_rc=(2,),
+            needle="model",
+        )
+    )
     big = tmp / "big"
     big.mkdir()
     (big / "config.json").write_text('{"num_hidden_layers": ' + "9" * 5000 + "}")
-    out.append(Case("--model-config 5000-digit integer", ["explain", cfg, "--model-config", big / "config.json"], expect_rc=(2,), needle="--model-config"))
-    out.append(Case("--model 100k characters", ["explain", cfg, "--model", "x" * 100_000], expect_rc=(2,), needle="--model", check=lambda p: len(p.stderr) < 2000 or "message of %d bytes" % len(p.stderr)))
+    out.append(
+        Case(
+            "--model-config 5000-digit integer",
+            ["explain", cfg, "--model-config", big / "config.json"],
+            expect_rc=(2,),
+            needle="--model-config",
+        )
+    )
+    out.append(
+        Case(
+            "--model 100k characters",
+            ["explain", cfg, "--model", "x" * 100_000],
+            expect_rc=(2,),
+            needle="--model",
+            check=lambda p: len(p.stderr) < 2000 or f"message of {len(p.stderr)} bytes",
+        )
+    )
     # -o JSON
     for name, text in [
         ("1 and '1'", "precision: fp8_blockwise\nm:\n  1: a\n  '1': b\n"),
@@ -88,41 +175,90 @@ def cases(tmp: Path) -> list[Case]:
         def strict_json(p, res=res):
             if p.returncode == 0:
                 try:
-                    json.loads(res.read_text(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-                except Exception as exc:  # noqa: BLE001
+                    json.loads(
+                        res.read_text(),
+                        parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)),
+                    )
+                except Exception as exc:
                     return f"wrote invalid JSON: {exc}"
                 return "wrote a result" if "b'" not in res.read_text() else "wrote b'...'"
             return True
 
-        out.append(Case(f"-o OUT.json: {name}", ["apply", src, "--host", "megatron", "-o", res], expect_rc=(2,), check=strict_json))
+        out.append(
+            Case(
+                f"-o OUT.json: {name}",
+                ["apply", src, "--host", "megatron", "-o", res],
+                expect_rc=(2,),
+                check=strict_json,
+            )
+        )
     # read-only outputs
     ro = tmp / "ro.yaml"
     ro.write_text(BASE)
     ro.chmod(0o444)
-    out.append(Case("--in-place on a 0444 file", ["apply", ro, "--host", "megatron", "--in-place"], expect_rc=(2,), needle=str(ro)))
+    out.append(
+        Case(
+            "--in-place on a 0444 file",
+            ["apply", ro, "--host", "megatron", "--in-place"],
+            expect_rc=(2,),
+            needle=str(ro),
+        )
+    )
     ro_out = tmp / "ro_out.yaml"
     ro_out.write_text("old\n")
     ro_out.chmod(0o444)
-    out.append(Case("-o a 0444 file", ["apply", cfg, "--host", "megatron", "-o", ro_out], expect_rc=(2,), needle=str(ro_out)))
+    out.append(
+        Case(
+            "-o a 0444 file",
+            ["apply", cfg, "--host", "megatron", "-o", ro_out],
+            expect_rc=(2,),
+            needle=str(ro_out),
+        )
+    )
     # defaults:
     for i, (parent_name, ref) in enumerate([("b.YAML", "b.YAML"), ("b.json", "b.json")]):
         d = tmp / f"defaults{i}"
         d.mkdir()
-        (d / parent_name).write_text('{"fp8": {"recipe": "nonexistent_recipe"}}' if parent_name.endswith("json") else "fp8:\n  recipe: nonexistent_recipe\n")
+        (d / parent_name).write_text(
+            '{"fp8": {"recipe": "nonexistent_recipe"}}'
+            if parent_name.endswith("json")
+            else "fp8:\n  recipe: nonexistent_recipe\n"
+        )
         (d / "child.yaml").write_text(f"defaults: {ref}\nprecision: fp8_blockwise\n")
-        out.append(Case(f"defaults: {ref} (parent followed and checked)", ["explain", d / "child.yaml"], expect_rc=(2,)))
+        out.append(
+            Case(
+                f"defaults: {ref} (parent followed and checked)",
+                ["explain", d / "child.yaml"],
+                expect_rc=(2,),
+            )
+        )
     d = tmp / "defaults_list"
     d.mkdir()
     (d / "child.yaml").write_text("defaults: [a.yaml, 3]\nprecision: fp8_blockwise\n")
     (d / "a.yaml").write_text("x: 1\n")
-    out.append(Case("defaults: list with a non-string", ["explain", d / "child.yaml"], expect_rc=(2,), needle="defaults"))
+    out.append(
+        Case(
+            "defaults: list with a non-string",
+            ["explain", d / "child.yaml"],
+            expect_rc=(2,),
+            needle="defaults",
+        )
+    )
     sur = tmp / "sur.json"
     sur.write_text('{"precision": "fp8_blockwise", "name": "\\ud83d\\ude00"}')
     out.append(Case("JSON with a surrogate pair", ["explain", sur], expect_rc=(0,)))
     # bench --json FIFO with no reader: refused before any work
     fifo = tmp / "fifo"
     os.mkfifo(fifo)
-    out.append(Case("bench --json FIFO (no reader)", ["bench", "--quick", "--json", fifo], expect_rc=(2,), needle="--json", timeout=20))
+    out.append(
+        Case(
+            "bench --json FIFO (no reader)",
+            ["bench", "--quick", "--json", fifo],
+            expect_rc=(2,),
+            needle="--json",
+            timeout=20,
+        )
+    )
     # demo: each value in range, product huge
     demo = tmp / "demo.yaml"
     demo.write_text(
@@ -130,7 +266,15 @@ def cases(tmp: Path) -> list[Case]:
         "  ffn_hidden_size: 4096\n  num_attention_heads: 128\n  seq_length: 8192\n"
         "  vocab_size: 65536\ntrain:\n  micro_batch_size: 512\n  steps: 1\n"
     )
-    out.append(Case("demo with a terabyte-sized model", ["demo", demo, "--out", tmp / "demo_out", "--recipes", "fp8_blockwise"], expect_rc=(2,), needle="GiB", timeout=60))
+    out.append(
+        Case(
+            "demo with a terabyte-sized model",
+            ["demo", demo, "--out", tmp / "demo_out", "--recipes", "fp8_blockwise"],
+            expect_rc=(2,),
+            needle="GiB",
+            timeout=60,
+        )
+    )
     return out
 
 
@@ -139,9 +283,19 @@ def run_case(case: Case, python: str) -> tuple[str, str]:
     env = _env(**case.env)
     try:
         if case.shell:
-            proc = subprocess.run(["bash", "-c", case.shell.format(cli=cli)], capture_output=True, env=env, timeout=case.timeout)
+            proc = subprocess.run(
+                ["bash", "-c", case.shell.format(cli=cli)],
+                capture_output=True,
+                env=env,
+                timeout=case.timeout,
+            )
         else:
-            proc = subprocess.run(_cli(python) + [os.fspath(a) for a in case.argv], capture_output=True, env=env, timeout=case.timeout)
+            proc = subprocess.run(
+                _cli(python) + [os.fspath(a) for a in case.argv],
+                capture_output=True,
+                env=env,
+                timeout=case.timeout,
+            )
     except subprocess.TimeoutExpired:
         return "broke", f"no answer within {case.timeout} s"
     proc.stderr = proc.stderr.decode("utf-8", "replace")
@@ -181,9 +335,20 @@ def sigterm_case(tmp: Path, python: str) -> tuple[str, str]:
     out = tmp / "sigout"
     out.mkdir()
     proc = subprocess.run(
-        [python, "-c", _SIGTERM_MID_WRITE, "apply", str(cfg), "--host", "megatron", "-o",
-         str(out / "r.yaml")],
-        env=_env(), capture_output=True, timeout=120,
+        [
+            python,
+            "-c",
+            _SIGTERM_MID_WRITE,
+            "apply",
+            str(cfg),
+            "--host",
+            "megatron",
+            "-o",
+            str(out / "r.yaml"),
+        ],
+        env=_env(),
+        capture_output=True,
+        timeout=120,
     )
     left = [p.name for p in out.iterdir()]
     if left:

@@ -29,7 +29,7 @@ def calls_and_result(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple
     threading.setprofile(profile)
     try:
         result: Any = fn(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
+    except BaseException as exc:
         result = exc
     finally:
         sys.setprofile(previous)

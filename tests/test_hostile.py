@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from counting import calls
 
 import nemo_fp8_plugin
-from counting import calls
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.errors import FP8ConfigError
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from counting import calls_and_result
 
 from conftest import unblock_fifo_later
-from counting import calls_and_result
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.errors import LIMITS, FP8ConfigError, format_value
 

@@ -369,9 +369,7 @@ def mapping_context(
 
     # A mapping built in code can contain itself (d["a"] = d): every walk over it below
     # would recurse without end. Refused by depth, walked without recursion.
-    check_depth(
-        dict(config), key="config", what="the config mapping (or it contains itself)"
-    )
+    check_depth(dict(config), key="config", what="the config mapping (or it contains itself)")
     request = find_fp8_request(config, hardware=hardware)
     where = Path(path) if path is not None else Path("config.yaml")
     found = _model_of(request, config, where, model, None)

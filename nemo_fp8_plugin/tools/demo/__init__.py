@@ -202,7 +202,10 @@ def _activation_bytes(gpt, train) -> dict[str, int]:
         # logits, their softmax and gradient
         "model.vocab_size": 3 * tokens * gpt.vocab_size * 4,
         # the saved hidden states and MLP activations of every layer
-        "model.num_layers": gpt.num_layers * tokens * (12 * gpt.hidden_size + 2 * gpt.ffn_hidden_size) * 4,
+        "model.num_layers": gpt.num_layers
+        * tokens
+        * (12 * gpt.hidden_size + 2 * gpt.ffn_hidden_size)
+        * 4,
     }
 
 
