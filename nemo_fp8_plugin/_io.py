@@ -9,6 +9,7 @@ import math
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def _replace_file(target: Path, st: os.stat_result | None, data: bytes, shown: P
 
 
 @contextlib.contextmanager
-def _signals_raise():
+def _signals_raise() -> Iterator[None]:
     """While a temp file exists, SIGTERM (and SIGHUP) raise :class:`SystemExit` (exit code
     128 + the signal) instead of ending the process on the spot, so the ``except`` that
     removes the temp file runs; SIGINT already raises KeyboardInterrupt. Only the main
@@ -93,7 +94,7 @@ def _signals_raise():
         yield
         return
 
-    def stop(signum, frame):
+    def stop(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
     saved = {}
@@ -261,7 +262,7 @@ def dump_config_json(data: Any) -> str:
             )
 
     def iso(value: Any) -> str:
-        return value.isoformat()
+        return str(value.isoformat())
 
     return json.dumps(data, indent=2, sort_keys=False, allow_nan=False, default=iso) + "\n"
 
