@@ -118,8 +118,15 @@ def _shown(filename) -> str:
 
 def _is_stream_encoding(err: UnicodeEncodeError) -> bool:
     """A character the terminal's (or PYTHONIOENCODING's) encoding has no byte for."""
-    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("_", "-")
-    return bool(encoding) and err.encoding.lower().replace("_", "-") in (encoding, "ascii")
+    import codecs
+
+    try:
+        stream = codecs.lookup(getattr(sys.stdout, "encoding", None) or "").name
+        raised = codecs.lookup(err.encoding).name if err.encoding != "charmap" else stream
+    except LookupError:
+        return False
+    # single-byte code pages (cp1252) report their errors as "charmap"
+    return raised in (stream, "ascii")
 
 
 class _ClosedStream(io.TextIOBase):
