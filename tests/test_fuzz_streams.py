@@ -75,8 +75,9 @@ def test_any_stdout_encoding_or_a_closed_stdout(capsys, monkeypatch, encoding, t
                     stream.flush()
         err = capsys.readouterr().err
         assert_promise(rc, _errors(err), took, argv_)
-        if encoding is None:
-            assert rc == 2 and "standard output is closed" in err, err
+        if encoding is None:  # every command here writes to standard output: refused
+            assert rc == 2, err  # (the config's own refusal may come first)
+            assert command != "recipes" or "standard output is closed" in err, err
         elif rc == 0 and command == "apply":
             assert yaml.safe_load(sink.getvalue().decode(encoding))["note"] == text
 
