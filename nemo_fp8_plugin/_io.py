@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import math
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ __all__ = [
     "atomic_write_bytes",
     "dump_yaml",
     "dump_json",
+    "dump_config_json",
     "check_output_file",
     "check_output_dir",
     "same_file",
@@ -43,6 +47,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     if st is not None and not stat.S_ISREG(st.st_mode):
         _write_through(target, st.st_mode, data, shown)
         return shown
+    with _signals_raise():
+        _replace_file(target, st, data, shown)
+    return shown
+
+
+def _replace_file(target: Path, st: os.stat_result | None, data: bytes, shown: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent)
@@ -66,7 +76,36 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         if isinstance(exc, OSError):  # disk full, quota, read-only: the user's path, not ours
             raise OSError(exc.errno, exc.strerror, str(shown)) from None
         raise
-    return shown
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While a temp file exists, SIGTERM (and SIGHUP) raise :class:`SystemExit` (exit code
+    128 + the signal) instead of ending the process on the spot, so the ``except`` that
+    removes the temp file runs; SIGINT already raises KeyboardInterrupt. Only the main
+    thread can set handlers, and a handler someone else installed is left alone.
+
+    (A small local handler: the export side's shared ``_signals`` module was not on main
+    when this was written.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    saved = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, None):
+            saved[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _temp_prefix(target: Path) -> str:
@@ -77,8 +116,15 @@ def _temp_prefix(target: Path) -> str:
     except (OSError, ValueError):
         limit = 255
     room = max(1, limit - len(".") - len(".") - 8 - len(".tmp"))
-    name = target.name.encode("utf-8")[:room].decode("utf-8", "ignore") or "out"
-    return f".{name}."
+    # The name as the file system stores it (a byte that is not UTF-8 is a surrogate
+    # escape in ``str``), cut at a character boundary when it is UTF-8.
+    whole = os.fsencode(target.name)
+    try:
+        whole.decode("utf-8")
+        name = whole[:room].decode("utf-8", "ignore")
+    except UnicodeDecodeError:  # not UTF-8 already: keep its bytes as they are
+        name = os.fsdecode(whole[:room])
+    return f".{name or 'out'}."
 
 
 def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:
@@ -96,8 +142,9 @@ def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:
         raise OSError(
             errno.EINVAL, f"is {kind}; name a file (or - for standard output)", str(shown)
         )
+    held = _HELD_FIFOS.pop(os.path.realpath(target), None)
     try:
-        fd = os.open(target, flags)
+        fd = held if held is not None else os.open(target, flags)
     except OSError as err:
         if err.errno == errno.ENXIO:
             raise OSError(
@@ -145,6 +192,81 @@ def dump_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
 
 
+def dump_config_json(data: Any) -> str:
+    """A config as JSON, refusing what JSON cannot say rather than writing something else:
+    two keys that become one JSON string (YAML's ``1`` and ``'1'``, ``true`` and
+    ``'true'``, ``null`` and ``'null'``), a NaN or infinity (not JSON), binary data
+    (``!!binary``), sets. Dates are written as their ISO strings. Each refusal is an
+    :class:`FP8ConfigError` naming the key's dotted path."""
+    import datetime
+
+    from .errors import FP8ConfigError, format_value
+
+    def name(path: tuple[str, ...]) -> str:
+        return ".".join(path) or "(top level)"
+
+    todo: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while todo:
+        here, path = todo.pop()
+        if isinstance(here, dict):
+            seen: dict[str, Any] = {}
+            for k, v in here.items():
+                if isinstance(k, float) and not math.isfinite(k):
+                    raise FP8ConfigError(
+                        "a NaN or infinite key cannot be written as JSON",
+                        key=name(path + (str(k),)),
+                        hint="write YAML (an output name not ending in .json)",
+                    )
+                if isinstance(k, str):
+                    as_json = k
+                elif k is None or isinstance(k, (bool, int, float)):
+                    as_json = json.dumps(k)  # what json.dumps makes of the key: 1, true, null
+                else:
+                    raise FP8ConfigError(
+                        f"a key of type {type(k).__name__} cannot be written as JSON",
+                        key=name(path),
+                        hint="write YAML (an output name not ending in .json)",
+                    )
+                if as_json in seen:
+                    raise FP8ConfigError(
+                        f"keys {format_value(seen[as_json])} and {format_value(k)} would both "
+                        f"be written as the JSON key {format_value(as_json)}",
+                        key=name(path + (as_json,)),
+                        hint="rename one, or write YAML (an output name not ending in .json)",
+                    )
+                seen[as_json] = k
+                todo.append((v, path + (as_json,)))
+        elif isinstance(here, (list, tuple)):
+            todo.extend((v, path + (str(i),)) for i, v in enumerate(here))
+        elif isinstance(here, float) and not math.isfinite(here):
+            raise FP8ConfigError(
+                f"{here} is not a JSON number",
+                key=name(path),
+                value=here,
+                hint="write YAML (an output name not ending in .json), or a finite number",
+            )
+        elif isinstance(here, (bytes, bytearray, set, frozenset)):
+            kind = "binary data (!!binary)" if isinstance(here, (bytes, bytearray)) else "a set"
+            raise FP8ConfigError(
+                f"{kind} cannot be written as JSON",
+                key=name(path),
+                hint="write YAML (an output name not ending in .json)",
+            )
+        elif not (here is None or isinstance(here, (bool, int, float, str))) and not isinstance(
+            here, (datetime.date, datetime.time)
+        ):
+            raise FP8ConfigError(
+                f"a value of type {type(here).__name__} cannot be written as JSON",
+                key=name(path),
+                hint="write YAML (an output name not ending in .json)",
+            )
+
+    def iso(value: Any) -> str:
+        return str(value.isoformat())
+
+    return json.dumps(data, indent=2, sort_keys=False, allow_nan=False, default=iso) + "\n"
+
+
 def _nearest_existing(path: Path) -> Path:
     here = path
     while not here.exists() and here != here.parent:
@@ -168,10 +290,18 @@ def _check_creatable(path: Path, key: str, *, shown: Path) -> None:
         )
 
 
-def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
+def check_output_file(
+    path: str | os.PathLike[str] | None,
+    key: str,
+    *,
+    read_only_ok: bool = True,
+    force_flag: str = "--force",
+) -> None:
     """Refuse, before any work starts, an output file path that cannot be written (a
-    directory, under a file, in a read-only place): a typo in ``--json`` must not cost a
-    finished run its results."""
+    directory, under a file, in a read-only place, a FIFO nobody reads): a typo in
+    ``--json`` must not cost a finished run its results. With ``read_only_ok=False`` an
+    existing regular file without write permission (0444) is refused too: replacing it
+    (rename needs only the directory) would silently undo its owner's protection."""
     from .errors import FP8ConfigError
 
     if path is None:
@@ -183,6 +313,15 @@ def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
         mode = os.stat(path).st_mode
     except OSError:
         mode = None
+    if mode is not None and stat.S_ISREG(mode) and not read_only_ok and not mode & 0o222:
+        raise FP8ConfigError(
+            f"{path} is read-only (mode {stat.S_IMODE(mode):04o}); it was not replaced",
+            key=key,
+            value=str(path),
+            hint=f"pass {force_flag} to replace it anyway, or make it writable",
+        )
+    if mode is not None and stat.S_ISFIFO(mode):
+        _check_fifo_reader(path, key)
     if mode is not None and not stat.S_ISREG(mode):
         # written through, never replaced (atomic_write_bytes): it must take the bytes
         if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
@@ -193,6 +332,33 @@ def check_output_file(path: str | os.PathLike[str] | None, key: str) -> None:
             raise FP8ConfigError(f"{path} is not writable", key=key, value=str(path))
         return
     _check_creatable(Path(os.path.realpath(path)), key, shown=path)
+
+
+def _check_fifo_reader(path: Path, key: str) -> None:
+    """A FIFO is written through at the end; with no reader that write fails, so refuse it
+    now. The probe's descriptor stays open (:data:`_HELD_FIFOS`) and the final write uses
+    it: closing it would hand the reader an end of file before the results exist."""
+    from .errors import FP8ConfigError
+
+    real = os.path.realpath(path)
+    if real in _HELD_FIFOS:
+        return
+    try:
+        fd = os.open(real, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno == errno.ENXIO:
+            raise FP8ConfigError(
+                f"{path} is a FIFO that no process is reading; nothing would be written",
+                key=key,
+                value=str(path),
+                hint="start its reader first, or name a file",
+            ) from None
+        raise OSError(err.errno, err.strerror, str(path)) from None
+    _HELD_FIFOS[real] = fd
+
+
+_HELD_FIFOS: dict[str, int] = {}
+"""Write descriptors of output FIFOs checked before the work, by real path."""
 
 
 def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:

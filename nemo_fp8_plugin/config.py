@@ -122,11 +122,32 @@ def _defaults_paths(value: Any, here: Path) -> list[Path] | None:
     """Parent files named by ``defaults:``, or None when it is not a NeMo RL file chain
     (Hydra-style ``defaults:`` lists of groups are left alone)."""
     items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
+    if not isinstance(items, list) or not items:
         return None
-    if not all(i.endswith((".yaml", ".yml")) for i in items):
-        return None
+    files = [isinstance(i, str) and _is_config_file_name(i) for i in items]
+    if not any(files):
+        return None  # Hydra groups (``- model: gpt``, ``_self_``): not files
+    for i, item in enumerate(items):
+        if not files[i]:
+            # NeMo RL's loader opens every entry as a file (``str(entry)``): one that is
+            # not a config file name would fail there, and must not pass unchecked here.
+            raise FP8ConfigError(
+                f"entry {format_value(item)} is not a config file name, but the list names "
+                f"files (NeMo RL opens every entry as one)",
+                key=f"defaults[{i}]" if isinstance(value, list) else "defaults",
+                value=item,
+                hint="write each parent as a .yaml, .yml or .json file name",
+            )
     return [(here.parent / i) if not Path(i).is_absolute() else Path(i) for i in items]
+
+
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+"""File names ``defaults:`` follows, in any letter case (NeMo RL's loader, OmegaConf, reads
+any of them: JSON is YAML)."""
+
+
+def _is_config_file_name(name: str) -> bool:
+    return name.lower().endswith(_CONFIG_SUFFIXES)
 
 
 def _read_mapping(path: Path) -> dict[str, Any]:

@@ -77,6 +77,28 @@ def check_limit(
         )
 
 
+def check_depth(value: Any, *, key: str | None, what: str, limit: int | None = None) -> None:
+    """Refuse ``value`` (parsed JSON or YAML) nested deeper than ``limit`` levels
+    (default ``LIMITS.yaml_depth``), walking it without recursion: code that recurses over
+    a value (merging, copying, printing) would otherwise reach Python's recursion limit."""
+    limit = LIMITS.yaml_depth if limit is None else limit
+    todo = [(value, 1)]
+    seen = 0
+    while todo:
+        here, depth = todo.pop()
+        if not isinstance(here, (dict, list, tuple)):
+            continue
+        seen += 1
+        if depth > limit:
+            raise FP8ConfigError(
+                f"{what} is nested more than {limit} levels deep",
+                key=key,
+                hint="limits: docs/refusals.md",
+            )
+        children = here.values() if isinstance(here, dict) else here
+        todo.extend((child, depth + 1) for child in children)
+
+
 def format_value(value: Any, limit: int = 80) -> str:
     """A short, quoted rendering of a config value for error messages.
 

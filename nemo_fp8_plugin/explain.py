@@ -4,6 +4,7 @@ and for every host exactly what ``nemo-fp8 apply --host <host>`` writes (the sam
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,12 +174,25 @@ def _layers_section(spec, description) -> tuple[list[dict], list[str], list[str]
     warnings, notes = [], []
     for label in sorted(nowhere):
         warnings.append(f"{label} matches no module of {description.name} (a typo?)")
+    # A side's own "matches no" line for a rule reported above is dropped: found through the
+    # rule's index (one dict probe per warning), never by scanning every unmatched label.
+    by_index = {_rule_index(label): label + " matches no" for label in nowhere}
     for side in active:
         for w in resolutions[side].warnings:
-            if not any(w.startswith(label + " matches no") for label in nowhere):
+            prefix = by_index.get(_rule_index(w))
+            if prefix is None or not w.startswith(prefix):
                 warnings.append(w)
         notes += [n for n in resolutions[side].notes if n not in notes]
     return layers, warnings, notes
+
+
+_RULE_INDEX = re.compile(r"bf16_layers\.modules\[(\d+)\]=")
+
+
+def _rule_index(text: str) -> int | None:
+    """The pattern index a rule label (or a warning starting with one) names."""
+    found = _RULE_INDEX.match(text)
+    return int(found.group(1)) if found else None
 
 
 def _hosts_section(ctx, own: str | None, names: list[str]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ that names both sources, never silently shadowed.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -200,7 +201,7 @@ def load_yaml_file(path: Path) -> Any:
             )
         data = fh.read(LIMITS.config_bytes + 1)
     check_limit(len(data), LIMITS.config_bytes, f"{path} is too large: bytes", key=None)
-    stream = io.StringIO(data.decode("utf-8"))
+    stream = io.StringIO(_join_surrogate_escapes(data.decode("utf-8")))
     stream.name = str(path)  # PyYAML's marks (line numbers) name the file
     try:
         return yaml.load(stream, Loader=_safe_loader())  # a SafeLoader subclass
@@ -208,6 +209,26 @@ def load_yaml_file(path: Path) -> Any:
         raise FP8ConfigError(
             f"{path} nests mappings and lists too deeply to read", hint="limits: docs/refusals.md"
         ) from None
+
+
+_SURROGATE_PAIR = re.compile(
+    r"(?<!\\)((?:\\\\)*)\\u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})"
+)
+
+
+def _join_surrogate_escapes(text: str) -> str:
+    """JSON spells a character outside the BMP as two escapes, ``\\ud83d\\ude00``; YAML
+    refuses each half ("invalid Unicode character escape"), so valid JSON read as YAML would
+    be refused. Each such pair (not itself escaped) becomes YAML's ``\\U0001f600``."""
+    if "\\u" not in text:
+        return text
+
+    def join(m: re.Match[str]) -> str:
+        high, low = int(m.group(2), 16), int(m.group(3), 16)
+        code = 0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00)
+        return f"{m.group(1)}\\U{code:08x}"
+
+    return _SURROGATE_PAIR.sub(join, text)
 
 
 class RecipeRegistry:
@@ -392,10 +413,20 @@ def get_recipe(recipe: str | Mapping[str, Any] | RecipeSpec) -> RecipeSpec:
 
         try:
             recipe = json.loads(recipe)
+        except RecursionError:
+            raise FP8ConfigError(
+                "the JSON recipe mapping is nested too deeply", key="recipe"
+            ) from None
         except ValueError as exc:
             raise FP8ConfigError(
-                f"not a valid JSON recipe mapping: {exc}", key="recipe", value=recipe
+                f"not a valid JSON recipe mapping: {format_value(str(exc), limit=200)}",
+                key="recipe",
+                value=recipe,
             ) from None
+    if isinstance(recipe, (dict, list)):
+        from .errors import check_depth
+
+        check_depth(recipe, key="recipe", what="the recipe mapping")
     reg = default_registry()
     if isinstance(recipe, str):
         return reg.get(recipe)

@@ -25,7 +25,7 @@ the file it read instead of printing a fresh rendering of the result:
    exactly; otherwise nothing is written.
 
 A file the pipeline does not change is returned as it is, so ``apply`` on its own output is a
-no-op byte for byte. JSON stays JSON (rendered with :func:`nemo_fp8_plugin._io.dump_json`
+no-op byte for byte. JSON stays JSON (rendered with :func:`nemo_fp8_plugin._io.dump_config_json`
 when it changes).
 """
 
@@ -80,11 +80,11 @@ def render(
         edit: whether ``data`` is ``raw`` edited (False: a new document, Transformer Engine's).
         where: the input's name for messages.
     """
-    from ._io import dump_json, dump_yaml
+    from ._io import dump_config_json, dump_yaml
 
     unchanged = edit and not written and not removed
     if fmt == "json":
-        return source if unchanged and source_fmt == "json" else dump_json(data)
+        return source if unchanged and source_fmt == "json" else dump_config_json(data)
     if not edit:
         return dump_yaml(data)
     if unchanged and source_fmt == "yaml":
@@ -168,8 +168,13 @@ def _edit_yaml(
             merged = _carry_over(source, base, edited, newline, ruamel_tail=ruamel_tail)
             if merged is not None and _reads_as(merged, data):
                 return merged
-        if fallback is None and _reads_as(edited, data):
-            fallback = edited  # ruamel's own rendering: every line's meaning, not its spelling
+        if fallback is None:
+            # ruamel's own rendering: every line's meaning, not its spelling; the lines
+            # before the document (``%YAML``/``%TAG`` directives, ``---``, comments above
+            # it), which ruamel does not re-emit, are put back as written.
+            candidate = _with_header(source, edited)
+            if _reads_as(candidate, data):
+                fallback = candidate
     if fallback is not None:
         return fallback
     raise FP8ConfigError(
@@ -321,6 +326,36 @@ def _guess_indent(source: str) -> tuple[int, int, int]:
     mapping = mapping or 2
     offset = offset if offset in (0, 2) else 0
     return mapping, mapping + offset if offset else mapping, offset
+
+
+def _header(source: str) -> list[str]:
+    """The lines before the document's content when it has an explicit start: directives,
+    comments and blank lines, through the ``---`` line (empty without a ``---``)."""
+    lines = source.splitlines(keepends=True)
+    for n, line in enumerate(lines):
+        text = line.strip()
+        if text == "---" or text.startswith("--- #"):
+            return lines[: n + 1]
+        if text and not text.startswith(("%", "#")):
+            return []
+    return []
+
+
+def _with_header(source: str, edited: str) -> str:
+    """``edited`` (ruamel's emission) led by ``source``'s :func:`_header`, each header line
+    once: the ones ruamel kept are not repeated."""
+    header = _header(source)
+    if not header:
+        return edited
+    body = edited.splitlines(keepends=True)
+    kept = {line.strip() for line in header} | {
+        line.strip()[3:].strip() for line in header if line.strip().startswith("--- #")
+    }  # ruamel re-emits the comment of ``--- # ...`` as a line of its own
+    while body and (body[0].strip() in kept or body[0].strip() == "---"):
+        body.pop(0)
+    if not header[-1].endswith("\n"):
+        header[-1] += "\n"
+    return "".join(header + body)
 
 
 def _carry_over(

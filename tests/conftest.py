@@ -149,10 +149,19 @@ def seed_all():
     return SEED
 
 
-def unblock_fifo_later(path: Path, after_s: float = 3.0, for_s: float = 60.0) -> None:
+class FifoWriter:
+    """What :func:`unblock_fifo_later` saw: ``found_reader`` is True once its open for
+    writing succeeded, which happens only while some code holds the FIFO open for reading
+    (a test asserts it stays False: nothing read the FIFO, checked without a clock)."""
+
+    found_reader = False
+
+
+def unblock_fifo_later(path: Path, after_s: float = 3.0, for_s: float = 60.0) -> FifoWriter:
     """Open the FIFO for writing, again and again, from ``after_s`` on: code that (wrongly)
     opened it for reading then returns instead of hanging the suite (a blocked ``open`` in
     native code is beyond pytest-timeout's signal)."""
+    seen = FifoWriter()
 
     def writer():
         time.sleep(after_s)
@@ -160,8 +169,10 @@ def unblock_fifo_later(path: Path, after_s: float = 3.0, for_s: float = 60.0) ->
         while time.monotonic() < end and path.exists():
             try:
                 os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                seen.found_reader = True
             except OSError:
                 pass  # no reader yet
             time.sleep(0.1)
 
     threading.Thread(target=writer, daemon=True).start()
+    return seen

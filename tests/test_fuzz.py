@@ -16,7 +16,9 @@ Budget: about 90 s on the 2-core CI machine (at most 3 minutes; ``NEMO_FP8_FUZZ_
 multiplies every example count, for a longer sweep by hand). Under ``CI=true`` the
 ``ci`` Hypothesis profile of ``tests/conftest.py`` derandomizes every test, so a failure
 reproduces on the next run; locally each run explores new examples. Output paths (special
-files, symlinks, the input itself) are fuzzed with the output-safety tests, not here.
+files, symlinks, the input itself) are fuzzed with the output-safety tests, not here; output
+file names (any bytes), standard output (any encoding, or closed) and the environment
+variables the package and Python read are fuzzed in tests/test_fuzz_streams.py (issue 26).
 """
 
 from __future__ import annotations

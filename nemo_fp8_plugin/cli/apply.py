@@ -51,6 +51,11 @@ def register(sub) -> None:
         action="store_true",
         help="print a unified diff of CONFIG and the result; write nothing",
     )
+    where.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a read-only (e.g. 0444) output file; without it one is refused",
+    )
     p.add_argument(
         "--strict", action="store_true", help="treat rules the host cannot express as errors"
     )
@@ -78,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     from ..roundtrip import render, unified_diff
 
     target = _target(args)
-    check_output_file(target, "--in-place" if args.in_place else "--output")
+    check_output_file(
+        target, "--in-place" if args.in_place else "--output", read_only_ok=args.force
+    )
     adapter = get_adapter(args.host)
     # --diff shows the edit --in-place would make (relative references stay as they are)
     ctx = load_context(
@@ -129,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.config} unchanged", file=sys.stderr)
             return 0
         atomic_write_text(target, text)
-        print(f"wrote {target}", file=sys.stderr)
+        from . import printable_path
+
+        print(f"wrote {printable_path(str(target))}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

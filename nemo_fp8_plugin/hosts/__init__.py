@@ -376,6 +376,11 @@ def mapping_context(
 
     if not isinstance(config, Mapping):
         raise FP8ConfigError(f"a config must be a mapping, got {format_value(config)}")
+    from ..errors import check_depth
+
+    # A mapping built in code can contain itself (d["a"] = d): every walk over it below
+    # would recurse without end. Refused by depth, walked without recursion.
+    check_depth(dict(config), key="config", what="the config mapping (or it contains itself)")
     request = find_fp8_request(config, hardware=hardware)
     where = Path(path) if path is not None else Path("config.yaml")
     found = _model_of(request, config, where, model, None)

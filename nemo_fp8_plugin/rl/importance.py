@@ -97,9 +97,15 @@ def _bound(key: str, value: Any, optional: bool = False) -> float | None:
     # bool is an int subclass; `ratio_max=True` is a mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FP8ConfigError(f"expected a number, got {format_value(value)}", key=key, value=value)
-    value = float(value)
+    given = value
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float's range (10**400)
+        value = math.inf
     if not math.isfinite(value) or value < 0:
-        raise FP8ConfigError(f"must be a finite number >= 0, got {value}", key=key, value=value)
+        raise FP8ConfigError(
+            f"must be a finite number >= 0, got {format_value(given)}", key=key, value=given
+        )
     return value
 
 

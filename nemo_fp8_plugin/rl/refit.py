@@ -116,6 +116,7 @@ def scale_name(name: str, spec=None, *, mx_scale_layout: str = "nemo_fp8") -> st
 
 def _items(named_tensors) -> Iterator[tuple[str, torch.Tensor]]:
     pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    seen: set[str] = set()  # names only: the tensors are not kept
     for i, item in enumerate(pairs):
         if not (
             isinstance(item, tuple)
@@ -131,6 +132,16 @@ def _items(named_tensors) -> Iterator[tuple[str, torch.Tensor]]:
             raise FP8ConfigError(
                 f"item {i} is not a (name, torch.Tensor) pair: {what}", key="named_tensors"
             )
+        if item[0] in seen:
+            # The engine's load_weights keeps the last of two; which one wins is not ours
+            # to guess, and a stream naming one weight twice is a caller's bug.
+            raise FP8ConfigError(
+                f"item {i} names {format_value(item[0])} a second time",
+                key="named_tensors",
+                value=item[0],
+                hint="each weight name once",
+            )
+        seen.add(item[0])
         yield item
 
 

@@ -690,7 +690,7 @@ def describe_model(
     looks_like_path = text.endswith(".json") or text.startswith((".", "/", "~"))
     what = "no such file" if looks_like_path else "no built-in description"
     raise FP8ConfigError(
-        f"unknown model {text!r}: {what}",
+        f"unknown model {format_value(text)}: {what}",
         key=key,
         value=text,
         hint="pass --model-config PATH (a Hugging Face config.json or a checkpoint directory; "
@@ -714,12 +714,21 @@ def _existing_config(path: Path, base_dir: str | Path | None) -> Path | None:
 
 
 def _from_config_file(path: Path, key: str) -> ModelDescription:
+    from ..errors import check_depth
+
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
         raise FP8ConfigError(
-            f"{path} is not a readable config.json ({exc})", key=key, value=str(path)
+            f"{path} is nested too deeply to be a config.json", key=key, value=str(path)
         ) from None
+    except (OSError, ValueError) as exc:  # JSON syntax, bad UTF-8, a 5000-digit integer
+        raise FP8ConfigError(
+            f"{path} is not a readable config.json ({format_value(str(exc), limit=200)})",
+            key=key,
+            value=str(path),
+        ) from None
+    check_depth(data, key=key, what=str(path))
     # Errors name the JSON field (key) and carry the file path in the message.
     if isinstance(data, Mapping) and "num_layers" in data and "num_hidden_layers" not in data:
         return from_transformer_config(data, name=str(path), source=str(path))

@@ -262,12 +262,13 @@ def _resolve(
         )
 
     names = "Megatron" if side == "training" else "vLLM / Hugging Face"
+    leaves = _leaves(units)  # once: each unmatched rule's hint reads the same list
     for r in mrules:
         if not matched[r.label]:
             res.unmatched_rules.append(r.label)
             res.warnings.append(
                 f"{r.label} matches no {side} module of {model.name} "
-                f"({names} names{_nearby(r.pattern, units)})"
+                f"({names} names{_nearby(r.pattern, leaves)})"
             )
         elif not decided[r.label]:
             by = ", ".join(sorted(shadowers[r.label]))
@@ -328,14 +329,18 @@ def _match_unit(match, unit: str, members: tuple[str, ...], side: str, mg_of) ->
     return "full" if hits == len(members) else "partial"
 
 
-def _nearby(pattern: str, units) -> str:
-    """A hint with module leaves that resemble the pattern's words."""
-    import difflib
-
-    leaves = sorted(
+def _leaves(units) -> list[str]:
+    """The module leaves (last name parts) of ``units``, sorted."""
+    return sorted(
         {u.rsplit(".", 1)[-1] for u, _ in units}
         | {h.rsplit(".", 1)[-1] for _, hs in units for h in hs[:3]}
     )
+
+
+def _nearby(pattern: str, leaves: list[str]) -> str:
+    """A hint with module leaves (:func:`_leaves`) that resemble the pattern's words."""
+    import difflib
+
     words = [w for w in re.split(r"[^A-Za-z0-9_]+", pattern) if w]
     near = []
     for w in words:

@@ -57,13 +57,16 @@ def _rewrite_defaults(value: Any, source: Path, output: Path | None) -> Any:
         if Path(item).is_absolute():
             out.append(item)
             continue
-        target = os.path.abspath(source.parent / item)
+        # Physical paths, as NeMo RL's loader opens them (``base_dir / item``: the kernel
+        # follows a symlinked directory before ``..``); a lexical abspath would name another
+        # parent whenever a directory on the way is a link.
+        target = os.path.realpath(source.parent / item)
         if output is None:
             out.append(target)
-        elif os.path.abspath(output.parent / item) == target:  # resolves as written: kept
+        elif os.path.realpath(output.parent / item) == target:  # resolves as written: kept
             out.append(item)
         else:
-            out.append(Path(os.path.relpath(target, os.path.abspath(output.parent))).as_posix())
+            out.append(Path(os.path.relpath(target, os.path.realpath(output.parent))).as_posix())
     return out[0] if isinstance(value, str) else out
 
 

@@ -244,6 +244,58 @@ def _check_ranges(gpt, train) -> None:
             key="train.micro_batch_size",
             value=train.micro_batch_size,
         )
+    _check_memory(gpt, train)
+
+
+def _activation_bytes(gpt, train) -> dict[str, int]:
+    """A step's largest fp32 buffers, by the key that drives each (an estimate from the
+    shapes, kept on the high side: forward values saved for backward, and their grads)."""
+    tokens = train.micro_batch_size * gpt.seq_length
+    return {
+        # attention scores and probabilities, per layer, all saved for backward
+        "model.seq_length": 2
+        * gpt.num_layers
+        * train.micro_batch_size
+        * gpt.num_attention_heads
+        * gpt.seq_length**2
+        * 4,
+        # logits, their softmax and gradient
+        "model.vocab_size": 3 * tokens * gpt.vocab_size * 4,
+        # the saved hidden states and MLP activations of every layer
+        "model.num_layers": gpt.num_layers
+        * tokens
+        * (12 * gpt.hidden_size + 2 * gpt.ffn_hidden_size)
+        * 4,
+    }
+
+
+def _memory_limit() -> int:
+    """The machine's physical memory (64 GiB where it cannot be read)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return 64 * 2**30
+
+
+def _check_memory(gpt, train) -> None:
+    """Each value may be in range while their product is not: refuse, before the model is
+    built, a step whose buffers alone outgrow the machine's memory (it would fail after
+    minutes of work, or be killed)."""
+    from ...errors import FP8ConfigError
+
+    need = _activation_bytes(gpt, train)
+    total, limit = sum(need.values()), _memory_limit()
+    if total > limit:
+        key = max(need, key=need.__getitem__)
+        raise FP8ConfigError(
+            f"one training step needs about {total / 2**30:,.0f} GiB of activations "
+            f"({key} drives most of it), more than this machine's {limit / 2**30:,.0f} GiB",
+            key=key,
+            value=getattr(gpt, key.split(".")[1]),
+            hint="shrink train.micro_batch_size, model.seq_length or the model",
+        )
 
 
 def _lr_at(step: int, train: TrainSettings) -> float:
