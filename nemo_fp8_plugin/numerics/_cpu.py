@@ -186,6 +186,8 @@ def build(
 
     ``simd``: True for the AVX2 code, False for the portable one, None to pick by the CPU.
     ``defines``: extra ``NAME=VALUE`` macros (tests shrink ``NF8_PANEL_BYTES``).
+    ``directory``: where to cache it (default :func:`cache_dir`); ignored under
+    ``NEMO_FP8_CPU_KERNEL_SANITIZE``, whose builds all go to ``cache_dir()/sanitize``.
     Raises ``RuntimeError`` naming the reason when it cannot build.
     """
     cxx = cxx or compiler()
@@ -196,7 +198,9 @@ def build(
     key = hashlib.sha256(
         b"\0".join([source, cxx.encode(), _version(cxx).encode(), " ".join(flags).encode()])
     ).hexdigest()[:20]
-    directory = directory or (cache_dir() / "sanitize" if sanitize() else cache_dir())
+    if sanitize():  # one shared build per variant: a sanitized compile takes a minute
+        directory = cache_dir() / "sanitize"
+    directory = directory or cache_dir()
     target = directory / f"nemo_fp8_cpu_{key}.so"
     if target.is_file():
         return target, 0.0
