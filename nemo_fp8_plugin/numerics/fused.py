@@ -52,13 +52,13 @@ from .formats import (
     input_dtype_max,
 )
 from .reference import (
-    check_size,
     QTensor,
     _expand_tiles,
     _tiled,
     check_block,
     check_mx_block,
     check_rank,
+    check_size,
     mx_scale_tiles,
     quantize_blockwise_reference,
     quantize_mxfp8_reference,
@@ -80,6 +80,7 @@ __all__ = [
     "compile_failed",
     "cpu_fake_quant_enabled",
 ]
+
 
 def _min_numel_from_env(default: int = 1 << 20) -> int:
     # A tuning knob read once at import: a value that is not an integer >= 0 (``abc``, 5000

@@ -48,12 +48,12 @@ from .formats import (
     input_dtype_max,
 )
 from .reference import (
-    check_size,
     QTensor,
     block_quantize_core,
     check_block,
     check_mx_block,
     check_rank,
+    check_size,
     dequantize_fp32,
     e8m0_tensor,
     mx_quantize_core,

@@ -24,8 +24,10 @@ def _header(path):
 
 def test_two_shards_exact_names_and_index(tmp_path):
     # three 1-D bf16 tensors (norms and biases pass through unquantized), 4000 bytes each
-    sd = {f"model.layers.0.norm{i}.weight": torch.full((2000,), float(i), dtype=torch.bfloat16)
-          for i in range(3)}
+    sd = {
+        f"model.layers.0.norm{i}.weight": torch.full((2000,), float(i), dtype=torch.bfloat16)
+        for i in range(3)
+    }
     out = tmp_path / "out"
     result = export_fp8_checkpoint(sd, out, config=CONFIG, max_shard_bytes=10_000)
     names = sorted(p.name for p in out.iterdir())
