@@ -52,6 +52,10 @@ class Limits:
     """Most MoE experts per layer of a model description."""
     modules: int = 1_000_000
     """Most per-module decisions a model description may need (layers x linear modules)."""
+    tensor_elements: int = 2**36
+    """Most elements a numerics quantizer takes, counted after padding to whole tiles (the
+    largest real weight, a 256k x 16k embedding, has 2^32): a huge ``block`` or a zero-stride
+    view of 2^40 elements is refused before anything is allocated."""
 
 
 LIMITS = Limits()

@@ -32,6 +32,7 @@ step "ruff check" .venv/bin/ruff check .
 step "ruff format --check" .venv/bin/ruff format --check .
 step "mypy" .venv/bin/python -m mypy
 step "lint-imports" .venv/bin/lint-imports
+step "sanitized C++ kernels" bash scripts/sanitize_kernels.sh
 pytest_step .venv tests "$@"
 pytest_step .venv-vllm tests/vllm "$@"
 exit $status

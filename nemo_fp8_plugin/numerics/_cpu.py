@@ -58,6 +58,16 @@ _IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FMT = {"e4m3": 0, "e5m2": 1}
 _BASE_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 _SIMD_FLAGS = ("-mavx2", "-mf16c")
+_SANITIZE_FLAGS = (
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+    "-g",
+)
+"""Added by ``NEMO_FP8_CPU_KERNEL_SANITIZE=1`` (scripts/sanitize_kernels.sh): an
+AddressSanitizer + UndefinedBehaviorSanitizer build that aborts at the first finding. It has
+its own cache key (the flags are hashed) and loads only into a python started with
+``LD_PRELOAD=$(g++ -print-file-name=libasan.so)``."""
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "error": None, "build_s": None, "path": None}
@@ -146,10 +156,18 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def sanitize() -> bool:
+    """True when ``NEMO_FP8_CPU_KERNEL_SANITIZE`` is ``1``/``true``/``yes``/``on``."""
+    value = os.environ.get("NEMO_FP8_CPU_KERNEL_SANITIZE", "").strip().lower()
+    return value in ("1", "true", "yes", "on")
+
+
 def _flags(simd: bool | None, defines: tuple[str, ...] = ()) -> list[str]:
     if simd is None:
         simd = {"avx2", "f16c"} <= _cpu_flags()
     flags = list(_BASE_FLAGS) + (list(_SIMD_FLAGS) if simd else ["-DNEMO_FP8_NO_SIMD"])
+    if sanitize():
+        flags += _SANITIZE_FLAGS
     return flags + [f"-D{d}" for d in defines]
 
 
@@ -168,6 +186,8 @@ def build(
 
     ``simd``: True for the AVX2 code, False for the portable one, None to pick by the CPU.
     ``defines``: extra ``NAME=VALUE`` macros (tests shrink ``NF8_PANEL_BYTES``).
+    ``directory``: where to cache it (default :func:`cache_dir`); ignored under
+    ``NEMO_FP8_CPU_KERNEL_SANITIZE``, whose builds all go to ``cache_dir()/sanitize``.
     Raises ``RuntimeError`` naming the reason when it cannot build.
     """
     cxx = cxx or compiler()
@@ -178,6 +198,8 @@ def build(
     key = hashlib.sha256(
         b"\0".join([source, cxx.encode(), _version(cxx).encode(), " ".join(flags).encode()])
     ).hexdigest()[:20]
+    if sanitize():  # one shared build per variant: a sanitized compile takes a minute
+        directory = cache_dir() / "sanitize"
     directory = directory or cache_dir()
     target = directory / f"nemo_fp8_cpu_{key}.so"
     if target.is_file():

@@ -157,7 +157,9 @@ def check_eps(value, name: str = "eps") -> float:
 
 
 def check_scale_tensor(value, name: str) -> None:
-    """A given per-tensor scale: a one-element floating-point tensor."""
+    """A given per-tensor scale: a one-element floating-point tensor, not NaN and not
+    negative (checked for CPU tensors only: reading a GPU value would synchronise the
+    device at every delayed-scaling cast)."""
     if not isinstance(value, torch.Tensor):
         raise FP8ConfigError(
             f"expected a one-element float tensor, got {type(value).__name__}", key=name
@@ -168,3 +170,12 @@ def check_scale_tensor(value, name: str) -> None:
             key=name,
             value=tuple(value.shape),
         )
+    if value.device.type == "cpu":
+        v = float(value.detach().reshape(()))
+        if not v >= 0.0:  # NaN compares false
+            raise FP8ConfigError(
+                f"expected a scale >= 0, got {v!r}",
+                key=name,
+                value=v,
+                hint="a scale is fp8_max / amax: never NaN or negative",
+            )

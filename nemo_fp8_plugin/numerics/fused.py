@@ -58,6 +58,7 @@ from .reference import (
     check_block,
     check_mx_block,
     check_rank,
+    check_size,
     mx_scale_tiles,
     quantize_blockwise_reference,
     quantize_mxfp8_reference,
@@ -80,12 +81,34 @@ __all__ = [
     "cpu_fake_quant_enabled",
 ]
 
+
+def _min_numel_from_env(default: int = 1 << 20) -> int:
+    # A tuning knob read once at import: a value that is not an integer >= 0 (``abc``, 5000
+    # digits: int() refuses those too) is named in one warning and the default kept, as
+    # quantize.py does for NEMO_FP8_CPU_KERNEL_MIN_NUMEL (importing must not fail on it).
+    raw = os.environ.get("NEMO_FP8_FUSED_MIN_NUMEL")
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        warnings.warn(
+            f"NEMO_FP8_FUSED_MIN_NUMEL={raw[:40]!r} is not an integer >= 0; using {default}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return default
+    return value
+
+
 _lock = threading.Lock()
 _cache: dict[tuple, Callable] = {}
 _state = {
     "enabled": os.environ.get("NEMO_FP8_FUSED", "1").strip() not in ("0", "false", "no"),
     "failed": None,
-    "min_numel": int(os.environ.get("NEMO_FP8_FUSED_MIN_NUMEL", str(1 << 20))),
+    "min_numel": _min_numel_from_env(),
 }
 
 # (mantissa bits, smallest normal, subnormal step) per format
@@ -321,6 +344,7 @@ def quantize_blockwise_fused(
     check_rank(x, (2, 3), "quantize_blockwise_fused")
     fmt = check_format(fmt)
     bm, bn = check_block(block)
+    check_size(x, bm, bn)
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
 
@@ -349,6 +373,7 @@ def quantize_mxfp8_fused(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTenso
     check_input_dtype(x)
     fmt = check_format(fmt)
     bm, bn = check_mx_block(block)
+    check_size(x, bm, bn)
 
     def eager():
         return quantize_mxfp8_reference(x, (bm, bn), fmt)
@@ -381,6 +406,7 @@ def fake_quant_blockwise(
     """``quantize_blockwise(x, ...).dequantize()`` (fp32) in one compiled kernel (2-D
     inputs with whole tiles; smaller than the size threshold runs eagerly unless ``force``)."""
     bm, bn = check_block(block)
+    check_size(x, bm, bn)
     fmt = check_format(fmt)
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
@@ -403,6 +429,7 @@ def fake_quant_blockwise(
 def fake_quant_mxfp8(x: torch.Tensor, block, fmt: str, *, force: bool = False) -> torch.Tensor:
     """``quantize_mxfp8(x, ...).dequantize()`` (fp32) in one compiled kernel."""
     bm, bn = check_block(block)
+    check_size(x, bm, bn)
     fmt = check_format(fmt)
 
     def eager():

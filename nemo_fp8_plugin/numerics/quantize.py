@@ -30,6 +30,7 @@ Every path returns the same bits, so the choice never changes a result.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -52,6 +53,7 @@ from .reference import (
     check_block,
     check_mx_block,
     check_rank,
+    check_size,
     dequantize_fp32,
     e8m0_tensor,
     mx_quantize_core,
@@ -173,6 +175,7 @@ def quantize_blockwise(
     check_rank(x, (2, 3), "quantize_blockwise")
     fmt = check_format(fmt)
     bm, bn = check_block(block)
+    check_size(x, bm, bn)
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
     kind = kernel_for(x, bn)
@@ -208,6 +211,7 @@ def quantize_mxfp8(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
     check_input_dtype(x)
     fmt = check_format(fmt)
     bm, bn = check_mx_block(block)
+    check_size(x, bm, bn)
     if bm == 1:
         check_rank(x, tuple(range(1, 9)), "quantize_mxfp8")
     else:
@@ -216,7 +220,8 @@ def quantize_mxfp8(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
     if kind == "cpu":
         lib = _cpu.kernels()
         assert lib is not None
-        x3 = x.detach().reshape(1, -1, x.shape[-1]) if bm == 1 else _lead3(x)
+        rows = math.prod(x.shape[:-1])
+        x3 = x.detach().reshape(1, rows, x.shape[-1]) if bm == 1 else _lead3(x)
         data, e = lib.tiles(x3.contiguous(), bm, bn, fmt, mx=True)
         if bm == 1:
             e = e.reshape(*x.shape[:-1], e.shape[-1])
@@ -243,6 +248,7 @@ def quantize_per_tensor(
     fmt = check_format(fmt)
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
+    check_size(x)
     if kernel_for(x) != "cpu":
         return quantize_per_tensor_reference(x, fmt, pow2, eps)
     lib = _cpu.kernels()
@@ -266,6 +272,7 @@ def quantize_with_scale(
     check_scale_tensor(scale, "scale")
     if scale_inv is not None:
         check_scale_tensor(scale_inv, "scale_inv")
+    check_size(x)
     if kernel_for(x) != "cpu" or scale.device.type != "cpu":
         return quantize_with_scale_reference(x, scale, fmt, scale_inv)
     lib = _cpu.kernels()

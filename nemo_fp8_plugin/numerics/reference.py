@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import FP8ConfigError
+from ..errors import LIMITS, FP8ConfigError, check_limit
 from .formats import (
     check_bool,
     check_eps,
@@ -49,6 +49,7 @@ from .scaling import (
 
 __all__ = [
     "QTensor",
+    "check_size",
     "quantize_per_tensor_reference",
     "quantize_with_scale_reference",
     "quantize_blockwise_reference",
@@ -133,6 +134,30 @@ def check_block(block, *, allow_none: bool = False, key: str = "block") -> tuple
     )
 
 
+def check_size(x: torch.Tensor, bm: int = 1, bn: int = 1, *, key: str = "x") -> None:
+    """Refuse a tensor whose element count padded to whole ``bm x bn`` tiles exceeds
+    ``LIMITS.tensor_elements``: counted from the shape, before any allocation (a zero-stride
+    view's ``contiguous()`` or a huge tile's padding would allocate it). A ``block`` dim
+    larger than the tensor's is what pads, so the refusal names ``block`` then."""
+    if x.dim() == 0:
+        return
+    shape = list(x.shape)
+    rows = shape[-2] if len(shape) >= 2 else 1
+    lead = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    padded = lead * (-(-rows // bm) * bm) * (-(-shape[-1] // bn) * bn)
+    within = x.numel() <= LIMITS.tensor_elements  # then only the padding is too much
+    check_limit(
+        padded,
+        LIMITS.tensor_elements,
+        f"a tensor of shape {tuple(shape)}"
+        + (f" with {bm}x{bn} tiles" if (bm, bn) != (1, 1) else "")
+        + " has too many elements"
+        + (" once padded to whole tiles" if within else ""),
+        key="block" if within else key,
+        value=(bm, bn) if within else tuple(shape),
+    )
+
+
 def _pad_to_tiles(xf: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
     """Zero-pad the last two dims up to multiples of the tile (zeros never raise an amax)."""
     m, k = xf.shape[-2], xf.shape[-1]
@@ -207,6 +232,7 @@ def quantize_with_scale_reference(
     check_scale_tensor(scale, "scale")
     if scale_inv is not None:
         check_scale_tensor(scale_inv, "scale_inv")
+    check_size(x)
     scale = scale.to(device=x.device, dtype=torch.float32).reshape(())
     data = saturating_cast(x.float() * scale, fp8_max(fmt), fp8_dtype(fmt))
     if scale_inv is None:
@@ -227,6 +253,7 @@ def quantize_per_tensor_reference(
     fmt = check_format(fmt)
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
+    check_size(x)
     scale = scale_from_amax(tensor_amax(x), fp8_max(fmt), pow2=pow2, eps=eps, value_for_inf=FLT_MAX)
     return quantize_with_scale_reference(x, scale, fmt)
 
@@ -286,6 +313,7 @@ def quantize_blockwise_reference(
     check_rank(x, (2, 3), "quantize_blockwise")
     fmt = check_format(fmt)
     bm, bn = check_block(block)
+    check_size(x, bm, bn)
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
     m, k = x.shape[-2], x.shape[-1]
@@ -353,9 +381,11 @@ def quantize_mxfp8_reference(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QT
     check_input_dtype(x)
     fmt = check_format(fmt)
     bm, bn = check_mx_block(block)
+    check_size(x, bm, bn)
     if bm == 1:
         check_rank(x, tuple(range(1, 9)), "quantize_mxfp8")
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        # the row count spelled out: reshape(-1, 0) of an empty tensor is ambiguous
+        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() != 2 else x
     else:
         check_rank(x, (2, 3), f"quantize_mxfp8 with {bm}x{bn} blocks")
         x2 = x

@@ -1,0 +1,42 @@
+"""``engine_env`` (hosts/vllm) for every built-in recipe and the variants that change it:
+the exact variables, as literals (the reasons are in ``engine_env``'s docstring)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_fp8_plugin.hosts.vllm import engine_env
+from nemo_fp8_plugin.registry import list_recipes
+
+EXPECTED = {
+    "fp8_delayed": {},
+    "fp8_current": {},
+    "fp8_subchannel": {"VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"},
+    "fp8_blockwise": {"VLLM_USE_DEEP_GEMM_E8M0": "0"},
+    "mxfp8": {},
+    "nvfp4": {},
+}
+
+
+def test_every_builtin_recipe_is_listed_here():
+    assert sorted(r.name for r in list_recipes()) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_engine_env_of_each_recipe(name):
+    assert engine_env(name) == EXPECTED[name]
+
+
+@pytest.mark.parametrize(
+    "spec,want",
+    [
+        ({"recipe": "fp8_subchannel", "hardware": "hopper"}, EXPECTED["fp8_subchannel"]),
+        ({"recipe": "fp8_subchannel", "hardware": "blackwell"}, {}),
+        ({"recipe": "fp8_blockwise", "generation_numerics": "vllm_deepgemm_ue8m0"}, {}),
+        ({"recipe": "fp8_blockwise", "generation": "bf16"}, {}),
+        ({"recipe": "fp8_subchannel", "generation": "bf16"}, {}),
+        ({"recipe": "fp8_blockwise", "pow2_scales": True}, EXPECTED["fp8_subchannel"]),
+    ],
+)
+def test_engine_env_of_the_variants(spec, want):
+    assert engine_env(spec) == want
