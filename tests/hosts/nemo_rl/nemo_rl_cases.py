@@ -218,8 +218,6 @@ def _gen_only(src: Path) -> Path:
     return out
 
 
-
-
 def nemo_rl_model_override_functions():
     """NeMo RL's own ``_merge_model_overrides``, ``_merge_model_override_value`` and
     ``_validate_model_override_conflicts``, compiled from the real
