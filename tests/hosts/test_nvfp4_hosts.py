@@ -14,7 +14,6 @@ import importlib.util
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import yaml

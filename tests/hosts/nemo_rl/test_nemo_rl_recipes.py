@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import shared_nemo_rl
 from nemo_rl_cases import (
     CONFIGS,
     IS_ON,
@@ -27,6 +26,7 @@ from nemo_rl_cases import (
     write_input,
 )
 
+from conftest import shared_nemo_rl
 from nemo_fp8_plugin._io import dump_yaml
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts import HostAdapter, apply_path, get_adapter
