@@ -48,10 +48,20 @@ def test_recipes_json_lists_the_five_with_their_fields():
     assert rows["fp8_delayed"]["amax_history_len"] == 1024
 
 
-def test_recipes_text_one_line_each():
+def test_recipes_text_a_header_then_one_line_each():
     out = cli("recipes")
-    lines = out.stdout.strip().splitlines()
+    header, *lines = out.stdout.strip().splitlines()
+    assert header.split() == ["recipe", "scaling", "description"]
     assert [ln.split()[0] for ln in lines[:5]] == list(FIVE)
+    # the columns line up under the header
+    at = header.index("scaling")
+    assert all(ln[at - 2 : at] == "  " and ln[at] != " " for ln in lines)
+
+
+def test_a_recipe_name_in_the_wrong_case_gets_a_did_you_mean(tmp_path):
+    out = cli("explain", write(tmp_path, "precision: FP8_BLOCKWISE\n"))
+    assert out.returncode == 2
+    assert "did you mean 'fp8_blockwise'?" in out.stderr
 
 
 def write(tmp_path: Path, text: str) -> Path:
