@@ -383,3 +383,23 @@ def test_a_misspelt_request_key_is_pointed_out(tmp_path):
 @pytest.mark.slow
 def test_recipe_flags_are_named_in_their_errors(args, key):
     assert_one_line_error(cli(*args), key, "did you mean 'fp8_blockwise'")
+
+
+def test_apply_detects_the_host_as_explain_does(tmp_path):
+    """`apply` required --host although `explain` detects it; now both read the shape."""
+    config = write(
+        tmp_path,
+        "policy:\n  precision: fp8_blockwise\n  model_name: meta-llama/Llama-3.1-8B-Instruct\n"
+        "  megatron_cfg:\n    enabled: true\n  generation:\n    backend: vllm\n",
+    )
+    detected = cli("apply", config)
+    given = cli("apply", config, "--host", "nemo-rl")
+    assert detected.returncode == 0, detected.stderr
+    assert detected.stdout == given.stdout and "fp8_cfg:" in detected.stdout
+    assert "host: nemo-rl (detected from the config's shape)" in detected.stderr
+    # an informational line is a note, not a warning
+    assert "apply: note: nemo-rl: policy.make_sequence_length_divisible_by" in detected.stderr
+    assert "warning:" not in detected.stderr
+    bare = cli("apply", write(tmp_path, "precision: fp8_blockwise\n"))
+    assert bare.returncode == 2 and "Traceback" not in bare.stderr
+    assert "--host: the config's shape names no host" in bare.stderr
