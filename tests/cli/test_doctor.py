@@ -110,6 +110,7 @@ def test_exit_code_3_when_training_is_asked_and_te_is_absent(capsys, tmp_path, m
     gen_only = tmp_path / "g.yaml"
     gen_only.write_text("fp8: {recipe: fp8_blockwise, training: bf16}\n")
     assert main(["doctor", str(gen_only)]) == 0  # no training check asked
+    assert main(["doctor", str(cfg), "--hardware", "h100"]) == 0  # judged for another machine
     real_versions = doctor.package_versions
     monkeypatch.setattr(
         doctor, "package_versions", lambda: {**real_versions(), "transformer-engine": "2.20.2"}
