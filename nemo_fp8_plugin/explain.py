@@ -304,8 +304,13 @@ def _host_lines(
         lines.append(f"  {key}: {_spell(value, full=full)}")
     if section.get("removed"):
         lines.append(f"  removes: {', '.join(section['removed'])}")
+    where = (
+        "in vLLM's environment, read when it starts: no engine argument"
+        if host == "vllm"
+        else "in the training process's environment"
+    )
     for key, value in section.get("env", {}).items():
-        lines.append(f"  env: {key}={value} (in the training process's environment)")
+        lines.append(f"  env: {key}={value} ({where})")
     if warnings:
         lines += [f"  warning: {w}" for w in section.get("warnings", [])]
     lines += [f"  note: {n}" for n in section.get("notes", [])]

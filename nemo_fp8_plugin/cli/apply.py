@@ -108,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"nemo-fp8 apply: warning: {w}", file=sys.stderr)
     for n in result.notes:  # informational: nothing to fix
         print(f"nemo-fp8 apply: note: {n}", file=sys.stderr)
+    if adapter.name == "vllm":  # no config key holds these: vLLM reads them when it starts
+        for var, value in result.env.items():
+            print(
+                f"nemo-fp8 apply: env: set {var}={value} where vLLM starts (not a config key)",
+                file=sys.stderr,
+            )
     for line in checks:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
     if args.diff:

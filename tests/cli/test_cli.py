@@ -403,3 +403,17 @@ def test_apply_detects_the_host_as_explain_does(tmp_path):
     bare = cli("apply", write(tmp_path, "precision: fp8_blockwise\n"))
     assert bare.returncode == 2 and "Traceback" not in bare.stderr
     assert "--host: the config's shape names no host" in bare.stderr
+
+
+def test_apply_and_explain_show_the_vllm_environment_and_the_mla_kv_note():
+    """vLLM's start-up variable (engine_env) was never shown for a vLLM config, and an FP8
+    KV cache on MLA (Moonlight) was silent that its scales stay 1.0."""
+    moonlight = REPO / "conf" / "examples" / "vllm_moonlight_fp8_kv.yaml"
+    applied = cli("apply", moonlight)
+    assert applied.returncode == 0, applied.stderr
+    assert "env: set VLLM_USE_DEEP_GEMM_E8M0=0 where vLLM starts" in applied.stderr
+    assert "multi-head latent attention: vLLM keeps the KV cache's scales at 1.0" in applied.stderr
+    explained = cli("explain", moonlight)
+    assert "env: VLLM_USE_DEEP_GEMM_E8M0=0 (in vLLM's environment" in explained.stdout
+    llama = cli("apply", REPO / "conf" / "examples" / "vllm_llama8b_fp8_blockwise.yaml")
+    assert "latent attention" not in llama.stderr  # not MLA: the scales come with each refit
