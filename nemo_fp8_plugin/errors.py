@@ -145,6 +145,9 @@ def suggest(word: Any, choices: Iterable[Any]) -> str | None:
     choices = [c for c in choices if isinstance(c, str)]
     if not isinstance(word, str) or len(word) > _SUGGEST_MAX_LEN:
         return None  # a list or a page of text is no misspelling (and str() of it is unbounded)
+    same_but_case: list[str] = [c for c in choices if c.lower() == word.lower()]
+    if len(same_but_case) == 1:  # FP8_BLOCKWISE: no edit-distance match, but plainly meant
+        return same_but_case[0]
     found: list[str] = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if found:
         return found[0]

@@ -283,39 +283,10 @@ def render_text(
             for w in hosts[own].get("warnings", [])
             if w not in report.get("warnings", [])  # the model-shape ones are shown above
         ]
-    lines.append(
-        f"recipe: {recipe['name']}  (requested by {', '.join(report['keys'])}; "
-        f"{report['recipe_source']})"
-    )
-    lines.append(f"  {recipe['description']}")
-    fields = [(k, v) for k, v in recipe.items() if k not in ("name", "description")]
-    if full:
-        lines += [f"  {k:<26} {_spell(v, full=True)}" for k, v in fields]
-    else:
-        lines += _packed([f"{k}: {_spell(v, full=False)}" for k, v in fields], indent="  ")
-    model = report.get("model_description")
-    if model is not None:
-        lines.append(
-            f"model: {model['name']} ({model['family']}, {model['num_layers']} layers"
-            + (f", {model['num_experts']} experts" if model["num_experts"] else "")
-            + f"; {model['source']})"
-        )
-    if report.get("layers"):
-        from .rules import render_layer_table
-
-        sides = (
-            (_HOST_SIDES.get(own, ("training",)) if own else ("training", "generation"))
-            if not (all_hosts or full)
-            else ("training", "generation")
-        )
-        lines += render_layer_table(d for d in report["layers"] if d["side"] in sides)
-        hidden = sorted({d["side"] for d in report["layers"]} - set(sides))
-        if hidden:
-            lines.append(
-                f"({' and '.join(hidden)} side not shown: {own} does not run it; "
-                f"--all-hosts shows it)"
-            )
-    lines += [f"note: {n}" for n in report.get("notes", [])]
+    recipe_lines = _recipe_lines(report, full=full)
+    lines += recipe_lines[:2]  # name and description
+    # What changes and what to check lead; the recipe's fields, the model and its
+    # per-layer decisions follow.
     shown = list(hosts) if (all_hosts or full) else [h for h in hosts if h == own]
     for host in shown:
         lines += _host_lines(host, hosts[host], own=host == own, full=full, warnings=host != own)
@@ -324,7 +295,85 @@ def render_text(
         summary = ", ".join(_host_summary(hosts[h], h) for h in rest)
         label = "other hosts" if shown else "hosts"
         lines.append(f"{label} (--host NAME or --all-hosts shows their keys): {summary}")
+    lines += ["recipe fields:", *recipe_lines[2:]]
+    lines += _model_lines(report, own, all_hosts=all_hosts, full=full)
+    lines += [f"note: {n}" for n in report.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+_DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
+"""Recipe fields only delayed scaling reads (its amax history); shown for other recipes with
+``--full`` only."""
+
+
+def _recipe_lines(report: dict[str, Any], *, full: bool) -> list[str]:
+    """The recipe: name, where it came from, what it is, its fields (those that matter for its
+    kind of scaling; every field with ``full``)."""
+    from .capabilities import capability
+
+    recipe = report["recipe"]
+    lines = [
+        f"recipe: {recipe['name']}  (requested by {', '.join(report['keys'])}; "
+        f"{report['recipe_source']})",
+        f"  {recipe['description']}",
+    ]
+    fields = [(k, v) for k, v in recipe.items() if k not in ("name", "description")]
+    if full:
+        return lines + [f"  {k:<26} {_spell(v, full=True)}" for k, v in fields]
+    hidden = [] if capability(recipe["scaling"]).is_delayed else list(_DELAYED_ONLY)
+    lines += _packed(
+        [f"{k}: {_spell(v, full=False)}" for k, v in fields if k not in hidden], indent="  "
+    )
+    if hidden:
+        lines.append(f"  ({', '.join(hidden)}: read by delayed scaling only; --full shows them)")
+    return lines
+
+
+def _model_lines(report: dict[str, Any], own: str | None, *, all_hosts: bool, full: bool):
+    """The model and the per-layer decisions of the sides ``own`` runs. A side where every
+    module is FP8 but the built-in BF16 ones (output head, router) says so in one line
+    (``full`` shows the table anyway)."""
+    from .rules import render_layer_table
+
+    lines = []
+    model = report.get("model_description")
+    if model is not None:
+        lines.append(
+            f"model: {model['name']} ({model['family']}, {model['num_layers']} layers"
+            + (f", {model['num_experts']} experts" if model["num_experts"] else "")
+            + f"; {model['source']})"
+        )
+    if not report.get("layers"):
+        return lines
+    sides = (
+        (_HOST_SIDES.get(own, ("training",)) if own else ("training", "generation"))
+        if not (all_hosts or full)
+        else ("training", "generation")
+    )
+    for side in ("training", "generation"):
+        rows = [d for d in report["layers"] if d["side"] == side and side in sides]
+        table = render_layer_table(rows)
+        uniform = all(
+            d.get("rule") in (None, "-") or str(d["rule"]).startswith("builtin:") for d in rows
+        )
+        if rows and uniform and not full:
+            builtin = sorted(
+                {str(d["rule"])[8:] for d in rows if d.get("rule", "-") not in (None, "-")}
+            )
+            lines.append(table[0])
+            lines.append(
+                "  every module in FP8"
+                + (f" but the built-in BF16 ones ({', '.join(builtin)})" if builtin else "")
+                + "; --full lists them"
+            )
+        else:
+            lines += table
+    hidden = sorted({d["side"] for d in report["layers"]} - set(sides))
+    if hidden:
+        lines.append(
+            f"({' and '.join(hidden)} side not shown: {own} does not run it; --all-hosts shows it)"
+        )
+    return lines
 
 
 def _host_lines(
@@ -338,8 +387,13 @@ def _host_lines(
         lines.append(f"  {key}: {_spell(value, full=full)}")
     if section.get("removed"):
         lines.append(f"  removes: {', '.join(section['removed'])}")
+    where = (
+        "in vLLM's environment, read when it starts: no engine argument"
+        if host == "vllm"
+        else "in the training process's environment"
+    )
     for key, value in section.get("env", {}).items():
-        lines.append(f"  env: {key}={value} (in the training process's environment)")
+        lines.append(f"  env: {key}={value} ({where})")
     if warnings:
         lines += [f"  warning: {w}" for w in section.get("warnings", [])]
     lines += [f"  note: {n}" for n in section.get("notes", [])]

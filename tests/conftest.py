@@ -62,6 +62,24 @@ def nemo_rl_configs() -> Path:
     return FIXTURES / "nemo_rl" / "examples" / "configs"
 
 
+# NVIDIA's NeMo RL tree (configs and source, Apache-2.0, read-only) in the shared test data,
+# which sits next to the checkout (the repository's ``../shared``), wherever that is cloned.
+SHARED_NEMO_RL = REPO.parent / "shared" / "data" / "nemo_rl"
+
+
+def shared_nemo_rl(relative: str = "") -> Path:
+    """``relative`` under the shared NeMo RL tree (``SHARED_NEMO_RL``). When it is absent the
+    calling test is skipped with the path in the reason; under CI=true that is a failure, as a
+    missing host is."""
+    path = SHARED_NEMO_RL / relative
+    if not path.exists():
+        reason = f"shared test data {path} absent (expected at the repository's ../shared)"
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path
+
+
 UPSTREAM = REPO / ".cache" / "upstream"
 
 

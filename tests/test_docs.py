@@ -154,3 +154,73 @@ def test_skipped_commands_name_a_real_file_or_tool(cmd):
     assert proc.returncode == 0, proc.stderr[-1000:]
     for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):
         assert flag in proc.stdout, f"{cmd.page.name}:{cmd.line}: {script.name} has no {flag}"
+
+
+# --------------------------------------------------------------------------- python snippets
+# A ```python block runs as written, in a fresh interpreter. A block that is a fragment of
+# the user's own code (it uses `model`, `train_logprobs`, ...) or needs a GPU is preceded by
+# ``<!-- doc-test: fragment REASON -->`` or ``<!-- doc-test: skip REASON -->``; its
+# ``nemo_fp8_plugin`` imports still run, so a documented import path cannot rot.
+MARK = re.compile(r"<!--\s*doc-test:\s*(?P<kind>skip|fragment)\s+(?P<reason>[^>]*?)\s*-->")
+OWN_IMPORT = re.compile(r"^\s*(from nemo_fp8_plugin[\w.]* import [^#(]+|import nemo_fp8_plugin\S*)")
+
+
+@dataclass
+class DocSnippet:
+    page: Path
+    line: int
+    code: str
+    mark: str | None  # "skip" / "fragment" with its reason, or None: runs whole
+
+    @property
+    def own_imports(self) -> str:
+        return "\n".join(
+            m.group(1).strip() for m in map(OWN_IMPORT.match, self.code.splitlines()) if m
+        )
+
+
+def doc_snippets() -> list[DocSnippet]:
+    out = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        mark, i = None, 0
+        while i < len(lines):
+            m = MARK.search(lines[i])
+            if m:
+                mark = f"{m.group('kind')}: {m.group('reason')}"
+            elif lines[i].strip() == "```python":
+                end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+                out.append(DocSnippet(page, i + 1, "\n".join(lines[i + 1 : end]), mark))
+                mark, i = None, end
+            elif lines[i].strip():
+                mark = None if not lines[i].startswith("<!--") else mark
+            i += 1
+    return out
+
+
+SNIPPETS = doc_snippets()
+
+
+def _python(code: str, tmp: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_docs_have_python_snippets_and_marked_ones_say_why():
+    assert len(SNIPPETS) >= 10, [f"{s.page.name}:{s.line}" for s in SNIPPETS]
+    for s in SNIPPETS:
+        assert s.mark is None or len(s.mark) >= 20, f"{s.page.name}:{s.line}: give the reason"
+
+
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=lambda s: f"{s.page.name}:{s.line}")
+def test_every_python_snippet_runs_or_at_least_imports(snippet, tmp_path):
+    code = snippet.code if snippet.mark is None else snippet.own_imports
+    if not code:
+        return  # quoted upstream source or pseudo-code: nothing of ours to import
+    proc = _python(code, tmp_path)
+    where = f"{snippet.page.relative_to(REPO)}:{snippet.line}"
+    assert proc.returncode == 0, (
+        f"{where} ({snippet.mark or 'whole block'}):\n{proc.stderr[-1500:]}"
+    )

@@ -25,7 +25,7 @@ the output shows when, as in real LLMs, the outlier channel meets small weights.
 A module is flagged for a recipe when its weight or input SQNR, or its worst row's, is below
 the threshold, or its GEMM output's SQNR is below the threshold minus
 :data:`OUTPUT_MARGIN_DB`
-(default :data:`DEFAULT_THRESHOLD_DB`, justified in ``docs/analyze.md``); the flagged
+(default per element format: :data:`DEFAULT_THRESHOLD_DB` for E4M3, :data:`NVFP4_THRESHOLD_DB`; justified in ``docs/analyze.md``); the flagged
 modules become a ``bf16_layers`` rule set per recipe.
 
 The package: :mod:`.scan` (which tensors, streamed one at a time), :mod:`.metrics` (the error
@@ -47,8 +47,10 @@ from ..rules.names import layer_index
 from .activations import SAMPLE_TEXTS, activation_stats, join_activation_names, load_samples
 from .metrics import (
     DEFAULT_THRESHOLD_DB,
+    NVFP4_THRESHOLD_DB,
     OUTPUT_MARGIN_DB,
     ErrorStats,
+    default_threshold_db,
     is_flagged,
     resolve_recipes,
     summarize,
@@ -60,6 +62,8 @@ from .suggest import suggest_bf16_layers, suggestion_yaml
 
 __all__ = [
     "DEFAULT_THRESHOLD_DB",
+    "NVFP4_THRESHOLD_DB",
+    "default_threshold_db",
     "OUTPUT_MARGIN_DB",
     "SAMPLE_TEXTS",
     "analyze_checkpoint",
@@ -76,7 +80,7 @@ def analyze_checkpoint(
     checkpoint: str | Path,
     *,
     recipes: Iterable[Any] | None = None,
-    threshold_db: float = DEFAULT_THRESHOLD_DB,
+    threshold_db: float | None = None,
     activations: bool = False,
     samples: str | Path | None = None,
     max_tokens: int = 128,
@@ -87,7 +91,8 @@ def analyze_checkpoint(
     Args:
         checkpoint: a ``.safetensors`` file or a checkpoint directory.
         recipes: recipe names or specs (default: every registered recipe).
-        threshold_db: flag modules whose weight or input SQNR is below this.
+        threshold_db: flag modules whose weight or input SQNR is below this; None: each
+            recipe's own (:func:`default_threshold_db`: 25 dB for E4M3, 13 dB for NVFP4).
         activations: also run the model (built by ``transformers`` from the checkpoint's
             ``config.json``) on ``samples`` and measure each linear layer's inputs.
         samples: a text file (one sample per line) or a JSON file of token-id lists;
@@ -95,7 +100,7 @@ def analyze_checkpoint(
         max_tokens: tokens per sample (longer ones are truncated).
         progress: show a progress bar on stderr (None: only on a terminal).
     """
-    if (
+    if threshold_db is not None and (
         not isinstance(threshold_db, (int, float))
         or isinstance(threshold_db, bool)
         or not math.isfinite(threshold_db)
@@ -163,10 +168,14 @@ def analyze_checkpoint(
 
     modules = [r["module"] for r in rows]
     suggestions, summary = {}, {}
+    thresholds = {
+        s.name: default_threshold_db(s) if threshold_db is None else float(threshold_db)
+        for s in specs
+    }
     for spec in specs:
         flagged = []
         for r in rows:
-            if is_flagged(r, spec.name, threshold_db):
+            if is_flagged(r, spec.name, thresholds[spec.name]):
                 flagged.append(r["module"])
                 r.setdefault("flagged", []).append(spec.name)
         suggestions[spec.name] = suggest_bf16_layers(modules, flagged)
@@ -181,7 +190,7 @@ def analyze_checkpoint(
         "checkpoint": str(checkpoint),
         "files": [str(f) for f in files],
         "recipes": [s.name for s in specs],
-        "threshold_db": float(threshold_db),
+        "threshold_db": thresholds,
         "modules": rows,
         "skipped": skipped,
         "summary": summary,

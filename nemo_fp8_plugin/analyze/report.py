@@ -19,13 +19,23 @@ def _fmt_db(v) -> str:
     return "  -   " if v is None else f"{v:6.1f}"
 
 
+def _thresholds(report: dict[str, Any]) -> str:
+    """``25.0 dB`` when one threshold holds for every recipe, else each with its recipes."""
+    by_db: dict[float, list[str]] = {}
+    for n in report["recipes"]:
+        by_db.setdefault(report["threshold_db"][n], []).append(n)
+    if len(by_db) == 1:
+        return f"{next(iter(by_db))} dB"
+    return ", ".join(f"{db} dB ({', '.join(names)})" for db, names in by_db.items())
+
+
 def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
     recipes = report["recipes"]
     rows = report["modules"]
     lines = [
         f"checkpoint: {report['checkpoint']} ({len(report['files'])} file(s), "
         f"{len(rows)} linear weights, {len(report['skipped'])} tensors skipped)",
-        f"threshold: {report['threshold_db']} dB (flag a module below it under a recipe)",
+        f"threshold: {_thresholds(report)} (flag a module below it under a recipe)",
     ]
     has_act = any("activations" in r for r in rows)
     if report.get("activations"):
@@ -89,7 +99,12 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
                     f"({s[f'worst_{word}_module']})"
                 )
         lines.append(text)
-        if report["suggestions"][n]:
+        if report["suggestions"][n] is None:
+            lines.append(
+                "  every layer is below the threshold: no bf16_layers leaves this recipe "
+                "anything to run in FP8; keep the model in BF16 or try another recipe"
+            )
+        elif report["suggestions"][n]:
             lines.append("  suggested config:")
             lines += ["    " + ln for ln in suggestion_yaml(report, n).splitlines()]
         else:
@@ -147,9 +162,9 @@ def write_heatmap(report: dict[str, Any], path: str | Path, *, max_rows: int = 4
             vmax=45,
             interpolation="nearest",
         )
-        thr = report["threshold_db"]
+        thr = report["threshold_db"]  # per recipe
         limits = np.array(
-            [thr - OUTPUT_MARGIN_DB if kind == "outputs" else thr for _, kind in columns]
+            [thr[n] - OUTPUT_MARGIN_DB if kind == "outputs" else thr[n] for n, kind in columns]
         )
         below = np.argwhere(np.nan_to_num(data, nan=np.inf) < limits[None, :])
         if len(below):

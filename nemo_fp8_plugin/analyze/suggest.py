@@ -17,11 +17,12 @@ def _unit(name: str) -> str:
     return re.sub(r"\.experts\.\d+\.[^.]+$", ".experts.*", name)
 
 
-def suggest_bf16_layers(modules: list[str], flagged: Iterable[str]) -> dict[str, Any]:
+def suggest_bf16_layers(modules: list[str], flagged: Iterable[str]) -> dict[str, Any] | None:
     """A ``bf16_layers`` mapping that keeps exactly the flagged modules (and the experts
     sharing their grouped GEMM) in BF16, in the fewest rules: whole leading/trailing layers
     as ``first``/``last``, a module kind flagged in every layer as one layer-wildcard glob,
-    the rest by name. Empty when nothing is flagged."""
+    the rest by name. Empty when nothing is flagged; None when every layer is flagged: the
+    rules would leave nothing in FP8, which ``explain`` and every host refuse."""
     flagged = set(flagged)
     if not flagged:
         return {}
@@ -45,6 +46,10 @@ def suggest_bf16_layers(modules: list[str], flagged: Iterable[str]) -> dict[str,
                 last += 1
             else:
                 break
+    if layers and first + last >= len(layers):
+        return None
+    if flagged >= set(modules):
+        return None
     covered_layers = set(range(first)) | set(
         range(layers[-1] + 1 - last, layers[-1] + 1) if last else ()
     )

@@ -26,10 +26,10 @@ def register(sub) -> None:
     # `nemo_rl` is how the package and its docs spell NeMo RL; accept it next to `nemo-rl`.
     p.add_argument(
         "--host",
-        required=True,
+        default=None,
         choices=list(HOSTS),
         type=lambda name: name.replace("_", "-") if name.replace("_", "-") in HOSTS else name,
-        help="target host",
+        help="target host (default: detected from the config's shape, as explain does)",
     )
     where = p.add_argument_group("where the result goes (default: standard output)")
     where.add_argument(
@@ -86,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(
         target, "--in-place" if args.in_place else "--output", read_only_ok=args.force
     )
-    adapter = get_adapter(args.host)
     # --diff shows the edit --in-place would make (relative references stay as they are)
     ctx = load_context(
         args.config,
@@ -101,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
     if target is not None and not args.in_place:
         _refuse_own_files(Path(args.config), target, ctx.raw)
+    adapter = get_adapter(args.host if args.host is not None else _detected_host(ctx))
     result = run_pipeline(adapter, ctx)
     checks = adapter.validate(result, ctx) if args.validate and result.requested else []
     source = _read_text(Path(args.config))
@@ -121,8 +121,16 @@ def run(args: argparse.Namespace) -> int:
         edit=edit,
         where=str(args.config),
     )
-    for w in result.warnings + result.notes:
+    for w in result.warnings:
         print(f"nemo-fp8 apply: warning: {w}", file=sys.stderr)
+    for n in result.notes:  # informational: nothing to fix
+        print(f"nemo-fp8 apply: note: {n}", file=sys.stderr)
+    if adapter.name == "vllm":  # no config key holds these: vLLM reads them when it starts
+        for var, value in result.env.items():
+            print(
+                f"nemo-fp8 apply: env: set {var}={value} where vLLM starts (not a config key)",
+                file=sys.stderr,
+            )
     for line in checks:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
     if args.diff:
@@ -142,6 +150,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _detected_host(ctx) -> str:
+    """The host ``explain`` would pick for this config (:func:`detect_host`), said on stderr;
+    a config whose shape names none is refused with the choices."""
+    from ..errors import FP8ConfigError
+    from ..hosts import HOSTS, detect_host
+
+    host = detect_host(ctx.resolved)
+    if host is None:
+        raise FP8ConfigError(
+            "the config's shape names no host (no policy:, trainer:, mixed_precision:, "
+            "model: section or vLLM engine options)",
+            key="--host",
+            hint=f"pass --host, one of {', '.join(HOSTS)}",
+        )
+    print(f"nemo-fp8 apply: host: {host} (detected from the config's shape)", file=sys.stderr)
+    return host
 
 
 def _target(args: argparse.Namespace) -> Path | None:

@@ -336,7 +336,7 @@ def check_recipe(
     env = []
     for var, want in required_env(spec).items():
         have = os.environ.get(var)
-        env.append({"name": var, "needed": want, "value": have, "set": have == want})
+        env.append(_env_entry(var, want, have))
     effective: bool | None = None
     # NVFP4's TE defaults come from NVTE_NVFP4_* at import, as block/current scaling's do.
     if spec.training == "fp8" and (
@@ -357,6 +357,7 @@ def check_recipe(
     return {
         "recipe": spec.name,
         "scaling": spec.scaling,
+        "training": spec.training,
         "runnable": runnable,
         "problems": problems,
         "notes": notes,
@@ -512,14 +513,7 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"  problem: {p}")
         for n in r["notes"]:
             lines.append(f"  note: {n}")
-        for e in r["env"]:
-            state = (
-                "set" if e["set"] else (f"is {e['value']!r}" if e["value"] is not None else "unset")
-            )
-            lines.append(
-                f"  env {e['name']}={e['needed']} needed in the training process: "
-                f"{state} in this shell"
-            )
+        lines += _env_lines(r["env"])
         if r["env_effective"] is not None:
             te_state = "match the recipe" if r["env_effective"] else "DO NOT match the recipe"
             lines.append(f"  TE quantizer parameters in this process: {te_state}")
@@ -527,6 +521,7 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"  not checked: {n}")
     for n in report["not_checked"]:
         lines.append(f"not checked: {n}")
+    lines += _works_here(report)
     if len(report["recipes"]) > 1:
         groups = {
             v: [r["recipe"] for r in report["recipes"] if r["runnable"] is v]
@@ -550,4 +545,79 @@ def run(args: argparse.Namespace) -> int:
     # on it; without a config the report surveys every recipe and judges none.
     if args.config and any(r["runnable"] is False for r in report["recipes"]):
         return 1
+    # FP8 training asked for, and no Transformer Engine here to run it: not a verdict on the
+    # recipe, but a launch script gating on doctor must not go ahead (docs/recipes.md). With
+    # --hardware the report judges another machine, whose TE this one cannot see.
+    if args.config and not args.hardware and _training_without_te(report):
+        return EXIT_NO_TE
     return 0
+
+
+EXIT_NO_TE = 3
+"""``doctor CONFIG``'s exit code when the config trains in FP8 and Transformer Engine is not
+installed and no ``--hardware`` moves the judgement elsewhere (1: the recipe cannot run here;
+2: bad input; 0: nothing found against it)."""
+
+TE_ENV_DEFAULTS = {
+    "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0",
+    "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES": "0",
+    "NVTE_NVFP4_DISABLE_RHT": "0",
+    "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "0",
+    "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0",
+    "NVTE_NVFP4_ROW_SCALED_ACTIVATION": "0",
+    "NVTE_NVFP4_4OVER6": "none",
+    "NVTE_NVFP4_4OVER6_E4M3_USE_256": "all",
+    "NVTE_NVFP4_4OVER6_ERR_MODE": "MAE",
+}
+"""The value TE 2.20.2 reads when a variable is unset (``os.getenv(NAME, default)`` in
+``transformer_engine/common/recipe/__init__.py``): an unset variable whose default is what the
+recipe needs is no action for the user."""
+
+
+def _env_entry(var: str, want: str, have: str | None) -> dict[str, Any]:
+    """One variable of a recipe: what it needs, what this shell has, and whether TE's
+    default (when unset) already gives it."""
+    return {
+        "name": var,
+        "needed": want,
+        "value": have,
+        "set": have == want,
+        "te_default": TE_ENV_DEFAULTS.get(var) == want,
+    }
+
+
+def _env_lines(env: list[dict[str, Any]]) -> list[str]:
+    """A line per variable the user must act on; variables left unset whose TE default is
+    the value needed are summed up on one line rather than listed as "needed: unset"."""
+    lines, by_default = [], []
+    for e in env:
+        if e["value"] is None and e.get("te_default"):
+            by_default.append(e["name"])
+            continue
+        state = "set" if e["set"] else (f"is {e['value']!r}" if e["value"] is not None else "unset")
+        lines.append(
+            f"  env {e['name']}={e['needed']} needed in the training process: {state} in this shell"
+        )
+    if by_default:
+        lines.append(
+            f"  env: {len(by_default)} variable(s) unset here, which is fine: TE's default is "
+            f"the value the recipe needs ({', '.join(by_default)})"
+        )
+    return lines
+
+
+def _training_without_te(report: dict[str, Any]) -> bool:
+    trains = any(r.get("training") == "fp8" for r in report["recipes"])
+    return trains and not report["packages"].get("transformer-engine")
+
+
+def _works_here(report: dict[str, Any]) -> list[str]:
+    """What does run on this machine, whatever the GPU checks say: the config tools need no
+    host, the FP8 emulation and the demo need torch (and megatron-core for the demo)."""
+    packages = report["packages"]
+    works = ["explain, apply, analyze and recipes (no host needed)"]
+    if packages.get("torch"):
+        works.append("FP8 emulation (nemo_fp8_plugin.numerics) on torch " + packages["torch"])
+        if packages.get("megatron-core"):
+            works.append("nemo-fp8 demo (megatron-core " + packages["megatron-core"] + ")")
+    return ["works here: " + "; ".join(works)]

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
         rows = [{**spec.to_dict(), "source": reg.source(spec.name)} for spec in reg.specs()]
         sys.stdout.write(dump_json(rows))
         return 0
-    width = max(len(n) for n in reg.names())
+    width = max(len(n) for n in [*reg.names(), "recipe"])
+    print(f"{'recipe':<{width}}  {'scaling':<10}  description")
     for spec in reg.specs():
         print(f"{spec.name:<{width}}  {spec.scaling:<10}  {spec.description}")
     return 0

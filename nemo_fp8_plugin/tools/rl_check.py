@@ -906,6 +906,7 @@ def run_check(
                 desc="rl-check",
                 unit="step",
                 dynamic_ncols=True,
+                disable=None,  # no bar when stderr is no terminal: no \r updates in a log
             )
         except ImportError:  # tqdm is optional: no bar then
             bar = None

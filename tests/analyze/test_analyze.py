@@ -305,6 +305,28 @@ def test_suggestion_shapes():
         "modules": ["model.layers.1.mlp.experts.*"]
     }
     assert suggest_bf16_layers(names, []) == {}
+    # every layer flagged: no bf16_layers explain accepts (first + last would cover the
+    # model), so no suggestion rather than one explain refuses
+    assert suggest_bf16_layers(names[:6], names[:6]) is None
+    assert suggest_bf16_layers(names, names[:3] + names[-3:] + names[3:15]) is None
+
+
+@pytest.mark.slow
+def test_each_format_is_judged_against_its_own_floor(tmp_path):
+    """NVFP4's ~19 dB floor under E4M3's 25 dB line flagged every healthy module ("14 of
+    14") and suggested ``first: 2`` on a 2-layer model, which explain refuses."""
+    ckpt = _llama_like(tmp_path / "ckpt", planted=None, layers=2)
+    report = analyze_checkpoint(ckpt, recipes=["fp8_blockwise", "nvfp4"], progress=False)
+    assert report["threshold_db"] == {"fp8_blockwise": 25.0, "nvfp4": 13.0}
+    assert report["summary"]["nvfp4"]["flagged"] == 0
+    assert report["suggestions"] == {"fp8_blockwise": {}, "nvfp4": {}}
+    assert "threshold: 25.0 dB (fp8_blockwise), 13.0 dB (nvfp4)" in render_text(report)
+    # a line above every module: no suggestion, and the text says why
+    strict = analyze_checkpoint(ckpt, recipes=["nvfp4"], threshold_db=30.0, progress=False)
+    assert strict["threshold_db"] == {"nvfp4": 30.0}
+    assert strict["suggestions"] == {"nvfp4": None}
+    assert "every layer is below the threshold" in render_text(strict)
+    assert "bf16_layers" not in suggestion_yaml(strict, "nvfp4")
 
 
 # --------------------------------------------------------------------------- odd input

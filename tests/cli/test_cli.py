@@ -48,10 +48,20 @@ def test_recipes_json_lists_the_five_with_their_fields():
     assert rows["fp8_delayed"]["amax_history_len"] == 1024
 
 
-def test_recipes_text_one_line_each():
+def test_recipes_text_a_header_then_one_line_each():
     out = cli("recipes")
-    lines = out.stdout.strip().splitlines()
+    header, *lines = out.stdout.strip().splitlines()
+    assert header.split() == ["recipe", "scaling", "description"]
     assert [ln.split()[0] for ln in lines[:5]] == list(FIVE)
+    # the columns line up under the header
+    at = header.index("scaling")
+    assert all(ln[at - 2 : at] == "  " and ln[at] != " " for ln in lines)
+
+
+def test_a_recipe_name_in_the_wrong_case_gets_a_did_you_mean(tmp_path):
+    out = cli("explain", write(tmp_path, "precision: FP8_BLOCKWISE\n"))
+    assert out.returncode == 2
+    assert "did you mean 'fp8_blockwise'?" in out.stderr
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -373,3 +383,37 @@ def test_a_misspelt_request_key_is_pointed_out(tmp_path):
 @pytest.mark.slow
 def test_recipe_flags_are_named_in_their_errors(args, key):
     assert_one_line_error(cli(*args), key, "did you mean 'fp8_blockwise'")
+
+
+def test_apply_detects_the_host_as_explain_does(tmp_path):
+    """`apply` required --host although `explain` detects it; now both read the shape."""
+    config = write(
+        tmp_path,
+        "policy:\n  precision: fp8_blockwise\n  model_name: meta-llama/Llama-3.1-8B-Instruct\n"
+        "  megatron_cfg:\n    enabled: true\n  generation:\n    backend: vllm\n",
+    )
+    detected = cli("apply", config)
+    given = cli("apply", config, "--host", "nemo-rl")
+    assert detected.returncode == 0, detected.stderr
+    assert detected.stdout == given.stdout and "fp8_cfg:" in detected.stdout
+    assert "host: nemo-rl (detected from the config's shape)" in detected.stderr
+    # an informational line is a note, not a warning
+    assert "apply: note: nemo-rl: policy.make_sequence_length_divisible_by" in detected.stderr
+    assert "warning:" not in detected.stderr
+    bare = cli("apply", write(tmp_path, "precision: fp8_blockwise\n"))
+    assert bare.returncode == 2 and "Traceback" not in bare.stderr
+    assert "--host: the config's shape names no host" in bare.stderr
+
+
+def test_apply_and_explain_show_the_vllm_environment_and_the_mla_kv_note():
+    """vLLM's start-up variable (engine_env) was never shown for a vLLM config, and an FP8
+    KV cache on MLA (Moonlight) was silent that its scales stay 1.0."""
+    moonlight = REPO / "conf" / "examples" / "vllm_moonlight_fp8_kv.yaml"
+    applied = cli("apply", moonlight)
+    assert applied.returncode == 0, applied.stderr
+    assert "env: set VLLM_USE_DEEP_GEMM_E8M0=0 where vLLM starts" in applied.stderr
+    assert "multi-head latent attention: vLLM keeps the KV cache's scales at 1.0" in applied.stderr
+    explained = cli("explain", moonlight)
+    assert "env: VLLM_USE_DEEP_GEMM_E8M0=0 (in vLLM's environment" in explained.stdout
+    llama = cli("apply", REPO / "conf" / "examples" / "vllm_llama8b_fp8_blockwise.yaml")
+    assert "latent attention" not in llama.stderr  # not MLA: the scales come with each refit

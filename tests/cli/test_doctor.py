@@ -63,12 +63,60 @@ def test_env_var_state(capsys, tmp_path, monkeypatch):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("precision: fp8_blockwise\n")
     monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
-    env = _json(capsys, str(cfg))["recipes"][0]["env"]
+    no_te = doctor.EXIT_NO_TE  # FP8 training asked for and no Transformer Engine here
+    env = _json(capsys, str(cfg), rc=no_te)["recipes"][0]["env"]
     assert env == [
-        {"name": "NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "needed": "1", "value": None, "set": False}
+        {
+            "name": "NVTE_FP8_BLOCK_SCALING_FP32_SCALES",
+            "needed": "1",
+            "value": None,
+            "set": False,
+            "te_default": False,
+        }
     ]
     monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
-    assert _json(capsys, str(cfg))["recipes"][0]["env"][0]["set"] is True
+    assert _json(capsys, str(cfg), rc=no_te)["recipes"][0]["env"][0]["set"] is True
+
+
+def test_variables_at_tes_default_are_not_listed_as_needed(capsys, tmp_path, monkeypatch):
+    """NVFP4's seven NVTE_NVFP4_* variables equal TE's defaults: unset, nothing to do."""
+    from nemo_fp8_plugin.capabilities import ENV_NVFP4
+
+    for var in ENV_NVFP4.values():
+        monkeypatch.delenv(var, raising=False)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: nvfp4\n")
+    assert main(["doctor", str(cfg)]) == doctor.EXIT_NO_TE
+    text = capsys.readouterr().out
+    assert "needed in the training process: unset" not in text
+    assert "env: 7 variable(s) unset here, which is fine: TE's default is" in text
+    # the defaults table is TE's own: every entry is what TE 2.20.2 reads when unset
+    te = load_te_recipe_module(tmp_path, name="te_recipe_defaults")
+    nvfp4 = te.NVFP4BlockScaling
+    for field, var in ENV_NVFP4.items():
+        want = getattr(nvfp4, field)
+        default = doctor.TE_ENV_DEFAULTS[var]
+        assert want == (default == "1" if isinstance(want, bool) else default), var
+
+
+def test_exit_code_3_when_training_is_asked_and_te_is_absent(capsys, tmp_path, monkeypatch):
+    """A launch script can gate on doctor: FP8 training without Transformer Engine."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: fp8_blockwise\n")
+    assert main(["doctor", str(cfg)]) == 3
+    out = capsys.readouterr().out
+    assert "works here: explain, apply, analyze and recipes (no host needed)" in out
+    assert "FP8 emulation" in out and "nemo-fp8 demo" in out
+    gen_only = tmp_path / "g.yaml"
+    gen_only.write_text("fp8: {recipe: fp8_blockwise, training: bf16}\n")
+    assert main(["doctor", str(gen_only)]) == 0  # no training check asked
+    assert main(["doctor", str(cfg), "--hardware", "h100"]) == 0  # judged for another machine
+    real_versions = doctor.package_versions
+    monkeypatch.setattr(
+        doctor, "package_versions", lambda: {**real_versions(), "transformer-engine": "2.20.2"}
+    )
+    monkeypatch.setattr(doctor, "_te_recipe_module", lambda: (None, "stand-in: not loaded"))
+    assert main(["doctor", str(cfg)]) == 0
 
 
 def test_effective_te_parameters_checked_with_te(capsys, tmp_path, monkeypatch):

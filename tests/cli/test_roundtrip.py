@@ -2,7 +2,7 @@
 (issue 17 item 1).
 
 The central check, on every shipped example and every NeMo RL config (NVIDIA's, in
-``/work/shared/data/nemo_rl`` when present, and the copies under ``tests/fixtures``): the line
+the repository's ``../shared/data/nemo_rl`` when present, and the copies under ``tests/fixtures``): the line
 diff between input and output touches only lines that belong to a key the pipeline reports
 writing (``written``) or dropping (``removed``, the request), located with PyYAML's own node
 marks, not with the code under test; every comment, blank line, quote and number spelling
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, nemo_rl_configs
+from conftest import REPO, SHARED_NEMO_RL, nemo_rl_configs, shared_nemo_rl
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.config import load_config
 from nemo_fp8_plugin.errors import FP8ConfigError
@@ -34,7 +34,7 @@ from nemo_fp8_plugin.hosts import ADAPTERS, get_adapter, load_context, run
 pytestmark = pytest.mark.torch_free
 
 EXAMPLES = sorted((REPO / "conf" / "examples").glob("*.yaml"))
-SHARED = Path("/work/shared/data/nemo_rl/examples/configs")
+SHARED = SHARED_NEMO_RL / "examples" / "configs"
 CONFIG_ROOTS = [r for r in (SHARED, nemo_rl_configs()) if r.is_dir()]
 NEMO_RL_CONFIGS = [
     (root, p.relative_to(root)) for root in CONFIG_ROOTS for p in sorted(root.rglob("*.yaml"))
@@ -44,6 +44,20 @@ NEMO_RL_CONFIGS = [
 def _id(case) -> str:
     root, rel = case
     return f"{'shared' if root == SHARED else 'fixtures'}/{rel}"
+
+
+def test_the_shared_nemo_rl_configs_are_there():
+    """The cases above are collected from the shared data only when it is present: say so
+    (a skip naming the path; under CI a failure) rather than run fewer cases silently."""
+    assert any(shared_nemo_rl("examples/configs").rglob("*.yaml"))
+
+
+def _copy_configs(root: Path, tmp_path: Path) -> Path:
+    """A copy of ``root`` (an ``examples/configs`` folder) with its ``examples`` siblings, so
+    ``defaults:`` that climb out of configs (``../../../../examples/modelopt/...``) resolve."""
+    examples = tmp_path / "examples"
+    shutil.copytree(root.parent, examples)
+    return examples / root.name
 
 
 # --------------------------------------------------------------------------- the line check
@@ -221,8 +235,7 @@ def test_nemo_rl_config_without_a_request_comes_back_byte_for_byte(case, tmp_pat
     rc, out, err = apply_cli(capsys, root / rel, "--host", "nemo-rl", "--diff")
     assert rc == 0 and out == "", err
     assert "no FP8 recipe requested" in err
-    tree = tmp_path / "configs"
-    shutil.copytree(root, tree)
+    tree = _copy_configs(root, tmp_path)
     sibling = (tree / rel).with_name("out.yaml")  # relative defaults: stay valid as written
     rc, _, err = apply_cli(capsys, tree / rel, "--host", "nemo-rl", "-o", sibling)
     assert rc == 0, err
@@ -247,8 +260,7 @@ def _requests(text: str) -> list[str]:
 @pytest.mark.parametrize("case", NEMO_RL_CONFIGS, ids=_id)
 def test_nemo_rl_config_with_a_request_changes_only_the_written_keys(case, tmp_path, capsys):
     root, rel = case
-    tree = tmp_path / "configs"
-    shutil.copytree(root, tree)  # the defaults: chain, with its relative paths
+    tree = _copy_configs(root, tmp_path)  # the defaults: chain, with its relative paths
     config = tree / rel
     refusals = []
     for text in _requests((root / rel).read_text()):

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, load_te_recipe_module, upstream_file
+from conftest import REPO, load_te_recipe_module, shared_nemo_rl, upstream_file
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.config import load_config
 from nemo_fp8_plugin.hosts import apply_path, bridge, te
@@ -49,7 +49,6 @@ from nemo_fp8_plugin.registry import list_recipes
 PRESETS = [s.name for s in list_recipes()]
 TE_WHEEL = "transformer_engine-2.20.2-*.whl"
 BRIDGE_WHEEL = "megatron_bridge-0.6.2-*.whl"
-NEMO_RL = Path("/work/shared/data/nemo_rl")
 EXAMPLES = REPO / "conf" / "examples"
 
 
@@ -520,7 +519,7 @@ first/last layers, truncation, stated fp8_param, pow2 current scaling, generatio
 def _nemo_rl_inputs(tmp_path: Path):
     """(label, input file, its mapping) for each request x each NeMo RL config and each plugin
     NeMo RL example, with ``defaults:`` pointed at the real parents."""
-    configs_dir = NEMO_RL / "examples" / "configs"
+    configs_dir = shared_nemo_rl("examples/configs")
     configs = sorted(configs_dir.rglob("*.yaml"))
     examples = sorted(EXAMPLES.glob("nemo_rl*.yaml")) + sorted(
         (REPO / "examples" / "nemo_rl").glob("*.yaml")
@@ -556,10 +555,11 @@ def _nemo_rl_inputs(tmp_path: Path):
 def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path):
     from megatron.core.transformer import TransformerConfig
 
-    declared, read = _typed_dict_fields_and_reads(NEMO_RL / "src")
+    src = shared_nemo_rl("src")
+    declared, read = _typed_dict_fields_and_reads(src)
     classes = {
         n.name
-        for p in (NEMO_RL / "src").rglob("*.py")
+        for p in src.rglob("*.py")
         for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
         if isinstance(n, ast.ClassDef)
     }

@@ -14,12 +14,11 @@ import importlib.util
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import load_te_recipe_module, nemo_rl_configs, upstream_file
+from conftest import load_te_recipe_module, nemo_rl_configs, shared_nemo_rl, upstream_file
 from nemo_fp8_plugin import FP8ConfigError, RecipeSpec, get_recipe, list_recipes
 from nemo_fp8_plugin.capabilities import CAPABILITIES, ENV_NVFP4, NVFP4_GENERATION_REFUSAL
 from nemo_fp8_plugin.cli import main
@@ -28,7 +27,6 @@ from nemo_fp8_plugin.hosts import megatron as mg
 from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 from nemo_fp8_plugin.registry import load_yaml_file, preset_dir
 
-NEMO_RL_SRC = Path("/work/shared/data/nemo_rl/src/nemo_rl")
 CONFIGS = nemo_rl_configs()
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4)
 BRIDGE_WHEEL = "megatron_bridge-0.6.2-*.whl"
@@ -359,7 +357,7 @@ def test_bridge_variant_gets_the_block_and_setup_pushes_fp4(mp, tmp_path):
 def _nemo_rl_function(*names: str):
     """NeMo RL's own functions from its source (it cannot be installed), exec'd with the names
     they use."""
-    tree = ast.parse((NEMO_RL_SRC / "models/megatron/setup.py").read_text())
+    tree = ast.parse(shared_nemo_rl("src/nemo_rl/models/megatron/setup.py").read_text())
     defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
     assert sorted(d.name for d in defs) == sorted(names)
     from collections.abc import Mapping
@@ -411,7 +409,7 @@ def test_nemo_rl_nvfp4_reaches_the_provider_through_model_overrides(tmp_path):
     )
     merged.__post_init__()
     # fp4 is no first-class NeMo RL key, which _validate_model_override_conflicts would refuse
-    policy_src = (NEMO_RL_SRC / "models/policy/__init__.py").read_text()
+    policy_src = shared_nemo_rl("src/nemo_rl/models/policy/__init__.py").read_text()
     first_class = {
         n.target.id
         for c in ast.walk(ast.parse(policy_src))

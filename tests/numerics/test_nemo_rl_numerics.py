@@ -15,24 +15,23 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import shared_nemo_rl
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.numerics.nemo_rl_numerics import quantize_weight_nemo_rl
 from nemo_fp8_plugin.numerics.quantize import quantize_blockwise
 
-FP8_PY = (
-    Path("/work/shared/data/nemo_rl/src") / "nemo_rl/models/generation/vllm/quantization/fp8.py"
-)
+FP8_PY = "src/nemo_rl/models/generation/vllm/quantization/fp8.py"
 
 
 def nemo_rl_cast(pow2: bool = False):
     """NeMo RL's ``cast_tensor_to_fp8_blockwise`` with ``global_fp8_config`` set as
     ``init_fp8`` sets it (``use_weight_pow2_scale`` = ``pow2``)."""
-    tree = ast.parse(FP8_PY.read_text())
+    fp8_py = shared_nemo_rl(FP8_PY)
+    tree = ast.parse(fp8_py.read_text())
     wanted = {"cast_tensor_to_fp8_blockwise", "FP8Config"}
     nodes = [
         n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in wanted
@@ -44,7 +43,7 @@ def nemo_rl_cast(pow2: bool = False):
         "field": dataclasses.field,
         "print": lambda *a, **k: None,
     }
-    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(FP8_PY), "exec"), namespace)
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(fp8_py), "exec"), namespace)
     namespace["global_fp8_config"] = namespace["FP8Config"](use_weight_pow2_scale=pow2)
     fn = namespace["cast_tensor_to_fp8_blockwise"]
 

@@ -1,6 +1,6 @@
 """importance_weights / mismatch_metrics / KL estimators against NeMo RL's formulas.
 
-NeMo RL's source (``/work/shared/data/nemo_rl/src/nemo_rl/algorithms/``, Apache-2.0) is
+NeMo RL's source (the shared test data's ``data/nemo_rl/src/nemo_rl/algorithms/``, Apache-2.0) is
 transcribed below, line by line with the line numbers of ``loss/loss_functions.py``
 (``ClippedPGLossFn.__call__``) and ``utils.py`` (``masked_mean``, ``calculate_kl``), as an
 independent reference: one micro-batch, so ``global_valid_toks = mask.sum()`` and

@@ -157,8 +157,10 @@ def test_in_process_run_reads_the_registry_and_records_a_failing_part(monkeypatc
     assert report["parts"]["vllm_refit"]["status"] == "skipped"  # the rest still ran
 
 
-def test_a_spent_budget_skips_the_parts_left():
+def test_a_spent_budget_skips_the_parts_left(capsys):
     report = gpu_check.run_checks("cpu", ("gemm", "refit"), budget_s=1e-9)
+    # the progress line says why, not just "skipped (0.0 s)"
+    assert "gemm: skipped (0.0 s): the time budget (1e-09 s) was spent" in capsys.readouterr().err
     for part in report["parts"].values():
         assert part["status"] == "skipped"
         assert part["reason"] == "the time budget (1e-09 s) was spent before this part started"

@@ -180,6 +180,10 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
             f"({NVFP4_GENERATION_REFUSAL}); the importance-sampling correction "
             f"absorbs the difference"
         )
+    from ..vllm import mla_kv_cache_note
+
+    mla_note = mla_kv_cache_note(spec, ctx.model) if _has_generation(resolved) else None
+    notes += [mla_note] if mla_note else []
     return HostKeys(keys=keys, warnings=warnings, env=dict(hk.env), notes=notes)
 
 

@@ -122,9 +122,13 @@ def _checks(spec: RecipeSpec, resolved: Mapping) -> None:
             "NeMo RL trains in FP8 on its Megatron path only, and this config does not enable it",
             key=f"{_MEGATRON}.enabled",
             value=get_path(resolved, f"{_MEGATRON}.enabled"),
-            hint="set policy.megatron_cfg.enabled: true (and "
-            "policy.dtensor_cfg.enabled: false), or ask for FP8 generation "
-            "only with fp8: {training: bf16}",
+            hint="set policy.megatron_cfg.enabled: true (and policy.dtensor_cfg.enabled: false)"
+            + (
+                ", or ask for FP8 generation only with fp8: {training: bf16}"
+                if _has_generation(resolved)
+                else "; this config has no policy.generation (SFT, DPO): FP8 generation "
+                "is no alternative, training in FP8 needs the Megatron path"
+            ),
         )
     backend = get_path(resolved, "policy.generation.backend")
     if _generation_fp8(spec) and _has_generation(resolved) and backend not in (None, "vllm"):

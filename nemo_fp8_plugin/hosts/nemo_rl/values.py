@@ -32,9 +32,10 @@ def interpolated(config: Mapping[str, Any]) -> dict[str, Any]:
     from omegaconf import OmegaConf  # only configs with ${...} need it
     from omegaconf.errors import OmegaConfBaseException
 
+    register = _register_resolver(OmegaConf)
     for name, fn in NEMO_RL_RESOLVERS.items():
         if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
+            register(name, fn)
     try:
         out = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=True)
     except OmegaConfBaseException as exc:
@@ -44,6 +45,19 @@ def interpolated(config: Mapping[str, Any]) -> dict[str, Any]:
         ) from None
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]
+
+
+def _register_resolver(omegaconf_class: Any):
+    """OmegaConf's registration of a resolver that takes typed arguments: ``register_resolver``
+    from 2.4 on, where ``register_new_resolver`` warns that it is deprecated (five lines on
+    every NeMo RL config with ``${...}``); ``register_new_resolver`` before, where
+    ``register_resolver`` is the legacy string-only one."""
+    import omegaconf
+
+    major_minor = tuple(int(p) for p in omegaconf.__version__.split(".")[:2] if p.isdigit())
+    if major_minor >= (2, 4):
+        return omegaconf_class.register_resolver
+    return omegaconf_class.register_new_resolver
 
 
 def resolved_value(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:

@@ -237,6 +237,25 @@ def engine_kwargs(spec, model=None, *, platform: str | None = None) -> dict[str,
     return kwargs
 
 
+def mla_kv_cache_note(spec, model) -> str | None:
+    """The note for an FP8 KV cache on multi-head latent attention (DeepSeek-V2/V3, Moonlight,
+    Kimi: the ``deepseek`` family), or None: vLLM's MLA caches the compressed latent under one
+    ``k_scale`` per layer, which the refit's key/value calibration does not measure
+    (``rl.kv_scales`` refuses it), so the scales stay vLLM's default 1.0 for the whole run."""
+    from ...capabilities import capability
+
+    row = capability(spec.scaling)
+    generates_fp8 = spec.generation == "fp8" and (row.is_block or row.is_mx)
+    if spec.kv_cache != "fp8" or not generates_fp8 or model is None or model.family != "deepseek":
+        return None
+    return (
+        f"kv_cache: fp8 on {model.name}, multi-head latent attention: vLLM keeps the KV "
+        f"cache's scales at 1.0 (no per-step KV scales for MLA: the latent's one k_scale per "
+        f"layer is not what key/value calibration measures); its values must fit E4M3 "
+        f"unscaled, or keep kv_cache: auto"
+    )
+
+
 def engine_env(spec) -> dict[str, str]:
     """Environment variables to set before vLLM starts, so its kernels keep the recipe's
     numerics (they are read at start-up, so they cannot travel as engine arguments).

@@ -43,10 +43,12 @@ __all__ = ["native_keys", "VLLMAdapter", "ADAPTER"]
 
 def native_keys(spec, model=None) -> HostKeys:
     """The engine arguments for ``spec`` (see :func:`nemo_fp8_plugin.hosts.vllm.engine_spelling`)."""
-    from . import engine_spelling
+    from . import engine_env, engine_spelling, mla_kv_cache_note
 
     kwargs, found = engine_spelling(spec, model)
-    return HostKeys(keys=kwargs, warnings=found)
+    note = mla_kv_cache_note(spec, model)
+    env = engine_env(spec) if kwargs else {}
+    return HostKeys(keys=kwargs, warnings=found, env=env, notes=[note] if note else [])
 
 
 def _style(config: Mapping[str, Any]) -> str:
@@ -88,7 +90,7 @@ def _canonical(value: Any) -> Any:
 def _spell(spec, ctx: HostContext) -> HostKeys:
     """The engine options in the file's spelling (dashes or underscores); ``device: cpu``
     read as the target platform (vLLM >= 0.32 has no such engine argument)."""
-    from . import engine_spelling
+    from . import engine_env, engine_spelling, mla_kv_cache_note
 
     device_key, device = _find(ctx.raw, "device")
     platform = "cpu" if device == "cpu" else None
@@ -100,7 +102,13 @@ def _spell(spec, ctx: HostContext) -> HostKeys:
             f"the platform): read as the target platform and left out of the output"
         )
     sep = _style({k: v for k, v in ctx.raw.items() if k not in ctx.request.keys})
-    return HostKeys(keys={k.replace("_", sep): v for k, v in kwargs.items()}, warnings=found)
+    note = mla_kv_cache_note(spec, ctx.model)
+    return HostKeys(
+        keys={k.replace("_", sep): v for k, v in kwargs.items()},
+        warnings=found,
+        env=engine_env(spec) if kwargs else {},  # read when vLLM starts: no engine argument
+        notes=[note] if note else [],
+    )
 
 
 def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
@@ -147,7 +155,13 @@ def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
         if key is not None:
             del out[key]
         out[spelt] = value
-    return ApplyResult(data=out, warnings=list(keys.warnings), fmt=ctx.fmt)
+    return ApplyResult(
+        data=out,
+        warnings=list(keys.warnings),
+        notes=list(keys.notes),
+        env=dict(keys.env),
+        fmt=ctx.fmt,
+    )
 
 
 class VLLMAdapter(HostAdapter):

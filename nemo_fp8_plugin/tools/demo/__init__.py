@@ -398,7 +398,12 @@ def run_arm(
         from tqdm import tqdm
 
         bar = tqdm(
-            total=train.steps, desc=f"{arm:>14}", unit="step", leave=True, dynamic_ncols=True
+            total=train.steps,
+            desc=f"{arm:>14}",
+            unit="step",
+            leave=True,
+            dynamic_ncols=True,
+            disable=None,  # no bar when stderr is no terminal: no \r updates in a log
         )
     try:
         model.train()

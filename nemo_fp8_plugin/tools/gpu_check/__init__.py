@@ -123,14 +123,22 @@ def run_checks(
                         }
             result["seconds"] = round(part.seconds, 2)
             report["parts"][name] = result
-            note = f" ({result['incomplete']})" if "incomplete" in result else ""
             print(
-                f"[gpu_check] {name}: {result['status']} ({result['seconds']} s){note}",
+                f"[gpu_check] {name}: {result['status']} ({result['seconds']} s)" + _why(result),
                 file=sys.stderr,
                 flush=True,
             )
     report["seconds"] = round(whole.seconds, 2)
     return report
+
+
+def _why(result: dict) -> str:
+    """The progress line's tail: why a part was skipped or failed, or what it left undone."""
+    if "incomplete" in result:
+        return f" ({result['incomplete']})"
+    if result["status"] != "ok" and result.get("reason"):
+        return f": {result['reason']}"
+    return ""
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from conftest import nemo_rl_configs
+from conftest import nemo_rl_configs, shared_nemo_rl
 from nemo_fp8_plugin.cli import main as cli_main
 from nemo_fp8_plugin.hosts import apply_path
 from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
@@ -218,9 +218,6 @@ def _gen_only(src: Path) -> Path:
     return out
 
 
-NEMO_RL_SRC = Path("/work/shared/data/nemo_rl/src")
-
-
 def nemo_rl_model_override_functions():
     """NeMo RL's own ``_merge_model_overrides``, ``_merge_model_override_value`` and
     ``_validate_model_override_conflicts``, compiled from the real
@@ -235,7 +232,7 @@ def nemo_rl_model_override_functions():
     from dataclasses import fields, is_dataclass, replace
     from typing import Any
 
-    setup = NEMO_RL_SRC / "nemo_rl" / "models" / "megatron" / "setup.py"
+    setup = shared_nemo_rl("src/nemo_rl/models/megatron/setup.py")
     tree = ast.parse(setup.read_text())
     wanted = {
         "_merge_model_overrides",
@@ -244,7 +241,7 @@ def nemo_rl_model_override_functions():
     }
     body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
     assert {n.name for n in body} == wanted
-    policy = ast.parse((NEMO_RL_SRC / "nemo_rl" / "models" / "policy" / "__init__.py").read_text())
+    policy = ast.parse(shared_nemo_rl("src/nemo_rl/models/policy/__init__.py").read_text())
     cls = next(n for n in policy.body if isinstance(n, ast.ClassDef) and n.name == "MegatronConfig")
     annotations = {n.target.id: Any for n in cls.body if isinstance(n, ast.AnnAssign)}
     stand_in = type("MegatronConfig", (), {"__annotations__": annotations})

@@ -26,6 +26,7 @@ from nemo_rl_cases import (
     write_input,
 )
 
+from conftest import shared_nemo_rl
 from nemo_fp8_plugin._io import dump_yaml
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts import HostAdapter, apply_path, get_adapter
@@ -365,7 +366,7 @@ def test_mxfp8_rollouts_give_nvidias_keys(tmp_path):
     }
     assert ours[f"{MEG}.fp8_cfg.enabled"] is False and warnings == []
     # the keys NeMo RL's own init_fp8 checks for MXFP8 (its source, read with ast)
-    src = Path("/work/shared/data/nemo_rl/src/nemo_rl/models/generation/vllm/quantization/fp8.py")
+    src = shared_nemo_rl("src/nemo_rl/models/generation/vllm/quantization/fp8.py")
     import ast
 
     fn = next(
@@ -404,9 +405,7 @@ def test_model_overrides_cannot_carry_a_per_module_quant_recipe():
 
     from nemo_fp8_plugin.hosts import megatron as mg
 
-    tree = ast.parse(
-        Path("/work/shared/data/nemo_rl/src/nemo_rl/models/megatron/setup.py").read_text()
-    )
+    tree = ast.parse(shared_nemo_rl("src/nemo_rl/models/megatron/setup.py").read_text())
     defs = [
         n
         for n in tree.body

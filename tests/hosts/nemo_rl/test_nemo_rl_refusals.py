@@ -305,3 +305,20 @@ def test_block_training_with_mxfp8_generation_is_refused_with_the_reason(
         apply_path(NEMO_RL, src)
     assert err.value.key == key and "128x128" in str(err.value) and "1x32 E8M0" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("generation", [True, False], ids=["grpo", "sft"])
+def test_dtensor_fp8_training_hints_fp8_generation_only_where_there_is_generation(generation):
+    """SFT (DTensor, no policy.generation) was told to "ask for FP8 generation only", which
+    an SFT config cannot do (and the plugin refuses: no policy.generation section)."""
+    from nemo_fp8_plugin.hosts import mapping_context, run
+
+    policy = {"precision": "fp8_blockwise", "dtensor_cfg": {"enabled": True}}
+    if generation:
+        policy["generation"] = {"backend": "vllm"}
+    with pytest.raises(FP8ConfigError) as err:
+        run(NEMO_RL, mapping_context({"policy": policy}))
+    assert err.value.key == "policy.megatron_cfg.enabled"
+    assert ("fp8: {training: bf16}" in err.value.hint) is generation
+    if not generation:
+        assert "no policy.generation" in err.value.hint
