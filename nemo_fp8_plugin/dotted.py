@@ -7,7 +7,7 @@ import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["get_path", "set_path", "delete_path", "flatten", "nest"]
+__all__ = ["get_path", "set_path", "delete_path", "flatten", "nest", "child_mapping"]
 
 
 def _parts(path: tuple[str, ...] | str) -> tuple[str, ...]:
@@ -65,3 +65,19 @@ def nest(pairs: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in pairs.items():
         set_path(out, key, value)
     return out
+
+
+def child_mapping(parent: dict, key: str, *, what: str, where: str) -> dict:
+    """``parent[key]`` as the mapping an adapter writes into: created when absent or null,
+    refused (naming the dotted key ``where``) when the file holds something else there.
+    ``what``: what the mapping holds, for the message (``TransformerConfig fields``)."""
+    from .errors import FP8ConfigError, format_value
+
+    if parent.get(key) is None:
+        parent[key] = {}
+    node = parent[key]
+    if not isinstance(node, dict):
+        raise FP8ConfigError(
+            f"expected a mapping of {what}, got {format_value(node)}", key=where, value=node
+        )
+    return node

@@ -56,6 +56,7 @@ from types import ModuleType
 from typing import Any
 
 from ...capabilities import capability
+from ...dotted import child_mapping
 from ...errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
 from ...spec import RecipeSpec
 from .. import ApplyResult, HostAdapter, HostContext, HostKeys, recipe_keys
@@ -422,16 +423,10 @@ def transformer_section(config: dict) -> tuple[dict, str]:
         )
     if not _is_model_config_yaml(model):
         return model, "model."
-    if model.get("transformer") is None:
-        model["transformer"] = {}
-    if not isinstance(model["transformer"], dict):
-        raise FP8ConfigError(
-            f"expected a mapping of TransformerConfig fields, got "
-            f"{format_value(model['transformer'])}",
-            key="model.transformer",
-            value=model["transformer"],
-        )
-    return model["transformer"], "model.transformer."
+    fields = child_mapping(
+        model, "transformer", what="TransformerConfig fields", where="model.transformer"
+    )
+    return fields, "model.transformer."
 
 
 # --------------------------------------------------------------------------- YAML

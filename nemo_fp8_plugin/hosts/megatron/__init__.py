@@ -62,7 +62,7 @@ from collections.abc import Mapping
 from typing import Any, List  # noqa: UP035 - see bf16_quant_recipe
 
 from ...capabilities import CAPABILITIES, capability
-from ...dotted import delete_path, get_path
+from ...dotted import child_mapping, delete_path, get_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
 from .. import ApplyResult, HostAdapter, HostContext, HostKeys, refuse_recipe
@@ -780,16 +780,8 @@ def _write_ddp(out: dict, placed: Mapping[str, Any]) -> list[str]:
     """Merge the DDP part of the spelling (``{"ddp": {...}}`` or root fields) into ``out``."""
     if "ddp" not in placed:
         return merge_native(out, placed, where="") if placed else []
-    if out.get("ddp") is None:
-        out["ddp"] = {}
-    if not isinstance(out["ddp"], dict):
-        raise FP8ConfigError(
-            f"expected a mapping of DistributedDataParallelConfig fields, "
-            f"got {format_value(out['ddp'])}",
-            key="ddp",
-            value=out["ddp"],
-        )
-    return merge_native(out["ddp"], placed["ddp"], where="ddp.")
+    ddp = child_mapping(out, "ddp", what="DistributedDataParallelConfig fields", where="ddp")
+    return merge_native(ddp, placed["ddp"], where="ddp.")
 
 
 def _recipe_literal(spec: RecipeSpec) -> str:
