@@ -291,7 +291,7 @@ class RecipeCapability:
             refuses ``fp8_dot_product_attention: true`` where it does not (TE 2.14-2.20:
             ``Float8BlockScaling`` asserts ``not fp8_dpa``). True for NVFP4: TE 2.14.1 and
             2.20.2's ``NVFP4BlockScaling`` takes ``fp8_dpa``; a host version that does not pass
-            it (megatron-core < 0.20) is refused by its adapter.
+            it (megatron-core < 0.17) is refused by its adapter.
         bf16_edge_layers: whether megatron-core keeps the first/last layers in BF16 under this
             kind (``first_last_layers_bf16``; megatron-core 0.16 refuses it with delayed
             scaling, so the spec refuses ``bf16_layers.first``/``last`` for training there).
@@ -494,7 +494,7 @@ CAPABILITIES: dict[str, RecipeCapability] = {
         fp8_formats=("e2m1",),
         # TE 2.14/2.20's NVFP4BlockScaling has fp8_dpa (FP8 attention under an FP4 recipe)
         # without an assert against it; whether a host passes it depends on its version
-        # (megatron-core from 0.20: stacks.FACTS), so the adapters decide, naming the version.
+        # (megatron-core from 0.17: stacks.FACTS), so the adapters decide, naming the version.
         # TE's own gate (check_nvfp4_support) is SM >= 10.0; the plugin trains NVFP4 on the
         # data-center Blackwells (SM100/SM103) only, where NVIDIA's NVFP4 recipes are run.
         training_archs=frozenset({"blackwell"}),

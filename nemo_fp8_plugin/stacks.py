@@ -252,24 +252,28 @@ FACTS: tuple[HostFact, ...] = (
         f"{_TE_RECIPE}, TE 2.19.0 (absent in 2.18.0)",
         "32x32 MXFP8 weight tiles (spec weight_block [32, 32]); absent means 1x32 tiles",
     ),
-    # megatron-core (Megatron-LM core_r* releases; newer than the registry's 0.16.1: source only).
+    # megatron-core: read from the registry's cp312 wheels (0.17.0, 0.18.0, 0.19.0, 0.19.2; they
+    # need Python 3.12, so only their source is checked: tests/fixtures/megatron_core/, checked
+    # by tests/test_stacks_megatron_source.py) and from the installed 0.16.1.
     HostFact(
         "megatron-core",
         "ddp.fp4_param_gather",
         _from("0.18"),
         False,
         "megatron/core/distributed/distributed_data_parallel_config.py "
-        "(DistributedDataParallelConfig.fp4_param_gather), megatron-core 0.18",
+        "(DistributedDataParallelConfig.fp4_param_gather), megatron-core 0.18.0 wheel "
+        "(absent in 0.16.1 and 0.17.0; present in 0.19.2)",
         "the distributed optimizer all-gathers (and requantizes) NVFP4 parameters only with it; "
         "Megatron-Bridge's bf16_with_nvfp4_mixed sets it",
     ),
     HostFact(
         "megatron-core",
         "get_fp4_recipe.fp8_dpa",
-        _from("0.20"),
+        _from("0.17"),
         None,
         "megatron/core/fp4_utils.py (get_fp4_recipe passes "
-        "fp8_dpa=config.fp8_dot_product_attention to NVFP4BlockScaling), megatron-core 0.20",
+        "fp8_dpa=config.fp8_dot_product_attention to NVFP4BlockScaling), megatron-core 0.17.0 "
+        "wheel (0.16.1 builds NVFP4BlockScaling(); 0.18.0 and 0.19.2 pass it too)",
         "FP8 attention under an NVFP4 recipe; older releases build NVFP4BlockScaling() and run "
         "attention in BF16",
     ),

@@ -159,7 +159,7 @@ def _block_fields(spec: RecipeSpec, fmt: str) -> dict[str, Any]:
 def _nvfp4_description(spec: RecipeSpec, fmt: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """``NVFP4BlockScaling``'s fields and the quantizer parameters its ``__post_init__``
     derives: FP4 elements, E4M3 block scales; FP8 attention where asked (megatron-core >=
-    0.20 passes fp8_dpa; the megatron adapter refuses it before)."""
+    0.17 passes fp8_dpa; the megatron adapter refuses it before)."""
     te = nvfp4_te_fields(spec)
     fields = {"fp4_format": fmt, "fp8_format": "E4M3", **te, **_attention(spec)}
     rht, sr, two_d = (

@@ -90,7 +90,7 @@ NVFP4_DPA = {"recipe": "nvfp4", "fp8_dot_product_attention": True}
 
 def test_the_spec_accepts_nvfp4_fp8_attention():
     """Whether FP8 attention under NVFP4 runs is a host-version question (megatron-core passes
-    fp8_dpa to NVFP4BlockScaling from 0.20), so the spec no longer refuses it outright."""
+    fp8_dpa to NVFP4BlockScaling from 0.17), so the spec no longer refuses it outright."""
     assert get_recipe(NVFP4_DPA).fp8_dot_product_attention is True
 
 
@@ -104,15 +104,15 @@ def test_megatron_core_0_16_1_refuses_it_naming_the_version(tmp_path, capsys):
         assert main(["apply", str(src), "--host", host]) == 2
         err = capsys.readouterr().err
         assert "fp8.fp8_dot_product_attention" in err and "megatron-core 0.16.1" in err, host
-        assert "from 0.20" in err
+        assert "from 0.17" in err
 
 
 def test_a_megatron_core_that_passes_fp8_dpa_gets_it(monkeypatch):
-    """With megatron-core 0.20 (its get_fp4_recipe passes fp8_dpa; the version is what
-    honoured_fp8_fields reports, patched here: 0.20 does not install), the field is written."""
+    """With megatron-core 0.19.2 (its get_fp4_recipe passes fp8_dpa; the version is what
+    honoured_fp8_fields reports, patched here: 0.19.2 does not install), the field is written."""
     from nemo_fp8_plugin.hosts.megatron import source
 
-    patched = source.HonouredFields(dict(source.FALLBACK), "0.20.0", "installed")
+    patched = source.HonouredFields(dict(source.FALLBACK), "0.19.2", "installed")
     monkeypatch.setattr(source, "honoured_fp8_fields", lambda: patched)
     spec = get_recipe(NVFP4_DPA)
     assert mg.dropped_settings(spec) == []

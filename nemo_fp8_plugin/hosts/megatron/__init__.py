@@ -228,18 +228,18 @@ def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
 
 
 FP4_DPA = "get_fp4_recipe.fp8_dpa"
-"""The stacks-table fact: megatron-core >= 0.20's ``get_fp4_recipe`` passes
+"""The stacks-table fact: megatron-core >= 0.17's ``get_fp4_recipe`` passes
 ``fp8_dpa=config.fp8_dot_product_attention`` to ``NVFP4BlockScaling``."""
 
 
 def _fp4_attention(honoured) -> list[tuple[str, str]]:
-    """FP8 attention under nvfp4: honoured from megatron-core 0.20, dropped before."""
+    """FP8 attention under nvfp4: honoured from megatron-core 0.17, dropped before."""
     from ...stacks import lookup
 
     answer = lookup("megatron-core", FP4_DPA, honoured.version)
     if answer.present:
         return []
-    minimum = answer.fact.minimum if answer.fact is not None else "0.20"
+    minimum = answer.fact.minimum if answer.fact is not None else "0.17"
     return [
         (
             "fp8_dot_product_attention",
