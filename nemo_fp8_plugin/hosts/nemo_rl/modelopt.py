@@ -41,8 +41,8 @@ MODELOPT_QAT_SINCE = {
     "policy.generation.real_quant": "7ea279abfbeb698b092856d0dab61e7cf39bc909",
     "policy.generation.real_quant_ignore": "7ea279abfbeb698b092856d0dab61e7cf39bc909",
 }
-"""NeMo RL commit known to declare each key (the snapshot in ``../shared/data/nemo_rl``;
-earlier commits not checked). Belongs in the NeMo RL rows of ``stacks.py``: a stack whose
+"""NeMo RL commit known to declare each key (NVIDIA-NeMo/RL at 7ea279a, the snapshot the
+tests read; earlier commits not checked). Belongs in the NeMo RL rows of ``stacks.py``: a stack whose
 NeMo RL predates it refuses the preset naming the version."""
 
 DEFAULT_NVFP4_IGNORE = (
