@@ -26,9 +26,7 @@ from collections.abc import Iterator
 
 __all__ = ["Interrupted", "exit_status", "interruptible", "signals_held"]
 
-_CAUGHT = tuple(
-    s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s
-)
+_CAUGHT = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s)
 """The signals :func:`interruptible` turns into :class:`Interrupted` (SIGINT is Python's own)."""
 
 _SIGNALS = (*_CAUGHT, *((signal.SIGINT,) if hasattr(signal, "SIGINT") else ()))

@@ -153,9 +153,7 @@ def test_a_long_name_keeps_its_temp_name_within_the_limit(tmp_path):
     assert os.listdir(tmp_path) == ["n" * limit]
 
 
-def test_sigterm_in_the_library_raises_interrupted_and_removes_the_temp_file(
-    tmp_path, monkeypatch
-):
+def test_sigterm_in_the_library_raises_interrupted_and_removes_the_temp_file(tmp_path, monkeypatch):
     real = os.fsync
 
     def fsync(fd):
