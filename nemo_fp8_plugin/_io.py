@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +45,38 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     if st is not None and not stat.S_ISREG(st.st_mode):
         _write_through(target, st.st_mode, data, shown)
         return shown
-    with _signals_raise():
+    from ._signals import interruptible
+
+    with interruptible():
         _replace_file(target, st, data, shown)
     return shown
 
 
+TEMP_MARK = ".nemo-fp8-write-"
+"""What names the temp file of an atomic write: ``.<name>`` + TEMP_MARK + 8 random
+characters + ``.tmp`` beside the target (export's directories use ``.nemo-fp8-export-``)."""
+
+STALE_TEMP_SECONDS = 300
+"""Age (since its last change) after which a temp file of a write to the same target whose
+writer is gone is removed by the next write: a SIGKILL or a power cut cannot be caught, so
+what it leaves is cleaned later. The age is a second guard beside the lock (a file system
+whose ``flock`` is a no-op), and covers the instant between a temp file's creation and its
+lock."""
+
+
 def _replace_file(target: Path, st: os.stat_result | None, data: bytes, shown: Path) -> None:
+    from ._signals import signals_held
+
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent)
+        prefix = _temp_prefix(target)
+        _remove_stale_temps(target.parent, prefix)
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=target.parent)
     except OSError as err:
         raise OSError(err.errno, err.strerror, str(shown)) from None
     try:
+        # Held until the rename: while it is, no later write takes the file for a leftover.
+        locked = _lock(fd, blocking=True)
         # mkstemp creates 0600; the result should look like any file the user writes
         # (umask applied), or keep the mode of the file it replaces.
         mode = st.st_mode & 0o7777 if st is not None else 0o666 & ~_umask()
@@ -67,55 +85,91 @@ def _replace_file(target: Path, st: os.stat_result | None, data: bytes, shown: P
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, target)
+            if locked:  # renamed open, so the lock covers the rename (POSIX allows it)
+                os.replace(tmp, target)
+        if not locked:
+            os.replace(tmp, target)
     except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        with signals_held():  # a second SIGTERM must not cut the cleanup short
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         if isinstance(exc, OSError):  # disk full, quota, read-only: the user's path, not ours
             raise OSError(exc.errno, exc.strerror, str(shown)) from None
         raise
 
 
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """While a temp file exists, SIGTERM (and SIGHUP) raise :class:`SystemExit` (exit code
-    128 + the signal) instead of ending the process on the spot, so the ``except`` that
-    removes the temp file runs; SIGINT already raises KeyboardInterrupt. Only the main
-    thread can set handlers, and a handler someone else installed is left alone.
-
-    (A small local handler: the export side's shared ``_signals`` module was not on main
-    when this was written.)"""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    saved = {}
-    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, None):
-            saved[sig] = signal.signal(sig, stop)
+def _lock(fd: int, *, blocking: bool) -> bool:
+    """An exclusive ``flock`` on ``fd``: True when taken; False where there is no
+    ``flock`` (not POSIX, or a file system without locks). Raises BlockingIOError when
+    another open file holds it and ``blocking`` is False."""
     try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        raise
+    except OSError:  # ENOLCK, EOPNOTSUPP: this file system cannot tell
+        return False
+    return True
+
+
+def _remove_stale_temps(directory: Path, prefix: str) -> None:
+    """Remove what atomic writes to this target left when they were killed: regular files
+    named ``prefix`` + 8 random characters + ``.tmp``, owned by this user, unchanged for
+    :data:`STALE_TEMP_SECONDS`, whose lock is free (their writer is gone: the kernel drops
+    a lock when its process dies). A file whose writer lives holds its lock and is kept;
+    so is every file this cannot be sure of."""
+    import re
+    import time
+
+    pattern = re.compile(re.escape(prefix) + r"[A-Za-z0-9_]{8}\.tmp")
+    try:
+        names = [n for n in os.listdir(directory) if pattern.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        path = directory / name
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+        except OSError:  # gone already, a link, not readable (mode 0000): not ours to judge
+            continue
+        try:
+            here = os.fstat(fd)
+            if (
+                not stat.S_ISREG(here.st_mode)
+                or here.st_uid != _euid()
+                or time.time() - here.st_mtime < STALE_TEMP_SECONDS
+                or not _lock(fd, blocking=False)
+            ):
+                continue
+            # The name may have moved on (its writer renamed it and a new file took the
+            # name): remove only the file locked here.
+            if os.path.samestat(here, os.stat(path, follow_symlinks=False)):
+                os.unlink(path)
+        except OSError:  # BlockingIOError: its writer holds the lock; others: leave it
+            continue
+        finally:
+            os.close(fd)
+
+
+def _euid() -> int:
+    return os.geteuid() if hasattr(os, "geteuid") else -1
 
 
 def _temp_prefix(target: Path) -> str:
-    """``.NAME.`` for the temp file, shortened so that the temp name fits the file system's
-    name limit whenever ``NAME`` itself does (mkstemp adds 8 characters and ``.tmp``)."""
+    """``.NAME`` + :data:`TEMP_MARK` for the temp file, ``NAME`` shortened so that the temp
+    name fits the file system's name limit whenever ``NAME`` itself does (mkstemp adds 8
+    characters and ``.tmp``)."""
     try:
         limit = os.pathconf(target.parent if target.parent.exists() else ".", "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
-    room = max(1, limit - len(".") - len(".") - 8 - len(".tmp"))
+    room = max(1, limit - len(".") - len(TEMP_MARK) - 8 - len(".tmp"))
     # The name as the file system stores it (a byte that is not UTF-8 is a surrogate
     # escape in ``str``), cut at a character boundary when it is UTF-8.
     whole = os.fsencode(target.name)
@@ -124,7 +178,7 @@ def _temp_prefix(target: Path) -> str:
         name = whole[:room].decode("utf-8", "ignore")
     except UnicodeDecodeError:  # not UTF-8 already: keep its bytes as they are
         name = os.fsdecode(whole[:room])
-    return f".{name or 'out'}."
+    return f".{name or 'out'}{TEMP_MARK}"
 
 
 def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:

@@ -329,7 +329,7 @@ sys.exit(main(sys.argv[1:]))
 
 def sigterm_case(tmp: Path, python: str) -> tuple[str, str]:
     """SIGTERM while apply writes (between the temp file's fsync and its rename): nothing
-    is left behind, neither a ``.NAME.XXXX.tmp`` nor a half-written result."""
+    is left behind, neither a ``.NAME.nemo-fp8-write-XXXXXXXX.tmp`` nor a half-written result."""
     cfg = tmp / "sig.yaml"
     cfg.write_text(BASE)
     out = tmp / "sigout"

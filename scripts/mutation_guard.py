@@ -89,6 +89,13 @@ MUTATIONS = (
         "and not read_only_ok and False:",
         ("tests/test_hostile.py::test_a_read_only_output_is_refused_unless_forced",),
     ),
+    Mutation(
+        "live-writers-temp-file-removed",
+        "nemo_fp8_plugin/_io.py",
+        "                or not _lock(fd, blocking=False)\n",
+        "                or False\n",
+        ("tests/test_write_signals.py::test_a_live_writers_temp_file_is_never_removed",),
+    ),
 )
 
 

@@ -16,6 +16,7 @@ import os
 import sys
 from importlib import import_module
 
+from .._signals import exit_status
 from ..errors import FP8ConfigError, format_value, one_line
 
 # Subcommand modules, in the order `nemo-fp8 --help` lists them.
@@ -84,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(set PYTHONIOENCODING=utf-8, or write to a file with -o)",
         )
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP while writing (_signals)
         _error(args.command, "interrupted", kind="")
-        return 130
+        return exit_status(exc)
 
 
 def _error(command: str, message: str, *, kind: str = "error: ") -> None:
