@@ -117,7 +117,12 @@ def test_an_ascii_stdout_with_non_ascii_config_text_is_one_line(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("# caf\u00e9\nprecision: fp8_blockwise\n", encoding="utf-8")
     proc = _cli("apply", cfg, "--host", "megatron", env={"PYTHONIOENCODING": "ascii"})
-    errors = "\n".join(ln for ln in proc.stderr.decode().splitlines() if ": warning: " not in ln)
+    # warnings and notes come first (apply prints them before writing); the error is one line
+    errors = "\n".join(
+        ln
+        for ln in proc.stderr.decode().splitlines()
+        if ": warning: " not in ln and ": note: " not in ln
+    )
     one_line_error(proc.returncode, errors, "encoding (ascii)", "PYTHONIOENCODING")
 
 

@@ -216,7 +216,9 @@ def test_each_command_parses_its_config_once(tmp_path, capsys, monkeypatch, comm
     )
     extra = {"apply": ["--host", "nemo-rl", "-o", tmp_path / "out.yaml"]}.get(command, [])
     rc, err = run(capsys, command, cfg, *extra)
-    assert rc == 0, err
+    # doctor exits 3 for a config that trains in FP8 where Transformer Engine is absent (the
+    # test environments have none: docs/recipes.md, "doctor's exit codes")
+    assert rc == (3 if command == "doctor" else 0), err
     assert sorted(parsed) == ["config.yaml", "parent.yaml"], parsed
 
 
