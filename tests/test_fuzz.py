@@ -8,8 +8,8 @@ case against the project's promise:
 * a command exits 0, or 2 with exactly one line on stderr and no traceback (run in-process
   through :func:`nemo_fp8_plugin.cli.main`, captured with ``capsys``: no subprocess);
 * no file is touched but the output, and a refused ``apply`` leaves no output at all;
-* no case runs away: each finishes under :data:`CEILING_S`, a ceiling far above normal run
-  time (a case takes well under a second);
+* no case runs away: one that hangs fails through the suite's per-test timeout
+  (pytest-timeout, ``[tool.pytest.ini_options]``), not a wall-clock assertion;
 * the library functions return, or raise :class:`FP8ConfigError` / ``TypeError``.
 
 Budget: about 90 s on the 2-core CI machine (at most 3 minutes; ``NEMO_FP8_FUZZ_SCALE``
@@ -42,8 +42,6 @@ from nemo_fp8_plugin.hosts import HOSTS
 from nemo_fp8_plugin.registry import default_registry
 
 SCALE = float(os.environ.get("NEMO_FP8_FUZZ_SCALE", "1"))
-CEILING_S = 30.0
-"""Per-case wall-time ceiling; normal cases take well under a second."""
 
 
 def examples(n: int) -> int:
@@ -279,7 +277,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str, float]:
 
 
 def assert_promise(rc: int, err: str, took: float, argv) -> None:
-    assert took < CEILING_S, f"{argv}: {took:.1f}s"
+    """``took`` (seconds) is kept for a failure's report; speed is not asserted here."""
     assert rc in (0, 2), (argv, rc, err)
     assert "Traceback" not in err, err
     if rc == 2:
@@ -573,7 +571,6 @@ def test_checkpoints_are_analyzed_exported_or_refused(capsys, ckpt, recipe):
         if rc == 0:
             json.loads(out)
         out_dir = root / "exported"
-        start = time.monotonic()
         try:
             export_fp8_checkpoint(src, out_dir, recipe, max_shard_bytes=4096)
         except FP8ConfigError as err:
@@ -581,7 +578,6 @@ def test_checkpoints_are_analyzed_exported_or_refused(capsys, ckpt, recipe):
             assert not out_dir.exists(), "a refused export left its directory"
         else:
             assert (out_dir / "config.json").is_file()
-        assert time.monotonic() - start < CEILING_S
         assert _snapshot(src) == before, "the source checkpoint was touched"
         leftovers = {p.name for p in root.iterdir()} - {"ckpt", "exported"}
         assert not leftovers, leftovers
