@@ -41,8 +41,10 @@ def test_any_output_file_name_is_written_exactly_or_refused(capsys, name):
 
 
 def _errors(err: str) -> str:
-    """stderr without apply's warning lines (the promise counts error lines)."""
-    return "\n".join(line for line in err.splitlines() if ": warning: " not in line)
+    """stderr without apply's warning and note lines (the promise counts error lines)."""
+    return "\n".join(
+        line for line in err.splitlines() if ": warning: " not in line and ": note: " not in line
+    )
 
 
 @settings(max_examples=examples(40), **FUZZ)
