@@ -15,6 +15,7 @@ from ...errors import FP8ConfigError
 from ...spec import RecipeSpec
 from .. import ApplyResult, HostAdapter, HostContext, HostKeys
 from .alignment import ALIGNMENT_KEYS, sequence_alignment
+from .modelopt import qat_merge, qat_refuse, qat_spell
 from .checks import (
     _checks,
     _contradiction,
@@ -87,6 +88,12 @@ def _in_file(ctx: HostContext) -> bool:
 
 
 def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
+    if spec.qat is not None:  # ModelOpt QAT: none of the Transformer Engine keys apply
+        if ctx is not None:
+            qat_refuse(spec, ctx)
+            _dropped_keys(ctx.resolved)
+            _interpolation_users(ctx.resolved, list(ctx.request.keys))
+        return
     refusal = _refusal(spec)
     if refusal:
         key = (
@@ -141,6 +148,8 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
     """The recipe's keys for this config: the MoE router from the config when the model is
     unknown, the training keys only for a config without generation, the sequence lengths
     alignment needs."""
+    if spec.qat is not None:
+        return qat_spell(spec, ctx)
     resolved = ctx.resolved
     warnings: list[str] = []
     if ctx.request.model and ctx.model is None:
@@ -197,6 +206,10 @@ def _merge(ctx: HostContext, keys: HostKeys, resolve: bool) -> ApplyResult:
         )
         resolve = True
     out = _overlay_base(ctx, resolve)
+    if spec.qat is not None:
+        qat_merge(ctx, out, keys)
+        _consume_request(ctx, out)
+        return ApplyResult(data=out, warnings=warnings, notes=list(keys.notes))
     flat = dict(flatten(keys.keys))
     aligned = {k: flat.pop(k) for k in ALIGNMENT_KEYS if k in flat}
     native = HostKeys(keys=nest(flat))
@@ -204,17 +217,22 @@ def _merge(ctx: HostContext, keys: HostKeys, resolve: bool) -> ApplyResult:
         _merge_key(out, raw, resolved, spec, key, want, written)
     for key, value in aligned.items():
         set_path(out, key, value)
-    for key in ctx.request.keys:
-        if key == "policy.precision":
-            set_path(out, key, "bfloat16")
-        else:
-            delete_path(out, key)
+    _consume_request(ctx, out)
     return ApplyResult(
         data=out,
         warnings=warnings + list(keys.warnings),
         notes=list(keys.notes),
         env=dict(keys.env),
     )
+
+
+def _consume_request(ctx: HostContext, out: dict) -> None:
+    """The plugin's request keys leave the output (``policy.precision`` back to bfloat16)."""
+    for key in ctx.request.keys:
+        if key == "policy.precision":
+            set_path(out, key, "bfloat16")
+        else:
+            delete_path(out, key)
 
 
 def _merge_key(out: dict, raw, resolved, spec: RecipeSpec, key: str, want: Any, written: bool):
