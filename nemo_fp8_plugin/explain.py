@@ -79,6 +79,14 @@ def build_report(
         report["model_description"] = description.summary()
         # The check apply runs (hosts.run), so both refuse the same model, naming one key.
         report["warnings"] += check_model_shape(ctx)
+    if description is not None and request.spec.qat is not None:
+        # ModelOpt QAT: the quant_cfg file decides which modules quantize, not the TE rules.
+        report.setdefault("notes", []).append(
+            f"per-layer tables not shown: under ModelOpt QAT (preset {request.spec.qat.preset}) "
+            "the ModelOpt quant_cfg file decides which modules quantize, and the rollout keeps "
+            "policy.generation.real_quant_ignore in BF16"
+        )
+    elif description is not None:
         try:
             layers, rule_warnings, notes = _layers_section(request.spec, description)
         except FP8ConfigError as err:  # rules contradicting the model: name the config key

@@ -15,7 +15,7 @@ from ...errors import FP8ConfigError
 from ...spec import RecipeSpec
 from .. import ApplyResult, HostAdapter, HostContext, HostKeys
 from .alignment import ALIGNMENT_KEYS, sequence_alignment
-from .modelopt import qat_merge, qat_refuse, qat_spell
+from .modelopt import qat_merge, qat_recipe_keys, qat_refuse, qat_spell
 from .checks import (
     _checks,
     _contradiction,
@@ -281,6 +281,8 @@ class NeMoRLAdapter(HostAdapter):
         _refuse(spec, ctx)
 
     def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
+        if ctx is None and spec.qat is not None:
+            return qat_recipe_keys(spec, model)
         if ctx is None:
             return native_keys(spec, model)
         return _spell(spec, ctx)

@@ -41,6 +41,7 @@ __all__ = [
     "real_quant_ignore",
     "nemo_rl_version",
     "qat_refuse",
+    "qat_recipe_keys",
     "qat_spell",
     "qat_merge",
 ]
@@ -282,6 +283,21 @@ def nemo_rl_version(ctx: HostContext) -> str | None:
     from ...stacks import installed_version
 
     return installed_version("nemo-rl")
+
+
+def qat_recipe_keys(spec: RecipeSpec, model: Any = None) -> HostKeys:
+    """The preset's keys without a config (``recipe_keys``): ``model`` gives the layer count."""
+    assert spec.qat is not None
+    keys: dict[str, Any] = {}
+    flat = modelopt_qat_keys(
+        spec.qat.preset,
+        spec.bf16_layers,
+        real_quant=spec.qat.rollout == "real_quant",
+        num_layers=getattr(model, "num_layers", None),
+    )
+    for key, value in flat.items():
+        set_path(keys, key, value)
+    return HostKeys(keys=keys)
 
 
 def _qat_keys(spec: RecipeSpec, ctx: HostContext) -> dict[str, Any]:

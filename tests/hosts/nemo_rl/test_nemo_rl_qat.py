@@ -227,3 +227,19 @@ def test_explain_shows_the_modelopt_keys(capsys, tmp_path):
     assert cli_main(["explain", str(path), "--host", "nemo-rl"]) == 0
     out = capsys.readouterr().out
     assert "quant_cfg" in out and "nvfp4_a16.yaml" in out
+    # the Transformer Engine per-layer tables would describe a path that does not run
+    assert "per-layer tables not shown" in out and "mlp.linear_fc1" not in out
+
+
+@pytest.mark.parametrize("host", ["megatron", "nemo2", "bridge", "vllm", "te"])
+def test_other_hosts_refuse_qat(host):
+    from nemo_fp8_plugin.hosts import recipe_keys
+    from nemo_fp8_plugin.registry import get_recipe
+
+    spec = get_recipe("nvfp4").replace(qat="w4a16")
+    with pytest.raises(FP8ConfigError) as err:
+        recipe_keys(host, spec)
+    assert err.value.key == "qat" and "NeMo RL" in str(err.value)
+    keys = recipe_keys("nemo-rl", spec).keys
+    assert keys["policy"]["quant_cfg"].endswith("nvfp4_a16.yaml")
+    assert "model_overrides" not in keys["policy"].get("megatron_cfg", {})  # no TE NVFP4
