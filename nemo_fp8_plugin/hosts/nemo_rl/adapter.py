@@ -15,7 +15,7 @@ from ...errors import FP8ConfigError
 from ...spec import RecipeSpec
 from .. import ApplyResult, HostAdapter, HostContext, HostKeys
 from .alignment import ALIGNMENT_KEYS, sequence_alignment
-from .modelopt import qat_merge, qat_recipe_keys, qat_refuse, qat_spell
+from .modelopt import nemo_rl_version, qat_merge, qat_recipe_keys, qat_refuse, qat_spell
 from .checks import (
     _checks,
     _contradiction,
@@ -118,7 +118,7 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     _refuse_deep_gemm(spec, ctx)
     _dropped_keys(ctx.resolved)
     _interpolation_users(ctx.resolved, list(ctx.request.keys))
-    sequence_alignment(spec, ctx.resolved)
+    sequence_alignment(spec, ctx.resolved, nemo_rl_version(ctx))
 
 
 def _block_generation(spec: RecipeSpec, ctx: HostContext) -> bool:
@@ -174,7 +174,7 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
             "training keys are written, no generation or importance-sampling keys"
         )
         keys = nest({k: v for k, v in flatten(keys) if k.startswith(_MEGATRON + ".")})
-    writes, notes = sequence_alignment(spec, resolved)
+    writes, notes = sequence_alignment(spec, resolved, nemo_rl_version(ctx))
     if _block_generation(spec, ctx) and get_path(ctx.raw, _DEEP_GEMM, None) is False:
         # The user's own file turns DeepGEMM off: a kernel choice, not numerics (vLLM's
         # CUTLASS/Triton block kernels take the same fp32 scales), so it is kept.
