@@ -390,8 +390,11 @@ def _qwen35_layer(i: int, kind: str, experts: int, shared: bool) -> _Modules:
         # Megatron fuses the four input projections into one in_proj; vLLM into two
         # (packed_modules_mapping in_proj_qkvz / in_proj_ba).
         parts = [
-            ([(f"{mgp}.self_attention.in_proj", qkvz + ba)], [*qkvz, *ba],
-             [(f"{la}.in_proj_qkvz", qkvz), (f"{la}.in_proj_ba", ba)]),
+            (
+                [(f"{mgp}.self_attention.in_proj", qkvz + ba)],
+                [*qkvz, *ba],
+                [(f"{la}.in_proj_qkvz", qkvz), (f"{la}.in_proj_ba", ba)],
+            ),
             _unit(f"{mgp}.self_attention.out_proj", (f"{la}.out_proj",)),
         ]
     else:
@@ -422,9 +425,7 @@ def _nemotron_h_layer(i: int, kind: str, experts: int, shared: bool) -> _Modules
     else:
         parts = [_experts(mgp, hfp, "mixer", experts, False, "gate")]
         if shared:
-            parts.append(
-                _dense_mlp(mgp, hfp, "mixer.shared_experts", "mlp.shared_experts", False)
-            )
+            parts.append(_dense_mlp(mgp, hfp, "mixer.shared_experts", "mlp.shared_experts", False))
         mg, hf, units = _join(*parts)
     # vLLM's modules are named as it runs them (hf_to_vllm_mapper: backbone -> model).
     return mg, hf, [("model." + u.removeprefix("backbone."), m) for u, m in units]
@@ -487,8 +488,9 @@ def _qwen35_kinds(cfg: Mapping, layers: int, moe: bool, source: str) -> tuple[st
     types = cfg.get("layer_types")
     if types is None:
         every = _get_int(cfg, "full_attention_interval", source, default=4, minimum=1)
-        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                 for i in range(layers)]
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)
+        ]
     if (
         not isinstance(types, list)
         or len(types) != layers

@@ -15,7 +15,6 @@ from ...errors import FP8ConfigError
 from ...spec import RecipeSpec
 from .. import ApplyResult, HostAdapter, HostContext, HostKeys
 from .alignment import ALIGNMENT_KEYS, sequence_alignment
-from .modelopt import nemo_rl_version, qat_merge, qat_recipe_keys, qat_refuse, qat_spell
 from .checks import (
     _checks,
     _contradiction,
@@ -29,6 +28,7 @@ from .checks import (
     _neutral,
     _same,
 )
+from .modelopt import nemo_rl_version, qat_merge, qat_recipe_keys, qat_refuse, qat_spell
 from .spelling import (
     _MEGATRON,
     _VLLM,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from nemo_rl_cases import flatten, nemo_rl_load
 
 from conftest import shared_nemo_rl
 from nemo_fp8_plugin.cli import main as cli_main
@@ -25,7 +26,6 @@ from nemo_fp8_plugin.hosts import apply_mapping
 from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 from nemo_fp8_plugin.hosts.nemo_rl.modelopt import DEFAULT_NVFP4_IGNORE, modelopt_qat_keys
 from nemo_fp8_plugin.spec import QAT_PRESETS
-from nemo_rl_cases import flatten, nemo_rl_load
 
 pytestmark = pytest.mark.torch_free
 
@@ -181,7 +181,9 @@ def test_rules_modelopt_cannot_express_are_refused_naming_the_key(tmp_path, caps
 
 def test_qat_with_a_transformer_engine_recipe_is_refused():
     with pytest.raises(FP8ConfigError) as err:
-        apply_mapping(NEMO_RL, {**_config({"qat": "w4a16"}), "fp8": {"recipe": "mxfp8", "qat": "w4a16"}})
+        apply_mapping(
+            NEMO_RL, {**_config({"qat": "w4a16"}), "fp8": {"recipe": "mxfp8", "qat": "w4a16"}}
+        )
     assert err.value.key == "fp8.qat"
     with pytest.raises(FP8ConfigError) as err:
         apply_mapping(
@@ -243,3 +245,18 @@ def test_other_hosts_refuse_qat(host):
     keys = recipe_keys("nemo-rl", spec).keys
     assert keys["policy"]["quant_cfg"].endswith("nvfp4_a16.yaml")
     assert "model_overrides" not in keys["policy"].get("megatron_cfg", {})  # no TE NVFP4
+
+
+def test_te_nvfp4_with_nvfp4_rollouts_is_refused_naming_what_is_missing(tmp_path, capsys):
+    # NeMo RL's fp4_cfg + nvfp4_pertoken_rollout (NVIDIA-NeMo/RL PR 3566) came after 7ea279a;
+    # the snapshot's VllmConfig / PolicyConfig declare neither key.
+    src = shared_nemo_rl("src/nemo_rl/models/generation/vllm/config.py").read_text()
+    assert "nvfp4_pertoken_rollout" not in src
+    megatron = shared_nemo_rl("src/nemo_rl/models/policy/__init__.py").read_text()
+    assert "fp4_cfg" not in megatron
+    data = _config({"generation": "fp8"})
+    assert _apply(tmp_path, data) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "fp8.generation" in line
+    for fact in ("nvfp4_pertoken_rollout", "3566", "NeMo RL 0.6"):
+        assert fact in line, fact
