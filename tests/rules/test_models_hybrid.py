@@ -8,7 +8,7 @@ Hugging Face side and vLLM's; per-layer rules and the explain table resolve agai
 
 from __future__ import annotations
 
-import importlib.util
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -59,9 +59,9 @@ def test_qwen35_dense_has_three_linear_attention_layers_per_full_attention_layer
 
 def test_qwen35_megatron_names_are_megatron_cores_gated_delta_net():
     # the installed megatron-core 0.16.1's source, located without importing it (torch-free)
-    spec = importlib.util.find_spec("megatron")
-    assert spec is not None and spec.submodule_search_locations
-    root = Path(next(iter(spec.submodule_search_locations)))
+    dist = metadata.distribution("megatron-core")
+    assert dist.version == "0.16.1"
+    root = Path(str(dist.locate_file("megatron")))
     src = (root / "core/ssm/gated_delta_net.py").read_text()
     assert "self.in_proj = build_module(" in src and "self.out_proj = build_module(" in src
     mamba = (root / "core/ssm/mamba_mixer.py").read_text()  # Nemotron-H's mixer.in/out_proj
