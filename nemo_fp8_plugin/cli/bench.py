@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from .._io import check_output_file
     from ..tools.bench import bench_refit, render_numerics, render_refit, run_numerics
     from ..tools.bench_export import bench_export, render_export
-    from ..tools.harness import environment, write_json
+    from ..tools.harness import environment, stderr_progress, write_json
 
     check_output_file(args.json, "--json")
     env = environment()
@@ -48,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
         f"# nemo-fp8 bench  torch {env['torch']}  threads {env['threads']}  isa {env['isa']}\n",
         flush=True,
     )
-    numerics = run_numerics(quick=args.quick, skip_bf16=args.skip_bf16, linear=not args.skip_linear)
+    numerics = run_numerics(
+        quick=args.quick,
+        skip_bf16=args.skip_bf16,
+        linear=not args.skip_linear,
+        progress=stderr_progress("bench"),  # the first table comes after minutes of work
+    )
     print(render_numerics(numerics) + "\n", flush=True)
     refit = bench_refit(quick=args.quick, rounds=2 if args.quick else 4)
     print(render_refit(refit) + "\n", flush=True)

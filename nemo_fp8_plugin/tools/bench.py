@@ -45,7 +45,7 @@ from ..numerics import (
 )
 from ..registry import get_recipe
 from ..rl import quantize_for_refit
-from .harness import Stopwatch, interleaved, timed, timing_summary
+from .harness import Progress, Stopwatch, interleaved, timed, timing_summary
 
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8", "nvfp4"]
 
@@ -104,9 +104,12 @@ def first_call_costs(device: str = "cpu") -> dict:
     return out
 
 
-def bench_quantize(n: int, reps: int, device: str = "cpu") -> dict:
+def bench_quantize(
+    n: int, reps: int, device: str = "cpu", progress: Progress | None = None
+) -> dict:
     """GB/s of the public quantizers (and the compiled and reference variants) on an
-    ``n x n`` bf16 tensor, against ``torch.clone`` of it in the same run."""
+    ``n x n`` bf16 tensor, against ``torch.clone`` of it in the same run; ``progress`` gets
+    a line per first call and per case timed."""
     x = torch.randn(n, n, dtype=torch.bfloat16).to(device)
     public = {
         "quantize_blockwise 1x128": lambda: quantize_blockwise(x, (1, 128)),
@@ -134,10 +137,16 @@ def bench_quantize(n: int, reps: int, device: str = "cpu") -> dict:
             q = fn()
         first[name] = sw.seconds
         moved[name] = _moved(x, q)
+        if progress is not None:
+            progress(f"quantizers, first call, {name}: {sw.seconds:.3f} s")
     for name, fn in reference.items():
         moved[name] = _moved(x, fn())
-    fast = interleaved(clone | public | fused, reps, device)
-    slow = interleaved(clone | reference, max(2, reps // 3), device)
+        if progress is not None:
+            progress(f"quantizers, output size, {name}")
+    fast = interleaved(clone | public | fused, reps, device, progress, "quantizers, ")
+    slow = interleaved(
+        clone | reference, max(2, reps // 3), device, progress, "quantizers (reference), "
+    )
     times = {**fast, **slow, "clone": fast["clone"] + slow["clone"]}
     clone_gbs = moved["clone"] / min(times["clone"]) / 1e9
     rows = {}
@@ -171,8 +180,11 @@ def fwd_bwd(layer_fn, x, w, b):
     return run
 
 
-def bench_linear(n: int, tokens: int, reps: int, bf16_reps: int) -> dict:
-    """Best-of-``reps`` fwd+bwd times; bf16 is timed ``bf16_reps`` times (0 skips it).
+def bench_linear(
+    n: int, tokens: int, reps: int, bf16_reps: int, progress: Progress | None = None
+) -> dict:
+    """Best-of-``reps`` fwd+bwd times; bf16 is timed ``bf16_reps`` times (0 skips it);
+    ``progress`` gets a line per recipe's first run and per case timed.
 
     Each recipe's emulated layer is set against the same run's fp32 layer, plain bf16
     (``bf16_reps``) and the BF16-emulated linear (:func:`~..numerics.bf16_linear`, the
@@ -198,11 +210,18 @@ def bench_linear(n: int, tokens: int, reps: int, bf16_reps: int) -> dict:
             return layer(xx)
 
         run = fwd_bwd(emulated, x, w, None)
-        run()  # compiles this recipe's kernels; not timed
+        with Stopwatch() as sw:
+            run()  # compiles this recipe's kernels; not timed
         results[recipe] = run
+        if progress is not None:
+            progress(f"linear, first run, {recipe}: {sw.seconds:.2f} s")
     plain32()
     bf16_emulated()
-    times = interleaved({"fp32": plain32, "bf16 linear": bf16_emulated} | results, reps)
+    times = interleaved(
+        {"fp32": plain32, "bf16 linear": bf16_emulated} | results, reps, None, progress, "linear, "
+    )
+    if bf16_reps and progress is not None:
+        progress(f"linear, plain bf16 ({bf16_reps} run(s); slow without native bf16)")
     bf16 = min(timed(plain16, reps=bf16_reps)) if bf16_reps else float("nan")
     t32 = min(times["fp32"])
     tb = min(times["bf16 linear"])
@@ -342,14 +361,21 @@ def bench_refit(
     }
 
 
-def run_numerics(quick: bool = False, skip_bf16: bool = False, linear: bool = True) -> dict:
-    """The quantizer benchmark and (unless ``linear=False``) the emulated linear layer."""
+def run_numerics(
+    quick: bool = False,
+    skip_bf16: bool = False,
+    linear: bool = True,
+    progress: Progress | None = None,
+) -> dict:
+    """The quantizer benchmark and (unless ``linear=False``) the emulated linear layer;
+    ``progress`` gets their per-case lines (the full sizes run for minutes before the first
+    table)."""
     n_q, n_l, reps, bf16_reps = (1024, 512, 3, 1) if quick else (8192, 4096, 7, 1)
     with fused_mode(True, min_numel=0):
-        result: dict = {"quantize": bench_quantize(n_q, reps)}
+        result: dict = {"quantize": bench_quantize(n_q, reps, progress=progress)}
         if linear:
             result["linear"] = bench_linear(
-                n_l, n_l, max(2, reps // 2), 0 if skip_bf16 else bf16_reps
+                n_l, n_l, max(2, reps // 2), 0 if skip_bf16 else bf16_reps, progress
             )
     return result
 

@@ -33,6 +33,8 @@ __all__ = [
     "Stopwatch",
     "timed",
     "interleaved",
+    "Progress",
+    "stderr_progress",
     "timing_summary",
     "median",
     "ratio",
@@ -118,17 +120,39 @@ def timed(fn: Callable[[], Any], device=None, *, reps: int = 1, warmup: int = 0)
     return samples
 
 
+Progress = Callable[[str], None]
+"""Where a long measurement reports how far it got: called with one line of text per case."""
+
+
+def stderr_progress(prefix: str) -> Progress:
+    """A :data:`Progress` that prints ``prefix: LINE`` on stderr, flushed, one plain line per
+    call: no carriage-return redrawing, so a redirected log reads as it was written."""
+    import sys
+
+    def report(line: str) -> None:
+        print(f"{prefix}: {line}", file=sys.stderr, flush=True)
+
+    return report
+
+
 def interleaved(
-    fns: dict[str, Callable[[], Any]], reps: int, device=None
+    fns: dict[str, Callable[[], Any]],
+    reps: int,
+    device=None,
+    progress: Progress | None = None,
+    label: str = "",
 ) -> dict[str, list[float]]:
     """Each callable once per round, ``reps`` rounds; every timing of each.
 
     Interleaving puts a figure and its baseline under the same machine load (the project's
-    machine is shared): a burst of other work then slows both, not one."""
+    machine is shared): a burst of other work then slows both, not one. ``progress`` gets a
+    line per case timed (``label``, round, case, seconds)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
+    for round_ in range(1, reps + 1):
         for name, fn in fns.items():
             times[name] += timed(fn, device)
+            if progress is not None:
+                progress(f"{label}round {round_}/{reps}, {name}: {times[name][-1]:.3f} s")
     return times
 
 

@@ -61,6 +61,10 @@ def test_bench_quick_reports_every_ratio(tmp_path):
     assert result["export"]["ratio"] > 0
     for heading in ("Quantizers", "first-call cost", "Linear fwd+bwd", "Refit quantizer"):
         assert heading in proc.stdout
+    # the first section's progress: plain lines on stderr (a pipe here), no \r redrawing
+    assert "bench: quantizers, first call, quantize_blockwise 1x128:" in proc.stderr
+    assert "bench: linear, first run, nvfp4:" in proc.stderr
+    assert "\r" not in proc.stderr
 
 
 RECIPES = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8", "nvfp4")
@@ -104,6 +108,44 @@ def test_quantize_bench_rows_and_ratios():
     assert "first_call_s" not in rows["reference 1x128"]
     text = render_quantize(result)
     assert "quantize_per_tensor" in text and "x clone" in text
+
+
+@pytest.mark.slow  # ~14 s: six recipes' first runs
+def test_the_first_section_reports_each_case_as_it_goes(capsys):
+    """The quantizer and linear benchmarks say what they finished, case by case (the full
+    sizes run for minutes before their table), through the CLI's stderr lines."""
+    from nemo_fp8_plugin.numerics import fused_mode
+    from nemo_fp8_plugin.tools import bench
+    from nemo_fp8_plugin.tools.harness import stderr_progress
+
+    lines: list[str] = []
+    with fused_mode(False):
+        result = bench.bench_quantize(128, 2, progress=lines.append)
+    cases = set(result["rows"]) - {"clone"}
+    firsts = [line for line in lines if line.startswith("quantizers, first call, ")]
+    assert len(firsts) == 7  # public and compiled variants; the references have no first call
+    for case in cases:  # every case, in every round, as it is timed
+        timed_lines = [
+            line
+            for line in lines
+            if ", round " in line and line.endswith(" s") and f", {case}:" in line
+        ]
+        assert len(timed_lines) == 2, (case, lines)
+    assert "quantizers, round 2/2, clone:" in "\n".join(lines)
+    lines.clear()
+    bench.bench_linear(128, 64, 1, 0, progress=lines.append)
+    assert [line.split(":")[0] for line in lines[:6]] == [
+        f"linear, first run, {recipe}" for recipe in RECIPES
+    ]
+    assert any(line.startswith("linear, round 1/1, bf16 linear:") for line in lines)
+    report = stderr_progress("bench")
+    report("quantizers, first call, x: 0.100 s")
+    report("linear, round 1/1, fp32: 0.010 s")
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "bench: quantizers, first call, x: 0.100 s\nbench: linear, round 1/1, fp32: 0.010 s\n"
+    )
 
 
 # --------------------------------------------------------------------------- the tools' harness

@@ -505,57 +505,122 @@ def load_note(rows: list[dict[str, Any]]) -> str:
     return f"load average up to {worst:.2f} during the run: {verdict}"
 
 
-def render_table(rows: list[dict[str, Any]]) -> str:
+TABLE_COLUMNS = (
+    ("recipe", "<"),
+    ("final loss", ">"),
+    ("gap vs BF16", ">"),
+    ("step time vs BF16", ">"),
+    ("CPU time vs BF16", ">"),
+    ("BF16 linears", ">"),
+)
+"""The table's columns, (header, alignment): each column is as wide as its widest cell."""
+
+COLUMN_GAP = "  "
+"""Between two columns: two spaces, so a header of several words never reads as running
+into the next one."""
+
+
+def _table_cells(row: dict[str, Any]) -> list[str]:
+    """One row's cells, in :data:`TABLE_COLUMNS` order."""
+
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
     def times(value):
         return "-" if value is None else f"{value:.2f}x"
 
-    lines = [
-        f"{'recipe':<16} {'final loss':>10} {'gap vs BF16':>11} {'step time vs BF16':>17} "
-        f"{'CPU time vs BF16':>16} {'BF16 linears':>12}"
+    return [
+        row["recipe"],
+        fmt(row["final_loss"], ".4f"),
+        fmt(row["loss_gap_vs_bf16"], "+.2%"),
+        times(row["step_time_vs_bf16"]),
+        times(row.get("step_cpu_vs_bf16")),
+        f"{row['bf16_modules']}/{row['linear_modules']}",
     ]
-    for row in rows:
-        layers = f"{row['bf16_modules']}/{row['linear_modules']}"
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    """The summary table (header, one line per arm) and the load note under it."""
+    cells = [_table_cells(row) for row in rows]
+    widths = [
+        max(len(header), *(len(c[i]) for c in cells)) if cells else len(header)
+        for i, (header, _) in enumerate(TABLE_COLUMNS)
+    ]
+
+    def line(values: list[str]) -> str:
+        return COLUMN_GAP.join(
+            f"{v:{align}{w}}" for v, w, (_, align) in zip(values, widths, TABLE_COLUMNS)
+        ).rstrip()
+
+    lines = [line([header for header, _ in TABLE_COLUMNS])]
+    for row, values in zip(rows, cells):
         done = "" if row["completed"] else f"  (stopped after {row['steps_done']} steps)"
-        lines.append(
-            f"{row['recipe']:<16} {fmt(row['final_loss'], '10.4f')} "
-            f"{fmt(row['loss_gap_vs_bf16'], '+11.2%')} "
-            f"{times(row['step_time_vs_bf16']):>17} "
-            f"{times(row.get('step_cpu_vs_bf16')):>16} "
-            f"{layers:>12}{done}"
-        )
+        lines.append(line(values) + done)
     lines.append(load_note(rows))
     return "\n".join(lines)
+
+
+SMOOTHING_STEPS = 10
+"""Steps of the trailing mean the plot draws (a single step's loss is one batch's)."""
+
+
+def trailing_mean(values: list[float], window: int = SMOOTHING_STEPS) -> list[float]:
+    """The mean of the last ``window`` values (fewer at the start) at every position."""
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def gap_curves(results: list[ArmResult], window: int = SMOOTHING_STEPS) -> dict[str, list[float]]:
+    """Per FP8 arm, its training loss minus the BF16 arm's at the same step (same weights and
+    batches, so the difference is the recipe's), as a trailing mean over ``window`` steps;
+    as long as both arms ran. Empty without a BF16 arm."""
+    base = next((r.losses for r in results if r.name == "bf16"), None)
+    if not base:
+        return {}
+    gaps = {}
+    for r in results:
+        if r.name == "bf16" or not r.losses:
+            continue
+        gaps[r.name] = trailing_mean([a - b for a, b in zip(r.losses, base)], window)
+    return gaps
+
+
+def plot_curves(results: list[ArmResult]):
+    """Two panels: every arm's training loss (the overlapping curves) and, beside it, each FP8
+    arm's gap to the BF16 arm (:func:`gap_curves`), where the recipes tell apart."""
+    plt = pyplot()
+    fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(13, 5), dpi=110)
+    colors = plt.get_cmap("tab10")
+    gaps = gap_curves(results)
+    for i, r in enumerate(r for r in results if r.losses):
+        bf16 = r.name == "bf16"
+        color = "black" if bf16 else colors(i)
+        smooth = trailing_mean(r.losses)
+        x = range(1, len(smooth) + 1)
+        ax_loss.plot(x, smooth, label=r.name, linewidth=2.2 if bf16 else 1.2, color=color)
+        if r.name in gaps:
+            ax_gap.plot(range(1, len(gaps[r.name]) + 1), gaps[r.name], label=r.name, color=color)
+    ax_loss.set_ylabel(f"training loss ({SMOOTHING_STEPS}-step mean)")
+    ax_loss.set_title("training loss per arm", fontsize=10)
+    ax_gap.axhline(0.0, color="black", linewidth=0.8)
+    ax_gap.set_ylabel(f"loss minus BF16 loss ({SMOOTHING_STEPS}-step mean)")
+    ax_gap.set_title("gap to BF16 (same weights and batches)", fontsize=10)
+    for ax in (ax_loss, ax_gap):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    ax_loss.legend()
+    fig.suptitle("megatron-core GPT on CPU: BF16 vs FP8 recipes (emulated)")
+    return fig
 
 
 def write_outputs(out_dir: Path, report: dict[str, Any], results: list[ArmResult]) -> list[Path]:
     """``results.json`` and ``loss_curves.png`` in ``out_dir``, each written atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [write_json(out_dir / "results.json", report)]
-    fig, ax = pyplot().subplots(figsize=(8, 5), dpi=110)
-    for r in results:
-        if not r.losses:
-            continue
-        window = 10
-        smooth = [
-            sum(r.losses[max(0, i - window + 1) : i + 1])
-            / len(r.losses[max(0, i - window + 1) : i + 1])
-            for i in range(len(r.losses))
-        ]
-        ax.plot(
-            range(1, len(smooth) + 1),
-            smooth,
-            label=r.name,
-            linewidth=2.2 if r.name == "bf16" else 1.2,
-            color="black" if r.name == "bf16" else None,
-        )
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (10-step mean)")
-    ax.set_title("megatron-core GPT on CPU: BF16 vs FP8 recipes (emulated)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig = plot_curves(results)
     written.append(write_png(out_dir / "loss_curves.png", fig, bbox_inches="tight"))
     return written
 
