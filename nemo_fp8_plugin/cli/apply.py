@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     elif target is not None:
+        _write_companions(result.files)
         if args.in_place and text == source:
             print(f"{args.config} unchanged", file=sys.stderr)
             return 0
@@ -150,6 +151,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _write_companions(files: dict[str, str]) -> None:
+    """The adapter's companion files (the NeMo RL TE precision file), each atomically, before
+    the output that names them."""
+    from .._io import atomic_write_text
+    from . import printable_path
+
+    for path, text in files.items():
+        atomic_write_text(path, text)
+        print(f"wrote {printable_path(path)}", file=sys.stderr)
 
 
 def _detected_host(ctx) -> str:
