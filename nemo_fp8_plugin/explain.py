@@ -85,6 +85,12 @@ def build_report(
             raise (err.with_prefix("fp8") if "fp8" in request.keys else err) from None
         report["layers"] = layers
         report["warnings"] += rule_warnings
+        from .rules.lint import overreaching_rules
+
+        # rules matching more than their words say, with the modules hit (informative only)
+        lint = [r.line for r in overreaching_rules(request.spec, description)]
+        if lint:
+            report["lint"] = lint
         if notes:
             report.setdefault("notes", []).extend(notes)
     report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
@@ -297,6 +303,7 @@ def render_text(
         lines.append(f"{label} (--host NAME or --all-hosts shows their keys): {summary}")
     lines += ["recipe fields:", *recipe_lines[2:]]
     lines += _model_lines(report, own, all_hosts=all_hosts, full=full)
+    lines += [f"lint: {n}" for n in report.get("lint", [])]
     lines += [f"note: {n}" for n in report.get("notes", [])]
     return "\n".join(lines) + "\n"
 

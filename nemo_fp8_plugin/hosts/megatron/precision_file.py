@@ -184,10 +184,15 @@ def write_precision_file(file: PrecisionFile) -> Path:
 
 def generation_only_note(host: str, version: str | None, minimum: str, key: str) -> str:
     """The note for a stack without the file's key: module rules act on generation only."""
-    have = f"{host} {version}" if version else f"{host} (version unknown)"
+    why = (
+        f"{host} {version} has no {key} (from {minimum})"
+        if version
+        else f"the {host} version is unknown here and {key} exists from {minimum} only "
+        f"(pass --stack naming one that has it)"
+    )
     return (
-        f"{host}: module rules stay generation-only: {have} has no {key} (from {minimum}), so "
-        f"training runs the modules they match in FP8"
+        f"{host}: module rules stay generation-only: {why}, so training runs the modules "
+        f"they match in FP8"
     )
 
 
@@ -222,10 +227,7 @@ def nemo_rl_precision_file(ctx, result):
     row = fact("nemo-rl", NEMO_RL_FACT)
     minimum = row.minimum if row is not None else "0.8"
     if not answer.present:
-        note = generation_only_note("nemo-rl", version, minimum, NEMO_RL_KEY)
-        if version is None:
-            note += "; pass --stack naming a NeMo RL that has it"
-        result.notes.append(note)
+        result.notes.append(generation_only_note("nemo-rl", version, minimum, NEMO_RL_KEY))
         return result
     if ctx.output is None:
         result.notes.append(
