@@ -357,3 +357,20 @@ def test_trainer_and_generation_keep_the_same_modules_bf16_for_every_config(tmp_
     # a layer rule under pipeline parallelism is refused naming the key (not silently wrong)
     assert "pipeline_model_parallel_size: is 2" in dict(refused)["grpo_math_8B_megatron-one-layer"]
     assert len(checked) >= 20, (checked, refused)
+
+
+def test_explain_says_module_rules_stay_generation_only_on_a_stack_without_the_key(
+    tmp_path, capsys
+):
+    configs = shared_nemo_rl("examples/configs")
+    src = _input(
+        tmp_path,
+        "grpo_moonlight_fp8_e2e.yaml",
+        configs / "recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml",
+    )
+    assert main(["explain", str(src), "--host", "nemo-rl", "--stack", "nemo-rl-0.6"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "module rules stay generation-only: nemo-rl 0.6.0 has no "
+        "policy.megatron_cfg.te_precision_config_file (from 0.8)" in out
+    )
