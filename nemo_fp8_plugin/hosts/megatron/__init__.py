@@ -901,7 +901,10 @@ class MegatronAdapter(HostAdapter):
         return _spell(spec, None, model)
 
     def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
-        return _merge(ctx, keys)
+        from .precision_file import megatron_lm_precision_file
+
+        # Megatron-LM's --yaml-cfg cannot carry quant_recipe: the rules go to a file instead
+        return megatron_lm_precision_file(ctx, _merge(ctx, keys))
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         return _validate(result, ctx)

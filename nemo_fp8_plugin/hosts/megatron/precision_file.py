@@ -53,6 +53,7 @@ __all__ = [
     "write_precision_file",
     "generation_only_note",
     "nemo_rl_precision_file",
+    "megatron_lm_precision_file",
 ]
 
 MEGATRON_LM_FLAG = "--te-precision-config-file"
@@ -264,5 +265,57 @@ def nemo_rl_precision_file(ctx, result):
     result.notes.append(
         f"nemo-rl: {len(file.patterns)} BF16 module pattern(s) for training go to {path.name} "
         f"({NEMO_RL_KEY}); megatron-core matches them against its module names"
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- Megatron-LM YAML
+
+
+_LM_PP = "model_parallel.pipeline_model_parallel_size"
+
+
+def megatron_lm_precision_file(ctx, result):
+    """Megatron-LM's ``--yaml-cfg`` layout (a ``language_model:`` section; the megatron
+    adapter's merge calls this last): its loader turns every nested mapping into a
+    ``SimpleNamespace`` (``megatron/training/yaml_arguments.py``, ``load_yaml``) and passes
+    ``language_model`` to ``TransformerConfig`` as is, so an inline ``quant_recipe`` reaches
+    megatron-core as a namespace it cannot match, and that path reads no precision file. The
+    inline mapping is taken out; with an output file the rules go to the TE precision file
+    beside it, for Megatron-LM's argparse ``--te-precision-config-file``; a warning says that
+    under ``--yaml-cfg`` those modules train in FP8. Returns ``result``."""
+    from ...dotted import get_path
+
+    section = result.data.get("language_model") if isinstance(result.data, dict) else None
+    ours = isinstance(section, dict) and "quant_recipe" in section
+    if not ours or get_path(ctx.raw, "language_model.quant_recipe", None) is not None:
+        return result
+    pp = get_path(ctx.resolved, _LM_PP, 1)
+    recipe, _ = precision_recipe(
+        ctx.spec,
+        ctx.model,
+        pipeline_parallel=pp if isinstance(pp, int) and not isinstance(pp, bool) else 1,
+        pipeline_key=_LM_PP,
+    )
+    del section["quant_recipe"]
+    loss = (
+        "Megatron-LM's --yaml-cfg loader turns language_model.quant_recipe into a "
+        "SimpleNamespace megatron-core cannot match and reads no precision file, so the BF16 "
+        "module rules are not written inline"
+    )
+    if recipe is None:
+        return result
+    if ctx.output is None:
+        result.warnings.append(
+            f"megatron: {loss}; apply -o OUT writes them to a TE precision file for "
+            f"{MEGATRON_LM_FLAG} (with --yaml-cfg those modules train in FP8)"
+        )
+        return result
+    path = precision_file_path(ctx.output)
+    check_precision_file_path(path)
+    result.files[str(path)] = PrecisionFile(path=path, recipe=recipe).text()
+    result.warnings.append(
+        f"megatron: {loss}: they are in {path.name}; run Megatron-LM with argparse arguments and "
+        f"{MEGATRON_LM_FLAG} {os.path.realpath(path)} (with --yaml-cfg those modules train in FP8)"
     )
     return result

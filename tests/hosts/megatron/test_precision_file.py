@@ -374,3 +374,60 @@ def test_explain_says_module_rules_stay_generation_only_on_a_stack_without_the_k
         "module rules stay generation-only: nemo-rl 0.6.0 has no "
         "policy.megatron_cfg.te_precision_config_file (from 0.8)" in out
     )
+
+
+# --------------------------------------------------------------------------- Megatron-LM YAML
+
+LM_CONFIG = (
+    "fp8: {recipe: fp8_blockwise, model: llama3.1-8b, bf16_layers: {modules: [%s]}}\n"
+    "language_model: {num_layers: 32}\n"
+    "model_parallel: {pipeline_model_parallel_size: %d}\n"
+)
+
+
+def test_megatron_lm_yaml_cannot_carry_an_inline_quant_recipe():
+    """Why the file: Megatron-LM's load_yaml (megatron/training/yaml_arguments.py, not in the
+    megatron-core wheel) converts nested mappings with
+    ``json.loads(json.dumps(config), object_hook=lambda item: SimpleNamespace(**item))``;
+    megatron-core's matcher then fails on what an inline quant_recipe became."""
+    import json
+    from types import SimpleNamespace
+
+    inline = {"configs": {"bf16": {}}, "matchers": {}}
+    loaded = json.loads(json.dumps(inline), object_hook=lambda item: SimpleNamespace(**item))
+    _, match, *_ = _megatron()
+    with pytest.raises(AttributeError):
+        match("decoder.layers.0.mlp.linear_fc2", loaded)
+
+
+def test_megatron_lm_layout_gets_the_file_instead_of_an_inline_quant_recipe(tmp_path, capsys):
+    src = tmp_path / "lm.yaml"
+    src.write_text(LM_CONFIG % ("'*.linear_fc2'", 1))
+    out = tmp_path / "out" / "lm.yaml"
+    out.parent.mkdir()
+    assert main(["apply", str(src), "--host", "megatron", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    data = yaml.safe_load(out.read_text())
+    assert "quant_recipe" not in data["language_model"]
+    side = precision_file_path(out)
+    assert f"--te-precision-config-file {side.resolve()}" in err
+    recipe = _megatron()[0](str(side))
+    assert [m.pattern for m in recipe.matchers] == ["decoder.layers.*.mlp.linear_fc2"]
+
+
+def test_the_model_layout_keeps_its_inline_quant_recipe(tmp_path):
+    src = tmp_path / "m.yaml"
+    src.write_text("fp8: {recipe: fp8_blockwise, bf16_layers: {modules: ['*.linear_fc2']}}\n")
+    ctx = load_context(str(src), output=tmp_path / "o.yaml")
+    result = run(get_adapter("megatron"), ctx)
+    assert result.files == {}
+    assert get_path(result.data, "model.quant_recipe.matchers.bf16_0.pattern")
+
+
+def test_megatron_lm_layer_rules_under_pipeline_parallelism_are_refused(tmp_path):
+    src = tmp_path / "lm.yaml"
+    src.write_text(LM_CONFIG % ("'model.layers.3.*'", 4))
+    ctx = load_context(str(src), output=tmp_path / "o.yaml")
+    with pytest.raises(FP8ConfigError) as err:
+        run(get_adapter("megatron"), ctx)
+    assert err.value.key == "model_parallel.pipeline_model_parallel_size"
