@@ -138,12 +138,18 @@ def precision_recipe(
         return None, []
     keys = to_megatron(spec, model)
     warnings = [w for w in keys.warnings if not _is_pipeline_warning(w)]
-    untranslatable = [w for w in warnings if "cannot be translated" in w]
+    # Without a model the name-only translation may name layers in Hugging Face names (no
+    # megatron-core name to write) or pass a pattern on unrecognised: the file would keep
+    # nothing of it in BF16, so it is refused rather than written.
+    untranslatable = [
+        w for w in warnings if "cannot be translated" in w or "it is passed as is" in w
+    ]
     if untranslatable:
         label = untranslatable[0].split(" (host", 1)[0]
         raise FP8ConfigError(
-            "names particular layers in Hugging Face names; the TE precision file needs "
-            "megatron-core module names, which only a model description gives",
+            "cannot be translated to megatron-core module names without a model description "
+            "(it names particular layers, or no module the plugin knows); the TE precision "
+            "file matches megatron-core names only",
             key=label.split("=", 1)[0],
             value=label.split("=", 1)[1].strip("'") if "=" in label else None,
             hint="pass --model or --model-config (or set fp8.model)",
@@ -200,6 +206,26 @@ def generation_only_note(host: str, version: str | None, minimum: str, key: str)
 # --------------------------------------------------------------------------- NeMo RL
 
 
+def _recipe_for(ctx, pipeline_key: str):
+    """:func:`precision_recipe` for a command's context: the pipeline size read from
+    ``pipeline_key`` (an interpolation or other non-integer counts as 1), a refusal naming a
+    rule keyed under the request's prefix (``fp8.bf16_layers.modules[0]``)."""
+    from ...dotted import get_path
+
+    pp = get_path(ctx.resolved, pipeline_key, 1)
+    try:
+        return precision_recipe(
+            ctx.spec,
+            ctx.model,
+            pipeline_parallel=pp if isinstance(pp, int) and not isinstance(pp, bool) else 1,
+            pipeline_key=pipeline_key,
+        )
+    except FP8ConfigError as err:
+        if ctx.prefix and (err.key or "").startswith("bf16_layers."):
+            raise err.with_prefix(ctx.prefix) from None
+        raise
+
+
 _NEMO_RL_TRAINING_WARNING = "training runs the modules it matches in FP8"
 """The tail of the NeMo RL rules' warning for a module rule its training side cannot express
 (:mod:`nemo_fp8_plugin.hosts.nemo_rl.rules`); the file route expresses it."""
@@ -237,13 +263,7 @@ def nemo_rl_precision_file(ctx, result):
             f"stay generation-only"
         )
         return result
-    pp = get_path(ctx.resolved, _NEMO_RL_PP, 1)
-    recipe, warnings = precision_recipe(
-        spec,
-        ctx.model,
-        pipeline_parallel=pp if isinstance(pp, int) and not isinstance(pp, bool) else 1,
-        pipeline_key=_NEMO_RL_PP,
-    )
+    recipe, warnings = _recipe_for(ctx, _NEMO_RL_PP)
     result.warnings[:] = [w for w in result.warnings if w not in moved]
     if recipe is None:  # every rule names modules no TE layer runs in FP8 anyway
         return result
@@ -290,13 +310,7 @@ def megatron_lm_precision_file(ctx, result):
     ours = isinstance(section, dict) and "quant_recipe" in section
     if not ours or get_path(ctx.raw, "language_model.quant_recipe", None) is not None:
         return result
-    pp = get_path(ctx.resolved, _LM_PP, 1)
-    recipe, _ = precision_recipe(
-        ctx.spec,
-        ctx.model,
-        pipeline_parallel=pp if isinstance(pp, int) and not isinstance(pp, bool) else 1,
-        pipeline_key=_LM_PP,
-    )
+    recipe, _ = _recipe_for(ctx, _LM_PP)
     del section["quant_recipe"]
     loss = (
         "Megatron-LM's --yaml-cfg loader turns language_model.quant_recipe into a "

@@ -431,3 +431,25 @@ def test_megatron_lm_layer_rules_under_pipeline_parallelism_are_refused(tmp_path
     with pytest.raises(FP8ConfigError) as err:
         run(get_adapter("megatron"), ctx)
     assert err.value.key == "model_parallel.pipeline_model_parallel_size"
+
+
+@pytest.mark.parametrize("pattern", ["model.layers.2.*", "model.layers.3.*", "*mtp_block*"])
+def test_a_rule_without_megatron_names_and_no_model_is_refused_naming_the_rule(pattern):
+    from nemo_fp8_plugin.hosts.megatron.precision_file import precision_recipe
+    from nemo_fp8_plugin.registry import get_recipe
+
+    spec = get_recipe(
+        {
+            "recipe": "fp8_blockwise",
+            "bf16_layers": {"modules": ["*.linear_fc2", pattern]},
+        }
+    )
+    with pytest.raises(FP8ConfigError) as err:
+        precision_recipe(spec, None)
+    assert err.value.key == "bf16_layers.modules[1]" and err.value.value == pattern
+    # a rule holding for every layer translates without a model
+    ok, _ = precision_recipe(
+        get_recipe({"recipe": "fp8_blockwise", "bf16_layers": {"modules": ["*down_proj*"]}}), None
+    )
+    # (it also names MLA's linear_kv_down_proj: the name-only translation probes every leaf)
+    assert "decoder.layers.*.mlp.linear_fc2" in [m["pattern"] for m in ok["matchers"].values()]
