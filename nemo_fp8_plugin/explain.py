@@ -85,12 +85,7 @@ def build_report(
             raise (err.with_prefix("fp8") if "fp8" in request.keys else err) from None
         report["layers"] = layers
         report["warnings"] += rule_warnings
-        from .rules.lint import overreaching_rules
-
-        # rules matching more than their words say, with the modules hit (informative only)
-        lint = [r.line for r in overreaching_rules(request.spec, description)]
-        if lint:
-            report["lint"] = lint
+        _lint_section(report, request.spec, description)
         if notes:
             report.setdefault("notes", []).extend(notes)
     report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
@@ -190,6 +185,16 @@ def _layers_section(spec, description) -> tuple[list[dict], list[str], list[str]
                 warnings.append(w)
         notes += [n for n in resolutions[side].notes if n not in notes]
     return layers, warnings, notes
+
+
+def _lint_section(report: dict[str, Any], spec, description) -> None:
+    """``report["lint"]``: rules matching more than their words say (a ``*`` continuing a
+    name), each with the modules it hits; informative, never a warning."""
+    from .rules.lint import overreaching_rules
+
+    lint = [r.line for r in overreaching_rules(spec, description)]
+    if lint:
+        report["lint"] = lint
 
 
 _RULE_INDEX = re.compile(r"bf16_layers\.modules\[(\d+)\]=")
