@@ -89,9 +89,14 @@ def overreaching_rules(
     for i, pattern in enumerate(rules.modules):
         if "*" not in pattern:
             continue
+        # The loose regex is the one resolve compiled (re's cache); the strict one is built
+        # only for a rule that matches something, so unmatched rules cost no compile.
         loose = re.compile(fnmatch.translate(pattern))
+        matched = [n for n in names if loose.match(n)]
+        if not matched:
+            continue
         strict = strict_glob(pattern)
-        hits = [n for n in names if loose.match(n) and not strict.match(n)]
+        hits = [n for n in matched if not strict.match(n)]
         if hits:
             groups = tuple(dict.fromkeys(template(n) for n in hits))
             out.append(OverreachingRule(rule_label(i, pattern), groups, len(hits)))
