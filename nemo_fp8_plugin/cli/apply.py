@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     for line in checks:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
     if args.diff:
+        for path in result.files:  # companions too are only shown
+            print(f"nemo-fp8 apply: note: would also write {path}", file=sys.stderr)
         sys.stdout.write(
             unified_diff(
                 source, text, name=str(args.config), label=f"nemo-fp8 apply --host {adapter.name}"
