@@ -88,6 +88,7 @@ def build_report(
             raise (err.with_prefix("fp8") if "fp8" in request.keys else err) from None
         report["layers"] = layers
         report["warnings"] += rule_warnings
+        _lint_section(report, request.spec, description)
         if notes:
             report.setdefault("notes", []).extend(notes)
     report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
@@ -195,6 +196,16 @@ def _layers_section(spec, description) -> tuple[list[dict], list[str], list[str]
                 warnings.append(w)
         notes += [n for n in resolutions[side].notes if n not in notes]
     return layers, warnings, notes
+
+
+def _lint_section(report: dict[str, Any], spec, description) -> None:
+    """``report["lint"]``: rules matching more than their words say (a ``*`` continuing a
+    name), each with the modules it hits; informative, never a warning."""
+    from .rules.lint import overreaching_rules
+
+    lint = [r.line for r in overreaching_rules(spec, description)]
+    if lint:
+        report["lint"] = lint
 
 
 _RULE_INDEX = re.compile(r"bf16_layers\.modules\[(\d+)\]=")
@@ -308,6 +319,7 @@ def render_text(
         lines.append(f"{label} (--host NAME or --all-hosts shows their keys): {summary}")
     lines += ["recipe fields:", *recipe_lines[2:]]
     lines += _model_lines(report, own, all_hosts=all_hosts, full=full)
+    lines += [f"lint: {n}" for n in report.get("lint", [])]
     lines += [f"note: {n}" for n in report.get("notes", [])]
     return "\n".join(lines) + "\n"
 

@@ -277,7 +277,56 @@ FACTS: tuple[HostFact, ...] = (
         "FP8 attention under an NVFP4 recipe; older releases build NVFP4BlockScaling() and run "
         "attention in BF16",
     ),
+    HostFact(
+        "megatron-core",
+        "get_fp8_recipe.mxfp8.fp8_dpa",
+        _from("0.18"),
+        None,
+        "megatron/core/fp8_utils.py (get_fp8_recipe passes "
+        "fp8_dpa=config.fp8_dot_product_attention to MXFP8BlockScaling), megatron-core 0.18.0 "
+        "wheel (0.16.1 and 0.17.0 build MXFP8BlockScaling(fp8_format=...) only; 0.19.0 and "
+        "0.19.2 pass it too)",
+        "FP8 attention under the MXFP8 recipe; older releases drop fp8_dot_product_attention "
+        "for mxfp8 and run attention in BF16",
+    ),
+    HostFact(
+        "megatron-core",
+        "quant_recipe",
+        _from("0.16"),
+        None,
+        "megatron/core/quantization/quant_config.py (RecipeConfig, glob matchers) with "
+        "TransformerConfig.quant_recipe and the Transformer Engine modules' finish_init "
+        "(TEQuantizationParams in megatron/core/extensions/transformer_engine.py), NVIDIA/"
+        "Megatron-LM commit d2e7060 (PR #2359, 2025-12-05), first in core_v0.16.0 (0.15.3 has "
+        "quant_config.py for Kitchen only, no TEQuantizationParams); schema unchanged through "
+        "core_v0.19.0 and main (2026-08)",
+        "per-module Transformer Engine precision: the TE precision file's schema",
+    ),
+    HostFact(
+        "megatron-core",
+        "--te-precision-config-file",
+        _from("0.16"),
+        None,
+        "megatron/training/arguments.py and argument_utils.py (load_quantization_recipe into "
+        "TransformerConfig.quant_recipe), NVIDIA/Megatron-LM tags core_v0.16.0 ... core_v0.19.0 "
+        "(absent in core_v0.15.3); Megatron-LM's training scripts are not in the megatron-core "
+        "wheel, so the version is the megatron-core release of the same tag",
+        "Megatron-LM's flag naming the TE precision file",
+    ),
     # NeMo RL (NVIDIA-NeMo/RL, commit 7ea279abfbeb698b092856d0dab61e7cf39bc909).
+    HostFact(
+        "nemo-rl",
+        "policy.megatron_cfg.te_precision_config_file",
+        _from("0.8"),
+        None,
+        "nemo_rl/models/policy/__init__.py (MegatronConfig.te_precision_config_file) and "
+        "nemo_rl/models/megatron/setup.py (load_quantization_recipe into the model provider's "
+        "quant_recipe), NVIDIA-NeMo/RL PR #3654, merged after 2026-08-27: absent in v0.7.0 "
+        "(2026-07-29) and in the snapshot 7ea279a (2026-08-22), so the first release that can "
+        "have it is 0.8",
+        "NeMo RL's key naming the TE precision file; without it, per-module BF16 rules stay "
+        "generation-only",
+    ),
     HostFact(
         "nemo-rl",
         "vllm_cfg.use_deep_gemm sets VLLM_USE_DEEP_GEMM_E8M0=0",
@@ -491,20 +540,21 @@ STACKS: tuple[Stack, ...] = (
     ),
     Stack(
         "latest",
-        "the newest releases (Transformer Engine 2.20.2, vLLM 0.32, megatron-core 0.20 source)",
+        "the newest releases (Transformer Engine 2.20.2, vLLM 0.32, megatron-core 0.19.2)",
         {
             "torch": "2.13.0",
             "transformer-engine": "2.20.2",
             "vllm": "0.32.0",
-            "megatron-core": "0.20.0",
+            "megatron-core": "0.19.2",
             "megatron-bridge": "0.7.0",
         },
         {
             "transformer-engine": _series("2.20"),
             "vllm": _series("0.32"),
-            "megatron-core": _from("0.20"),
+            "megatron-core": _from("0.19"),
         },
-        "the package registry (2026-10/11); megatron-core 0.20 from Megatron-LM's source",
+        "the package registry (2026-10/12): megatron-core 0.19.2 is its newest release "
+        "(pip download megatron-core==0.20.0 finds none, 2026-12)",
     ),
 )
 """The named stacks, most specific first (:func:`match_stack` takes the first that fits)."""

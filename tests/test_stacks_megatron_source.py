@@ -26,6 +26,7 @@ pytestmark = pytest.mark.torch_free
 EXCERPTS = FIXTURES / "megatron_core"
 DDP_FILE = "megatron/core/distributed/distributed_data_parallel_config.py"
 FP4_FILE = "megatron/core/fp4_utils.py"
+FP8_FILE = "megatron/core/fp8_utils.py"
 
 INSTALLED = "0.16.1"
 """The megatron-core the test environment installs (read in place by the host tests)."""
@@ -66,12 +67,27 @@ def nvfp4_keywords(tree: ast.Module) -> set[str]:
     return {kw.arg for kw in calls[0].keywords if kw.arg is not None}
 
 
+def mxfp8_keywords(tree: ast.Module) -> set[str]:
+    """The keyword arguments ``get_fp8_recipe`` passes to ``MXFP8BlockScaling(...)`` (exactly
+    one such call across the module's definitions, as for :func:`nvfp4_keywords`)."""
+    calls = [
+        c
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef) and fn.name == "get_fp8_recipe"
+        for c in ast.walk(fn)
+        if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("MXFP8BlockScaling")
+    ]
+    assert len(calls) == 1, f"expected one MXFP8BlockScaling call, found {len(calls)}"
+    return {kw.arg for kw in calls[0].keywords if kw.arg is not None}
+
+
 Probe = Callable[[Callable[[str], ast.Module]], bool]
 
 # fact name -> whether a release's source has it (given a reader: upstream path -> parsed file)
 PROBES: dict[str, Probe] = {
     "ddp.fp4_param_gather": lambda read: "fp4_param_gather" in ddp_fields(read(DDP_FILE)),
     "get_fp4_recipe.fp8_dpa": lambda read: "fp8_dpa" in nvfp4_keywords(read(FP4_FILE)),
+    "get_fp8_recipe.mxfp8.fp8_dpa": lambda read: "fp8_dpa" in mxfp8_keywords(read(FP8_FILE)),
 }
 
 
@@ -101,7 +117,7 @@ def test_the_excerpts_are_shipped_with_their_licence_and_notice():
     assert shipped == sorted(SHIPPED)
     for version in SHIPPED:
         assert f"megatron_core-{version}-" in notice, version
-        for path in (DDP_FILE, FP4_FILE):
+        for path in (DDP_FILE, FP4_FILE, FP8_FILE):
             text = (EXCERPTS / version / path).read_text(encoding="utf-8")
             assert (
                 text.startswith("# Copyright (c)") and "NVIDIA CORPORATION" in text.splitlines()[0]
@@ -115,6 +131,7 @@ def test_the_excerpts_cover_the_neighbouring_code(version):
     read = excerpt_reader(version)
     assert {"fp8_param_gather", "use_distributed_optimizer"} <= ddp_fields(read(DDP_FILE))
     nvfp4_keywords(read(FP4_FILE))  # exactly one NVFP4BlockScaling call
+    assert "fp8_format" in mxfp8_keywords(read(FP8_FILE))  # the MXFP8 call, with its format
 
 
 @pytest.mark.parametrize("name", sorted(PROBES))

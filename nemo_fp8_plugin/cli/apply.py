@@ -134,12 +134,15 @@ def run(args: argparse.Namespace) -> int:
     for line in checks:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
     if args.diff:
+        for path in result.files:  # companions too are only shown
+            print(f"nemo-fp8 apply: note: would also write {path}", file=sys.stderr)
         sys.stdout.write(
             unified_diff(
                 source, text, name=str(args.config), label=f"nemo-fp8 apply --host {adapter.name}"
             )
         )
     elif target is not None:
+        _write_companions(result.files)
         if args.in_place and text == source:
             print(f"{args.config} unchanged", file=sys.stderr)
             return 0
@@ -150,6 +153,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _write_companions(files: dict[str, str]) -> None:
+    """The adapter's companion files (the NeMo RL TE precision file), each atomically, before
+    the output that names them."""
+    from .._io import atomic_write_text
+    from . import printable_path
+
+    for path, text in files.items():
+        atomic_write_text(path, text)
+        print(f"wrote {printable_path(path)}", file=sys.stderr)
 
 
 def _detected_host(ctx) -> str:

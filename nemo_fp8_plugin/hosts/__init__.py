@@ -124,6 +124,9 @@ class ApplyResult:
         requested: whether the config asked for a recipe (False: ``data`` is the input).
         runtime: which code applies these keys when the job runs (the host's own FP8 path,
             or this package's), so nobody believes a path runs that does not.
+        files: companion files ``apply`` writes (atomically, before the output itself):
+            path -> text. The NeMo RL adapter's TE precision file
+            (:mod:`nemo_fp8_plugin.hosts.megatron.precision_file`) is one.
     """
 
     data: Any
@@ -135,6 +138,7 @@ class ApplyResult:
     removed: list[str] = field(default_factory=list)
     requested: bool = True
     runtime: str = ""
+    files: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """The host section of ``explain --json``."""
@@ -143,6 +147,8 @@ class ApplyResult:
             value = getattr(self, name)
             if value:
                 out[name] = value
+        if self.files:
+            out["files"] = sorted(self.files)
         return out
 
 

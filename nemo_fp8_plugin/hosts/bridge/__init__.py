@@ -66,6 +66,7 @@ from ..megatron import (
     precision_config_fields,
     refuse_dropped,
     remove_request_keys,
+    stack_core,
 )
 
 __all__ = [
@@ -160,12 +161,14 @@ BRIDGE_RECIPE_FIELDS = {
 Bridge 0.6.2's own function in ``tests/hosts/test_nvfp4_hosts.py``)."""
 
 
-def mixed_precision_fields(spec: RecipeSpec, model=None) -> HostKeys:
+def mixed_precision_fields(
+    spec: RecipeSpec, model=None, megatron_core: str | None = None
+) -> HostKeys:
     """Bridge ``MixedPrecisionConfig`` FP8 fields for ``spec`` (plain data), plus
     ``quant_recipe`` (for ``model.quant_recipe``) when per-module rules need one; for nvfp4
     also ``fp4_param_gather`` (Bridge's name for FP4 parameters, kept in sync with
     ``fp4_param``)."""
-    hk = precision_config_fields(spec, model, host="bridge")
+    hk = precision_config_fields(spec, model, host="bridge", megatron_core=megatron_core)
     if spec.training == "fp8" and capability(spec.scaling).is_nvfp4:
         hk.keys["fp4_param_gather"] = spec.fp8_param
     return hk
@@ -196,11 +199,18 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     return _spell(spec, model, current=None, section="model")
 
 
-def _spell(spec: RecipeSpec, model, *, current: Any, section: str) -> HostKeys:
+def _spell(
+    spec: RecipeSpec,
+    model,
+    *,
+    current: Any,
+    section: str,
+    megatron_core: str | None = None,
+) -> HostKeys:
     """The ``mixed_precision`` value for a config whose current one is ``current`` (None,
     a Bridge recipe name, or a block, whose own fields are kept: only the FP8 fields are
     given), and ``quant_recipe`` under ``section`` (``model`` or ``model.transformer``)."""
-    hk = mixed_precision_fields(spec, model)
+    hk = mixed_precision_fields(spec, model, megatron_core)
     if not hk.keys:
         return hk
     fields = dict(hk.keys)
@@ -537,7 +547,11 @@ class BridgeAdapter(HostAdapter):
     def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
         prefix = ctx.prefix if ctx is not None else ""
         refuse_dropped(
-            spec, prefix, host="Megatron-Bridge (megatron-core)", training_host="Megatron-Bridge"
+            spec,
+            prefix,
+            host="Megatron-Bridge (megatron-core)",
+            training_host="Megatron-Bridge",
+            megatron_core=stack_core(ctx),
         )
         if ctx is not None:
             check_layer_counts(ctx)
@@ -552,7 +566,13 @@ class BridgeAdapter(HostAdapter):
             if isinstance(model, Mapping) and _is_model_config_yaml(model)
             else "model"
         )
-        return _spell(spec, ctx.model, current=_current_block(ctx), section=section)
+        return _spell(
+            spec,
+            ctx.model,
+            current=_current_block(ctx),
+            section=section,
+            megatron_core=stack_core(ctx),
+        )
 
     def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
         return _merge(ctx, keys)

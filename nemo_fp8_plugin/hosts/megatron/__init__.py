@@ -71,6 +71,7 @@ from ..te import required_env
 __all__ = [
     "FP8_RECIPE",
     "refuse_dropped",
+    "stack_core",
     "FP8_FIELDS",
     "BF16_FIELDS",
     "PRECISION_CONFIG_FP8_FIELDS",
@@ -124,8 +125,13 @@ CONFLICTING_FIELDS = ("fp8_quantizer_factory", "fp4", "fp4_recipe", "fp4_param",
 (``quant_recipe`` only when our rules need one of their own)."""
 
 
-def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
-    """(spec key, reason) for each setting megatron-core would silently drop."""
+def dropped_settings(spec: RecipeSpec, megatron_core: str | None = None) -> list[tuple[str, str]]:
+    """(spec key, reason) for each setting megatron-core would silently drop.
+
+    ``megatron_core``: the version the command assumes (``--stack``, else the installed one,
+    :func:`stack_core`); None: the installed source's version. Version-table facts (FP8
+    attention under nvfp4) are decided for it; the per-branch fields are read from the
+    installed source (:mod:`.source`)."""
     if spec.training != "fp8":
         return []
     out: list[tuple[str, str]] = []
@@ -147,7 +153,7 @@ def dropped_settings(spec: RecipeSpec) -> list[tuple[str, str]]:
                 "(only tp_only_amax_red narrows the group)",
             )
         )
-    out += _unread_fields(spec)
+    out += _unread_fields(spec, megatron_core)
     if row.is_delayed and spec.pow2_scales:
         out.append(("pow2_scales", "delayed scaling has no power-of-2 scale option"))
     if not spec.fp8_wgrad:
@@ -198,17 +204,24 @@ _RECIPE_FIELDS = (
 )
 
 
-def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
+def _unread_fields(spec: RecipeSpec, megatron_core: str | None = None) -> list[tuple[str, str]]:
     from .source import honoured_fp8_fields
 
     honoured = honoured_fp8_fields()
     recipe = FP8_RECIPE[spec.scaling]
     out = []
     for key, field, neutral in _RECIPE_FIELDS:
-        if getattr(spec, key) == neutral or honoured.honours(recipe, field):
+        if getattr(spec, key) == neutral:
+            continue
+        assumed_other = megatron_core is not None and megatron_core != honoured.version
+        if assumed_other and capability(spec.scaling).is_mx and key == MXFP8_DPA_FIELD:
+            # A stack naming another release than the installed source: its table row decides.
+            out += _mxfp8_attention(megatron_core)
+            continue
+        if honoured.honours(recipe, field):
             continue
         if capability(spec.scaling).is_nvfp4 and key == "fp8_dot_product_attention":
-            out += _fp4_attention(honoured)
+            out += _fp4_attention(honoured, megatron_core)
             continue
         readers = honoured.recipes_reading(field)
         instead = _presets_for(readers)
@@ -227,23 +240,51 @@ def _unread_fields(spec: RecipeSpec) -> list[tuple[str, str]]:
     return out
 
 
+MXFP8_DPA = "get_fp8_recipe.mxfp8.fp8_dpa"
+"""The stacks-table fact: megatron-core >= 0.18's ``get_fp8_recipe`` passes
+``fp8_dpa=config.fp8_dot_product_attention`` to ``MXFP8BlockScaling``."""
+
+MXFP8_DPA_FIELD = "fp8_dot_product_attention"
+
+
+def _mxfp8_attention(megatron_core: str) -> list[tuple[str, str]]:
+    """FP8 attention under MXFP8 for an assumed megatron-core version (the stacks table)."""
+    from ...stacks import lookup
+
+    answer = lookup("megatron-core", MXFP8_DPA, megatron_core)
+    if answer.present:
+        return []
+    minimum = answer.fact.minimum if answer.fact is not None else "0.18"
+    return [
+        (
+            MXFP8_DPA_FIELD,
+            f"megatron-core {megatron_core}'s get_fp8_recipe builds MXFP8BlockScaling without "
+            f"fp8_dpa (megatron-core passes it from {minimum}), so attention would run in BF16; "
+            f"use megatron-core >= {minimum}, or remove fp8_dot_product_attention",
+        )
+    ]
+
+
 FP4_DPA = "get_fp4_recipe.fp8_dpa"
 """The stacks-table fact: megatron-core >= 0.17's ``get_fp4_recipe`` passes
 ``fp8_dpa=config.fp8_dot_product_attention`` to ``NVFP4BlockScaling``."""
 
 
-def _fp4_attention(honoured) -> list[tuple[str, str]]:
-    """FP8 attention under nvfp4: honoured from megatron-core 0.17, dropped before."""
+def _fp4_attention(honoured, megatron_core: str | None = None) -> list[tuple[str, str]]:
+    """FP8 attention under nvfp4: honoured from megatron-core 0.17, dropped before; decided
+    for ``megatron_core`` (the assumed version) when given, else the installed source's."""
     from ...stacks import lookup
 
-    answer = lookup("megatron-core", FP4_DPA, honoured.version)
+    version = megatron_core or honoured.version
+    answer = lookup("megatron-core", FP4_DPA, version)
     if answer.present:
         return []
     minimum = answer.fact.minimum if answer.fact is not None else "0.17"
+    label = honoured.label if version == honoured.version else f"megatron-core {version}"
     return [
         (
             "fp8_dot_product_attention",
-            f"{honoured.label}'s get_fp4_recipe builds NVFP4BlockScaling() without fp8_dpa "
+            f"{label}'s get_fp4_recipe builds NVFP4BlockScaling() without fp8_dpa "
             f"(megatron-core passes it from {minimum}), so attention would run in BF16; use "
             f"megatron-core >= {minimum}, or remove fp8_dot_product_attention",
         )
@@ -324,7 +365,9 @@ def check_layer_counts(ctx: HostContext) -> None:
         raise (err.with_prefix(ctx.prefix) if ctx.prefix else err) from None
 
 
-def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
+def transformer_config_fields(
+    spec: RecipeSpec, model=None, megatron_core: str | None = None
+) -> HostKeys:
     """The ``TransformerConfig`` fields for ``spec`` (plain data; ``quant_recipe`` as a mapping).
 
     ``warnings`` holds what megatron-core cannot express (see :func:`dropped_settings`) and the
@@ -337,7 +380,7 @@ def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
         )
     row = capability(spec.scaling)
     if row.is_nvfp4:
-        return _fp4_fields(spec, model)
+        return _fp4_fields(spec, model, megatron_core)
     keys: dict[str, Any] = {
         "fp8": spec.fp8_format,
         "fp8_recipe": FP8_RECIPE[spec.scaling],
@@ -351,12 +394,15 @@ def transformer_config_fields(spec: RecipeSpec, model=None) -> HostKeys:
     }
     rules = _rules_keys(spec, model)
     keys.update(rules.keys)
-    warnings = [f"megatron: {key}: {reason}; dropped" for key, reason in dropped_settings(spec)]
+    warnings = [
+        f"megatron: {key}: {reason}; dropped"
+        for key, reason in dropped_settings(spec, megatron_core)
+    ]
     warnings += list(rules.warnings)
     return HostKeys(keys=keys, warnings=warnings, env=required_env(spec))
 
 
-def _fp4_fields(spec: RecipeSpec, model=None) -> HostKeys:
+def _fp4_fields(spec: RecipeSpec, model=None, megatron_core: str | None = None) -> HostKeys:
     """nvfp4: megatron-core's FP4 fields with FP8 off (``TransformerConfig.__post_init__``
     refuses both; ``get_fp4_recipe`` builds ``NVFP4BlockScaling()`` from TE's defaults, which
     the environment of :func:`~nemo_fp8_plugin.hosts.te.required_env` pins). The FP8 recipe
@@ -373,7 +419,10 @@ def _fp4_fields(spec: RecipeSpec, model=None) -> HostKeys:
         keys["fp8_dot_product_attention"] = True
     rules = _rules_keys(spec, model)
     keys.update(rules.keys)
-    warnings = [f"megatron: {key}: {reason}; dropped" for key, reason in dropped_settings(spec)]
+    warnings = [
+        f"megatron: {key}: {reason}; dropped"
+        for key, reason in dropped_settings(spec, megatron_core)
+    ]
     warnings += list(rules.warnings)
     return HostKeys(keys=keys, warnings=warnings, env=required_env(spec))
 
@@ -396,9 +445,12 @@ PRECISION_CONFIG_FP8_FIELDS = (
 the model config at setup)."""
 
 
-def precision_config_fields(spec: RecipeSpec, model=None, *, host: str) -> HostKeys:
+def precision_config_fields(
+    spec: RecipeSpec, model=None, *, host: str, megatron_core: str | None = None
+) -> HostKeys:
     """The FP8 fields of a NeMo 2 / Megatron-Bridge precision config for ``spec``, plus
-    ``quant_recipe`` when per-module rules need one; warnings are labelled with ``host``."""
+    ``quant_recipe`` when per-module rules need one; warnings are labelled with ``host``;
+    ``megatron_core`` as in :func:`dropped_settings`."""
     if spec.training != "fp8":
         return HostKeys(
             keys={},
@@ -406,7 +458,7 @@ def precision_config_fields(spec: RecipeSpec, model=None, *, host: str) -> HostK
                 f"{host}: training: bf16 in this recipe, so its precision config gets no FP8 fields"
             ],
         )
-    mc = transformer_config_fields(spec, model)
+    mc = transformer_config_fields(spec, model, megatron_core)
     keys = {k: mc.keys[k] for k in PRECISION_CONFIG_FP8_FIELDS if k in mc.keys}
     if capability(spec.scaling).is_nvfp4:  # NeMo 2.7.3 and Bridge 0.6.2: fp4, fp4_recipe
         keys.update({k: mc.keys[k] for k in ("fp4", "fp4_recipe")})
@@ -628,11 +680,12 @@ def refuse_dropped(
     *,
     host: str = "megatron-core",
     training_host: str | None = None,
+    megatron_core: str | None = None,
 ) -> None:
     """Refuse a recipe setting megatron-core would silently drop (:func:`dropped_settings`),
     naming ``prefix.key``; with ``training_host`` (NeMo 2, Bridge: hosts that only train)
     also a recipe that trains in BF16, which gives such a host nothing."""
-    dropped = dropped_settings(spec)
+    dropped = dropped_settings(spec, megatron_core)
     if dropped:
         key, reason = dropped[0]
         raise FP8ConfigError(
@@ -740,7 +793,7 @@ def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
     merge_native(section, fields, where=f"{name}.", conflicting=conflicting)
     # the DDP side (fp8_param_gather, MXFP8 buffer reuse, NVFP4's fp4_param_gather)
     written = _write_ddp(out, {k: v for k, v in keys.keys.items() if k != name})
-    notes = _fp4_gather_notes(spec, _stack_core(ctx), written)
+    notes = _fp4_gather_notes(spec, stack_core(ctx), written)
     notes += [
         f"megatron: export {var}={value} in the training process's environment "
         f"before Transformer Engine is imported; megatron-core does not check it: "
@@ -753,7 +806,7 @@ def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
     return ApplyResult(data=out, warnings=list(keys.warnings), notes=notes, env=dict(keys.env))
 
 
-def _stack_core(ctx: HostContext | None) -> str | None:
+def stack_core(ctx: HostContext | None) -> str | None:
     """The megatron-core version the context assumes (``--stack``, else the installed one);
     None without a context or a stack (a mapping given in code)."""
     if ctx is None or ctx.stack is None:
@@ -767,7 +820,7 @@ def _spell(
     """The TransformerConfig fields under their section (``language_model`` or ``model``),
     and the DDP fields where :func:`write_distributed_fields` puts them (nvfp4's
     ``fp4_param_gather`` where ``megatron_core`` has it, :func:`fp4_ddp_fields`)."""
-    hk = transformer_config_fields(spec, model)
+    hk = transformer_config_fields(spec, model, megatron_core)
     name = section_path(config or {})[0]
     keys: dict[str, Any] = {name: dict(hk.keys)} if hk.keys else {}
     ddp = {**ddp_config_fields(spec), **fp4_ddp_fields(spec, megatron_core)}
@@ -838,17 +891,20 @@ class MegatronAdapter(HostAdapter):
     )
 
     def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
-        refuse_dropped(spec, ctx.prefix if ctx is not None else "")
+        refuse_dropped(spec, ctx.prefix if ctx is not None else "", megatron_core=stack_core(ctx))
         if ctx is not None:
             check_layer_counts(ctx)
 
     def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
         if ctx is not None:
-            return _spell(spec, ctx.raw, ctx.model, _stack_core(ctx))
+            return _spell(spec, ctx.raw, ctx.model, stack_core(ctx))
         return _spell(spec, None, model)
 
     def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
-        return _merge(ctx, keys)
+        from .precision_file import megatron_lm_precision_file
+
+        # Megatron-LM's --yaml-cfg cannot carry quant_recipe: the rules go to a file instead
+        return megatron_lm_precision_file(ctx, _merge(ctx, keys))
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         return _validate(result, ctx)

@@ -4,8 +4,10 @@ megatron-core builds the Transformer Engine recipe object itself
 (``megatron/core/fp8_utils.py``, ``get_fp8_recipe(config)``), and each recipe branch reads a
 different set of ``TransformerConfig`` fields: in 0.16.1 ``fp8_dot_product_attention`` reaches
 TE only for ``delayed`` and ``tensorwise`` and ``fp8_multi_head_attention`` only for
-``delayed``; 0.19 passes ``fp8_dpa`` to MXFP8 as well. A field a branch never reads is dropped
-without a word, so the plugin asks the installed version.
+``delayed``; 0.18 passes ``fp8_dpa`` to MXFP8 as well (read from the 0.17.0 and 0.18.0
+wheels: the ``stacks.FACTS`` row ``get_fp8_recipe.mxfp8.fp8_dpa``, which decides it when a
+command names a stack). A field a branch never reads is dropped without a word, so the plugin
+asks the installed version.
 
 ``get_fp8_recipe`` exists only when Transformer Engine imports (it is defined under
 ``if HAVE_TE:``), and importing megatron-core takes half a minute, so the source is parsed with

@@ -59,6 +59,7 @@ from ..megatron import (
     precision_config_fields,
     refuse_dropped,
     remove_request_keys,
+    stack_core,
 )
 
 __all__ = [
@@ -104,11 +105,11 @@ MODEL_CONFIG_FIELDS = ("quant_recipe", "fp4_param")
 """Keys of :func:`plugin_fields` that go on ``model.config``, not on the plugin."""
 
 
-def plugin_fields(spec: RecipeSpec, model=None) -> HostKeys:
+def plugin_fields(spec: RecipeSpec, model=None, megatron_core: str | None = None) -> HostKeys:
     """``MegatronMixedPrecision`` FP8 arguments for ``spec`` (plain data), plus the
     ``model.config`` fields of :data:`MODEL_CONFIG_FIELDS` (``quant_recipe`` when per-module
     rules need one, ``fp4_param`` for nvfp4)."""
-    hk = precision_config_fields(spec, model, host="nemo2")
+    hk = precision_config_fields(spec, model, host="nemo2", megatron_core=megatron_core)
     if spec.training == "fp8" and capability(spec.scaling).is_nvfp4:
         hk.keys["fp4_param"] = spec.fp8_param
     return hk
@@ -121,10 +122,12 @@ def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
     return _spell(spec, model, existing_plugin=False)
 
 
-def _spell(spec: RecipeSpec, model, *, existing_plugin: bool) -> HostKeys:
+def _spell(
+    spec: RecipeSpec, model, *, existing_plugin: bool, megatron_core: str | None = None
+) -> HostKeys:
     """The plugin block (only the FP8 fields when the config has a plugin already, whose
     precision and dtypes are kept) and the ``model.config`` fields."""
-    hk = plugin_fields(spec, model)
+    hk = plugin_fields(spec, model, megatron_core)
     if not hk.keys:
         return hk
     fields = dict(hk.keys)
@@ -443,7 +446,13 @@ class NeMo2Adapter(HostAdapter):
 
     def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
         prefix = ctx.prefix if ctx is not None else ""
-        refuse_dropped(spec, prefix, host="NeMo 2 (megatron-core)", training_host="NeMo 2")
+        refuse_dropped(
+            spec,
+            prefix,
+            host="NeMo 2 (megatron-core)",
+            training_host="NeMo 2",
+            megatron_core=stack_core(ctx),
+        )
         if ctx is not None:
             _plugin_node(ctx.raw)
             check_layer_counts(ctx)
@@ -451,7 +460,12 @@ class NeMo2Adapter(HostAdapter):
     def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
         if ctx is None:
             return _spell(spec, model, existing_plugin=False)
-        return _spell(spec, ctx.model, existing_plugin=_plugin_node(ctx.raw) is not None)
+        return _spell(
+            spec,
+            ctx.model,
+            existing_plugin=_plugin_node(ctx.raw) is not None,
+            megatron_core=stack_core(ctx),
+        )
 
     def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
         return _merge(ctx, keys)

@@ -288,7 +288,10 @@ class NeMoRLAdapter(HostAdapter):
         return _spell(spec, ctx)
 
     def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
-        return _merge(ctx, keys, self.resolve)
+        from ..megatron.precision_file import nemo_rl_precision_file
+
+        # module rules reach training through the TE precision file where NeMo RL has its key
+        return nemo_rl_precision_file(ctx, _merge(ctx, keys, self.resolve))
 
     def passthrough(self, ctx: HostContext) -> Any:
         return _overlay_base(ctx, self.resolve)

@@ -346,7 +346,7 @@ def test_honoured_fields_are_read_from_the_installed_get_fp8_recipe():
 
 
 def test_the_reader_follows_the_source_not_a_list(tmp_path):
-    """A megatron-core whose MXFP8 branch passes fp8_dpa (as 0.19 does) is read as honouring it."""
+    """A megatron-core whose MXFP8 branch passes fp8_dpa (as 0.18 does) is read as honouring it."""
     import importlib.metadata as md
 
     from nemo_fp8_plugin.hosts.megatron.source import read_honoured_fields
