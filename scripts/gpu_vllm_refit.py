@@ -70,6 +70,9 @@ TINY_LLAMA = dict(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    # NeMo RL's nightly bound: one definition, owned by rl-check (torch-free module)
+    from nemo_fp8_plugin.tools.rl_check_bounds import TOKEN_MULT_PROB_ERROR_BOUND
+
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -102,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-mult-prob-error",
         type=float,
-        default=1.1,
+        default=TOKEN_MULT_PROB_ERROR_BOUND,
         help="fail above this token_mult_prob_error vs the FP8-emulated trainer",
     )
     p.add_argument(

@@ -59,6 +59,11 @@ import torch
 from ..capabilities import capability
 from ..rl.importance import importance_weights, mismatch_metrics
 from .harness import Stopwatch
+from .rl_check_bounds import (
+    TOKEN_MULT_PROB_ERROR_BOUND,
+    TOKEN_MULT_PROB_ERROR_BOUND_FP8_KV,
+    bound_for,
+)
 from .rl_check_model import Engine, MirrorSumTask, PromptSplit, TinyLlama, bf16_gemms
 
 __all__ = [
@@ -125,20 +130,10 @@ ARM_SPECS: dict[str, ArmSpec] = {
 ARMS = tuple(ARM_SPECS)
 """The seven arms, in the order the tables list them."""
 
-TOKEN_MULT_PROB_ERROR_BOUND = 1.1
-"""NeMo RL's nightly bound on ``token_mult_prob_error`` (its test suites'
-``tests/check_metrics.py`` conditions, ``< 1.1``, on the median or the max over the run's
-steps depending on the suite). This module owns the bounds scripts and tests use."""
-
-TOKEN_MULT_PROB_ERROR_BOUND_FP8_KV = 2.0
-"""The same bound for NeMo RL's FP8 KV-cache recipe (``max(...) < 2.0``, "a more relaxed
-tolerance for FP8 quantization noise")."""
-
 
 def mismatch_bound(arm: str) -> float:
     """NeMo RL's nightly ``token_mult_prob_error`` bound that applies to ``arm``."""
-    kv = ARM_SPECS[arm].fp8_kv_cache if arm in ARM_SPECS else False
-    return TOKEN_MULT_PROB_ERROR_BOUND_FP8_KV if kv else TOKEN_MULT_PROB_ERROR_BOUND
+    return bound_for(ARM_SPECS[arm].fp8_kv_cache if arm in ARM_SPECS else False)
 
 
 @dataclass(frozen=True)
@@ -637,7 +632,8 @@ def attribute(
     current q/k/v scales included), scores the step's sampled tokens with the KV cache
     (teacher-forced: the computation that sampled them) and gives the
     ``token_mult_prob_error`` against the trainer's log-probabilities of the step, which stay
-    as they are: the generation side alone changes. Returns one row per candidate, ranked by
+    as they are: the generation side alone changes. Returns one row per candidate (its name
+    ``bf16``, the FP8 linears it keeps in BF16 ``modules``), ranked by
     ``removed``: the share of the arm's excess mismatch (``error - 1``) that keeping the
     candidate in BF16 removes (negative: the mismatch grows). In the end-to-end arms the
     trainer runs the candidate in FP8, so keeping it BF16 on the generation side alone adds a
@@ -659,7 +655,12 @@ def attribute(
 
     base = _mismatch(train_lp, engine_lp(engine))
     both = a.fp8_training
-    none: dict[str, Any] = {"bf16": "none", "token_mult_prob_error": base, "removed": 0.0}
+    none: dict[str, Any] = {
+        "bf16": "none",
+        "modules": [],
+        "token_mult_prob_error": base,
+        "removed": 0.0,
+    }
     if both:
         none |= {"both_sides": base, "both_sides_removed": 0.0}
     rows = [none]
@@ -675,6 +676,7 @@ def attribute(
         err = _mismatch(train_lp, lp)
         row: dict[str, Any] = {
             "bf16": name,
+            "modules": sorted(members),
             "token_mult_prob_error": err,
             "removed": share(base, err),
         }
@@ -1046,16 +1048,18 @@ def _bound_row(arm: str, steps: list[StepRecord]) -> dict[str, Any]:
 
 
 def _attribution_summary(runs: list[SeedArmResult]) -> list[dict[str, Any]]:
-    """Per candidate: mean over seeds of the attributed ``token_mult_prob_error`` and of the
-    share of the excess it removes, ranked by that share (``none`` first)."""
+    """Per candidate: the FP8 modules it keeps in BF16 (``modules``; the ``kv_cache``
+    candidate keeps none: its queries, keys and values) and the mean over seeds of the
+    attributed ``token_mult_prob_error`` and of the share of the excess it removes, ranked by
+    that share (``none`` first)."""
     by_name: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         for row in r.attribution:
             by_name.setdefault(row["bf16"], []).append(row)
     rows = []
     for name, xs in by_name.items():
-        row = {k: t_interval(x[k] for x in xs) for k in xs[0] if k != "bf16"}
-        rows.append({"bf16": name, **row})
+        row = {k: t_interval(x[k] for x in xs) for k in xs[0] if k not in ("bf16", "modules")}
+        rows.append({"bf16": name, "modules": xs[0].get("modules", []), **row})
     key = "both_sides_removed" if rows and "both_sides_removed" in rows[0] else "removed"
     rows.sort(key=lambda r: (r["bf16"] != "none", -r[key]["mean"]))
     return rows
