@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import FP8ConfigError
 from .suggest import suggest_bf16_layers, suggestion_yaml
 
-__all__ = ["DEFAULT_ARM", "attribution_report", "render_attribution"]
+__all__ = ["DEFAULT_ARM", "attribution_report", "report_from_data", "render_attribution"]
 
 DEFAULT_ARM = "fp8-e2e-is"
 """The arm whose ranking is read when none is named: NVIDIA's end-to-end recipe (FP8 on both
@@ -106,9 +106,17 @@ def attribution_report(path: str | Path, *, arm: str | None = None, top: int = 1
     The report has analyze's ``recipes`` / ``suggestions`` shape (one recipe: the run's), so
     :func:`~.suggest.suggestion_yaml` prints its block. Every shape error raises
     :class:`FP8ConfigError` under ``--attribution`` naming the JSON key."""
+    return report_from_data(_load(path), str(path), arm=arm, top=top)
+
+
+def report_from_data(
+    data: dict[str, Any], source: str, *, arm: str | None = None, top: int = 1
+) -> dict[str, Any]:
+    """:func:`attribution_report` of an rl-check JSON document already read (``source``:
+    where it came from, for the messages)."""
+    path = source
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise FP8ConfigError("must be a positive integer", key="--top", value=top)
-    data = _load(path)
     summary = data.get("summary")
     arms = summary.get("arms") if isinstance(summary, dict) else None
     if not isinstance(arms, dict) or not arms:
@@ -164,7 +172,7 @@ def attribution_report(path: str | Path, *, arm: str | None = None, top: int = 1
     if isinstance(step, int) and step < 0 and isinstance(steps, int):
         step += steps  # rl-check counts a negative step from the end
     return {
-        "attribution": str(path),
+        "attribution": source,
         "arm": arm,
         "attribution_step": step,
         "ranked_by": key,

@@ -204,6 +204,9 @@ class CheckSettings:
     threads: int = 1
     """torch CPU threads per run (one: these GEMMs are too small to share)."""
     attribution_step: int | None = -1
+    attribution_seeds: int | None = 4
+    """The attribution runs on the first this many seeds (None: all): it costs about ten
+    steps per arm, and its ranking is stable well before the reward comparison is."""
     """The step whose mismatch is attributed to layers and module kinds (:func:`attribute`),
     counted from 0, negative from the end; None: no attribution."""
     reward_gap: float = 0.03
@@ -341,6 +344,11 @@ class SeedArmResult:
     """Wall time of the arm (evaluations included)."""
     warmup_steps: int = 0
     """Supervised warm-up steps the seed's starting point took (the same for its arms)."""
+    cpu_seconds: float = 0.0
+    """CPU time of the arm (its process, one torch thread: what the arm costs whatever else
+    shares the machine; evaluations and attribution included)."""
+    warmup_cpu_seconds: float = 0.0
+    """CPU time of the seed's warm-up (the same for its arms; counted once per seed)."""
     eval_overlap: int = -1
     """Evaluation prompts that are also training prompts of the seed (checked: 0)."""
     attribution: list[dict[str, Any]] = field(default_factory=list)
@@ -360,6 +368,8 @@ class CheckResult:
     runs: list[SeedArmResult]
     seconds: float = 0.0
     """Wall time of the whole check."""
+    load_average: tuple[float, ...] = ()
+    """The machine's 1-minute load average at the start and at the end (how shared it was)."""
 
     def of(self, arm: str) -> list[SeedArmResult]:
         return [r for r in self.runs if r.arm == arm]
@@ -709,14 +719,17 @@ def run_arm(
     seed: int,
     tick: Callable[[str], None] | None = None,
     split: PromptSplit | None = None,
+    start_cache: dict | None = None,
 ) -> SeedArmResult:
     """Run one arm of one seed from the warm-started ``template``; ``split`` holds the seed's
     evaluation prompts and its record of training prompts (a new one without warm-up
-    records when None)."""
+    records when None); ``start_cache`` (one dict per seed) lets arms with the same start
+    engine share its start evaluation."""
     if arm not in ARM_SPECS:
         raise ValueError(f"unknown arm {arm!r}; one of {', '.join(ARMS)}")
     a = ARM_SPECS[arm]
     t_arm = time.perf_counter()
+    cpu_arm = time.process_time()
     if split is None:
         split = _split(task, s, seed)
     fp8_modules = fp8_modules_of(template, spec, s.num_layers) if a.fp8_generation else set()
@@ -728,7 +741,8 @@ def run_arm(
     # the same streams in every arm of a seed: same prompts, same sampling seeds
     prompt_gen = torch.Generator().manual_seed(seed * 16 + 2)
     sample_gen = torch.Generator().manual_seed(seed * 16 + 3)
-    attribution_at = _attribution_index(s) if a.fp8_generation else None
+    attributed = s.attribution_seeds is None or seed < s.seed + s.attribution_seeds
+    attribution_at = _attribution_index(s) if a.fp8_generation and attributed else None
 
     def draw() -> torch.Tensor:
         batch = split.train(s.prompts_per_step, prompt_gen)
@@ -743,7 +757,15 @@ def run_arm(
         # NeMo RL: the first scales come from the first step's batch before its generation
         # (prompts only), with the weights of the first refit; the start evaluation uses them
         first_kv = kv(prompts)
-    result.start_reward = _evaluate(engine, task, split.eval)
+    # arms whose start engine is the same (same weights, numerics, refit path; no KV scales)
+    # share one start evaluation: it is the same computation on the same prompts
+    start_key = (a.fp8_generation, a.weight_path, a.fp8_kv_cache)
+    if a.fp8_kv_cache or start_cache is None or start_key not in start_cache:
+        result.start_reward = _evaluate(engine, task, split.eval)
+        if start_cache is not None and not a.fp8_kv_cache:
+            start_cache[start_key] = result.start_reward
+    else:
+        result.start_reward = start_cache[start_key]
     for step in range(s.steps):
         kv_calib_s, kv_refresh_s = first_kv if step == 0 else (0.0, 0.0)
         attribution_s = 0.0
@@ -801,6 +823,7 @@ def run_arm(
             n: float(engine.slots[n]) for n in engine.kv_scale_names + engine.q_scale_names
         }
     result.seconds = time.perf_counter() - t_arm
+    result.cpu_seconds = time.process_time() - cpu_arm
     return result
 
 
@@ -865,12 +888,18 @@ def run_seed(
         # Eager quantizers: same results as the compiled ones, and for tensors this small
         # torch.compile's start-up (a minute or more on a CPU) would dominate the check.
         with fused_mode(False):
+            cpu = time.process_time()
             template, task, warmup, split = _template(s, seed)
-            runs = [run_arm(arm, template, task, s, spec, seed, tick, split) for arm in arms]
+            warmup_cpu = time.process_time() - cpu
+            starts: dict = {}
+            runs = [
+                run_arm(arm, template, task, s, spec, seed, tick, split, starts) for arm in arms
+            ]
     finally:
         torch.set_num_threads(threads)
     for run in runs:
         run.warmup_steps = warmup
+        run.warmup_cpu_seconds = warmup_cpu
     return runs
 
 
@@ -919,6 +948,7 @@ def run_check(
             bar.update(1)
 
     start = time.perf_counter()
+    load_start = _load_average()
     seeds = [settings.seed + k for k in range(settings.seeds)]
     runs: list[SeedArmResult] = []
     try:
@@ -930,7 +960,22 @@ def run_check(
     finally:
         if bar is not None:
             bar.close()
-    return CheckResult(settings, arms, runs, seconds=time.perf_counter() - start)
+    return CheckResult(
+        settings,
+        arms,
+        runs,
+        seconds=time.perf_counter() - start,
+        load_average=(load_start, _load_average()),
+    )
+
+
+def _load_average() -> float:
+    import os
+
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return float("nan")
 
 
 def _run_parallel(settings, seeds, arms, jobs, tick) -> list[SeedArmResult]:
@@ -1008,6 +1053,7 @@ def summarize(result: CheckResult) -> dict[str, Any]:
                 for c in _COSTS
             },
             "refit_mib": runs[0].steps[-1].refit_bytes / 2**20 if runs and runs[0].steps else 0.0,
+            "cpu_seconds": sum(r.cpu_seconds for r in runs),
         }
         paired = [(r.final_reward - base[r.seed].final_reward) for r in runs if r.seed in base]
         row["final_vs_bf16"] = t_interval(paired) if arm != "bf16" and paired else None
@@ -1024,9 +1070,14 @@ def summarize(result: CheckResult) -> dict[str, Any]:
         kv = [r.kv_scales for r in runs if r.kv_scales]
         row["kv_scales_last"] = kv[0] if kv else {}
         arms[arm] = row
+    warmups = {r.seed: r.warmup_cpu_seconds for r in result.runs}
     return {
         "arms": arms,
         "seconds": result.seconds,
+        # CPU time is what the run costs whatever shares the machine: on N idle cores with N
+        # worker processes the wall time is about cpu_seconds / N (seeds spread evenly)
+        "cpu_seconds": sum(r.cpu_seconds for r in result.runs) + sum(warmups.values()),
+        "load_average": list(result.load_average),
         "eval_disjoint": all(r.eval_overlap == 0 for r in result.runs),
         "power": _power(result, arms),
     }
@@ -1103,11 +1154,16 @@ def render_tables(result: CheckResult, summary: dict[str, Any] | None = None) ->
     summary = summary or summarize(result)
     s = result.settings
     n = s.seeds
+    cost = f"{result.seconds:.0f} s wall"
+    if "cpu_seconds" in summary:
+        cost += f", {summary['cpu_seconds']:.0f} CPU s"
+    load = summary.get("load_average") or []
+    if len(load) == 2 and all(math.isfinite(x) for x in load):
+        cost += f" (load average {load[0]:.1f} at the start, {load[1]:.1f} at the end)"
     lines = [
         f"rl-check: {len(result.arms)} arms x {n} seed(s) x {s.steps} GRPO steps "
         f"({s.prompts_per_step} prompts x {s.generations_per_prompt} samples), "
-        f"recipe {s.recipe}, generation numerics {s.generation_numerics}; "
-        f"{result.seconds:.0f} s wall",
+        f"recipe {s.recipe}, generation numerics {s.generation_numerics}; {cost}",
         "",
     ]
     if s.smoke:
@@ -1228,6 +1284,8 @@ def to_json(result: CheckResult, summary: dict[str, Any] | None = None) -> dict[
                 "start_reward": r.start_reward,
                 "final_reward": r.final_reward,
                 "seconds": r.seconds,
+                "cpu_seconds": r.cpu_seconds,
+                "warmup_cpu_seconds": r.warmup_cpu_seconds,
                 "warmup_steps": r.warmup_steps,
                 "kv_scales": r.kv_scales,
                 "eval_overlap": r.eval_overlap,

@@ -1,0 +1,40 @@
+"""Rewrite docs/rl.md's rl-check blocks from an rl-check JSON, in place and atomically.
+
+    python scripts/render_rl_docs.py docs/data/rl_check.json            # rewrite docs/rl.md
+    python scripts/render_rl_docs.py docs/data/rl_check.json --check    # exit 1 if it would change
+
+The blocks are those :mod:`nemo_fp8_plugin.tools.rl_check_docs` renders (the command, the
+tables, the findings, the cost); ``tests/tools/test_rl_check_docs.py`` checks that the shipped
+page is what this script makes of the shipped JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json", help="the rl-check --json file the page cites")
+    p.add_argument("--doc", default=str(REPO / "docs" / "rl.md"), help="the page (docs/rl.md)")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from nemo_fp8_plugin.tools import rl_check_docs
+
+    if args.check:
+        if rl_check_docs.render_file(args.json, args.doc, write=False):
+            print(f"{args.doc} is stale against {args.json}", file=sys.stderr)
+            return 1
+        return 0
+    changed = rl_check_docs.render_file(args.json, args.doc)
+    print(f"{args.doc}: {'rewritten' if changed else 'already current'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
