@@ -25,20 +25,27 @@ def _shipped() -> dict:
     return json.loads(SHIPPED.read_text())
 
 
-def test_the_page_is_what_the_shipped_json_renders():
+PERF = REPO / "docs" / "performance.md"
+
+
+def test_the_pages_are_what_the_shipped_json_renders():
     """No figure or data-dependent sentence of the result blocks is typed by hand: rewriting
-    the page from the shipped JSON changes nothing."""
+    rl.md (every block) and performance.md (the cost) from the shipped JSON changes nothing."""
     page = DOC.read_text()
     for name in rl_check_docs.BLOCKS:
         assert page.count(f"<!-- rl-check:{name} -->") == 1, name
-    assert rewrite(page, render_blocks(_shipped(), "docs/data/rl_check.json")) == page
+    blocks = render_blocks(_shipped(), "docs/data/rl_check.json")
+    assert rewrite(page, blocks) == page
+    perf = PERF.read_text()
+    assert perf.count("<!-- rl-check:cost -->") == 1
+    assert rewrite(perf, blocks) == perf
 
 
 def test_the_script_checks_and_rewrites_atomically(tmp_path):
     page = tmp_path / "rl.md"
     stale = DOC.read_text().replace("| bf16 |", "| bf16 (typed by hand) |", 1)
     page.write_text(stale)
-    run = [sys.executable, str(SCRIPT), str(SHIPPED), "--doc", str(page)]
+    run = [sys.executable, str(SCRIPT), str(SHIPPED), "--doc", str(page)]  # rl.md only
     check = subprocess.run([*run, "--check"], capture_output=True, text=True, timeout=120)
     assert check.returncode == 1 and "stale" in check.stderr
     assert page.read_text() == stale
@@ -53,7 +60,9 @@ def test_the_script_checks_and_rewrites_atomically(tmp_path):
 def test_a_marked_block_the_renderer_lacks_is_an_error():
     page = "<!-- rl-check:tables -->\nold\n<!-- /rl-check:tables -->\n"
     with pytest.raises(ValueError, match="marks"):
-        rewrite(page, {"tables": "x\n", "findings": "y\n"})
+        rewrite(page, {"findings": "y\n"})
+    with pytest.raises(ValueError, match="marks"):
+        rewrite("no markers\n", {"tables": "x\n"})
     assert rewrite(page, {"tables": "new\n"}) == (
         "<!-- rl-check:tables -->\n\nnew\n\n<!-- /rl-check:tables -->\n"
     )
@@ -110,3 +119,18 @@ def test_the_command_reproduces_the_settings():
     )
     assert asdict(built) == data["settings"]
     assert (args.arms.split(",") if args.arms else list(ARMS)) == data["arms"]
+
+
+def test_the_shipped_run_is_the_default_and_its_seeds_suffice():
+    """The page cites the default run, and the default's seed count is at least what that
+    run's own power analysis asks for to resolve the gap."""
+    from dataclasses import asdict
+
+    from nemo_fp8_plugin.tools.rl_check import ARMS, FULL
+
+    data = _shipped()
+    assert data["settings"] == asdict(FULL) and data["arms"] == list(ARMS)
+    pooled = data["summary"]["power"]["pooled"]
+    assert pooled["seeds"] == FULL.seeds >= pooled["seeds_to_resolve"]
+    assert pooled["resolves"] is True
+    assert data["summary"]["eval_disjoint"] is True
