@@ -31,7 +31,7 @@ sides plus importance sampling), the setup a ``bf16_layers`` rule is written for
 
 KEY = "--attribution"
 
-_FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Hugging Face projections the hosts run as one fused GEMM with their siblings (vLLM's
 ``qkv_proj`` / ``gate_up_proj``, Megatron's ``linear_qkv`` / ``linear_fc1``)."""
 
@@ -184,6 +184,21 @@ def report_from_data(
     }
 
 
+def _widened(report: dict[str, Any]) -> list[str]:
+    """Chosen projections whose fused siblings were not chosen with them: the hosts keep the
+    fused GEMM in BF16, so the rule reaches further than the attribution measured."""
+    chosen = {
+        m for r in report["ranking"] if r["candidate"] in report["chosen"] for m in r["modules"]
+    }
+    out = set()
+    for m in chosen:
+        parent, _, leaf = m.rpartition(".")
+        for group in _FUSED:
+            if leaf in group and any(f"{parent}.{sib}" not in chosen for sib in group):
+                out.add(leaf)
+    return sorted(out)
+
+
 def render_attribution(report: dict[str, Any]) -> str:
     """The ranking and the ready-to-paste ``fp8:`` block, as text."""
     recipe = report["recipes"][0]
@@ -212,14 +227,11 @@ def render_attribution(report: dict[str, Any]) -> str:
             "in FP8; choose fewer (--top)"
         )
     else:
-        fused = sorted(
-            {m.rpartition(".")[2] for r in report["ranking"] if r["candidate"] in report["chosen"]
-             for m in r["modules"]} & set(_FUSED)
-        )  # fmt: skip
-        if fused:
+        widened = _widened(report)
+        if widened:
             lines.append(
-                f"  note: {', '.join(fused)} run fused with their siblings in vLLM and "
-                "Megatron (q/k/v, gate/up): the rule keeps the fused GEMM in BF16"
+                f"  note: {', '.join(widened)} run fused with their siblings in vLLM and "
+                "Megatron (q/k/v, gate/up): the rule keeps the whole fused GEMM in BF16"
             )
         lines.append("  * chosen; suggested config:")
         lines += ["    " + ln for ln in suggestion_yaml(report, recipe).splitlines()]

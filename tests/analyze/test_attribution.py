@@ -124,6 +124,7 @@ def test_rule_shapes_follow_the_ranking(tmp_path):
     assert layer["chosen"] == ["layer.0"]
     assert layer["suggestions"] == {"fp8_blockwise": {"first": 1}}
     assert _resolved_bf16(layer) == _engine_names(f"model.layers.0.{k}" for k in KINDS)
+    assert "fused" not in render_attribution(layer)  # a whole layer: nothing widened
     # a module kind: one layer-wildcard glob over its every layer
     kind = attribution_report(_write(tmp_path, _document({"v_proj": 0.5, "layer.1": 0.2})))
     assert kind["chosen"] == ["v_proj"]
