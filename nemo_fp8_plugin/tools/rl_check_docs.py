@@ -109,7 +109,14 @@ def _findings(data: dict[str, Any]) -> list[str]:
         out.append(
             f"**Power**: the run's paired SD, {pooled['paired_sd']:.4f}, gives {s['seeds']} seeds "
             f"a 95% half-width of {pooled['half_width']:.4f}: it {word} a {gap:g} gap "
-            f"(needs {pooled['seeds_to_resolve']} seeds)."
+            f"(needs {pooled['seeds_to_resolve']} seeds)"
+            + (
+                f"; at the SD's one-sided 90% upper confidence bound, "
+                f"{pooled['paired_sd_upper90']:.4f} ({s['seeds'] - 1} degrees of freedom), "
+                f"it needs {pooled['seeds_to_resolve_upper90']}."
+                if pooled.get("seeds_to_resolve_upper90") is not None
+                else "."
+            )
         )
     drift = _drift(data)
     if drift:

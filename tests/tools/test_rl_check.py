@@ -306,6 +306,25 @@ def test_power_analysis_seed_counts_for_a_known_sd():
     assert rl_check.power_analysis(float("nan"))["seeds_to_resolve"] is None
 
 
+def test_sd_upper_bound_of_a_known_case():
+    # chi-square 10% quantile with 7 df is 2.8331: the 90% upper bound is sd * sqrt(7 / 2.8331)
+    assert rl_check.sd_upper_bound(1.0, 7) == pytest.approx(math.sqrt(7 / 2.8331), rel=1e-3)
+    assert rl_check.sd_upper_bound(0.02, 3) > rl_check.sd_upper_bound(0.02, 30) > 0.02
+    assert math.isnan(rl_check.sd_upper_bound(0.02, 0))
+    # the default's measured SD, 0.0220 over 8 seeds: 5 seeds resolve 0.03, 8 at its bound
+    upper = rl_check.sd_upper_bound(0.0220, 7)
+    assert rl_check.power_analysis(0.0220, 0.03)["seeds_to_resolve"] == 5
+    assert rl_check.power_analysis(upper, 0.03)["seeds_to_resolve"] == 8
+
+
+@pytest.mark.slow
+def test_a_json_document_gives_back_its_result(quick):
+    """result_from_json rebuilds the records: the summary recomputed from them is the run's."""
+    doc = {k: quick[k] for k in ("settings", "arms", "summary", "runs")}
+    again = rl_check.summarize(rl_check.result_from_json(doc))
+    assert json.dumps(again, sort_keys=True) == json.dumps(quick["summary"], sort_keys=True)
+
+
 def test_the_summary_states_power_from_the_runs_own_paired_sd():
     # paired differences with SD exactly 0.033 in one arm, 0 in the other
     d = [0.033 * x for x in (-1.5, -0.5, 0.5, 1.5)]

@@ -132,5 +132,6 @@ def test_the_shipped_run_is_the_default_and_its_seeds_suffice():
     assert data["settings"] == asdict(FULL) and data["arms"] == list(ARMS)
     pooled = data["summary"]["power"]["pooled"]
     assert pooled["seeds"] == FULL.seeds >= pooled["seeds_to_resolve"]
+    assert FULL.seeds >= pooled["seeds_to_resolve_upper90"]
     assert pooled["resolves"] is True
     assert data["summary"]["eval_disjoint"] is True
