@@ -42,17 +42,21 @@ def test_the_pages_are_what_the_shipped_json_renders():
 
 
 def test_the_script_checks_and_rewrites_atomically(tmp_path):
-    page = tmp_path / "rl.md"
+    # a copy of the repository's layout: the page's command names the JSON from the root
+    (tmp_path / "docs" / "data").mkdir(parents=True)
+    page = tmp_path / "docs" / "rl.md"
+    shipped = tmp_path / "docs" / "data" / "rl_check.json"
+    shipped.write_bytes(SHIPPED.read_bytes())
     stale = DOC.read_text().replace("| bf16 |", "| bf16 (typed by hand) |", 1)
     page.write_text(stale)
-    run = [sys.executable, str(SCRIPT), str(SHIPPED), "--doc", str(page)]  # rl.md only
+    run = [sys.executable, str(SCRIPT), str(shipped), "--doc", str(page)]  # rl.md only
     check = subprocess.run([*run, "--check"], capture_output=True, text=True, timeout=120)
     assert check.returncode == 1 and "stale" in check.stderr
     assert page.read_text() == stale
     done = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "rewritten" in done.stdout, done.stderr
     assert page.read_text() == DOC.read_text()
-    assert [p.name for p in tmp_path.iterdir()] == ["rl.md"]  # no temporary file left
+    assert sorted(p.name for p in page.parent.iterdir()) == ["data", "rl.md"]  # no temp file
     again = subprocess.run([*run, "--check"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0
 
