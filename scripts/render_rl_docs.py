@@ -1,5 +1,5 @@
-"""Rewrite the rl-check blocks of docs/rl.md and docs/performance.md from an rl-check JSON,
-in place and atomically.
+"""Rewrite the rl-check blocks of docs/rl.md and docs/performance.md, and docs/analyze.md's
+example of ``analyze --attribution``, from an rl-check JSON, in place and atomically.
 
     python scripts/render_rl_docs.py docs/data/rl_check.json            # rewrite both pages
     python scripts/render_rl_docs.py docs/data/rl_check.json --check    # exit 1 if one would change
@@ -36,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     stale = False
     for doc in docs:
         changed = rl_check_docs.render_file(args.json, doc, write=not args.check)
+        if args.check and changed:
+            print(f"{doc} is stale against {args.json}", file=sys.stderr)
+        elif not args.check:
+            print(f"{doc}: {'rewritten' if changed else 'already current'}")
+        stale |= changed
+    if not args.doc:  # and docs/analyze.md's example of analyze --attribution on the JSON
+        doc = str(REPO / "docs" / "analyze.md")
+        changed = rl_check_docs.render_analyze_file(args.json, doc, write=not args.check)
         if args.check and changed:
             print(f"{doc} is stale against {args.json}", file=sys.stderr)
         elif not args.check:

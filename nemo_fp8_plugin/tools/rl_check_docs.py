@@ -305,3 +305,32 @@ def render_file(json_path: str | Path, doc_path: str | Path, *, write: bool = Tr
     if write and new != old:
         atomic_write_text(doc, new)
     return new != old
+
+
+ANALYZE_BEGIN = "<!-- analyze-attribution: docs/data/rl_check.json -->"
+ANALYZE_END = "<!-- /analyze-attribution -->"
+
+
+def analyze_example(data: dict[str, Any], json_path: str = "docs/data/rl_check.json") -> str:
+    """docs/analyze.md's example: ``nemo-fp8 analyze --attribution`` on the JSON, as printed."""
+    from ..analyze.attribution import render_attribution, report_from_data
+
+    text = render_attribution(report_from_data(data, json_path))
+    return f"\n```text\n$ nemo-fp8 analyze --attribution {json_path}\n{text}```\n"
+
+
+def render_analyze_file(json_path: str | Path, doc_path: str | Path, *, write: bool = True) -> bool:
+    """Rewrite docs/analyze.md's example from the JSON (atomically); True when it changed."""
+    from .._io import atomic_write_text
+
+    doc = Path(doc_path)
+    old = doc.read_text()
+    if old.count(ANALYZE_BEGIN) != 1 or old.count(ANALYZE_END) != 1:
+        raise ValueError(f"{doc} does not mark the analyze example once")
+    head, rest = old.split(ANALYZE_BEGIN)
+    tail = rest.split(ANALYZE_END)[1]
+    data = json.loads(Path(json_path).read_text())
+    new = head + ANALYZE_BEGIN + analyze_example(data) + ANALYZE_END + tail
+    if write and new != old:
+        atomic_write_text(doc, new)
+    return new != old

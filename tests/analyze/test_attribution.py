@@ -253,3 +253,25 @@ def test_bad_files_and_flags_are_one_line_errors(tmp_path):
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert res.stderr.count("\n") == 1 and needle in res.stderr, (args, res.stderr)
         assert "Traceback" not in res.stderr
+
+
+def test_docs_show_the_shipped_runs_suggestion():
+    """docs/analyze.md's example is this command's output on the shipped rl-check JSON."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-m", "nemo_fp8_plugin", "analyze", "--attribution",
+         "docs/data/rl_check.json"],
+        capture_output=True, text=True, timeout=120, cwd=repo,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    page = (repo / "docs" / "analyze.md").read_text()
+    begin = "<!-- analyze-attribution: docs/data/rl_check.json -->"
+    block = page.split(begin)[1].split("<!-- /analyze-attribution -->")[0]
+    expected = (
+        "\n```text\n$ nemo-fp8 analyze --attribution docs/data/rl_check.json\n"
+        + res.stdout
+        + "```\n"
+    )
+    assert block == expected
