@@ -139,3 +139,14 @@ def test_the_shipped_run_is_the_default_and_its_seeds_suffice():
     assert FULL.seeds >= pooled["seeds_to_resolve_upper90"]
     assert pooled["resolves"] is True
     assert data["summary"]["eval_disjoint"] is True
+
+
+def test_the_design_paragraph_quotes_the_shipped_sd():
+    """The one figure of the shipped run the hand-written design paragraph quotes."""
+    pooled = _shipped()["summary"]["power"]["pooled"]
+    quoted = (
+        f"({pooled['paired_sd']:.4f} over {pooled['seeds']} seeds: "
+        f"{pooled['seeds_to_resolve']} seeds, and {pooled['seeds_to_resolve_upper90']} at the "
+        "bound)"
+    )
+    assert quoted in " ".join(DOC.read_text().split())
