@@ -146,7 +146,8 @@ def applicable_bound(kv_cache_dtype: str) -> tuple[float, str]:
     recipe's request: on vLLM's CPU backend ``kv_cache: fp8`` leaves the cache in the model
     dtype (:func:`nemo_fp8_plugin.hosts.vllm.engine_spelling`), so the FP8 KV recipe's relaxed
     bound does not apply there."""
-    from nemo_fp8_plugin.tools.rl_check import (
+    # NeMo RL's nightly bounds: one definition, owned by rl-check (a torch-free module)
+    from nemo_fp8_plugin.tools.rl_check_bounds import (
         TOKEN_MULT_PROB_ERROR_BOUND,
         TOKEN_MULT_PROB_ERROR_BOUND_FP8_KV,
     )

@@ -14,10 +14,37 @@ def register(sub) -> None:
         description="Stream the linear weights of a Hugging Face safetensors checkpoint, quantize "
         "each under every recipe with the reference quantizers, report per-module SQNR "
         "and worst-row relative error, and print a ready-to-paste bf16_layers rule set "
-        "for the modules below the threshold.",
+        "for the modules below the threshold. With --attribution instead of a checkpoint: "
+        "the bf16_layers rules of the layers or module kinds whose BF16 keeping lowers "
+        "rl-check's token_mult_prob_error most (its per-layer mismatch attribution).",
     )
     p.add_argument(
-        "checkpoint", metavar="CHECKPOINT", help="a .safetensors file or a checkpoint directory"
+        "checkpoint",
+        metavar="CHECKPOINT",
+        nargs="?",
+        default=None,
+        help="a .safetensors file or a checkpoint directory (not with --attribution)",
+    )
+    p.add_argument(
+        "--attribution",
+        default=None,
+        metavar="RL_CHECK.json",
+        help="read the mismatch attribution of `nemo-fp8 rl-check --json` instead of a "
+        "checkpoint and suggest bf16_layers for its best-ranked candidates",
+    )
+    p.add_argument(
+        "--attribution-arm",
+        default=None,
+        metavar="ARM",
+        help="with --attribution: the arm whose ranking is read (default fp8-e2e-is, "
+        "NVIDIA's end-to-end recipe, else the first arm with a ranking)",
+    )
+    p.add_argument(
+        "--top",
+        default=None,
+        metavar="N",
+        help="with --attribution: keep the N best-ranked candidates that lower the mismatch "
+        "in BF16 (default 1)",
     )
     p.add_argument(
         "--recipes",
@@ -65,12 +92,62 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+def _run_attribution(args: argparse.Namespace) -> int:
+    from .._io import dump_json
+    from ..analyze.attribution import attribution_report, render_attribution
+    from ..errors import FP8ConfigError
+
+    if args.checkpoint is not None:
+        raise FP8ConfigError(
+            "reads rl-check's JSON, not a checkpoint",
+            key="--attribution",
+            value=args.checkpoint,
+            hint="give either CHECKPOINT or --attribution",
+        )
+    for flag, value in (
+        ("--recipes", args.recipes),
+        ("--threshold", args.threshold),
+        ("--plot", args.plot),
+        ("--activations", args.activations or None),
+        ("--samples", args.samples),
+    ):
+        if value is not None:
+            raise FP8ConfigError(
+                "measures a checkpoint; --attribution reads rl-check's ranking",
+                key=flag,
+                value=value,
+                hint="drop it or analyze a checkpoint instead",
+            )
+    top = 1
+    if args.top is not None:
+        try:
+            top = int(args.top, 10)
+        except ValueError:
+            top = 0
+        if top < 1:
+            raise FP8ConfigError("must be a positive integer", key="--top", value=args.top)
+    report = attribution_report(args.attribution, arm=args.attribution_arm, top=top)
+    sys.stdout.write(dump_json(report) if args.json else render_attribution(report))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from .._io import check_output_file, dump_json
     from ..analyze import analyze_checkpoint, render_text, write_heatmap
     from ..errors import FP8ConfigError
     from ._args import name_list
 
+    if args.attribution is not None:
+        return _run_attribution(args)
+    for flag, value in (("--attribution-arm", args.attribution_arm), ("--top", args.top)):
+        if value is not None:
+            raise FP8ConfigError(
+                "belongs to --attribution", key=flag, value=value, hint="add --attribution FILE"
+            )
+    if args.checkpoint is None:
+        raise FP8ConfigError(
+            "give a checkpoint to analyze", key="CHECKPOINT", hint="or --attribution RL_CHECK.json"
+        )
     recipes = name_list(args.recipes, "--recipes")
     if args.samples is not None and not args.activations:
         raise FP8ConfigError(

@@ -36,7 +36,7 @@ def register(sub) -> None:
         "--arms", default=None, help=f"comma-separated subset of {_ARM_HELP} (default: all)"
     )
     p.add_argument("--steps", default=None, metavar="N", help="GRPO steps per arm and seed")
-    p.add_argument("--seeds", default=None, metavar="N", help="number of seeds (default 4)")
+    p.add_argument("--seeds", default=None, metavar="N", help="number of seeds (default 8)")
     p.add_argument("--seed", default=None, metavar="N", help="first seed (default 0)")
     p.add_argument(
         "--jobs",

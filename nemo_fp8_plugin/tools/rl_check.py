@@ -59,6 +59,11 @@ import torch
 from ..capabilities import capability
 from ..rl.importance import importance_weights, mismatch_metrics
 from .harness import Stopwatch
+from .rl_check_bounds import (
+    TOKEN_MULT_PROB_ERROR_BOUND,
+    TOKEN_MULT_PROB_ERROR_BOUND_FP8_KV,
+    bound_for,
+)
 from .rl_check_model import Engine, MirrorSumTask, PromptSplit, TinyLlama, bf16_gemms
 
 __all__ = [
@@ -81,8 +86,10 @@ __all__ = [
     "plot_curves",
     "t_interval",
     "power_analysis",
+    "sd_upper_bound",
     "attribute",
     "TOKEN_MULT_PROB_ERROR_BOUND",
+    "result_from_json",
     "TOKEN_MULT_PROB_ERROR_BOUND_FP8_KV",
     "with_overrides",
     "TinyLlama",
@@ -125,33 +132,26 @@ ARM_SPECS: dict[str, ArmSpec] = {
 ARMS = tuple(ARM_SPECS)
 """The seven arms, in the order the tables list them."""
 
-TOKEN_MULT_PROB_ERROR_BOUND = 1.1
-"""NeMo RL's nightly bound on ``token_mult_prob_error`` (its test suites'
-``tests/check_metrics.py`` conditions, ``< 1.1``, on the median or the max over the run's
-steps depending on the suite). This module owns the bounds scripts and tests use."""
-
-TOKEN_MULT_PROB_ERROR_BOUND_FP8_KV = 2.0
-"""The same bound for NeMo RL's FP8 KV-cache recipe (``max(...) < 2.0``, "a more relaxed
-tolerance for FP8 quantization noise")."""
-
 
 def mismatch_bound(arm: str) -> float:
     """NeMo RL's nightly ``token_mult_prob_error`` bound that applies to ``arm``."""
-    kv = ARM_SPECS[arm].fp8_kv_cache if arm in ARM_SPECS else False
-    return TOKEN_MULT_PROB_ERROR_BOUND_FP8_KV if kv else TOKEN_MULT_PROB_ERROR_BOUND
+    return bound_for(ARM_SPECS[arm].fp8_kv_cache if arm in ARM_SPECS else False)
 
 
 @dataclass(frozen=True)
 class CheckSettings:
     """Size of the check. :data:`FULL` is the documented run, :data:`QUICK` the CI one."""
 
-    steps: int = 80
-    """GRPO steps per arm (one optimizer step each)."""
-    seeds: int = 4
+    steps: int = 30
+    """GRPO steps per arm (one optimizer step each). 30, not 80: the arms' trajectories drift
+    apart step by step, so the paired SD of final reward grows with the steps (docs/rl.md
+    gives the measurement); 30 steps still learn (gain >= 3 SE) and make a seed cheap enough
+    that :attr:`seeds` of them fit ten minutes on two cores."""
+    seeds: int = 8
     """Independent repetitions (own warm-up, prompts, sampling); seeds ``seed .. seed+seeds-1``.
-    4 fits the documented run time on two cores with today's FP8 emulation; the power
-    statement of every run says how many its own paired SD needs for ``reward_gap``
-    (``--seeds 12`` is the opt-in for about 12, docs/rl.md states its time)."""
+    8: what the power analysis of the default design's measured paired SD asks for to resolve
+    ``reward_gap`` at 95% (every run's power statement recomputes it from its own SD); even,
+    so two worker processes stay busy to the end."""
     prompts_per_step: int = 24
     """Distinct prompts per step."""
     generations_per_prompt: int = 8
@@ -209,6 +209,9 @@ class CheckSettings:
     threads: int = 1
     """torch CPU threads per run (one: these GEMMs are too small to share)."""
     attribution_step: int | None = -1
+    attribution_seeds: int | None = 4
+    """The attribution runs on the first this many seeds (None: all): it costs about ten
+    steps per arm, and its ranking is stable well before the reward comparison is."""
     """The step whose mismatch is attributed to layers and module kinds (:func:`attribute`),
     counted from 0, negative from the end; None: no attribution."""
     reward_gap: float = 0.03
@@ -346,6 +349,11 @@ class SeedArmResult:
     """Wall time of the arm (evaluations included)."""
     warmup_steps: int = 0
     """Supervised warm-up steps the seed's starting point took (the same for its arms)."""
+    cpu_seconds: float = 0.0
+    """CPU time of the arm (its process, one torch thread: what the arm costs whatever else
+    shares the machine; evaluations and attribution included)."""
+    warmup_cpu_seconds: float = 0.0
+    """CPU time of the seed's warm-up (the same for its arms; counted once per seed)."""
     eval_overlap: int = -1
     """Evaluation prompts that are also training prompts of the seed (checked: 0)."""
     attribution: list[dict[str, Any]] = field(default_factory=list)
@@ -365,6 +373,8 @@ class CheckResult:
     runs: list[SeedArmResult]
     seconds: float = 0.0
     """Wall time of the whole check."""
+    load_average: tuple[float, ...] = ()
+    """The machine's 1-minute load average at the start and at the end (how shared it was)."""
 
     def of(self, arm: str) -> list[SeedArmResult]:
         return [r for r in self.runs if r.arm == arm]
@@ -637,7 +647,8 @@ def attribute(
     current q/k/v scales included), scores the step's sampled tokens with the KV cache
     (teacher-forced: the computation that sampled them) and gives the
     ``token_mult_prob_error`` against the trainer's log-probabilities of the step, which stay
-    as they are: the generation side alone changes. Returns one row per candidate, ranked by
+    as they are: the generation side alone changes. Returns one row per candidate (its name
+    ``bf16``, the FP8 linears it keeps in BF16 ``modules``), ranked by
     ``removed``: the share of the arm's excess mismatch (``error - 1``) that keeping the
     candidate in BF16 removes (negative: the mismatch grows). In the end-to-end arms the
     trainer runs the candidate in FP8, so keeping it BF16 on the generation side alone adds a
@@ -659,7 +670,12 @@ def attribute(
 
     base = _mismatch(train_lp, engine_lp(engine))
     both = a.fp8_training
-    none: dict[str, Any] = {"bf16": "none", "token_mult_prob_error": base, "removed": 0.0}
+    none: dict[str, Any] = {
+        "bf16": "none",
+        "modules": [],
+        "token_mult_prob_error": base,
+        "removed": 0.0,
+    }
     if both:
         none |= {"both_sides": base, "both_sides_removed": 0.0}
     rows = [none]
@@ -675,6 +691,7 @@ def attribute(
         err = _mismatch(train_lp, lp)
         row: dict[str, Any] = {
             "bf16": name,
+            "modules": sorted(members),
             "token_mult_prob_error": err,
             "removed": share(base, err),
         }
@@ -707,14 +724,17 @@ def run_arm(
     seed: int,
     tick: Callable[[str], None] | None = None,
     split: PromptSplit | None = None,
+    start_cache: dict | None = None,
 ) -> SeedArmResult:
     """Run one arm of one seed from the warm-started ``template``; ``split`` holds the seed's
     evaluation prompts and its record of training prompts (a new one without warm-up
-    records when None)."""
+    records when None); ``start_cache`` (one dict per seed) lets arms with the same start
+    engine share its start evaluation."""
     if arm not in ARM_SPECS:
         raise ValueError(f"unknown arm {arm!r}; one of {', '.join(ARMS)}")
     a = ARM_SPECS[arm]
     t_arm = time.perf_counter()
+    cpu_arm = time.process_time()
     if split is None:
         split = _split(task, s, seed)
     fp8_modules = fp8_modules_of(template, spec, s.num_layers) if a.fp8_generation else set()
@@ -726,7 +746,8 @@ def run_arm(
     # the same streams in every arm of a seed: same prompts, same sampling seeds
     prompt_gen = torch.Generator().manual_seed(seed * 16 + 2)
     sample_gen = torch.Generator().manual_seed(seed * 16 + 3)
-    attribution_at = _attribution_index(s) if a.fp8_generation else None
+    attributed = s.attribution_seeds is None or seed < s.seed + s.attribution_seeds
+    attribution_at = _attribution_index(s) if a.fp8_generation and attributed else None
 
     def draw() -> torch.Tensor:
         batch = split.train(s.prompts_per_step, prompt_gen)
@@ -741,7 +762,15 @@ def run_arm(
         # NeMo RL: the first scales come from the first step's batch before its generation
         # (prompts only), with the weights of the first refit; the start evaluation uses them
         first_kv = kv(prompts)
-    result.start_reward = _evaluate(engine, task, split.eval)
+    # arms whose start engine is the same (same weights, numerics, refit path; no KV scales)
+    # share one start evaluation: it is the same computation on the same prompts
+    start_key = (a.fp8_generation, a.weight_path, a.fp8_kv_cache)
+    if a.fp8_kv_cache or start_cache is None or start_key not in start_cache:
+        result.start_reward = _evaluate(engine, task, split.eval)
+        if start_cache is not None and not a.fp8_kv_cache:
+            start_cache[start_key] = result.start_reward
+    else:
+        result.start_reward = start_cache[start_key]
     for step in range(s.steps):
         kv_calib_s, kv_refresh_s = first_kv if step == 0 else (0.0, 0.0)
         attribution_s = 0.0
@@ -799,6 +828,7 @@ def run_arm(
             n: float(engine.slots[n]) for n in engine.kv_scale_names + engine.q_scale_names
         }
     result.seconds = time.perf_counter() - t_arm
+    result.cpu_seconds = time.process_time() - cpu_arm
     return result
 
 
@@ -863,12 +893,18 @@ def run_seed(
         # Eager quantizers: same results as the compiled ones, and for tensors this small
         # torch.compile's start-up (a minute or more on a CPU) would dominate the check.
         with fused_mode(False):
+            cpu = time.process_time()
             template, task, warmup, split = _template(s, seed)
-            runs = [run_arm(arm, template, task, s, spec, seed, tick, split) for arm in arms]
+            warmup_cpu = time.process_time() - cpu
+            starts: dict = {}
+            runs = [
+                run_arm(arm, template, task, s, spec, seed, tick, split, starts) for arm in arms
+            ]
     finally:
         torch.set_num_threads(threads)
     for run in runs:
         run.warmup_steps = warmup
+        run.warmup_cpu_seconds = warmup_cpu
     return runs
 
 
@@ -917,6 +953,7 @@ def run_check(
             bar.update(1)
 
     start = time.perf_counter()
+    load_start = _load_average()
     seeds = [settings.seed + k for k in range(settings.seeds)]
     runs: list[SeedArmResult] = []
     try:
@@ -928,7 +965,22 @@ def run_check(
     finally:
         if bar is not None:
             bar.close()
-    return CheckResult(settings, arms, runs, seconds=time.perf_counter() - start)
+    return CheckResult(
+        settings,
+        arms,
+        runs,
+        seconds=time.perf_counter() - start,
+        load_average=(load_start, _load_average()),
+    )
+
+
+def _load_average() -> float:
+    import os
+
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return float("nan")
 
 
 def _run_parallel(settings, seeds, arms, jobs, tick) -> list[SeedArmResult]:
@@ -1006,6 +1058,7 @@ def summarize(result: CheckResult) -> dict[str, Any]:
                 for c in _COSTS
             },
             "refit_mib": runs[0].steps[-1].refit_bytes / 2**20 if runs and runs[0].steps else 0.0,
+            "cpu_seconds": sum(r.cpu_seconds for r in runs),
         }
         paired = [(r.final_reward - base[r.seed].final_reward) for r in runs if r.seed in base]
         row["final_vs_bf16"] = t_interval(paired) if arm != "bf16" and paired else None
@@ -1022,9 +1075,14 @@ def summarize(result: CheckResult) -> dict[str, Any]:
         kv = [r.kv_scales for r in runs if r.kv_scales]
         row["kv_scales_last"] = kv[0] if kv else {}
         arms[arm] = row
+    warmups = {r.seed: r.warmup_cpu_seconds for r in result.runs}
     return {
         "arms": arms,
         "seconds": result.seconds,
+        # CPU time is what the run costs whatever shares the machine: on N idle cores with N
+        # worker processes the wall time is about cpu_seconds / N (seeds spread evenly)
+        "cpu_seconds": sum(r.cpu_seconds for r in result.runs) + sum(warmups.values()),
+        "load_average": list(result.load_average),
         "eval_disjoint": all(r.eval_overlap == 0 for r in result.runs),
         "power": _power(result, arms),
     }
@@ -1046,16 +1104,18 @@ def _bound_row(arm: str, steps: list[StepRecord]) -> dict[str, Any]:
 
 
 def _attribution_summary(runs: list[SeedArmResult]) -> list[dict[str, Any]]:
-    """Per candidate: mean over seeds of the attributed ``token_mult_prob_error`` and of the
-    share of the excess it removes, ranked by that share (``none`` first)."""
+    """Per candidate: the FP8 modules it keeps in BF16 (``modules``; the ``kv_cache``
+    candidate keeps none: its queries, keys and values) and the mean over seeds of the
+    attributed ``token_mult_prob_error`` and of the share of the excess it removes, ranked by
+    that share (``none`` first)."""
     by_name: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         for row in r.attribution:
             by_name.setdefault(row["bf16"], []).append(row)
     rows = []
     for name, xs in by_name.items():
-        row = {k: t_interval(x[k] for x in xs) for k in xs[0] if k != "bf16"}
-        rows.append({"bf16": name, **row})
+        row = {k: t_interval(x[k] for x in xs) for k in xs[0] if k not in ("bf16", "modules")}
+        rows.append({"bf16": name, "modules": xs[0].get("modules", []), **row})
     key = "both_sides_removed" if rows and "both_sides_removed" in rows[0] else "removed"
     rows.sort(key=lambda r: (r["bf16"] != "none", -r[key]["mean"]))
     return rows
@@ -1068,10 +1128,28 @@ def _power(result: CheckResult, arms: dict[str, Any]) -> dict[str, Any]:
     sds = {a: r["final_vs_bf16_sd"] for a, r in arms.items() if a != "bf16"}
     finite = [v for v in sds.values() if math.isfinite(v)]
     pooled = math.sqrt(sum(v * v for v in finite) / len(finite)) if finite else float("nan")
+    out = power_analysis(pooled, s.reward_gap, seeds=s.seeds)
+    # an SD from a few seeds is itself uncertain: the seeds that resolve the gap even if the
+    # true SD is at the estimate's one-sided 90% upper confidence bound
+    upper = sd_upper_bound(pooled, s.seeds - 1)
+    out["paired_sd_upper90"] = upper
+    out["seeds_to_resolve_upper90"] = power_analysis(upper, s.reward_gap)["seeds_to_resolve"]
     return {
-        "pooled": power_analysis(pooled, s.reward_gap, seeds=s.seeds),
+        "pooled": out,
         "per_arm": {a: power_analysis(v, s.reward_gap, seeds=s.seeds) for a, v in sds.items()},
     }
+
+
+def sd_upper_bound(sd: float, df: int, z: float = 1.281552) -> float:
+    """One-sided upper confidence bound of a standard deviation estimated with ``df`` degrees
+    of freedom, ``sd * sqrt(df / chi2_lower(df))``; ``z`` is the normal quantile of the level
+    (1.281552: 90%). The chi-square quantile is Wilson and Hilferty's, within 0.2% of the exact
+    one from 3 degrees of freedom (7 df, 10%: 2.8356 vs 2.8331). NaN below 1 df."""
+    if df < 1 or not math.isfinite(sd):
+        return float("nan")
+    c = 2.0 / (9.0 * df)
+    chi2 = df * max(1.0 - c - z * math.sqrt(c), 1e-9) ** 3
+    return sd * math.sqrt(df / chi2)
 
 
 def _head(r: SeedArmResult, attr: str, frac: float = 0.1) -> float:
@@ -1099,11 +1177,16 @@ def render_tables(result: CheckResult, summary: dict[str, Any] | None = None) ->
     summary = summary or summarize(result)
     s = result.settings
     n = s.seeds
+    cost = f"{result.seconds:.0f} s wall"
+    if "cpu_seconds" in summary:
+        cost += f", {summary['cpu_seconds']:.0f} CPU s"
+    load = summary.get("load_average") or []
+    if len(load) == 2 and all(math.isfinite(x) for x in load):
+        cost += f" (load average {load[0]:.1f} at the start, {load[1]:.1f} at the end)"
     lines = [
         f"rl-check: {len(result.arms)} arms x {n} seed(s) x {s.steps} GRPO steps "
         f"({s.prompts_per_step} prompts x {s.generations_per_prompt} samples), "
-        f"recipe {s.recipe}, generation numerics {s.generation_numerics}; "
-        f"{result.seconds:.0f} s wall",
+        f"recipe {s.recipe}, generation numerics {s.generation_numerics}; {cost}",
         "",
     ]
     if s.smoke:
@@ -1211,6 +1294,36 @@ def _attribution_lines(result: CheckResult, summary: dict[str, Any]) -> list[str
     return lines
 
 
+def result_from_json(data: dict[str, Any]) -> CheckResult:
+    """The :class:`CheckResult` of a ``--json`` document, records included (its summary is
+    recomputed by :func:`summarize`: a pure function of the records and the settings)."""
+    runs = []
+    for r in data["runs"]:
+        run = SeedArmResult(
+            r["arm"],
+            r["seed"],
+            steps=[StepRecord(**st) for st in r["steps"]],
+            start_reward=r["start_reward"],
+            final_reward=r["final_reward"],
+            kv_scales=r["kv_scales"],
+            seconds=r["seconds"],
+            warmup_steps=r["warmup_steps"],
+            cpu_seconds=r.get("cpu_seconds", 0.0),
+            warmup_cpu_seconds=r.get("warmup_cpu_seconds", 0.0),
+            eval_overlap=r["eval_overlap"],
+            attribution=r["attribution"],
+        )
+        runs.append(run)
+    summary = data.get("summary", {})
+    return CheckResult(
+        CheckSettings(**data["settings"]),
+        tuple(data["arms"]),
+        runs,
+        seconds=summary.get("seconds", 0.0),
+        load_average=tuple(summary.get("load_average", ())),
+    )
+
+
 def to_json(result: CheckResult, summary: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``--json`` document (without the environment, which the CLI adds)."""
     return {
@@ -1224,6 +1337,8 @@ def to_json(result: CheckResult, summary: dict[str, Any] | None = None) -> dict[
                 "start_reward": r.start_reward,
                 "final_reward": r.final_reward,
                 "seconds": r.seconds,
+                "cpu_seconds": r.cpu_seconds,
+                "warmup_cpu_seconds": r.warmup_cpu_seconds,
                 "warmup_steps": r.warmup_steps,
                 "kv_scales": r.kv_scales,
                 "eval_overlap": r.eval_overlap,

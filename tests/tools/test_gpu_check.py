@@ -37,6 +37,7 @@ from nemo_fp8_plugin.tools.gpu_check import presets
 from nemo_fp8_plugin.tools.gpu_check import te as te_part
 from nemo_fp8_plugin.tools.gpu_check import vllm as vllm_part
 from nemo_fp8_plugin.tools.gpu_check.result import Deadline
+from nemo_fp8_plugin.tools.rl_check_bounds import TOKEN_MULT_PROB_ERROR_BOUND
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # a descriptor only: nothing below touches a GPU
@@ -610,7 +611,8 @@ def test_vllm_part_reports_what_went_wrong(monkeypatch, tmp_path):
         CUDA, run=_child(script, records=_records(script, 1.3, 0.0), returncode=1)
     )
     assert bad["status"] == "failed" and bad["result"]["passed"] is False
-    assert "token_mult_prob_error vs the FP8-emulated trainer 1.3 > 1.1" in bad["reason"]
+    bound = f"1.3 > {TOKEN_MULT_PROB_ERROR_BOUND:g}"
+    assert f"token_mult_prob_error vs the FP8-emulated trainer {bound}" in bad["reason"]
     assert "left the engine's logprobs unchanged" in bad["reason"]
     crashed = gpu_check.check_vllm_refit(
         CUDA,

@@ -17,7 +17,6 @@ import io
 import json
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
@@ -307,6 +306,25 @@ def test_power_analysis_seed_counts_for_a_known_sd():
     assert rl_check.power_analysis(float("nan"))["seeds_to_resolve"] is None
 
 
+def test_sd_upper_bound_of_a_known_case():
+    # chi-square 10% quantile with 7 df is 2.8331: the 90% upper bound is sd * sqrt(7 / 2.8331)
+    assert rl_check.sd_upper_bound(1.0, 7) == pytest.approx(math.sqrt(7 / 2.8331), rel=1e-3)
+    assert rl_check.sd_upper_bound(0.02, 3) > rl_check.sd_upper_bound(0.02, 30) > 0.02
+    assert math.isnan(rl_check.sd_upper_bound(0.02, 0))
+    # the default's measured SD, 0.0220 over 8 seeds: 5 seeds resolve 0.03, 8 at its bound
+    upper = rl_check.sd_upper_bound(0.0220, 7)
+    assert rl_check.power_analysis(0.0220, 0.03)["seeds_to_resolve"] == 5
+    assert rl_check.power_analysis(upper, 0.03)["seeds_to_resolve"] == 8
+
+
+@pytest.mark.slow
+def test_a_json_document_gives_back_its_result(quick):
+    """result_from_json rebuilds the records: the summary recomputed from them is the run's."""
+    doc = {k: quick[k] for k in ("settings", "arms", "summary", "runs")}
+    again = rl_check.summarize(rl_check.result_from_json(doc))
+    assert json.dumps(again, sort_keys=True) == json.dumps(quick["summary"], sort_keys=True)
+
+
 def test_the_summary_states_power_from_the_runs_own_paired_sd():
     # paired differences with SD exactly 0.033 in one arm, 0 in the other
     d = [0.033 * x for x in (-1.5, -0.5, 0.5, 1.5)]
@@ -333,6 +351,52 @@ def test_bound_shares_of_known_steps():
     assert arms["bf16"]["nightly_bound"]["share_above"] == 0.0
 
 
+_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+@pytest.mark.slow
+def test_shared_start_evaluations_are_each_arms_own(quick):
+    """Arms with the same start engine share one start evaluation; each arm run alone (so
+    it evaluates its own engine) gives the very value the shared run reported."""
+    settings = rl_check.with_overrides(QUICK, steps=1)
+    for seed in range(QUICK.seeds):
+        start = {arm: quick["run"][(arm, seed)]["start_reward"] for arm in ARMS}
+        assert start["fp8-gen"] == start["fp8-e2e"] == start["fp8-e2e-is"]
+    for arm in ("fp8-e2e-is", "fp8-e2e-te-refit", "fp8-e2e-is-kv"):
+        (alone,) = run_seed(settings, 1, (arm,))
+        assert alone.start_reward == quick["run"][(arm, 1)]["start_reward"], arm
+
+
+@pytest.mark.slow
+def test_cpu_time_and_load_are_recorded(quick):
+    summary = quick["summary"]
+    runs = quick["runs"]
+    assert all(r["cpu_seconds"] > 0 and r["warmup_cpu_seconds"] > 0 for r in runs)
+    warmups = {r["seed"]: r["warmup_cpu_seconds"] for r in runs}
+    total = sum(r["cpu_seconds"] for r in runs) + sum(warmups.values())
+    assert summary["cpu_seconds"] == pytest.approx(total)
+    for arm in ARMS:
+        mine = sum(r["cpu_seconds"] for r in runs if r["arm"] == arm)
+        assert summary["arms"][arm]["cpu_seconds"] == pytest.approx(mine)
+    assert len(summary["load_average"]) == 2
+    assert "CPU s" in quick["text"].splitlines()[0]
+
+
+def test_attribution_runs_on_the_first_seeds_only():
+    settings = rl_check.with_overrides(QUICK, steps=1, attribution_seeds=1)
+    (first,) = run_seed(settings, 0, ("fp8-gen",))
+    (second,) = run_seed(settings, 1, ("fp8-gen",))
+    assert first.attribution and not second.attribution
+
+
 @pytest.mark.slow
 def test_attribution_baseline_is_the_recorded_step(quick):
     step = QUICK.steps - 1  # attribution_step -1
@@ -352,6 +416,11 @@ def test_attribution_baseline_is_the_recorded_step(quick):
                 kinds | {"layer.0", "layer.1"} | ({"kv_cache"} if arm.endswith("-kv") else set())
             )
             assert names == expected
+            # each candidate names the FP8 linears it keeps in BF16 (what analyze reads)
+            mods = {r["bf16"]: set(r["modules"]) for r in rows}
+            assert mods["none"] == set() and mods.get("kv_cache", set()) == set()
+            assert mods["layer.1"] == {f"model.layers.1.{k}" for k in _LINEARS}
+            assert mods["v_proj"] == {f"model.layers.{i}.self_attn.v_proj" for i in (0, 1)}
             key = "both_sides_removed" if rl_check.ARM_SPECS[arm].fp8_training else "removed"
             ranked = [r[key] for r in rows[1:]]
             assert ranked == sorted(ranked, reverse=True)
@@ -455,52 +524,3 @@ def test_help_says_what_the_code_does(capsys):
     assert f"number of seeds (default {rl_check.FULL.seeds})" in text
     for arm in ARMS:
         assert arm in text
-
-
-# ------------------------------------------------------------------ docs/rl.md against its run
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "rl.md"
-SHIPPED = DOC.parent / "data" / "rl_check.json"
-BEGIN, END = "<!-- rl-check tables: docs/data/rl_check.json -->", "<!-- /rl-check tables -->"
-
-
-def _shipped():
-    data = json.loads(SHIPPED.read_text())
-    settings = rl_check.CheckSettings(**data["settings"])
-    result = rl_check.CheckResult(settings, tuple(data["arms"]), [], data["summary"]["seconds"])
-    return data, rl_check.render_tables(result, data["summary"])
-
-
-def test_the_pages_tables_are_those_of_the_shipped_run():
-    """Every table row of the page's result block is a row rl-check renders from the shipped
-    JSON (the run the page cites), so no figure on the page is typed by hand."""
-    data, rendered = _shipped()
-    page = DOC.read_text()
-    assert page.count(BEGIN) == 1 and page.count(END) == 1
-    block = page.split(BEGIN)[1].split(END)[0]
-    rows = [line for line in block.splitlines() if line.startswith("|")]
-    assert len(rows) >= 3 * (2 + len(data["arms"]))  # reward, mismatch, attribution tables
-    lines = set(rendered.splitlines())
-    for row in rows:
-        assert row in lines, row
-    assert _power_sentence(data) in " ".join(page.split())
-
-
-def _power_sentence(data) -> str:
-    return rl_check._power_line(data["summary"]["power"]["pooled"])
-
-
-def test_the_pages_prose_numbers_are_the_shipped_runs():
-    data, _ = _shipped()
-    s = data["settings"]
-    page = " ".join(DOC.read_text().split())
-    arms = data["summary"]["arms"]
-    claims = [
-        f"--seeds {s['seeds']} --steps {s['steps']}",
-        f"{s['seeds']} seeds x {s['steps']} GRPO steps",
-    ]
-    for arm in ("fp8-e2e", "fp8-e2e-te-refit", "fp8-gen", "bf16", "fp8-e2e-is-kv"):
-        claims.append(f"`{arm}` {arms[arm]['token_mult_prob_error']['mean']:.5f}")
-    for claim in claims:
-        assert claim in page, claim
-    assert data["summary"]["eval_disjoint"] is True

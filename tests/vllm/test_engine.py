@@ -37,6 +37,7 @@ import pytest
 import torch
 import vllm
 
+from nemo_fp8_plugin.tools.rl_check_bounds import TOKEN_MULT_PROB_ERROR_BOUND
 from tiny_models import LLAMA, llama_state_dict, set_numerics
 
 # slow: all tests but one share a ~13 s engine start
@@ -461,7 +462,7 @@ def test_gpu_script_logic_on_cpu():
         vs_fp8_trainer={"token_mult_prob_error": 1.01},
         refit_changed_logprobs=0.1,
     )
-    table, failures = script.summarize([good], 1.1)
+    table, failures = script.summarize([good], TOKEN_MULT_PROB_ERROR_BOUND)
     assert not failures and "1.0100" in table
     bad = script.StepRecord(
         2,
@@ -475,7 +476,7 @@ def test_gpu_script_logic_on_cpu():
         vs_fp8_trainer={"token_mult_prob_error": 1.3},
         refit_changed_logprobs=0.0,
     )
-    assert len(script.summarize([bad], 1.1)[1]) == 2
+    assert len(script.summarize([bad], TOKEN_MULT_PROB_ERROR_BOUND)[1]) == 2
 
 
 def test_gpu_script_refit_loop_runs_on_the_cpu_engine(llm, trainer_weights):
@@ -501,7 +502,7 @@ def test_gpu_script_refit_loop_runs_on_the_cpu_engine(llm, trainer_weights):
         seed=3,
         kv_forward=lambda: trainer(ids),
     )
-    table, failures = script.summarize(records, 1.1)
+    table, failures = script.summarize(records, TOKEN_MULT_PROB_ERROR_BOUND)
     assert not failures, (table, failures)
     for r in records:  # (the CPU trainer is fp32, so its payload bytes say nothing here)
         assert r.fp8_payload_bytes > 0 and r.kv_refresh_s > 0 and r.load_s > 0

@@ -1,0 +1,152 @@
+"""docs/rl.md against the run it cites: the page's generated blocks are what
+``scripts/render_rl_docs.py`` renders from the shipped ``docs/data/rl_check.json``, byte for
+byte, and the data-dependent sentences follow the data (fed intervals of known position)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_fp8_plugin.tools import rl_check_docs
+from nemo_fp8_plugin.tools.rl_check_docs import render_blocks, rewrite, verdict
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "rl.md"
+SHIPPED = REPO / "docs" / "data" / "rl_check.json"
+SCRIPT = REPO / "scripts" / "render_rl_docs.py"
+
+
+def _shipped() -> dict:
+    return json.loads(SHIPPED.read_text())
+
+
+PERF = REPO / "docs" / "performance.md"
+
+
+def test_the_pages_are_what_the_shipped_json_renders():
+    """No figure or data-dependent sentence of the result blocks is typed by hand: rewriting
+    rl.md (every block) and performance.md (the cost) from the shipped JSON changes nothing."""
+    page = DOC.read_text()
+    for name in rl_check_docs.BLOCKS:
+        assert page.count(f"<!-- rl-check:{name} -->") == 1, name
+    blocks = render_blocks(_shipped(), "docs/data/rl_check.json")
+    assert rewrite(page, blocks) == page
+    perf = PERF.read_text()
+    assert perf.count("<!-- rl-check:cost -->") == 1
+    assert rewrite(perf, blocks) == perf
+
+
+def test_the_script_checks_and_rewrites_atomically(tmp_path):
+    # a copy of the repository's layout: the page's command names the JSON from the root
+    (tmp_path / "docs" / "data").mkdir(parents=True)
+    page = tmp_path / "docs" / "rl.md"
+    shipped = tmp_path / "docs" / "data" / "rl_check.json"
+    shipped.write_bytes(SHIPPED.read_bytes())
+    stale = DOC.read_text().replace("| bf16 |", "| bf16 (typed by hand) |", 1)
+    page.write_text(stale)
+    run = [sys.executable, str(SCRIPT), str(shipped), "--doc", str(page)]  # rl.md only
+    check = subprocess.run([*run, "--check"], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 1 and "stale" in check.stderr
+    assert page.read_text() == stale
+    done = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "rewritten" in done.stdout, done.stderr
+    assert page.read_text() == DOC.read_text()
+    assert sorted(p.name for p in page.parent.iterdir()) == ["data", "rl.md"]  # no temp file
+    again = subprocess.run([*run, "--check"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0
+
+
+def test_a_marked_block_the_renderer_lacks_is_an_error():
+    page = "<!-- rl-check:tables -->\nold\n<!-- /rl-check:tables -->\n"
+    with pytest.raises(ValueError, match="marks"):
+        rewrite(page, {"findings": "y\n"})
+    with pytest.raises(ValueError, match="marks"):
+        rewrite("no markers\n", {"tables": "x\n"})
+    assert rewrite(page, {"tables": "new\n"}) == (
+        "<!-- rl-check:tables -->\n\nnew\n\n<!-- /rl-check:tables -->\n"
+    )
+
+
+def test_verdicts_follow_the_interval():
+    def d(mean, ci):
+        return {"mean": mean, "ci95": ci, "se": ci / 2, "n": 8}
+
+    assert verdict(d(0.05, 0.02), 0.03).startswith("is above bf16")
+    assert verdict(d(-0.05, 0.02), 0.03).startswith("is below bf16")
+    assert verdict(d(0.005, 0.02), 0.03).startswith("is within 0.03 of bf16")
+    assert verdict(d(0.005, 0.04), 0.03).startswith("is unresolved")
+    assert verdict(d(0.0, float("nan")), 0.03) == "has no interval (one seed)"
+    assert verdict(None, 0.03) == "has no interval (one seed)"
+
+
+def test_findings_change_with_the_data():
+    """The sentences are computed: flip the data and the words flip with it."""
+    data = _shipped()
+    base = render_blocks(data)["findings"]
+    flipped = copy.deepcopy(data)
+    arms = flipped["summary"]["arms"]
+    arms["fp8-e2e-te-refit"]["token_mult_prob_error"]["mean"] = (
+        arms["fp8-e2e"]["token_mult_prob_error"]["mean"] + 0.01
+    )
+    flipped["summary"]["eval_disjoint"] = False
+    other = render_blocks(flipped)["findings"]
+    assert ("parity lowers" in base) != ("parity lowers" in other)
+    assert "**Held out**: no evaluation" in base and "**Held out**: SOME" in other
+
+
+def test_the_command_reproduces_the_settings():
+    """The page's command, parsed by the real CLI, builds exactly the JSON's settings."""
+    from dataclasses import asdict
+
+    from nemo_fp8_plugin.cli import build_parser
+    from nemo_fp8_plugin.tools.rl_check import ARMS, FULL, QUICK, with_overrides
+
+    data = _shipped()
+    args = build_parser().parse_args(rl_check_docs.command_of(data).split()[1:])
+    assert args.json == "docs/data/rl_check.json" and args.png == "docs/img/rl_check.png"
+
+    def num(text):
+        return None if text is None else int(text)
+
+    built = with_overrides(
+        QUICK if args.quick else FULL,
+        steps=num(args.steps),
+        seeds=num(args.seeds),
+        seed=num(args.seed),
+        recipe=args.recipe,
+        generation_numerics=args.generation_numerics,
+    )
+    assert asdict(built) == data["settings"]
+    assert (args.arms.split(",") if args.arms else list(ARMS)) == data["arms"]
+
+
+def test_the_shipped_run_is_the_default_and_its_seeds_suffice():
+    """The page cites the default run, and the default's seed count is at least what that
+    run's own power analysis asks for to resolve the gap."""
+    from dataclasses import asdict
+
+    from nemo_fp8_plugin.tools.rl_check import ARMS, FULL
+
+    data = _shipped()
+    assert data["settings"] == asdict(FULL) and data["arms"] == list(ARMS)
+    pooled = data["summary"]["power"]["pooled"]
+    assert pooled["seeds"] == FULL.seeds >= pooled["seeds_to_resolve"]
+    assert FULL.seeds >= pooled["seeds_to_resolve_upper90"]
+    assert pooled["resolves"] is True
+    assert data["summary"]["eval_disjoint"] is True
+
+
+def test_the_design_paragraph_quotes_the_shipped_sd():
+    """The one figure of the shipped run the hand-written design paragraph quotes."""
+    pooled = _shipped()["summary"]["power"]["pooled"]
+    quoted = (
+        f"({pooled['paired_sd']:.4f} over {pooled['seeds']} seeds: "
+        f"{pooled['seeds_to_resolve']} seeds, and {pooled['seeds_to_resolve_upper90']} at the "
+        "bound)"
+    )
+    assert quoted in " ".join(DOC.read_text().split())
