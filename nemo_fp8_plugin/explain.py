@@ -316,6 +316,8 @@ def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
     """A config asking for no recipe but already FP8 in its host's own keys: the recipe they
     spell (what differs from the preset, what the keys cannot tell apart), the keys read,
     and the FP8 keys that map to no recipe of ours."""
+    from .hosts import NO_REQUEST
+
     native = report["native"]
     host = native["host"]
     read = ", ".join(f"{k}: {_spell(v, full=full)}" for k, v in native["read"].items())
@@ -333,7 +335,9 @@ def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
         lines.append(f"FP8 in native keys, but no recipe of ours: {read or '(see below)'}")
     lines += [f"  not a recipe of ours: {u}" for u in native["unmatched"]]
     lines.append(
-        "note: no `precision:`/`fp8:` request: the config is already FP8 in "
+        f"note: {NO_REQUEST}: FP8 in {host}'s own keys, which nemo-fp8 apply leaves as they are"
+        if spec is None
+        else "note: no `precision:`/`fp8:` request: the config is already FP8 in "
         f"{host}'s own keys, and nemo-fp8 apply leaves it as it is"
     )
     if spec is not None:

@@ -52,12 +52,12 @@ def field_default(section: str, key: str, data: Mapping[str, Any], *, ddp: str |
     """What an absent ``key`` (dotted) means to megatron-core: the ``TransformerConfig``
     default for a field of ``section``, the ``DistributedDataParallelConfig`` default for one
     of ``ddp`` (its section; None: DDP fields sit at the root, Megatron-LM's layout). The
-    first/last layer counts are inert (their value is what ``data`` holds) while
-    ``first_last_layers_bf16`` is off, which is what a count of 0 means."""
+    first/last layer counts are inert while ``first_last_layers_bf16`` is off: they then
+    mean what a count of 0 means, no BF16 layer."""
     parent, _, leaf = key.rpartition(".")
     if parent == section and leaf in TRANSFORMER_CONFIG_DEFAULTS:
         if leaf in _COUNTS and not get_path(data, f"{section}.first_last_layers_bf16", False):
-            return get_path(data, key)
+            return 0
         return TRANSFORMER_CONFIG_DEFAULTS[leaf]
     if (parent == ddp or (ddp is None and not parent)) and leaf in DDP_DEFAULTS:
         return DDP_DEFAULTS[leaf]
