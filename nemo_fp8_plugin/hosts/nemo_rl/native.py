@@ -111,8 +111,8 @@ def _generation(value, read: list, fields: dict[str, Any]) -> str | None:
     if mx:
         read.append((f"{_VLLM}.is_mx", True))
     kind = next(k for k, row in CAPABILITIES.items() if (row.is_mx if mx else row.is_block))
-    if not mx and value(f"{_VLLM}.pow2_weight_scaling_factors") is True:
-        fields["pow2_scales"] = True
+    if not mx:  # MXFP8's E8M0 scales are powers of two whatever the key says
+        fields["pow2_scales"] = value(f"{_VLLM}.pow2_weight_scaling_factors") is True
     kv = value(f"{_VLLM}.kv_cache_dtype", "auto")
     fields["kv_cache"] = "fp8" if isinstance(kv, str) and kv.startswith("fp8") else "auto"
     if fields["kv_cache"] == "fp8":
