@@ -221,7 +221,7 @@ def test_the_request_line_goes_and_its_neighbours_stay(tmp_path, capsys):
     )
     # a new parent goes at the end (fp8_current: keys that differ from megatron-core's defaults)
     assert (
-        "  first_last_layers_bf16: true\n  # trailing note about train\ntrain: {steps: 10}\n"
+        "  num_layers_at_end_in_bf16: 1\n  # trailing note about train\ntrain: {steps: 10}\n"
         "ddp:\n  fp8_param_gather: true\n" in out
     )
 

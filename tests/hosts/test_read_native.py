@@ -232,3 +232,37 @@ def test_megatron_defaults_are_megatron_cores_own():
         "DistributedDataParallelConfig",
     )
     assert {k: ddp[k] for k in DDP_DEFAULTS} == DDP_DEFAULTS
+
+
+@pytest.mark.host
+def test_nemo2_plugin_defaults_are_nemos_own():
+    from importlib.metadata import distribution
+
+    from nemo_fp8_plugin.hosts.nemo2.native import PLUGIN_DEFAULTS
+
+    path = distribution("nemo-toolkit").locate_file(
+        "nemo/lightning/pytorch/plugins/mixed_precision.py"
+    )
+    tree = ast.parse(path.read_text())
+    cls = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "MegatronMixedPrecision"
+    )
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    args = init.args.args[-len(init.args.defaults) :]
+    defaults = {
+        a.arg: d.value for a, d in zip(args, init.args.defaults) if isinstance(d, ast.Constant)
+    }
+    assert {k: defaults[k] for k in PLUGIN_DEFAULTS} == PLUGIN_DEFAULTS
+
+
+def test_bridge_defaults_are_bridges_own(tmp_path):
+    from conftest import upstream_file
+    from nemo_fp8_plugin.hosts.bridge.native import MIXED_PRECISION_DEFAULTS
+
+    path = upstream_file(
+        "megatron_bridge-0.6.2-*.whl", "megatron/bridge/training/mixed_precision.py", tmp_path
+    )
+    found = _ast_defaults(path, "MixedPrecisionConfig")
+    for name in ("fp8", "fp4"):  # Optional[str] = None
+        found.setdefault(name, None)
+    assert {k: found.get(k, "?") for k in MIXED_PRECISION_DEFAULTS} == MIXED_PRECISION_DEFAULTS

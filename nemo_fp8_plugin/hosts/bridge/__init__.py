@@ -585,6 +585,11 @@ class BridgeAdapter(HostAdapter):
             ) from None
         return [f"bridge: MixedPrecisionConfig accepted {len(block)} fields"]
 
+    def default(self, key: str, data: Mapping[str, Any]) -> Any:
+        from .native import field_default
+
+        return field_default(key, data)
+
     def read_native(self, ctx: HostContext) -> NativeRecipe | None:
         from .native import read_native
 

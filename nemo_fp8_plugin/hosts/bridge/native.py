@@ -1,4 +1,7 @@
-"""The reader of a Megatron-Bridge config already FP8 in its ``mixed_precision`` block
+"""Megatron-Bridge's own defaults for the ``MixedPrecisionConfig`` fields the adapter writes
+(``BridgeAdapter.default``; recorded from Bridge 0.6.2's
+``megatron/bridge/training/mixed_precision.py``, compared with the wheel's file by
+``tests/hosts/test_read_native.py``), and the reader of a Megatron-Bridge config already FP8 in its ``mixed_precision`` block
 (``BridgeAdapter.read_native``): a ``MixedPrecisionConfig`` mapping, or the name of a Bridge
 recipe whose fields this package records (:data:`~nemo_fp8_plugin.hosts.bridge.BRIDGE_RECIPE_FIELDS`)."""
 
@@ -7,9 +10,48 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import HostContext, NativeRecipe
+from ...dotted import get_path
+from .. import NO_DEFAULT, HostContext, NativeRecipe
 
-__all__ = ["read_native"]
+__all__ = ["MIXED_PRECISION_DEFAULTS", "field_default", "read_native"]
+
+MIXED_PRECISION_DEFAULTS: dict[str, Any] = {
+    "fp32": False,
+    "fp16": False,
+    "bf16": False,
+    "autocast_enabled": False,
+    "grad_reduce_in_fp32": True,
+    "fp8": None,
+    "first_last_layers_bf16": False,
+    "fp8_margin": 0,
+    "fp8_amax_history_len": 1,
+    "fp8_amax_compute_algo": "most_recent",
+    "fp8_wgrad": True,
+    "fp8_dot_product_attention": False,
+    "fp8_multi_head_attention": False,
+    "fp8_param_gather": False,
+    "fp4": None,
+    "fp4_param_gather": False,
+    "num_layers_at_start_in_bf16": 0,
+    "num_layers_at_end_in_bf16": 0,
+    "reuse_grad_buf_for_mxfp8_param_ag": False,
+}
+"""``MixedPrecisionConfig`` field -> its default in Megatron-Bridge 0.6.2 (the constant ones
+the adapter writes)."""
+
+
+def field_default(key: str, data: Mapping[str, Any]) -> Any:
+    """What Bridge does with a ``MixedPrecisionConfig`` field the ``mixed_precision`` block
+    does not set."""
+    from . import MIXED_PRECISION_TARGETS
+
+    parent, _, leaf = key.rpartition(".")
+    block = get_path(data, parent)
+    if parent != "mixed_precision" or not isinstance(block, Mapping):
+        return NO_DEFAULT
+    if block.get("_target_") not in MIXED_PRECISION_TARGETS:
+        return NO_DEFAULT
+    return MIXED_PRECISION_DEFAULTS.get(leaf, NO_DEFAULT)
 
 
 def read_native(ctx: HostContext) -> NativeRecipe | None:
@@ -36,7 +78,7 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
         block, where = BRIDGE_RECIPE_FIELDS[block], f"mixed_precision={block}:"
     if not isinstance(block, Mapping):
         return None
-    scaling, fields, found, unmatched = megatron_fields(block, where, {})
+    scaling, fields, found, unmatched = megatron_fields(block, where, MIXED_PRECISION_DEFAULTS)
     if scaling is None:
         if not unmatched:
             return None

@@ -21,7 +21,6 @@ __all__ = ["TRANSFORMER_CONFIG_DEFAULTS", "DDP_DEFAULTS", "field_default", "read
 
 TRANSFORMER_CONFIG_DEFAULTS: dict[str, Any] = {
     "fp8": None,
-    "fp8_recipe": "delayed",
     "fp8_param": False,
     "fp8_margin": 0,
     "fp8_amax_history_len": 1,
@@ -33,11 +32,13 @@ TRANSFORMER_CONFIG_DEFAULTS: dict[str, Any] = {
     "num_layers_at_start_in_bf16": 1,
     "num_layers_at_end_in_bf16": 1,
     "fp4": None,
-    "fp4_recipe": "nvfp4",
     "fp4_param": False,
 }
 """``TransformerConfig`` field -> its default in megatron-core 0.16.1 (the FP8/FP4 fields the
-adapter writes)."""
+adapter writes). ``fp8_recipe`` / ``fp4_recipe`` are left out on purpose, here and in NeMo 2's
+and Bridge's tables: they name the recipe, their defaults differ between hosts (megatron-core
+and NeMo 2 ``delayed``, Bridge ``tensorwise``) and may change between releases, so they are
+always written."""
 
 DDP_DEFAULTS: dict[str, Any] = {
     "fp8_param_gather": False,
@@ -52,12 +53,14 @@ def field_default(section: str, key: str, data: Mapping[str, Any], *, ddp: str |
     """What an absent ``key`` (dotted) means to megatron-core: the ``TransformerConfig``
     default for a field of ``section``, the ``DistributedDataParallelConfig`` default for one
     of ``ddp`` (its section; None: DDP fields sit at the root, Megatron-LM's layout). The
-    first/last layer counts are inert while ``first_last_layers_bf16`` is off: they then
-    mean what a count of 0 means, no BF16 layer."""
+    first/last layer counts are inert while ``first_last_layers_bf16`` is off (they then
+    mean what a count of 0 means, no BF16 layer) and always written while it is on."""
     parent, _, leaf = key.rpartition(".")
     if parent == section and leaf in TRANSFORMER_CONFIG_DEFAULTS:
-        if leaf in _COUNTS and not get_path(data, f"{section}.first_last_layers_bf16", False):
-            return 0
+        if leaf in _COUNTS:
+            # written whenever they count: NeMo 2's and Bridge's defaults are 0, megatron-core's 1
+            on = get_path(data, f"{section}.first_last_layers_bf16", False)
+            return NO_DEFAULT if on else 0
         return TRANSFORMER_CONFIG_DEFAULTS[leaf]
     if (parent == ddp or (ddp is None and not parent)) and leaf in DDP_DEFAULTS:
         return DDP_DEFAULTS[leaf]

@@ -459,6 +459,11 @@ class NeMo2Adapter(HostAdapter):
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         return _validate(result, ctx)
 
+    def default(self, key: str, data: Mapping[str, Any]) -> Any:
+        from .native import argument_default
+
+        return argument_default(key, data)
+
     def read_native(self, ctx: HostContext) -> NativeRecipe | None:
         from .native import read_native
 

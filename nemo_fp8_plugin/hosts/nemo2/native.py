@@ -1,5 +1,11 @@
-"""The reader of a NeMo 2 config already FP8 in its ``trainer.plugins``
-``MegatronMixedPrecision`` block (``NeMo2Adapter.read_native``)."""
+"""NeMo 2's own defaults for the ``MegatronMixedPrecision`` arguments the adapter writes
+(``NeMo2Adapter.default``), and the reader of a config already FP8 in its ``trainer.plugins``
+block (``NeMo2Adapter.read_native``).
+
+The defaults are recorded from NeMo 2.7.3's ``MegatronMixedPrecision.__init__``
+(``nemo/lightning/pytorch/plugins/mixed_precision.py``; importing it pulls in torch and
+Lightning); ``tests/hosts/test_read_native.py`` reads the installed file with :mod:`ast`
+and compares."""
 
 from __future__ import annotations
 
@@ -7,9 +13,40 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...dotted import get_path
-from .. import HostContext, NativeRecipe
+from .. import NO_DEFAULT, HostContext, NativeRecipe
 
-__all__ = ["read_native"]
+__all__ = ["PLUGIN_DEFAULTS", "argument_default", "read_native"]
+
+PLUGIN_DEFAULTS: dict[str, Any] = {
+    "autocast_enabled": False,
+    "grad_reduce_in_fp32": True,
+    "fp8": None,
+    "first_last_layers_bf16": False,
+    "fp8_margin": 0,
+    "fp8_amax_history_len": 1,
+    "fp8_amax_compute_algo": "most_recent",
+    "fp8_wgrad": True,
+    "fp8_dot_product_attention": False,
+    "fp8_multi_head_attention": False,
+    "fp4": None,
+    "num_layers_at_start_in_bf16": 0,
+    "num_layers_at_end_in_bf16": 0,
+    "reuse_grad_buf_for_mxfp8_param_ag": False,
+}
+"""``MegatronMixedPrecision`` argument -> its default in NeMo 2.7.3 (those with a constant
+default that the adapter writes; ``fp8_param_gather``'s ``None`` is resolved by NeMo)."""
+
+
+def argument_default(key: str, data: Mapping[str, Any]) -> Any:
+    """What NeMo 2 does with an argument of the ``MegatronMixedPrecision`` plugin the
+    config does not give."""
+    parent, _, leaf = key.rpartition(".")
+    plugin = get_path(data, parent)
+    if parent != "trainer.plugins" or not isinstance(plugin, Mapping):
+        return NO_DEFAULT
+    if not str(plugin.get("_target_", "")).endswith("MegatronMixedPrecision"):
+        return NO_DEFAULT
+    return PLUGIN_DEFAULTS.get(leaf, NO_DEFAULT)
 
 
 def _plugin(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
@@ -34,7 +71,7 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
     if found is None:
         return None
     where, block = found
-    scaling, fields, read, unmatched = megatron_fields(block, f"{where}.", {})
+    scaling, fields, read, unmatched = megatron_fields(block, f"{where}.", PLUGIN_DEFAULTS)
     if scaling is None:
         if not unmatched:
             return None
