@@ -59,9 +59,7 @@ def build_report(
         }
     request = ctx.request
     if request is None:
-        from .hosts import NO_REQUEST
-
-        from .hosts import read_native
+        from .hosts import NO_REQUEST, read_native
 
         reading = read_native(ctx, own)
         if reading is not None:  # already FP8 in the host's own keys
@@ -327,7 +325,9 @@ def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
         lines.append(f"read from native keys: {spec['name']}  ({read})")
         lines.append(f"  {spec['description']}")
         if native["differs"]:
-            changed = ", ".join(f"{k}: {_spell(v, full=full)}" for k, v in native["differs"].items())
+            changed = ", ".join(
+                f"{k}: {_spell(v, full=full)}" for k, v in native["differs"].items()
+            )
             lines.append(f"  differs from the {spec['name']} preset: {changed}")
         if native["alike"]:
             lines.append(f"  the same keys also spell: {', '.join(native['alike'])}")
@@ -341,7 +341,10 @@ def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
         f"{host}'s own keys, and nemo-fp8 apply leaves it as it is"
     )
     if spec is not None:
-        lines += ["recipe fields:", *_recipe_lines({"recipe": spec, "keys": [], "recipe_source": ""}, full=full)[2:]]
+        lines += [
+            "recipe fields:",
+            *_recipe_lines({"recipe": spec, "keys": [], "recipe_source": ""}, full=full)[2:],
+        ]
     return lines
 
 
@@ -382,7 +385,7 @@ _GENERATION_ONLY = ("kv_cache", "generation_numerics")
 def _inapplicable(recipe: dict[str, Any], row) -> list[tuple[tuple[str, ...], str]]:
     """The recipe fields that do not apply to this recipe, grouped with why (its kind of
     scaling, from the capability row; a side it leaves in BF16)."""
-    groups = []
+    groups: list[tuple[tuple[str, ...], str]] = []
     if not row.is_delayed:
         groups.append((_DELAYED_ONLY, "read by delayed scaling only"))
     if row.per_tensor and all(recipe.get(k) is None for k in _TILES):

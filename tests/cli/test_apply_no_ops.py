@@ -140,7 +140,11 @@ def test_vllm_kv_cache_dtype_only_when_it_changes(tmp_path, capsys):
     config = {"model": "m", "max_model_len": 64, "precision": "fp8_blockwise"}
     data = apply_mapping(get_adapter("vllm"), config).data
     assert "kv_cache_dtype" not in data and data["quantization"] == "nemo_fp8"
-    config = {"model": "m", "max_model_len": 64, "fp8": {"recipe": "fp8_blockwise", "kv_cache": "fp8"}}
+    config = {
+        "model": "m",
+        "max_model_len": 64,
+        "fp8": {"recipe": "fp8_blockwise", "kv_cache": "fp8"},
+    }
     data = apply_mapping(get_adapter("vllm"), config).data
     assert data["kv_cache_dtype"] == "fp8_e4m3"
     assert {k for k, _ in flatten(data)} >= {"hf_overrides.quantization_config.kv_cache_dtype"}

@@ -28,14 +28,15 @@ from nemo_fp8_plugin.dotted import flatten, get_path
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts import (
     ADAPTERS,
+    NO_DEFAULT,
     HostAdapter,
+    _same_value,
     apply_mapping,
     get_adapter,
     mapping_context,
     recipe_keys,
     run,
 )
-from nemo_fp8_plugin.hosts import NO_DEFAULT, _same_value
 from nemo_fp8_plugin.hosts.nemo_rl.checks import _same
 from nemo_fp8_plugin.registry import ENTRY_POINT_GROUP, default_registry, list_recipes
 

@@ -15,7 +15,14 @@ import yaml
 
 from conftest import REPO, shared_nemo_rl
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts import NO_REQUEST, get_adapter, load_context, read_native, recipe_keys, run
+from nemo_fp8_plugin.hosts import (
+    NO_REQUEST,
+    get_adapter,
+    load_context,
+    read_native,
+    recipe_keys,
+    run,
+)
 from nemo_fp8_plugin.registry import get_recipe, list_recipes
 
 pytestmark = pytest.mark.torch_free
@@ -141,7 +148,11 @@ def test_an_fp8_kv_cache_in_native_keys_is_read(tmp_path):
             "model: {num_layers: 4, hidden_size: 256, fp8: e4m3, fp8_recipe: custom}\n",
             "model.fp8_recipe: 'custom'",
         ),
-        ("vllm", "model: some/model\nmax_model_len: 64\nquantization: fp8\n", "quantization: 'fp8'"),
+        (
+            "vllm",
+            "model: some/model\nmax_model_len: 64\nquantization: fp8\n",
+            "quantization: 'fp8'",
+        ),
         (
             "vllm",
             "model: some/model\nmax_model_len: 64\nkv_cache_dtype: fp8\n",
@@ -153,7 +164,11 @@ def test_an_fp8_kv_cache_in_native_keys_is_read(tmp_path):
             "    enabled: true\n    fp8_cfg: {enabled: true, fp8: hybrid, fp8_recipe: delayed}\n",
             "fp8_cfg.fp8_recipe: 'delayed'",
         ),
-        ("bridge", "mixed_precision: bf16_with_fp8_current_scaling_mixed\n", "Megatron-Bridge recipe"),
+        (
+            "bridge",
+            "mixed_precision: bf16_with_fp8_current_scaling_mixed\n",
+            "Megatron-Bridge recipe",
+        ),
     ],
 )
 def test_native_keys_no_recipe_of_ours_spells_are_named_not_raised(tmp_path, host, text, said):
@@ -245,7 +260,9 @@ def test_nemo2_plugin_defaults_are_nemos_own():
     )
     tree = ast.parse(path.read_text())
     cls = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "MegatronMixedPrecision"
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and n.name == "MegatronMixedPrecision"
     )
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     args = init.args.args[-len(init.args.defaults) :]

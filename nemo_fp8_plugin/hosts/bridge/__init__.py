@@ -596,6 +596,5 @@ class BridgeAdapter(HostAdapter):
         return read_native(ctx)
 
 
-
 ADAPTER = BridgeAdapter()
 """The Megatron-Bridge adapter (:class:`nemo_fp8_plugin.hosts.HostAdapter`)."""

@@ -470,6 +470,5 @@ class NeMo2Adapter(HostAdapter):
         return read_native(ctx)
 
 
-
 ADAPTER = NeMo2Adapter()
 """The NeMo 2 adapter (:class:`nemo_fp8_plugin.hosts.HostAdapter`)."""
