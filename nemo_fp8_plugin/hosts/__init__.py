@@ -726,10 +726,14 @@ def _drop_no_ops(adapter: HostAdapter, ctx: HostContext, data: Any) -> None:
     if not isinstance(data, dict):
         return
     written, _ = diff_written(ctx.raw, data)
+    # A fully resolved output (NeMo RL's resolve=True) carries its parents' keys itself.
+    whole = "defaults" in ctx.raw and "defaults" not in data
     for key, value in list(flatten(written)):
         if get_path(ctx.raw, key, _ABSENT) is not _ABSENT:
             continue
         meant = get_path(ctx.resolved, key, _ABSENT)
+        if meant is not _ABSENT and whole:
+            continue
         if meant is _ABSENT:
             meant = adapter.default(key, data)
         if meant is NO_DEFAULT or not _same_value(meant, value):

@@ -27,9 +27,10 @@ VLLM_CFG_DEFAULTS: dict[str, Any] = {
     "num_first_layers_in_bf16": 0,
     "num_last_layers_in_bf16": 0,
     "quantization_ignored_layer_kws": [],
-    "use_deep_gemm": False,
 }
-"""``policy.generation.vllm_cfg`` key -> the default NeMo RL's FP8 path reads it with."""
+"""``policy.generation.vllm_cfg`` key -> the default NeMo RL's FP8 path reads it with.
+``use_deep_gemm`` (default false there) is left out on purpose: it is the kernel switch a
+Blackwell target must state off, so it is always written."""
 
 LOSS_DEFAULTS: dict[str, Any] = {
     "use_importance_sampling_correction": False,
