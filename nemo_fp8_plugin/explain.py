@@ -86,6 +86,9 @@ def build_report(
         report["model_description"] = description.summary()
         # The check apply runs (hosts.run), so both refuse the same model, naming one key.
         report["warnings"] += check_model_shape(ctx)
+    if description is not None and request.spec.qat is not None:
+        report.setdefault("notes", []).append(_QAT_NO_TABLES.format(request.spec.qat.preset))
+    elif description is not None:
         try:
             layers, rule_warnings, notes = _layers_section(request.spec, description)
         except FP8ConfigError as err:  # rules contradicting the model: name the config key
@@ -158,6 +161,14 @@ def _near_request_keys(config: dict) -> list[str]:
                 where = "policy." if section is not config else ""
                 out.append(f"`{where}{key}: {value}` looks like `{where}{near}:` misspelt")
     return out
+
+
+_QAT_NO_TABLES = (
+    "per-layer tables not shown: under ModelOpt QAT (preset {}) the ModelOpt quant_cfg file "
+    "decides which modules quantize, and the rollout keeps policy.generation.real_quant_ignore "
+    "in BF16"
+)
+"""Why ``explain`` shows no per-layer table for a ``qat`` request (the TE rules do not apply)."""
 
 
 def _layers_section(spec, description) -> tuple[list[dict], list[str], list[str]]:

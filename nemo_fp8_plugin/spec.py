@@ -36,6 +36,9 @@ __all__ = [
     "GENERATION_NUMERICS",
     "BF16Rules",
     "ImportanceSampling",
+    "QuantizationAwareRL",
+    "QAT_PRESETS",
+    "QAT_ROLLOUTS",
     "RecipeSpec",
     "Finding",
     "normalize_hardware",
@@ -393,6 +396,69 @@ class ImportanceSampling:
         return {f: getattr(self, f) for f in self.FIELDS}
 
 
+QAT_PRESETS = ("w4a16", "w4a4", "nano3-w4a16", "experts-w4a4")
+"""NVIDIA's ModelOpt quantization-aware RL recipes for NeMo RL, by the name
+:attr:`QuantizationAwareRL.preset` takes. w4a16: NVFP4 weights, BF16 activations
+(``nvfp4_a16.yaml``, ``qa_grpo_llama8b_megatron.v2.yaml``); w4a4: NVFP4 weights and
+activations (ModelOpt's ``NVFP4_DEFAULT_CFG``, ``qa_grpo_math_megatron.yaml``); nano3-w4a16:
+Nemotron-3 Nano's weight-only recipe (``nano3_nvfp4_weightonly.yaml``,
+``qa_grpo_nano3_megatron.yaml``); experts-w4a4: NVFP4 weights and activations of the routed
+experts only (``nvfp4_experts.yaml``, the Qwen3-30B-A3B real-quant recipe). Each is spelled
+by :mod:`nemo_fp8_plugin.hosts.nemo_rl.modelopt`."""
+
+QAT_ROLLOUTS = ("fake_quant", "real_quant")
+"""Values of :attr:`QuantizationAwareRL.rollout`: how vLLM runs the quantized rollout."""
+
+
+@dataclass(frozen=True)
+class QuantizationAwareRL:
+    """NVFP4 RL through ModelOpt quantization-aware training (NeMo RL's QA-GRPO / QARL).
+
+    Instead of Transformer Engine's NVFP4 GEMMs, the policy trains in BF16 with ModelOpt
+    fake-quantizers (straight-through gradients) and the rollout runs the same recipe in
+    vLLM. Only NeMo RL has this path; other hosts refuse it. YAML: ``qat: w4a16`` or
+    ``qat: {preset: nano3-w4a16, rollout: real_quant}`` in the ``fp8:`` block, with
+    ``recipe: nvfp4``.
+    """
+
+    preset: str
+    """NVIDIA's recipe, one of :data:`QAT_PRESETS` (the ModelOpt ``quant_cfg`` both the
+    policy and the rollout use, its calibration, and the keys the shipped config sets)."""
+
+    rollout: str = "fake_quant"
+    """``"fake_quant"`` (default, NeMo RL's default when ``policy.generation.quant_cfg`` is
+    set): vLLM runs BF16 weights through fake-quantized layers. ``"real_quant"``: vLLM's
+    ModelOpt NVFP4 kernels on packed NVFP4 weights (``policy.generation.real_quant``),
+    with the BF16 rules as ``policy.generation.real_quant_ignore``."""
+
+    FIELDS = ("preset", "rollout")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "preset", _choice("preset", self.preset, QAT_PRESETS))
+        object.__setattr__(self, "rollout", _choice("rollout", self.rollout, QAT_ROLLOUTS))
+
+    @classmethod
+    def from_value(cls, value: Any) -> QuantizationAwareRL | None:
+        """From YAML: None (no QAT), a preset name, or a mapping with :attr:`FIELDS`."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(preset=value)
+        if not isinstance(value, Mapping):
+            raise FP8ConfigError(
+                f"expected a preset name ({', '.join(QAT_PRESETS)}) or a mapping with keys "
+                f"{', '.join(cls.FIELDS)}, got {format_value(value)}",
+                value=value,
+            )
+        _check_keys("", value, cls.FIELDS)
+        if "preset" not in value:
+            raise FP8ConfigError("is required", key="preset", hint=", ".join(QAT_PRESETS))
+        return _wrap(lambda: cls(**dict(value)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+
 def _wrap(build: Callable[[], _T]) -> _T:
     """Run a dataclass constructor, turning a stray TypeError into our error type."""
     try:
@@ -528,6 +594,11 @@ class RecipeSpec:
     importance_sampling: ImportanceSampling = field(default_factory=ImportanceSampling)
     """RL mismatch correction; see :class:`ImportanceSampling`. Default: token level, on."""
 
+    qat: QuantizationAwareRL | None = None
+    """ModelOpt quantization-aware RL instead of Transformer Engine NVFP4 training; see
+    :class:`QuantizationAwareRL`. Default None (off). ``scaling: nvfp4`` only; NeMo RL
+    only (other hosts refuse it)."""
+
     hardware: str | None = None
     """Target GPU architecture (``ada``, ``hopper``, ``blackwell``, ``blackwell_sm120``; GPU
     names such as ``h100``, ``nvidia-smi`` names and ``sm90``-style capabilities are accepted;
@@ -560,6 +631,7 @@ class RecipeSpec:
         "generation_numerics",
         "bf16_layers",
         "importance_sampling",
+        "qat",
         "hardware",
     )
 
@@ -621,6 +693,14 @@ class RecipeSpec:
                 _prefixed(
                     "importance_sampling", ImportanceSampling.from_mapping, self.importance_sampling
                 ),
+            )
+        set_("qat", _prefixed("qat", QuantizationAwareRL.from_value, self.qat))
+        if self.qat is not None and not _caps.capability(self.scaling).is_nvfp4:
+            raise FP8ConfigError(
+                f"ModelOpt quantization-aware RL is an NVFP4 path, not a {self.scaling} one",
+                key="qat",
+                value=self.qat.to_dict(),
+                hint="use recipe: nvfp4, or remove qat",
             )
         set_("hardware", normalize_hardware(self.hardware))
         self._check_tiles()
@@ -834,7 +914,7 @@ class RecipeSpec:
             if key == "description":
                 continue
             value = getattr(self, key)
-            if isinstance(value, (BF16Rules, ImportanceSampling)):
+            if isinstance(value, (BF16Rules, ImportanceSampling, QuantizationAwareRL)):
                 value = value.to_dict()
             elif isinstance(value, tuple):
                 value = list(value)

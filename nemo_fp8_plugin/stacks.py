@@ -295,6 +295,56 @@ FACTS: tuple[HostFact, ...] = (
         "nemo_rl/models/megatron/setup.py, NeMo RL 7ea279a",
         "model_overrides may not repeat a first-class policy.megatron_cfg key",
     ),
+    # ModelOpt quantization-aware RL (QA-GRPO): read at 7ea279a, NeMo RL's 0.6 line; earlier
+    # releases not checked, so they count as lacking it (a refusal names the version).
+    HostFact(
+        "nemo-rl",
+        "policy.quant_cfg",
+        _from("0.6"),
+        None,
+        "nemo_rl/models/policy/__init__.py (PolicyConfig.quant_cfg, quant_calib_*), "
+        "NeMo RL 7ea279a (0.6)",
+        "ModelOpt fake-quant training of the policy (NVFP4 QAT)",
+    ),
+    HostFact(
+        "nemo-rl",
+        "policy.generation.quant_cfg",
+        _from("0.6"),
+        None,
+        "nemo_rl/models/generation/vllm/config.py (VllmConfig.quant_cfg), NeMo RL 7ea279a (0.6)",
+        "the same ModelOpt recipe in the vLLM rollout (fake quant)",
+    ),
+    HostFact(
+        "nemo-rl",
+        "policy.generation.real_quant",
+        _from("0.6"),
+        False,
+        "nemo_rl/models/generation/vllm/config.py (VllmConfig.real_quant, real_quant_ignore), "
+        "nemo_rl/modelopt/utils.py (resolve_nvfp4_real_quant_mode: w4a4 | w4a16), "
+        "NeMo RL 7ea279a (0.6)",
+        "real NVFP4 rollout kernels (ModelOpt NVFP4 in vLLM) on packed NVFP4 refits",
+    ),
+    # Models NeMo RL hands an unpacked [B, S] batch because they pack inside their forward
+    # (delegate_pack_to_model): its packer's FP8 padding never runs for them. One fact per
+    # model family; the name after the colon is the model-name prefix (lowercased basename).
+    HostFact(
+        "nemo-rl",
+        "delegate_pack_to_model:qwen3.5",
+        _from("0.6"),
+        None,
+        "nemo_rl/models/policy/workers/megatron_policy_worker.py:147-165 "
+        "(_model_self_packs_for_cp: a Qwen3VLModel), NeMo RL 7ea279a (0.6); Megatron-Bridge "
+        "0.6.2 builds qwen3_5 / qwen3_5_moe as Qwen3VLModel (qwen35_vl_bridge.py)",
+        "Qwen3.5 (HF model_type qwen3_5 / qwen3_5_moe)",
+    ),
+    HostFact(
+        "nemo-rl",
+        "delegate_pack_to_model:qwen3-vl",
+        _from("0.6"),
+        None,
+        "nemo_rl/models/policy/workers/megatron_policy_worker.py:147-165, NeMo RL 7ea279a (0.6)",
+        "Qwen3-VL (HF model_type qwen3_vl / qwen3_vl_moe)",
+    ),
 )
 """Every version-dependent fact the plugin relies on (see :class:`HostFact`)."""
 

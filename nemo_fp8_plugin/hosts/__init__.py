@@ -357,7 +357,23 @@ def refuse_recipe(host: str | HostAdapter, spec: RecipeSpec) -> None:
     """Everything ``host`` refuses of ``spec`` alone (no config): what ``apply`` refuses of a
     config asking for the same recipe, minus what only the config can state."""
     adapter = get_adapter(host) if isinstance(host, str) else host
+    refuse_qat_elsewhere(adapter, spec, None)
     adapter.refuse(spec, None)
+
+
+def refuse_qat_elsewhere(adapter: HostAdapter, spec: RecipeSpec, ctx: HostContext | None) -> None:
+    """ModelOpt quantization-aware RL (``qat``) is spelled for NeMo RL only; any other host
+    would silently train Transformer Engine NVFP4 instead, so it is refused."""
+    if spec.qat is None or adapter.name == "nemo-rl":
+        return
+    in_block = ctx is not None and isinstance(ctx.resolved.get("fp8"), Mapping)
+    raise FP8ConfigError(
+        f"ModelOpt quantization-aware RL is NeMo RL's path (policy.quant_cfg); the plugin "
+        f"writes no ModelOpt keys for {adapter.name}",
+        key="fp8.qat" if in_block else "qat",
+        value=spec.qat.preset,
+        hint="use --host nemo-rl, or remove qat (Transformer Engine NVFP4 training)",
+    )
 
 
 def recipe_keys(host: str | HostAdapter, spec: Any, *, model: Any = None) -> HostKeys:
@@ -369,6 +385,7 @@ def recipe_keys(host: str | HostAdapter, spec: Any, *, model: Any = None) -> Hos
 
     adapter = get_adapter(host) if isinstance(host, str) else host
     spec = get_recipe(spec)
+    refuse_qat_elsewhere(adapter, spec, None)
     adapter.refuse(spec, None)
     return adapter.spell(spec, None, model=model)
 
@@ -667,6 +684,7 @@ def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
         check_sections(adapter.name, ctx.resolved)
     # The model's shape first, as explain checks it before any host.
     shape = check_model_shape(ctx)
+    refuse_qat_elsewhere(adapter, ctx.spec, ctx)
     adapter.refuse(ctx.spec, ctx)
     keys = adapter.spell(ctx.spec, ctx)
     try:

@@ -95,6 +95,13 @@ class ModelDescription:
     """Where the description came from: ``built-in``, a ``config.json`` path, or
     ``TransformerConfig``."""
 
+    layer_kinds: tuple[str, ...] = ()
+    """Hybrid models only (empty otherwise: every layer is attention + MLP or MoE): what each
+    layer holds, by index: its sequence mixer, ``attention``, ``linear_attention`` (Qwen3.5's
+    Gated DeltaNet) or ``mamba`` (Nemotron-H's Mamba-2), and/or its MLP, ``mlp`` or ``moe``,
+    joined by ``+`` (``linear_attention+moe``; a Nemotron-H layer holds one of them). Which
+    linear modules a layer has follows from it, and so do the per-layer rules and tables."""
+
     # ------------------------------------------------------------------ lookups
 
     @cached_property
@@ -150,12 +157,21 @@ class ModelDescription:
             "source": self.source,
             "megatron_linear_modules": len(self.megatron_linear_modules),
             "hf_linear_modules": len(self.hf_linear_modules),
+            **({"layer_kinds": _kind_counts(self.layer_kinds)} if self.layer_kinds else {}),
         }
 
     @staticmethod
     def layer_of(name: str) -> int | None:
         """Transformer-layer index of a module name under either naming."""
         return layer_index(name)
+
+
+def _kind_counts(kinds: tuple[str, ...]) -> dict[str, int]:
+    """``{"linear_attention+moe": 30, "attention+moe": 10}``, in first-seen order."""
+    out: dict[str, int] = {}
+    for kind in kinds:
+        out[kind] = out.get(kind, 0) + 1
+    return out
 
 
 # --------------------------------------------------------------------------- construction
@@ -301,11 +317,278 @@ def _build(
     )
 
 
+# --------------------------------------------------------------------------- hybrid models
+
+_Modules = tuple[list[tuple[str, tuple[str, ...]]], list[str], list[tuple[str, tuple[str, ...]]]]
+"""One layer's ``(Megatron name -> HF names, HF names, vLLM unit -> HF names)``."""
+
+
+def _unit(mg: str, hfs: tuple[str, ...], unit: str | None = None) -> _Modules:
+    """One Megatron module holding ``hfs``, run by vLLM as one unit (``unit``, default the
+    single HF module)."""
+    return [(mg, hfs)], list(hfs), [(unit or hfs[0], hfs)]
+
+
+def _join(*parts: _Modules) -> _Modules:
+    mg: list = []
+    hf: list = []
+    units: list = []
+    for m, h, u in parts:
+        mg += m
+        hf += h
+        units += u
+    return mg, hf, units
+
+
+def _attention(mgp: str, hfp: str, attn: str) -> _Modules:
+    qkv = tuple(f"{hfp}.{attn}.{p}_proj" for p in "qkv")
+    return _join(
+        _unit(f"{mgp}.self_attention.linear_qkv", qkv, f"{hfp}.{attn}.qkv_proj"),
+        _unit(f"{mgp}.self_attention.linear_proj", (f"{hfp}.{attn}.o_proj",)),
+    )
+
+
+def _experts(mgp: str, hfp: str, mlp: str, experts: int, gated: bool, router: str) -> _Modules:
+    """A router and routed experts (TE grouped GEMM on the Megatron side, one fused vLLM
+    FusedMoE unit): ``gate_proj`` / ``up_proj`` / ``down_proj`` per expert when ``gated``,
+    ``up_proj`` / ``down_proj`` otherwise (Nemotron-H's squared-ReLU experts)."""
+    ups = ("gate_proj", "up_proj") if gated else ("up_proj",)
+    fc1 = tuple(f"{hfp}.{mlp}.experts.{e}.{u}" for e in range(experts) for u in ups)
+    fc2 = tuple(f"{hfp}.{mlp}.experts.{e}.down_proj" for e in range(experts))
+    every = tuple(
+        n for e in range(experts) for n in (*fc1[e * len(ups) : (e + 1) * len(ups)], fc2[e])
+    )
+    mg = [
+        (f"{mgp}.mlp.router", (f"{hfp}.{mlp}.{router}",)),
+        (f"{mgp}.mlp.experts.linear_fc1", fc1),
+        (f"{mgp}.mlp.experts.linear_fc2", fc2),
+    ]
+    hf = [f"{hfp}.{mlp}.{router}", *every]
+    units = [(f"{hfp}.{mlp}.{router}", (f"{hfp}.{mlp}.{router}",)), (f"{hfp}.{mlp}.experts", every)]
+    return mg, hf, units
+
+
+def _dense_mlp(mgp: str, hfp: str, mlp: str, megatron_mlp: str, gated: bool) -> _Modules:
+    down = f"{hfp}.{mlp}.down_proj"
+    if gated:
+        gu = (f"{hfp}.{mlp}.gate_proj", f"{hfp}.{mlp}.up_proj")
+        fc1 = _unit(f"{mgp}.{megatron_mlp}.linear_fc1", gu, f"{hfp}.{mlp}.gate_up_proj")
+    else:
+        fc1 = _unit(f"{mgp}.{megatron_mlp}.linear_fc1", (f"{hfp}.{mlp}.up_proj",))
+    return _join(fc1, _unit(f"{mgp}.{megatron_mlp}.linear_fc2", (down,)))
+
+
+def _qwen35_layer(i: int, kind: str, experts: int, shared: bool) -> _Modules:
+    """Qwen3.5 (HF ``Qwen3_5DecoderLayer``; vLLM ``qwen3_5.py`` / ``qwen3_next.py``; megatron-
+    core's Gated DeltaNet as the layer's ``self_attention``, ``ssm/gated_delta_net.py``)."""
+    mgp, hfp = f"decoder.layers.{i}", f"model.layers.{i}"
+    mixer, _, mlp = kind.partition("+")
+    if mixer == "linear_attention":
+        la = f"{hfp}.linear_attn"
+        qkvz = (f"{la}.in_proj_qkv", f"{la}.in_proj_z")
+        ba = (f"{la}.in_proj_b", f"{la}.in_proj_a")
+        # Megatron fuses the four input projections into one in_proj; vLLM into two
+        # (packed_modules_mapping in_proj_qkvz / in_proj_ba).
+        parts = [
+            (
+                [(f"{mgp}.self_attention.in_proj", qkvz + ba)],
+                [*qkvz, *ba],
+                [(f"{la}.in_proj_qkvz", qkvz), (f"{la}.in_proj_ba", ba)],
+            ),
+            _unit(f"{mgp}.self_attention.out_proj", (f"{la}.out_proj",)),
+        ]
+    else:
+        parts = [_attention(mgp, hfp, "self_attn")]
+    if mlp == "moe":
+        parts.append(_experts(mgp, hfp, "mlp", experts, True, "gate"))
+        if shared:  # one shared expert; its scalar gate (shared_expert_gate) stays unquantized
+            parts.append(_dense_mlp(mgp, hfp, "mlp.shared_expert", "mlp.shared_experts", True))
+    else:
+        parts.append(_dense_mlp(mgp, hfp, "mlp", "mlp", True))
+    return _join(*parts)
+
+
+def _nemotron_h_layer(i: int, kind: str, experts: int, shared: bool) -> _Modules:
+    """Nemotron-H (HF ``NemotronHBlock``: one mixer per layer under ``backbone.layers.<i>.
+    mixer``; megatron-core ``MambaModel``: ``mixer`` for Mamba, ``self_attention`` / ``mlp``
+    otherwise; vLLM ``nemotron_h.py``, which renames ``backbone`` to ``model``)."""
+    mgp, hfp = f"decoder.layers.{i}", f"backbone.layers.{i}"
+    if kind == "mamba":
+        mg, hf, units = _join(
+            _unit(f"{mgp}.mixer.in_proj", (f"{hfp}.mixer.in_proj",)),
+            _unit(f"{mgp}.mixer.out_proj", (f"{hfp}.mixer.out_proj",)),
+        )
+    elif kind == "attention":
+        mg, hf, units = _attention(mgp, hfp, "mixer")
+    elif kind == "mlp":
+        mg, hf, units = _dense_mlp(mgp, hfp, "mixer", "mlp", False)
+    else:
+        parts = [_experts(mgp, hfp, "mixer", experts, False, "gate")]
+        if shared:
+            parts.append(_dense_mlp(mgp, hfp, "mixer.shared_experts", "mlp.shared_experts", False))
+        mg, hf, units = _join(*parts)
+    # vLLM's modules are named as it runs them (hf_to_vllm_mapper: backbone -> model).
+    return mg, hf, [("model." + u.removeprefix("backbone."), m) for u, m in units]
+
+
+_HYBRID_LAYERS = {"qwen3_5": _qwen35_layer, "nemotron_h": _nemotron_h_layer}
+
+
+def _build_hybrid(
+    name: str,
+    family: str,
+    kinds: tuple[str, ...],
+    *,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int = 0,
+    num_shared_experts: int = 0,
+    source: str,
+) -> ModelDescription:
+    """A description from the per-layer ``kinds`` (:attr:`ModelDescription.layer_kinds`)."""
+    moe_layers = sum(1 for k in kinds if k.endswith("moe"))
+    check_limit(
+        len(kinds) * 16 + 3 * moe_layers * num_experts,
+        LIMITS.modules,
+        f"{source}: {len(kinds)} layers x {num_experts} experts: linear modules",
+        key="num_experts" if num_experts else "num_hidden_layers",
+    )
+    layer = _HYBRID_LAYERS[family]
+    mg_map, hf_all, units = _join(
+        *(layer(i, kind, num_experts, bool(num_shared_experts)) for i, kind in enumerate(kinds))
+    )
+    mg_map.append(("output_layer", ("lm_head",)))
+    hf_all.append("lm_head")
+    units.append(("lm_head", ("lm_head",)))
+    return ModelDescription(
+        name=name,
+        family=family,
+        num_layers=len(kinds),
+        hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        num_experts=num_experts if moe_layers else 0,
+        moe_ffn_hidden_size=moe_ffn_hidden_size if moe_layers else 0,
+        num_shared_experts=num_shared_experts if moe_layers else 0,
+        megatron_linear_modules=tuple(mg for mg, _ in mg_map),
+        hf_linear_modules=tuple(hf_all),
+        megatron_to_hf=tuple(mg_map),
+        vllm_modules=tuple(units),
+        # vLLM builds both routers as GateLinear without a quant config (qwen3_next.py,
+        # nemotron_h.py, vLLM 0.32): they are never quantized.
+        vllm_quantizes_router=False,
+        source=source,
+        layer_kinds=kinds,
+    )
+
+
+def _qwen35_kinds(cfg: Mapping, layers: int, moe: bool, source: str) -> tuple[str, ...]:
+    """Per-layer kinds from ``layer_types`` (``linear_attention`` / ``full_attention``), else
+    ``full_attention_interval`` (every N-th layer full attention; HF's default 4)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        every = _get_int(cfg, "full_attention_interval", source, default=4, minimum=1)
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)
+        ]
+    if (
+        not isinstance(types, list)
+        or len(types) != layers
+        or any(t not in ("linear_attention", "full_attention") for t in types)
+    ):
+        raise FP8ConfigError(
+            f"{source}: expected {layers} entries, each linear_attention or full_attention",
+            key="layer_types",
+            value=types,
+        )
+    mlp = "moe" if moe else "mlp"
+    return tuple(
+        ("attention" if t == "full_attention" else "linear_attention") + "+" + mlp for t in types
+    )
+
+
+def _from_qwen35(cfg: Mapping, name: str, source: str, moe: bool) -> ModelDescription:
+    layers = _get_int(cfg, "num_hidden_layers", source, minimum=1)
+    check_limit(layers, LIMITS.layers, f"{source}: transformer layers", key="num_hidden_layers")
+    hidden = _get_int(cfg, "hidden_size", source, minimum=1)
+    kinds = _qwen35_kinds(cfg, layers, moe, source)
+    if not moe:
+        ffn = _get_int(cfg, "intermediate_size", source, minimum=1)
+        return _build_hybrid(
+            name, "qwen3_5", kinds, hidden_size=hidden, ffn_hidden_size=ffn, source=source
+        )
+    experts = _get_int(cfg, "num_experts", source, minimum=1)
+    check_limit(experts, LIMITS.experts, f"{source}: experts", key="num_experts")
+    moe_ffn = _get_int(cfg, "moe_intermediate_size", source, minimum=1)
+    shared = _get_int(cfg, "shared_expert_intermediate_size", source, default=0)
+    # The MoE config has no dense MLP (no intermediate_size): the shared expert's width is the
+    # one dense GEMM size there is.
+    return _build_hybrid(
+        name,
+        "qwen3_5",
+        kinds,
+        hidden_size=hidden,
+        ffn_hidden_size=shared or moe_ffn,
+        num_experts=experts,
+        moe_ffn_hidden_size=moe_ffn,
+        num_shared_experts=1 if shared else 0,
+        source=source,
+    )
+
+
+_NEMOTRON_H_BLOCKS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
+"""``hybrid_override_pattern`` characters (megatron-core ``ssm/mamba_hybrid_layer_allocation
+.py`` Symbols; HF ``NemotronHConfig``), one layer each."""
+
+
+def _from_nemotron_h(cfg: Mapping, name: str, source: str) -> ModelDescription:
+    pattern = cfg.get("hybrid_override_pattern")
+    if not isinstance(pattern, str) or not pattern or set(pattern) - set(_NEMOTRON_H_BLOCKS):
+        raise FP8ConfigError(
+            f"{source}: expected a string of {''.join(_NEMOTRON_H_BLOCKS)} (one per layer)",
+            key="hybrid_override_pattern",
+            value=pattern,
+        )
+    layers = _get_int(cfg, "num_hidden_layers", source, default=len(pattern), minimum=1)
+    check_limit(layers, LIMITS.layers, f"{source}: layers", key="num_hidden_layers")
+    if layers != len(pattern):
+        raise FP8ConfigError(
+            f"{source}: num_hidden_layers is {layers} but hybrid_override_pattern has "
+            f"{len(pattern)} layers",
+            key="hybrid_override_pattern",
+            value=pattern,
+        )
+    kinds = tuple(_NEMOTRON_H_BLOCKS[c] for c in pattern)
+    experts = _get_int(cfg, "n_routed_experts", source, default=None) if "E" in pattern else 0
+    check_limit(experts, LIMITS.experts, f"{source}: experts", key="n_routed_experts")
+    return _build_hybrid(
+        name,
+        "nemotron_h",
+        kinds,
+        hidden_size=_get_int(cfg, "hidden_size", source, minimum=1),
+        ffn_hidden_size=_get_int(cfg, "intermediate_size", source, minimum=1),
+        num_experts=experts,
+        moe_ffn_hidden_size=_get_int(cfg, "moe_intermediate_size", source, default=None),
+        num_shared_experts=_get_int(cfg, "n_shared_experts", source, default=None),
+        source=source,
+    )
+
+
+_HYBRID_TYPES = {
+    "qwen3_5": lambda c, n, s: _from_qwen35(c, n, s, moe=False),
+    "qwen3_5_text": lambda c, n, s: _from_qwen35(c, n, s, moe=False),
+    "qwen3_5_moe": lambda c, n, s: _from_qwen35(c, n, s, moe=True),
+    "qwen3_5_moe_text": lambda c, n, s: _from_qwen35(c, n, s, moe=True),
+    "nemotron_h": _from_nemotron_h,
+}
+"""Hybrid ``model_type`` values (a VL checkpoint's ``text_config`` has the ``_text`` one)."""
+
+
 # --------------------------------------------------------------------------- Hugging Face configs
 
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 _DEEPSEEK_LIKE = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-HF_MODEL_TYPES = _LLAMA_LIKE + ("qwen3_moe",) + _DEEPSEEK_LIKE
+HF_MODEL_TYPES = _LLAMA_LIKE + ("qwen3_moe",) + _DEEPSEEK_LIKE + tuple(_HYBRID_TYPES)
 """``model_type`` values of a Hugging Face ``config.json`` that :func:`from_hf_config` reads."""
 
 
@@ -349,6 +632,8 @@ def from_hf_config(
             hint=f"supported: {', '.join(HF_MODEL_TYPES)}; for a Megatron model "
             f"give its TransformerConfig fields",
         )
+    if model_type in _HYBRID_TYPES:
+        return _HYBRID_TYPES[model_type](cfg, name, source)
     layers = _get_int(cfg, "num_hidden_layers", source, minimum=1)
     check_limit(layers, LIMITS.layers, f"{source}: transformer layers", key="num_hidden_layers")
     hidden = _get_int(cfg, "hidden_size", source, minimum=1)
@@ -543,6 +828,42 @@ def _deepseek(layers, hidden, ffn, experts, moe_ffn, shared, first_dense, q_lora
     }
 
 
+def _qwen35(layers, hidden, ffn):
+    return {
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "full_attention_interval": 4,
+    }
+
+
+def _qwen35_moe(layers, hidden, experts, moe_ffn, shared_ffn):
+    return {
+        "model_type": "qwen3_5_moe_text",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_experts": experts,
+        "moe_intermediate_size": moe_ffn,
+        "shared_expert_intermediate_size": shared_ffn,
+        "full_attention_interval": 4,
+    }
+
+
+def _nemotron_h(pattern, hidden, ffn, experts, moe_ffn, shared_ffn):
+    return {
+        "model_type": "nemotron_h",
+        "num_hidden_layers": len(pattern),
+        "hybrid_override_pattern": pattern,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "n_routed_experts": experts,
+        "moe_intermediate_size": moe_ffn,
+        "moe_shared_expert_intermediate_size": shared_ffn,
+        "n_shared_experts": 1,
+    }
+
+
 def _gpt(layers, hidden, ffn):
     return {
         "megatron": True,
@@ -579,6 +900,24 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
     "qwen3-32b": _qwen3(64, 5120, 25600),
     "qwen3-30b-a3b": _qwen3_moe(48, 2048, 6144, 128, 768),
     "qwen3-235b-a22b": _qwen3_moe(94, 4096, 12288, 128, 1536),
+    # Qwen3.5, the sizes of each Hugging Face config.json (text_config): Qwen/Qwen3.5-9B
+    # (32 layers, 4096 hidden, 12288 intermediate, full_attention_interval 4) and
+    # Qwen/Qwen3.5-35B-A3B (40 layers, 2048 hidden, 256 experts of 512, one shared expert of
+    # 512, full_attention_interval 4), as quoted from those files in public model notes; the
+    # 35B-A3B sizes match slime's scripts/models/qwen3.5-35B-A3B.sh (THUDM/slime) and the 27B
+    # (64 layers, 5120, 17408) its qwen3.5-27B.sh. NeMo RL trains the 9B and 35B-A3B Base
+    # models (examples/configs/recipes/llm/dapo-qwen3.5-*-megatron*.yaml).
+    "qwen3.5-9b": _qwen35(32, 4096, 12288),
+    "qwen3.5-27b": _qwen35(64, 5120, 17408),
+    "qwen3.5-35b-a3b": _qwen35_moe(40, 2048, 256, 512, 512),
+    # Nemotron-3 Nano 30B-A3B (HF model_type nemotron_h), its config.json as quoted in
+    # Megatron-Bridge's NemotronH bridge tests and slime's scripts/models/
+    # nemotron-nano-30B-A3B.sh: 52 layers "MEMEM*EMEMEM*..." (23 Mamba-2, 23 MoE, 6 attention),
+    # hidden 2688, 128 routed experts of 1856 plus one shared of 3712. NeMo RL's QA-GRPO and
+    # DPO examples train it (examples/modelopt/qa_grpo_nano3_megatron.yaml).
+    "nemotron-3-nano-30b-a3b": _nemotron_h(
+        "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", 2688, 1856, 128, 1856, 3712
+    ),
     "deepseek-v3": _deepseek(61, 7168, 18432, 256, 2048, 1, 3, 1536),
     "deepseek-v2-lite": _deepseek(27, 2048, 10944, 64, 1408, 2, 1, None),
     "moonlight-16b-a3b": _deepseek(27, 2048, 11264, 64, 1408, 2, 1, None),
@@ -601,6 +940,10 @@ _ALIASES = {
     "moonlight": "moonlight-16b-a3b",
     "qwen3-600m": "qwen3-0.6b",
     "qwen3-1p7b": "qwen3-1.7b",
+    "nvidia-nemotron-3-nano-30b-a3b": "nemotron-3-nano-30b-a3b",
+    "nemotron-3-nano": "nemotron-3-nano-30b-a3b",
+    "nemotron3-nano": "nemotron-3-nano-30b-a3b",
+    "nano3": "nemotron-3-nano-30b-a3b",
     "gpt3-126m": "gpt-126m",
     "gpt3-5b": "gpt-5b",
     "gpt3-7b": "gpt-7b",

@@ -224,6 +224,13 @@ def generic_members(name: str) -> list[str]:
     return [f"{prefix}.{lf}" for lf in _VLLM_FUSED_LEAVES.get(leaf, ())]
 
 
+_ROUTERS = (".mlp.router", ".mlp.gate", ".mixer.gate", ".mlp.shared_expert_gate")
+"""Routing modules: megatron-core's router, Hugging Face / vLLM ``mlp.gate`` (Qwen, DeepSeek),
+Nemotron-H's ``mixer.gate`` and Qwen3.5's scalar ``mlp.shared_expert_gate`` (vLLM builds the
+last two without a quant config: ``nemotron_h.py`` GateLinear, ``qwen3_next.py``
+ReplicatedLinear ``quant_config=None``, vLLM 0.32)."""
+
+
 def builtin_high_precision(name: str) -> str | None:
     """Why a module never runs in FP8 on any host, or None.
 
@@ -236,6 +243,6 @@ def builtin_high_precision(name: str) -> str | None:
     name = strip_param_suffix(name)
     if name in ("output_layer", "lm_head") or name.endswith((".output_layer", ".lm_head")):
         return "output_head"
-    if name.endswith((".mlp.router", ".mlp.gate")) or name in ("mlp.router", "mlp.gate"):
+    if name.endswith(_ROUTERS) or name in ("mlp.router", "mlp.gate"):
         return "router"
     return None

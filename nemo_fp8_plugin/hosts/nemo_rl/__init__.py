@@ -52,6 +52,10 @@ What each recipe means here (NeMo RL's vLLM path has block FP8 and MXFP8 only):
   ``NVTE_NVFP4_*`` variables in ``env_vars``. Generation stays BF16
   (:data:`nemo_fp8_plugin.capabilities.NVFP4_GENERATION_REFUSAL`). NeMo RL's sequence packer
   pads for its ``fp8_cfg`` recipes only, so nvfp4 with ``sequence_packing`` is refused.
+* ``nvfp4`` with ``qat: PRESET``: NVIDIA's ModelOpt quantization-aware RL instead (BF16 policy
+  through ModelOpt fake quantizers, NVFP4 rollouts fake- or real-quantized): ``policy.quant_cfg``,
+  ``policy.quant_calib_*``, ``policy.generation.{quant_cfg,real_quant,real_quant_ignore}``, no
+  Transformer Engine key (:mod:`.modelopt`; NeMo RL 0.6 on, per ``stacks.py``).
 * ``fp8_current``: tensorwise FP8 training with BF16 generation, and a warning that the two
   sides then differ (the importance-sampling correction stays on to absorb it).
 * ``fp8_delayed``: refused; delayed scales come from an amax history that goes stale when

@@ -29,6 +29,7 @@ from .checks import (
     _neutral,
     _same,
 )
+from .modelopt import nemo_rl_version, qat_merge, qat_recipe_keys, qat_refuse, qat_spell
 from .spelling import (
     _MEGATRON,
     _VLLM,
@@ -88,6 +89,12 @@ def _in_file(ctx: HostContext) -> bool:
 
 
 def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
+    if spec.qat is not None:  # ModelOpt QAT: none of the Transformer Engine keys apply
+        if ctx is not None:
+            qat_refuse(spec, ctx)
+            _dropped_keys(ctx.resolved)
+            _interpolation_users(ctx.resolved, list(ctx.request.keys))
+        return
     refusal = _refusal(spec)
     if refusal:
         key = (
@@ -112,7 +119,7 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     _refuse_deep_gemm(spec, ctx)
     _dropped_keys(ctx.resolved)
     _interpolation_users(ctx.resolved, list(ctx.request.keys))
-    sequence_alignment(spec, ctx.resolved)
+    sequence_alignment(spec, ctx.resolved, nemo_rl_version(ctx))
 
 
 def _block_generation(spec: RecipeSpec, ctx: HostContext) -> bool:
@@ -142,6 +149,8 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
     """The recipe's keys for this config: the MoE router from the config when the model is
     unknown, the training keys only for a config without generation, the sequence lengths
     alignment needs."""
+    if spec.qat is not None:
+        return qat_spell(spec, ctx)
     resolved = ctx.resolved
     warnings: list[str] = []
     if ctx.request.model and ctx.model is None:
@@ -166,7 +175,7 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
             "training keys are written, no generation or importance-sampling keys"
         )
         keys = nest({k: v for k, v in flatten(keys) if k.startswith(_MEGATRON + ".")})
-    writes, notes = sequence_alignment(spec, resolved)
+    writes, notes = sequence_alignment(spec, resolved, nemo_rl_version(ctx))
     if _block_generation(spec, ctx) and get_path(ctx.raw, _DEEP_GEMM, None) is False:
         # The user's own file turns DeepGEMM off: a kernel choice, not numerics (vLLM's
         # CUTLASS/Triton block kernels take the same fp32 scales), so it is kept.
@@ -198,6 +207,10 @@ def _merge(ctx: HostContext, keys: HostKeys, resolve: bool) -> ApplyResult:
         )
         resolve = True
     out = _overlay_base(ctx, resolve)
+    if spec.qat is not None:
+        qat_merge(ctx, out, keys)
+        _consume_request(ctx, out)
+        return ApplyResult(data=out, warnings=warnings, notes=list(keys.notes))
     flat = dict(flatten(keys.keys))
     aligned = {k: flat.pop(k) for k in ALIGNMENT_KEYS if k in flat}
     native = HostKeys(keys=nest(flat))
@@ -205,17 +218,22 @@ def _merge(ctx: HostContext, keys: HostKeys, resolve: bool) -> ApplyResult:
         _merge_key(out, raw, resolved, spec, key, want, written)
     for key, value in aligned.items():
         set_path(out, key, value)
-    for key in ctx.request.keys:
-        if key == "policy.precision":
-            set_path(out, key, "bfloat16")
-        else:
-            delete_path(out, key)
+    _consume_request(ctx, out)
     return ApplyResult(
         data=out,
         warnings=warnings + list(keys.warnings),
         notes=list(keys.notes),
         env=dict(keys.env),
     )
+
+
+def _consume_request(ctx: HostContext, out: dict) -> None:
+    """The plugin's request keys leave the output (``policy.precision`` back to bfloat16)."""
+    for key in ctx.request.keys:
+        if key == "policy.precision":
+            set_path(out, key, "bfloat16")
+        else:
+            delete_path(out, key)
 
 
 def _merge_key(out: dict, raw, resolved, spec: RecipeSpec, key: str, want: Any, written: bool):
@@ -264,6 +282,8 @@ class NeMoRLAdapter(HostAdapter):
         _refuse(spec, ctx)
 
     def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
+        if ctx is None and spec.qat is not None:
+            return qat_recipe_keys(spec, model)
         if ctx is None:
             return native_keys(spec, model)
         return _spell(spec, ctx)

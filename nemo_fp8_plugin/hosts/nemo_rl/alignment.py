@@ -12,7 +12,13 @@ from ...dotted import get_path
 from ...errors import FP8ConfigError
 from ...spec import RecipeSpec
 
-__all__ = ["SEQUENCE_KEY", "SELF_PACKING_MODELS", "model_self_packs", "sequence_alignment"]
+__all__ = [
+    "SEQUENCE_KEY",
+    "SELF_PACKING_FACT",
+    "SELF_PACKING_MODELS",
+    "model_self_packs",
+    "sequence_alignment",
+]
 
 SEQUENCE_KEY = "policy.make_sequence_length_divisible_by"
 """What NeMo RL pads unpacked training sequences to a multiple of."""
@@ -26,19 +32,27 @@ ALIGNMENT_KEYS = (SEQUENCE_KEY, DYNAMIC_ROUND_KEY)
 MODEL_KEY = "policy.model_name"
 """The Hugging Face model NeMo RL trains."""
 
-SELF_PACKING_MODELS: tuple[tuple[str, str], ...] = (
-    ("qwen3.5", "Qwen3.5 (HF model_type qwen3_5 / qwen3_5_moe)"),
-    ("qwen3-vl", "Qwen3-VL (HF model_type qwen3_vl / qwen3_vl_moe)"),
-)
-"""Model-name prefixes (lowercased basename, ``_`` read as ``-``) of models that pack
-sequences inside their own forward, so NeMo RL hands them an unpacked ``[B, S]`` batch and
-its packer's FP8 padding never runs (NeMo RL 7ea279a,
+SELF_PACKING_FACT = "delegate_pack_to_model:"
+"""Prefix of the :data:`nemo_fp8_plugin.stacks.FACTS` names (host ``nemo-rl``) of models that
+pack sequences inside their own forward, so NeMo RL hands them an unpacked ``[B, S]`` batch
+and its packer's FP8 padding never runs (NeMo RL 7ea279a,
 ``models/policy/workers/megatron_policy_worker.py:147-165`` ``_model_self_packs_for_cp``:
 ``model_owns_packing`` or a ``Qwen3VLModel``; sets ``delegate_pack_to_model`` at :607).
-Megatron-Bridge 0.6.2 builds Qwen3.5 and Qwen3.5-MoE checkpoints as ``Qwen3VLModel``
-(``models/qwen_vl/qwen35_vl_bridge.py:138-142`` ``qwen3_5_moe``, ``:271-275``
-``qwen3_5``). A version fact: when ``HostContext.stack`` lands it belongs to the NeMo RL
-row of ``stacks.py`` (from 7ea279a on)."""
+The rest of the name is the model-name prefix (lowercased basename, ``_`` read as ``-``), the
+fact's ``doc`` the model it names."""
+
+
+def _self_packing_facts():
+    from ...stacks import FACTS
+
+    return [f for f in FACTS if f.host == "nemo-rl" and f.name.startswith(SELF_PACKING_FACT)]
+
+
+SELF_PACKING_MODELS: tuple[tuple[str, str], ...] = tuple(
+    (f.name[len(SELF_PACKING_FACT) :], f.doc) for f in _self_packing_facts()
+)
+"""``(model-name prefix, what it is)`` of every self-packing model any NeMo RL version knows
+(from :data:`nemo_fp8_plugin.stacks.FACTS`; which versions: :func:`model_self_packs`)."""
 
 
 def _basename(model_name: Any) -> str | None:
@@ -47,12 +61,20 @@ def _basename(model_name: Any) -> str | None:
     return model_name.strip().rstrip("/").rsplit("/", 1)[-1].lower().replace("_", "-")
 
 
-def model_self_packs(model_name: Any) -> str | None:
-    """The :data:`SELF_PACKING_MODELS` description ``model_name`` matches, else None."""
+def model_self_packs(model_name: Any, nemo_rl_version: str | None = None) -> str | None:
+    """What ``model_name`` is when it packs sequences itself in NeMo RL ``nemo_rl_version``
+    (a :data:`SELF_PACKING_FACT` fact present there), else None. An unknown version counts
+    as having every such fact: padding a sequence that needed none costs little."""
+    from ...stacks import lookup
+
     base = _basename(model_name)
     if base is None:
         return None
-    return next((what for prefix, what in SELF_PACKING_MODELS if base.startswith(prefix)), None)
+    for f in _self_packing_facts():
+        if base.startswith(f.name[len(SELF_PACKING_FACT) :]):
+            if lookup("nemo-rl", f.name, nemo_rl_version).present is not False:
+                return f.doc
+    return None
 
 
 def _in_model_table(model_name: Any) -> bool:
@@ -76,7 +98,9 @@ def _packing_divisor(spec: RecipeSpec) -> int:
     return 128 if row.is_block else 32 if row.is_mx else 16
 
 
-def sequence_alignment(spec: RecipeSpec, resolved: Mapping[str, Any]) -> tuple[dict, list[str]]:
+def sequence_alignment(
+    spec: RecipeSpec, resolved: Mapping[str, Any], nemo_rl_version: str | None = None
+) -> tuple[dict, list[str]]:
     """``({dotted key: value to write}, notes)`` for the sequence lengths of ``resolved``.
 
     Packed sequences: NeMo RL pads them itself for its ``fp8_cfg`` recipes, so nothing is
@@ -96,7 +120,7 @@ def sequence_alignment(spec: RecipeSpec, resolved: Mapping[str, Any]) -> tuple[d
 
     sizes = parallel_sizes(resolved, resolved_value)
     model_name = resolved_value(resolved, MODEL_KEY)
-    self_packs = model_self_packs(model_name)
+    self_packs = model_self_packs(model_name, nemo_rl_version)
     cautious = self_packs is not None or not _in_model_table(model_name)
     tp_factor = sizes.sequence_parallel or (cautious and sizes.tensor_parallel > 1)
     need = token_alignment(

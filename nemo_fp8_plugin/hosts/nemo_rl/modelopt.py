@@ -15,35 +15,44 @@ and the recipe ``grpo-nanov3-30ba3b-4n4g-megatron-qa-nvfp4-w4a16-real.yaml``), w
 BF16 rules (:class:`~nemo_fp8_plugin.spec.BF16Rules`, the set that drives the FP8 paths)
 spelled as ``real_quant_ignore``.
 
-Version facts (for ``stacks.py`` when it lands): :data:`MODELOPT_QAT_SINCE`.
+Which NeMo RL versions have these keys: :data:`nemo_fp8_plugin.stacks.FACTS` (names in
+:data:`MODELOPT_FACTS`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import FP8ConfigError
-from ...spec import BF16Rules
+from ...dotted import get_path, set_path
+from ...errors import FP8ConfigError, format_value
+from ...spec import BF16Rules, RecipeSpec
+from .. import HostContext, HostKeys
+from .spelling import _MEGATRON
 
 __all__ = [
-    "MODELOPT_QAT_SINCE",
+    "MODELOPT_FACTS",
+    "qat_stack_refusal",
     "QAT_PRESETS",
     "QATPreset",
     "DEFAULT_NVFP4_IGNORE",
     "modelopt_qat_keys",
     "real_quant_ignore",
+    "nemo_rl_version",
+    "qat_refuse",
+    "qat_recipe_keys",
+    "qat_spell",
+    "qat_merge",
 ]
 
-MODELOPT_QAT_SINCE = {
-    "policy.quant_cfg": "7ea279abfbeb698b092856d0dab61e7cf39bc909",
-    "policy.generation.quant_cfg": "7ea279abfbeb698b092856d0dab61e7cf39bc909",
-    "policy.generation.real_quant": "7ea279abfbeb698b092856d0dab61e7cf39bc909",
-    "policy.generation.real_quant_ignore": "7ea279abfbeb698b092856d0dab61e7cf39bc909",
-}
-"""NeMo RL commit known to declare each key (NVIDIA-NeMo/RL at 7ea279a, the snapshot the
-tests read; earlier commits not checked). Belongs in the NeMo RL rows of ``stacks.py``: a stack whose
-NeMo RL predates it refuses the preset naming the version."""
+MODELOPT_FACTS = (
+    "policy.quant_cfg",
+    "policy.generation.quant_cfg",
+    "policy.generation.real_quant",
+)
+"""The :data:`nemo_fp8_plugin.stacks.FACTS` names (host ``nemo-rl``) this route needs: a stack
+whose NeMo RL lacks one refuses the preset naming the version (:func:`qat_stack_refusal`)."""
 
 DEFAULT_NVFP4_IGNORE = (
     "lm_head",
@@ -80,35 +89,119 @@ class QATPreset:
     calib_sequence_length: int = 2048
     """``policy.quant_sequence_length``."""
 
+    real_quant_ignore: tuple[str, ...] | None = None
+    """What the shipped real-quant config keeps in BF16 for this recipe's model when the
+    spec has no BF16 rules; None: NeMo RL's own default (:data:`DEFAULT_NVFP4_IGNORE`)."""
+
+
+NANO3_REAL_QUANT_IGNORE = (
+    *DEFAULT_NVFP4_IGNORE,
+    "*proj_out.*",
+    "*.gate.*",
+    "*mlp.shared_expert_gate.*",
+    "*linear_attn.conv1d*",
+    "*mixer.conv1d*",
+    "*.mixer.in_proj*",
+    "*.mixer.out_proj*",
+    "*.shared_expert.*",
+    "*.shared_experts.*",
+    "*.norm.*",
+    "*.q_proj*",
+    "*.k_proj*",
+    "*.v_proj*",
+    "*.o_proj*",
+    "*.qkv_proj*",
+    "*.linear_proj*",
+    "*.linear_qkv*",
+    "*.layers.4.*",
+    "*.layers.11.*",
+    "*.layers.18.*",
+    "*.layers.25.*",
+    "*.layers.32.*",
+    "*.layers.41.*",
+)
+"""Nemotron-3 Nano's BF16 paths in a real-quant rollout ("Nano3-specific paths that stay in
+BF16"): ``examples/configs/recipes/llm/grpo-nanov3-30ba3b-4n4g-megatron-qa-nvfp4-w4a16-real
+.yaml`` (NeMo RL 7ea279a): Mamba mixers, attention, routers and shared experts, norms, and six
+sensitive layers."""
 
 QAT_PRESETS: dict[str, QATPreset] = {
     # examples/modelopt/qa_grpo_llama8b_megatron.v2.yaml (NeMo RL 7ea279a)
-    "nvfp4-w4a16": QATPreset(
+    "w4a16": QATPreset(
         quant_cfg="examples/modelopt/quant_configs/nvfp4_a16.yaml",
         policy=(("megatron_cfg.gradient_accumulation_fusion", False),),
     ),
-    # examples/modelopt/qa_grpo_nano3_megatron.yaml (NeMo RL 7ea279a)
-    "nano3-nvfp4-w4a16": QATPreset(
+    # examples/modelopt/qa_grpo_math_megatron.yaml (NeMo RL 7ea279a): ModelOpt's built-in
+    # W4A4 config ("known convergence issue" on GRPO, docs/guides/quantization-aware-rl.md)
+    "w4a4": QATPreset(
+        quant_cfg="NVFP4_DEFAULT_CFG",
+        policy=(("megatron_cfg.gradient_accumulation_fusion", False),),
+    ),
+    # examples/modelopt/qa_grpo_nano3_megatron.yaml and, for real_quant, the recipe
+    # grpo-nanov3-30ba3b-4n4g-megatron-qa-nvfp4-w4a16-real.yaml (NeMo RL 7ea279a)
+    "nano3-w4a16": QATPreset(
         quant_cfg="examples/modelopt/quant_configs/nano3_nvfp4_weightonly.yaml",
         policy=(
             ("disable_modelopt_layer_spec", True),
             ("megatron_cfg.gradient_accumulation_fusion", False),
         ),
+        real_quant_ignore=NANO3_REAL_QUANT_IGNORE,
+    ),
+    # examples/configs/recipes/llm/grpo-qwen3-30ba3b-4n4g-megatron-qa-nvfp4-w4a4-real.yaml
+    # (NVIDIA-NeMo/RL 0a30fee) over examples/modelopt/qa_grpo_qwen3_30ba3b_megatron.yaml:
+    # routed-expert W4A4 (quant_configs/nvfp4_experts.yaml, in 7ea279a too), calibrated on
+    # 16 samples of 512 tokens. 7ea279a's rollout reads the recipe from
+    # policy.generation.quant_cfg, so it is written there as well (0a30fee derives it from
+    # the policy and sets it null).
+    "experts-w4a4": QATPreset(
+        quant_cfg="examples/modelopt/quant_configs/nvfp4_experts.yaml",
+        policy=(("megatron_cfg.gradient_accumulation_fusion", False),),
+        calib_size=16,
+        calib_sequence_length=512,
     ),
 }
-"""Preset name -> NVIDIA's recipe. "ModelOpt quantization is incompatible with gradient
-accumulation fusion" (both configs' comment), so the presets turn it off."""
+"""Preset name (:data:`nemo_fp8_plugin.spec.QAT_PRESETS`) -> NVIDIA's recipe. "ModelOpt
+quantization is incompatible with gradient accumulation fusion" (every config's comment), so
+the presets turn it off."""
+
+
+def qat_stack_refusal(version: str | None, *, real_quant: bool) -> str | None:
+    """Why NeMo RL ``version`` cannot run the ModelOpt route (None: it can, or the version is
+    unknown), from :data:`nemo_fp8_plugin.stacks.FACTS`."""
+    from ...stacks import lookup
+
+    for name in MODELOPT_FACTS:
+        if name.endswith("real_quant") and not real_quant:
+            continue
+        found = lookup("nemo-rl", name, version)
+        if found.present is False:
+            fact = found.fact
+            assert fact is not None
+            return (
+                f"NeMo RL {version} has no {name} (ModelOpt quantization-aware RL; NeMo RL "
+                f"has it from {fact.minimum}: {fact.source})"
+            )
+    return None
 
 
 def real_quant_ignore(rules: BF16Rules, num_layers: int | None = None) -> list[str]:
     """``rules`` as NeMo RL's ``real_quant_ignore`` globs (ModelOpt ``exclude_modules``).
 
-    ``modules`` patterns pass as written (fnmatch globs both sides read the same way);
-    ``first`` / ``last`` become ``*.layers.N.*`` per layer, which needs ``num_layers`` for
-    ``last``. Rules that act on training only leave the rollout list empty.
+    ``modules`` patterns pass as written (fnmatch globs both sides read the same way:
+    ``fnmatchcase`` in NeMo RL's ``matches_quant_ignore_pattern``); ``first`` / ``last``
+    become ``*.layers.N.*`` per layer, which needs ``num_layers`` for ``last``. Rules for
+    training only cannot be expressed (ModelOpt's training exclusions live in the
+    ``quant_cfg`` file) and are refused.
     """
     if rules.applies_to == "training":
-        return []
+        raise FP8ConfigError(
+            "training-only BF16 rules cannot be expressed for ModelOpt QAT: the policy's "
+            "exclusions are the quant_cfg file's, and real_quant_ignore acts on the rollout",
+            key="bf16_layers.applies_to",
+            value="training",
+            hint="use applies_to: generation (or both), or put the exclusions in the "
+            "ModelOpt quant_cfg",
+        )
     if rules.last and num_layers is None:
         raise FP8ConfigError(
             "the last layers cannot be spelled as real_quant_ignore without the layer count",
@@ -132,15 +225,15 @@ def modelopt_qat_keys(
     """The dotted NeMo RL keys of ``preset`` (:data:`QAT_PRESETS`), NVIDIA's spelling.
 
     ``real_quant``: real NVFP4 rollout kernels (``policy.generation.real_quant``), with
-    ``rules`` as ``real_quant_ignore`` (NeMo RL's default list when ``rules`` is None).
-    Without ``real_quant`` the rollout fake-quantizes with the same ``quant_cfg``, whose
-    own exclusions decide the BF16 modules: generation-side module rules then cannot be
+    ``rules`` as ``real_quant_ignore`` (without rules: the preset's model-specific list, else
+    no key, so NeMo RL applies its :data:`DEFAULT_NVFP4_IGNORE`). Without ``real_quant`` the rollout fake-quantizes with the same
+    ``quant_cfg``, whose own exclusions decide the BF16 modules: BF16 rules then cannot be
     expressed and are refused, naming the key.
     """
     if preset not in QAT_PRESETS:
         raise FP8ConfigError(
             f"unknown ModelOpt QAT preset {preset!r}",
-            key="modelopt.preset",
+            key="qat.preset",
             value=preset,
             hint=", ".join(sorted(QAT_PRESETS)),
         )
@@ -154,20 +247,138 @@ def modelopt_qat_keys(
     }
     keys.update({f"policy.{k}": v for k, v in p.policy})
     keys["policy.generation.quant_cfg"] = p.quant_cfg
-    has_rules = rules is not None and (rules.first or rules.last or rules.modules)
+    has_rules = rules is not None and not rules.empty
     if real_quant:
         keys["policy.generation.real_quant"] = True
-        keys["policy.generation.real_quant_ignore"] = (
-            real_quant_ignore(rules, num_layers)
-            if rules is not None
-            else list(DEFAULT_NVFP4_IGNORE)
-        )
-    elif has_rules and rules is not None and rules.applies_to != "training":
+        if has_rules and rules is not None:
+            keys["policy.generation.real_quant_ignore"] = real_quant_ignore(rules, num_layers)
+        elif p.real_quant_ignore is not None:
+            keys["policy.generation.real_quant_ignore"] = list(p.real_quant_ignore)
+        # else: unset, as NVIDIA's configs leave it; NeMo RL then applies DEFAULT_NVFP4_IGNORE
+    elif has_rules:
         raise FP8ConfigError(
             "without real_quant, NeMo RL's rollout applies the quant_cfg file's own "
             "exclusions (ModelOpt fake quant); BF16 rules are spelled only as "
             "policy.generation.real_quant_ignore",
             key="bf16_layers",
-            hint="set real_quant: true, or put the exclusions in the ModelOpt quant_cfg",
+            hint="set qat.rollout: real_quant, or put the exclusions in the ModelOpt quant_cfg",
         )
     return keys
+
+
+# --------------------------------------------------------------------------- the adapter's route
+
+_MISSING = object()
+
+
+def _request_key(ctx: HostContext, field: str) -> str:
+    """How a message names a spec field: ``fp8.<field>`` when the request is an fp8: block."""
+    return f"fp8.{field}" if isinstance(ctx.resolved.get("fp8"), Mapping) else field
+
+
+def nemo_rl_version(ctx: HostContext) -> str | None:
+    """The NeMo RL version the command assumes (``--stack``, else the installed one)."""
+    if ctx.stack is not None:
+        return ctx.stack.version("nemo-rl")
+    from ...stacks import installed_version
+
+    return installed_version("nemo-rl")
+
+
+def qat_recipe_keys(spec: RecipeSpec, model: Any = None) -> HostKeys:
+    """The preset's keys without a config (``recipe_keys``): ``model`` gives the layer count."""
+    assert spec.qat is not None
+    keys: dict[str, Any] = {}
+    flat = modelopt_qat_keys(
+        spec.qat.preset,
+        spec.bf16_layers,
+        real_quant=spec.qat.rollout == "real_quant",
+        num_layers=getattr(model, "num_layers", None),
+    )
+    for key, value in flat.items():
+        set_path(keys, key, value)
+    return HostKeys(keys=keys)
+
+
+def _qat_keys(spec: RecipeSpec, ctx: HostContext) -> dict[str, Any]:
+    assert spec.qat is not None
+    try:
+        return modelopt_qat_keys(
+            spec.qat.preset,
+            spec.bf16_layers,
+            real_quant=spec.qat.rollout == "real_quant",
+            num_layers=ctx.model.num_layers if ctx.model is not None else None,
+        )
+    except FP8ConfigError as err:
+        if isinstance(ctx.resolved.get("fp8"), Mapping) and err.key and err.key != "qat.preset":
+            raise err.with_prefix("fp8") from None
+        raise
+
+
+def qat_refuse(spec: RecipeSpec, ctx: HostContext) -> None:
+    """What NeMo RL cannot run of a ModelOpt QAT request: a version without the keys, a rule
+    set ModelOpt cannot express, a config that also turns on Transformer Engine FP8/FP4."""
+    assert spec.qat is not None
+    version = nemo_rl_version(ctx)
+    refusal = qat_stack_refusal(version, real_quant=spec.qat.rollout == "real_quant")
+    if refusal:
+        raise FP8ConfigError(
+            refusal,
+            key=_request_key(ctx, "qat"),
+            value=spec.qat.preset,
+            hint="use NeMo RL 0.6 or newer (--stack nemo-rl-0.6), or recipe nvfp4 without qat "
+            "(Transformer Engine NVFP4 training, BF16 rollouts)",
+        )
+    for key in (f"{_MEGATRON}.fp8_cfg.enabled", f"{_MEGATRON}.model_overrides.fp4"):
+        have = get_path(ctx.resolved, key, None)
+        if have not in (None, False):
+            raise FP8ConfigError(
+                "turns on Transformer Engine low precision, and ModelOpt QAT trains the "
+                "BF16 policy through fake quantizers: the two cannot both quantize it",
+                key=key,
+                value=have,
+                hint="remove it (QAT needs no Transformer Engine FP8/FP4 keys)",
+            )
+    _qat_keys(spec, ctx)
+
+
+def qat_spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
+    """NVIDIA's keys for the preset, nested, with notes on what the route leaves alone."""
+    assert spec.qat is not None
+    keys: dict[str, Any] = {}
+    for key, value in _qat_keys(spec, ctx).items():
+        set_path(keys, key, value)
+    p = QAT_PRESETS[spec.qat.preset]
+    notes = [
+        f"nemo-rl: ModelOpt quantization-aware RL, preset {spec.qat.preset} ({p.quant_cfg}, "
+        f"{spec.qat.rollout} rollout): the policy trains in BF16 through ModelOpt fake "
+        f"quantizers, not Transformer Engine NVFP4; the loss_fn and the sequence lengths are "
+        f"left as the config states"
+    ]
+    version = nemo_rl_version(ctx)
+    if version is None:
+        notes.append(
+            "nemo-rl: NeMo RL version unknown (not installed, no --stack): ModelOpt QAT keys "
+            "exist from NeMo RL 0.6 (read at 7ea279a)"
+        )
+    return HostKeys(keys=keys, notes=notes)
+
+
+def qat_merge(ctx: HostContext, out: dict, keys: HostKeys) -> None:
+    """Write ``keys`` into ``out`` (the overlay): a key the config already sets to the same
+    value is kept, a different value is refused naming it (the recipe is stated once)."""
+    from ...dotted import flatten
+    from ...errors import ConflictingKeyError
+
+    for key, want in flatten(keys.keys):
+        have = get_path(ctx.resolved, key, _MISSING)
+        if have is not _MISSING and have is not None and have != want:
+            raise ConflictingKeyError(
+                f"already set to {format_value(have)}, but ModelOpt QAT preset "
+                f"{ctx.spec.qat.preset if ctx.spec.qat else '?'} needs {format_value(want)}",
+                key=key,
+                value=have,
+                hint="remove the key and let the preset set it (or state the rollout's BF16 "
+                "modules as bf16_layers)",
+            )
+        set_path(out, key, want)

@@ -48,8 +48,9 @@ def _declared(path: str, cls: str) -> set[str]:
 @pytest.mark.parametrize(
     "preset, twin",
     [
-        ("nvfp4-w4a16", MODELOPT / "qa_grpo_llama8b_megatron.v2.yaml"),
-        ("nano3-nvfp4-w4a16", MODELOPT / "qa_grpo_nano3_megatron.yaml"),
+        ("w4a16", MODELOPT / "qa_grpo_llama8b_megatron.v2.yaml"),
+        ("nano3-w4a16", MODELOPT / "qa_grpo_nano3_megatron.yaml"),
+        ("w4a4", MODELOPT / "qa_grpo_math_megatron.yaml"),
     ],
 )
 def test_preset_keys_are_the_twin_configs_values(preset, twin):
@@ -67,7 +68,7 @@ def test_preset_keys_are_the_twin_configs_values(preset, twin):
 def test_real_quant_recipe_ignore_list_comes_from_the_bf16_rules():
     shipped = _yaml(RECIPE)["policy"]["generation"]
     rules = BF16Rules(modules=tuple(shipped["real_quant_ignore"]))
-    keys = modelopt_qat_keys("nano3-nvfp4-w4a16", rules, real_quant=True)
+    keys = modelopt_qat_keys("nano3-w4a16", rules, real_quant=True)
     assert keys["policy.generation.real_quant"] is shipped["real_quant"] is True
     assert keys["policy.generation.real_quant_ignore"] == shipped["real_quant_ignore"]
 
@@ -94,14 +95,15 @@ def test_without_rules_real_quant_uses_nemo_rls_default_list():
         if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "DEFAULT_NVFP4_IGNORE"
     )
     assert list(DEFAULT_NVFP4_IGNORE) == ast.literal_eval(assign.value)
-    keys = modelopt_qat_keys("nvfp4-w4a16", real_quant=True)
-    assert keys["policy.generation.real_quant_ignore"] == list(DEFAULT_NVFP4_IGNORE)
+    # without rules the key is left out, as NVIDIA's configs do: NeMo RL applies this list
+    keys = modelopt_qat_keys("w4a16", real_quant=True)
+    assert "policy.generation.real_quant_ignore" not in keys
 
 
 def test_every_written_key_is_one_nemo_rl_declares():
     policy = _declared("nemo_rl/models/policy/__init__.py", "PolicyConfig")
     generation = _declared("nemo_rl/models/generation/vllm/config.py", "VllmConfig")
-    keys = modelopt_qat_keys("nano3-nvfp4-w4a16", BF16Rules(modules=("lm_head",)), real_quant=True)
+    keys = modelopt_qat_keys("nano3-w4a16", BF16Rules(modules=("lm_head",)), real_quant=True)
     for key in keys:
         parts = key.split(".")
         if parts[1] == "generation":
@@ -112,11 +114,11 @@ def test_every_written_key_is_one_nemo_rl_declares():
 
 def test_generation_rules_without_real_quant_are_refused_naming_the_key():
     with pytest.raises(FP8ConfigError) as err:
-        modelopt_qat_keys("nvfp4-w4a16", BF16Rules(modules=("*router*",)))
+        modelopt_qat_keys("w4a16", BF16Rules(modules=("*router*",)))
     assert err.value.key == "bf16_layers" and "real_quant_ignore" in str(err.value)
     with pytest.raises(FP8ConfigError) as err:
-        modelopt_qat_keys("nvfp4-w4a4")
-    assert err.value.key == "modelopt.preset"
+        modelopt_qat_keys("w4a8")
+    assert err.value.key == "qat.preset"
 
 
 def test_the_nvfp4_generation_refusal_names_the_versions_and_the_modelopt_route():

@@ -114,3 +114,27 @@ def test_qwen25_is_in_the_model_table(name, layers, hidden, ffn):
 def test_grpo_math_1b_default_model_is_known():
     data = yaml.safe_load((CONFIGS / "grpo_math_1B.yaml").read_text())
     assert describe_model(data["policy"]["model_name"]).num_layers == 28
+
+
+def test_self_packing_is_a_version_fact_of_the_stacks_table():
+    from nemo_fp8_plugin import stacks
+
+    fact = stacks.fact("nemo-rl", "delegate_pack_to_model:qwen3.5")
+    assert fact is not None and "7ea279a" in fact.source
+    assert model_self_packs("Qwen/Qwen3.5-27B", "0.6.0") == fact.doc
+    assert model_self_packs("Qwen/Qwen3.5-27B", None) == fact.doc  # unknown: cautious
+    # a NeMo RL before the fact's range hands the model a packed batch (no delegate path)
+    assert model_self_packs("Qwen/Qwen3.5-27B", "0.5.0") is None
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen3.5-9B-Base", "Qwen/Qwen3.5-35B-A3B-Base"])
+def test_qwen35_is_in_the_model_table_and_still_gets_the_alignment(tmp_path, model):
+    # NeMo RL's examples train these (dapo-qwen3.5-9b-base / -35b-a3b-base-*-megatron*.yaml):
+    # known to the table, they are still aligned per sequence because they pack themselves.
+    assert describe_model(model).layer_kinds  # a hybrid description, not a guess
+    megatron = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    result = apply_path(NEMO_RL, _input(tmp_path, model, {"recipe": "fp8_blockwise"}, megatron))
+    assert result.data["policy"][KEY] == 32
+    assert any("delegate_pack_to_model" in n for n in result.notes)
+    assert not any("not in the model table" in n for n in result.notes)
+    assert not any("not in the architecture table" in w for w in result.warnings)
