@@ -59,21 +59,7 @@ def build_report(
         }
     request = ctx.request
     if request is None:
-        from .hosts import NO_REQUEST, read_native
-
-        reading = read_native(ctx, own)
-        if reading is not None:  # already FP8 in the host's own keys
-            native = reading.summary()
-            if reading.spec is not None:
-                native["spec"] = reading.spec.to_dict()
-            report.update(recipe=None, keys=[], warnings=[], native=native)
-            return report
-        warning = NO_REQUEST
-        near_misses = _near_request_keys(dict(ctx.resolved))
-        if near_misses:
-            warning += "; " + "; ".join(near_misses)
-        report.update(recipe=None, keys=[], warnings=[warning])
-        return report
+        return _no_request(report, ctx, own)
     report.update(_recipe_section(request))
     if request.hardware is not None:
         _hardware_section(report, request, hardware)
@@ -100,6 +86,27 @@ def build_report(
     report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
     if strict:
         _raise_strict(report)
+    return report
+
+
+def _no_request(report: dict[str, Any], ctx, own: str | None) -> dict[str, Any]:
+    """The report of a config asking for no recipe: the recipe its host's own FP8 keys
+    already spell (``native``, :func:`nemo_fp8_plugin.hosts.read_native`), else the one
+    no-request warning with any near-miss request key."""
+    from .hosts import NO_REQUEST, read_native
+
+    reading = read_native(ctx, own)
+    if reading is not None:  # already FP8 in the host's own keys
+        native = reading.summary()
+        if reading.spec is not None:
+            native["spec"] = reading.spec.to_dict()
+        report.update(recipe=None, keys=[], warnings=[], native=native)
+        return report
+    warning = NO_REQUEST
+    near_misses = _near_request_keys(dict(ctx.resolved))
+    if near_misses:
+        warning += "; " + "; ".join(near_misses)
+    report.update(recipe=None, keys=[], warnings=[warning])
     return report
 
 
