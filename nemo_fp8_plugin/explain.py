@@ -351,6 +351,12 @@ def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
             lines.append(f"  the same keys also spell: {', '.join(native['alike'])}")
     else:
         lines.append(f"FP8 in native keys, but no recipe of ours: {read or '(see below)'}")
+    sides = _HOST_SIDES.get(host, ("training",))
+    if spec is not None and len(sides) == 1:
+        other = "generation" if sides == ("training",) else "training"
+        lines.append(
+            f"  ({host}'s keys say nothing of {other}: the {other} fields below are the preset's)"
+        )
     lines += [f"  not a recipe of ours: {u}" for u in native["unmatched"]]
     lines.append(
         f"note: {NO_REQUEST}: FP8 in {host}'s own keys, which nemo-fp8 apply leaves as they are"

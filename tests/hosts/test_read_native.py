@@ -283,3 +283,10 @@ def test_bridge_defaults_are_bridges_own(tmp_path):
     for name in ("fp8", "fp4"):  # Optional[str] = None
         found.setdefault(name, None)
     assert {k: found.get(k, "?") for k in MIXED_PRECISION_DEFAULTS} == MIXED_PRECISION_DEFAULTS
+
+
+def test_a_one_sided_host_says_the_other_sides_fields_are_the_presets(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {num_layers: 4, hidden_size: 256, fp8: e4m3, fp8_recipe: blockwise}\n")
+    out = _explain(cfg)
+    assert "megatron's keys say nothing of generation" in out
