@@ -92,6 +92,15 @@ def test_a_parent_value_that_differs_is_written_and_the_files_own_key_stays(tmp_
     assert data["policy"]["megatron_cfg"]["optimizer"]["use_precision_aware_optimizer"] is False
 
 
+def test_a_key_nemo_rl_requires_is_written_where_the_chain_lacks_it():
+    """NeMo RL's init_fp8 reads vllm_cfg["kv_cache_dtype"] without a default (a KeyError at
+    start-up): auto is written, though it means no FP8 KV cache."""
+    base = yaml.safe_load((REPO / "conf/examples/nemo_rl_grpo_fp8_blockwise.yaml").read_text())
+    del base["policy"]["generation"]["vllm_cfg"]["kv_cache_dtype"]
+    data = apply_mapping(get_adapter("nemo-rl"), base).data
+    assert get_path(data, "policy.generation.vllm_cfg.kv_cache_dtype") == "auto"
+
+
 def test_loss_keys_at_their_defaults_are_left_out():
     """ClippedPGLossConfig's defaults (no truncation) are not written into a config whose
     loss_fn does not set them."""

@@ -208,7 +208,7 @@ def _ast_defaults(path, cls: str) -> dict:
 
 def test_nemo_rl_defaults_are_nemo_rls_own():
     """The recorded defaults apply leaves out are what NeMo RL's source reads absent keys as."""
-    from nemo_fp8_plugin.hosts.nemo_rl.native import LOSS_DEFAULTS, VLLM_CFG_DEFAULTS
+    from nemo_fp8_plugin.hosts.nemo_rl.native import LOSS_DEFAULTS, REQUIRED, VLLM_CFG_DEFAULTS
 
     src = shared_nemo_rl("src/nemo_rl")
     loss = _ast_defaults(src / "algorithms/loss/loss_functions.py", "ClippedPGLossConfig")
@@ -228,6 +228,15 @@ def test_nemo_rl_defaults_are_nemo_rls_own():
     assert {k: gets[k] for k in VLLM_CFG_DEFAULTS} == VLLM_CFG_DEFAULTS
     # kv_cache_dtype has no default there: it must always be written where the chain lacks it
     assert "kv_cache_dtype" not in gets and "kv_cache_dtype" not in VLLM_CFG_DEFAULTS
+    required = {
+        node.slice.value
+        for node in ast.walk(fp8)
+        if isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "vllm_cfg"
+        and isinstance(node.slice, ast.Constant)
+    }
+    assert {k.rsplit(".", 1)[1] for k in REQUIRED} <= required
 
 
 @pytest.mark.host

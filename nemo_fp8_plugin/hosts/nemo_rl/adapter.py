@@ -245,7 +245,7 @@ def _merge_key(out: dict, raw, resolved, spec: RecipeSpec, key: str, want: Any, 
         set_path(out, key, "fp64")
         return
     if have is _MISSING:
-        if written and not _same(key, None, want):
+        if written and (not _same(key, None, want) or key in native.REQUIRED):
             set_path(out, key, want)
         return
     if _same(key, have, want):

@@ -18,7 +18,7 @@ from typing import Any
 from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES
 from .. import NO_DEFAULT, HostContext, NativeRecipe
 
-__all__ = ["VLLM_CFG_DEFAULTS", "LOSS_DEFAULTS", "key_default", "read_native"]
+__all__ = ["VLLM_CFG_DEFAULTS", "LOSS_DEFAULTS", "REQUIRED", "key_default", "read_native"]
 
 _MEGATRON = "policy.megatron_cfg"
 _VLLM = "policy.generation.vllm_cfg"
@@ -40,6 +40,12 @@ LOSS_DEFAULTS: dict[str, Any] = {
     "truncated_importance_sampling_ratio_min": None,
 }
 """``loss_fn`` key -> its ``ClippedPGLossConfig`` default."""
+
+
+REQUIRED = (f"{_VLLM}.kv_cache_dtype",)
+"""Keys NeMo RL's FP8 path reads without a default (``init_fp8``: ``vllm_cfg["kv_cache_dtype"]``;
+a required field of its ``VllmConfig``): written where no file of the chain sets them, even
+with the value that means "off"."""
 
 
 def key_default(key: str) -> Any:
