@@ -17,7 +17,22 @@ from ..capabilities import CAPABILITIES
 from ..errors import FP8ConfigError
 from . import NativeRecipe
 
-__all__ = ["match_recipe", "scaling_for_megatron_recipe", "megatron_fields"]
+__all__ = ["match_recipe", "scaling_for_megatron_recipe", "megatron_fields", "FP8_FIELD_DEFAULTS"]
+
+FP8_FIELD_DEFAULTS: dict[str, Any] = {
+    "fp8": None,
+    "first_last_layers_bf16": False,
+    "fp8_margin": 0,
+    "fp8_amax_history_len": 1,
+    "fp8_amax_compute_algo": "most_recent",
+    "fp8_wgrad": True,
+    "fp8_dot_product_attention": False,
+    "fp8_multi_head_attention": False,
+    "fp4": None,
+}
+"""The defaults megatron-core's ``TransformerConfig``, NeMo 2's ``MegatronMixedPrecision`` and
+Bridge's ``MixedPrecisionConfig`` agree on for the FP8 fields they share by name (each host's
+table adds its own; each is compared with its host's source)."""
 
 
 def scaling_for_megatron_recipe(value: Any) -> str | None:

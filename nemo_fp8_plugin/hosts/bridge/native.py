@@ -12,25 +12,18 @@ from typing import Any
 
 from ...dotted import get_path
 from .. import NO_DEFAULT, HostContext, NativeRecipe
+from ..native import FP8_FIELD_DEFAULTS
 
 __all__ = ["MIXED_PRECISION_DEFAULTS", "field_default", "read_native"]
 
 MIXED_PRECISION_DEFAULTS: dict[str, Any] = {
+    **FP8_FIELD_DEFAULTS,
     "fp32": False,
     "fp16": False,
     "bf16": False,
     "autocast_enabled": False,
     "grad_reduce_in_fp32": True,
-    "fp8": None,
-    "first_last_layers_bf16": False,
-    "fp8_margin": 0,
-    "fp8_amax_history_len": 1,
-    "fp8_amax_compute_algo": "most_recent",
-    "fp8_wgrad": True,
-    "fp8_dot_product_attention": False,
-    "fp8_multi_head_attention": False,
     "fp8_param_gather": False,
-    "fp4": None,
     "fp4_param_gather": False,
     "num_layers_at_start_in_bf16": 0,
     "num_layers_at_end_in_bf16": 0,

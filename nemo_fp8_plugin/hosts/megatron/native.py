@@ -16,22 +16,15 @@ from typing import Any
 
 from ...dotted import get_path
 from .. import NO_DEFAULT, HostContext, NativeRecipe
+from ..native import FP8_FIELD_DEFAULTS
 
 __all__ = ["TRANSFORMER_CONFIG_DEFAULTS", "DDP_DEFAULTS", "field_default", "read_native"]
 
 TRANSFORMER_CONFIG_DEFAULTS: dict[str, Any] = {
-    "fp8": None,
+    **FP8_FIELD_DEFAULTS,
     "fp8_param": False,
-    "fp8_margin": 0,
-    "fp8_amax_history_len": 1,
-    "fp8_amax_compute_algo": "most_recent",
-    "fp8_wgrad": True,
-    "fp8_dot_product_attention": False,
-    "fp8_multi_head_attention": False,
-    "first_last_layers_bf16": False,
     "num_layers_at_start_in_bf16": 1,
     "num_layers_at_end_in_bf16": 1,
-    "fp4": None,
     "fp4_param": False,
 }
 """``TransformerConfig`` field -> its default in megatron-core 0.16.1 (the FP8/FP4 fields the

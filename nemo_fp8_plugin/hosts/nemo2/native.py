@@ -14,21 +14,14 @@ from typing import Any
 
 from ...dotted import get_path
 from .. import NO_DEFAULT, HostContext, NativeRecipe
+from ..native import FP8_FIELD_DEFAULTS
 
 __all__ = ["PLUGIN_DEFAULTS", "argument_default", "read_native"]
 
 PLUGIN_DEFAULTS: dict[str, Any] = {
+    **FP8_FIELD_DEFAULTS,
     "autocast_enabled": False,
     "grad_reduce_in_fp32": True,
-    "fp8": None,
-    "first_last_layers_bf16": False,
-    "fp8_margin": 0,
-    "fp8_amax_history_len": 1,
-    "fp8_amax_compute_algo": "most_recent",
-    "fp8_wgrad": True,
-    "fp8_dot_product_attention": False,
-    "fp8_multi_head_attention": False,
-    "fp4": None,
     "num_layers_at_start_in_bf16": 0,
     "num_layers_at_end_in_bf16": 0,
     "reuse_grad_buf_for_mxfp8_param_ag": False,
