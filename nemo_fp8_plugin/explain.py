@@ -59,14 +59,7 @@ def build_report(
         }
     request = ctx.request
     if request is None:
-        from .hosts import NO_REQUEST
-
-        warning = NO_REQUEST
-        near_misses = _near_request_keys(dict(ctx.resolved))
-        if near_misses:
-            warning += "; " + "; ".join(near_misses)
-        report.update(recipe=None, keys=[], warnings=[warning])
-        return report
+        return _no_request(report, ctx, own)
     report.update(_recipe_section(request))
     if request.hardware is not None:
         _hardware_section(report, request, hardware)
@@ -94,6 +87,27 @@ def build_report(
     report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
     if strict:
         _raise_strict(report)
+    return report
+
+
+def _no_request(report: dict[str, Any], ctx, own: str | None) -> dict[str, Any]:
+    """The report of a config asking for no recipe: the recipe its host's own FP8 keys
+    already spell (``native``, :func:`nemo_fp8_plugin.hosts.read_native`), else the one
+    no-request warning with any near-miss request key."""
+    from .hosts import NO_REQUEST, read_native
+
+    reading = read_native(ctx, own)
+    if reading is not None:  # already FP8 in the host's own keys
+        native = reading.summary()
+        if reading.spec is not None:
+            native["spec"] = reading.spec.to_dict()
+        report.update(recipe=None, keys=[], warnings=[], native=native)
+        return report
+    warning = NO_REQUEST
+    near_misses = _near_request_keys(dict(ctx.resolved))
+    if near_misses:
+        warning += "; " + "; ".join(near_misses)
+    report.update(recipe=None, keys=[], warnings=[warning])
     return report
 
 
@@ -287,6 +301,8 @@ def render_text(
         f"stack: {report['stack']['name']} ({report['stack']['how']})" if "stack" in report else ""
     )
     recipe = report.get("recipe")
+    if recipe is None and "native" in report:
+        return "\n".join(lines + ([stack] if stack else []) + _native_lines(report, full)) + "\n"
     if recipe is None:
         lines += [stack] if stack else []
         lines += [f"warning: {w}" for w in report.get("warnings", [])]
@@ -324,6 +340,50 @@ def render_text(
     return "\n".join(lines) + "\n"
 
 
+def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
+    """A config asking for no recipe but already FP8 in its host's own keys: the recipe they
+    spell (what differs from the preset, what the keys cannot tell apart), the keys read,
+    and the FP8 keys that map to no recipe of ours."""
+    from .hosts import NO_REQUEST
+
+    native = report["native"]
+    host = native["host"]
+    read = ", ".join(f"{k}: {_spell(v, full=full)}" for k, v in native["read"].items())
+    lines = [f"host: {report.get('host') or host} (its FP8 keys read as {host}'s)"]
+    spec = native.get("spec")
+    if spec is not None:
+        lines.append(f"read from native keys: {spec['name']}  ({read})")
+        lines.append(f"  {spec['description']}")
+        if native["differs"]:
+            changed = ", ".join(
+                f"{k}: {_spell(v, full=full)}" for k, v in native["differs"].items()
+            )
+            lines.append(f"  differs from the {spec['name']} preset: {changed}")
+        if native["alike"]:
+            lines.append(f"  the same keys also spell: {', '.join(native['alike'])}")
+    else:
+        lines.append(f"FP8 in native keys, but no recipe of ours: {read or '(see below)'}")
+    sides = _HOST_SIDES.get(host, ("training",))
+    if spec is not None and len(sides) == 1:
+        other = "generation" if sides == ("training",) else "training"
+        lines.append(
+            f"  ({host}'s keys say nothing of {other}: the {other} fields below are the preset's)"
+        )
+    lines += [f"  not a recipe of ours: {u}" for u in native["unmatched"]]
+    lines.append(
+        f"note: {NO_REQUEST}: FP8 in {host}'s own keys, which nemo-fp8 apply leaves as they are"
+        if spec is None
+        else "note: no `precision:`/`fp8:` request: the config is already FP8 in "
+        f"{host}'s own keys, and nemo-fp8 apply leaves it as it is"
+    )
+    if spec is not None:
+        lines += [
+            "recipe fields:",
+            *_recipe_lines({"recipe": spec, "keys": [], "recipe_source": ""}, full=full)[2:],
+        ]
+    return lines
+
+
 _DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax")
 """Recipe fields only delayed scaling reads (its amax history); shown for other recipes with
 ``--full`` only."""
@@ -343,13 +403,34 @@ def _recipe_lines(report: dict[str, Any], *, full: bool) -> list[str]:
     fields = [(k, v) for k, v in recipe.items() if k not in ("name", "description")]
     if full:
         return lines + [f"  {k:<26} {_spell(v, full=True)}" for k, v in fields]
-    hidden = [] if capability(recipe["scaling"]).is_delayed else list(_DELAYED_ONLY)
+    groups = _inapplicable(recipe, capability(recipe["scaling"]))
+    hidden = {k for names, _ in groups for k in names}
     lines += _packed(
         [f"{k}: {_spell(v, full=False)}" for k, v in fields if k not in hidden], indent="  "
     )
-    if hidden:
-        lines.append(f"  ({', '.join(hidden)}: read by delayed scaling only; --full shows them)")
+    for names, why in groups:
+        lines.append(f"  ({', '.join(names)}: {why}; --full shows them)")
     return lines
+
+
+_TILES = ("activation_block", "weight_block", "gradient_block")
+_TRAINING_ONLY = ("fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp8_param")
+_GENERATION_ONLY = ("kv_cache", "generation_numerics")
+
+
+def _inapplicable(recipe: dict[str, Any], row) -> list[tuple[tuple[str, ...], str]]:
+    """The recipe fields that do not apply to this recipe, grouped with why (its kind of
+    scaling, from the capability row; a side it leaves in BF16)."""
+    groups: list[tuple[tuple[str, ...], str]] = []
+    if not row.is_delayed:
+        groups.append((_DELAYED_ONLY, "read by delayed scaling only"))
+    if row.per_tensor and all(recipe.get(k) is None for k in _TILES):
+        groups.append((_TILES, f"{recipe['scaling']} scaling has one scale per tensor, no tiles"))
+    if recipe.get("training") == "bf16":
+        groups.append((_TRAINING_ONLY, "training runs in BF16"))
+    if recipe.get("generation") == "bf16":
+        groups.append((_GENERATION_ONLY, "generation runs in BF16"))
+    return groups
 
 
 def _model_lines(report: dict[str, Any], own: str | None, *, all_hosts: bool, full: bool):
@@ -379,7 +460,10 @@ def _model_lines(report: dict[str, Any], own: str | None, *, all_hosts: bool, fu
         uniform = all(
             d.get("rule") in (None, "-") or str(d["rule"]).startswith("builtin:") for d in rows
         )
-        if rows and uniform and not full:
+        if rows and not full and all(d.get("precision") == "bf16" for d in rows):
+            lines.append(table[0])
+            lines.append(f"  every module in BF16 (the recipe's {side} side); --full lists them")
+        elif rows and uniform and not full:
             builtin = sorted(
                 {str(d["rule"])[8:] for d in rows if d.get("rule", "-") not in (None, "-")}
             )

@@ -57,6 +57,9 @@ __all__ = [
     "NO_REQUEST",
     "available_hosts",
     "diff_written",
+    "NO_DEFAULT",
+    "NativeRecipe",
+    "read_native",
 ]
 
 ADAPTERS = {
@@ -216,6 +219,46 @@ class HostContext:
         return "fp8" if self.request is not None and "fp8" in self.request.keys else ""
 
 
+NO_DEFAULT: Any = type("NoDefault", (), {"__repr__": lambda self: "NO_DEFAULT"})()
+""":meth:`HostAdapter.default`'s answer for a key whose absent meaning is not known (the key
+is then written whatever its value)."""
+
+
+@dataclass(frozen=True)
+class NativeRecipe:
+    """What a config that is already FP8 in a host's own keys means (:meth:`HostAdapter.read_native`).
+
+    Attributes:
+        host: the host whose keys were read.
+        spec: the registered recipe those keys spell, with the fields they set differently
+            (None: the keys turn FP8 on but map to no recipe of ours; :attr:`unmatched` says why).
+        read: ``(dotted key, value)`` of each native key the reading rests on, as written.
+        differs: the spec fields the keys set differently from the registered preset
+            ``spec.name`` (``{"kv_cache": "fp8"}``), so the reading says what was changed.
+        alike: other registered recipes whose keys here are the same (what tells them apart
+            lives outside the config, e.g. an environment variable), with that reason.
+        unmatched: ``key: what it means`` for each FP8 key no recipe of ours spells.
+    """
+
+    host: str
+    spec: RecipeSpec | None
+    read: tuple[tuple[str, Any], ...] = ()
+    differs: tuple[tuple[str, Any], ...] = ()
+    alike: tuple[str, ...] = ()
+    unmatched: tuple[str, ...] = ()
+
+    def summary(self) -> dict[str, Any]:
+        """The ``native`` section of ``explain --json``."""
+        return {
+            "host": self.host,
+            "recipe": self.spec.name if self.spec is not None else None,
+            "read": {k: v for k, v in self.read},
+            "differs": {k: v for k, v in self.differs},
+            "alike": list(self.alike),
+            "unmatched": list(self.unmatched),
+        }
+
+
 class HostAdapter(abc.ABC):
     """The contract every host implements, once (as vLLM's ``QuantizationConfig``: the
     abstract methods must be defined, or the subclass cannot be constructed; the hooks have
@@ -267,6 +310,21 @@ class HostAdapter(abc.ABC):
         """Check ``result`` with the host's own code; raise :class:`FP8ConfigError` when the
         host rejects it; return one line per check made or skipped (and why)."""
         return [f"{self.name}: not checked (no check of the host's own code here)"]
+
+    def default(self, key: str, data: Mapping[str, Any]) -> Any:
+        """What the host does with the dotted ``key`` when neither the config nor its
+        ``defaults:`` parents set it: its own default value (read from the host's source or
+        recorded from it and checked against it by a test), or, for a key that the output
+        ``data`` makes inert, the value ``data`` holds (either way writing it changes
+        nothing, so :func:`run` leaves it out); :data:`NO_DEFAULT` when not known."""
+        return NO_DEFAULT
+
+    def read_native(self, ctx: HostContext) -> NativeRecipe | None:
+        """The recipe a config asking for none (``ctx.request`` None) already runs in the
+        host's own FP8 keys, or None when those keys turn nothing to FP8 (or the host has no
+        reader). Keys no recipe of ours spells are named in :attr:`NativeRecipe.unmatched`,
+        never raised."""
+        return None
 
 
 def apply_path(adapter: HostAdapter, path: str | Path, **context: Any) -> ApplyResult:
@@ -643,6 +701,7 @@ def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
         ) from None
     result.warnings[:0] = [w for w in shape if w not in result.warnings]
     if result.written is None:
+        _drop_no_ops(adapter, ctx, result.data)
         result.written, result.removed = diff_written(ctx.raw, result.data)
     if not result.runtime:
         result.runtime = adapter.runtime
@@ -657,6 +716,61 @@ def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
 
 
 _ABSENT = object()
+
+
+def read_native(ctx: HostContext, host: str | None) -> NativeRecipe | None:
+    """The one dispatch of :meth:`HostAdapter.read_native` (``explain``): ``host``'s reader,
+    else the first host whose reader finds FP8 keys in the config (None: none does)."""
+    names = [host] if host is not None else [n for n in ADAPTERS if n != "te"]
+    for name in names:
+        reading = get_adapter(name).read_native(ctx)
+        if reading is not None:
+            return reading
+    return None
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal as the host reads them: numbers by value (``0`` and ``0.0``), a bool only as a
+    bool, everything else by equality and type."""
+    numbers = (int, float)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, numbers) and isinstance(b, numbers):
+        return float(a) == float(b)
+    return type(a) is type(b) and a == b
+
+
+def _drop_no_ops(adapter: HostAdapter, ctx: HostContext, data: Any) -> None:
+    """Leave out of ``data`` each key the adapter wrote that changes nothing: the config's
+    file does not set it, and what it already means (its ``defaults:`` parents' value, else
+    :meth:`HostAdapter.default`) is the value written. A key the file sets (to be reset) and
+    a key whose absent meaning is unknown are kept; sections left empty and new are dropped."""
+    from ..dotted import delete_path, flatten, get_path
+
+    if not isinstance(data, dict):
+        return
+    written, _ = diff_written(ctx.raw, data)
+    # A fully resolved output (NeMo RL's resolve=True) carries its parents' keys itself.
+    whole = "defaults" in ctx.raw and "defaults" not in data
+    for key, value in list(flatten(written)):
+        if get_path(ctx.raw, key, _ABSENT) is not _ABSENT:
+            continue
+        meant = get_path(ctx.resolved, key, _ABSENT)
+        if meant is not _ABSENT and whole:
+            continue
+        if meant is _ABSENT:
+            meant = adapter.default(key, data)
+        if meant is NO_DEFAULT or not _same_value(meant, value):
+            continue
+        delete_path(data, key)
+        parts = key.split(".")[:-1]
+        while parts:
+            here = ".".join(parts)
+            node = get_path(data, here, _ABSENT)
+            if node != {} or get_path(ctx.raw, here, _ABSENT) is not _ABSENT:
+                break
+            delete_path(data, here)
+            parts.pop()
 
 
 def diff_written(before: Any, after: Any) -> tuple[dict[str, Any], list[str]]:

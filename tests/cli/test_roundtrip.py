@@ -202,7 +202,7 @@ def test_the_request_line_goes_and_its_neighbours_stay(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
         "# head\n"
-        "precision: fp8_blockwise   # the one line\n"
+        "precision: fp8_current   # the one line\n"
         "# about the model\n"
         "\n"
         "model:\n"
@@ -217,12 +217,12 @@ def test_the_request_line_goes_and_its_neighbours_stay(tmp_path, capsys):
     assert rc == 0, err
     assert out.startswith(
         "# head\n# about the model\n\nmodel:\n  num_layers: 4     # aligned\n"
-        "  hidden_size: 256\n  lr: 3.0e-7\n  name: 'tiny'\n  fp8: e4m3\n"
+        "  hidden_size: 256\n  lr: 3.0e-7\n  name: 'tiny'\n  fp8: hybrid\n"
     )
-    # a new parent goes at the end
+    # a new parent goes at the end (fp8_current: keys that differ from megatron-core's defaults)
     assert (
-        "  num_layers_at_end_in_bf16: 0\n  # trailing note about train\ntrain: {steps: 10}\n"
-        "ddp:\n  fp8_param_gather: false\n" in out
+        "  num_layers_at_end_in_bf16: 1\n  # trailing note about train\ntrain: {steps: 10}\n"
+        "ddp:\n  fp8_param_gather: true\n" in out
     )
 
 
@@ -316,7 +316,7 @@ def test_json_stays_json_and_unchanged_json_is_byte_for_byte(tmp_path, capsys):
 def test_crlf_and_a_missing_final_newline_are_kept(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_bytes(
-        b"# windows\r\nprecision: fp8_blockwise\r\nmodel:\r\n  num_layers: 4\r\n"
+        b"# windows\r\nprecision: fp8_current\r\nmodel:\r\n  num_layers: 4\r\n"
         b"  hidden_size: 256\r\n\r\ntrain:\r\n  steps: 1"
     )
     out = tmp_path / "out.yaml"
@@ -325,7 +325,7 @@ def test_crlf_and_a_missing_final_newline_are_kept(tmp_path, capsys):
     text = out.read_bytes()
     assert b"\n" not in text.replace(b"\r\n", b"")  # every line ends the file's way
     assert text.startswith(
-        b"# windows\r\nmodel:\r\n  num_layers: 4\r\n  hidden_size: 256\r\n  fp8: e4m3\r\n"
+        b"# windows\r\nmodel:\r\n  num_layers: 4\r\n  hidden_size: 256\r\n  fp8: hybrid\r\n"
     )
     assert b"\r\n\r\ntrain:\r\n  steps: 1\r\nddp:\r\n" in text  # the new parent after it
 
@@ -342,7 +342,8 @@ def test_spellings_of_replaced_values_follow_the_file(tmp_path, capsys):
     assert rc == 0, err
     # use_deep_gemm: the user's own false is a kernel choice, kept as written (issue 23)
     assert "      use_deep_gemm: False\n" in out and '      precision: "fp8"\n' in out
-    assert "loss_fn:\n  use_importance_sampling_correction: true\n" in out  # grew: block
+    # the one key that changes: the flow mapping stays flow (the parent already sets the rest)
+    assert "loss_fn: {use_importance_sampling_correction: true}\n" in out
 
 
 def test_a_replaced_boolean_follows_the_files_capitalisation(tmp_path, capsys):
@@ -446,7 +447,7 @@ def test_deep_nesting_is_a_one_line_error_or_an_edit(tmp_path, capsys):
 @pytest.fixture
 def megatron_cfg(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("# mine\nprecision: fp8_blockwise\nmodel: {num_layers: 4, hidden_size: 256}\n")
+    cfg.write_text("# mine\nprecision: fp8_current\nmodel: {num_layers: 4, hidden_size: 256}\n")
     return cfg
 
 
@@ -457,7 +458,7 @@ def test_diff_prints_the_change_and_writes_nothing(megatron_cfg, capsys):
     assert out.startswith(
         f"--- {megatron_cfg}\n+++ {megatron_cfg} (nemo-fp8 apply --host megatron)\n"
     )
-    assert "-precision: fp8_blockwise\n" in out and "+  fp8_recipe: blockwise\n" in out
+    assert "-precision: fp8_current\n" in out and "+  fp8_recipe: tensorwise\n" in out
     assert megatron_cfg.read_bytes() == before
     rc, _, _ = apply_cli(capsys, megatron_cfg, "--host", "megatron", "--in-place")
     rc, out, _ = apply_cli(capsys, megatron_cfg, "--host", "megatron", "--diff")
@@ -472,7 +473,7 @@ def test_in_place_edits_the_input_atomically(megatron_cfg, capsys):
     assert rc == 0 and out == "", err
     text = megatron_cfg.read_text()
     # keys added to a short flow mapping: block style, one a line
-    assert text.startswith("# mine\nmodel:\n  num_layers: 4\n  hidden_size: 256\n  fp8: e4m3\n")
+    assert text.startswith("# mine\nmodel:\n  num_layers: 4\n  hidden_size: 256\n  fp8: hybrid\n")
     assert megatron_cfg.stat().st_ino != inode  # a new file renamed over, never half-written
     assert [p.name for p in megatron_cfg.parent.iterdir()] == ["c.yaml"]  # no temp file left
     rc, _, err = apply_cli(capsys, megatron_cfg, "--host", "megatron", "--in-place")

@@ -279,13 +279,16 @@ def test_apply_keeps_keys_and_style_and_is_idempotent():
     out, found = apply_vllm(src)
     assert not found
     assert out["tensor-parallel-size"] == 2 and "precision" not in out
-    assert out["quantization"] == QUANT_METHOD and out["kv-cache-dtype"] == "auto"
+    # kv-cache-dtype: auto is EngineArgs' default, so it is not written (issue 28)
+    assert out["quantization"] == QUANT_METHOD and "kv-cache-dtype" not in out
     assert out["hf-overrides"]["rope_scaling"] == {"type": "linear", "factor": 2.0}
     assert "hf_overrides" not in out and "kv_cache_dtype" not in out
     again, notes = apply_vllm(out)
     assert again == out and "no FP8 recipe requested" in notes[0]
-    underscored, _ = apply_vllm({"model": "m", "fp8": "fp8_blockwise"})
-    assert "hf_overrides" in underscored and "kv_cache_dtype" in underscored
+    underscored, _ = apply_vllm(
+        {"model": "m", "fp8": {"recipe": "fp8_blockwise", "kv_cache": "fp8"}}
+    )
+    assert "hf_overrides" in underscored and underscored["kv_cache_dtype"] == "fp8_e4m3"
 
 
 @pytest.mark.parametrize(
@@ -330,7 +333,8 @@ def test_apply_on_cpu_device_keeps_the_kv_cache_in_model_dtype():
     out, found = apply_vllm(
         {"model": "m", "device": "cpu", "fp8": {"recipe": "fp8_blockwise", "kv_cache": "fp8"}}
     )
-    assert out["kv_cache_dtype"] == "auto" and any("E5M2" in w for w in found)
+    # the model dtype is EngineArgs' default kv_cache_dtype (auto): nothing written for it
+    assert "kv_cache_dtype" not in out and any("E5M2" in w for w in found)
     # vLLM 0.32 has no `device` engine argument: read as the platform, left out, named.
     assert "device" not in out and any(w.startswith("device:") for w in found)
     from vllm.engine.arg_utils import EngineArgs

@@ -59,7 +59,7 @@ from ...capabilities import capability
 from ...dotted import child_mapping
 from ...errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, HostAdapter, HostContext, HostKeys, recipe_keys
+from .. import ApplyResult, HostAdapter, HostContext, HostKeys, NativeRecipe, recipe_keys
 from ..megatron import (
     check_layer_counts,
     merge_native,
@@ -604,6 +604,16 @@ class BridgeAdapter(HostAdapter):
                 key="mixed_precision",
             ) from None
         return [f"bridge: MixedPrecisionConfig accepted {len(block)} fields"]
+
+    def default(self, key: str, data: Mapping[str, Any]) -> Any:
+        from .native import field_default
+
+        return field_default(key, data)
+
+    def read_native(self, ctx: HostContext) -> NativeRecipe | None:
+        from .native import read_native
+
+        return read_native(ctx)
 
 
 ADAPTER = BridgeAdapter()

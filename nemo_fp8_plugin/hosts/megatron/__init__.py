@@ -65,7 +65,7 @@ from ...capabilities import CAPABILITIES, capability
 from ...dotted import child_mapping, delete_path, get_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, HostAdapter, HostContext, HostKeys, refuse_recipe
+from .. import ApplyResult, HostAdapter, HostContext, HostKeys, NativeRecipe, refuse_recipe
 from ..te import required_env
 
 __all__ = [
@@ -908,6 +908,18 @@ class MegatronAdapter(HostAdapter):
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         return _validate(result, ctx)
+
+    def default(self, key: str, data: Mapping[str, Any]) -> Any:
+        from .native import field_default
+
+        section = section_path(data)[0]
+        ddp = None if isinstance(data.get("language_model"), Mapping) else "ddp"
+        return field_default(section, key, data, ddp=ddp)
+
+    def read_native(self, ctx: HostContext) -> NativeRecipe | None:
+        from .native import read_native
+
+        return read_native(ctx)
 
 
 ADAPTER = MegatronAdapter()

@@ -52,7 +52,7 @@ from typing import Any
 from ...capabilities import capability
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, HostAdapter, HostContext, HostKeys, recipe_keys
+from .. import ApplyResult, HostAdapter, HostContext, HostKeys, NativeRecipe, recipe_keys
 from ..megatron import (
     check_layer_counts,
     merge_native,
@@ -472,6 +472,16 @@ class NeMo2Adapter(HostAdapter):
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         return _validate(result, ctx)
+
+    def default(self, key: str, data: Mapping[str, Any]) -> Any:
+        from .native import argument_default
+
+        return argument_default(key, data)
+
+    def read_native(self, ctx: HostContext) -> NativeRecipe | None:
+        from .native import read_native
+
+        return read_native(ctx)
 
 
 ADAPTER = NeMo2Adapter()

@@ -14,6 +14,7 @@ from ...dotted import delete_path, flatten, get_path, nest, set_path
 from ...errors import FP8ConfigError
 from ...spec import RecipeSpec
 from .. import ApplyResult, HostAdapter, HostContext, HostKeys
+from . import native
 from .alignment import ALIGNMENT_KEYS, sequence_alignment
 from .checks import (
     _checks,
@@ -244,7 +245,7 @@ def _merge_key(out: dict, raw, resolved, spec: RecipeSpec, key: str, want: Any, 
         set_path(out, key, "fp64")
         return
     if have is _MISSING:
-        if written and not _same(key, None, want):
+        if written and (not _same(key, None, want) or key in native.REQUIRED):
             set_path(out, key, want)
         return
     if _same(key, have, want):
@@ -300,6 +301,9 @@ class NeMoRLAdapter(HostAdapter):
         # NeMo RL is not installable from the registry; its keys are checked against its own
         # source in the test suite (tests/hosts/test_contract_hosts.py).
         return ["nemo-rl: not checked here (NeMo RL does not install from a package index)"]
+
+    default = staticmethod(native.hook_default)  # NeMo RL's own defaults (native.py)
+    read_native = staticmethod(native.read_native)  # explain on a config already in FP8
 
 
 ADAPTER = NeMoRLAdapter()

@@ -36,7 +36,14 @@ from typing import Any
 
 from ...dotted import delete_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
-from .. import ApplyResult, HostAdapter, HostContext, HostKeys, refuse_other_host
+from .. import (
+    ApplyResult,
+    HostAdapter,
+    HostContext,
+    HostKeys,
+    NativeRecipe,
+    refuse_other_host,
+)
 
 __all__ = ["native_keys", "VLLMAdapter", "ADAPTER"]
 
@@ -205,6 +212,16 @@ class VLLMAdapter(HostAdapter):
                 f"vLLM's EngineArgs refuses the output: {exc}", key="engine config"
             ) from None
         return [f"vllm: EngineArgs accepted {len(kwargs)} options"]
+
+    def default(self, key: str, data: Mapping[str, Any]) -> Any:
+        from .native import option_default
+
+        return option_default(key, data)
+
+    def read_native(self, ctx: HostContext) -> NativeRecipe | None:
+        from .native import read_native
+
+        return read_native(ctx)
 
 
 ADAPTER = VLLMAdapter()

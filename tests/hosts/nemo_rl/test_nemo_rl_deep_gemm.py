@@ -20,6 +20,7 @@ import yaml
 
 from conftest import nemo_rl_configs
 from nemo_fp8_plugin.cli import main as cli_main
+from nemo_fp8_plugin.config import load_config_chain
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts import apply_path
 from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
@@ -75,8 +76,11 @@ def _input(tmp_path, edit_vllm: dict | None = None, fp8: dict | None = None) -> 
     return path
 
 
-def _vllm_cfg(result) -> dict:
-    return result.data["policy"]["generation"]["vllm_cfg"]
+def _vllm_cfg(result, where: Path) -> dict:
+    """vllm_cfg as NeMo RL sees it: apply's overlay at ``where`` with its defaults: chain (a
+    key whose parent value is already right is not written, issue 28)."""
+    where.write_text(yaml.safe_dump(result.data, sort_keys=False))
+    return load_config_chain(where)[1]["policy"]["generation"]["vllm_cfg"]
 
 
 def test_the_upstream_statement_is_what_the_fact_says():
@@ -100,7 +104,7 @@ def test_blackwell_never_asks_for_deep_gemm_with_fp32_scales(tmp_path, hardware,
     result = apply_path(
         NEMO_RL, _input(tmp_path, fp8=fp8), output=tmp_path / "out.yaml", hardware=hardware
     )
-    cfg = _vllm_cfg(result)
+    cfg = _vllm_cfg(result, tmp_path / "out.yaml")
     assert cfg["precision"] == "fp8" and cfg.get("use_deep_gemm") is False
     env = nemo_rl_deep_gemm_env(cfg)
     assert env.get("VLLM_USE_DEEP_GEMM") != "1"
@@ -109,7 +113,9 @@ def test_blackwell_never_asks_for_deep_gemm_with_fp32_scales(tmp_path, hardware,
 @pytest.mark.parametrize("hardware", [None, "H100", "NVIDIA H200"])
 def test_hopper_and_unstated_targets_keep_nvidias_deep_gemm(tmp_path, hardware):
     result = apply_path(NEMO_RL, _input(tmp_path), output=tmp_path / "out.yaml", hardware=hardware)
-    assert _vllm_cfg(result)["use_deep_gemm"] is True  # as grpo_math_8B_megatron_fp8.yaml
+    assert (
+        _vllm_cfg(result, tmp_path / "out.yaml")["use_deep_gemm"] is True
+    )  # as grpo_math_8B_megatron_fp8.yaml
 
 
 def test_the_cli_hardware_flag_reaches_the_deep_gemm_choice(tmp_path):
@@ -120,7 +126,7 @@ def test_the_cli_hardware_flag_reaches_the_deep_gemm_choice(tmp_path):
         )
         == 0
     )
-    cfg = yaml.safe_load(out.read_text())["policy"]["generation"]["vllm_cfg"]
+    cfg = load_config_chain(out)[1]["policy"]["generation"]["vllm_cfg"]
     assert cfg["use_deep_gemm"] is False
 
 
@@ -144,7 +150,7 @@ def test_the_users_own_deep_gemm_false_is_kept(tmp_path, hardware):
         output=tmp_path / "out.yaml",
         hardware=hardware,
     )
-    assert _vllm_cfg(result)["use_deep_gemm"] is False
-    assert nemo_rl_deep_gemm_env(_vllm_cfg(result)) == {}
+    assert _vllm_cfg(result, tmp_path / "out.yaml")["use_deep_gemm"] is False
+    assert nemo_rl_deep_gemm_env(_vllm_cfg(result, tmp_path / "out.yaml")) == {}
     if hardware != "b200":
         assert any("use_deep_gemm: false kept" in n for n in result.notes)

@@ -1,0 +1,187 @@
+"""NeMo RL's own defaults for the keys the adapter writes, and the reader of a config already
+FP8 in NeMo RL's keys (``NeMoRLAdapter.default`` / ``NeMoRLAdapter.read_native``).
+
+NeMo RL does not install from a package index, so its defaults are recorded here from its
+source (commit 7ea279a): ``vllm_cfg.get(NAME, DEFAULT)`` in
+``nemo_rl/models/generation/vllm/quantization/fp8.py`` and the field defaults of
+``ClippedPGLossConfig`` in ``nemo_rl/algorithms/loss/loss_functions.py``;
+``tests/hosts/nemo_rl/test_nemo_rl_native.py`` reads both files of the source snapshot with
+:mod:`ast` and compares. ``kv_cache_dtype`` has no default there (``vllm_cfg["kv_cache_dtype"]``):
+it is always written where the config lacks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES
+from .. import NO_DEFAULT, HostContext, NativeRecipe
+
+__all__ = ["VLLM_CFG_DEFAULTS", "LOSS_DEFAULTS", "REQUIRED", "key_default", "read_native"]
+
+_MEGATRON = "policy.megatron_cfg"
+_VLLM = "policy.generation.vllm_cfg"
+
+VLLM_CFG_DEFAULTS: dict[str, Any] = {
+    "num_first_layers_in_bf16": 0,
+    "num_last_layers_in_bf16": 0,
+    "quantization_ignored_layer_kws": [],
+}
+"""``policy.generation.vllm_cfg`` key -> the default NeMo RL's FP8 path reads it with.
+``use_deep_gemm`` (default false there) is left out on purpose: it is the kernel switch a
+Blackwell target must state off, so it is always written."""
+
+LOSS_DEFAULTS: dict[str, Any] = {
+    "use_importance_sampling_correction": False,
+    "sequence_level_importance_ratios": False,
+    "truncated_importance_sampling_type": None,
+    "truncated_importance_sampling_ratio": None,
+    "truncated_importance_sampling_ratio_min": None,
+}
+"""``loss_fn`` key -> its ``ClippedPGLossConfig`` default."""
+
+
+REQUIRED = (f"{_VLLM}.kv_cache_dtype",)
+"""Keys NeMo RL's FP8 path reads without a default (``init_fp8``: ``vllm_cfg["kv_cache_dtype"]``;
+a required field of its ``VllmConfig``): written where no file of the chain sets them, even
+with the value that means "off"."""
+
+
+def key_default(key: str) -> Any:
+    """What NeMo RL does with the dotted ``key`` when no file of the chain sets it."""
+    parent, _, leaf = key.rpartition(".")
+    table = {_VLLM: VLLM_CFG_DEFAULTS, "loss_fn": LOSS_DEFAULTS}.get(parent, {})
+    return table.get(leaf, NO_DEFAULT)
+
+
+def read_native(ctx: HostContext) -> NativeRecipe | None:
+    """The recipe NeMo RL's own keys (``fp8_cfg`` / ``model_overrides`` FP4 fields for
+    training, ``vllm_cfg.precision`` for generation, ``loss_fn`` importance sampling) spell,
+    or None when neither side is FP8."""
+    from ..native import match_recipe, scaling_for_megatron_recipe
+    from .values import resolved_value
+
+    def value(key: str, default: Any = None) -> Any:
+        return resolved_value(ctx.resolved, key, default)
+
+    read: list[tuple[str, Any]] = []
+    unmatched: list[str] = []
+    fields: dict[str, Any] = {}
+    training = None
+    if value(f"{_MEGATRON}.fp8_cfg.enabled") is True:
+        recipe = value(f"{_MEGATRON}.fp8_cfg.fp8_recipe")
+        training = scaling_for_megatron_recipe(recipe)
+        read += [(f"{_MEGATRON}.fp8_cfg.fp8_recipe", recipe)]
+        fields["fp8_format"] = value(f"{_MEGATRON}.fp8_cfg.fp8", "e4m3")
+        fields["fp8_param"] = bool(value(f"{_MEGATRON}.fp8_cfg.fp8_param", False))
+        if training is None or CAPABILITIES[training].is_delayed:
+            unmatched.append(
+                f"{_MEGATRON}.fp8_cfg.fp8_recipe: {recipe!r}: NeMo RL trains no recipe of ours "
+                f"with it (delayed scaling goes stale when the weights change every step)"
+            )
+            training = None
+    elif value(f"{_MEGATRON}.model_overrides.fp4_recipe") is not None and value(
+        f"{_MEGATRON}.model_overrides.fp4"
+    ):
+        recipe = value(f"{_MEGATRON}.model_overrides.fp4_recipe")
+        training = scaling_for_megatron_recipe(recipe)
+        read += [(f"{_MEGATRON}.model_overrides.fp4_recipe", recipe)]
+        fields["fp8_param"] = bool(value(f"{_MEGATRON}.model_overrides.fp4_param", False))
+    generation = _generation(value, read, fields)
+    if training is None and generation is None:
+        if not unmatched:
+            return None
+        return NativeRecipe("nemo-rl", None, tuple(read), unmatched=tuple(unmatched))
+    if training is not None and generation is not None and training != generation:
+        unmatched.append(
+            f"training in {training} scaling and generation in {generation}: no recipe of ours "
+            f"is both (NeMo RL refuses block training with MXFP8 generation)"
+        )
+        return NativeRecipe("nemo-rl", None, tuple(read), unmatched=tuple(unmatched))
+    scaling = training or generation
+    assert scaling is not None
+    fields["training"] = "fp8" if training else "bf16"
+    fields["generation"] = "fp8" if generation else "bf16"
+    _training_env(value, scaling, fields, read, training is not None)
+    _layers(value, fields, training is not None, generation is not None)
+    _importance_sampling(value, fields, read)
+    return match_recipe("nemo-rl", scaling, fields, read=read, unmatched=unmatched)
+
+
+def _generation(value, read: list, fields: dict[str, Any]) -> str | None:
+    precision = value(f"{_VLLM}.precision")
+    if not (isinstance(precision, str) and precision.lower().startswith("fp8")):
+        return None
+    read.append((f"{_VLLM}.precision", precision))
+    mx = value(f"{_VLLM}.is_mx") is True
+    if mx:
+        read.append((f"{_VLLM}.is_mx", True))
+    kind = next(k for k, row in CAPABILITIES.items() if (row.is_mx if mx else row.is_block))
+    if not mx:  # MXFP8's E8M0 scales are powers of two whatever the key says
+        fields["pow2_scales"] = value(f"{_VLLM}.pow2_weight_scaling_factors") is True
+    kv = value(f"{_VLLM}.kv_cache_dtype", "auto")
+    fields["kv_cache"] = "fp8" if isinstance(kv, str) and kv.startswith("fp8") else "auto"
+    if fields["kv_cache"] == "fp8":
+        read.append((f"{_VLLM}.kv_cache_dtype", kv))
+    return kind
+
+
+def _training_env(value, scaling: str, fields: dict, read: list, training: bool) -> None:
+    """Power-of-2 scales on the training side: the TE variable NeMo RL's env_vars pin."""
+    if not training:
+        return
+    row = CAPABILITIES[scaling]
+    var = row.te_env
+    got = value(f"{_MEGATRON}.env_vars.{var}") if var else None
+    if got is None:
+        return
+    read.append((f"{_MEGATRON}.env_vars.{var}", got))
+    if var == ENV_BLOCK_FP32_SCALES:
+        fields["pow2_scales"] = str(got).strip() == "0"
+    elif var == ENV_CURRENT_POW2_SCALES:
+        fields["pow2_scales"] = str(got).strip() == "1"
+
+
+def _layers(value, fields: dict[str, Any], training: bool, generation: bool) -> None:
+    """First/last BF16 layers (vLLM's counts, else the training overrides) and the module
+    keywords vLLM keeps unquantized, as ``bf16_layers``."""
+    rules: dict[str, Any] = {"first": 0, "last": 0}
+    if generation:
+        rules["first"] = int(value(f"{_VLLM}.num_first_layers_in_bf16", 0) or 0)
+        rules["last"] = int(value(f"{_VLLM}.num_last_layers_in_bf16", 0) or 0)
+        kws = value(f"{_VLLM}.quantization_ignored_layer_kws", []) or []
+        if isinstance(kws, (list, tuple)) and kws:
+            rules["modules"] = [f"*{kw}*" for kw in kws]
+    elif training and value(f"{_MEGATRON}.model_overrides.first_last_layers_bf16") is True:
+        rules["first"] = int(value(f"{_MEGATRON}.model_overrides.num_layers_at_start_in_bf16", 1))
+        rules["last"] = int(value(f"{_MEGATRON}.model_overrides.num_layers_at_end_in_bf16", 1))
+    fields["bf16_layers"] = rules
+
+
+def _importance_sampling(value, fields: dict[str, Any], read: list) -> None:
+    enabled = value("loss_fn.use_importance_sampling_correction") is True
+    if enabled:
+        read.append(("loss_fn.use_importance_sampling_correction", True))
+    block: dict[str, Any] = {"enabled": enabled}
+    if enabled:
+        block["level"] = (
+            "sequence" if value("loss_fn.sequence_level_importance_ratios") is True else "token"
+        )
+        truncation = value("loss_fn.truncated_importance_sampling_type")
+        block["truncation"] = truncation
+        if truncation is not None:
+            high = value("loss_fn.truncated_importance_sampling_ratio")
+            low = value("loss_fn.truncated_importance_sampling_ratio_min")
+            if high is not None:
+                block["ratio_max"] = float(high)
+            # the spelling writes 1 / ratio_max for icepop and seq-mask-tis when none is given
+            symmetric = high is not None and low is not None and float(low) == 1.0 / float(high)
+            windowed = truncation in ("icepop", "seq-mask-tis")
+            block["ratio_min"] = None if (low is None or (windowed and symmetric)) else float(low)
+    fields["importance_sampling"] = block
+
+
+def hook_default(key: str, data: Mapping[str, Any]) -> Any:
+    """:meth:`NeMoRLAdapter.default` (``data`` unused: no NeMo RL key is inert by another)."""
+    return key_default(key)
