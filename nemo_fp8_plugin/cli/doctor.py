@@ -17,7 +17,10 @@ Reports, for the machine it runs on:
   >= 12.9 or Blackwell with power-of-2 scales; ...) and the Transformer Engine version;
 * the environment variables the recipe needs (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``, ...):
   whether they are set in this shell, and, when Transformer Engine is importable, whether
-  TE's effective quantizer parameters in this process match the recipe.
+  TE's effective quantizer parameters in this process match the recipe. A vLLM config
+  (which runs no training) is checked for what vLLM needs instead: the variables vLLM reads
+  when it starts (``VLLM_USE_DEEP_GEMM_E8M0=0``, ...: ``engine_env``), the recipe's refusals
+  for vLLM, and vLLM's version; no Transformer Engine check, no exit 3.
 
 Whatever it could not check (no GPU, no TE) is listed plainly under "not checked". Exit code
 0 when it could report (even if a recipe cannot run here), 2 for bad input.
@@ -282,8 +285,14 @@ def check_recipe(
     te_module,
     te_reason: str | None,
     hardware_given: bool,
+    host: str | None = None,
 ) -> dict[str, Any]:
-    """One recipe's verdict: ``runnable`` (True / False / None = not checked) and why."""
+    """One recipe's verdict: ``runnable`` (True / False / None = not checked) and why.
+
+    ``host`` is the host the config is written for (:func:`nemo_fp8_plugin.hosts.detect_host`).
+    A vLLM config runs no training: Transformer Engine and its ``NVTE_*`` variables are not
+    its concern; the variables vLLM reads at start-up (``engine_env``) and vLLM's version are.
+    """
     from ..capabilities import capability
     from ..errors import FP8ConfigError
     from ..hosts.te import TE_RECIPE_CLASS, required_env, verify_host_recipe
@@ -320,6 +329,8 @@ def check_recipe(
                 f"block scaling on Hopper needs CUDA >= 12.9; torch here is built "
                 f"with CUDA {gpu.get('cuda')}"
             )
+    if host == "vllm":
+        return _vllm_verdict(spec, versions, runnable, problems, notes, not_checked, hardware_given)
     te_version = versions.get("transformer-engine")
     if spec.training == "fp8":
         has_class = lookup("transformer-engine", TE_RECIPE_CLASS[spec.scaling], te_version)
@@ -358,11 +369,57 @@ def check_recipe(
         "recipe": spec.name,
         "scaling": spec.scaling,
         "training": spec.training,
+        "host": host,
         "runnable": runnable,
         "problems": problems,
         "notes": notes,
         "env": env,
         "env_effective": effective,
+        "not_checked": not_checked,
+    }
+
+
+def _vllm_verdict(
+    spec,
+    versions: dict,
+    runnable: bool | None,
+    problems: list[str],
+    notes: list[str],
+    not_checked: list[str],
+    hardware_given: bool,
+) -> dict[str, Any]:
+    """The verdict for a vLLM config: the generation side only. Its variables are the ones
+    vLLM reads when it starts (``engine_env``: DeepGEMM's E8M0 mode, FlashInfer's block
+    kernel), checked in this shell; the recipe's own refusals for vLLM (``refuse_spec``) are
+    problems; vLLM's version is named, or listed as not checked."""
+    from ..errors import FP8ConfigError
+    from ..hosts.vllm import engine_env, refuse_spec
+
+    try:
+        refuse_spec(spec)
+    except FP8ConfigError as err:
+        runnable = False
+        problems.append(str(err))
+    if versions.get("vllm") is None:
+        if runnable:
+            runnable = None
+        not_checked.append("vLLM version (not installed here)")
+    env = [
+        dict(_env_entry(var, want, os.environ.get(var)), where="where vLLM starts")
+        for var, want in engine_env(spec).items()
+    ]
+    if hardware_given:
+        notes.append("judged for --hardware, not for this machine")
+    return {
+        "recipe": spec.name,
+        "scaling": spec.scaling,
+        "training": spec.training,
+        "host": "vllm",
+        "runnable": runnable,
+        "problems": problems,
+        "notes": notes,
+        "env": env,
+        "env_effective": None,
         "not_checked": not_checked,
     }
 
@@ -375,15 +432,16 @@ def build_report(
     from ..spec import normalize_hardware
 
     target = normalize_hardware(hardware, key="--hardware") if hardware else None
-    stated, dims = None, []
+    stated, dims, host = None, [], None
     if config is not None:
-        from ..hosts import load_context
+        from ..hosts import detect_host, load_context
         from ..hosts.alignment import dimension_findings
         from ..hosts.nemo_rl.values import resolved_value
 
         # A target the config states that its recipe cannot run on is a verdict (exit 1),
         # not bad input; model sizes the recipe's GEMMs cannot take are one too.
         ctx = load_context(config, check_hardware=False)
+        host = detect_host(ctx.resolved)
         request = ctx.request
         specs = [request.spec] if request is not None else []
         stated = request.hardware if request is not None else None
@@ -405,7 +463,7 @@ def build_report(
             if gpu["torch"]
             else "GPU: torch is not installed"
         )
-    if te_module is None:
+    if te_module is None and host != "vllm":  # a vLLM config runs no TE
         machine_not_checked.append(f"Transformer Engine at run time: {te_reason}")
     return {
         "machine": {
@@ -423,7 +481,10 @@ def build_report(
         "config": config,
         "recipes": [
             _with_dims(
-                check_recipe(s, arch, versions, gpu, te_module, te_reason, target is not None), dims
+                check_recipe(
+                    s, arch, versions, gpu, te_module, te_reason, target is not None, host
+                ),
+                dims,
             )
             for s in specs
         ],
@@ -595,9 +656,8 @@ def _env_lines(env: list[dict[str, Any]]) -> list[str]:
             by_default.append(e["name"])
             continue
         state = "set" if e["set"] else (f"is {e['value']!r}" if e["value"] is not None else "unset")
-        lines.append(
-            f"  env {e['name']}={e['needed']} needed in the training process: {state} in this shell"
-        )
+        where = e.get("where", "in the training process")
+        lines.append(f"  env {e['name']}={e['needed']} needed {where}: {state} in this shell")
     if by_default:
         lines.append(
             f"  env: {len(by_default)} variable(s) unset here, which is fine: TE's default is "
@@ -607,7 +667,8 @@ def _env_lines(env: list[dict[str, Any]]) -> list[str]:
 
 
 def _training_without_te(report: dict[str, Any]) -> bool:
-    trains = any(r.get("training") == "fp8" for r in report["recipes"])
+    # a vLLM config generates only: its FP8 training flag is for a trainer it does not run
+    trains = any(r.get("training") == "fp8" and r.get("host") != "vllm" for r in report["recipes"])
     return trains and not report["packages"].get("transformer-engine")
 
 

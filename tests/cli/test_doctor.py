@@ -332,3 +332,47 @@ def test_recipe_class_minimum_comes_from_the_stacks_table(capsys, monkeypatch):
     assert recipes["nvfp4"]["runnable"] is False
     assert any(">= 2.7 (NVFP4BlockScaling), found 2.5.0" in p for p in recipes["nvfp4"]["problems"])
     assert not any("Transformer Engine >=" in p for p in recipes["mxfp8"]["problems"])
+
+
+def test_a_vllm_config_is_checked_for_vllm_not_transformer_engine(capsys, monkeypatch):
+    """A vLLM config runs no training: doctor names the variable vLLM reads at start-up
+    (``engine_env``), not TE's ``NVTE_*`` ones, and does not fail for a missing TE."""
+    from nemo_fp8_plugin.hosts.vllm import engine_env
+    from nemo_fp8_plugin.registry import get_recipe
+
+    cfg = str(REPO / "conf/examples/vllm_llama8b_fp8_blockwise.yaml")
+    monkeypatch.delenv("VLLM_USE_DEEP_GEMM_E8M0", raising=False)
+    assert main(["doctor", cfg]) == 0  # no TE here, and none needed
+    out = capsys.readouterr().out
+    assert "env VLLM_USE_DEEP_GEMM_E8M0=0 needed where vLLM starts: unset in this shell" in out
+    assert "NVTE_" not in out and "Transformer Engine at run time" not in out
+    report = _json(capsys, cfg, rc=0)
+    (verdict,) = report["recipes"]
+    assert verdict["host"] == "vllm"
+    assert {e["name"]: e["needed"] for e in verdict["env"]} == engine_env(
+        get_recipe("fp8_blockwise")
+    )
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "0")
+    assert _json(capsys, cfg, rc=0)["recipes"][0]["env"][0]["set"] is True
+
+
+def test_a_vllm_config_the_method_refuses_cannot_run(capsys, tmp_path):
+    """The recipe's own refusal for vLLM (``refuse_spec``) is doctor's verdict on a vLLM
+    config: exit 1, the refusal as the problem."""
+    from nemo_fp8_plugin.errors import FP8ConfigError
+    from nemo_fp8_plugin.hosts.vllm import refuse_spec
+    from nemo_fp8_plugin.registry import get_recipe
+
+    refused = None
+    for name in ("nvfp4", "fp8_delayed", "mxfp8", "fp8_current"):
+        try:
+            refuse_spec(get_recipe(name))
+        except FP8ConfigError:
+            refused = name
+            break
+    assert refused is not None, "no registered recipe is refused for vLLM generation"
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text(f"model: meta-llama/Llama-3.1-8B\nmax_model_len: 4096\nprecision: {refused}\n")
+    assert main(["doctor", str(cfg)]) == 1
+    out = capsys.readouterr().out
+    assert "CANNOT run here" in out and "problem:" in out
