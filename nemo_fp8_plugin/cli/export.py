@@ -27,6 +27,7 @@ _FLAGS = {
     "out_dir": "-o",
     "spec": "--recipe",
     "max_shard_bytes": "--max-shard-size",
+    "config": "--model-config",
 }
 
 
@@ -66,6 +67,13 @@ def register(sub) -> None:
         "--no-copy-other-files",
         action="store_true",
         help="do not copy the tokenizer and other non-weight files",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        metavar="PATH",
+        help="the model's Hugging Face config.json (default: the one in CHECKPOINT's "
+        "directory); the output's config.json is this one with its quantization_config",
     )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -108,7 +116,7 @@ def _flags_for(text: str | None) -> str | None:
     """The library's argument spellings in a message, as this command's flags."""
     if text is None:
         return None
-    return text.replace("overwrite=True", "--overwrite")
+    return text.replace("overwrite=True", "--overwrite").replace("config=", "--model-config PATH")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             args.recipe,
             max_shard_bytes=max_bytes,
             overwrite=args.overwrite,
+            config=args.model_config,
             copy_other_files=not args.no_copy_other_files,
             progress=False if args.no_progress else None,
         )

@@ -595,6 +595,9 @@ def _copy_other_files(source_dir: Path, tmp: Path) -> list[str]:
     for item in sorted(source_dir.iterdir()):
         if item.name == "config.json" or any(item.match(p) for p in WEIGHT_FILES):
             continue
+        # this export's own temporary directory and lock, when OUT lies inside the source
+        if item == tmp or TEMP_MARK.rstrip("-") in item.name:
+            continue
         if item.is_file():  # regular files (a link's target); no FIFO, no directory
             shutil.copy2(item, tmp / item.name)
         else:

@@ -105,6 +105,32 @@ def test_a_single_safetensors_file_is_accepted_as_analyze_accepts_it(tmp_path, c
     )
 
 
+def test_a_file_without_config_json_beside_it_takes_model_config(tmp_path, capsys):
+    """The weights file alone (no config.json in its directory): refused naming the flag
+    that supplies one, then exported with ``--model-config``."""
+    src = _source(tmp_path)
+    elsewhere = tmp_path / "hf_config.json"
+    (src / "config.json").rename(elsewhere)
+    weights, out = str(src / "model.safetensors"), tmp_path / "out"
+    err = _refused(capsys, ["export", weights, "-o", str(out)], "--model-config PATH")
+    assert "config=" not in err  # the library's argument, not a flag of this command
+    argv = ["export", weights, "-o", str(out), "--model-config", str(elsewhere), "--no-progress"]
+    assert main(argv) == 0
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == CONFIG["architectures"]
+    assert written["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_an_output_inside_the_checkpoint_directory_leaves_its_own_files_out(tmp_path, capsys):
+    """OUT under the source directory: the export's temporary directory and lock are its own,
+    neither copied nor reported as a skipped subdirectory."""
+    src = _source(tmp_path)
+    out = src / "fp8"
+    assert main(["export", str(src), "-o", str(out), "--no-progress"]) == 0
+    assert "not copied" not in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_a_missing_source_names_the_argument(tmp_path, capsys):
     _refused(
         capsys,
