@@ -321,9 +321,10 @@ FACTS: tuple[HostFact, ...] = (
         None,
         "nemo_rl/models/policy/__init__.py (MegatronConfig.te_precision_config_file) and "
         "nemo_rl/models/megatron/setup.py (load_quantization_recipe into the model provider's "
-        "quant_recipe), NVIDIA-NeMo/RL PR #3654, merged after 2026-08-27: absent in v0.7.0 "
-        "(2026-07-29) and in the snapshot 7ea279a (2026-08-22), so the first release that can "
-        "have it is 0.8",
+        "quant_recipe), NVIDIA-NeMo/RL PR #3654, merged after 2026-08-27: absent in the "
+        "snapshot 7ea279a (2026-08-22, the line this table calls 0.6) and in the tag v0.7.0 "
+        "as the index holds it. No release read has it: the range's start (0.8, the first "
+        "minor after both) is an assumption, so no named stack reaches this route",
         "NeMo RL's key naming the TE precision file; without it, per-module BF16 rules stay "
         "generation-only",
     ),

@@ -23,7 +23,9 @@ from .resolve import rule_label, template
 
 __all__ = ["OverreachingRule", "overreaching_rules", "strict_glob"]
 
-_WORD = re.compile(r"[A-Za-z0-9_]")
+_WORD = re.compile(r"[A-Za-z0-9]")
+"""A character a ``*`` beside it would continue. ``_`` is not one: a literal that starts or
+ends with ``_`` (``*_proj``, ``q_*``) puts the boundary there on purpose."""
 _TOKENS = re.compile(r"(\*|\?|\[[^\]]*\])")
 
 
@@ -54,8 +56,9 @@ class OverreachingRule:
 
 
 def strict_glob(pattern: str) -> re.Pattern[str]:
-    """``pattern`` as a regex in which a ``*`` touching a word character may not continue
-    that word: it matches nothing there, or starts (ends) at a non-word character."""
+    """``pattern`` as a regex in which a ``*`` touching a word character (a letter or digit)
+    may not continue that word: it matches nothing there, or starts (ends) at a character
+    that is not a letter, digit or ``_``."""
     parts = [p for p in _TOKENS.split(pattern) if p]
     out = []
     for i, part in enumerate(parts):

@@ -29,6 +29,12 @@ pytestmark = pytest.mark.torch_free
         ("decoder.layers.1*", "decoder.layers.1.mlp.linear_fc1", True),
         ("decoder.layers.1*", "decoder.layers.10.mlp.linear_fc1", False),
         ("*", "output_layer", True),
+        # a literal starting or ending with '_' sets the boundary on purpose: a suffix or
+        # prefix rule is not over-reaching
+        ("*_proj", "model.layers.0.self_attn.q_proj", True),
+        ("*_proj", "model.layers.0.mlp.gate_up_proj", True),
+        ("q_*", "q_proj", True),
+        ("*linear_fc*", "decoder.layers.0.mlp.linear_fc1", False),
     ],
 )
 def test_strict_glob_refuses_a_star_that_continues_a_word(pattern, name, strict):

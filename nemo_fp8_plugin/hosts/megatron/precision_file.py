@@ -208,16 +208,33 @@ def generation_only_note(host: str, version: str | None, minimum: str, key: str)
 
 def _recipe_for(ctx, pipeline_key: str):
     """:func:`precision_recipe` for a command's context: the pipeline size read from
-    ``pipeline_key`` (an interpolation or other non-integer counts as 1), a refusal naming a
-    rule keyed under the request's prefix (``fp8.bf16_layers.modules[0]``)."""
+    ``pipeline_key`` (NeMo RL's ``${...}`` resolved as NeMo RL resolves it, a quoted integer
+    read as one; anything else refused naming the key, since whether a layer rule can be
+    written depends on it), a refusal naming a rule keyed under the request's prefix
+    (``fp8.bf16_layers.modules[0]``)."""
     from ...dotted import get_path
+    from ...errors import format_value
 
     pp = get_path(ctx.resolved, pipeline_key, 1)
+    if isinstance(pp, str) and "${" in pp and pipeline_key == _NEMO_RL_PP:
+        from ..nemo_rl.values import resolved_value
+
+        pp = resolved_value(ctx.resolved, pipeline_key, 1)
+    if isinstance(pp, str) and pp.strip().isdigit():
+        pp = int(pp)
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise FP8ConfigError(
+            f"expected a positive integer pipeline size, got {format_value(pp)}",
+            key=pipeline_key,
+            value=pp,
+            hint="the TE precision file's layer rules depend on it (module names restart "
+            "on each pipeline stage)",
+        )
     try:
         return precision_recipe(
             ctx.spec,
             ctx.model,
-            pipeline_parallel=pp if isinstance(pp, int) and not isinstance(pp, bool) else 1,
+            pipeline_parallel=pp,
             pipeline_key=pipeline_key,
         )
     except FP8ConfigError as err:
@@ -255,6 +272,15 @@ def nemo_rl_precision_file(ctx, result):
     minimum = row.minimum if row is not None else "0.8"
     if not answer.present:
         result.notes.append(generation_only_note("nemo-rl", version, minimum, NEMO_RL_KEY))
+        return result
+    if ctx.model is not None and ctx.model.layer_kinds:
+        # Hybrid models (Mamba / linear-attention layers) train as megatron-core's hybrid
+        # model, whose per-layer module names the file's patterns are not mapped to (yet).
+        result.notes.append(
+            "nemo-rl: module rules stay generation-only for a hybrid model (its Mamba / "
+            "linear-attention layers): the TE precision file's patterns are written for "
+            "megatron-core's GPT layer names only, so training runs the modules they match in FP8"
+        )
         return result
     if ctx.output is None:
         result.notes.append(

@@ -52,7 +52,7 @@ SELF_PACKING_MODELS: tuple[tuple[str, str], ...] = tuple(
     (f.name[len(SELF_PACKING_FACT) :], f.doc) for f in _self_packing_facts()
 )
 """``(model-name prefix, what it is)`` of every self-packing model any NeMo RL version knows
-(from :data:`nemo_fp8_plugin.stacks.FACTS`; which versions: :func:`model_self_packs`)."""
+(from :data:`nemo_fp8_plugin.stacks.FACTS`; every NeMo RL version: :func:`model_self_packs`)."""
 
 
 def _basename(model_name: Any) -> str | None:
@@ -61,19 +61,18 @@ def _basename(model_name: Any) -> str | None:
     return model_name.strip().rstrip("/").rsplit("/", 1)[-1].lower().replace("_", "-")
 
 
-def model_self_packs(model_name: Any, nemo_rl_version: str | None = None) -> str | None:
-    """What ``model_name`` is when it packs sequences itself in NeMo RL ``nemo_rl_version``
-    (a :data:`SELF_PACKING_FACT` fact present there), else None. An unknown version counts
-    as having every such fact: padding a sequence that needed none costs little."""
-    from ...stacks import lookup
-
+def model_self_packs(model_name: Any) -> str | None:
+    """What ``model_name`` is when it packs sequences itself in NeMo RL (a
+    :data:`SELF_PACKING_FACT` fact), else None. Every NeMo RL version counts, the ones before
+    a fact's range too: only 7ea279a (the 0.6 line) was read, and the cautious answer for a
+    version never read is the per-sequence alignment (padding a sequence that needed none
+    costs little; a sequence TE's GEMM cannot take fails the run)."""
     base = _basename(model_name)
     if base is None:
         return None
     for f in _self_packing_facts():
         if base.startswith(f.name[len(SELF_PACKING_FACT) :]):
-            if lookup("nemo-rl", f.name, nemo_rl_version).present is not False:
-                return f.doc
+            return f.doc
     return None
 
 
@@ -120,7 +119,7 @@ def sequence_alignment(
 
     sizes = parallel_sizes(resolved, resolved_value)
     model_name = resolved_value(resolved, MODEL_KEY)
-    self_packs = model_self_packs(model_name, nemo_rl_version)
+    self_packs = model_self_packs(model_name)
     cautious = self_packs is not None or not _in_model_table(model_name)
     tp_factor = sizes.sequence_parallel or (cautious and sizes.tensor_parallel > 1)
     need = token_alignment(

@@ -172,6 +172,19 @@ def _apply(src: Path, out: Path, assumed=WITH_KEY):
     return ctx, run(get_adapter("nemo-rl"), ctx)
 
 
+def _resolved_output(out: Path, ctx) -> dict:
+    """apply's output as NeMo RL reads it: its ``defaults:`` chain merged (the output's
+    ``defaults:`` is relative to where apply would write it, ``ctx.output``)."""
+    from nemo_fp8_plugin.config import load_config_chain
+
+    data = yaml.safe_load(out.read_text())
+    parent = data.get("defaults")
+    if isinstance(parent, str) and not Path(parent).is_absolute():
+        data["defaults"] = str((Path(ctx.output).parent / parent).resolve())
+        out.write_text(yaml.safe_dump(data))
+    return load_config_chain(out)[1]
+
+
 def _cases():
     """(id, example name or None, parent, rule set or None) for every shipped example and
     every NVIDIA NeMo RL config with a Megatron policy and a generation section."""
@@ -203,6 +216,11 @@ def _accepted(tmp_path, case):
         return None, None, str(err)
     if ctx.model is None or get_path(ctx.resolved, "policy.megatron_cfg", None) is None:
         return None, None, "no model description or no Megatron policy"
+    if ctx.model.layer_kinds:  # hybrid (Nemotron-3's Mamba layers): said generation-only
+        assert any("generation-only for a hybrid model" in n for n in result.notes) or not any(
+            "training runs the modules" in w for w in result.warnings
+        ), (cid, result.notes)
+        return None, None, "hybrid model: module rules stay generation-only"
     return ctx, result, None
 
 
@@ -338,18 +356,24 @@ def test_trainer_and_generation_keep_the_same_modules_bf16_for_every_config(tmp_
             file = Path(files[0])
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(result.files[files[0]])
-        overrides = get_path(result.data, "policy.megatron_cfg.model_overrides", None) or {}
+        # what NeMo RL runs: the output with its defaults: chain (apply writes only what
+        # changes; a parent may already hold the generation keys)
+        out = tmp_path / "resolved" / f"{case[0]}.yaml"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(yaml.safe_dump(result.data))
+        runs = _resolved_output(out, ctx)
+        overrides = get_path(runs, "policy.megatron_cfg.model_overrides", None) or {}
         train = trainer_bf16(model, file, overrides)
-        vllm_cfg = get_path(result.data, "policy.generation.vllm_cfg", None) or {}
+        vllm_cfg = get_path(runs, "policy.generation.vllm_cfg", None) or {}
         gen = generation_bf16(model, vllm_cfg)
         train_units = vllm_units(model, {h for mg in train for h in model.hf_names(mg)})
         assert train_units == vllm_units(model, gen), case[0]
         for unit in vllm_units(model, gen):  # a fused GEMM has one precision
             assert set(model.vllm_members(unit)) <= gen, (case[0], unit)
         checked.append(case[0])
+    examples = {"example-" + p.stem for p in EXAMPLES.glob("*.yaml")}
+    assert len(examples) >= 3 and examples <= set(checked), (examples, refused)  # every one
     assert {
-        "example-grpo_moonlight_fp8_e2e",
-        "example-grpo_llama8b_fp8_e2e",
         "grpo-moonlight-16ba3b-4n8g-megatron-mla",
         "grpo_math_1B_megatron-fc2-first-last",
         "grpo_math_8B_megatron-fc2-first-last",
@@ -453,3 +477,21 @@ def test_a_rule_without_megatron_names_and_no_model_is_refused_naming_the_rule(p
     )
     # (it also names MLA's linear_kv_down_proj: the name-only translation probes every leaf)
     assert "decoder.layers.*.mlp.linear_fc2" in [m["pattern"] for m in ok["matchers"].values()]
+
+
+@pytest.mark.parametrize("pp, words", [("'2'", "stage-local"), ("two", "positive integer")])
+def test_a_pipeline_size_that_is_not_an_int_is_read_or_refused(tmp_path, pp, words):
+    """A quoted integer is read as one (and so refuses a layer rule as 2 does); any other
+    value is refused naming the key: whether a layer rule can be written depends on it."""
+    configs = shared_nemo_rl("examples/configs")
+    src = _input(
+        tmp_path, "eight_b.yaml", configs / "grpo_math_8B_megatron.yaml", RULE_SETS["one-layer"]
+    )
+    data = yaml.safe_load(src.read_text())
+    data.setdefault("policy", {}).setdefault("megatron_cfg", {})
+    data["policy"]["megatron_cfg"]["pipeline_model_parallel_size"] = yaml.safe_load(pp)
+    src.write_text(yaml.safe_dump(data))
+    with pytest.raises(FP8ConfigError) as err:
+        _apply(src, tmp_path / "o.yaml")
+    assert err.value.key == "policy.megatron_cfg.pipeline_model_parallel_size"
+    assert words in str(err.value)

@@ -121,10 +121,28 @@ def test_self_packing_is_a_version_fact_of_the_stacks_table():
 
     fact = stacks.fact("nemo-rl", "delegate_pack_to_model:qwen3.5")
     assert fact is not None and "7ea279a" in fact.source
-    assert model_self_packs("Qwen/Qwen3.5-27B", "0.6.0") == fact.doc
-    assert model_self_packs("Qwen/Qwen3.5-27B", None) == fact.doc  # unknown: cautious
-    # a NeMo RL before the fact's range hands the model a packed batch (no delegate path)
-    assert model_self_packs("Qwen/Qwen3.5-27B", "0.5.0") is None
+    assert model_self_packs("Qwen/Qwen3.5-27B") == fact.doc
+
+
+def test_a_nemo_rl_version_before_the_facts_range_still_gets_the_alignment(tmp_path):
+    """Only 7ea279a (0.6) was read: an older NeMo RL is not known to hand Qwen3.5 a packed
+    batch, so the cautious per-sequence alignment is written for it too."""
+    from nemo_fp8_plugin.hosts.nemo_rl.alignment import sequence_alignment
+    from nemo_fp8_plugin.registry import get_recipe
+
+    resolved = {
+        "policy": {
+            "model_name": "Qwen/Qwen3.5-27B",
+            "megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 2},
+            "sequence_packing": {"enabled": True},
+        }
+    }
+    spec = get_recipe("fp8_blockwise")
+    written = {v: sequence_alignment(spec, resolved, v)[0] for v in ("0.5.0", "0.6.0", None)}
+    # TE's alignment (16) x TP 2, whatever the version
+    assert all(
+        keys == {"policy.make_sequence_length_divisible_by": 32} for keys in written.values()
+    )
 
 
 @pytest.mark.parametrize("model", ["Qwen/Qwen3.5-9B-Base", "Qwen/Qwen3.5-35B-A3B-Base"])
