@@ -6,9 +6,10 @@ attribution instead of a checkpoint's SQNR.
 module kind (``q_proj`` ... ``down_proj`` in every layer) kept in BF16 one at a time, with the
 share of the arm's excess ``token_mult_prob_error`` that keeping it in BF16 removes (mean over
 seeds; in the end-to-end arms the candidate in BF16 on both sides, ``both_sides_removed``, as a
-``bf16_layers`` rule would keep it). Here the best-ranked candidates that remove a positive
-share become flagged modules, and :func:`~.suggest.suggest_bf16_layers` turns them into the
-fewest rules, exactly as for a checkpoint (a suggestion covering every layer is None).
+``bf16_layers`` rule would keep it). Here the best-ranked candidates whose share's 95% interval
+lies above 0 (a one-seed run gives no interval: nothing is chosen) become flagged modules, and
+:func:`~.suggest.suggest_bf16_layers` turns them into the fewest rules, exactly as for a
+checkpoint (a suggestion covering every layer is None).
 
 Reads JSON only: no torch, no host, no rl-check import (analyze sits below tools).
 """
@@ -26,8 +27,10 @@ from .suggest import suggest_bf16_layers, suggestion_yaml
 __all__ = ["DEFAULT_ARM", "attribution_report", "report_from_data", "render_attribution"]
 
 DEFAULT_ARM = "fp8-e2e-is"
-"""The arm whose ranking is read when none is named: NVIDIA's end-to-end recipe (FP8 on both
-sides plus importance sampling), the setup a ``bf16_layers`` rule is written for."""
+"""The arm whose ranking is read when none is named: FP8 on both sides with truncated
+importance sampling (ratio capped at 2), the end-to-end setup a ``bf16_layers`` rule is written
+for. NVIDIA's published end-to-end recipe uses plain importance sampling; rl-check's TIS arm
+stands in for it (docs/rl.md)."""
 
 KEY = "--attribution"
 
@@ -77,6 +80,11 @@ def _share(row: dict[str, Any], key: str, where: str) -> dict[str, float]:
     }
 
 
+def _resolved(share: dict[str, float]) -> bool:
+    """The share's 95% interval lies above 0 (NaN, one seed: no interval, not resolved)."""
+    return math.isfinite(share["ci95"]) and share["mean"] - share["ci95"] > 0
+
+
 def _rows(arm_row: Any, where: str) -> list[dict[str, Any]]:
     rows = arm_row.get("attribution") if isinstance(arm_row, dict) else None
     if not isinstance(rows, list) or not rows:
@@ -100,7 +108,8 @@ def _rows(arm_row: Any, where: str) -> list[dict[str, Any]]:
 def attribution_report(path: str | Path, *, arm: str | None = None, top: int = 1) -> dict[str, Any]:
     """The ranking of ``arm`` (default :data:`DEFAULT_ARM`, else the first attributed arm) in
     rl-check's JSON at ``path`` and the ``bf16_layers`` suggestion of its ``top`` best
-    candidates that remove a positive share of the excess mismatch and hold linear layers
+    candidates that measurably remove a share of the excess mismatch (the 95% interval's lower
+    bound above 0: a positive mean whose interval holds 0 is not evidence) and hold linear layers
     (the ``kv_cache`` candidate is the KV cache's dtype, not a ``bf16_layers`` rule).
 
     The report has analyze's ``recipes`` / ``suggestions`` shape (one recipe: the run's), so
@@ -160,7 +169,7 @@ def report_from_data(
     modules = sorted({m for r in ranking for m in r["modules"]})
     if not modules:
         raise _fail(f"{where}.attribution", "no candidate names a module", None)
-    usable = [r for r in ranking if r["modules"] and r["removed"]["mean"] > 0]
+    usable = [r for r in ranking if r["modules"] and _resolved(r["removed"])]
     chosen = usable[:top]
     flagged = {m for r in chosen for m in r["modules"]}
     settings = data.get("settings")
@@ -213,14 +222,23 @@ def render_attribution(report: dict[str, Any]) -> str:
     for r in report["ranking"]:
         share = r["removed"]
         ci = "" if math.isnan(share["ci95"]) else f" ± {share['ci95']:.0%}"
-        mark = " *" if r["candidate"] in report["chosen"] else ""
+        if r["candidate"] in report["chosen"]:
+            mark = " *"
+        elif share["mean"] > 0 and r["modules"] and not _resolved(share):
+            # a positive mean that is not evidence: say why it was passed over
+            mark = " (no interval)" if math.isnan(share["ci95"]) else " (interval includes 0)"
+        else:
+            mark = ""
         lines.append(
             f"  {r['candidate']:<{width}}  {share['mean']:+6.0%}{ci:<7}  "
             f"token_mult_prob_error {r['token_mult_prob_error']:.5f}{mark}"
         )
     suggestion = report["suggestions"][recipe]
     if not report["chosen"]:
-        lines.append("  no candidate lowers the mismatch: no bf16_layers needed")
+        lines.append(
+            "  no candidate measurably lowers the mismatch (no 95% interval above 0): "
+            "no bf16_layers needed"
+        )
     elif suggestion is None:
         lines.append(
             "  the chosen candidates cover every layer: no bf16_layers leaves anything to run "

@@ -49,8 +49,12 @@ def command_of(data: dict[str, Any], json_path: str = "docs/data/rl_check.json")
             parts.append(f"{flag} {s[key]}")
     if tuple(data["arms"]) != ARMS:
         parts.append("--arms " + ",".join(data["arms"]))
-    png = str(Path(json_path).parent.parent / "img" / Path(json_path).with_suffix(".png").name)
-    parts += ["--json", json_path, "--png", png]
+    parts += ["--json", json_path]
+    where = Path(json_path)
+    if where.parent.parts[-2:] == ("docs", "data"):
+        # the pages' figures live in docs/img, not beside their data; elsewhere the CLI's
+        # default (the JSON's path with .png) is where the figure belongs
+        parts += ["--png", str(where.parent.parent / "img" / where.with_suffix(".png").name)]
     return " ".join(parts)
 
 
@@ -66,6 +70,22 @@ def verdict(d: dict[str, float] | None, gap: float) -> str:
     if -gap <= lo and hi <= gap:
         return f"is within {gap:g} of bf16 ({text}: the interval lies inside ±{gap:g})"
     return f"is unresolved ({text}: the interval holds 0 and reaches past ±{gap:g})"
+
+
+def _parity_word(diffs: list[float]) -> tuple[str, str]:
+    """The verdict on per-seed differences (parity's mean mismatch minus NeMo RL's weights'):
+    "lowers" / "raises" only when their 95% t-interval excludes 0; and the interval, as text."""
+    from .rl_check import t_interval
+
+    d = t_interval(diffs)
+    if not math.isfinite(d["ci95"]):
+        return "does not measurably change", f"{d['mean']:+.5f} (one seed: no interval)"
+    text = f"{d['mean']:+.5f} ± {d['ci95']:.5f}"
+    if d["mean"] - d["ci95"] > 0:
+        return "raises", text + " (the interval excludes 0)"
+    if d["mean"] + d["ci95"] < 0:
+        return "lowers", text + " (the interval excludes 0)"
+    return "does not measurably change", text + " (the interval holds 0)"
 
 
 def _excess(row: dict[str, Any]) -> float:
@@ -130,15 +150,17 @@ def _findings(data: dict[str, Any]) -> list[str]:
         nemo, te = _per_seed_mismatch(data, "fp8-e2e"), _per_seed_mismatch(data, "fp8-e2e-te-refit")
         seeds = sorted(set(nemo) & set(te))
         lower = sum(te[k] < nemo[k] for k in seeds)
+        higher = sum(te[k] > nemo[k] for k in seeds)
         e_nemo, e_te = _excess(arms["fp8-e2e"]), _excess(arms["fp8-e2e-te-refit"])
-        word = "lowers" if e_te < e_nemo else "does not lower"
+        word, paired = _parity_word([te[k] - nemo[k] for k in seeds])
         out.append(
             f"**Exact weight parity {word} the end-to-end mismatch**: mean "
             f"`token_mult_prob_error` `fp8-e2e` "
             f"{arms['fp8-e2e']['token_mult_prob_error']['mean']:.5f} (NeMo RL's worker-side "
             f"weights) vs `fp8-e2e-te-refit` "
             f"{arms['fp8-e2e-te-refit']['token_mult_prob_error']['mean']:.5f} (the trainer's "
-            f"own FP8 weights), lower with parity in {lower} of {len(seeds)} seeds; `bf16` "
+            f"own FP8 weights), paired by seed {paired}; lower with parity in {lower} of "
+            f"{len(seeds)} seeds, higher in {higher}; `bf16` "
             f"{arms['bf16']['token_mult_prob_error']['mean']:.5f}. Parity leaves "
             f"{e_te / e_nemo:.0%} of the excess."
             if e_nemo > 0

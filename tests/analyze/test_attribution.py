@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import subprocess
 import sys
 
@@ -175,6 +176,29 @@ def test_only_candidates_that_lower_the_mismatch_are_chosen(tmp_path):
     assert report["chosen"] == ["layer.1"]
 
 
+def test_a_positive_share_whose_interval_holds_0_is_not_chosen(tmp_path):
+    """Only a share whose 95% interval lies above 0 is evidence: a larger mean with a wide
+    interval (as the shipped run's o_proj, +26% ± 39%) is passed over and marked, and a
+    one-seed run (no interval) chooses nothing."""
+    doc = _document({"o_proj": 0.5, "layer.1": 0.3, "k_proj": 0.2})
+    rows = {r["bf16"]: r for r in doc["summary"]["arms"]["fp8-e2e-is"]["attribution"]}
+    rows["o_proj"]["both_sides_removed"]["ci95"] = 0.6  # 0.5 ± 0.6: holds 0
+    report = attribution_report(_write(tmp_path, doc), top=2)
+    assert report["ranking"][0]["candidate"] == "o_proj"
+    assert report["chosen"] == ["layer.1", "k_proj"]
+    text = render_attribution(report)
+    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("o_proj")]
+    assert line.endswith("(interval includes 0)")
+    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("layer.1")]
+    assert line.endswith(" *")
+    for row in rows.values():
+        for key in ("removed", "both_sides_removed"):
+            row[key]["ci95"] = float("nan")
+    one = attribution_report(_write(tmp_path, doc), top=2)
+    assert one["chosen"] == [] and one["suggestions"] == {"fp8_blockwise": {}}
+    assert "(no interval)" in render_attribution(one)
+
+
 def test_rl_checks_own_json_gives_a_suggestion_explain_accepts(tmp_path):
     """The real thing: rl-check (two arms, one seed, the smoke size) writes its attribution,
     analyze reads it through the CLI, and the printed block resolves to the chosen modules."""
@@ -189,13 +213,23 @@ def test_rl_checks_own_json_gives_a_suggestion_explain_accepts(tmp_path):
     report = json.loads(res.stdout)
     assert report["arm"] == "fp8-e2e-is" and report["ranked_by"] == "both_sides_removed"
     shipped = json.loads(out.read_text())["summary"]["arms"]["fp8-e2e-is"]["attribution"]
-    best = max(
-        (r for r in shipped if r["bf16"] != "none" and r["modules"]),
-        key=lambda r: r["both_sides_removed"]["mean"],
+    # chosen: the best-ranked candidate with linears whose interval lies above 0 (one seed
+    # gives ci95 NaN, no interval: then nothing)
+    resolved = sorted(
+        (
+            r
+            for r in shipped
+            if r["bf16"] != "none"
+            and r["modules"]
+            and math.isfinite(r["both_sides_removed"]["ci95"])
+            and r["both_sides_removed"]["mean"] - r["both_sides_removed"]["ci95"] > 0
+        ),
+        key=lambda r: -r["both_sides_removed"]["mean"],
     )
-    chosen = best["bf16"] if best["both_sides_removed"]["mean"] > 0 else None
+    best = resolved[0] if resolved else None
+    chosen = best["bf16"] if best else None
     assert report["chosen"] == ([chosen] if chosen else [])
-    if chosen:
+    if best:
         assert _resolved_bf16(report) == _engine_names(best["modules"])
     text = cli("analyze", "--attribution", out)
     assert text.returncode == 0 and "fp8-e2e-is" in text.stdout

@@ -88,15 +88,60 @@ def test_findings_change_with_the_data():
     """The sentences are computed: flip the data and the words flip with it."""
     data = _shipped()
     base = render_blocks(data)["findings"]
-    flipped = copy.deepcopy(data)
-    arms = flipped["summary"]["arms"]
-    arms["fp8-e2e-te-refit"]["token_mult_prob_error"]["mean"] = (
-        arms["fp8-e2e"]["token_mult_prob_error"]["mean"] + 0.01
-    )
+    flipped = _with_parity_deltas(data, [0.001] * 8)
     flipped["summary"]["eval_disjoint"] = False
     other = render_blocks(flipped)["findings"]
     assert ("parity lowers" in base) != ("parity lowers" in other)
     assert "**Held out**: no evaluation" in base and "**Held out**: SOME" in other
+
+
+def _with_parity_deltas(data: dict, deltas: list[float]) -> dict:
+    """``data`` with each seed's ``fp8-e2e-te-refit`` mismatch set to ``fp8-e2e``'s plus
+    ``deltas[seed]``; the summary's means favour parity whatever the deltas (the verdict must
+    come from the paired differences, not from them)."""
+    out = copy.deepcopy(data)
+    nemo = rl_check_docs._per_seed_mismatch(out, "fp8-e2e")
+    for r in out["runs"]:
+        if r["arm"] == "fp8-e2e-te-refit":
+            for st in r["steps"]:
+                st["token_mult_prob_error"] = nemo[r["seed"]] + deltas[r["seed"]]
+    arms = out["summary"]["arms"]
+    arms["fp8-e2e-te-refit"]["token_mult_prob_error"]["mean"] = (
+        arms["fp8-e2e"]["token_mult_prob_error"]["mean"] - 0.0005
+    )
+    return out
+
+
+def _parity_line(data: dict) -> str:
+    (line,) = [ln for ln in render_blocks(data)["findings"].splitlines() if "parity" in ln]
+    return line
+
+
+def test_the_parity_verdict_is_the_paired_interval():
+    """The verdict is "lowers" / "raises" only when the paired per-seed interval excludes 0,
+    and the line counts the seeds each way; lower means alone do not make it "lowers"."""
+    assert "parity lowers" in _parity_line(_shipped())
+    assert "lower with parity in 8 of 8 seeds, higher in 0" in _parity_line(_shipped())
+    mixed = _parity_line(_with_parity_deltas(_shipped(), [-0.002, 0.001] * 4))
+    assert "parity does not measurably change" in mixed and "(the interval holds 0)" in mixed
+    assert "lower with parity in 4 of 8 seeds, higher in 4" in mixed
+    up = _parity_line(_with_parity_deltas(_shipped(), [0.001, 0.0012] * 4))
+    assert "parity raises" in up and "(the interval excludes 0)" in up
+    assert "lower with parity in 0 of 8 seeds, higher in 8" in up
+
+
+def test_the_png_goes_to_docs_img_only_for_docs_data():
+    """--png docs/img/NAME.png for a JSON under docs/data; elsewhere no --png, so the CLI's
+    default (beside the JSON) stands."""
+    from nemo_fp8_plugin.cli import build_parser
+
+    data = _shipped()
+    parse = build_parser().parse_args
+    tmp = rl_check_docs.command_of(data, "/tmp/rl.json")
+    assert "--png" not in tmp and parse(tmp.split()[1:]).json == "/tmp/rl.json"
+    nested = parse(rl_check_docs.command_of(data, "out/docs/data/x.json").split()[1:])
+    assert nested.png == "out/docs/img/x.png"
+    assert "--png" not in rl_check_docs.command_of(data, "data/rl.json")
 
 
 def test_the_command_reproduces_the_settings():
