@@ -9,6 +9,14 @@ a test of its own (``--durations`` times it); the slow ones carry the marker
 (a GPU, a host's own launcher, the network) is preceded by
 ``<!-- doc-test: skip REASON -->``; the test checks the reason is given. The README's
 set-up commands are what CI itself runs (.ci/run), so they are checked for shape only.
+
+What a page shows a command producing is checked against what it produces: a block after a
+``bash`` block, preceded by ``<!-- doc-test: output /tmp/FILE -->``, is YAML that must be
+contained, key for key, in the FILE the command before it wrote; preceded by
+``<!-- doc-test: output -->``, each of its lines (``...`` lines aside) must occur in the
+command's standard output or error. Other pages' shown output is checked by their own tests
+(docs/analyze.md's block by tests/analyze/test_analyze.py, docs/rl.md's rendered blocks by
+tests/tools/test_rl_check_docs.py).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from conftest import REPO
 BIN = Path(sys.executable).parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 SKIP = re.compile(r"<!--\s*doc-test:\s*skip\s+(?P<reason>[^>]*?)\s*-->")
+OUTPUT = re.compile(r"<!--\s*doc-test:\s*output(?:\s+(?P<file>\S+))?\s*-->")
 QUICK = {
     "demo": ["--steps", "3", "--recipes", "fp8_blockwise", "--no-progress"],
     # the smoke run cut to one seed of two steps (18 s instead of 100 s here): the page's own
@@ -42,6 +51,11 @@ class DocCommand:
     line: int
     text: str
     skip_reason: str | None
+    shown: str | None = None
+    """The output the page shows for this command (a marked block after its own), or None."""
+    shown_file: str | None = None
+    """Where the shown output is: the file the command writes (``/tmp/...``), or None for
+    its standard output and error."""
 
 
 def doc_commands() -> list[DocCommand]:
@@ -49,21 +63,35 @@ def doc_commands() -> list[DocCommand]:
     for page in PAGES:
         lines = page.read_text().splitlines()
         in_block, skip, pending_skip = False, None, None
+        expect, shown = None, None  # a pending output marker; the block it marks
+        last: DocCommand | None = None  # the last command of the latest bash block
         for i, line in enumerate(lines, 1):
-            m = SKIP.search(line)
+            m, o = SKIP.search(line), OUTPUT.search(line)
             if m:
                 pending_skip = m.group("reason") or ""
                 continue
+            if o:
+                expect = (o.group("file"),)
+                continue
             if line.startswith("```"):
-                if not in_block and line[3:].strip() in ("bash", "sh", "shell", "console"):
+                if shown is not None:  # the end of a marked output block
+                    assert last is not None, f"{page.name}:{i}: an output block with no command"
+                    last.shown, last.shown_file, shown = "\n".join(shown), expect[0], None
+                    expect = None
+                elif not in_block and expect is not None:
+                    shown = []
+                elif not in_block and line[3:].strip() in ("bash", "sh", "shell", "console"):
                     in_block, skip, pending_skip = True, pending_skip, None
                 elif in_block:
                     in_block = False
                 continue
-            if in_block:
+            if shown is not None:
+                shown.append(line)
+            elif in_block:
                 text = line.split(" #", 1)[0].strip() if not line.lstrip().startswith("#") else ""
                 if text:
-                    out.append(DocCommand(page, i, text, skip))
+                    last = DocCommand(page, i, text, skip)
+                    out.append(last)
     return out
 
 
@@ -151,6 +179,43 @@ def test_doc_command_runs(cmd, tmp_path):
         f"{cmd.page.relative_to(REPO)}:{cmd.line}: `{cmd.text}` exited {proc.returncode}\n"
         f"{proc.stderr[-1500:]}"
     )
+    if cmd.shown is not None:
+        _check_shown(cmd, proc, tmp_path / "c")
+
+
+def _contained(shown, written, where: str) -> None:
+    """Every key of ``shown`` is in ``written`` with the same value (recursively)."""
+    if isinstance(shown, dict):
+        assert isinstance(written, dict), f"{where}: the page shows a mapping, got {written!r}"
+        for key, value in shown.items():
+            assert key in written, f"{where}.{key}: shown on the page, not written"
+            _contained(value, written[key], f"{where}.{key}")
+    else:
+        assert shown == written, f"{where}: the page shows {shown!r}, the command wrote {written!r}"
+
+
+def _check_shown(cmd: DocCommand, proc, tmp: Path) -> None:
+    where = f"{cmd.page.relative_to(REPO)}:{cmd.line}"
+    if cmd.shown_file is not None:
+        import yaml
+
+        written = tmp / cmd.shown_file.replace("/tmp/", "", 1)
+        _contained(yaml.safe_load(cmd.shown), yaml.safe_load(written.read_text()), where)
+        return
+    said = proc.stdout + proc.stderr
+    for line in cmd.shown.splitlines():
+        if line.strip() and line.strip() != "...":
+            assert line.strip() in said, f"{where}: the page shows {line.strip()!r}; got\n{said}"
+
+
+def test_shown_output_is_checked_against_the_command():
+    """The marker is used, and a wrong shown value fails the check (the check can fail)."""
+    marked = [c for c in COMMANDS if c.shown is not None]
+    assert len(marked) >= 2, [c.text for c in COMMANDS if c.shown]
+    with pytest.raises(AssertionError, match="the page shows 1"):
+        _contained({"a": {"b": 1}}, {"a": {"b": 2}}, "x")
+    with pytest.raises(AssertionError, match="not written"):
+        _contained({"a": {"c": 1}}, {"a": {"b": 1}}, "x")
 
 
 def test_there_are_runnable_doc_commands_and_the_slow_ones_are_known():
