@@ -906,7 +906,8 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
     # 512, full_attention_interval 4), as quoted from those files in public model notes; the
     # 35B-A3B sizes match slime's scripts/models/qwen3.5-35B-A3B.sh (THUDM/slime) and the 27B
     # (64 layers, 5120, 17408) its qwen3.5-27B.sh. NeMo RL trains the 9B and 35B-A3B Base
-    # models (examples/configs/recipes/llm/dapo-qwen3.5-*-megatron*.yaml).
+    # models (examples/configs/recipes/llm/dapo-qwen3.5-*-megatron*.yaml). Second-hand: the
+    # config.json files themselves were not read (Hugging Face is not reachable here).
     "qwen3.5-9b": _qwen35(32, 4096, 12288),
     "qwen3.5-27b": _qwen35(64, 5120, 17408),
     "qwen3.5-35b-a3b": _qwen35_moe(40, 2048, 256, 512, 512),

@@ -68,9 +68,11 @@ def test_qwen35_megatron_names_are_megatron_cores_gated_delta_net():
     assert "self.in_proj = build_module(" in mamba and "self.out_proj = build_module(" in mamba
 
 
-def test_qwen35_moe_from_its_vl_config_json_matches_the_table():
-    # The shape of Qwen/Qwen3.5-35B-A3B's config.json: a VL wrapper with the text model's
-    # fields under text_config (model_type qwen3_5_moe_text), no dense intermediate_size.
+def test_the_vl_config_json_parser_agrees_with_the_qwen35_moe_table_entry():
+    # The shape of Qwen/Qwen3.5-35B-A3B's config.json (a VL wrapper with the text model's
+    # fields under text_config, model_type qwen3_5_moe_text, no dense intermediate_size),
+    # typed from the same second-hand sizes as the table: this checks the parser's reading
+    # of that shape against the table's builder, not the sizes themselves.
     cfg = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "model_type": "qwen3_5_moe",
