@@ -296,24 +296,57 @@ def _build(
             add(f"{mgp}.mlp.linear_fc2", (down,))
             layer_units.append((down, (down,)))
         units.extend(layer_units)
-    add("output_layer", ("lm_head",))
+    return _with_output_layer(
+        name,
+        family,
+        (mg_map, hf_all, units),
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        moe=(num_experts, moe_ffn_hidden_size, num_shared_experts) if moe_layers else (0, 0, 0),
+        vllm_quantizes_router=vllm_quantizes_router and bool(moe_layers),
+        source=source,
+    )
+
+
+def _with_output_layer(
+    name: str,
+    family: str,
+    modules: tuple[list, list, list],
+    *,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    moe: tuple[int, int, int],
+    vllm_quantizes_router: bool,
+    source: str,
+    layer_kinds: tuple[str, ...] = (),
+) -> ModelDescription:
+    """The description of a model whose layers' modules are built: ``modules`` is
+    ``(megatron -> HF map, HF names, vLLM units)``, to which the output head is added (the
+    same ``output_layer`` / ``lm_head`` in every family); ``moe`` is ``(experts, expert FFN
+    size, shared experts)``, zeros for a dense model."""
+    mg_map, hf_all, units = modules
+    mg_map.append(("output_layer", ("lm_head",)))
     hf_all.append("lm_head")
     units.append(("lm_head", ("lm_head",)))
+    num_experts, moe_ffn_hidden_size, num_shared_experts = moe
     return ModelDescription(
         name=name,
         family=family,
         num_layers=num_layers,
         hidden_size=hidden_size,
         ffn_hidden_size=ffn_hidden_size,
-        num_experts=num_experts if moe_layers else 0,
-        moe_ffn_hidden_size=moe_ffn_hidden_size if moe_layers else 0,
-        num_shared_experts=num_shared_experts if moe_layers else 0,
+        num_experts=num_experts,
+        moe_ffn_hidden_size=moe_ffn_hidden_size,
+        num_shared_experts=num_shared_experts,
         megatron_linear_modules=tuple(mg for mg, _ in mg_map),
         hf_linear_modules=tuple(hf_all),
         megatron_to_hf=tuple(mg_map),
         vllm_modules=tuple(units),
-        vllm_quantizes_router=vllm_quantizes_router and bool(moe_layers),
+        vllm_quantizes_router=vllm_quantizes_router,
         source=source,
+        layer_kinds=layer_kinds,
     )
 
 
@@ -458,22 +491,14 @@ def _build_hybrid(
     mg_map, hf_all, units = _join(
         *(layer(i, kind, num_experts, bool(num_shared_experts)) for i, kind in enumerate(kinds))
     )
-    mg_map.append(("output_layer", ("lm_head",)))
-    hf_all.append("lm_head")
-    units.append(("lm_head", ("lm_head",)))
-    return ModelDescription(
-        name=name,
-        family=family,
+    return _with_output_layer(
+        name,
+        family,
+        (mg_map, hf_all, units),
         num_layers=len(kinds),
         hidden_size=hidden_size,
         ffn_hidden_size=ffn_hidden_size,
-        num_experts=num_experts if moe_layers else 0,
-        moe_ffn_hidden_size=moe_ffn_hidden_size if moe_layers else 0,
-        num_shared_experts=num_shared_experts if moe_layers else 0,
-        megatron_linear_modules=tuple(mg for mg, _ in mg_map),
-        hf_linear_modules=tuple(hf_all),
-        megatron_to_hf=tuple(mg_map),
-        vllm_modules=tuple(units),
+        moe=(num_experts, moe_ffn_hidden_size, num_shared_experts) if moe_layers else (0, 0, 0),
         # vLLM builds both routers as GateLinear without a quant config (qwen3_next.py,
         # nemotron_h.py, vLLM 0.32): they are never quantized.
         vllm_quantizes_router=False,
