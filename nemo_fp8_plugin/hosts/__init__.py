@@ -197,6 +197,13 @@ class HostContext:
     fmt: str = "yaml"
     stack: Assumed | None = None
 
+    def assumed_version(self, host: str) -> str | None:
+        """The version of ``host`` this command assumes: the ``--stack``'s pin, else the
+        installed one (:func:`load_context` sets :attr:`stack` either way); None when the
+        host is absent or the context was built in code without a stack. The one place
+        adapters ask, so a version-table fact is decided the same way everywhere."""
+        return self.stack.version(host) if self.stack is not None else None
+
     @property
     def spec(self) -> RecipeSpec:
         """The requested spec (only valid when :attr:`request` is not None)."""

@@ -809,9 +809,7 @@ def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
 def stack_core(ctx: HostContext | None) -> str | None:
     """The megatron-core version the context assumes (``--stack``, else the installed one);
     None without a context or a stack (a mapping given in code)."""
-    if ctx is None or ctx.stack is None:
-        return None
-    return ctx.stack.version("megatron-core")
+    return ctx.assumed_version("megatron-core") if ctx is not None else None
 
 
 def _spell(

@@ -266,7 +266,7 @@ def nemo_rl_precision_file(ctx, result):
     moved = [w for w in result.warnings if w.endswith(_NEMO_RL_TRAINING_WARNING)]
     if not moved or spec.training != "fp8":
         return result
-    version = ctx.stack.version("nemo-rl") if ctx.stack is not None else None
+    version = ctx.assumed_version("nemo-rl")
     answer = lookup("nemo-rl", NEMO_RL_FACT, version)
     row = fact("nemo-rl", NEMO_RL_FACT)
     minimum = row.minimum if row is not None else "0.8"

@@ -29,7 +29,7 @@ from .checks import (
     _neutral,
     _same,
 )
-from .modelopt import nemo_rl_version, qat_merge, qat_recipe_keys, qat_refuse, qat_spell
+from .modelopt import qat_merge, qat_recipe_keys, qat_refuse, qat_spell
 from .spelling import (
     _MEGATRON,
     _VLLM,
@@ -119,7 +119,7 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     _refuse_deep_gemm(spec, ctx)
     _dropped_keys(ctx.resolved)
     _interpolation_users(ctx.resolved, list(ctx.request.keys))
-    sequence_alignment(spec, ctx.resolved, nemo_rl_version(ctx))
+    sequence_alignment(spec, ctx.resolved, ctx.assumed_version("nemo-rl"))
 
 
 def _block_generation(spec: RecipeSpec, ctx: HostContext) -> bool:
@@ -175,7 +175,7 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
             "training keys are written, no generation or importance-sampling keys"
         )
         keys = nest({k: v for k, v in flatten(keys) if k.startswith(_MEGATRON + ".")})
-    writes, notes = sequence_alignment(spec, resolved, nemo_rl_version(ctx))
+    writes, notes = sequence_alignment(spec, resolved, ctx.assumed_version("nemo-rl"))
     if _block_generation(spec, ctx) and get_path(ctx.raw, _DEEP_GEMM, None) is False:
         # The user's own file turns DeepGEMM off: a kernel choice, not numerics (vLLM's
         # CUTLASS/Triton block kernels take the same fp32 scales), so it is kept.

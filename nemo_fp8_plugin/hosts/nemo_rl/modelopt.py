@@ -39,7 +39,6 @@ __all__ = [
     "DEFAULT_NVFP4_IGNORE",
     "modelopt_qat_keys",
     "real_quant_ignore",
-    "nemo_rl_version",
     "qat_refuse",
     "qat_recipe_keys",
     "qat_spell",
@@ -276,15 +275,6 @@ def _request_key(ctx: HostContext, field: str) -> str:
     return f"fp8.{field}" if isinstance(ctx.resolved.get("fp8"), Mapping) else field
 
 
-def nemo_rl_version(ctx: HostContext) -> str | None:
-    """The NeMo RL version the command assumes (``--stack``, else the installed one)."""
-    if ctx.stack is not None:
-        return ctx.stack.version("nemo-rl")
-    from ...stacks import installed_version
-
-    return installed_version("nemo-rl")
-
-
 def qat_recipe_keys(spec: RecipeSpec, model: Any = None) -> HostKeys:
     """The preset's keys without a config (``recipe_keys``): ``model`` gives the layer count."""
     assert spec.qat is not None
@@ -319,15 +309,15 @@ def qat_refuse(spec: RecipeSpec, ctx: HostContext) -> None:
     """What NeMo RL cannot run of a ModelOpt QAT request: a version without the keys, a rule
     set ModelOpt cannot express, a config that also turns on Transformer Engine FP8/FP4."""
     assert spec.qat is not None
-    version = nemo_rl_version(ctx)
+    version = ctx.assumed_version("nemo-rl")
     refusal = qat_stack_refusal(version, real_quant=spec.qat.rollout == "real_quant")
     if refusal:
         raise FP8ConfigError(
             refusal,
             key=_request_key(ctx, "qat"),
             value=spec.qat.preset,
-            hint="use NeMo RL 0.6 or newer (--stack nemo-rl-0.6), or recipe nvfp4 without qat "
-            "(Transformer Engine NVFP4 training, BF16 rollouts)",
+            hint="use a NeMo RL that has the keys (a --stack pinning one), or recipe nvfp4 "
+            "without qat (Transformer Engine NVFP4 training, BF16 rollouts)",
         )
     for key in (f"{_MEGATRON}.fp8_cfg.enabled", f"{_MEGATRON}.model_overrides.fp4"):
         have = get_path(ctx.resolved, key, None)
@@ -355,7 +345,7 @@ def qat_spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
         f"quantizers, not Transformer Engine NVFP4; the loss_fn and the sequence lengths are "
         f"left as the config states"
     ]
-    version = nemo_rl_version(ctx)
+    version = ctx.assumed_version("nemo-rl")
     if version is None:
         notes.append(
             "nemo-rl: NeMo RL version unknown (not installed, no --stack): ModelOpt QAT keys "
