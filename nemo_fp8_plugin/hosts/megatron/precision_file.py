@@ -255,9 +255,11 @@ def nemo_rl_precision_file(ctx, result):
     from ...stacks import fact, lookup
 
     spec = ctx.spec
+    if spec.training != "fp8":
+        return result
     unexpressible = _training_unexpressible(ctx)
     moved = [w for w in result.warnings if w in unexpressible]
-    if not moved or spec.training != "fp8":
+    if not moved:
         return result
     version = ctx.stack.version("nemo-rl") if ctx.stack is not None else None
     answer = lookup("nemo-rl", NEMO_RL_FACT, version)
