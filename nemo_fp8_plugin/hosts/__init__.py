@@ -22,6 +22,7 @@ import abc
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -38,6 +39,8 @@ __all__ = [
     "ADAPTERS",
     "HOSTS",
     "HostKeys",
+    "RuleIssue",
+    "RuleIssueKind",
     "ApplyResult",
     "HostContext",
     "HostAdapter",
@@ -85,6 +88,46 @@ NO_REQUEST = (
 """The one message for a config that asks for no FP8 recipe."""
 
 
+class RuleIssueKind(Enum):
+    """Why a host's spelling of a ``bf16_layers.modules`` rule falls short (see
+    :class:`RuleIssue`)."""
+
+    UNTRANSLATABLE = "untranslatable"
+    """It names particular layers in Hugging Face names and no model description is at hand
+    to give their megatron-core names."""
+    PASSED_AS_IS = "passed_as_is"
+    """It matches no module name the plugin knows; the pattern is written unchanged."""
+    STAGE_LOCAL = "stage_local"
+    """Its megatron-core patterns name particular layers, right with pipeline size 1 only."""
+    TRAINING_UNEXPRESSIBLE = "training_unexpressible"
+    """The host's training keys cannot express it (NeMo RL: training runs its modules in
+    FP8 unless the TE precision file carries it)."""
+
+
+@dataclass(frozen=True)
+class RuleIssue:
+    """One rule's shortfall in a host's spelling, as data: code decides on these, never on
+    the wording of :attr:`warning`.
+
+    Attributes:
+        kind: what falls short.
+        index: the rule's position in ``bf16_layers.modules``.
+        pattern: the rule's glob.
+        warning: the user-facing warning that reports it (one of :attr:`HostKeys.warnings`;
+            several rules may share one).
+    """
+
+    kind: RuleIssueKind
+    index: int
+    pattern: str
+    warning: str
+
+    @property
+    def key(self) -> str:
+        """The rule's key, ``bf16_layers.modules[<index>]``."""
+        return f"bf16_layers.modules[{self.index}]"
+
+
 @dataclass
 class HostKeys:
     """A host's native spelling of a recipe (plain data, no host import).
@@ -94,12 +137,15 @@ class HostKeys:
         warnings: what the host cannot express, each naming the rule and the host.
         env: environment variables the host's training process must have.
         notes: advice that loses nothing (copied onto :attr:`ApplyResult.notes`).
+        rule_issues: the BF16 rules' shortfalls behind some of :attr:`warnings`, as records
+            (set by the rules spellings: ``to_megatron``, ``to_nemo_rl``).
     """
 
     keys: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    rule_issues: list[RuleIssue] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"keys": self.keys}

@@ -131,27 +131,29 @@ def precision_recipe(
     ``pipeline_parallel`` > 1 (key ``pipeline_key``: the file's names are stage-local), and a
     rule that names particular layers in Hugging Face names when there is no model description
     to translate it (key ``bf16_layers.modules[i]``)."""
+    from .. import RuleIssueKind
     from .rules import to_megatron
 
     rules, training_on, _ = side_rules(spec)
     if not training_on or not rules.acts_on("training") or not rules.modules:
         return None, []
     keys = to_megatron(spec, model)
-    warnings = [w for w in keys.warnings if not _is_pipeline_warning(w)]
+    # to_megatron's note that layer-specific patterns need pipeline size 1: the file route
+    # checks the size itself (below) instead.
+    stage_local = {i.warning for i in keys.rule_issues if i.kind is RuleIssueKind.STAGE_LOCAL}
+    warnings = [w for w in keys.warnings if w not in stage_local]
     # Without a model the name-only translation may name layers in Hugging Face names (no
     # megatron-core name to write) or pass a pattern on unrecognised: the file would keep
     # nothing of it in BF16, so it is refused rather than written.
-    untranslatable = [
-        w for w in warnings if "cannot be translated" in w or "it is passed as is" in w
-    ]
+    refused = (RuleIssueKind.UNTRANSLATABLE, RuleIssueKind.PASSED_AS_IS)
+    untranslatable = [i for i in keys.rule_issues if i.kind in refused]
     if untranslatable:
-        label = untranslatable[0].split(" (host", 1)[0]
         raise FP8ConfigError(
             "cannot be translated to megatron-core module names without a model description "
             "(it names particular layers, or no module the plugin knows); the TE precision "
             "file matches megatron-core names only",
-            key=label.split("=", 1)[0],
-            value=label.split("=", 1)[1].strip("'") if "=" in label else None,
+            key=untranslatable[0].key,
+            value=untranslatable[0].pattern,
             hint="pass --model or --model-config (or set fp8.model)",
         )
     recipe = keys.keys.get("quant_recipe")
@@ -174,12 +176,6 @@ def precision_recipe(
 
 def _patterns(recipe: Mapping[str, Any]) -> list[str]:
     return [m["pattern"] for m in recipe.get("matchers", {}).values()]
-
-
-def _is_pipeline_warning(text: str) -> bool:
-    # to_megatron's note that layer-specific patterns need pipeline size 1: the file route
-    # checks the size itself (precision_recipe) instead.
-    return "stage-local module names" in text
 
 
 def write_precision_file(file: PrecisionFile) -> Path:
@@ -243,10 +239,6 @@ def _recipe_for(ctx, pipeline_key: str):
         raise
 
 
-_NEMO_RL_TRAINING_WARNING = "training runs the modules it matches in FP8"
-"""The tail of the NeMo RL rules' warning for a module rule its training side cannot express
-(:mod:`nemo_fp8_plugin.hosts.nemo_rl.rules`); the file route expresses it."""
-
 _NEMO_RL_PP = "policy.megatron_cfg.pipeline_model_parallel_size"
 
 
@@ -263,8 +255,11 @@ def nemo_rl_precision_file(ctx, result):
     from ...stacks import fact, lookup
 
     spec = ctx.spec
-    moved = [w for w in result.warnings if w.endswith(_NEMO_RL_TRAINING_WARNING)]
-    if not moved or spec.training != "fp8":
+    if spec.training != "fp8":
+        return result
+    unexpressible = _training_unexpressible(ctx)
+    moved = [w for w in result.warnings if w in unexpressible]
+    if not moved:
         return result
     version = ctx.assumed_version("nemo-rl")
     answer = lookup("nemo-rl", NEMO_RL_FACT, version)
@@ -313,6 +308,17 @@ def nemo_rl_precision_file(ctx, result):
         f"({NEMO_RL_KEY}); megatron-core matches them against its module names"
     )
     return result
+
+
+def _training_unexpressible(ctx) -> set[str]:
+    """The NeMo RL rules' warnings for module rules its training side cannot express (the
+    file route expresses them), found by their records: the adapter's spelling called
+    :func:`~nemo_fp8_plugin.hosts.nemo_rl.rules.to_nemo_rl` with the same spec and model."""
+    from .. import RuleIssueKind
+    from ..nemo_rl.rules import to_nemo_rl
+
+    issues = to_nemo_rl(ctx.spec, ctx.model).rule_issues
+    return {i.warning for i in issues if i.kind is RuleIssueKind.TRAINING_UNEXPRESSIBLE}
 
 
 # --------------------------------------------------------------------------- Megatron-LM YAML

@@ -15,11 +15,12 @@ from ...rules.resolve import (
     is_module_rule,
     module_rules,
     resolve,
+    rule_label,
     side_rules,
     template,
 )
 from ...spec import BF16Rules, RecipeSpec
-from .. import HostKeys
+from .. import HostKeys, RuleIssue, RuleIssueKind
 
 __all__ = ["to_megatron", "BF16_QUANT_CONFIG"]
 
@@ -44,10 +45,13 @@ def to_megatron(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = N
     ``num_layers_at_end_in_bf16`` (both written: megatron-core defaults each to 1), and
     ``quant_recipe`` (a ``RecipeConfig`` dict: one ``bf16`` config and ordered glob matchers
     over Megatron module names; needs Transformer Engine modules to take effect).
+    ``rule_issues`` records, per rule, what the warnings say (untranslatable, passed as is,
+    right with pipeline size 1 only).
     """
     rules, training_on, _ = side_rules(spec)
     keys: dict[str, Any] = {}
     warnings: list[str] = []
+    issues: list[RuleIssue] = []
     if not training_on or not rules.acts_on("training") or rules.empty:
         return HostKeys(keys)
     if rules.first or rules.last:
@@ -58,10 +62,11 @@ def to_megatron(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = N
         )
     if rules.modules:
         if model is not None:
-            patterns, warns = _megatron_patterns(spec, model)
+            patterns, found = _megatron_patterns(spec, model)
         else:
-            patterns, warns = _megatron_patterns_generic(rules)
-        warnings += warns
+            patterns, found = _megatron_patterns_generic(rules)
+        issues += found
+        warnings += list(dict.fromkeys(i.warning for i in found))
         if patterns:
             keys["quant_recipe"] = {
                 "configs": {"bf16": dict(BF16_QUANT_CONFIG, training_recipe={})},
@@ -70,7 +75,7 @@ def to_megatron(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = N
                     for i, p in enumerate(patterns)
                 },
             }
-    return HostKeys(keys, warnings)
+    return HostKeys(keys, warnings, rule_issues=issues)
 
 
 def _experts_glob(name: str) -> str:
@@ -79,7 +84,7 @@ def _experts_glob(name: str) -> str:
     return re.sub(r"\.mlp\.experts\.(linear_fc[12])$", r".mlp.experts.*\1", name)
 
 
-def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[str]]:
+def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[RuleIssue]]:
     res = resolve(spec, model, "training")
     bf16 = {d.module for d in res.decisions if d.precision == "bf16"}
     # Routers and the output layer are not TE modules: megatron-core never runs them in FP8.
@@ -107,7 +112,7 @@ def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[s
                 if m in by_rules:
                     patterns.append(_experts_glob(m))
                     layer_specific = layer_specific or layer_index(m) is not None
-    warnings = []
+    issues: list[RuleIssue] = []
     if layer_specific:
         labels = sorted(
             {
@@ -118,8 +123,13 @@ def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[s
                 and not all(m in bf16 for m in by_template[template(d.module)])
             }
         )
-        warnings.append(f"{', '.join(labels)} (host megatron): {_PP_WARNING}")
-    return patterns, warnings
+        warning = f"{', '.join(labels)} (host megatron): {_PP_WARNING}"
+        issues = [
+            RuleIssue(RuleIssueKind.STAGE_LOCAL, i, p, warning)
+            for i, p in enumerate(side_rules(spec)[0].modules)
+            if rule_label(i, p) in labels
+        ]
+    return patterns, issues
 
 
 # Layer indices the name-only translation probes: a pattern that matches the same leaf at
@@ -127,12 +137,12 @@ def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[s
 _PROBE_LAYERS = (0, 1, 2, 7, 10, 31, 99, 125)
 
 
-def _megatron_patterns_generic(rules: BF16Rules) -> tuple[list[str], list[str]]:
+def _megatron_patterns_generic(rules: BF16Rules) -> tuple[list[str], list[RuleIssue]]:
     """Translate globs by module leaf when no model description is at hand."""
     patterns: list[str] = []
-    warnings: list[str] = []
+    issues: list[RuleIssue] = []
     mg_leaves = [mg for mg, _ in MEGATRON_TO_HF_LEAVES]
-    for r in module_rules(rules):
+    for index, r in enumerate(module_rules(rules)):
         found = False
         if r.match("output_layer") or any(
             r.match(f"decoder.layers.{k}.{lf}") for lf in mg_leaves for k in _PROBE_LAYERS
@@ -149,19 +159,21 @@ def _megatron_patterns_generic(rules: BF16Rules) -> tuple[list[str], list[str]]:
                 ]
                 coverage.add("all" if all(hits) else "some" if any(hits) else "none")
             if "some" in coverage:
-                warnings.append(
+                warning = (
                     f"{r.label} (host megatron): names particular layers in Hugging "
                     f"Face names; without a model description it cannot be translated "
                     f"to megatron-core names (pass --model or --model-config)"
                 )
+                issues.append(RuleIssue(RuleIssueKind.UNTRANSLATABLE, index, r.pattern, warning))
                 found = True
             elif "all" in coverage:
                 patterns.append(_experts_glob(f"decoder.layers.*.{mg_leaf}"))
                 found = True
         if not found:
-            warnings.append(
+            warning = (
                 f"{r.label} (host megatron): matches no known megatron-core or Hugging "
                 f"Face module name; without a model description it is passed as is"
             )
+            issues.append(RuleIssue(RuleIssueKind.PASSED_AS_IS, index, r.pattern, warning))
             patterns.append(r.pattern)
-    return list(dict.fromkeys(patterns)), list(dict.fromkeys(warnings))
+    return list(dict.fromkeys(patterns)), list(dict.fromkeys(issues))

@@ -21,14 +21,14 @@ from ...rules.resolve import (
     side_rules,
 )
 from ...spec import BF16Rules, RecipeSpec
-from .. import HostKeys
+from .. import HostKeys, RuleIssue, RuleIssueKind
 
 __all__ = ["to_nemo_rl", "training_layer_overrides", "TRAINING_LAYER_FIELDS"]
 
 
-def _training_side_warnings(
+def _training_side_issues(
     spec, rules: BF16Rules, model: ModelDescription | None, host: str, where: str
-) -> list[str]:
+) -> list[RuleIssue]:
     out = []
     harmless: set[str] = set()
     if model is not None:  # rules that only name routers / the output layer lose nothing
@@ -41,25 +41,28 @@ def _training_side_warnings(
         }
     for i, p in enumerate(rules.modules):
         if rule_label(i, p) not in harmless:
-            out.append(
+            warning = (
                 f"{rule_label(i, p)} (host {host}): {where} has no per-module keys; "
                 f"training runs the modules it matches in FP8"
             )
+            out.append(RuleIssue(RuleIssueKind.TRAINING_UNEXPRESSIBLE, i, p, warning))
     return out
 
 
 def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> HostKeys:
     """NeMo RL's spelling: the vLLM generation keys under ``policy.generation.vllm_cfg``, the
     first/last training layers under ``policy.megatron_cfg.model_overrides``, and a warning
-    for every rule its Megatron training side cannot express."""
+    for every rule its Megatron training side cannot express (each also a
+    :class:`~nemo_fp8_plugin.hosts.RuleIssue` in ``rule_issues``)."""
     rules, training_on, generation_on = side_rules(spec)
     warnings: list[str] = []
+    issues: list[RuleIssue] = []
     vllm_cfg: dict[str, Any] = {}
     model_overrides: dict[str, Any] = {}
     if training_on and rules.acts_on("training"):
         if rules.first or rules.last:
             model_overrides = training_layer_overrides(rules)
-        warnings += _training_side_warnings(
+        issues = _training_side_issues(
             spec,
             rules,
             model,
@@ -67,6 +70,7 @@ def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = No
             "NeMo RL's training side (policy.megatron_cfg: fp8_cfg, and model_overrides, "
             "which cannot build megatron-core's quant_recipe object)",
         )
+        warnings += [i.warning for i in issues]
     if generation_on and rules.acts_on("generation"):
         if rules.first:
             vllm_cfg["num_first_layers_in_bf16"] = rules.first
@@ -86,7 +90,7 @@ def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = No
         keys.setdefault("policy", {})["generation"] = {"vllm_cfg": vllm_cfg}
     if model_overrides:
         keys.setdefault("policy", {})["megatron_cfg"] = {"model_overrides": model_overrides}
-    return HostKeys(keys, warnings)
+    return HostKeys(keys, warnings, rule_issues=issues)
 
 
 TRAINING_LAYER_FIELDS = (

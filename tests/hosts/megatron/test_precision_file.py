@@ -41,11 +41,16 @@ from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.dotted import get_path
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts import get_adapter, load_context, run
+from nemo_fp8_plugin.hosts.megatron import rules as megatron_rules
 from nemo_fp8_plugin.hosts.megatron.precision_file import (
     FILE_SUFFIX,
     NEMO_RL_KEY,
     precision_file_path,
+    precision_recipe,
 )
+from nemo_fp8_plugin.hosts.nemo_rl import rules as nemo_rl_rules
+from nemo_fp8_plugin.registry import get_recipe
+from nemo_fp8_plugin.rules import describe_model
 from nemo_fp8_plugin.rules.names import builtin_high_precision
 
 pytestmark = pytest.mark.host
@@ -495,3 +500,78 @@ def test_a_pipeline_size_that_is_not_an_int_is_read_or_refused(tmp_path, pp, wor
         _apply(src, tmp_path / "o.yaml")
     assert err.value.key == "policy.megatron_cfg.pipeline_model_parallel_size"
     assert words in str(err.value)
+
+
+# --------------------------------------------------------------------------- records, not wording
+# The route decides on the rules spellings' records (hosts.RuleIssue), never on their warnings'
+# wording: each test rewords every warning a rules spelling produces (the records' copies too)
+# and checks the decision is unchanged.
+
+_REWORDED = {
+    "cannot be translated": "has no translation",
+    "it is passed as is": "it is written verbatim",
+    "stage-local module names": "per-stage names",
+    "training runs the modules it matches in FP8": "its modules stay FP8 in training",
+}
+
+
+def _reword(text: str) -> str:
+    for old, new in _REWORDED.items():
+        text = text.replace(old, new)
+    return text
+
+
+def _rewording(monkeypatch, module, name: str) -> None:
+    """Replace ``module.name`` (a rules spelling) by one whose warnings are reworded."""
+    spell = getattr(module, name)
+
+    def reworded(*args, **kwargs):
+        keys = spell(*args, **kwargs)
+        issues = [
+            dataclasses.replace(i, warning=_reword(i.warning))
+            for i in getattr(keys, "rule_issues", [])
+        ]
+        out = dataclasses.replace(keys, warnings=[_reword(w) for w in keys.warnings])
+        if hasattr(keys, "rule_issues"):
+            out = dataclasses.replace(out, rule_issues=issues)
+        return out
+
+    monkeypatch.setattr(module, name, reworded)
+
+
+def _spec(*modules: str):
+    return get_recipe({"recipe": "fp8_blockwise", "bf16_layers": {"modules": list(modules)}})
+
+
+@pytest.mark.parametrize("pattern", ["model.layers.3.*", "*mtp_block*"])
+def test_a_reworded_untranslatable_warning_still_refuses_the_rule(monkeypatch, pattern):
+    _rewording(monkeypatch, megatron_rules, "to_megatron")
+    assert any(
+        "has no translation" in w or "written verbatim" in w
+        for w in megatron_rules.to_megatron(_spec("*.linear_fc2", pattern)).warnings
+    )
+    with pytest.raises(FP8ConfigError) as err:
+        precision_recipe(_spec("*.linear_fc2", pattern), None)
+    assert err.value.key == "bf16_layers.modules[1]" and err.value.value == pattern
+
+
+def test_a_reworded_pipeline_warning_is_still_left_to_the_file_route(monkeypatch):
+    model = describe_model("moonshotai/Moonlight-16B-A3B-Instruct")
+    spec = _spec(*RULE_SETS["one-layer"]["modules"])
+    _rewording(monkeypatch, megatron_rules, "to_megatron")
+    assert any("per-stage names" in w for w in megatron_rules.to_megatron(spec, model).warnings)
+    recipe, warnings = precision_recipe(spec, model, pipeline_parallel=1)
+    assert recipe is not None and not any("per-stage names" in w for w in warnings)
+
+
+def test_reworded_nemo_rl_training_warnings_still_move_into_the_file(monkeypatch, tmp_path):
+    _rewording(monkeypatch, nemo_rl_rules, "to_nemo_rl")
+    configs = shared_nemo_rl("examples/configs")
+    src = _input(
+        tmp_path,
+        "grpo_moonlight_fp8_e2e.yaml",
+        configs / "recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml",
+    )
+    _, result = _apply(src, tmp_path / "written" / "moonlight.yaml")
+    assert len(result.files) == 1 and get_path(result.data, NEMO_RL_KEY) is not None
+    assert not [w for w in result.warnings if "stay FP8 in training" in w]
