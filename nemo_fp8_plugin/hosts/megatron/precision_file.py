@@ -52,7 +52,7 @@ __all__ = [
     "check_precision_file_path",
     "write_precision_file",
     "generation_only_note",
-    "nemo_rl_precision_file",
+    "recipe_for",
     "megatron_lm_precision_file",
 ]
 
@@ -199,23 +199,20 @@ def generation_only_note(host: str, version: str | None, minimum: str, key: str)
     )
 
 
-# --------------------------------------------------------------------------- NeMo RL
+# --------------------------------------------------------------------------- shared by the routes
 
 
-def _recipe_for(ctx, pipeline_key: str):
-    """:func:`precision_recipe` for a command's context: the pipeline size read from
-    ``pipeline_key`` (NeMo RL's ``${...}`` resolved as NeMo RL resolves it, a quoted integer
-    read as one; anything else refused naming the key, since whether a layer rule can be
-    written depends on it), a refusal naming a rule keyed under the request's prefix
+def recipe_for(ctx, pipeline_key: str, pp: Any = None):
+    """:func:`precision_recipe` for a command's context: the pipeline size ``pp`` (None: read
+    from ``pipeline_key``; a host with interpolations passes it resolved), a quoted integer
+    read as one, anything else refused naming the key (whether a layer rule can be written
+    depends on it); a refusal naming a rule keyed under the request's prefix
     (``fp8.bf16_layers.modules[0]``)."""
     from ...dotted import get_path
     from ...errors import format_value
 
-    pp = get_path(ctx.resolved, pipeline_key, 1)
-    if isinstance(pp, str) and "${" in pp and pipeline_key == _NEMO_RL_PP:
-        from ..nemo_rl.values import resolved_value
-
-        pp = resolved_value(ctx.resolved, pipeline_key, 1)
+    if pp is None:
+        pp = get_path(ctx.resolved, pipeline_key, 1)
     if isinstance(pp, str) and pp.strip().isdigit():
         pp = int(pp)
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
@@ -239,88 +236,6 @@ def _recipe_for(ctx, pipeline_key: str):
         raise
 
 
-_NEMO_RL_PP = "policy.megatron_cfg.pipeline_model_parallel_size"
-
-
-def nemo_rl_precision_file(ctx, result):
-    """NeMo RL's route for module rules into training (the adapter's merge calls it last).
-
-    Where the assumed NeMo RL version has :data:`NEMO_RL_KEY` and the output is a file, the
-    TE precision file is attached to ``result.files`` (written next to the output, atomically,
-    by ``apply``), the key points at it (an absolute path: NeMo RL opens it from the job's
-    working directory) and the "training runs them in FP8" warnings go; otherwise a note
-    says the module rules stay generation-only (or that ``-o`` is needed). Returns ``result``.
-    """
-    from ...dotted import get_path, set_path
-    from ...stacks import fact, lookup
-
-    spec = ctx.spec
-    if spec.training != "fp8":
-        return result
-    unexpressible = _training_unexpressible(ctx)
-    moved = [w for w in result.warnings if w in unexpressible]
-    if not moved:
-        return result
-    version = ctx.assumed_version("nemo-rl")
-    answer = lookup("nemo-rl", NEMO_RL_FACT, version)
-    row = fact("nemo-rl", NEMO_RL_FACT)
-    minimum = row.minimum if row is not None else "0.8"
-    if not answer.present:
-        result.notes.append(generation_only_note("nemo-rl", version, minimum, NEMO_RL_KEY))
-        return result
-    if ctx.model is not None and ctx.model.layer_kinds:
-        # Hybrid models (Mamba / linear-attention layers) train as megatron-core's hybrid
-        # model, whose per-layer module names the file's patterns are not mapped to (yet).
-        result.notes.append(
-            "nemo-rl: module rules stay generation-only for a hybrid model (its Mamba / "
-            "linear-attention layers): the TE precision file's patterns are written for "
-            "megatron-core's GPT layer names only, so training runs the modules they match in FP8"
-        )
-        return result
-    if ctx.output is None:
-        result.notes.append(
-            f"nemo-rl: with -o OUT, apply writes the module rules to a TE precision file "
-            f"(OUT stem + {FILE_SUFFIX}) and sets {NEMO_RL_KEY}; to standard output they "
-            f"stay generation-only"
-        )
-        return result
-    recipe, warnings = _recipe_for(ctx, _NEMO_RL_PP)
-    result.warnings[:] = [w for w in result.warnings if w not in moved]
-    if recipe is None:  # every rule names modules no TE layer runs in FP8 anyway
-        return result
-    path = precision_file_path(ctx.output)
-    check_precision_file_path(path)
-    stated = get_path(ctx.resolved, NEMO_RL_KEY, None)
-    if stated is not None and os.path.realpath(str(stated)) != os.path.realpath(path):
-        raise FP8ConfigError(
-            "already names a TE precision file; the BF16 rules would replace it",
-            key=NEMO_RL_KEY,
-            value=stated,
-            hint="remove the key (the plugin writes the file from bf16_layers), or remove "
-            "bf16_layers.modules and keep your file",
-        )
-    file = PrecisionFile(path=path, recipe=recipe, warnings=tuple(warnings))
-    set_path(result.data, NEMO_RL_KEY, os.path.realpath(path))
-    result.files[str(path)] = file.text()
-    result.warnings.extend(w.replace("(host megatron)", "(host nemo-rl)") for w in warnings)
-    result.notes.append(
-        f"nemo-rl: {len(file.patterns)} BF16 module pattern(s) for training go to {path.name} "
-        f"({NEMO_RL_KEY}); megatron-core matches them against its module names"
-    )
-    return result
-
-
-def _training_unexpressible(ctx) -> set[str]:
-    """The NeMo RL rules' warnings for module rules its training side cannot express (the
-    file route expresses them), found by their records: the adapter's spelling called
-    :func:`~nemo_fp8_plugin.hosts.nemo_rl.rules.to_nemo_rl` with the same spec and model."""
-    from .. import RuleIssueKind
-    from ..nemo_rl.rules import to_nemo_rl
-
-    issues = to_nemo_rl(ctx.spec, ctx.model).rule_issues
-    return {i.warning for i in issues if i.kind is RuleIssueKind.TRAINING_UNEXPRESSIBLE}
-
-
 # --------------------------------------------------------------------------- Megatron-LM YAML
 
 
@@ -342,7 +257,7 @@ def megatron_lm_precision_file(ctx, result):
     ours = isinstance(section, dict) and "quant_recipe" in section
     if not ours or get_path(ctx.raw, "language_model.quant_recipe", None) is not None:
         return result
-    recipe, _ = _recipe_for(ctx, _LM_PP)
+    recipe, _ = recipe_for(ctx, _LM_PP)
     del section["quant_recipe"]
     loss = (
         "Megatron-LM's --yaml-cfg loader turns language_model.quant_recipe into a "

@@ -289,7 +289,7 @@ class NeMoRLAdapter(HostAdapter):
         return _spell(spec, ctx)
 
     def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
-        from ..megatron.precision_file import nemo_rl_precision_file
+        from .te_precision import nemo_rl_precision_file
 
         # module rules reach training through the TE precision file where NeMo RL has its key
         return nemo_rl_precision_file(ctx, _merge(ctx, keys, self.resolve))
