@@ -54,6 +54,18 @@ collect_ignore = [] if _has_vllm() else ["vllm"]
 
 FIXTURES = REPO / "tests" / "fixtures"
 
+LLAMA_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+"""The linear modules of one Llama decoder layer in Hugging Face naming (the tiny test
+models': rl-check's TinyLlama, the export checkpoints)."""
+
 
 def nemo_rl_configs() -> Path:
     """NVIDIA's NeMo RL configs (Apache-2.0, unchanged copies with their LICENSE and NOTICE in

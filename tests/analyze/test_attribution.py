@@ -15,19 +15,12 @@ import sys
 import pytest
 import yaml
 
+from conftest import LLAMA_LINEARS
 from nemo_fp8_plugin import FP8ConfigError
 from nemo_fp8_plugin.analyze.attribution import attribution_report, render_attribution
 from nemo_fp8_plugin.analyze.suggest import suggestion_yaml
 
-KINDS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+KINDS = LLAMA_LINEARS
 # the HF config of rl-check's TinyLlama (rl_check_model.TinyLlama: Llama names, 2 layers)
 TINY = {
     "architectures": ["LlamaForCausalLM"],

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from conftest import LLAMA_LINEARS
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.numerics import quantize_blockwise, quantize_mxfp8
 from nemo_fp8_plugin.rl import export_fp8_checkpoint
@@ -31,15 +32,7 @@ CONFIG = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
-LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+LINEARS = LLAMA_LINEARS
 
 
 @pytest.fixture(scope="module")

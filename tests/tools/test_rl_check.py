@@ -21,6 +21,7 @@ import statistics
 import pytest
 import torch
 
+from conftest import LLAMA_LINEARS
 from nemo_fp8_plugin.cli import main as cli_main
 from nemo_fp8_plugin.tools import rl_check
 from nemo_fp8_plugin.tools.rl_check import ARMS, QUICK, run_seed, t_interval
@@ -351,15 +352,7 @@ def test_bound_shares_of_known_steps():
     assert arms["bf16"]["nightly_bound"]["share_above"] == 0.0
 
 
-_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+_LINEARS = LLAMA_LINEARS
 
 
 @pytest.mark.slow
