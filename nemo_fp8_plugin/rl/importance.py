@@ -61,6 +61,8 @@ from ..spec import check_importance_combination
 
 __all__ = [
     "importance_weights",
+    "sequence_error",
+    "sequence_error_mask",
     "mismatch_metrics",
     "truncation_window",
     "gen_kl_error",
@@ -181,6 +183,20 @@ class _Inputs(NamedTuple):
     token: torch.Tensor  # mask alone (NeMo RL's token_mask), [..., T]
     samples: torch.Tensor  # sequences that count, [...]
     token_as_given: torch.Tensor  # the caller's mask tensor, its dtype kept (0/1 checked)
+    sequence_dtype: torch.dtype  # what a sequence-level sum runs in (see _sequence_dtype)
+
+
+def _sequence_dtype(dtype: torch.dtype, *masks: Any) -> torch.dtype:
+    """The dtype NeMo RL's sequence-level sum runs in: ``((prev - gen) * mask).sum(-1)`` with
+    ``mask = token_mask * sample_mask.unsqueeze(-1)`` (``loss_functions.py`` v0.6.0 ~430,
+    v0.7.0 ~506, main ~570). NeMo RL's ``sample_mask`` is a float tensor (GRPO's
+    ``loss_multiplier``, fp32), so the product, the sum and ``exp`` run in fp32 at least: bf16
+    log-probs give fp32 weights. A wider floating mask (fp64) widens it, as torch promotes."""
+    out = torch.promote_types(dtype, torch.float32)
+    for mask in masks:
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            out = torch.promote_types(out, mask.dtype)
+    return out
 
 
 def _prepare(
@@ -189,9 +205,10 @@ def _prepare(
     """Validated float copies, detached, and bool masks.
 
     ``upcast``: compute in fp32 or wider (the metrics). The weights pass False: NeMo RL
-    evaluates ``exp(prev - gen)`` in the log-probs' own dtype (``torch.promote_types`` of
-    the two; the truncation comes before any ``* mask``), so bf16 input gives bf16 weights
-    there, and here.
+    evaluates token-level ``exp(prev - gen)`` in the log-probs' own dtype
+    (``torch.promote_types`` of the two; the truncation comes before any ``* mask``), so
+    bf16 input gives bf16 token weights there, and here; its sequence-level sum runs in
+    ``sequence_dtype``.
     """
     tensors = []
     for name, value in (("train_logprobs", train_logprobs), ("gen_logprobs", gen_logprobs)):
@@ -229,7 +246,15 @@ def _prepare(
         samples = _mask_bool("sample_mask", sample_mask, train.shape[:-1], train.device)
         valid = token & samples.unsqueeze(-1)
     given = mask.detach().to(train.device)
-    return _Inputs(train.detach().to(dtype), gen.detach().to(dtype), valid, token, samples, given)
+    return _Inputs(
+        train.detach().to(dtype),
+        gen.detach().to(dtype),
+        valid,
+        token,
+        samples,
+        given,
+        _sequence_dtype(dtype, mask, sample_mask),
+    )
 
 
 # ------------------------------------------------------------------ weights
@@ -272,9 +297,12 @@ class _Weights(NamedTuple):
 def _compute(x: _Inputs, s: _Settings) -> _Weights:
     log_ratio = x.train - x.gen  # NaN where both are -inf or either is NaN, +-inf where one is
     if s.level == "sequence":
-        # Padding is excluded before the sum (NeMo RL multiplies by the mask, which turns a
-        # -inf in the padding into NaN and zeroes the whole sequence).
-        raw = _zero_nonfinite(torch.exp(_masked(log_ratio, x.valid).sum(dim=-1)))
+        # The difference in the log-probs' dtype, then summed in NeMo RL's (fp32 for bf16
+        # log-probs: its float mask promotes the product). Padding is excluded before the sum
+        # (NeMo RL multiplies by the mask, which turns a -inf in the padding into NaN and
+        # zeroes the whole sequence).
+        summed = _masked(log_ratio.to(x.sequence_dtype), x.valid).sum(dim=-1)
+        raw = _zero_nonfinite(torch.exp(summed))
     else:
         raw = _zero_nonfinite(torch.exp(log_ratio))
     low, high = truncation_window(s.truncation, s.ratio_max, s.ratio_min)
@@ -336,13 +364,94 @@ def importance_weights(
             NeMo RL ``sample_mask``): 0 drops the whole sequence.
 
     Returns:
-        Weights of the input's shape, in the log-probs' dtype as NeMo RL computes them
-        (bf16 in, bf16 out: NeMo RL does not upcast first), detached (they scale the
-        loss; gradients do not flow through them), 0 at masked positions.
+        Weights of the input's shape, in the dtype NeMo RL computes them in, detached (they
+        scale the loss; gradients do not flow through them), 0 at masked positions. Token
+        level: the log-probs' dtype (bf16 in, bf16 out: NeMo RL does not upcast first).
+        Sequence level, and ``seq-mask-tis``: fp32 at least (NeMo RL multiplies by its float
+        masks before the sum), wider for fp64 log-probs or masks.
     """
     settings = _settings(level, truncation, ratio_max, ratio_min)
     inputs = _prepare(train_logprobs, gen_logprobs, mask, sample_mask, upcast=False)
     return _compute(inputs, settings).weights
+
+
+# ------------------------------------------------------------------ sequence masking
+
+
+def sequence_error(
+    train_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    sample_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each sequence's log-prob error: the mean over its valid tokens of ``exp(|gen - train|)``.
+
+    NeMo RL's ``compute_and_apply_seq_logprob_error_masking`` (``algorithms/grpo.py``: v0.6.0
+    ~1218, v0.7.0 ~1996, main ~2513), the per-sequence form of ``token_mult_prob_error``:
+    ``(exp(|gen - prev| * mask) * mask).sum(-1) / mask.sum(-1).clamp(min=1)``. The difference
+    is taken in the log-probs' dtype; the product with NeMo RL's float mask makes the rest fp32
+    (fp64 for fp64 inputs), and so is the result. For bf16 log-probs that is v0.6.0's result;
+    v0.7.0 and main raise there (they store the error into a tensor of the log-probs' dtype
+    with an indexed assignment, which refuses an fp32 source), and agree with v0.6.0 for
+    fp32 and fp64 log-probs.
+
+    A sequence with no valid token (or whose ``sample_mask`` is 0) has error 0, as in NeMo RL.
+    A non-finite log-prob at a valid token makes the error inf or NaN (NeMo RL's as well); in
+    the padding it is left out (NeMo RL multiplies it by 0, which gives NaN for an inf).
+
+    Returns:
+        ``[...]``, one error per sequence (``mask``'s shape without the last dimension).
+    """
+    x = _prepare(train_logprobs, gen_logprobs, mask, sample_mask, upcast=False)
+    return _sequence_error(x)
+
+
+def _sequence_error(x: _Inputs) -> torch.Tensor:
+    lp_error = (x.gen - x.train).abs()
+    wide = _masked(torch.exp(lp_error.to(x.sequence_dtype)), x.valid)
+    count = x.valid.sum(dim=-1).clamp(min=1).to(x.sequence_dtype)
+    return wide.sum(dim=-1) / count
+
+
+def sequence_error_mask(
+    train_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    max_error: float,
+    *,
+    sample_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which sequences still count once those whose log-prob error exceeds ``max_error`` are
+    dropped: the recipe's ``importance_sampling.max_sequence_error``, NeMo RL's
+    ``grpo.seq_logprob_error_threshold``.
+
+    NeMo RL (``algorithms/grpo.py``, as :func:`sequence_error`) keeps a sequence where
+    ``seq_mult_prob_error <= threshold`` (inclusive) and its sample mask was 1, and writes
+    the result back as the batch's ``sample_mask`` before the advantages and the loss. Pass
+    the result as ``sample_mask`` to :func:`importance_weights` and
+    :func:`mismatch_metrics`.
+
+    Args:
+        train_logprobs, gen_logprobs, mask: as :func:`importance_weights`.
+        max_error: the threshold (>= 1.0; 1.0 means the two policies agree on every token).
+        sample_mask: the sequences that counted before (NeMo RL ``sample_mask``); default: the
+            sequences with at least one valid token.
+
+    Returns:
+        A bool tensor ``[...]``: True for the sequences that still count.
+    """
+    bound = _bound("max_error", max_error)
+    assert bound is not None  # not optional
+    if bound < 1.0:
+        raise FP8ConfigError(
+            f"must be at least 1.0, got {format_value(max_error)}: every sequence's error is "
+            f">= 1.0, so every sequence would be dropped",
+            key="max_error",
+            value=max_error,
+        )
+    x = _prepare(train_logprobs, gen_logprobs, mask, sample_mask, upcast=False)
+    return (_sequence_error(x) <= bound) & x.samples
 
 
 # ------------------------------------------------------------------ KL estimators
