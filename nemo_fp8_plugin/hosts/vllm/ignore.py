@@ -58,6 +58,7 @@ __all__ = [
     "ignore_list_report",
     "packed_modules_mapping",
     "release_rules",
+    "version_key",
     "vllm_exclusions",
 ]
 
@@ -134,7 +135,8 @@ use its default, ``exact``, the behaviour above (a model class may set another:
 ``bailing_moe_v3.py`` sets ``suffix``)."""
 
 
-def _key(version: str) -> tuple[int, ...]:
+def version_key(version: str) -> tuple[int, ...]:
+    """``"0.32.0+cpu"`` -> ``(0, 32, 0)``: the release a version string names."""
     parts = []
     for piece in version.split("+", 1)[0].split(".")[:3]:
         digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
@@ -151,15 +153,15 @@ def release_rules(version: str) -> MatchRules:
             key="vllm",
             value=version,
         )
-    known = [r for r in RELEASES.values() if _key(r.release) <= _key(version)]
+    known = [r for r in RELEASES.values() if version_key(r.release) <= version_key(version)]
     if not known:
-        oldest = min(RELEASES, key=_key)
+        oldest = min(RELEASES, key=version_key)
         raise FP8ConfigError(
             f"vLLM {version} is older than the oldest release whose matching was read ({oldest})",
             key="vllm",
             value=version,
         )
-    return max(known, key=lambda r: _key(r.release))
+    return max(known, key=lambda r: version_key(r.release))
 
 
 # --------------------------------------------------------------------------- matching
