@@ -25,6 +25,7 @@ Imports only torch and :mod:`nemo_fp8_plugin.errors`.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,6 +57,9 @@ _BAND_ELEMENTS = 1 << 24
 hundred MB whatever the weight's size."""
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+_COMPARE_CHUNK = 1 << 24
+"""Bytes compared at once on the CPU (two copies of this size are alive at a time)."""
 
 
 @dataclass(frozen=True)
@@ -140,21 +144,23 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one shape hold the same bytes, compared eight bytes at a time
-    (``count_nonzero(x ^ y)`` on an int64 view: about 0.3 ms for 2.9 MB on two threads, where
-    ``torch.equal`` takes 12 ms on the CPU)."""
-    x = _bits(a).reshape(-1).view(torch.uint8)
-    y = _bits(b).reshape(-1).view(torch.uint8)
-    if x.numel() != y.numel():
+    """Whether two tensors of one shape hold the same bytes. On the CPU the bytes are compared
+    by ``memcmp`` (``ctypes.string_at`` copies, 16 MiB at a time), single-threaded: measured on
+    two loaded cores at 3.7 ms median for 2.9 MB, where ``torch.equal`` took 12-17 ms and an
+    int64 ``count_nonzero(x ^ y)`` 1.5 ms at best but 43 ms median (its two OpenMP threads
+    wait on each other under load). On a GPU, ``torch.equal``."""
+    x, y = _bits(a).reshape(-1), _bits(b).reshape(-1)
+    nbytes = x.numel() * x.element_size()
+    if nbytes != y.numel() * y.element_size():
         return False
-    for width, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if x.numel() % width == 0:
-            try:
-                x, y = x.view(dtype), y.view(dtype)
-            except RuntimeError:  # a storage offset off the wider type's alignment
-                continue
-            break
-    return int(torch.count_nonzero(x ^ y)) == 0
+    if x.device.type != "cpu" or y.device.type != "cpu":
+        return torch.equal(x, y)
+    px, py = x.data_ptr(), y.data_ptr()
+    for offset in range(0, nbytes, _COMPARE_CHUNK):
+        n = min(_COMPARE_CHUNK, nbytes - offset)
+        if ctypes.string_at(px + offset, n) != ctypes.string_at(py + offset, n):
+            return False
+    return True
 
 
 def _check_tensor(value: Any, key: str) -> torch.Tensor:

@@ -143,3 +143,16 @@ def test_high_precision_weights_bit_for_bit_after_the_engines_cast():
     check = compare_high_precision("w", moved, w)
     assert check.status == "different" and check.tiles_different == 1
     assert check.max_abs_diff == 0.5 and "[7, 9]" in check.detail
+
+
+def test_the_byte_comparison_sees_a_difference_in_any_chunk(monkeypatch):
+    import nemo_fp8_plugin.numerics.refit_diff as rd
+
+    monkeypatch.setattr(rd, "_COMPARE_CHUNK", 1000)  # 196608 bytes: 197 chunks
+    data, scale = te(weight())
+    for row, col in ((0, 0), (255, 100), (511, 383)):
+        bits = data.view(torch.uint8).clone()
+        bits[row, col] ^= 0x01
+        assert not rd._same(bits.view(torch.float8_e4m3fn), data)
+    assert rd._same(data.clone(), data)
+    assert not rd._same(data[:256], data)  # sizes differ
