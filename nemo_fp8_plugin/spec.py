@@ -360,7 +360,7 @@ class ImportanceSampling:
     1.0 (1.0 drops any sequence that differs at all; NeMo RL's example value is 1.5).
     Applies whether or not ``enabled`` (it changes which sequences count, not their
     weights). NeMo RL ``grpo.seq_logprob_error_threshold`` (v0.6.0 and later); the numerics
-    are :func:`nemo_fp8_plugin.rl.importance.sequence_error_mask`."""
+    are :func:`nemo_fp8_plugin.rl.sequence_mask.sequence_error_mask`."""
 
     FIELDS = ("enabled", "level", "truncation", "ratio_max", "ratio_min", "max_sequence_error")
 

@@ -19,10 +19,10 @@ if TYPE_CHECKING:  # the lazily loaded names, for type checkers and IDEs
         kl_estimate,
         mismatch_metrics,
         policy_kl_error,
-        sequence_error_mask,
     )
     from .kv_scales import KVScaleCalibrator, refresh_scales
     from .refit import RefitLayoutError, quantize_for_refit
+    from .sequence_mask import sequence_error_mask
     from .verify import verify_refit
 
 # public name -> submodule that defines it
@@ -32,7 +32,7 @@ _EXPORTS = {
     "gen_kl_error": "importance",
     "policy_kl_error": "importance",
     "kl_estimate": "importance",
-    "sequence_error_mask": "importance",
+    "sequence_error_mask": "sequence_mask",
     "quantize_for_refit": "refit",
     "RefitLayoutError": "refit",
     "export_fp8_checkpoint": "export",

@@ -13,11 +13,8 @@ import torch
 from nemo_rl_loss import RELEASES, BatchedDataDict, nemo_rl_grpo, nemo_rl_importance_weights
 
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.rl.importance import (
-    importance_weights,
-    sequence_error,
-    sequence_error_mask,
-)
+from nemo_fp8_plugin.rl.importance import importance_weights
+from nemo_fp8_plugin.rl.sequence_mask import sequence_error, sequence_error_mask
 
 pytestmark = pytest.mark.host
 
