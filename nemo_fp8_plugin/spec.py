@@ -352,7 +352,17 @@ class ImportanceSampling:
     """Lower bound of the truncation window. Default None (0 for ``tis``; for ``icepop`` and
     ``seq-mask-tis`` None means 1/ratio_max). Ignored without ``truncation``."""
 
-    FIELDS = ("enabled", "level", "truncation", "ratio_max", "ratio_min")
+    max_sequence_error: float | None = None
+    """Drop whole sequences whose generation/training log-prob error is too large: a sequence
+    whose mean over its valid tokens of ``exp(|gen - train|)`` (NeMo RL's
+    ``token_mult_prob_error``, per sequence: 1.0 means identical) exceeds this value leaves
+    the loss, as if its sample mask were 0. None (default): no sequence is dropped. At least
+    1.0 (1.0 drops any sequence that differs at all; NeMo RL's example value is 1.5).
+    Applies whether or not ``enabled`` (it changes which sequences count, not their
+    weights). NeMo RL ``grpo.seq_logprob_error_threshold`` (v0.6.0 and later); the numerics
+    are :func:`nemo_fp8_plugin.rl.sequence_mask.sequence_error_mask`."""
+
+    FIELDS = ("enabled", "level", "truncation", "ratio_max", "ratio_min", "max_sequence_error")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "enabled", _bool("enabled", self.enabled))
@@ -374,6 +384,17 @@ class ImportanceSampling:
                 key="ratio_min",
                 value=self.ratio_min,
             )
+        error = _float("max_sequence_error", self.max_sequence_error, 0.0, 1e6, optional=True)
+        if error is not None and error < 1.0:
+            raise FP8ConfigError(
+                f"must be at least 1.0, got {error}: a sequence's error, the mean of "
+                f"exp(|gen - train|), is 1.0 when the two agree, so every sequence would leave "
+                f"the loss",
+                key="max_sequence_error",
+                value=self.max_sequence_error,
+                hint="NeMo RL's example value is 1.5; null keeps every sequence",
+            )
+        object.__setattr__(self, "max_sequence_error", error)
         check_importance_combination(self.level, self.truncation)
 
     @classmethod

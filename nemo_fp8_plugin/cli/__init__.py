@@ -26,6 +26,7 @@ COMMANDS = (
     "apply",
     "analyze",
     "export",
+    "verify_refit",
     "doctor",
     "demo",
     "rl_check",
