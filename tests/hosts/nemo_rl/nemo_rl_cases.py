@@ -21,6 +21,10 @@ from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 
 CONFIGS = nemo_rl_configs()
 
+MAIN_STACK = "nemo-rl-main-2026-08-22"
+"""The stack of the configs in tests/fixtures/nemo_rl (NVIDIA's, at main 7ea279a): the release
+tests that need main's keys (``model_overrides``, ``is_mx``) apply for."""
+
 VLLM = "policy.generation.vllm_cfg"
 
 MEG = "policy.megatron_cfg"
@@ -172,7 +176,10 @@ def _with_native(tmp_path, native: dict, **fp8_edits):
 
 
 def apply_8b(tmp_path, **fp8):
-    result = apply_path(NEMO_RL, eight_b(tmp_path, **fp8), output=tmp_path / "out.yaml")
+    """``fp8`` applied to NVIDIA's 8B config for the release it comes from (main 7ea279a)."""
+    result = apply_path(
+        NEMO_RL, eight_b(tmp_path, **fp8), output=tmp_path / "out.yaml", stack=MAIN_STACK
+    )
     (tmp_path / "out.yaml").write_text(yaml.safe_dump(result.data, sort_keys=False))
     return flatten(resolved(tmp_path / "out.yaml")), result.warnings
 
