@@ -786,10 +786,10 @@ class Stack:
 
 
 _NEMO_RL_LOCK = (
-    "torch, Transformer Engine and vLLM as NeMo RL's uv.lock resolves them at {at} (the "
-    "excerpt ../shared/data/nemo_rl/{excerpt} is checked against these pins by "
-    "tests/test_stacks.py); the lock's TE is the git commit {te_commit}, for which the "
-    "registry's TE {te} stands in (its recipe module is the one tested)"
+    "torch, Transformer Engine and vLLM as NeMo RL's uv.lock resolves them at {at} (an excerpt "
+    "of that lock is checked against these pins by tests/test_stacks.py); the lock's TE is the "
+    "git build {te_commit}, for which the registry's TE {te} stands in (its recipe module is the "
+    "one tested)"
 )
 
 STACKS: tuple[Stack, ...] = (
@@ -805,7 +805,6 @@ STACKS: tuple[Stack, ...] = (
         },
         _NEMO_RL_LOCK.format(
             at="tag v0.6.0 (5fb5889, 2026-04-29)",
-            excerpt="releases/v0.6.0/uv.lock.excerpt.toml",
             te_commit="2.14.0+71bbefb",
             te="2.14.0",
         ),
@@ -824,7 +823,6 @@ STACKS: tuple[Stack, ...] = (
         },
         _NEMO_RL_LOCK.format(
             at="tag v0.7.0 (81aa43d, 2026-07-28)",
-            excerpt="releases/v0.7.0/uv.lock.excerpt.toml",
             te_commit="2.15.0+42b8400 (branch release_v2.15, forced by override-dependencies)",
             te="2.15.0",
         ),
@@ -851,7 +849,6 @@ STACKS: tuple[Stack, ...] = (
         },
         _NEMO_RL_LOCK.format(
             at="main 7ea279a (2026-08-22)",
-            excerpt="uv.lock.excerpt.toml",
             te_commit="2.15.0+42b8400",
             te="2.15.0",
         )

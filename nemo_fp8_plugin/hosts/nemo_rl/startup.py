@@ -13,6 +13,7 @@ them in the three source trees): they moved, the conditions did not.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,6 +73,11 @@ ASSERTS: dict[str, dict[str, tuple[str, int]]] = {
 }
 """Assert name -> release -> (file, line) of the condition in that release's NeMo RL."""
 
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\}")
+"""A plain ``${a.b.c}`` reference (OmegaConf resolves it to that key's value)."""
+
+_REFERENCE_HOPS = 16
+
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 """The ``vllm_cfg.kv_cache_dtype`` values NeMo RL's ``init_fp8`` takes (it raises otherwise)."""
 
@@ -101,7 +107,12 @@ def startup_problems(config: Mapping[str, Any], release: str | None) -> list[FP8
 
     def value(key: str, default: Any = None) -> Any:
         found = get_path(config, key, default)
-        if isinstance(found, str) and "${" in found:  # NeMo RL reads it resolved
+        for _ in range(_REFERENCE_HOPS):  # ${policy.precision}: followed without OmegaConf
+            ref = _REFERENCE.fullmatch(found) if isinstance(found, str) else None
+            if ref is None:
+                break
+            found = get_path(config, ref.group(1), default)
+        if isinstance(found, str) and "${" in found:  # a resolver: NeMo RL's own (OmegaConf)
             if not resolved:
                 from .values import interpolated
 

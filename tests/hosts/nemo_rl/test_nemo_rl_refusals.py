@@ -309,3 +309,27 @@ def test_dtensor_fp8_training_hints_fp8_generation_only_where_there_is_generatio
     assert ("fp8: {training: bf16}" in err.value.hint) is generation
     if not generation:
         assert "no policy.generation" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    "native, key",
+    [
+        ("policy: {generation: {vllm_cfg: {num_first_layers_in_bf16: abc}}}", "num_first"),
+        ("policy: {generation: {vllm_cfg: {num_first_layers_in_bf16: .inf}}}", "num_first"),
+        ("policy: {generation: {vllm_cfg: {num_last_layers_in_bf16: [1]}}}", "num_last"),
+        (
+            "loss_fn: {truncated_importance_sampling_type: tis, "
+            "truncated_importance_sampling_ratio: 0, truncated_importance_sampling_ratio_min: 0.5}",
+            "loss_fn.truncated_importance_sampling_ratio",
+        ),
+    ],
+    ids=["abc", "inf", "list", "ratio-0"],
+)
+def test_native_values_read_back_are_refused_in_one_line(tmp_path, capsys, native, key):
+    """Was: ValueError / OverflowError / TypeError / ZeroDivisionError tracebacks from
+    ``explain`` reading NVIDIA's FP8 config back (``hosts/nemo_rl/native.py``)."""
+    src = tmp_path / "native.yaml"
+    src.write_text(f"defaults: {CONFIGS / 'grpo_math_8B_megatron_fp8.yaml'}\n{native}\n")
+    assert run_cli("explain", str(src)) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and key in err and "Traceback" not in err
