@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
         _refuse_own_files(Path(args.config), target, ctx.raw)
     detected = _detected_host(ctx) if args.host is None else None
     adapter = get_adapter(args.host if detected is None else detected)
+    result = run_pipeline(adapter, ctx)  # its own refusals (a mistyped section...) first
     other = _forced_host(adapter, ctx) if args.host is not None else None
-    result = run_pipeline(adapter, ctx)
     # The first line: which NeMo RL release the keys are written for (after the pipeline,
     # so a refusal stays one line: it names the release itself).
     if adapter.name == "nemo-rl":
