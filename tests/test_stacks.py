@@ -293,6 +293,17 @@ def test_with_nothing_detected_explain_and_apply_name_v0_7_0_first(tmp_path, cap
     assert main(["explain", str(cfg), "--json"]) == 0
     release = json.loads(capsys.readouterr().out)["stack"]["nemo_rl"]
     assert release["release"] == "0.7.0" and release["detected"] is False
+    # a refusal is one line: it names the assumed release and how to choose another itself
+    mx = tmp_path / "mx.yaml"
+    mx.write_text(
+        cfg.read_text().replace(NEMO_RL_REQUEST, "fp8: {recipe: mxfp8, hardware: b200}\n")
+    )
+    for command in (["explain"], ["apply", "--host", "nemo-rl"]):
+        assert main([*command, str(mx)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert "NeMo RL v0.7.0 cannot generate in MXFP8" in line
+        assert "NeMo RL v0.7.0: assumed, the newest release" in line
+        assert "--stack nemo-rl-0.6.0 | nemo-rl-main-2026-08-22" in line
 
 
 def test_explain_and_apply_say_how_they_detected_the_release(tmp_path, capsys, monkeypatch):

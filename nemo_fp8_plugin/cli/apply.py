@@ -80,8 +80,10 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._io import atomic_write_text, check_output_file
+    from ..errors import FP8ConfigError
     from ..hosts import get_adapter, load_context
     from ..hosts import run as run_pipeline
+    from ..hosts.nemo_rl.releases import release_hint
     from ..roundtrip import render, unified_diff
 
     target = _target(args)
@@ -103,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
         _refuse_own_files(Path(args.config), target, ctx.raw)
     detected = _detected_host(ctx) if args.host is None else None
     adapter = get_adapter(args.host if detected is None else detected)
-    result = run_pipeline(adapter, ctx)  # its own refusals (a mistyped section...) first
+    try:
+        result = run_pipeline(adapter, ctx)  # its own refusals (a mistyped section...) first
+    except FP8ConfigError as err:  # a refusal naming an assumed NeMo RL release says so
+        raise release_hint(err, ctx.nemo_rl) from None
     other = _forced_host(adapter, ctx) if args.host is not None else None
     # The first line: which NeMo RL release the keys are written for (after the pipeline,
     # so a refusal stays one line: it names the release itself).

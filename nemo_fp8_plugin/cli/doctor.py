@@ -448,6 +448,8 @@ def build_report(
         stated = request.hardware if request is not None else None
         if request is not None and ctx.model is not None:
             dims = dimension_findings(request.spec, ctx.model, ctx.resolved, resolved_value)
+        if host == "nemo-rl" and request is not None:
+            dims = [*dims, *_nemo_rl_refusal(ctx)]
     else:
         specs = list_recipes()
     versions = package_versions()
@@ -491,6 +493,20 @@ def build_report(
         ],
         "not_checked": machine_not_checked,
     }
+
+
+def _nemo_rl_refusal(ctx) -> list[Any]:
+    """What ``apply`` refuses of a NeMo RL config (the release's keys, NeMo RL's own FP8
+    start-up asserts), as one error finding; none when it writes the config."""
+    from ..errors import FP8ConfigError
+    from ..hosts import get_adapter, run
+    from ..spec import Finding
+
+    try:
+        run(get_adapter("nemo-rl"), ctx)
+    except FP8ConfigError as err:
+        return [Finding("error", err.key or "nemo-rl", err.bare_message)]
+    return []
 
 
 def _with_dims(verdict: dict[str, Any], dims) -> dict[str, Any]:

@@ -168,3 +168,17 @@ def truncation(values: Mapping[str, Any], release: str | None) -> tuple[Any, Any
     by_type = lookup("nemo-rl", TRUNCATION_BY_TYPE, release).present is not False
     on = kind is not None if by_type else ratio is not None
     return (kind, ratio, low) if on else (None, None, None)
+
+
+def release_hint(err: FP8ConfigError, choice: Any) -> FP8ConfigError:
+    """``err`` with, when it names the NeMo RL release ``choice`` (a
+    :class:`~nemo_fp8_plugin.stacks.ReleaseChoice`) that was assumed or detected rather than
+    chosen, how it was decided and the ``--stack`` names of the others appended to its hint: a
+    refusal is one line, so the commands' first line naming the release is not printed."""
+    if choice.how.startswith("chosen") or choice.label not in err.bare_message:
+        return err
+    said = f"{choice.line.removeprefix(choice.label + ' (').removesuffix(')')}"
+    hint = f"{err.hint}; " if err.hint else ""
+    return type(err)(
+        err.bare_message, key=err.key, value=err.value, hint=f"{hint}{choice.label}: {said}"
+    )

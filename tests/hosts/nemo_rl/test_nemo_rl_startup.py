@@ -155,3 +155,21 @@ def test_the_shipped_rollouts_example_runs_on_every_release(tmp_path, release):
     vllm = result.data["policy"]["generation"]["vllm_cfg"]
     assert vllm["kv_cache_dtype"] == "fp8" and vllm["precision"] == "fp8"
     assert result.data["loss_fn"]["truncated_importance_sampling_type"] == "icepop"
+
+
+def test_doctor_says_what_nemo_rl_would_stop_on(tmp_path, capsys):
+    src = _child(
+        tmp_path,
+        "0.7.0",
+        "grpo_math_8B_megatron.yaml",
+        {"recipe": "fp8_blockwise", "kv_cache": "fp8"},
+    )
+    assert main(["doctor", str(src), "--hardware", "h100", "--json"]) == 1
+    import json
+
+    (verdict,) = json.loads(capsys.readouterr().out)["recipes"]
+    assert verdict["runnable"] is False
+    assert any(
+        p.startswith("policy.megatron_cfg.pipeline_model_parallel_size:") and "grpo.py" in p
+        for p in verdict["problems"]
+    )
