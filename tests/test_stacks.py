@@ -88,6 +88,19 @@ def test_match_stack(versions, want):
     assert (m.stack.name if m.stack else None) == want
 
 
+def test_a_released_containers_versions_are_never_advised_to_change():
+    """Was: doctor in NeMo RL main's container (TE 2.15.0+42b8400, its lock's) advised
+    "transformer-engine 2.15.0+42b8400 -> 2.14.1". A NeMo RL stack's pins are its lock's: a
+    machine that differs is told how, never to change them."""
+    main_versions = {"transformer-engine": "2.15.0+42b8400", "vllm": "0.25.1", "torch": "2.11.0"}
+    assert stacks.match_stack(main_versions).stack.name == "nemo-rl-main-2026-08-22"
+    for stack in stacks.STACKS:
+        off = {host: "0.0.1" for host in stack.ranges}  # below every range
+        lines = stacks.misfits(stack, off)
+        assert len(lines) == len(stack.ranges), stack.name
+        assert all(("->" in line) is not stack.container for line in lines), (stack.name, lines)
+
+
 def test_an_unmatched_set_names_the_nearest_stack_and_the_change():
     m = stacks.match_stack({"megatron-core": "0.16.1", "transformer-engine": "2.20.2"})
     assert m.nearest is not None and m.nearest.name == "nemo-2.7"
