@@ -78,15 +78,16 @@ def test_fp8_generation_without_importance_sampling(tmp_path, release):
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_fp8_kv_cache_with_pipeline_parallelism(tmp_path, release):
+def test_fp8_kv_cache_with_pipeline_parallelism(tmp_path, capsys, release):
     """NVIDIA's grpo_math_8B_megatron.yaml has pipeline_model_parallel_size 2."""
-    err = _refused(
-        tmp_path,
-        release,
-        "grpo_math_8B_megatron.yaml",
-        {"recipe": "fp8_blockwise", "kv_cache": "fp8"},
-    )
+    fp8 = {"recipe": "fp8_blockwise", "kv_cache": "fp8"}
+    err = _refused(tmp_path, release, "grpo_math_8B_megatron.yaml", fp8)
     assert err.key == "policy.megatron_cfg.pipeline_model_parallel_size" and err.value == 2
+    src = _child(tmp_path, release, "grpo_math_8B_megatron.yaml", fp8)
+    for command in (["explain"], ["apply", "--host", "nemo-rl"]):  # explain refuses it too
+        assert main([*command, str(src), "--stack", STACK[release]]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert "policy.megatron_cfg.pipeline_model_parallel_size" in line
 
 
 @pytest.mark.parametrize("release", RELEASES)
