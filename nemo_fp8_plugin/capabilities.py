@@ -126,7 +126,8 @@ NVFP4_GENERATION_REFUSAL = (
     "weights (TE NVFP4 training of the routed experts with per-token NVFP4 rollouts, "
     "policy.megatron_cfg.fp4_cfg with policy.generation.nvfp4_pertoken_rollout, arrived in "
     "NVIDIA-NeMo/RL pull request 3566 after 7ea279a, in no release the stacks table knows: "
-    "checked NeMo RL 0.6); vLLM (0.25.1 under NeMo RL 0.6, 0.32 here) serves NVFP4 only from an NVFP4 "
+    "checked NeMo RL v0.6.0, v0.7.0 and main 7ea279a); vLLM (0.25.1 under NeMo RL main "
+    "7ea279a, 0.32 here) serves NVFP4 only from an NVFP4 "
     "checkpoint in ModelOpt or compressed-tensors format on Blackwell (SM100), which the "
     "plugin does not export, and its nemo_fp8 vLLM method has no NVFP4 kernels"
 )

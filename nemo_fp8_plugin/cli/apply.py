@@ -54,7 +54,8 @@ def register(sub) -> None:
     where.add_argument(
         "--force",
         action="store_true",
-        help="replace a read-only (e.g. 0444) output file; without it one is refused",
+        help="replace a read-only (e.g. 0444) output file, and write --host's keys into a "
+        "config whose shape is another host's; without it both are refused",
     )
     p.add_argument(
         "--strict", action="store_true", help="treat rules the host cannot express as errors"
@@ -63,8 +64,9 @@ def register(sub) -> None:
         "--stack",
         default=None,
         metavar="NAME",
-        help="write for this named stack's host versions (nemo-rl-0.6, nemo-2.7, latest; "
-        "default: the installed versions)",
+        help="write for this named stack's host versions (nemo-rl-0.6.0, nemo-rl-0.7.0, "
+        "nemo-rl-main-2026-08-22, nemo-2.7, latest; default: the installed versions, and for "
+        "NeMo RL the release they identify, else v0.7.0)",
     )
     p.add_argument(
         "--validate",
@@ -78,8 +80,10 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._io import atomic_write_text, check_output_file
+    from ..errors import FP8ConfigError
     from ..hosts import get_adapter, load_context
     from ..hosts import run as run_pipeline
+    from ..hosts.nemo_rl.releases import release_hint
     from ..roundtrip import render, unified_diff
 
     target = _target(args)
@@ -95,13 +99,33 @@ def run(args: argparse.Namespace) -> int:
         strict=args.strict,
         output=Path(args.config) if args.diff else target,
         stack=args.stack,
+        host_forced=args.force and args.host is not None,
     )
-    if args.stack is not None and ctx.stack is not None:
-        print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
     if target is not None and not args.in_place:
         _refuse_own_files(Path(args.config), target, ctx.raw)
-    adapter = get_adapter(args.host if args.host is not None else _detected_host(ctx))
-    result = run_pipeline(adapter, ctx)
+    detected = _detected_host(ctx) if args.host is None else None
+    adapter = get_adapter(args.host if detected is None else detected)
+    try:
+        result = run_pipeline(adapter, ctx)  # its own refusals (a mistyped section...) first
+    except FP8ConfigError as err:  # a refusal naming an assumed NeMo RL release says so
+        raise release_hint(err, ctx.nemo_rl) from None
+    other = _forced_host(adapter, ctx) if args.host is not None else None
+    # The first line: which NeMo RL release the keys are written for (after the pipeline,
+    # so a refusal stays one line: it names the release itself).
+    if adapter.name == "nemo-rl":
+        print(f"nemo-fp8 apply: {ctx.nemo_rl.line}", file=sys.stderr)
+    if args.stack is not None and ctx.stack is not None:
+        print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
+    if detected is not None:
+        print(
+            f"nemo-fp8 apply: host: {detected} (detected from the config's shape)", file=sys.stderr
+        )
+    if other is not None:
+        print(
+            f"nemo-fp8 apply: --force: {adapter.name}'s keys written into a {other} config "
+            f"(from its shape); {other} may not read them",
+            file=sys.stderr,
+        )
     checks = adapter.validate(result, ctx) if args.validate and result.requested else []
     source = _read_text(Path(args.config))
     written, removed = result.written or {}, list(result.removed)
@@ -166,9 +190,22 @@ def _write_companions(files: dict[str, str]) -> None:
         print(f"wrote {printable_path(path)}", file=sys.stderr)
 
 
+def _forced_host(adapter, ctx) -> str | None:
+    """``--host`` against the config's shape: refused naming both hosts
+    (:func:`~nemo_fp8_plugin.hosts.refuse_other_host`), unless ``--force``; then the host the
+    shape names, for the command to say so (None: the shapes agree). Transformer Engine's
+    output is a new document, not an edit of the config: any shape is fine."""
+    from ..hosts import refuse_other_host, shape_mismatch
+
+    if adapter.name == "te":
+        return None
+    refuse_other_host(adapter, ctx)
+    return shape_mismatch(adapter, ctx)
+
+
 def _detected_host(ctx) -> str:
-    """The host ``explain`` would pick for this config (:func:`detect_host`), said on stderr;
-    a config whose shape names none is refused with the choices."""
+    """The host ``explain`` would pick for this config (:func:`detect_host`); a config whose
+    shape names none is refused with the choices."""
     from ..errors import FP8ConfigError
     from ..hosts import HOSTS, detect_host
 
@@ -180,7 +217,6 @@ def _detected_host(ctx) -> str:
             key="--host",
             hint=f"pass --host, one of {', '.join(HOSTS)}",
         )
-    print(f"nemo-fp8 apply: host: {host} (detected from the config's shape)", file=sys.stderr)
     return host
 
 

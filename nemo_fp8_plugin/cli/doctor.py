@@ -2,8 +2,8 @@
 
 Reports, for the machine it runs on:
 
-* the stack: which named stack (:data:`nemo_fp8_plugin.stacks.STACKS`: ``nemo-rl-0.6``,
-  ``nemo-2.7``, ``latest``) the installed host versions are, whether each version is one the
+* the stack: which named stack (:data:`nemo_fp8_plugin.stacks.STACKS`: ``nemo-rl-0.7.0``,
+  ``nemo-2.7``, ``latest``, ...) the installed host versions are (and which NeMo RL release), whether each version is one the
   plugin is tested against, and, when the set is no named stack, what to change to make it the
   nearest one (``--stack NAME`` checks against a named stack instead);
 * GPU architecture and CUDA (from torch, when torch is installed), and the versions of
@@ -84,8 +84,8 @@ def register(sub) -> None:
         "--stack",
         default=None,
         metavar="NAME",
-        help="check the installed versions against this named stack (nemo-rl-0.6, nemo-2.7, "
-        "latest) instead of the one they match",
+        help="check the installed versions against this named stack (nemo-rl-0.7.0, "
+        "nemo-2.7, latest, ...) instead of the one they match",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run)
@@ -104,7 +104,7 @@ def package_versions() -> dict[str, str | None]:
 def stack_report(versions: dict[str, str | None], stack: str | None = None) -> dict[str, Any]:
     """Which named stack ``versions`` is (or, with ``stack``, how it differs from that one),
     whether each version is tested, and what to change when the set is no tested stack."""
-    from ..stacks import TESTED, Stack, get_stack, match_stack, misfits
+    from ..stacks import TESTED, Stack, detect_nemo_rl, get_stack, match_stack, misfits
 
     match = match_stack(versions)
     have = {h: v for h, v in versions.items() if v}
@@ -143,6 +143,7 @@ def stack_report(versions: dict[str, str | None], stack: str | None = None) -> d
         "nearest": named.name if named is not None else None,
         "hosts": hosts,
         "changes": changes,
+        "nemo_rl": detect_nemo_rl(versions).summary(),  # the release found, and if tested
     }
 
 
@@ -447,6 +448,8 @@ def build_report(
         stated = request.hardware if request is not None else None
         if request is not None and ctx.model is not None:
             dims = dimension_findings(request.spec, ctx.model, ctx.resolved, resolved_value)
+        if host == "nemo-rl" and request is not None:
+            dims = [*dims, *_nemo_rl_refusal(ctx)]
     else:
         specs = list_recipes()
     versions = package_versions()
@@ -492,6 +495,20 @@ def build_report(
     }
 
 
+def _nemo_rl_refusal(ctx) -> list[Any]:
+    """What ``apply`` refuses of a NeMo RL config (the release's keys, NeMo RL's own FP8
+    start-up asserts), as one error finding; none when it writes the config."""
+    from ..errors import FP8ConfigError
+    from ..hosts import get_adapter, run
+    from ..spec import Finding
+
+    try:
+        run(get_adapter("nemo-rl"), ctx)
+    except FP8ConfigError as err:
+        return [Finding("error", err.key or "nemo-rl", err.bare_message)]
+    return []
+
+
 def _with_dims(verdict: dict[str, Any], dims) -> dict[str, Any]:
     """A recipe's verdict with the model dimensions its GEMMs cannot take (errors: it cannot
     run, whatever the GPU) and those that cost (warnings)."""
@@ -514,6 +531,9 @@ def _stack_lines(stack: dict[str, Any]) -> list[str]:
         nearest = f"; nearest: {stack['nearest']}" if stack["nearest"] else ""
         lines = [f"stack: none of the named stacks ({stack['how']}){nearest}: untested set"]
     lines += [f"  change: {c}" for c in stack["changes"]]
+    if stack.get("nemo_rl", {}).get("detected"):
+        tested = "tested" if stack["nemo_rl"]["tested"] else "untested"
+        lines.append(f"  nemo-rl: {stack['nemo_rl']['line']}: {tested}")
     return lines
 
 

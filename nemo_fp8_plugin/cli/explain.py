@@ -35,8 +35,9 @@ def register(sub) -> None:
         "--stack",
         default=None,
         metavar="NAME",
-        help="assume this named stack's host versions (nemo-rl-0.6, nemo-2.7, latest; "
-        "default: the installed versions); the report's first lines name it",
+        help="assume this named stack's host versions (nemo-rl-0.6.0, nemo-rl-0.7.0, "
+        "nemo-rl-main-2026-08-22, nemo-2.7, latest; default: the installed versions, and for "
+        "NeMo RL the release they identify, else v0.7.0); the report's first lines name it",
     )
     p.add_argument(
         "--all-hosts",
@@ -58,20 +59,29 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._io import dump_json
+    from ..errors import FP8ConfigError
     from ..explain import build_report, render_text
+    from ..hosts.nemo_rl.releases import release_hint
+    from ..stacks import assumed_versions
 
-    report = build_report(
-        args.config,
-        hardware=args.hardware,
-        model=args.model,
-        model_config=args.model_config,
-        strict=args.strict,
-        host=args.host,
-        stack=args.stack,
-    )
+    try:
+        report = build_report(
+            args.config,
+            hardware=args.hardware,
+            model=args.model,
+            model_config=args.model_config,
+            strict=args.strict,
+            host=args.host,
+            stack=args.stack,
+        )
+    except FP8ConfigError as err:  # a refusal naming an assumed NeMo RL release says so
+        raise release_hint(err, assumed_versions(args.stack).release) from None
     if args.json:
         sys.stdout.write(dump_json(report))
     else:
+        if report.get("host") == "nemo-rl" and "stack" in report:
+            # The first line: which NeMo RL release the keys below are written for.
+            print(report["stack"]["nemo_rl"]["line"])
         sys.stdout.write(
             render_text(
                 report, all_hosts=args.all_hosts, full=args.full, host_given=args.host is not None

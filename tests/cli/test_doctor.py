@@ -280,18 +280,26 @@ def test_the_test_environment_is_the_nemo_2_7_stack(capsys):
 
 
 def test_a_nemo_rl_container_is_detected(capsys, monkeypatch):
+    """NeMo RL main's own versions (its uv.lock: TE 2.15.0+42b8400, vLLM 0.25.1; megatron-core
+    built from its submodule): that release, found from vLLM and TE, and no version of the
+    container's is advised to change."""
     _with_versions(
         monkeypatch,
-        torch="2.11.0+cu129",
-        transformer_engine="2.14.1",
+        torch="2.11.0+cu130",
+        transformer_engine="2.15.0+42b8400",
         vllm="0.25.1",
         megatron_core="0.20.0",
         nemo_toolkit=None,
         nemo_rl="0.6.0",
     )
     stack = _json(capsys)["stack"]
-    assert stack["name"] == "nemo-rl-0.6" and stack["tested"] is False  # core 0.20: source only
+    assert stack["name"] == "nemo-rl-main-2026-08-22" and stack["matches"]
+    assert stack["tested"] is False  # core 0.20: source only
     assert any("megatron-core 0.20.0 is not a version" in c for c in stack["changes"])
+    assert not any("->" in c for c in stack["changes"])
+    release = stack["nemo_rl"]
+    assert release["release"] == "main-2026-08-22" and release["detected"] and release["tested"]
+    assert "vLLM 0.25.1" in release["how"]
 
 
 def test_an_untested_set_says_what_to_change(capsys, monkeypatch):
@@ -311,10 +319,15 @@ def test_an_untested_set_says_what_to_change(capsys, monkeypatch):
 
 
 def test_stack_flag_checks_against_a_named_stack(capsys):
-    stack = _json(capsys, "--stack", "nemo-rl-0.6")["stack"]
-    assert stack["name"] == "nemo-rl-0.6" and stack["how"] == "chosen with --stack"
+    stack = _json(capsys, "--stack", "nemo-rl-0.7.0")["stack"]
+    assert stack["name"] == "nemo-rl-0.7.0" and stack["how"] == "chosen with --stack"
     assert stack["matches"] is False
-    assert any(c.startswith("megatron-core 0.16.1 -> 0.20.0") for c in stack["changes"])
+    # a released container's versions are its own: how they differ, never a change to make
+    assert any(
+        c.startswith("torch 2.13.0") and "is not nemo-rl-0.7.0's own 2.11.0" in c
+        for c in stack["changes"]
+    )
+    assert not any("->" in c for c in stack["changes"])
     assert main(["doctor", "--stack", "nemo-2.7"]) == 0
     assert "stack: nemo-2.7 (chosen with --stack): a tested stack" in capsys.readouterr().out
 

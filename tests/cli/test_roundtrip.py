@@ -29,7 +29,7 @@ from conftest import REPO, SHARED_NEMO_RL, nemo_rl_configs, shared_nemo_rl
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.config import load_config
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts import ADAPTERS, get_adapter, load_context, run
+from nemo_fp8_plugin.hosts import ADAPTERS, get_adapter, load_context, refuse_other_host, run
 
 pytestmark = pytest.mark.torch_free
 
@@ -180,7 +180,9 @@ CASES = [(e, h) for e in EXAMPLES for h in ADAPTERS if h != "te"]
 def test_examples_change_only_the_written_keys(example, host, tmp_path, capsys):
     out = tmp_path / "out.yaml"
     try:
-        run(get_adapter(host), load_context(example))
+        ctx, adapter = load_context(example), get_adapter(host)
+        refuse_other_host(adapter, ctx)  # apply --host refuses another host's config
+        run(adapter, ctx)
     except FP8ConfigError:  # a host the example is not for: refused as one line, nothing written
         rc, _, err = apply_cli(capsys, example, "--host", host, "-o", out)
         one_line_error(rc, err)

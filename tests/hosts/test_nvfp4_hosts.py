@@ -377,6 +377,9 @@ def _nemo_rl_function(*names: str):
     return [scope[n] for n in names]
 
 
+MAIN = "nemo-rl-main-2026-08-22"  # NeMo RL with model_overrides (NVFP4 training)
+
+
 def _moonlight(tmp_path, fp8, **policy):
     src = CONFIGS / "recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml"
     data = yaml.safe_load(src.read_text())
@@ -391,7 +394,8 @@ def _moonlight(tmp_path, fp8, **policy):
 def test_nemo_rl_nvfp4_reaches_the_provider_through_model_overrides(tmp_path):
     from megatron.core.transformer import TransformerConfig
 
-    result = apply_path(NEMO_RL, _moonlight(tmp_path, {"recipe": "nvfp4", "fp8_param": True}))
+    src = _moonlight(tmp_path, {"recipe": "nvfp4", "fp8_param": True})
+    result = apply_path(NEMO_RL, src, stack=MAIN)  # model_overrides: main's (not v0.7.0's)
     meg = result.data["policy"]["megatron_cfg"]
     assert meg["model_overrides"] == {"fp4": "e2m1", "fp4_recipe": "nvfp4", "fp4_param": True}
     assert "fp8_cfg" not in meg or not meg["fp8_cfg"].get("enabled")
@@ -439,7 +443,7 @@ def test_nemo_rl_nvfp4_next_to_an_enabled_fp8_cfg_is_refused(tmp_path):
         tmp_path, {"recipe": "nvfp4"}, megatron_cfg={"enabled": True, "fp8_cfg": {"enabled": True}}
     )
     with pytest.raises(FP8ConfigError) as err:
-        apply_path(NEMO_RL, path)
+        apply_path(NEMO_RL, path, stack=MAIN)
     assert err.value.key == "policy.megatron_cfg.fp8_cfg.enabled"
 
 

@@ -156,7 +156,9 @@ def test_stated_fp8_param_is_the_same_in_explain_and_apply(tmp_path):
     assert yaml.safe_load(out.read_text())["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is True
     # and a preset's fp8_param: true the user did not state stays false, with the warning
     preset = _nemo_rl_child(tmp_path, "policy: {precision: fp8_current}\n")
-    section = json.loads(cli("explain", preset, "--json").stdout)["hosts"]["nemo-rl"]
+    # (fp8_current keeps training layers in BF16: model_overrides, main's)
+    main = ("--stack", "nemo-rl-main-2026-08-22")
+    section = json.loads(cli("explain", preset, "--json", *main).stdout)["hosts"]["nemo-rl"]
     # (false is the parent's value already, so nothing is written for it)
     assert section["keys"]["policy"]["megatron_cfg"]["fp8_cfg"].get("fp8_param") is not True
     assert any("fp8_param" in w for w in section["warnings"])
@@ -174,7 +176,8 @@ def test_nemo_rl_pins_every_te_variable_the_recipe_depends_on(tmp_path, recipe, 
     """Was: the TE adapter pinned NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=0 for fp8_current,
     NeMo RL wrote nothing, so a cluster-wide `=1` flipped the recipe to power-of-2 scales."""
     cfg = _nemo_rl_child(tmp_path, f"policy: {{precision: {recipe}}}\n")
-    data = run(get_adapter("nemo-rl"), load_context(cfg)).data
+    # fp8_current's BF16 edge layers reach training through model_overrides (main's)
+    data = run(get_adapter("nemo-rl"), load_context(cfg, stack="nemo-rl-main-2026-08-22")).data
     assert data["policy"]["megatron_cfg"]["env_vars"][var] == value
     te = run(get_adapter("te"), load_context(cfg)).data
     assert te["transformer_engine"]["env"] == {var: value}

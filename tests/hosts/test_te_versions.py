@@ -1,5 +1,7 @@
 """Every recipe on the Transformer Engine versions users have: 2.11.0 (NeMo 2.7.3's range),
-2.14.1 (NeMo RL 0.6) and 2.20.2 (latest), each release's own
+2.14.0 (NeMo RL v0.6.0's lock: 2.14.0+71bbefb), 2.14.1, 2.15.0 (NeMo RL v0.7.0's and main's
+lock: 2.15.0+42b8400; the registry's releases stand in for those git builds) and 2.20.2
+(latest), each release's own
 ``transformer_engine/common/recipe/__init__.py`` loaded by file path from its pure-Python wheel
 in ``.cache/upstream`` (``scripts/install.sh test`` downloads them with
 ``pip download --no-deps transformer-engine==V``).

@@ -397,10 +397,11 @@ def test_explain_says_module_rules_stay_generation_only_on_a_stack_without_the_k
         "grpo_moonlight_fp8_e2e.yaml",
         configs / "recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml",
     )
-    assert main(["explain", str(src), "--host", "nemo-rl", "--stack", "nemo-rl-0.6"]) == 0
+    stack = "nemo-rl-main-2026-08-22"
+    assert main(["explain", str(src), "--host", "nemo-rl", "--stack", stack]) == 0
     out = capsys.readouterr().out
     assert (
-        "module rules stay generation-only: nemo-rl 0.6.0 has no "
+        "module rules stay generation-only: nemo-rl main-2026-08-22 has no "
         "policy.megatron_cfg.te_precision_config_file (from 0.8)" in out
     )
 

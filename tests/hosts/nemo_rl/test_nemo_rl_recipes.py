@@ -13,6 +13,7 @@ import yaml
 from nemo_rl_cases import (
     CONFIGS,
     IS_ON,
+    MAIN_STACK,
     MEG,
     MISSING,
     VLLM,
@@ -81,7 +82,7 @@ def test_preset_fp8_param_true_is_written_false_for_nemo_rl(tmp_path, recipe):
         lambda d: d["policy"].update(precision=recipe),
         relative_defaults=True,
     )
-    result = apply_path(NEMO_RL, src)
+    result = apply_path(NEMO_RL, src, stack=MAIN_STACK)
     # false is the parent's value already, so the overlay leaves it out (issue 28)
     assert result.data["policy"]["megatron_cfg"]["fp8_cfg"].get("fp8_param", False) is False
     (warning,) = [w for w in result.warnings if "fp8_param" in w]
@@ -108,7 +109,7 @@ def test_fp8_param_stated_by_the_user_is_kept(tmp_path):
         },
         recipe="mxfp8",
     )
-    data = apply_path(NEMO_RL, native).data
+    data = apply_path(NEMO_RL, native, stack=MAIN_STACK).data
     assert data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is True
     assert native_keys(get_recipe("mxfp8"), fp8_param_stated=True).warnings == []
 
@@ -175,8 +176,16 @@ def test_training_only_mode_keeps_bf16_generation(tmp_path):
 
 
 def test_fp8_kv_cache(tmp_path):
-    ours, _ = apply_8b(tmp_path, kv_cache="fp8")
-    assert ours[f"{VLLM}.kv_cache_dtype"] == "fp8"
+    """The 8B config has pipeline_model_parallel_size 2, which NeMo RL refuses with an FP8 KV
+    cache (the release's grpo.py): refused naming the key; with 1, written."""
+    with pytest.raises(FP8ConfigError) as err:
+        apply_8b(tmp_path, kv_cache="fp8")
+    assert err.value.key == f"{MEG}.pipeline_model_parallel_size" and "grpo.py" in str(err.value)
+    src = _with_native(
+        tmp_path, {"policy": {"megatron_cfg": {"pipeline_model_parallel_size": 1}}}, kv_cache="fp8"
+    )
+    data = apply_path(NEMO_RL, src).data
+    assert data["policy"]["generation"]["vllm_cfg"]["kv_cache_dtype"] == "fp8"
 
 
 @pytest.mark.parametrize(
@@ -221,8 +230,14 @@ def test_sequence_level_needs_a_sequence_level_loss(tmp_path):
 
 
 def test_importance_sampling_off_leaves_the_loss_alone(tmp_path):
-    ours, _ = apply_8b(tmp_path, importance_sampling=False)
+    """Training-only FP8 without the correction leaves the loss as the config has it; FP8
+    generation without it is what every NeMo RL release stops on at start-up (grpo.py), so it
+    is refused naming the request's key."""
+    ours, _ = apply_8b(tmp_path, importance_sampling=False, generation="bf16")
     assert not any(k.startswith("loss_fn") for k in changed(ours))
+    with pytest.raises(FP8ConfigError) as err:
+        apply_8b(tmp_path, importance_sampling=False)
+    assert err.value.key == "fp8.importance_sampling" and "stops at start-up" in str(err.value)
 
 
 def test_moe_router_dtype_only_for_moe_models(tmp_path):
