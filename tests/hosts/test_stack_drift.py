@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import shared_nemo_rl
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.hosts import megatron as mg
 from nemo_fp8_plugin.hosts.nemo_rl import NVFP4_PARAM_GATHER_WARNING, native_keys
@@ -59,15 +59,10 @@ def test_no_fp4_parameters_no_gather(tmp_path, capsys):
     assert "fp4_param_gather" not in capsys.readouterr().err
 
 
-NEMO_RL_SETUP = Path("/work/shared/data/nemo_rl/src/nemo_rl/models/megatron/setup.py")
-
-
 def test_nemo_rl_cannot_set_fp4_param_gather_and_says_so():
     """NeMo RL (7ea279a) passes a fixed set of keys to DistributedDataParallelConfig; the
     warning's claim is read from its source."""
-    if not NEMO_RL_SETUP.is_file():
-        pytest.skip(f"{NEMO_RL_SETUP} is absent (NeMo RL's source, read-only test data)")
-    tree = ast.parse(NEMO_RL_SETUP.read_text())
+    tree = ast.parse(shared_nemo_rl("src/nemo_rl/models/megatron/setup.py").read_text())
     calls = [
         n
         for n in ast.walk(tree)
