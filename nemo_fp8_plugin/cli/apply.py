@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         strict=args.strict,
         output=Path(args.config) if args.diff else target,
         stack=args.stack,
+        host=args.host,
     )
     if args.stack is not None and ctx.stack is not None:
         print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
