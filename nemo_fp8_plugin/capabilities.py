@@ -644,8 +644,9 @@ and said, for these sides only (:func:`hardware_problems`)."""
 
 
 def host_sides(host: str | None) -> tuple[Side, ...]:
-    """The sides ``host`` runs (:data:`HOST_SIDES`); both when no host is known."""
-    return HOST_SIDES.get(host, SIDES) if host is not None else SIDES
+    """The sides ``host`` runs (:data:`HOST_SIDES`; ``nemo_rl`` spells ``nemo-rl`` as
+    ``--host`` takes it); both when no host is known."""
+    return HOST_SIDES.get(host.replace("_", "-"), SIDES) if host is not None else SIDES
 
 
 def arch_label(arch: str) -> str:

@@ -119,3 +119,12 @@ def test_a_vllm_config_is_judged_for_generation_only(tmp_path, capsys):
     rc, _, err = _run(capsys, "apply", cfg, "--hardware", "h100", "-o", str(out_file))
     assert rc == 2 and "mxfp8 cannot generate on Hopper (SM90): vLLM's MXFP8 kernels" in err
     assert "`precision: fp8_blockwise`" in err and "train" not in err
+
+
+def test_every_host_says_which_sides_it_runs():
+    """A host added without its sides would be judged on both, silently."""
+    from nemo_fp8_plugin.capabilities import HOST_SIDES, host_sides
+    from nemo_fp8_plugin.hosts import ADAPTERS
+
+    assert set(HOST_SIDES) == set(ADAPTERS)
+    assert host_sides("nemo_rl") == host_sides("nemo-rl") == ("training", "generation")
