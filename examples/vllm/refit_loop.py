@@ -86,11 +86,10 @@ def quantized_on_load(record: logging.LogRecord) -> bool:
     )
 
 
-def write_checkpoint(trainer: torch.nn.Module) -> Path:
+def write_checkpoint(trainer: torch.nn.Module, ckpt: Path) -> Path:
     """A checkpoint both sides start from (use your own instead): the weights, the config
     and a word-level tokenizer (vLLM's engine warms up its chat template at start-up and
     logs a traceback for a model without a tokenizer)."""
-    ckpt = Path(tempfile.mkdtemp(prefix="tiny-llama-"))
     (ckpt / "config.json").write_text(json.dumps(CONFIG))
     save_file(
         {k: v.to(torch.bfloat16).contiguous() for k, v in trainer.state_dict().items()},
@@ -106,14 +105,14 @@ def write_checkpoint(trainer: torch.nn.Module) -> Path:
     return ckpt
 
 
-def main() -> int:
+def main(ckpt: Path) -> int:
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     spec = SPEC
 
     torch.manual_seed(0)
     trainer = LlamaForCausalLM(LlamaConfig(**CONFIG))
-    ckpt = write_checkpoint(trainer)
+    write_checkpoint(trainer, ckpt)
     trainer.to(device)
 
     logging.getLogger("vllm.model_executor.models.utils").addFilter(quantized_on_load)
@@ -200,4 +199,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with tempfile.TemporaryDirectory(prefix="tiny-llama-") as tmp:
+        code = main(Path(tmp))
+    sys.exit(code)
