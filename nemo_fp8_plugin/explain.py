@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .capabilities import SIDES, host_sides
 from .errors import ConflictingKeyError, FP8ConfigError
 from .hosts import detect_host
 from .registry import default_registry
@@ -63,7 +64,7 @@ def build_report(
         return _no_request(report, ctx, own)
     report.update(_recipe_section(request))
     if request.hardware is not None:
-        _hardware_section(report, request, hardware)
+        _hardware_section(report, request, hardware, own)
     report["warnings"] += list(ctx.model_notes)
     description = ctx.model
     if description is not None:
@@ -112,18 +113,23 @@ def _no_request(report: dict[str, Any], ctx, own: str | None) -> dict[str, Any]:
     return report
 
 
-def _hardware_section(report: dict[str, Any], request: FP8Request, flag: str | None) -> None:
+def _hardware_section(
+    report: dict[str, Any], request: FP8Request, flag: str | None, own: str | None
+) -> None:
     """``report["hardware"]``: what each side runs on the stated target and what cannot run,
     with the nearest recipe and the YAML change; every problem is also a warning (an error
     under ``--strict``), so ``explain`` reports a config moved to another GPU rather than
-    refusing it (``apply`` refuses, ``doctor`` exits 1)."""
-    from .capabilities import arch_label, hardware_problems, side_summary
+    refusing it (``apply`` refuses, ``doctor`` exits 1). Problems are judged for the sides
+    the config's host ``own`` runs (:func:`~nemo_fp8_plugin.capabilities.host_sides`), as
+    ``apply`` refuses them; ``runs`` names both sides."""
+    from .capabilities import arch_label, hardware_problems, host_sides, side_summary
 
     spec, arch = request.spec, request.hardware
     assert arch is not None
     target = flag if request.hardware_key == "--hardware" else None
     name = target or arch_label(arch)
-    problems = hardware_problems(spec, arch)
+    sides = host_sides(own)
+    problems = hardware_problems(spec, arch, sides, request.keys)
     report["recipe"]["hardware"] = arch
     report["hardware"] = {
         "target": arch,
@@ -145,7 +151,7 @@ def _hardware_section(report: dict[str, Any], request: FP8Request, flag: str | N
     report["warnings"] += [f"{request.hardware_key} {name}: {p.message}" for p in problems]
     runs = report["hardware"]["runs"]
     report.setdefault("notes", []).append(
-        f"on {name}: training: {runs['training']}; generation: {runs['generation']}"
+        f"on {name}: " + "; ".join(f"{side}: {runs[side]}" for side in sides)
     )
 
 
@@ -234,20 +240,33 @@ def _rule_index(text: str) -> int | None:
 
 def _hosts_section(ctx, own: str | None, names: list[str]) -> dict[str, Any]:
     """Every host's result of the apply pipeline on this config, the config's own host
-    first. The own host's refusals propagate (``apply`` would refuse the same way)."""
+    first. The own host's refusals propagate (``apply`` would refuse the same way). Another
+    host's refusal says whether that host refuses the recipe itself (``refuses_recipe``:
+    whatever the config) or only this config, which is not written for it."""
     from .hosts import get_adapter, run
 
     out: dict[str, Any] = {}
     for name in ([own] if own else []) + [n for n in names if n != own]:
+        adapter = get_adapter(name)
         try:
-            out[name] = run(get_adapter(name), ctx).summary()
+            out[name] = run(adapter, ctx).summary()
         except ConflictingKeyError:
             raise
         except FP8ConfigError as err:
             if name == own:
                 raise
-            out[name] = {"refused": str(err)}
+            out[name] = {"refused": str(err), "refuses_recipe": _refuses_recipe(adapter, ctx)}
     return out
+
+
+def _refuses_recipe(adapter, ctx) -> bool:
+    """Whether ``adapter`` refuses the config's recipe on its own, with no config around it
+    (:func:`~nemo_fp8_plugin.hosts.recipe_keys`' refusal)."""
+    try:
+        adapter.refuse(ctx.spec, None)
+    except FP8ConfigError:
+        return True
+    return False
 
 
 def _raise_strict(report: dict[str, Any]) -> None:
@@ -276,8 +295,9 @@ def _recipe_section(request: FP8Request) -> dict[str, Any]:
     }
 
 
-_HOST_SIDES = {"vllm": ("generation",), "nemo-rl": ("training", "generation")}
-"""The sides of the layer table a host runs (training only when not listed)."""
+_GENERATION_SIDE = ("generation", "kv_cache", "generation_numerics", "importance_sampling")
+"""Recipe fields only a host that generates reads (vLLM, NeMo RL): hidden for a config whose
+host only trains, unless ``--all-hosts`` / ``--full``."""
 
 _WIDTH = 100
 """Text view width: recipe fields are packed into lines of this many characters."""
@@ -322,16 +342,22 @@ def render_text(
             for w in hosts[own].get("warnings", [])
             if w not in report.get("warnings", [])  # the model-shape ones are shown above
         ]
-    recipe_lines = _recipe_lines(report, full=full)
+    # A host that only trains reads no generation-side field: they are hidden for it.
+    trains_only = (
+        not (all_hosts or full) and own is not None and "generation" not in host_sides(own)
+    )
+    recipe_lines = _recipe_lines(report, full=full, only_trains=own if trains_only else None)
     lines += recipe_lines[:2]  # name and description
     # What changes and what to check lead; the recipe's fields, the model and its
     # per-layer decisions follow.
     shown = list(hosts) if (all_hosts or full) else [h for h in hosts if h == own]
     for host in shown:
-        lines += _host_lines(host, hosts[host], own=host == own, full=full, warnings=host != own)
+        lines += _host_lines(
+            host, hosts[host], own=host == own, full=full, warnings=host != own, detected=own
+        )
     rest = [h for h in hosts if h not in shown]
     if rest:
-        summary = ", ".join(_host_summary(hosts[h], h) for h in rest)
+        summary = ", ".join(_host_summary(hosts[h], h, detected=own) for h in rest)
         label = "other hosts" if shown else "hosts"
         lines.append(f"{label} (--host NAME or --all-hosts shows their keys): {summary}")
     lines += ["recipe fields:", *recipe_lines[2:]]
@@ -364,7 +390,7 @@ def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
             lines.append(f"  the same keys also spell: {', '.join(native['alike'])}")
     else:
         lines.append(f"FP8 in native keys, but no recipe of ours: {read or '(see below)'}")
-    sides = _HOST_SIDES.get(host, ("training",))
+    sides = host_sides(host)
     if spec is not None and len(sides) == 1:
         other = "generation" if sides == ("training",) else "training"
         lines.append(
@@ -390,9 +416,12 @@ _DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax
 ``--full`` only."""
 
 
-def _recipe_lines(report: dict[str, Any], *, full: bool) -> list[str]:
+def _recipe_lines(
+    report: dict[str, Any], *, full: bool, only_trains: str | None = None
+) -> list[str]:
     """The recipe: name, where it came from, what it is, its fields (those that matter for its
-    kind of scaling; every field with ``full``)."""
+    kind of scaling; every field with ``full``). ``only_trains``: the config's host, when it
+    runs training only (its generation-side fields are hidden)."""
     from .capabilities import capability
 
     recipe = report["recipe"]
@@ -404,13 +433,14 @@ def _recipe_lines(report: dict[str, Any], *, full: bool) -> list[str]:
     fields = [(k, v) for k, v in recipe.items() if k not in ("name", "description")]
     if full:
         return lines + [f"  {k:<26} {_spell(v, full=True)}" for k, v in fields]
-    groups = _inapplicable(recipe, capability(recipe["scaling"]))
+    groups = _inapplicable(recipe, capability(recipe["scaling"]), only_trains)
     hidden = {k for names, _ in groups for k in names}
     lines += _packed(
         [f"{k}: {_spell(v, full=False)}" for k, v in fields if k not in hidden], indent="  "
     )
     for names, why in groups:
-        lines.append(f"  ({', '.join(names)}: {why}; --full shows them)")
+        more = "" if "--all-hosts" in why else "; --full shows them"
+        lines.append(f"  ({', '.join(names)}: {why}{more})")
     return lines
 
 
@@ -419,9 +449,12 @@ _TRAINING_ONLY = ("fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_atte
 _GENERATION_ONLY = ("kv_cache", "generation_numerics")
 
 
-def _inapplicable(recipe: dict[str, Any], row) -> list[tuple[tuple[str, ...], str]]:
+def _inapplicable(
+    recipe: dict[str, Any], row, only_trains: str | None = None
+) -> list[tuple[tuple[str, ...], str]]:
     """The recipe fields that do not apply to this recipe, grouped with why (its kind of
-    scaling, from the capability row; a side it leaves in BF16)."""
+    scaling, from the capability row; a side it leaves in BF16; the generation side when the
+    config's host ``only_trains``)."""
     groups: list[tuple[tuple[str, ...], str]] = []
     if not row.is_delayed:
         groups.append((_DELAYED_ONLY, "read by delayed scaling only"))
@@ -429,7 +462,10 @@ def _inapplicable(recipe: dict[str, Any], row) -> list[tuple[tuple[str, ...], st
         groups.append((_TILES, f"{recipe['scaling']} scaling has one scale per tensor, no tiles"))
     if recipe.get("training") == "bf16":
         groups.append((_TRAINING_ONLY, "training runs in BF16"))
-    if recipe.get("generation") == "bf16":
+    if only_trains is not None:
+        why = f"{only_trains} only trains; --all-hosts shows them"
+        groups.append((_GENERATION_SIDE, why))
+    elif recipe.get("generation") == "bf16":
         groups.append((_GENERATION_ONLY, "generation runs in BF16"))
     return groups
 
@@ -450,11 +486,7 @@ def _model_lines(report: dict[str, Any], own: str | None, *, all_hosts: bool, fu
         )
     if not report.get("layers"):
         return lines
-    sides = (
-        (_HOST_SIDES.get(own, ("training",)) if own else ("training", "generation"))
-        if not (all_hosts or full)
-        else ("training", "generation")
-    )
+    sides = host_sides(own) if not (all_hosts or full) else SIDES
     for side in ("training", "generation"):
         rows = [d for d in report["layers"] if d["side"] == side and side in sides]
         table = render_layer_table(rows)
@@ -485,11 +517,20 @@ def _model_lines(report: dict[str, Any], own: str | None, *, all_hosts: bool, fu
 
 
 def _host_lines(
-    host: str, section: dict[str, Any], *, own: bool, full: bool, warnings: bool
+    host: str,
+    section: dict[str, Any],
+    *,
+    own: bool,
+    full: bool,
+    warnings: bool,
+    detected: str | None = None,
 ) -> list[str]:
-    """One host's section: what ``apply --host`` writes, in the spelling it writes it."""
+    """One host's section: what ``apply --host`` writes, in the spelling it writes it.
+    ``detected``: the config's own host; another host that refuses only this config (not
+    the recipe) is "not this host's", with the reason."""
     if "refused" in section:
-        return [f"apply --host {host}: refused: {section['refused']}"]
+        state = "refused" if _refuses(section, host, detected) else "not this host's config"
+        return [f"apply --host {host}: {state}: {section['refused']}"]
     lines = [f"apply --host {host} writes{' (this config' + chr(39) + 's host)' if own else ''}:"]
     for key, value in _flatten(section.get("keys", {})):
         lines.append(f"  {key}: {_spell(value, full=full)}")
@@ -508,9 +549,16 @@ def _host_lines(
     return lines
 
 
-def _host_summary(section: dict[str, Any], host: str) -> str:
+def _refuses(section: dict[str, Any], host: str, detected: str | None) -> bool:
+    """A refusal that is the host's own word on the recipe, not on a config written for
+    another host (``detected``)."""
+    return detected is None or host == detected or bool(section.get("refuses_recipe", True))
+
+
+def _host_summary(section: dict[str, Any], host: str, detected: str | None = None) -> str:
     if "refused" in section:
-        return f"{host} (refused)"
+        state = "refused" if _refuses(section, host, detected) else "not this host's"
+        return f"{host} ({state})"
     count = sum(1 for _ in _flatten(section.get("keys", {})))
     warned = len(section.get("warnings", []))
     more = f", {warned} warning{'s' if warned != 1 else ''}" if warned else ""

