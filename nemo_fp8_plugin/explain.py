@@ -61,8 +61,10 @@ def build_report(
     if request is None:
         return _no_request(report, ctx, own)
     report.update(_recipe_section(request))
+    refusal = None
     if request.hardware is not None:
         _hardware_section(report, request, hardware)
+        ctx, refusal = _with_hardware(ctx, hardware)
     report["warnings"] += list(ctx.model_notes)
     description = ctx.model
     if description is not None:
@@ -84,7 +86,7 @@ def build_report(
         _lint_section(report, request.spec, description)
         if notes:
             report.setdefault("notes", []).extend(notes)
-    report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
+    report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS), refusal)
     if strict:
         _raise_strict(report)
     return report
@@ -231,13 +233,35 @@ def _rule_index(text: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _hosts_section(ctx, own: str | None, names: list[str]) -> dict[str, Any]:
+def _with_hardware(ctx, hardware: str | None):
+    """``(ctx, None)`` with the hardware target in the spec, as ``apply`` has it (the host
+    keys depend on it: NeMo RL's ``use_deep_gemm``, vLLM's variables), or ``(ctx, why)``
+    when the recipe cannot run there: ``apply`` refuses, and so does every host section
+    (the hardware section says what would run)."""
+    import dataclasses
+
+    from .config import find_fp8_request
+
+    try:
+        request = find_fp8_request(ctx.resolved, hardware=hardware)
+    except FP8ConfigError as err:
+        return ctx, str(err)
+    return dataclasses.replace(ctx, request=request), None
+
+
+def _hosts_section(
+    ctx, own: str | None, names: list[str], refusal: str | None = None
+) -> dict[str, Any]:
     """Every host's result of the apply pipeline on this config, the config's own host
-    first. The own host's refusals propagate (``apply`` would refuse the same way)."""
+    first. The own host's refusals propagate (``apply`` would refuse the same way); a
+    hardware target the recipe cannot run on is every host's refusal (``refusal``)."""
     from .hosts import get_adapter, run
 
     out: dict[str, Any] = {}
     for name in ([own] if own else []) + [n for n in names if n != own]:
+        if refusal is not None:
+            out[name] = {"refused": refusal}
+            continue
         try:
             out[name] = run(get_adapter(name), ctx).summary()
         except ConflictingKeyError:

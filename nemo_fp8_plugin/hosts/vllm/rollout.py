@@ -297,7 +297,8 @@ def _nemo_fp8_refusal(spec, pick: _Pick, arch: str) -> tuple[str | None, str, st
     if spec.amax_epsilon:
         return "amax_epsilon", w, a
     if spec.generation_numerics == "vllm_deepgemm_ue8m0":
-        return (None if pick.deep_gemm_e8m0 else "generation_numerics"), w, a
+        ok = pick.deep_gemm_e8m0 and not pick.kernel.quantizes_input
+        return (None if ok else "generation_numerics"), w, a
     if pick.deep_gemm_e8m0 is not None and arch != "hopper":
         if not spec.pow2_scales:
             return "VLLM_USE_DEEP_GEMM", w, a
