@@ -290,13 +290,34 @@ def _recipe_section(request: FP8Request) -> dict[str, Any]:
     spec = request.spec
     reg = default_registry()
     base = spec.name
+    recipe = spec.to_dict()
+    if base in reg:
+        recipe["description"] = _described(reg.get(base).to_dict(), recipe)
     return {
-        "recipe": spec.to_dict(),
+        "recipe": recipe,
         "recipe_source": reg.source(base) if base in reg else "derived",
         "keys": list(request.keys),
         "model": request.model,
         "warnings": [f"{f.key}: {f.message}" for f in spec.findings() if f.level == "warning"],
     }
+
+
+_SCALAR_FIELDS_SKIPPED = ("name", "description", "hardware")
+"""Fields that never make a preset's description wrong (the target has its own section)."""
+
+
+def _described(preset: dict[str, Any], recipe: dict[str, Any]) -> str:
+    """The preset's description when the recipe is the preset; otherwise what the request
+    changed, since the preset's words (``fp32 scales``) may no longer hold."""
+    changed = [
+        (k, v)
+        for k, v in recipe.items()
+        if k not in _SCALAR_FIELDS_SKIPPED and not isinstance(v, dict) and preset.get(k) != v
+    ]
+    if not changed:
+        return str(preset["description"])
+    spelt = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in changed)
+    return f"the preset {recipe['name']} changed by the request ({spelt}); its fields below"
 
 
 _HOST_SIDES = {"vllm": ("generation",), "nemo-rl": ("training", "generation")}
