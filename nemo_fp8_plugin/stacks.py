@@ -13,8 +13,13 @@ holds, once:
 
 Adapters and commands ask :func:`lookup` (does this host version have this fact?) and
 :func:`match_stack` (which named stack is this set of versions?); no version string is compared
-anywhere else. A version outside :data:`TESTED` is reported as untested (``Lookup.tested``),
-never silently treated as the newest.
+anywhere else, and :func:`parse_version` is the one parser. A version outside :data:`TESTED` is
+reported as untested (``Lookup.tested``), never silently treated as the newest; one newer than
+every tested version is marked so (``Lookup.newer``, :func:`newer_than_tested`), and code that
+would rely on a feature there checks the host itself or says it cannot tell (the vLLM method
+asks the running vLLM; the rollout kernels of such a release are "unknown"). The facts read
+from a host's source (vLLM per release, megatron-core's ``get_fp8_recipe`` branches) are rows
+here; the readers are the tests', so nothing parses a host's source at run time.
 
 Installed versions are read from package metadata (:func:`installed_versions`): nothing is
 imported.

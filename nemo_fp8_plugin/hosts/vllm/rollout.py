@@ -383,7 +383,7 @@ def rollout(
     result = _judge(spec, arch, env, release, method, row.is_mx, kw)
     needed: dict[str, str] = {}
     if not (result.matches and result.runs and result.refused is None) and not row.is_mx:
-        needed = _search(spec, arch, env, release, method, kw) or {}
+        needed = _search(spec, [arch], env, release, method, kw) or {}
     return Rollout(**{**result.__dict__, "needed": needed})
 
 
@@ -473,18 +473,31 @@ def _judge(spec, arch, env, release, method, is_mx, kw) -> Rollout:
     )
 
 
-def _search(spec, arch, env, release, method, kw) -> dict[str, str] | None:
-    """The fewest variables (in :data:`KERNEL_ENV` order) flipped from ``env`` so the rollout
-    keeps the recipe's grid with the method loading; None when none does."""
+def _search(spec, archs, env, release, method, kw) -> dict[str, str] | None:
+    """The fewest variables (in :data:`KERNEL_ENV` order) flipped from ``env`` so that on
+    every one of ``archs`` the rollout keeps the recipe's grid with the method loading; None
+    when none does."""
     for size in range(1, len(KERNEL_ENV) + 1):
         for names in itertools.combinations(KERNEL_ENV, size):
             trial = dict(env)
             for name in names:
                 trial[name] = "0" if _on(name, env, release) else "1"
-            result = _judge(spec, arch, trial, release, method, False, kw)
-            if result.matches and result.runs and result.refused is None:
+            judged = [_judge(spec, arch, trial, release, method, False, kw) for arch in archs]
+            if all(j.matches and j.runs and j.refused is None for j in judged):
                 return {name: trial[name] for name in names}
     return None
+
+
+def _runnable_archs(spec) -> list[str]:
+    """The GPU generations of :data:`GPU_ARCHS` the recipe runs on (training and generation,
+    :func:`~nemo_fp8_plugin.capabilities.hardware_problems`)."""
+    from ...capabilities import hardware_problems
+
+    return [a for a in GPU_ARCHS if not any(p.level == "error" for p in hardware_problems(spec, a))]
+
+
+_STOCK = dict(deep_gemm_installed=True, flashinfer_installed=True, nvcc_ok=True, model_type=None)
+"""A stock CUDA install running a model DeepGEMM is not kept off."""
 
 
 def needed_env(
@@ -501,7 +514,7 @@ def needed_env(
     (:func:`~nemo_fp8_plugin.capabilities.hardware_problems`). A release newer than every
     one read is answered as the newest read would be (these are variables only; the method
     still vets the kernel at load). ``{}`` when nothing is needed."""
-    from ...capabilities import capability, hardware_problems
+    from ...capabilities import capability
     from ...registry import get_recipe
     from ...stacks import newer_than_tested, newest_tested
 
@@ -514,31 +527,13 @@ def needed_env(
         release = newest_tested("vllm") or release
     if hardware is not None and hardware not in GPU_ARCHS:
         return {}
-    archs = (
-        [hardware]
-        if hardware is not None
-        else [
-            a for a in GPU_ARCHS if not any(p.level == "error" for p in hardware_problems(spec, a))
-        ]
-    )
     env = dict(env or {})
+    archs = [hardware] if hardware is not None else _runnable_archs(spec)
     answers = [rollout(spec, a, release=release, env=env, method=method) for a in archs]
+    known = [r.arch for r in answers if r.kernel is not None]
     if all(r.kernel is None or (r.matches and r.refused is None) for r in answers):
         return {}
-    kw = dict(deep_gemm_installed=True, flashinfer_installed=True, nvcc_ok=True, model_type=None)
-    for size in range(1, len(KERNEL_ENV) + 1):
-        for names in itertools.combinations(KERNEL_ENV, size):
-            trial = dict(env)
-            for name in names:
-                trial[name] = "0" if _on(name, env, release) else "1"
-            judged = [
-                _judge(spec, r.arch, trial, release, method, False, kw)
-                for r in answers
-                if r.kernel is not None
-            ]
-            if all(j.matches and j.runs and j.refused is None for j in judged):
-                return {name: trial[name] for name in names}
-    return {}
+    return _search(spec, known, env, release, method, _STOCK) or {}
 
 
 def rollout_note(
@@ -552,7 +547,7 @@ def rollout_note(
     """One line for ``apply`` / ``explain``: the kernel and grid of the rollouts on
     ``hardware`` (None: each GPU generation the recipe runs on) with ``env`` set (what
     :func:`needed_env` asks for); None when generation runs in BF16."""
-    from ...capabilities import arch_label, capability, hardware_problems
+    from ...capabilities import arch_label, capability
     from ...registry import get_recipe
 
     spec = get_recipe(spec)
@@ -561,15 +556,8 @@ def rollout_note(
     release = _release_or_default(release)
     if hardware is not None and hardware not in GPU_ARCHS:
         return None
-    archs = (
-        [hardware]
-        if hardware is not None
-        else [
-            a for a in GPU_ARCHS if not any(p.level == "error" for p in hardware_problems(spec, a))
-        ]
-    )
     parts = []
-    for arch in archs:
+    for arch in [hardware] if hardware is not None else _runnable_archs(spec):
         r = rollout(spec, arch, release=release, env=env, method=method)
         parts.append(f"{arch_label(arch)}: {r.line.split(': ', 1)[1]}")
     sets = " ".join(f"{k}={v}" for k, v in (env or {}).items())
