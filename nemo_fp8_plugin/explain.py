@@ -37,8 +37,36 @@ def build_report(
     detected from the config's shape (:func:`detect_host`): what that host's ``apply`` refuses,
     ``explain`` refuses; another host's refusal is reported in its section. A native key
     contradicting the recipe is refused whichever host it belongs to. ``strict`` turns every
-    rule and host warning into an :class:`FP8ConfigError`.
+    rule and host warning into an :class:`FP8ConfigError`. A refusal naming a NeMo RL release
+    that was assumed or detected says how it was decided, as ``apply``'s does.
     """
+    from .hosts.nemo_rl.releases import release_hint
+    from .stacks import assumed_versions
+
+    try:
+        return _build_report(
+            path,
+            hardware=hardware,
+            model=model,
+            model_config=model_config,
+            strict=strict,
+            host=host,
+            stack=stack,
+        )
+    except FP8ConfigError as err:
+        raise release_hint(err, assumed_versions(stack).release) from None
+
+
+def _build_report(
+    path: str | Path,
+    *,
+    hardware: str | None,
+    model: str | None,
+    model_config: str | Path | None,
+    strict: bool,
+    host: str | None,
+    stack: str | None,
+) -> dict[str, Any]:
     from .hosts import ADAPTERS, get_adapter, load_context
 
     # A target the recipe cannot run on is reported below (an error only under --strict).
@@ -63,8 +91,10 @@ def build_report(
     if request is None:
         return _no_request(report, ctx, own)
     report.update(_recipe_section(request))
+    refusal = None
     if request.hardware is not None:
         _hardware_section(report, request, hardware, own)
+        ctx, refusal = _with_hardware(ctx, own)
     report["warnings"] += list(ctx.model_notes)
     description = ctx.model
     if description is not None:
@@ -86,7 +116,7 @@ def build_report(
         _lint_section(report, request.spec, description)
         if notes:
             report.setdefault("notes", []).extend(notes)
-    report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
+    report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS), refusal)
     if strict:
         _raise_strict(report)
     return report
@@ -238,16 +268,40 @@ def _rule_index(text: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _hosts_section(ctx, own: str | None, names: list[str]) -> dict[str, Any]:
+def _with_hardware(ctx, own: str | None):
+    """``(ctx, None)`` with the hardware target in the spec, as ``apply`` has it for the
+    config's host ``own`` (the host keys depend on it: NeMo RL's ``use_deep_gemm``, vLLM's
+    variables), or ``(ctx, why)`` when that host cannot run the recipe there: ``apply``
+    refuses, in the host's terms, and so does every host section (the hardware section says
+    what would run)."""
+    import dataclasses
+
+    from .hosts.hardware import targeted
+
+    try:
+        request = targeted(ctx.request, own)
+    except FP8ConfigError as err:
+        return ctx, str(err)
+    return dataclasses.replace(ctx, request=request), None
+
+
+def _hosts_section(
+    ctx, own: str | None, names: list[str], refusal: str | None = None
+) -> dict[str, Any]:
     """Every host's result of the apply pipeline on this config, the config's own host
-    first. The own host's refusals propagate (``apply`` would refuse the same way). Another
-    host's refusal says whether that host refuses the recipe itself (``refuses_recipe``:
-    whatever the config) or only this config, which is not written for it."""
+    first. The own host's refusals propagate (``apply`` would refuse the same way); a
+    hardware target the recipe cannot run on is every host's refusal (``refusal``).
+    Another host's refusal says whether that host refuses the recipe itself
+    (``refuses_recipe``: whatever the config) or only this config, which is not written
+    for it."""
     from .hosts import get_adapter, run
 
     out: dict[str, Any] = {}
     for name in ([own] if own else []) + [n for n in names if n != own]:
         adapter = get_adapter(name)
+        if refusal is not None:
+            out[name] = {"refused": refusal}
+            continue
         try:
             out[name] = run(adapter, ctx).summary()
         except ConflictingKeyError:
@@ -286,8 +340,11 @@ def _recipe_section(request: FP8Request) -> dict[str, Any]:
     spec = request.spec
     reg = default_registry()
     base = spec.name
+    recipe = spec.to_dict()
+    if base in reg:
+        recipe["description"] = _described(reg.get(base).to_dict(), recipe)
     return {
-        "recipe": spec.to_dict(),
+        "recipe": recipe,
         "recipe_source": reg.source(base) if base in reg else "derived",
         "keys": list(request.keys),
         "model": request.model,
@@ -298,6 +355,25 @@ def _recipe_section(request: FP8Request) -> dict[str, Any]:
 _GENERATION_SIDE = ("generation", "kv_cache", "generation_numerics", "importance_sampling")
 """Recipe fields only a host that generates reads (vLLM, NeMo RL): hidden for a config whose
 host only trains, unless ``--all-hosts`` / ``--full``."""
+
+
+_SCALAR_FIELDS_SKIPPED = ("name", "description", "hardware")
+"""Fields that never make a preset's description wrong (the target has its own section)."""
+
+
+def _described(preset: dict[str, Any], recipe: dict[str, Any]) -> str:
+    """The preset's description when the recipe is the preset; otherwise what the request
+    changed, since the preset's words (``fp32 scales``) may no longer hold."""
+    changed = [
+        (k, v)
+        for k, v in recipe.items()
+        if k not in _SCALAR_FIELDS_SKIPPED and not isinstance(v, dict) and preset.get(k) != v
+    ]
+    if not changed:
+        return str(preset["description"])
+    spelt = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in changed)
+    return f"the preset {recipe['name']} changed by the request ({spelt}); its fields below"
+
 
 _WIDTH = 100
 """Text view width: recipe fields are packed into lines of this many characters."""

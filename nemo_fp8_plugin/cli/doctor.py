@@ -40,7 +40,7 @@ import warnings
 from importlib import metadata
 from typing import Any
 
-from ..stacks import DISTRIBUTIONS
+from ..stacks import DISTRIBUTIONS, parse_version
 
 PACKAGES = DISTRIBUTIONS
 """Reported package -> distribution names that provide it (first installed one wins): the
@@ -231,18 +231,6 @@ def entry_points(versions: dict[str, str | None]) -> list[dict[str, Any]]:
     return out
 
 
-def _version_tuple(text: str | None) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    parts = []
-    for piece in text.replace("+", ".").split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts) or None
-
-
 def arch_of(capability: tuple[int, ...]) -> str | None:
     """SM capability -> the spec's architecture name (None for GPUs without FP8), from the
     capability table (:func:`nemo_fp8_plugin.capabilities.arch_of_capability`)."""
@@ -335,7 +323,7 @@ def check_recipe(
             elif "nemo-fp8 doctor" not in found.message:  # what it points at is checked below
                 notes.append(f"{found.key}: {found.message}")
     if capability(spec.scaling).is_block and arch == "hopper":
-        cuda = _version_tuple(gpu.get("cuda"))
+        cuda = parse_version(gpu.get("cuda"))
         if cuda is None:
             not_checked.append("CUDA version (torch reports none)")
         elif cuda < MIN_CUDA_BLOCK:

@@ -59,23 +59,17 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._io import dump_json
-    from ..errors import FP8ConfigError
     from ..explain import build_report, render_text
-    from ..hosts.nemo_rl.releases import release_hint
-    from ..stacks import assumed_versions
 
-    try:
-        report = build_report(
-            args.config,
-            hardware=args.hardware,
-            model=args.model,
-            model_config=args.model_config,
-            strict=args.strict,
-            host=args.host,
-            stack=args.stack,
-        )
-    except FP8ConfigError as err:  # a refusal naming an assumed NeMo RL release says so
-        raise release_hint(err, assumed_versions(args.stack).release) from None
+    report = build_report(
+        args.config,
+        hardware=args.hardware,
+        model=args.model,
+        model_config=args.model_config,
+        strict=args.strict,
+        host=args.host,
+        stack=args.stack,
+    )
     if args.json:
         sys.stdout.write(dump_json(report))
     else:

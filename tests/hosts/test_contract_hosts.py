@@ -324,7 +324,7 @@ def test_recipe_branch_fields_are_read_only_by_get_fp8_recipe():
 
 
 def test_plugin_reader_agrees_with_the_source():
-    from nemo_fp8_plugin.hosts.megatron.source import honoured_fp8_fields
+    from nemo_fp8_plugin.hosts.megatron.honoured import honoured_fp8_fields
 
     mine = _branch_reads_independently()
     theirs = honoured_fp8_fields()

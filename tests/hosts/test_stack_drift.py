@@ -106,10 +106,10 @@ def test_megatron_core_0_16_1_refuses_it_naming_the_version(tmp_path, capsys):
 def test_a_megatron_core_that_passes_fp8_dpa_gets_it(monkeypatch):
     """With megatron-core 0.19.2 (its get_fp4_recipe passes fp8_dpa; the version is what
     honoured_fp8_fields reports, patched here: 0.19.2 does not install), the field is written."""
-    from nemo_fp8_plugin.hosts.megatron import source
+    from nemo_fp8_plugin.hosts.megatron import honoured
 
-    patched = source.HonouredFields(dict(source.FALLBACK), "0.19.2", "installed")
-    monkeypatch.setattr(source, "honoured_fp8_fields", lambda: patched)
+    patched = honoured.honoured_fp8_fields("0.19.2")
+    monkeypatch.setattr(honoured, "honoured_fp8_fields", lambda: patched)
     spec = get_recipe(NVFP4_DPA)
     assert mg.dropped_settings(spec) == []
     keys = mg.transformer_config_fields(spec).keys

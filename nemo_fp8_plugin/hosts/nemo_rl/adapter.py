@@ -142,7 +142,9 @@ def _refuse_deep_gemm(spec: RecipeSpec, ctx: HostContext) -> None:
             f"is true, but the target GPU is {spec.hardware}: {DEEP_GEMM_BLACKWELL}",
             key=_DEEP_GEMM,
             value=True,
-            hint=f"set {_DEEP_GEMM}: false (vLLM then uses its CUTLASS block-FP8 kernels)",
+            hint=f"set {_DEEP_GEMM}: false (it sets no variable: a stock vLLM still runs "
+            "DeepGEMM with UE8M0 scales there; VLLM_USE_DEEP_GEMM=0 in the driver's "
+            "environment gives CUTLASS with fp32 scales)",
         )
 
 
@@ -178,8 +180,8 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
         keys = nest({k: v for k, v in flatten(keys) if k.startswith(_MEGATRON + ".")})
     writes, notes = sequence_alignment(spec, resolved, ctx.assumed_version("nemo-rl"))
     if _block_generation(spec, ctx) and get_path(ctx.raw, _DEEP_GEMM, None) is False:
-        # The user's own file turns DeepGEMM off: a kernel choice, not numerics (vLLM's
-        # CUTLASS/Triton block kernels take the same fp32 scales), so it is kept.
+        # The user's own file says false: kept. It sets no variable, so vLLM's defaults pick
+        # the kernel (DeepGEMM with UE8M0 scales on a stock install: hosts.vllm.rollout).
         if get_path(keys, _DEEP_GEMM, None) is True:
             notes.append(f"nemo-rl: {_DEEP_GEMM}: false kept as your config states it")
         set_path(keys, _DEEP_GEMM, False)

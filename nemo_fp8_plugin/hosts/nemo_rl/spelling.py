@@ -188,7 +188,9 @@ DEEP_GEMM_BLACKWELL = (
 def deep_gemm_wanted(spec: RecipeSpec) -> bool:
     """Whether block-FP8 generation written for NeMo RL asks for DeepGEMM: on Hopper (SM90),
     or when no target GPU is stated (NVIDIA's FP8 configs, written for H100); never for a
-    Blackwell target (:data:`DEEP_GEMM_BLACKWELL`; vLLM does not pick DeepGEMM on SM12x)."""
+    Blackwell target (:data:`DEEP_GEMM_BLACKWELL`). ``false`` sets no variable: vLLM's
+    defaults then pick DeepGEMM with UE8M0 scales on SM90, SM100 and (vLLM >= 0.25) SM12x
+    (:func:`nemo_fp8_plugin.hosts.vllm.rollout.rollout` names the kernel and the variables)."""
     if spec.hardware is None:
         return True
     arch = arch_by_name(spec.hardware)

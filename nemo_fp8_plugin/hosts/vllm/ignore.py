@@ -58,7 +58,6 @@ __all__ = [
     "ignore_list_report",
     "packed_modules_mapping",
     "release_rules",
-    "version_key",
     "vllm_exclusions",
 ]
 
@@ -135,13 +134,12 @@ use its default, ``exact``, the behaviour above (a model class may set another:
 ``bailing_moe_v3.py`` sets ``suffix``)."""
 
 
-def version_key(version: str) -> tuple[int, ...]:
-    """``"0.32.0+cpu"`` -> ``(0, 32, 0)``: the release a version string names."""
-    parts = []
-    for piece in version.split("+", 1)[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        parts.append(int(digits or 0))
-    return tuple(parts + [0] * (3 - len(parts)))
+def _release(version: str) -> tuple[int, ...]:
+    """The release a version string names (``"0.32.0+cpu"`` -> ``(0, 32, 0)``), by the one
+    version parser (:func:`nemo_fp8_plugin.stacks.parse_version`)."""
+    from ...stacks import parse_version
+
+    return parse_version(version) or (0,)
 
 
 def release_rules(version: str) -> MatchRules:
@@ -153,15 +151,15 @@ def release_rules(version: str) -> MatchRules:
             key="vllm",
             value=version,
         )
-    known = [r for r in RELEASES.values() if version_key(r.release) <= version_key(version)]
+    known = [r for r in RELEASES.values() if _release(r.release) <= _release(version)]
     if not known:
-        oldest = min(RELEASES, key=version_key)
+        oldest = min(RELEASES, key=_release)
         raise FP8ConfigError(
             f"vLLM {version} is older than the oldest release whose matching was read ({oldest})",
             key="vllm",
             value=version,
         )
-    return max(known, key=lambda r: version_key(r.release))
+    return max(known, key=lambda r: _release(r.release))
 
 
 # --------------------------------------------------------------------------- matching

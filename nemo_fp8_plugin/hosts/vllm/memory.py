@@ -416,7 +416,7 @@ def estimate_kv_cache(
 
 
 def _at_least(version: str) -> bool:
-    from .ignore import version_key
+    from ...stacks import parse_version
 
     if not isinstance(version, str) or not version[:1].isdigit():
         raise FP8ConfigError(
@@ -424,4 +424,4 @@ def _at_least(version: str) -> bool:
             key="vllm_version",
             value=version,
         )
-    return version_key(version) >= version_key(PIN_FROM)
+    return (parse_version(version) or (0,)) >= (parse_version(PIN_FROM) or (0,))
