@@ -52,6 +52,16 @@ class Limits:
     """Most MoE experts per layer of a model description."""
     modules: int = 1_000_000
     """Most per-module decisions a model description may need (layers x linear modules)."""
+    interpolations: int = 4_096
+    """Most evaluations resolving one NeMo RL ``${...}`` value may take, each reference counted
+    as often as it is reached (OmegaConf re-evaluates it each time: ``k0: ${k1}${k1}``,
+    ``k1: ${k2}${k2}``... doubles per line), with the values handed to OmegaConf."""
+    interpolation_depth: int = 32
+    """Longest chain of ``${...}`` references, and deepest nesting inside one value
+    (``${add:1,${add:1,...}}``)."""
+    interpolated_chars: int = 2**20
+    """Longest value (characters, or list items) a ``${...}`` may resolve to
+    (``${mul:'abc',100000000}``)."""
     tensor_elements: int = 2**36
     """Most elements a numerics quantizer takes, counted after padding to whole tiles (the
     largest real weight, a 256k x 16k embedding, has 2^32): a huge ``block`` or a zero-stride
