@@ -650,6 +650,21 @@ def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
     return files
 
 
+def inside_checkpoint(path: str | Path, directory: str | Path) -> bool:
+    """Whether ``path``, symbolic links followed, stays inside the checkpoint ``directory``
+    (itself followed), or, when ``directory`` is a Hugging Face cache snapshot
+    (``.../snapshots/<revision>``), inside that repository's ``blobs`` folder, where the
+    snapshot's relative links (``../../blobs/<hash>``) point."""
+    real = os.path.realpath(path)
+    top = os.path.realpath(directory)
+    roots = [top]
+    # the snapshot as named (a link to it) and as it is
+    for snapshot in (Path(os.path.abspath(directory)), Path(top)):
+        if snapshot.parent.name == "snapshots":
+            roots.append(os.path.realpath(snapshot.parent.parent / "blobs"))
+    return any(os.path.commonpath([real, root]) == root for root in roots)
+
+
 def regular_entries(directory: str | Path, *, key: str) -> None:
     """Refuse a directory a library will read files from (transformers' ``from_pretrained``)
     when one of its entries is a FIFO, socket or device: opening one would block or never

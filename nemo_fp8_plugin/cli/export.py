@@ -154,6 +154,12 @@ def run(args: argparse.Namespace) -> int:
             f"copied (only its regular files are)",
             file=sys.stderr,
         )
+    for name in result.outside:
+        print(
+            f"nemo-fp8 export: note: {shown_path(name)} of the checkpoint directory not "
+            f"copied (a symbolic link out of it)",
+            file=sys.stderr,
+        )
     if args.json:
         sys.stdout.write(
             dump_json(

@@ -90,6 +90,9 @@ class ExportResult:
         quantization_config: the mapping written into ``config.json``.
         skipped: entries of the source directory not copied (subdirectories such as
             ``original/``, FIFOs and other non-regular files), by name.
+        outside: symbolic links of the source directory not copied because they point out
+            of it (a Hugging Face cache snapshot's links into its ``blobs`` are followed),
+            by name.
     """
 
     path: Path
@@ -99,6 +102,7 @@ class ExportResult:
     bytes: int = 0
     quantization_config: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    outside: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -106,12 +110,21 @@ class ExportResult:
 
 def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
     if config is None and source_dir is not None:
+        from .._io import inside_checkpoint
+
         config = source_dir / "config.json"
         if not config.exists():
             raise FP8ConfigError(
                 f"{source_dir} has no config.json",
                 key="config",
                 hint="pass config= (the model's Hugging Face config)",
+            )
+        if not inside_checkpoint(config, source_dir):  # it is copied into the output
+            raise FP8ConfigError(
+                f"{config} is a symbolic link out of the checkpoint directory",
+                key="config",
+                value=str(config),
+                hint="pass config= naming the model's config.json",
             )
     if config is None:
         raise FP8ConfigError(
@@ -145,6 +158,43 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
             value=config,
         )
     return dict(config)
+
+
+_QUANTIZED_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})
+"""Safetensors dtypes of quantized weights and their scales (FP8, MX E8M0)."""
+
+_QUANTIZED_NAMES = (_SCALE_SUFFIX, ".weight_scale", ".input_scale", ".qweight", ".weight_packed")
+"""Tensor name endings of a quantized checkpoint (FP8's, ModelOpt's, AWQ / GPTQ, compressed-tensors)."""
+
+
+def _refuse_quantized(hf_config: Mapping[str, Any], entries, source, *, config_key: str) -> None:
+    """A source that is already quantized is refused before any work: its FP8 weights would
+    pass through as they are beside scales in another layout, and its ``quantization_config``
+    would be replaced, so the output would claim a recipe its tensors do not follow."""
+    for holder in ("quantization_config", "compression_config"):
+        if hf_config.get(holder) is not None:
+            qcfg = hf_config[holder]
+            method = qcfg.get("quant_method") if isinstance(qcfg, Mapping) else None
+            raise FP8ConfigError(
+                f"the checkpoint is already quantized: its config.json has {holder}"
+                + (f" (quant_method: {format_value(method)})" if method is not None else ""),
+                key=config_key,
+                value=format_value(qcfg),
+                hint="export the unquantized (BF16, FP16 or FP32) checkpoint",
+            )
+    if entries is not None:
+        named = ((e.name, e.dtype) for e in entries)
+    else:
+        named = ((n, st.st_dtype_name(t.dtype) or str(t.dtype)) for n, t in source.items())
+    for name, dtype in named:
+        if dtype in _QUANTIZED_DTYPES or name.endswith(_QUANTIZED_NAMES):
+            raise FP8ConfigError(
+                f"the checkpoint is already quantized: tensor {format_value(name)} is "
+                f"{'a quantized weight or scale' if dtype not in _QUANTIZED_DTYPES else dtype}",
+                key="source",
+                value=name,
+                hint="export the unquantized (BF16, FP16 or FP32) checkpoint",
+            )
 
 
 def _num_layers(config: Mapping[str, Any]) -> int | None:
@@ -299,6 +349,9 @@ def export_fp8_checkpoint(
     spec = _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_files)
     source_dir, entries, total = _source(source)
     hf_config = _read_config(config, source_dir)
+    _refuse_quantized(
+        hf_config, entries, source, config_key="source" if config is None else "config"
+    )
     out = Path(out_dir)
     _check_out_dir(out, source_dir, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -548,7 +601,7 @@ def _write(
     new_config["quantization_config"] = qcfg
     _write_text(tmp / "config.json", json.dumps(new_config, indent=2, sort_keys=False) + "\n")
     if source_dir is not None and copy_other_files:
-        result.skipped = _copy_other_files(source_dir, tmp)
+        result.skipped, result.outside = _copy_other_files(source_dir, tmp)
     return result
 
 
@@ -588,21 +641,28 @@ def _write_text(path: Path, text: str) -> None:
         fh.write(text)
 
 
-def _copy_other_files(source_dir: Path, tmp: Path) -> list[str]:
+def _copy_other_files(source_dir: Path, tmp: Path) -> tuple[list[str], list[str]]:
     """Copy the source's regular non-weight files; returns the names of what was not copied
-    (subdirectories, FIFOs, sockets, devices)."""
+    (subdirectories, FIFOs, sockets, devices) and of the symbolic links not followed because
+    they point out of the checkpoint (``ln -s ~/.ssh/id_rsa ck/notes.txt`` must not end up in
+    the output; a Hugging Face snapshot's links into its ``blobs`` are followed)."""
+    from .._io import inside_checkpoint
+
     skipped: list[str] = []
+    outside: list[str] = []
     for item in sorted(source_dir.iterdir()):
         if item.name == "config.json" or any(item.match(p) for p in WEIGHT_FILES):
             continue
         # this export's own temporary directory and lock, when OUT lies inside the source
         if item == tmp or TEMP_MARK.rstrip("-") in item.name:
             continue
-        if item.is_file():  # regular files (a link's target); no FIFO, no directory
+        if item.is_symlink() and not inside_checkpoint(item, source_dir):
+            outside.append(item.name)
+        elif item.is_file():  # regular files (a link's target); no FIFO, no directory
             shutil.copy2(item, tmp / item.name)
         else:
             skipped.append(item.name + ("/" if item.is_dir() else ""))
-    return skipped
+    return skipped, outside
 
 
 # --------------------------------------------------------------------------- the output
