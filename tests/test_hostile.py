@@ -1,4 +1,4 @@
-"""Hostile and careless input, third pass (issue 26): no hang, no silent loss, no traceback.
+"""Hostile and careless input: no hang, no silent loss, no traceback.
 
 Work is bounded by counting (Python calls made, through :func:`sys.setprofile`), never by
 a clock: the same input gives the same count on any machine. Each test failed before its fix.
@@ -365,6 +365,47 @@ def test_json_with_a_surrogate_pair_is_read(tmp_path, capsys):
     assert load_config(cfg)["name"] == "\U0001f600"
     rc, _, err = run(capsys, "explain", cfg)
     assert rc == 0, err
+
+
+# --------------------------------------------------------------------------- native keys read back
+
+
+_MEGATRON_COUNTS = {
+    "megatron": "language_model: {num_layers: 32, fp8: e4m3, fp8_recipe: blockwise, "
+    "first_last_layers_bf16: true, %s: %s}\n",
+    "nemo2": "trainer:\n  plugins:\n    _target_: nemo.lightning.pytorch.plugins.mixed_precision"
+    ".MegatronMixedPrecision\n    precision: bf16-mixed\n    fp8: hybrid\n    fp8_recipe: "
+    "blockwise\n    first_last_layers_bf16: true\n    %s: %s\n",
+    "bridge": "mixed_precision:\n  fp8: hybrid\n  fp8_recipe: blockwise\n  "
+    "first_last_layers_bf16: true\n  %s: %s\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("host", "value"),
+    [("megatron", "abc"), ("nemo2", "[1]"), ("bridge", ".inf"), ("megatron", "-1")],
+)
+def test_a_native_layer_count_that_is_no_count_is_one_line(tmp_path, capsys, host, value):
+    """megatron-core's ``num_layers_at_start_in_bf16`` read back by explain raised ValueError,
+    OverflowError or TypeError (megatron, NeMo 2 and Bridge spell it alike)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(_MEGATRON_COUNTS[host] % ("num_layers_at_start_in_bf16", value))
+    rc, _, err = run(capsys, "explain", cfg)
+    one_line_error(rc, err, "num_layers_at_start_in_bf16", "number of layers")
+    cfg.write_text(_MEGATRON_COUNTS[host] % ("num_layers_at_end_in_bf16", "'2'"))
+    rc, out, err = run(capsys, "explain", cfg)
+    assert rc == 0 and "Traceback" not in err, err
+
+
+def test_a_vllm_scheme_that_is_a_list_is_reported_not_a_type_error(tmp_path, capsys):
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text(
+        "model: meta-llama/Llama-3.1-8B\nquantization: nemo_fp8\nhf_overrides:\n"
+        "  quantization_config:\n    quant_method: nemo_fp8\n    scheme: [block]\n"
+    )
+    rc, out, err = run(capsys, "explain", cfg)
+    assert rc == 0 and "Traceback" not in err, err
+    assert "scheme: ['block']: not a kind of ours" in out
 
 
 # --------------------------------------------------------------------------- round trip
