@@ -24,6 +24,12 @@ __all__ = [
     "companion_path",
     "check_companion_file",
     "same_file",
+    "regular_file",
+    "read_user_bytes",
+    "read_user_json",
+    "inside_checkpoint",
+    "safetensors_files",
+    "regular_entries",
 ]
 
 
@@ -575,15 +581,93 @@ def regular_file(path: str | Path, *, key: str | None, what: str = "file") -> Pa
             f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
         ) from None
     if not stat.S_ISREG(mode):
-        kind = (
-            "a directory"
-            if stat.S_ISDIR(mode)
-            else "a FIFO"
-            if stat.S_ISFIFO(mode)
-            else "a special file"
+        raise FP8ConfigError(
+            f"{path} is {_kind(mode)}, not a regular {what}", key=key, value=str(path)
         )
-        raise FP8ConfigError(f"{path} is {kind}, not a regular {what}", key=key, value=str(path))
     return path
+
+
+def _kind(mode: int) -> str:
+    return (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a special file"
+    )
+
+
+def read_user_bytes(
+    path: str | Path, *, key: str | None, what: str = "file", limit: int | None = None
+) -> bytes:
+    """File safety (one home): the bytes of a file a user named, read only when it is a
+    regular file and at most ``limit`` bytes (default ``LIMITS.config_bytes``). It is opened
+    without blocking and checked on the open descriptor (a FIFO never blocks the read,
+    ``/dev/zero`` is never read, a file swapped in between is seen), and its size is checked
+    before a byte is read (a 2 GB sparse file costs nothing). Every refusal is an
+    :class:`FP8ConfigError` naming ``key``."""
+    from .errors import LIMITS, FP8ConfigError, check_limit
+
+    limit = LIMITS.config_bytes if limit is None else limit
+    path = Path(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise FP8ConfigError(f"{what} not found: {path}", key=key, value=str(path)) from None
+    except OSError as exc:
+        raise FP8ConfigError(
+            f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
+        ) from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise FP8ConfigError(
+                f"{path} is {_kind(st.st_mode)}, not a regular {what}", key=key, value=str(path)
+            )
+        check_limit(st.st_size, limit, f"{path} is too large: bytes", key=key, value=str(path))
+        try:
+            data = fh.read(limit + 1)
+        except OSError as exc:
+            raise FP8ConfigError(
+                f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
+            ) from None
+    check_limit(len(data), limit, f"{path} is too large: bytes", key=key, value=str(path))
+    return data
+
+
+def read_user_json(
+    path: str | Path,
+    *,
+    key: str | None,
+    what: str = "JSON file",
+    limit: int | None = None,
+    hint: str | None = None,
+) -> Any:
+    """:func:`read_user_bytes`, parsed as JSON within the limits: nesting deeper than
+    ``LIMITS.yaml_depth``, an integer past Python's digit limit, bad UTF-8 or bad JSON is one
+    :class:`FP8ConfigError` naming ``key`` (never a RecursionError or a traceback)."""
+    from .errors import FP8ConfigError, check_depth, format_value
+
+    data = read_user_bytes(path, key=key, what=what, limit=limit)
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise FP8ConfigError(
+            f"{path} is nested too deeply to read",
+            key=key,
+            value=str(path),
+            hint="limits: docs/refusals.md",
+        ) from None
+    except ValueError as exc:  # JSON syntax, bad UTF-8, a 5000-digit integer
+        raise FP8ConfigError(
+            f"{path} is not a readable {what} ({format_value(str(exc), limit=200)})",
+            key=key,
+            value=str(path),
+            hint=hint,
+        ) from None
+    check_depth(value, key=key, what=str(path))
+    return value
 
 
 _INDEX_BYTES = 64 * 2**20
@@ -597,7 +681,7 @@ def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
     read files elsewhere, is refused) and a regular file (symlinks followed); without one,
     the directory's regular ``*.safetensors`` files. Raises :class:`FP8ConfigError` naming ``key``; an empty list
     when there are none."""
-    from .errors import FP8ConfigError, check_limit, format_value
+    from .errors import FP8ConfigError, format_value
 
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
@@ -607,15 +691,10 @@ def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
             for f in sorted(directory.glob("*.safetensors"))
             if not f.is_dir()
         ]
-    regular_file(index, key=key, what="safetensors index")
+    document = read_user_json(index, key=key, what="safetensors index", limit=_INDEX_BYTES)
     try:
-        with open(index, "rb") as fh:
-            text = fh.read(_INDEX_BYTES + 1)
-        check_limit(len(text), _INDEX_BYTES, f"{index} is too large: bytes", key=key)
-        weight_map = json.loads(text.decode("utf-8"))["weight_map"]
-    except FP8ConfigError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        weight_map = document["weight_map"]
+    except (KeyError, TypeError) as exc:
         raise FP8ConfigError(
             f"{index} is not a readable safetensors index "
             f"({type(exc).__name__}: {format_value(str(exc))})",

@@ -133,22 +133,15 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
             hint="pass config= (a mapping or a path to config.json)",
         )
     if isinstance(config, (str, os.PathLike)):
-        from .._io import regular_file
+        from .._io import read_user_json
 
         path = Path(config)
         if not str(config):
             raise FP8ConfigError("expected a config.json path, got ''", key="config", value="")
         if path.is_dir():
             path = path / "config.json"
-        regular_file(path, key="config", what="config.json")
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError) as exc:
-            # ValueError: not JSON, or an integer past Python's 4300-digit limit;
-            # RecursionError: arrays nested past the interpreter's stack
-            raise FP8ConfigError(
-                f"cannot read {path}: {format_value(str(exc))}", key="config", value=str(path)
-            ) from None
+        # a regular file within LIMITS.config_bytes, nesting and digits bounded
+        config = read_user_json(path, key="config", what="config.json")
     if hasattr(config, "to_dict"):
         config = config.to_dict()
     if not isinstance(config, Mapping):
@@ -508,10 +501,13 @@ def _safetensors_files(source: Path) -> list[Path]:
 
 def _index_weight_map(source: Path) -> dict[str, str] | None:
     """The index's ``weight_map`` (already checked by ``safetensors_files``), or None."""
+    from .._io import _INDEX_BYTES, read_user_json
+
     index = source / "model.safetensors.index.json"
     if not index.exists():
         return None
-    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    document = read_user_json(index, key="source", what="safetensors index", limit=_INDEX_BYTES)
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
     return weight_map if isinstance(weight_map, dict) else None
 
 
