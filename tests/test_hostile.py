@@ -408,6 +408,45 @@ def test_a_vllm_scheme_that_is_a_list_is_reported_not_a_type_error(tmp_path, cap
     assert "scheme: ['block']: not a kind of ours" in out
 
 
+# --------------------------------------------------------------------------- --hardware
+
+
+@pytest.mark.parametrize(
+    ("hardware", "needle"),
+    [
+        ("b200,h100", "got a list"),  # was Blackwell: nvfp4 passed for a list holding an H100
+        ("h100,b200", "got a list"),  # was Hopper
+        ("b2000", "unknown hardware"),  # was B200
+        ("h100x", "unknown hardware"),  # was H100
+    ],
+)
+def test_hardware_names_one_gpu_exactly(tmp_path, capsys, hardware, needle):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: nvfp4\nmodel: {num_layers: 4}\n")
+    rc, _, err = run(capsys, "explain", cfg, "--hardware", hardware)
+    one_line_error(rc, err, "--hardware", needle)
+    cfg.write_text(f"fp8: {{recipe: fp8_blockwise, hardware: '{hardware}'}}\n")
+    rc, _, err = run(capsys, "explain", cfg)
+    one_line_error(rc, err, "hardware", needle)
+
+
+def test_nvidia_smi_names_still_name_their_gpu():
+    """A guard (it passed before): the name ends at a separator, not at the model number."""
+    from nemo_fp8_plugin.capabilities import arch_by_name
+
+    names = {
+        "NVIDIA H100 80GB HBM3": "hopper",
+        "NVIDIA A100-SXM4-80GB": "ampere",
+        "NVIDIA A10G": "ampere",
+        "NVIDIA GH200 480GB": "hopper",
+        "NVIDIA B200": "blackwell",
+        "NVIDIA RTX 6000 Ada Generation": "ada",
+        "NVIDIA GeForce RTX 4090 D": "ada",
+        "NVIDIA RTX PRO 6000 Blackwell Server Edition": "blackwell_sm120",
+    }
+    assert {n: getattr(arch_by_name(n), "name", None) for n in names} == names
+
+
 # --------------------------------------------------------------------------- round trip
 
 
