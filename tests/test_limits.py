@@ -673,3 +673,64 @@ def test_refresh_scales_names_the_bad_argument(call, key):
     with pytest.raises(FP8ConfigError) as info:
         call(torch.nn.Linear(2, 2), refresh_scales, KVScaleCalibrator)
     assert info.value.key == key
+
+
+# --------------------------------------------------------------------------- quantizers
+
+
+def _public_quantizers():
+    """Every public quantizer of ``nemo_fp8_plugin.numerics``, called on a tensor ``x``."""
+    import torch
+
+    from nemo_fp8_plugin import numerics as N
+    from nemo_fp8_plugin.numerics import fused
+
+    one = torch.tensor(1.0)
+    return {
+        "quantize_nvfp4": lambda x: N.quantize_nvfp4(x.reshape(-1, 2**20)),
+        "quantize_nvfp4_reference": lambda x: N.quantize_nvfp4_reference(x.reshape(-1, 2**20)),
+        "fake_quant_nvfp4": lambda x: N.fake_quant_nvfp4(x.reshape(-1, 2**20)),
+        "fake_quant_per_tensor": lambda x: N.fake_quant_per_tensor(x, "e4m3"),
+        "fake_quant_with_scale": lambda x: fused.fake_quant_with_scale(x, one, one, "e4m3"),
+        "tensor_amax": lambda x: N.tensor_amax(x),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_public_quantizers()))
+def test_every_public_quantizer_applies_the_tensor_limit(name):
+    """quantize_nvfp4 tried to allocate 4 TB for a 2^40-element expanded view (a RuntimeError);
+    the FP8 quantizers refused it from the shape."""
+    import torch
+
+    x = torch.zeros(1).expand(2**40)  # 8 bytes of storage
+    with pytest.raises(FP8ConfigError, match="too many elements") as err:
+        _public_quantizers()[name](x)
+    assert err.value.key == "x"
+
+
+def test_nvfp4_refuses_what_it_cannot_quantize_naming_the_argument():
+    """K=0 and a sparse tensor raised RuntimeError, a meta-device scale NotImplementedError."""
+    import torch
+
+    from nemo_fp8_plugin.numerics import fake_quant_nvfp4, quantize_nvfp4, quantize_with_scale
+
+    cases = [
+        (lambda: quantize_nvfp4(torch.zeros(4, 0)), "x", r"last dim \(K\) is 0"),
+        (lambda: quantize_nvfp4(torch.eye(16).to_sparse()), "x", "sparse"),
+        (lambda: fake_quant_nvfp4(torch.eye(16).to_sparse()), "x", "sparse"),
+        (
+            lambda: quantize_nvfp4(torch.ones(16, 16), global_amax=torch.ones((), device="meta")),
+            "global_amax",
+            "meta",
+        ),
+        (
+            lambda: quantize_with_scale(torch.ones(4, 4), torch.ones((), device="meta")),
+            "scale",
+            "meta",
+        ),
+    ]
+    for call, key, needle in cases:
+        with pytest.raises(FP8ConfigError, match=needle) as err:
+            call()
+        assert err.value.key == key
+    assert quantize_nvfp4(torch.zeros(0, 16)).shape == (0, 16)  # no rows: nothing to refuse
