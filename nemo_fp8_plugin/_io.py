@@ -24,6 +24,7 @@ __all__ = [
     "companion_path",
     "check_companion_file",
     "same_file",
+    "shown_path",
     "regular_file",
     "read_user_bytes",
     "read_user_json",
@@ -536,6 +537,16 @@ def _check_fifo_reader(path: Path, key: str) -> None:
 
 _HELD_FIFOS: dict[str, int] = {}
 """Write descriptors of output FIFOs checked before the work, by real path."""
+
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A file name as a command prints it: one line, every character encodable. A control
+    character (ESC, a newline) is escaped as ``\\x1b`` / ``\\n``, not sent to the terminal,
+    and a byte that is not UTF-8 (a surrogate escape in ``str``) as ``\\xff``."""
+    from .errors import one_line
+
+    text = os.fsdecode(path)
+    return one_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:

@@ -447,6 +447,31 @@ def test_nvidia_smi_names_still_name_their_gpu():
     assert {n: getattr(arch_by_name(n), "name", None) for n in names} == names
 
 
+# --------------------------------------------------------------------------- printed names
+
+
+def test_control_characters_in_file_names_are_escaped_where_printed(tmp_path, capsys):
+    """ESC and newline in a file name reached the terminal raw in explain's ``config:`` line
+    and apply's ``wrote`` line (export escaped them)."""
+    cfg = tmp_path / "a\x1b[31mb\nc.yaml"
+    cfg.write_text("precision: fp8_blockwise\nmodel: {num_layers: 4}\n")
+    out = tmp_path / "o\x1b[2Jx.yaml"
+    printed = []
+    for argv in (
+        ["explain", cfg],
+        ["apply", cfg, "--host", "megatron", "-o", out],
+        ["apply", cfg, "--host", "megatron", "--diff"],
+    ):
+        rc, stdout, stderr = run(capsys, *argv)
+        assert rc == 0, stderr
+        printed.append(stdout + stderr)
+    text = "".join(printed)
+    assert "\x1b" not in text and "b\nc.yaml" not in text, text
+    assert "config: " + str(tmp_path) + "/a\\x1b[31mb\\nc.yaml\n" in printed[0]
+    assert "wrote " + str(tmp_path) + "/o\\x1b[2Jx.yaml\n" in printed[1]
+    assert "a\\x1b[31mb\\nc.yaml (nemo-fp8 apply --host megatron)\n" in printed[2]
+
+
 # --------------------------------------------------------------------------- round trip
 
 

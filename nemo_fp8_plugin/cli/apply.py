@@ -121,10 +121,13 @@ def run(args: argparse.Namespace) -> int:
         edit=edit,
         where=str(args.config),
     )
+    from . import printable_path
+
+    # one line each, whatever file names they quote
     for w in result.warnings:
-        print(f"nemo-fp8 apply: warning: {w}", file=sys.stderr)
+        print(f"nemo-fp8 apply: warning: {printable_path(w)}", file=sys.stderr)
     for n in result.notes:  # informational: nothing to fix
-        print(f"nemo-fp8 apply: note: {n}", file=sys.stderr)
+        print(f"nemo-fp8 apply: note: {printable_path(n)}", file=sys.stderr)
     if adapter.name == "vllm":  # no config key holds these: vLLM reads them when it starts
         for var, value in result.env.items():
             print(
@@ -135,10 +138,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
     if args.diff:
         for path in result.files:  # companions too are only shown
-            print(f"nemo-fp8 apply: note: would also write {path}", file=sys.stderr)
+            print(f"nemo-fp8 apply: note: would also write {printable_path(path)}", file=sys.stderr)
         sys.stdout.write(
             unified_diff(
-                source, text, name=str(args.config), label=f"nemo-fp8 apply --host {adapter.name}"
+                source,
+                text,
+                name=printable_path(str(args.config)),
+                label=f"nemo-fp8 apply --host {adapter.name}",
             )
         )
     elif target is not None:

@@ -563,7 +563,9 @@ def render_text(report: dict[str, Any]) -> str:
         for p in ep["problems"]:
             lines.append(f"  problem: {p}")
     if report["config"]:
-        lines.append(f"config: {report['config']}")
+        from .._io import shown_path
+
+        lines.append(f"config: {shown_path(report['config'])}")
         if not report["recipes"]:
             lines.append("  asks for no FP8 recipe")
     verdict = {True: "can run here", False: "CANNOT run here", None: "not fully checked"}

@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import FP8ConfigError
 
     max_bytes = parse_size(args.max_shard_size, "--max-shard-size")
+    from .._io import shown_path
     from ..rl import export_fp8_checkpoint
-    from ..rl.export import shown_path
 
     try:
         result = export_fp8_checkpoint(

@@ -51,7 +51,7 @@ import torch
 from .._io import check_output_dir, same_file
 from .._signals import interruptible, signals_held
 from ..capabilities import capability
-from ..errors import FP8ConfigError, format_value, one_line
+from ..errors import FP8ConfigError, format_value
 from . import safetensors_io as st
 
 __all__ = ["export_fp8_checkpoint", "ExportResult", "WEIGHT_FILES"]
@@ -755,10 +755,3 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
             os.replace(backup, out)
             return  # the signal is delivered as the block ends; the caller removes tmp
         shutil.rmtree(backup, ignore_errors=True)  # a few files: quick, and never left
-
-
-def shown_path(path: Path | str) -> str:
-    """A path as the CLI prints it: one line, every character encodable (a name with a
-    non-UTF-8 byte or a terminal escape sequence is escaped, not printed raw)."""
-    text = os.fsdecode(path) if not isinstance(path, str) else path
-    return one_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))
