@@ -445,6 +445,22 @@ def test_deep_nesting_is_a_one_line_error_or_an_edit(tmp_path, capsys):
         one_line_error(rc, err)
 
 
+@pytest.mark.parametrize("header", ["%YAML 1.2\n---\n", "---\n", "# about\n%YAML 1.2\n--- # doc\n"])
+def test_a_block_mapping_keeps_its_header_when_the_request_line_below_it_goes(
+    tmp_path, capsys, header
+):
+    """The lines only the source has before the first change (the directives and ``---``,
+    which ruamel does not re-emit) are carried over by the merge: with the request the first
+    key under them, its removal is that first change (the flow-mapping test of the hostile
+    suite reaches ruamel's own rendering instead, which puts the header back by itself)."""
+    cfg = tmp_path / "c.yaml"
+    body = "model:\n  num_layers: 4  # four\n"
+    cfg.write_text(header + "precision: fp8_blockwise\n" + body)
+    rc, out, err = apply_cli(capsys, cfg, "--host", "megatron")
+    assert rc == 0, err
+    assert out == header + body + "  fp8: e4m3\n  fp8_recipe: blockwise\n", out
+
+
 # --------------------------------------------------------------------------- bounded work
 
 
