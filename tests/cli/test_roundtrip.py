@@ -339,7 +339,7 @@ def test_spellings_of_replaced_values_follow_the_file(tmp_path, capsys):
     )
     rc, out, err = apply_cli(capsys, cfg, "--host", "nemo-rl")
     assert rc == 0, err
-    # use_deep_gemm: the user's own false is a kernel choice, kept as written (issue 23)
+    # use_deep_gemm: the user's own false is a kernel choice, kept as written
     assert "      use_deep_gemm: False\n" in out and '      precision: "fp8"\n' in out
     # the one key that changes: the flow mapping stays flow (the parent already sets the rest)
     assert "loss_fn: {use_importance_sampling_correction: true}\n" in out
