@@ -1,4 +1,10 @@
-"""Output helpers: atomic file writes (regular files only), and stable YAML/JSON rendering."""
+"""File safety, one home: atomic writes (regular files only; an output and the files beside
+it as one step), the checks of an output path before any work, every read of a file a user
+names (regular files of bounded size, JSON within the limits, links kept inside a checkpoint),
+printed file names, and stable YAML/JSON rendering.
+
+Longer than the package's 600-line guide on purpose: every reader and writer of user files
+shares these checks, and a second module would invite a second, laxer path."""
 
 from __future__ import annotations
 

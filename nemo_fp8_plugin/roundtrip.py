@@ -26,7 +26,12 @@ the file it read instead of printing a fresh rendering of the result:
 
 A file the pipeline does not change is returned as it is, so ``apply`` on its own output is a
 no-op byte for byte. JSON stays JSON (rendered with :func:`nemo_fp8_plugin._io.dump_config_json`
-when it changes).
+when it changes). The work is bounded by the file's bytes and values (``LIMITS.roundtrip_bytes``,
+``roundtrip_nodes``): a fixed number of ruamel passes at the limits, line diffs that are never
+quadratic.
+
+Longer than the package's 600-line guide: the edit, the merge and the comparison share
+ruamel's round-trip types and the merge's invariants, and change together.
 """
 
 from __future__ import annotations
@@ -137,7 +142,7 @@ def edit_yaml(
     except RecursionError:
         raise FP8ConfigError(
             f"{where} is nested too deeply to be edited in place",
-            hint="write the result as JSON with -o OUT.json",
+            hint=_JSON_HINT,
         ) from None
 
 
@@ -186,7 +191,7 @@ def _edit_yaml(
         return fallback
     raise FP8ConfigError(
         f"apply could not edit {where} in place without changing what it means",
-        hint="write the result as JSON with -o OUT.json, and report this file",
+        hint=f"{_JSON_HINT}, and report this file",
     )
 
 
@@ -278,7 +283,7 @@ def _rt_load(source: str, where: str) -> Any:
         msg = " ".join(str(exc).split())[:300]
         raise FP8ConfigError(
             f"ruamel.yaml (which apply edits the file with) cannot read {where}: {msg}",
-            hint="write the result as JSON with -o OUT.json",
+            hint=_JSON_HINT,
         ) from None
     if doc is None:
         doc = CommentedMap()

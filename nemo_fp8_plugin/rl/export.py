@@ -30,6 +30,9 @@ are done. What a SIGKILL leaves carries that prefix, and the next export to the 
 ``out_dir`` removes it (or, where ``out_dir`` itself is missing, puts the old directory back).
 A lock file (``.<name>.nemo-fp8-export.lock``, ``flock``) keeps two exports from writing the
 same ``out_dir`` at once: the second is refused.
+
+Longer than the package's 600-line guide: the source checks, the streaming write and the
+directory swap share the temporary-name, lock and signal protocol above.
 """
 
 from __future__ import annotations
