@@ -222,6 +222,8 @@ def arch_by_name(name: str) -> Arch | None:
     """The :class:`Arch` for an architecture name, CUDA architecture spelling or GPU name
     (``"H100"``, ``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA GeForce RTX 5090"``, ``"sm_90a"``,
     ``"sm100a"``, ``"sm121"``), or None."""
+    if any(sep in name for sep in ",;/+"):  # a list of GPUs is no one GPU's name
+        return None
     text = _normalized(name)
     for arch in ARCHS:
         if text == arch.name.replace("_", ""):
@@ -230,19 +232,36 @@ def arch_by_name(name: str) -> Arch | None:
     if sm:
         return arch_of_capability(int(sm.group(1)), int(sm.group(2)))
     # nvidia-smi names carry memory sizes and form factors after the model ("NVIDIA H100 80GB
-    # HBM3"): the longest GPU name the text starts with wins, so "a100" beats "a10".
+    # HBM3", "NVIDIA A100-SXM4-80GB"): the longest GPU name the text starts with wins, so
+    # "a100" beats "a10", and only where the model name ends there (a separator or the end
+    # follows it: "b2000" and "h100x" are no B200 or H100).
+    spaced = _without_vendor(name)
     names = sorted(
         ((gpu, arch) for arch in ARCHS for gpu in arch.gpus),
         key=lambda item: len(item[0]),
         reverse=True,
     )
     for gpu, arch in names:
-        if text.startswith(gpu):
+        if _spelled(gpu).match(spaced):
             return arch
     for arch in ARCHS:
-        if any(re.match(family, text) for family in arch.families):
+        if any(re.match(family + r"(?!\d)", text) for family in arch.families):
             return arch
     return None
+
+
+def _without_vendor(name: str) -> str:
+    """``name`` lower-cased, separators kept, without the vendor words nvidia-smi puts first."""
+    text = name.strip().lower()
+    for prefix in _VENDOR:
+        if re.match(prefix + r"[\s_-]*", text):
+            text = re.sub("^" + prefix + r"[\s_-]*", "", text)
+    return text
+
+
+def _spelled(gpu: str) -> re.Pattern[str]:
+    """A GPU name as written with or without separators ("rtx 6000 ada"), ending there."""
+    return re.compile(r"[\s_-]*".join(map(re.escape, gpu)) + r"(?![a-z0-9])")
 
 
 def arch_of_capability(major: int, minor: int) -> Arch | None:

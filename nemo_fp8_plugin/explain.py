@@ -392,7 +392,9 @@ def render_text(
     from ``--host``, not from the config's shape. ``--json`` has everything."""
     own = report.get("host")
     hosts = report.get("hosts", {})
-    lines = [f"config: {report['config']}"]
+    from ._io import shown_path
+
+    lines = [f"config: {shown_path(report['config'])}"]
     # which host versions the keys below assume (--stack, else the installed ones)
     stack = (
         f"stack: {report['stack']['name']} ({report['stack']['how']})" if "stack" in report else ""

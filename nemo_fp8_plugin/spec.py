@@ -91,6 +91,13 @@ def normalize_hardware(value: Any, key: str = "hardware") -> str | None:
             value=value,
             hint=f"one of {', '.join(HARDWARE_ARCHS)}",
         )
+    if any(sep in value for sep in ",;/+"):  # "b200,h100" was read as its first name
+        raise FP8ConfigError(
+            f"expected one GPU or architecture, got a list: {format_value(value)}",
+            key=key,
+            value=value,
+            hint="check one target at a time",
+        )
     arch = _caps.arch_by_name(value)
     if arch is None:
         raise FP8ConfigError(

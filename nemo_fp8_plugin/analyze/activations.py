@@ -10,7 +10,6 @@ operands quantized. The activation modules' names are joined to the checkpoint's
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -39,20 +38,12 @@ numbers, another language, so that the inputs of every layer see varied statisti
 def load_samples(samples: str | Path | None) -> tuple[list[str] | None, list[list[int]] | None]:
     if samples is None:
         return list(SAMPLE_TEXTS), None
+    from .._io import read_user_bytes, read_user_json
+
     path = Path(samples).expanduser()
-    if not path.is_file():
-        raise FP8ConfigError(f"samples file not found: {path}", key="--samples", value=str(path))
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FP8ConfigError(
-            f"cannot read {path} ({exc})", key="--samples", value=str(path)
-        ) from None
     if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise FP8ConfigError(f"{path} is not valid JSON ({exc})", key="--samples") from None
+        # a regular file within LIMITS.config_bytes, nesting and digits bounded
+        data = read_user_json(path, key="--samples", what="samples file")
         if isinstance(data, dict):
             data = data.get("input_ids")
         if (
@@ -69,6 +60,12 @@ def load_samples(samples: str | Path | None) -> tuple[list[str] | None, list[lis
             key="--samples",
             value=str(path),
         )
+    try:
+        text = read_user_bytes(path, key="--samples", what="samples file").decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FP8ConfigError(
+            f"cannot read {path} ({exc})", key="--samples", value=str(path)
+        ) from None
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise FP8ConfigError(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._io import shown_path
+
 _LABELS = {True: "can run here", False: "CANNOT run here", None: "not fully checked"}
 """A recipe's verdict in words (None: not judged here, when no GPU architecture is known)."""
 
@@ -136,7 +138,7 @@ def render_text(report: dict[str, Any], *, verbose: bool = False) -> str:
     lines += _plugin_lines(report, verbose)
     if report["config"]:
         host = f" (host: {report['host']})" if report.get("host") else ""
-        lines.append(f"config: {report['config']}{host}")
+        lines.append(f"config: {shown_path(report['config'])}{host}")
         if not report["recipes"]:
             lines.append("  asks for no FP8 recipe")
     if verbose or report["config"]:

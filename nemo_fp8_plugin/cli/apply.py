@@ -79,7 +79,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._io import atomic_write_text, check_output_file
+    from .._io import check_output_file
     from ..errors import FP8ConfigError
     from ..hosts import get_adapter, load_context
     from ..hosts import run as run_pipeline
@@ -146,10 +146,13 @@ def run(args: argparse.Namespace) -> int:
         edit=edit,
         where=str(args.config),
     )
+    from . import printable_path
+
+    # one line each, whatever file names they quote
     for w in result.warnings:
-        print(f"nemo-fp8 apply: warning: {w}", file=sys.stderr)
+        print(f"nemo-fp8 apply: warning: {printable_path(w)}", file=sys.stderr)
     for n in result.notes:  # informational: nothing to fix
-        print(f"nemo-fp8 apply: note: {n}", file=sys.stderr)
+        print(f"nemo-fp8 apply: note: {printable_path(n)}", file=sys.stderr)
     if adapter.name == "vllm":  # no config key holds these: vLLM reads them when it starts
         for var, value in result.env.items():
             print(
@@ -160,35 +163,51 @@ def run(args: argparse.Namespace) -> int:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
     if args.diff:
         for path in result.files:  # companions too are only shown
-            print(f"nemo-fp8 apply: note: would also write {path}", file=sys.stderr)
+            print(f"nemo-fp8 apply: note: would also write {printable_path(path)}", file=sys.stderr)
         sys.stdout.write(
             unified_diff(
-                source, text, name=str(args.config), label=f"nemo-fp8 apply --host {adapter.name}"
+                source,
+                text,
+                name=printable_path(str(args.config)),
+                label=f"nemo-fp8 apply --host {adapter.name}",
             )
         )
     elif target is not None:
-        _write_companions(result.files)
-        if args.in_place and text == source:
-            print(f"{args.config} unchanged", file=sys.stderr)
-            return 0
-        atomic_write_text(target, text)
-        from . import printable_path
-
-        print(f"wrote {printable_path(str(target))}", file=sys.stderr)
+        _write_with_companions(args, target, text, source, result.files, ctx.raw)
     else:
         sys.stdout.write(text)
     return 0
 
 
-def _write_companions(files: dict[str, str]) -> None:
-    """The adapter's companion files (the NeMo RL TE precision file), each atomically, before
-    the output that names them."""
-    from .._io import atomic_write_text
+def _write_with_companions(args, target: Path, text: str, source: str, files, raw) -> None:
+    """Write the output and the adapter's companion files (the TE precision file) as one
+    step: every companion is checked as ``-o`` is (and refused when it is the input, a file
+    of its ``defaults:`` chain or the output itself) before anything is written; then the
+    output is renamed into place first and the companions after it, and a failure before
+    that (a full disk, a signal) leaves none of them changed."""
+    from .._io import atomic_write_files, check_companion_file, same_file
+    from ..errors import FP8ConfigError
     from . import printable_path
 
-    for path, text in files.items():
-        atomic_write_text(path, text)
-        print(f"wrote {printable_path(path)}", file=sys.stderr)
+    config = Path(args.config)
+    for path, body in files.items():
+        if same_file(path, target):
+            raise FP8ConfigError(
+                f"{path} (written beside the output) is the output itself",
+                key="--output",
+                value=str(path),
+            )
+        _refuse_own_files(config, Path(path), raw, what=f"{path} (written beside the output)")
+        check_companion_file(path, "--output", text=body, force=args.force)
+    unchanged = args.in_place and text == source
+    writes = [] if unchanged else [(target, text.encode("utf-8"))]
+    atomic_write_files(writes + [(path, body.encode("utf-8")) for path, body in files.items()])
+    if unchanged:
+        print(f"{printable_path(str(config))} unchanged", file=sys.stderr)
+    else:
+        print(f"wrote {printable_path(str(target))}", file=sys.stderr)
+    for path in files:
+        print(f"wrote {printable_path(str(path))}", file=sys.stderr)
 
 
 def _forced_host(adapter, ctx) -> str | None:
@@ -251,24 +270,26 @@ def _same(a: Path, b: Path) -> bool:
     return same_file(a, b)
 
 
-def _refuse_own_files(config: Path, target: Path, raw) -> None:
+def _refuse_own_files(config: Path, target: Path, raw, *, what: str = "") -> None:
     """``-o`` naming the input, or a file of its ``defaults:`` chain, would overwrite what the
-    result was made from (a parent overwritten by its child's result makes the chain loop)."""
+    result was made from (a parent overwritten by its child's result makes the chain loop);
+    so would a file written beside the output (``what`` names it) that is one of them."""
     from ..errors import FP8ConfigError
 
     if not target.exists():
         return
+    subject = f"{what} is" if what else "names"
     if _same(target, config):
         raise FP8ConfigError(
-            "names the input config; the result would overwrite it",
+            f"{subject} the input config; the result would overwrite it",
             key="--output",
             value=str(target),
-            hint="write another file, or pass --in-place to edit the config",
+            hint="write another file" + ("" if what else ", or pass --in-place to edit the config"),
         )
     for parent in _defaults_chain(config, raw):
         if _same(target, parent):
             raise FP8ConfigError(
-                f"names {parent}, a parent of {config} through defaults:; "
+                f"{subject} {parent}, a parent of {config} through defaults:; "
                 f"overwriting it would change (or loop) the chain",
                 key="--output",
                 value=str(target),

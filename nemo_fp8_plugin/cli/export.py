@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import FP8ConfigError
 
     max_bytes = parse_size(args.max_shard_size, "--max-shard-size")
+    from .._io import shown_path
     from ..rl import export_fp8_checkpoint
-    from ..rl.export import shown_path
 
     try:
         result = export_fp8_checkpoint(
@@ -152,6 +152,12 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"nemo-fp8 export: note: {shown_path(name)} of the checkpoint directory not "
             f"copied (only its regular files are)",
+            file=sys.stderr,
+        )
+    for name in result.outside:
+        print(
+            f"nemo-fp8 export: note: {shown_path(name)} of the checkpoint directory not "
+            f"copied (a symbolic link out of it)",
             file=sys.stderr,
         )
     if args.json:
@@ -190,7 +196,7 @@ def next_steps(result, recipe: str) -> list[str]:
     import shlex
 
     from ..hosts.vllm import engine_env
-    from ..rl.export import shown_path
+    from .._io import shown_path
 
     path = shown_path(result.path)
     env = "".join(f"{k}={v} " for k, v in engine_env(recipe).items())

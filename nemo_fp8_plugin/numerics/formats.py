@@ -170,6 +170,8 @@ def check_scale_tensor(value, name: str) -> None:
             key=name,
             value=tuple(value.shape),
         )
+    if value.is_meta:  # no value to cast with (the cast raised NotImplementedError)
+        raise FP8ConfigError("a meta tensor holds no value", key=name, value="meta")
     if value.device.type == "cpu":
         v = float(value.detach().reshape(()))
         if not v >= 0.0:  # NaN compares false

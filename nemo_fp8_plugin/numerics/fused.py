@@ -447,6 +447,8 @@ def fake_quant_per_tensor(
     x: torch.Tensor, fmt: str, pow2_scales: bool = False, eps: float = 0.0, *, force: bool = False
 ) -> torch.Tensor:
     """``quantize_per_tensor(x, ...).dequantize()`` (fp32), compiled."""
+    check_input_dtype(x)
+    check_size(x)
     fmt = check_format(fmt)
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
@@ -468,6 +470,8 @@ def fake_quant_with_scale(
     x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: str, *, force: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Delayed scaling's cast: ``(dequantized fp32, amax of x)`` for a given scale."""
+    check_input_dtype(x)
+    check_size(x)
     fmt = check_format(fmt)
 
     def eager():

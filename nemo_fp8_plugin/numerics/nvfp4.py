@@ -33,7 +33,8 @@ stochastic rounding reads the same ``torch.rand`` draws, passed in);
 The oracle is TE 2.20.2's own pure-torch reference
 (``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``), which
 ``tests/numerics/test_numerics_nvfp4.py`` runs against this module; see ``docs/nvfp4.md``. This file
-imports only torch, the plugin's error type and the CPU kernel loader.
+imports only torch, the plugin's error type, the format constants, the size check every quantizer
+applies (``LIMITS.tensor_elements``) and the CPU kernel loader.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from ..errors import FP8ConfigError
 from . import _cpu
 from .formats import E2M1_MAX
 from .formats import E4M3_MAX as _E4M3_MAX
+from .reference import check_size
 
 __all__ = [
     "NVFP4Tensor",
@@ -274,9 +276,22 @@ def _check_inputs(x, block, global_amax, rht, stochastic, generator):
             key="x",
             value=str(x.dtype),
         )
+    if x.layout != torch.strided:
+        raise FP8ConfigError(
+            f"cannot quantize a {x.layout} tensor",
+            key="x",
+            value=str(x.layout),
+            hint="convert it to a dense tensor first (.to_dense())",
+        )
     if x.dim() < 2:
         raise FP8ConfigError(
             f"tensor `x` must have at least 2 dims ([..., K]), got shape {tuple(x.shape)}",
+            key="x",
+            value=tuple(x.shape),
+        )
+    if x.shape[-1] == 0:
+        raise FP8ConfigError(
+            f"tensor `x` has shape {tuple(x.shape)}: its last dim (K) is 0",
             key="x",
             value=tuple(x.shape),
         )
@@ -299,6 +314,8 @@ def _check_inputs(x, block, global_amax, rht, stochastic, generator):
         raise FP8ConfigError(
             f"NVFP4 `block` must be (1, 16) or (16, 16), got {block!r}", key="block", value=block
         )
+    # from the shape, before a byte is allocated (an expanded view of 2^40 elements)
+    check_size(x, block[0], NVFP4_GROUP)
     for name, flag in (("rht", rht), ("stochastic", stochastic)):
         if not isinstance(flag, bool):
             raise FP8ConfigError(
@@ -324,6 +341,12 @@ def _check_global_amax(global_amax, device) -> torch.Tensor:
             value=type(global_amax).__name__,
         )
     if isinstance(global_amax, torch.Tensor):
+        if global_amax.is_meta:
+            raise FP8ConfigError(
+                "`global_amax` is a meta tensor: it holds no value",
+                key="global_amax",
+                value="meta",
+            )
         if global_amax.numel() != 1 or not global_amax.is_floating_point():
             raise FP8ConfigError(
                 f"`global_amax` must be a one-element float tensor, got shape "

@@ -214,6 +214,7 @@ def dequantize_fp32(
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """NaN-ignoring ``max |x|`` as a 0-d fp32 tensor (0 for an empty tensor)."""
+    check_size(x)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return nan_ignoring_abs(x.float()).amax()

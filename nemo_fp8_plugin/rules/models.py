@@ -14,7 +14,6 @@ model, without torch and without network, from one of:
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -1083,21 +1082,10 @@ def _existing_config(path: Path, base_dir: str | Path | None) -> Path | None:
 
 
 def _from_config_file(path: Path, key: str) -> ModelDescription:
-    from ..errors import check_depth
+    from .._io import read_user_json
 
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:
-        raise FP8ConfigError(
-            f"{path} is nested too deeply to be a config.json", key=key, value=str(path)
-        ) from None
-    except (OSError, ValueError) as exc:  # JSON syntax, bad UTF-8, a 5000-digit integer
-        raise FP8ConfigError(
-            f"{path} is not a readable config.json ({format_value(str(exc), limit=200)})",
-            key=key,
-            value=str(path),
-        ) from None
-    check_depth(data, key=key, what=str(path))
+    # a regular file within LIMITS.config_bytes, nesting and digits bounded
+    data = read_user_json(path, key=key, what="config.json")
     # Errors name the JSON field (key) and carry the file path in the message.
     if isinstance(data, Mapping) and "num_layers" in data and "num_hidden_layers" not in data:
         return from_transformer_config(data, name=str(path), source=str(path))

@@ -131,6 +131,29 @@ def is_module_rule(label: str | None) -> bool:
     return bool(label) and label.startswith("bf16_layers.modules[")
 
 
+def check_rule_work(rules: BF16Rules, names: int, what: str) -> None:
+    """Refuse, before any matching, ``bf16_layers.modules`` rules whose matching would run
+    past the limits: more rules than ``LIMITS.bf16_rules``, or more (rule, module name) pairs
+    than ``LIMITS.rule_checks`` against the ``names`` module names of ``what`` (each rule is
+    tried on every name: thousands of rules, or a few on a model of a million expert
+    projections, took minutes)."""
+    from ..errors import LIMITS, check_limit
+
+    count = len(rules.modules)
+    if not count:
+        return
+    key = "bf16_layers.modules"
+    check_limit(count, LIMITS.bf16_rules, "module rules", key=key, value=count)
+    check_limit(
+        count * names,
+        LIMITS.rule_checks,
+        f"{count} module rule(s) x {names} module names of {what}: pairs to match",
+        key=key,
+        value=count,
+        hint="fewer, broader rules (a `*` for a layer number); limits: docs/refusals.md",
+    )
+
+
 def module_rules(rules: BF16Rules) -> list[_Rule]:
     return [
         _Rule(
@@ -227,6 +250,9 @@ def _resolve(
         units = [(mg, model.hf_names(mg)) for mg in model.megatron_linear_modules]
     else:
         units = list(model.vllm_modules)
+    if acts:
+        names = len(units) + sum(len(members) for _, members in units)
+        check_rule_work(rules, names, f"{model.name} ({side})")
     mg_of = model._hf_to_mg.get
 
     for unit, members in units:
