@@ -195,8 +195,8 @@ def next_steps(result, recipe: str) -> list[str]:
     import json
     import shlex
 
-    from ..hosts.vllm import engine_env
     from .._io import shown_path
+    from ..hosts.vllm import engine_env
 
     path = shown_path(result.path)
     env = "".join(f"{k}={v} " for k, v in engine_env(recipe).items())
