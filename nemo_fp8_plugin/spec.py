@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from . import capabilities as _caps
+from . import kinds as _kinds
 from .errors import FP8ConfigError, format_value, suggest
 
 _T = TypeVar("_T")
@@ -686,7 +687,7 @@ class RecipeSpec:
                 value="e5m2",
                 hint="use 'hybrid' for E5M2 gradients with E4M3 forward",
             )
-        set_("scaling", _choice("scaling", self.scaling, SCALING_KINDS))
+        set_("scaling", _choice("scaling", self.scaling, tuple(_caps.CAPABILITIES)))
         set_("fp8_format", _choice("fp8_format", self.fp8_format, FP8_FORMATS))
         for key in ("activation_block", "weight_block", "gradient_block"):
             set_(key, _block(key, getattr(self, key)))
@@ -881,7 +882,8 @@ class RecipeSpec:
         if self.hardware is None:
             return []
         return [
-            Finding(p.level, p.key, p.message) for p in _caps.hardware_problems(self, self.hardware)
+            Finding(p.level, p.key, p.message)
+            for p in _kinds.hardware_problems(self, self.hardware)
         ]
 
     def check_dims(self, dims: Mapping[str, int], *, tensor_parallel: int = 1) -> list[Finding]:

@@ -38,7 +38,7 @@ from .fused import (
 )
 from .nvfp4 import fake_quant_nvfp4
 from .quantize import tensor_amax
-from .recipe import RecipeLike, check_recipe
+from .recipe import KIND_NUMERICS, RecipeLike, check_recipe
 
 __all__ = [
     "FP8EmulatedLinear",
@@ -116,6 +116,9 @@ class RoleQuantizer:
 
     def rowwise(self, t: torch.Tensor) -> torch.Tensor:
         """fp32 ``dequantize(quantize(t))`` with tiles along the last dim of a 2-D ``t``."""
+        added = KIND_NUMERICS.get(self.scaling)
+        if added is not None:  # a kind added after the built-in ones: its own numerics
+            return added(t, self.block, self.fmt, self.pow2, self.eps)
         if self.scaling == "delayed":
             self._before_cast()
             deq, amax = fake_quant_with_scale(t, self.state.scale, self.state.scale_inv, self.fmt)
@@ -186,6 +189,9 @@ class RoleQuantizer:
                 raise RuntimeError("column-wise copy needs the row-wise result")
             return rowwise_result.t()
         transposed_tile = (self.block[1], self.block[0])
+        added = KIND_NUMERICS.get(self.scaling)
+        if added is not None:
+            return added(t, transposed_tile, self.fmt, self.pow2, self.eps).t()
         if self.scaling == "nvfp4":  # quantized again from t.T with 1x16 groups, RHT on
             return self._nvfp4(t.t().contiguous(), self.block, rht=True)
         if self.scaling == "block":

@@ -12,12 +12,12 @@ it is always written where the config lacks it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES
 from ...errors import FP8ConfigError
 from .. import NO_DEFAULT, HostContext, NativeRecipe
+from .releases import assumed_release
 
 __all__ = ["VLLM_CFG_DEFAULTS", "LOSS_DEFAULTS", "REQUIRED", "key_default", "read_native"]
 
@@ -106,7 +106,7 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
     fields["generation"] = "fp8" if generation else "bf16"
     _training_env(value, scaling, fields, read, training is not None)
     _layers(value, fields, training is not None, generation is not None)
-    _importance_sampling(value, fields, read, ctx.assumed_version("nemo-rl"))
+    _importance_sampling(value, fields, read, assumed_release(ctx))
     return match_recipe("nemo-rl", scaling, fields, read=read, unmatched=unmatched)
 
 
@@ -224,8 +224,3 @@ def _ratio(key: str, got: Any, *, positive: bool) -> Any:
         value=got,
         hint="set a ratio such as 2.0, or turn truncation off (type: null)",
     )
-
-
-def hook_default(key: str, data: Mapping[str, Any]) -> Any:
-    """:meth:`NeMoRLAdapter.default` (``data`` unused: no NeMo RL key is inert by another)."""
-    return key_default(key)

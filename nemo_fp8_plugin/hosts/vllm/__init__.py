@@ -85,7 +85,7 @@ def _rules_spelling(spec, model) -> tuple[list[str], int, int, list[str]]:
     from .rules import to_vllm
 
     keys = to_vllm(spec, describe_model(model))
-    return list(keys.keys.get("ignored_layers", [])), 0, 0, list(keys.warnings)
+    return list(keys.get("ignored_layers", [])), 0, 0, [str(w) for w in keys.warnings]
 
 
 def engine_spelling(

@@ -146,8 +146,9 @@ def check_te_linear(
         return skipped(why)
     if require_cuda and device.type != "cuda":
         return skipped("Transformer Engine's linear layers run on CUDA only")
-    from ...capabilities import arch_of_capability, hardware_problems
+    from ...capabilities import arch_of_capability
     from ...hosts.te import build_te_recipe
+    from ...kinds import hardware_problems
     from .presets import check_recipes
 
     specs = check_recipes()[0] if recipes is None else list(recipes)
