@@ -94,6 +94,26 @@ MUTATIONS = (
         ("tests/test_hostile.py::test_explain_is_linear_in_unmatched_patterns",),
     ),
     Mutation(
+        "writer-overwrites-a-conflicting-native-key",
+        "nemo_fp8_plugin/hosts/pipeline.py",
+        "            raise adapter.conflict(ctx, w, have)",
+        "            pass",
+        (
+            "tests/hosts/megatron/test_megatron_adapter.py::"
+            "test_apply_refuses_conflicting_native_keys",
+        ),
+    ),
+    Mutation(
+        "te-precision-file-route-keeps-the-moved-warnings",
+        "nemo_fp8_plugin/hosts/nemo_rl/te_precision.py",
+        "    result.warnings[:] = [w for w in result.warnings if w.kind is not moved]",
+        "    pass",
+        (
+            "tests/hosts/megatron/test_precision_file.py::"
+            "test_the_file_route_takes_the_training_warnings_it_expresses",
+        ),
+    ),
+    Mutation(
         "read-only-output-replaced",
         "nemo_fp8_plugin/_io.py",
         "and not read_only_ok and not mode & 0o222:",

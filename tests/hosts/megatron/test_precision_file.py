@@ -35,12 +35,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import shared_nemo_rl
+from conftest import FIXTURES, shared_nemo_rl
 from nemo_fp8_plugin import stacks
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.dotted import get_path
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts import get_adapter, load_context, run
+from nemo_fp8_plugin.hosts import RuleIssueKind, get_adapter, load_context, run
 from nemo_fp8_plugin.hosts.megatron import rules as megatron_rules
 from nemo_fp8_plugin.hosts.megatron.precision_file import (
     FILE_SUFFIX,
@@ -576,3 +576,17 @@ def test_reworded_nemo_rl_training_warnings_still_move_into_the_file(monkeypatch
     _, result = _apply(src, tmp_path / "written" / "moonlight.yaml")
     assert len(result.files) == 1 and get_path(result.data, NEMO_RL_KEY) is not None
     assert not [w for w in map(str, result.warnings) if "stay FP8 in training" in w]
+
+
+def test_the_file_route_takes_the_training_warnings_it_expresses(tmp_path):
+    """The rules NeMo RL's training keys cannot express (records of kind
+    TRAINING_UNEXPRESSIBLE) leave the warnings when the file carries them; the others stay.
+    NVIDIA's configs shipped with the tests (no shared data needed)."""
+    parent = FIXTURES / "nemo_rl" / "examples" / "configs" / "grpo_math_8B_megatron.yaml"
+    src = _input(tmp_path, "child.yaml", parent, {"modules": ["*.linear_fc2", "*q_proj*"]})
+    without = run(get_adapter("nemo-rl"), load_context(str(src)))  # standard output: no file
+    moved = [w for w in without.warnings if w.kind is RuleIssueKind.TRAINING_UNEXPRESSIBLE]
+    assert len(moved) == 2 and without.files == {}
+    _, result = _apply(src, tmp_path / "out" / "run.yaml")
+    assert len(result.files) == 1
+    assert not [w for w in result.warnings if w.kind is RuleIssueKind.TRAINING_UNEXPRESSIBLE]
