@@ -724,7 +724,7 @@ class RecipeSpec:
                 ),
             )
         set_("qat", _prefixed("qat", QuantizationAwareRL.from_value, self.qat))
-        if self.qat is not None and not _caps.capability(self.scaling).is_nvfp4:
+        if self.qat is not None and _caps.capability(self.scaling).element_format != "e2m1":
             raise FP8ConfigError(
                 f"ModelOpt quantization-aware RL is an NVFP4 path, not a {self.scaling} one",
                 key="qat",

@@ -144,7 +144,7 @@ def mixed_precision_fields(
 def _own_recipe_key(spec: RecipeSpec) -> str:
     """The key of :data:`BRIDGE_RECIPES` a spec is looked up by: its scaling kind for nvfp4
     (any nvfp4 spec may be Bridge's recipe), else its name."""
-    return "nvfp4" if capability(spec.scaling).is_nvfp4 else spec.name
+    return "nvfp4" if capability(spec.scaling).megatron_field == "fp4_recipe" else spec.name
 
 
 def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:

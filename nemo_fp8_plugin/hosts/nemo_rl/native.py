@@ -76,7 +76,7 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
         read += [(f"{_MEGATRON}.fp8_cfg.fp8_recipe", recipe)]
         fields["fp8_format"] = value(f"{_MEGATRON}.fp8_cfg.fp8", "e4m3")
         fields["fp8_param"] = bool(value(f"{_MEGATRON}.fp8_cfg.fp8_param", False))
-        if training is None or CAPABILITIES[training].is_delayed:
+        if training is None or CAPABILITIES[training].history:
             unmatched.append(
                 f"{_MEGATRON}.fp8_cfg.fp8_recipe: {recipe!r}: NeMo RL trains no recipe of ours "
                 f"with it (delayed scaling goes stale when the weights change every step)"
@@ -118,7 +118,12 @@ def _generation(value, read: list, fields: dict[str, Any]) -> str | None:
     mx = value(f"{_VLLM}.is_mx") is True
     if mx:
         read.append((f"{_VLLM}.is_mx", True))
-    kind = next(k for k, row in CAPABILITIES.items() if (row.is_mx if mx else row.is_block))
+    # the kind NeMo RL's vLLM path generates: E8M0 (MX) scales when is_mx, else fp32 block ones
+    kind = next(
+        k
+        for k, row in CAPABILITIES.items()
+        if row.nemo_rl_generation and (row.scale_format == "e8m0") == mx
+    )
     if not mx:  # MXFP8's E8M0 scales are powers of two whatever the key says
         fields["pow2_scales"] = value(f"{_VLLM}.pow2_weight_scaling_factors") is True
     kv = value(f"{_VLLM}.kv_cache_dtype", "auto")

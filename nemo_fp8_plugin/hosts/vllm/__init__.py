@@ -239,7 +239,7 @@ def mla_kv_cache_note(spec, model) -> str | None:
     from ...capabilities import capability
 
     row = capability(spec.scaling)
-    generates_fp8 = spec.generation == "fp8" and (row.is_block or row.is_mx)
+    generates_fp8 = spec.generation == "fp8" and row.vllm_generation
     if spec.kv_cache != "fp8" or not generates_fp8 or model is None or model.family != "deepseek":
         return None
     return (
