@@ -306,6 +306,15 @@ def _keys(releases: tuple[str, ...], source: str, *names: str) -> tuple[HostFact
 
 _TE_RECIPE = "transformer_engine/common/recipe/__init__.py"
 
+_VQ = "vllm/model_executor/layers/quantization"
+
+
+def _at(path: str, *places: str) -> str:
+    """``path:line (release)`` for each ``"line (release)"`` of ``places``: the citation form
+    the tests read back from each release's source."""
+    return ", ".join(f"{path}:{place}" for place in places)
+
+
 FACTS: tuple[HostFact, ...] = (
     # Transformer Engine recipe classes: the oldest TE megatron-core 0.16.1 builds each with
     # (megatron/core/fp8_utils.py and fp4_utils.py, is_te_min_version checks).
@@ -874,6 +883,189 @@ FACTS: tuple[HostFact, ...] = (
         "vllm/model_executor/layers/quantization/input_quant_fp8.py:231-234 (0.17.1) round "
         "scales_raw first",
         "a zero or tiny activation group's UE8M0 scale is 2^-17 (a power of two), not 1/229376",
+    ),
+    # How vLLM matches an ignore list: Fp8Config.ignored_layers (also modules_to_not_convert)
+    # and ModelOpt's exclude_modules (hosts/vllm/ignore.py asks these rows). The rows from
+    # 0.17.1 are the matching every release read shares; tests/ignore_citations.py holds what
+    # each cited line must say, tests/hosts/test_vllm_ignore.py runs each release's own
+    # matching functions against ignore.py's. In 0.32.0 and 0.34.0 is_layer_skipped takes a
+    # match_mode; Fp8Config and ModelOpt use its default, exact (a model class may set
+    # another: bailing_moe_v3.py sets suffix).
+    HostFact(
+        "vllm",
+        "Fp8Config.get_quant_method:is_layer_skipped",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/fp8.py",
+            "177 (0.17.1)",
+            "172 (0.20.0)",
+            "175 (0.25.1)",
+            "177 (0.32.0)",
+            "174 (0.34.0)",
+        )
+        + " (Fp8Config.get_quant_method) ask is_layer_skipped, defined at "
+        + _at(
+            f"{_VQ}/utils/quant_utils.py",
+            "431 (0.17.1)",
+            "464 (0.20.0)",
+            "510 (0.25.1)",
+            "617 (0.32.0)",
+            "634 (0.34.0)",
+        ),
+        "Fp8Config decides each linear and fused-MoE layer by is_layer_skipped(prefix, "
+        "ignored_layers, packed_modules_mapping): a prefix is skipped when it is an entry, a "
+        "fused projection when its shards are (shards that disagree: the model is refused)",
+    ),
+    HostFact(
+        "vllm",
+        "is_layer_skipped:experts_substring",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/utils/quant_utils.py",
+            "473 (0.17.1)",
+            "506 (0.20.0)",
+            "560 (0.25.1)",
+            "682 (0.32.0)",
+            "699 (0.34.0)",
+        )
+        + " (the experts branch of is_layer_skipped)",
+        "a prefix containing experts (not fused) is skipped when it is a substring of an entry "
+        "containing experts: model.layers.3.mlp.experts.0.gate_proj skips the whole fused-MoE "
+        "layer model.layers.3.mlp.experts",
+    ),
+    HostFact(
+        "vllm",
+        "is_layer_skipped:fused_name_first",
+        _from("0.25.1"),
+        None,
+        _at(f"{_VQ}/utils/quant_utils.py", "540 (0.25.1)", "662 (0.32.0)", "679 (0.34.0)")
+        + " (is_layer_skipped); absent in 0.20.0 and 0.17.1, which look at the shards only",
+        "an entry naming a fused module itself (self_attn.qkv_proj) skips it before its shards "
+        "are looked at",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.is_layer_excluded:is_layer_skipped",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/modelopt.py",
+            "134 (0.17.1)",
+            "141 (0.20.0)",
+            "144 (0.25.1)",
+            "187 (0.32.0)",
+            "198 (0.34.0)",
+        )
+        + " (ModelOptQuantConfigBase.is_layer_excluded, first asking is_layer_skipped)",
+        "ModelOpt's exclude_modules (hf_quant_config.json, or ignore in the "
+        "compressed-tensors-style config) first go through is_layer_skipped",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.is_layer_excluded:substring",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/modelopt.py",
+            "157 (0.17.1)",
+            "164 (0.20.0)",
+            "167 (0.25.1)",
+            "209 (0.32.0)",
+            "220 (0.34.0)",
+        )
+        + " (is_layer_excluded)",
+        "then an exclude_module anywhere inside the prefix excludes it, also after a "
+        "language_model. prefix: excluding mlp.gate also excludes every mlp.gate_up_proj",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.is_layer_excluded:fnmatch",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/modelopt.py",
+            "167 (0.17.1)",
+            "174 (0.20.0)",
+            "177 (0.25.1)",
+            "219 (0.32.0)",
+            "230 (0.34.0)",
+        )
+        + " (is_layer_excluded)",
+        "then each exclude_module as an fnmatch wildcard_pattern",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.apply_vllm_mapper:star_rewrite",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/modelopt.py",
+            "222 (0.17.1)",
+            "229 (0.20.0)",
+            "236 (0.25.1)",
+            "275 (0.32.0)",
+            "283 (0.34.0)",
+        )
+        + " (ModelOptQuantConfigBase.apply_vllm_mapper)",
+        "where the model class has an hf_to_vllm_mapper, each exclude entry module_path* (a "
+        "star not after a dot) becomes module_path and module_path.* before matching",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.get_quant_method:lm_head",
+        _from("0.25.1"),
+        None,
+        _at(f"{_VQ}/modelopt.py", "191 (0.25.1)", "233 (0.32.0)", "244 (0.34.0)")
+        + " (ModelOptQuantConfigBase.get_quant_method); 0.20.0 and 0.17.1 test "
+        "isinstance(layer, LinearBase) only",
+        "ModelOpt's method quantizes lm_head (ParallelLMHead), so its list decides it; before, "
+        "lm_head stayed unquantized whatever the list (Fp8Config never quantizes it)",
+    ),
+    HostFact(
+        "vllm",
+        "hf_to_vllm_mapper:llama",
+        _from("0.25.1"),
+        None,
+        _at("vllm/model_executor/models/llama.py", "455 (0.25.1)", "473 (0.32.0)", "473 (0.34.0)")
+        + " (LlamaForCausalLM.hf_to_vllm_mapper); absent in 0.20.0 and 0.17.1",
+        "vLLM's Llama class has an hf_to_vllm_mapper, so ModelOpt's module_path* rewrite runs "
+        "for Llama-like models",
+    ),
+    HostFact(
+        "vllm",
+        "hf_to_vllm_mapper:qwen3_moe",
+        _from("0.25.1"),
+        None,
+        _at(
+            "vllm/model_executor/models/qwen3_moe.py",
+            "550 (0.25.1)",
+            "552 (0.32.0)",
+            "552 (0.34.0)",
+        )
+        + " (Qwen3MoeForCausalLM.hf_to_vllm_mapper); absent in 0.20.0 and 0.17.1",
+        "vLLM's Qwen3-MoE class has an hf_to_vllm_mapper, so ModelOpt's module_path* rewrite "
+        "runs for it (DeepseekV2ForCausalLM, deepseek_v2.py, has none in any release read)",
+    ),
+    # Measured, not read from vLLM's source: the profiling that sizes the KV cache spans the
+    # model runner, the allocator and the model's own activations. Checked against NeMo RL's
+    # recipes per release by tests/hosts/test_vllm_memory.py (hosts/vllm/memory.py asks it).
+    HostFact(
+        "vllm",
+        "gpu_memory_utilization:larger_kv_cache",
+        _from("0.25"),
+        None,
+        "NVIDIA-NeMo/RL#3280, measured when NeMo RL main moved from vLLM 0.20.0 to 0.25.1: NeMo "
+        "RL main 7ea279a's examples/configs/recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron-"
+        "fp8-e2e.yaml pins policy.generation.vllm_kwargs.kv_cache_memory_bytes to 20 GiB (0.25's "
+        "profiling sized about 34 where 0.20 sized about 20, at gpu_memory_utilization 0.5); "
+        "the recipe at v0.6.0 and v0.7.0 (vLLM 0.17.1, 0.20.0) pins nothing. From the 0.25 "
+        "series (0.21 to 0.24 not measured)",
+        "at the same setting the KV cache is larger than vLLM 0.20 made it (NVIDIA's colocated "
+        "FP8 Moonlight-16B-A3B recipe: about 34 GiB where 0.20 gave 20), and a colocated engine "
+        "can run out of memory waking up next to the trainer: pin kv_cache_memory_bytes (it "
+        "takes precedence; that recipe pins 20 GiB)",
     ),
 )
 """Every version-dependent fact the plugin relies on (see :class:`HostFact`)."""
