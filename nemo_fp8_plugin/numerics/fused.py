@@ -452,8 +452,9 @@ def fake_quant_blockwise(
 def fake_quant_mxfp8(
     x: torch.Tensor, block: BlockLike, fmt: str, *, force: bool = False
 ) -> torch.Tensor:
-    """``quantize_mxfp8(x, ...).dequantize()`` (fp32) in one compiled kernel."""
-    bm, bn = check_block(block)
+    """``quantize_mxfp8(x, ...).dequantize()`` (fp32) in one compiled kernel; the same MXFP8
+    tiles as ``quantize_mxfp8`` are accepted (1x32, 32x1, 32x32)."""
+    bm, bn = check_mx_block(block)
     check_size(x, bm, bn)
     fmt = check_format(fmt)
 
