@@ -380,6 +380,7 @@ def run_steps(
             payload += list(scales.items())
         with Stopwatch(device) as load:
             llm.collective_rpc("nemo_fp8_load_weights", args=(payload,))
+            llm.reset_prefix_cache()  # KV blocks of the old weights must not be reused
         again = rescore(llm, previous)
         changed = float(
             torch.cat([(a - lp).abs() for a, (_, _, lp) in zip(again, previous)]).mean()
