@@ -91,7 +91,7 @@ def _neutral(key: str, have: Any, resolved: Mapping) -> bool:
         return have == [] or have == ()
     if ".env_vars." in key:
         return False  # a variable set otherwise is a choice the recipe contradicts
-    if leaf.startswith("truncated_importance_sampling"):
+    if leaf.startswith("truncated_importance_sampling") or leaf == "seq_logprob_error_threshold":
         return False  # None was handled above
     return have is False or have == 0
 
