@@ -276,8 +276,11 @@ def vllm_fp8_keys(release: str | None) -> tuple[str, ...]:
     return tuple(k for k in nemo_rl_keys(release, _VLLM) if k not in _VLLM_NOT_FP8)
 
 
-_VLLM_NOT_FP8 = frozenset({"async_engine"})
-"""``vllm_cfg`` keys of the table that are not FP8 settings (the start-up checks read them)."""
+_VLLM_NOT_FP8 = frozenset(
+    {"async_engine", "env_vars", "gpu_memory_utilization", "tensor_parallel_size"}
+)
+"""``vllm_cfg`` keys of the table that are not FP8 settings (the start-up checks and the
+pre-flight read them; ``env_vars`` carries the rollout kernel's variables)."""
 
 FP8_CFG_KEYS = fp8_cfg_keys(None)
 """Keys any NeMo RL release reads from ``policy.megatron_cfg.fp8_cfg``."""

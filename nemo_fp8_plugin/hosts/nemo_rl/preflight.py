@@ -109,7 +109,9 @@ def preflight(ctx: HostContext, result: ApplyResult, final: Mapping[str, Any]) -
     vllm_cfg = generation.get("vllm_cfg")
     vllm_cfg = vllm_cfg if isinstance(vllm_cfg, Mapping) else {}
     if _generation_fp8(spec) and generation.get("backend", "vllm") == "vllm":
-        checks, needed = _checks(spec, ctx, vllm_cfg)
+        # judged without the config's variables, so ``needed`` names all the grid needs (in the
+        # config where the release reads them there, else for the environment)
+        checks, needed = _checks(spec, ctx, {**vllm_cfg, "env_vars": None})
         if checks:
             release = ctx.assumed_version("nemo-rl")
             result.checks["rollout"] = {
