@@ -260,7 +260,8 @@ def _kv_cache(ctx: HostContext, result: ApplyResult, final: Mapping[str, Any]) -
     result.checks["kv_cache"] = record
     weights = f"{estimate.weight_bytes / GIB:.1f} GiB of weights per GPU"
     memory = estimate.gpu_memory_bytes
-    if estimate.kv_cache_bytes is not None and memory is not None:
+    # a KV cache of none (the weights exceed the budget) is the hint's warning below
+    if estimate.kv_cache_bytes is not None and estimate.kv_cache_bytes > 0 and memory is not None:
         if estimate.estimated:
             line = (
                 f"nemo-rl: KV cache of the colocated vLLM engine on one {gpu}: about "
