@@ -36,6 +36,7 @@ from .spelling import (
     _MEGATRON,
     _VLLM,
     DEEP_GEMM_BLACKWELL,
+    ROUTER_REPLAY,
     SEQUENCE_ERROR,
     _generation_fp8,
     _is_moe,
@@ -95,6 +96,7 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     if spec.qat is not None:  # ModelOpt QAT: none of the Transformer Engine keys apply
         if ctx is not None:
             qat_refuse(spec, ctx)
+            refuse_rl_only(spec, ctx)
             _dropped_keys(ctx.resolved, ctx.assumed_version("nemo-rl"))
             _interpolation_users(ctx.resolved, list(ctx.request.keys))
         return
@@ -165,8 +167,13 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
     """The recipe's keys for this config: the MoE router from the config when the model is
     unknown, the training keys only for a config without generation, the sequence lengths
     alignment needs."""
-    if spec.qat is not None:
-        return qat_spell(spec, ctx)
+    if spec.qat is not None:  # the RL options are policy and GRPO keys: QAT takes them too
+        qat = qat_spell(spec, ctx)
+        if spec.router_replay:
+            set_path(qat.keys, ROUTER_REPLAY, True)
+        if spec.importance_sampling.max_sequence_error is not None:
+            set_path(qat.keys, SEQUENCE_ERROR, spec.importance_sampling.max_sequence_error)
+        return qat
     resolved = ctx.resolved
     warnings: list[str] = []
     if ctx.request.model and ctx.model is None:

@@ -292,3 +292,18 @@ def test_a_release_without_the_key_is_refused_naming_it(tmp_path, monkeypatch):
         apply_path(NEMO_RL, _child(tmp_path, "0.6.0", EIGHT_B, fp8), stack=STACK["0.6.0"])
     assert err.value.key == "fp8.importance_sampling.max_sequence_error"
     assert "NeMo RL v0.6.0 cannot drop sequences" in str(err.value)
+
+
+def test_modelopt_qat_takes_the_rl_options_too(tmp_path):
+    """ModelOpt QAT leaves the loss as the config states, but router replay and sequence
+    masking are policy and GRPO keys: written (Qwen3-30B-A3B's experts-w4a4 is a MoE recipe)."""
+    fp8 = {
+        "recipe": "nvfp4",
+        "qat": "experts-w4a4",
+        "router_replay": True,
+        "importance_sampling": {"max_sequence_error": 1.5},
+    }
+    result = apply_path(NEMO_RL, _child(tmp_path, MAIN, MOONLIGHT, fp8), stack=STACK[MAIN])
+    assert result.written["policy"]["router_replay"] == {"enabled": True}
+    assert result.written["grpo"] == {"seq_logprob_error_threshold": 1.5}
+    assert "quant_cfg" in result.written["policy"]
