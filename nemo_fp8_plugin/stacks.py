@@ -538,6 +538,27 @@ FACTS: tuple[HostFact, ...] = (
         "NeMo RL v0.7.0 ~120 and main 7ea279a ~147 (absent at v0.6.0)",
         "Qwen3-VL (HF model_type qwen3_vl / qwen3_vl_moe)",
     ),
+    HostFact(
+        "nemo-rl",
+        "grpo.seq_logprob_error_threshold is read by subscript",
+        _releases("0.6.0"),
+        None,
+        "nemo_rl/algorithms/grpo.py: v0.6.0 ~1771 master_config['grpo']"
+        "['seq_logprob_error_threshold'] (a config without the key stops with a KeyError); "
+        "v0.7.0 ~2582 .get(..., None), main 7ea279a ~296 a field defaulting to None",
+        "whether a GRPO config must carry the key (null for no masking)",
+    ),
+    HostFact(
+        "nemo-rl",
+        "vllm_cfg.num_first_layers_in_bf16 reaches vLLM's ignored_layers",
+        _releases(*_MAIN),
+        None,
+        "nemo_rl/models/generation/vllm/quantization/fp8.py (init_fp8): v0.6.0 and v0.7.0 ~214 "
+        "and ~224 bf16_params.append(<list of names>), a list nested in the ignored_layers "
+        "list, which vLLM's is_layer_skipped compares module names with and never matches; "
+        "main 7ea279a ~269 and ~279 .extend(...)",
+        "whether num_first_layers_in_bf16 / num_last_layers_in_bf16 keep vLLM layers in BF16",
+    ),
     # The configuration keys the plugin writes, reads or checks: one row per key, naming the
     # releases that declare it (a TypedDict or pydantic field) or read it (``cfg["k"]``,
     # ``cfg.get("k")``). NeMo RL does not refuse unknown keys, so writing one a release lacks
@@ -605,6 +626,36 @@ FACTS: tuple[HostFact, ...] = (
         "quantization/fp8.py (init_fp8) at main 7ea279a (absent at v0.6.0 and v0.7.0, whose "
         "FP8 rollouts are 128x128 block FP8 only)",
         "policy.generation.vllm_cfg.is_mx",
+    ),
+    *_keys(
+        _FROM_0_7,
+        "nemo_rl/models/generation/vllm/config.py (VllmConfig.env_vars) and vllm_generation.py "
+        "(the vLLM workers' environment) at v0.7.0 ~206 and main 7ea279a ~217 (absent at v0.6.0)",
+        "policy.generation.vllm_cfg.env_vars",
+    ),
+    *_keys(
+        _ALL,
+        "nemo_rl/models/generation/vllm/config.py and vllm_generation.py / vllm_worker.py "
+        "(colocated, gpu_memory_utilization, tensor_parallel_size, vllm_kwargs passed to "
+        "vLLM's engine) at v0.6.0, v0.7.0 and main 7ea279a",
+        "policy.generation.colocated.enabled",
+        "policy.generation.vllm_cfg.gpu_memory_utilization",
+        "policy.generation.vllm_cfg.tensor_parallel_size",
+        "policy.generation.vllm_kwargs",
+    ),
+    *_keys(
+        _ALL,
+        "nemo_rl/algorithms/grpo.py (GRPOConfig.seq_logprob_error_threshold, read where the "
+        "batch's sample_mask is set) at v0.6.0 ~169, v0.7.0 ~199 and main 7ea279a ~296 "
+        "(absent at v0.5.0)",
+        "grpo.seq_logprob_error_threshold",
+    ),
+    *_keys(
+        _FROM_0_7,
+        "nemo_rl/models/policy/__init__.py (PolicyConfig.router_replay) and "
+        "nemo_rl/models/megatron/router_replay.py at v0.7.0 and main 7ea279a (absent at "
+        "v0.6.0)",
+        "policy.router_replay.enabled",
     ),
     *_keys(
         _ALL,
@@ -1092,7 +1143,12 @@ def nemo_rl_key_fact(key: str) -> HostFact | None:
 
 
 _PASSED_ON_WHOLE = frozenset(
-    {"policy.megatron_cfg.env_vars", "policy.megatron_cfg.model_overrides"}
+    {
+        "policy.megatron_cfg.env_vars",
+        "policy.megatron_cfg.model_overrides",
+        "policy.generation.vllm_cfg.env_vars",
+        "policy.generation.vllm_kwargs",
+    }
 )
 """NeMo RL sections whose keys it hands on whole (to the workers' environment, to the
 Megatron-Bridge provider): a row for the section covers every key under it."""

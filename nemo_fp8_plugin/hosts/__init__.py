@@ -177,6 +177,9 @@ class ApplyResult:
         files: companion files ``apply`` writes (atomically, before the output itself):
             path -> text. The NeMo RL adapter's TE precision file
             (:mod:`nemo_fp8_plugin.hosts.megatron.precision_file`) is one.
+        checks: pre-flight records as plain data, by name, for ``explain --json`` and
+            ``doctor`` (NeMo RL: ``rollout``, ``kv_cache``, ``ignore_list``); the lines that
+            say them are among :attr:`notes` / :attr:`warnings`.
     """
 
     data: Any
@@ -189,11 +192,12 @@ class ApplyResult:
     requested: bool = True
     runtime: str = ""
     files: dict[str, str] = field(default_factory=dict)
+    checks: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """The host section of ``explain --json``."""
         out: dict[str, Any] = {"keys": self.written or {}}
-        for name in ("removed", "env", "warnings", "notes", "runtime"):
+        for name in ("removed", "env", "warnings", "notes", "runtime", "checks"):
             value = getattr(self, name)
             if value:
                 out[name] = value

@@ -28,6 +28,12 @@ sequence_level_importance_ratios,
 truncated_importance_sampling_type,
 truncated_importance_sampling_ratio,
 truncated_importance_sampling_ratio_min}``
+``grpo.seq_logprob_error_threshold``                       ``importance_sampling.
+                                                           max_sequence_error`` (GRPO configs)
+``policy.router_replay.enabled``                           ``router_replay`` (v0.7.0 on)
+``policy.generation.vllm_cfg.env_vars.VLLM_*``             the kernel variable the rollouts'
+                                                           scale grid needs (v0.7.0 on;
+                                                           :mod:`.preflight`)
 ``policy.precision``                                       back to ``bfloat16`` when it named
                                                            a recipe
 ========================================================  =====================================

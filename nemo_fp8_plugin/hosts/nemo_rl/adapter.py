@@ -31,10 +31,13 @@ from .checks import (
 )
 from .modelopt import qat_merge, qat_recipe_keys, qat_refuse, qat_spell
 from .releases import TRUNCATION_KEYS, refuse_unread, request_key, truncation
+from .rl_options import edge_layers_as_keywords, is_grpo, refuse_rl_only, router_replay_advice
 from .spelling import (
     _MEGATRON,
     _VLLM,
     DEEP_GEMM_BLACKWELL,
+    ROUTER_REPLAY,
+    SEQUENCE_ERROR,
     _generation_fp8,
     _is_moe,
     _refusal,
@@ -93,6 +96,7 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     if spec.qat is not None:  # ModelOpt QAT: none of the Transformer Engine keys apply
         if ctx is not None:
             qat_refuse(spec, ctx)
+            refuse_rl_only(spec, ctx)
             _dropped_keys(ctx.resolved, ctx.assumed_version("nemo-rl"))
             _interpolation_users(ctx.resolved, list(ctx.request.keys))
         return
@@ -117,6 +121,7 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     if ctx is None:
         return
     _checks(spec, ctx.resolved)
+    refuse_rl_only(spec, ctx)
     _refuse_deep_gemm(spec, ctx)
     _dropped_keys(ctx.resolved, ctx.assumed_version("nemo-rl"))
     _interpolation_users(ctx.resolved, list(ctx.request.keys))
@@ -137,23 +142,38 @@ def _refuse_deep_gemm(spec: RecipeSpec, ctx: HostContext) -> None:
     refused (:data:`DEEP_GEMM_BLACKWELL`); the user's own ``false`` is kept by :func:`_spell`."""
     if not _block_generation(spec, ctx) or deep_gemm_wanted(spec):
         return
-    if get_path(ctx.resolved, _DEEP_GEMM, None) is True:
+    if get_path(ctx.resolved, _DEEP_GEMM, None) is not True:
+        return
+    if spec.generation_numerics == "vllm_deepgemm_ue8m0":
         raise FP8ConfigError(
-            f"is true, but the target GPU is {spec.hardware}: {DEEP_GEMM_BLACKWELL}",
+            "is true, which makes NeMo RL set VLLM_USE_DEEP_GEMM_E8M0=0 in its vLLM workers "
+            "(DeepGEMM with fp32 scales), and generation_numerics: vllm_deepgemm_ue8m0 is "
+            "DeepGEMM's UE8M0 mode, vLLM's default",
             key=_DEEP_GEMM,
             value=True,
-            hint=f"set {_DEEP_GEMM}: false (it sets no variable: a stock vLLM still runs "
-            "DeepGEMM with UE8M0 scales there; VLLM_USE_DEEP_GEMM=0 in the driver's "
-            "environment gives CUTLASS with fp32 scales)",
+            hint=f"set {_DEEP_GEMM}: false, or use generation_numerics: vllm",
         )
+    raise FP8ConfigError(
+        f"is true, but the target GPU is {spec.hardware}: {DEEP_GEMM_BLACKWELL}",
+        key=_DEEP_GEMM,
+        value=True,
+        hint=f"set {_DEEP_GEMM}: false (it sets no variable: vLLM then runs DeepGEMM "
+        "with power-of-2 (UE8M0) scales there, or CUTLASS with fp32 ones under "
+        "VLLM_USE_DEEP_GEMM=0; apply says which the recipe needs)",
+    )
 
 
 def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
     """The recipe's keys for this config: the MoE router from the config when the model is
     unknown, the training keys only for a config without generation, the sequence lengths
     alignment needs."""
-    if spec.qat is not None:
-        return qat_spell(spec, ctx)
+    if spec.qat is not None:  # the RL options are policy and GRPO keys: QAT takes them too
+        qat = qat_spell(spec, ctx)
+        if spec.router_replay:
+            set_path(qat.keys, ROUTER_REPLAY, True)
+        if spec.importance_sampling.max_sequence_error is not None:
+            set_path(qat.keys, SEQUENCE_ERROR, spec.importance_sampling.max_sequence_error)
+        return qat
     resolved = ctx.resolved
     warnings: list[str] = []
     if ctx.request.model and ctx.model is None:
@@ -178,7 +198,12 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
             "training keys are written, no generation or importance-sampling keys"
         )
         keys = nest({k: v for k, v in flatten(keys) if k.startswith(_MEGATRON + ".")})
+    elif not is_grpo(resolved):  # no GRPO loop reads the threshold (refused when set)
+        keys = nest({k: v for k, v in flatten(keys) if k != SEQUENCE_ERROR})
     writes, notes = sequence_alignment(spec, resolved, ctx.assumed_version("nemo-rl"))
+    replay_warnings, replay_notes = router_replay_advice(spec, ctx)
+    warnings += replay_warnings
+    notes += replay_notes
     if _block_generation(spec, ctx) and get_path(ctx.raw, _DEEP_GEMM, None) is False:
         # The user's own file says false: kept. It sets no variable, so vLLM's defaults pick
         # the kernel (DeepGEMM with UE8M0 scales on a stock install: hosts.vllm.rollout).
@@ -187,6 +212,11 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
         set_path(keys, _DEEP_GEMM, False)
     for key, value in writes.items():
         set_path(keys, key, value)
+    notes += edge_layers_as_keywords(spec, ctx, keys)
+    from .preflight import spell_rollout_env
+
+    rollout_env, rollout_notes = spell_rollout_env(spec, ctx, keys)
+    notes += rollout_notes
     if capability(spec.scaling).is_nvfp4 and training:
         notes.append(
             f"nemo-rl: {spec.name} trains in NVFP4 and generates in BF16 "
@@ -197,7 +227,7 @@ def _spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
 
     mla_note = mla_kv_cache_note(spec, ctx.model) if _has_generation(resolved) else None
     notes += [mla_note] if mla_note else []
-    return HostKeys(keys=keys, warnings=warnings, env=dict(hk.env), notes=notes)
+    return HostKeys(keys=keys, warnings=warnings, env=dict(hk.env) | rollout_env, notes=notes)
 
 
 def _merge(ctx: HostContext, keys: HostKeys, resolve: bool) -> ApplyResult:
@@ -256,12 +286,20 @@ def _merge_key(ctx: HostContext, out: dict, key: str, want: Any, written: bool, 
         set_path(out, key, "fp64")
         return
     if have is _MISSING:
-        if written and (not _same(key, None, want) or key in native.REQUIRED):
+        if written and (not _same(key, None, want) or key in _required(ctx)):
             set_path(out, key, want)
         return
     if _same(key, have, want):
         if written:
             set_path(out, key, have)  # explicit in the output, in the user's spelling
+        return
+    if _inert_count(ctx, key, have):
+        if written:
+            set_path(out, key, want)
+        notes.append(
+            f"nemo-rl: {key}: {have} replaced by {want}: at this release it never reaches vLLM "
+            f"(the layers are written as quantization_ignored_layer_kws)"
+        )
         return
     kept = _users_choice(ctx, key, have, want)
     if kept is not None:
@@ -273,6 +311,33 @@ def _merge_key(ctx: HostContext, out: dict, key: str, want: Any, written: bool, 
         raise _contradiction(key, have, want, spec)
     if written:
         set_path(out, key, want)
+
+
+def _inert_count(ctx: HostContext, key: str, have: Any) -> bool:
+    """A ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` saying what the rules say,
+    at a release where the counts never reach vLLM (:mod:`.ignored_layers`): the rules' layers
+    are written as keywords instead, and the count changes nothing."""
+    from .ignored_layers import counts_reach_vllm
+
+    rules = ctx.spec.bf16_layers
+    counts = {
+        f"{_VLLM}.num_first_layers_in_bf16": rules.first,
+        f"{_VLLM}.num_last_layers_in_bf16": rules.last,
+    }
+    if key not in counts or counts_reach_vllm(ctx.assumed_version("nemo-rl")):
+        return False
+    return rules.acts_on("generation") and _same(key, have, counts[key])
+
+
+def _required(ctx: HostContext) -> tuple[str, ...]:
+    """The keys the assumed release reads without a default (written where the chain lacks
+    them, even with the value meaning "off"): :data:`.native.REQUIRED`, and at v0.6.0 the GRPO
+    sequence-masking threshold (``master_config["grpo"]["seq_logprob_error_threshold"]``)."""
+    from ...stacks import lookup
+
+    release = ctx.assumed_version("nemo-rl")
+    fact = f"{SEQUENCE_ERROR} is read by subscript"
+    return native.REQUIRED + ((SEQUENCE_ERROR,) if lookup("nemo-rl", fact, release).present else ())
 
 
 def _stated(ctx: HostContext, field: str, *inner: str) -> bool:
@@ -297,6 +362,13 @@ def _users_choice(ctx: HostContext, key: str, have: Any, want: Any) -> str | Non
     different scale grids; the importance-sampling correction absorbs it)."""
     leaf = _leaf(key)
     spec = ctx.spec
+    stated_error = _stated(ctx, "importance_sampling", "max_sequence_error")
+    if key == SEQUENCE_ERROR and want is None and not stated_error:
+        return (
+            f"nemo-rl: {key}: {have} kept as your config states it (sequences whose log-prob "
+            f"error exceeds it leave the loss; state importance_sampling.max_sequence_error in "
+            f"the fp8: block to change it)"
+        )
     if leaf == "kv_cache_dtype" and _generation_fp8(spec) and not _stated(ctx, "kv_cache"):
         if isinstance(have, str) and have.startswith("fp8") and want == "auto":
             return (
@@ -374,7 +446,7 @@ def _refuse_at_startup(ctx: HostContext, out: dict, resolve: bool) -> None:
     request that turns the importance-sampling correction off is named as the cause."""
     from .startup import startup_problems
 
-    final = out if resolve else _written_over_parents(ctx, out)
+    final = out if resolve else _written_over_parents(ctx, out)  # as _final(ctx, out)
     problems = startup_problems(final, ctx.assumed_version("nemo-rl"))
     if not problems:
         return
@@ -389,6 +461,14 @@ def _refuse_at_startup(ctx: HostContext, out: dict, resolve: bool) -> None:
             "generate in BF16 (generation: bf16)",
         )
     raise first
+
+
+def _final(ctx: HostContext, out: dict) -> dict:
+    """The whole configuration the output ``out`` makes: itself when fully resolved (a
+    ``defaults:`` the input had is gone), else an overlay over its parents."""
+    if "defaults" in ctx.raw and "defaults" not in out:
+        return out
+    return _written_over_parents(ctx, out)
 
 
 def _written_over_parents(ctx: HostContext, out: dict) -> dict:
@@ -441,7 +521,12 @@ class NeMoRLAdapter(HostAdapter):
         # a key only for a release that reads it (NeMo RL ignores unknown keys silently)
         refuse_unread(ctx, keys.keys)
         # module rules reach training through the TE precision file where NeMo RL has its key
-        return nemo_rl_precision_file(ctx, _merge(ctx, keys, self.resolve))
+        result = nemo_rl_precision_file(ctx, _merge(ctx, keys, self.resolve))
+        if ctx.spec.qat is None:
+            from .preflight import preflight
+
+            preflight(ctx, result, _final(ctx, result.data))
+        return result
 
     def passthrough(self, ctx: HostContext) -> Any:
         return _overlay_base(ctx, self.resolve)

@@ -91,7 +91,7 @@ def _neutral(key: str, have: Any, resolved: Mapping) -> bool:
         return have == [] or have == ()
     if ".env_vars." in key:
         return False  # a variable set otherwise is a choice the recipe contradicts
-    if leaf.startswith("truncated_importance_sampling"):
+    if leaf.startswith("truncated_importance_sampling") or leaf == "seq_logprob_error_threshold":
         return False  # None was handled above
     return have is False or have == 0
 
@@ -276,8 +276,11 @@ def vllm_fp8_keys(release: str | None) -> tuple[str, ...]:
     return tuple(k for k in nemo_rl_keys(release, _VLLM) if k not in _VLLM_NOT_FP8)
 
 
-_VLLM_NOT_FP8 = frozenset({"async_engine"})
-"""``vllm_cfg`` keys of the table that are not FP8 settings (the start-up checks read them)."""
+_VLLM_NOT_FP8 = frozenset(
+    {"async_engine", "env_vars", "gpu_memory_utilization", "tensor_parallel_size"}
+)
+"""``vllm_cfg`` keys of the table that are not FP8 settings (the start-up checks and the
+pre-flight read them; ``env_vars`` carries the rollout kernel's variables)."""
 
 FP8_CFG_KEYS = fp8_cfg_keys(None)
 """Keys any NeMo RL release reads from ``policy.megatron_cfg.fp8_cfg``."""

@@ -272,7 +272,7 @@ def weight_bytes(
     shape = _Shape(model, config)
     fp8 = spec.generation == "fp8"
     row = capability(spec.scaling)
-    tile = spec.weight_block[0] * spec.weight_block[1]
+    tile = math.prod(spec.weight_block) if spec.weight_block else None  # None: per tensor
     scale_bytes = 4 if row.is_block else 1
     total = 0
     unknown: list[str] = []
@@ -289,7 +289,8 @@ def weight_bytes(
             keeps_bf16(spec, m, side="generation", num_layers=model.num_layers, model=model) is None
             for m in members
         )
-        total += params + math.ceil(params / tile) * scale_bytes if quantized else 2 * params
+        scales = math.ceil(params / tile) if tile else 1
+        total += params + scales * scale_bytes if quantized else 2 * params
     if shape.vocab is not None:
         total += 2 * shape.vocab * shape.h
     notes = list(shape.assumptions)
