@@ -1,4 +1,4 @@
-"""``apply`` writes only what changes behaviour (issue 28): a key the input's file does not
+"""``apply`` writes only what changes behaviour: a key the input's file does not
 set, whose value is what the config already means (a ``defaults:`` parent's value, else the
 host's own default), is left out; a key the file sets, or a parent sets otherwise, is written;
 informational lines are ``note:``."""

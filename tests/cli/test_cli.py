@@ -265,7 +265,7 @@ def test_bridge_hyphenated_alias_and_typos(tmp_path):
 
 def test_hardware_flag_is_blamed_as_the_flag(tmp_path):
     # apply refuses (exit 2), naming the flag or the key; explain reports (exit 0) and
-    # refuses only under --strict (issue 13 item 4; tests/hosts/test_retarget.py per GPU)
+    # refuses only under --strict (tests/hosts/test_retarget.py per GPU)
     out = cli(
         "apply", write(tmp_path, "precision: mxfp8\n"), "--host", "megatron", "--hardware", "h100"
     )

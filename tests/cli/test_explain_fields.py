@@ -1,6 +1,6 @@
 """explain leads with what changes; recipe fields that do not apply to the recipe (its kind of
 scaling, read from the capability row; a side it leaves in BF16) only with ``--full``
-(issue 28)."""
+(the fields the config's host reads)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``nemo-fp8 explain`` for a person (issue 15 item 2): warnings first, the config's own host,
+"""``nemo-fp8 explain`` for a person: warnings first, the config's own host,
 one screen for every shipped example, detail behind flags, and the spelling ``apply`` writes.
 ``--json`` keeps every host (tests/hosts/test_pipeline.py checks it against ``apply``)."""
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.torch_free
 
 EXAMPLES = sorted((REPO / "conf" / "examples").glob("*.yaml"))
 SCREEN = 60
-"""The default view of every shipped example fits this many lines (issue 15: about 60)."""
+"""The default view of every shipped example fits this many lines (about 60)."""
 
 OWN = {
     "bridge_llama3_8b_pretrain_fp8_blockwise.yaml": "bridge",

@@ -1,6 +1,6 @@
 """Contract tests for the training hosts: every output judged by the host's own code.
 
-Issue 12, item 1, for Transformer Engine, megatron-core, NeMo RL and Megatron-Bridge:
+For Transformer Engine, megatron-core, NeMo RL and Megatron-Bridge:
 
 * TE: the environment variables TE's recipe module (and ``pytorch/quantization.py``) reads are
   enumerated from TE 2.20.2's own source with ``ast``, not from a list; each value TE's source
@@ -669,7 +669,7 @@ def test_bridge_both_model_forms_for_every_preset(form, tmp_path, monkeypatch):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
 
-    sys.path.insert(0, str(Path(__file__).parent / "bridge"))  # its own folder (issue 22)
+    sys.path.insert(0, str(Path(__file__).parent / "bridge"))  # its own folder
     from test_bridge_adapter import GPTModelConfigStandIn
 
     from nemo_fp8_plugin.hosts.bridge.callback import FP8ScaleRefreshBridgeCallback

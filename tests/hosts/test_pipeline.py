@@ -3,7 +3,7 @@
 The equality is checked from the outside: ``apply`` runs as a command and writes a file;
 the test diffs that file against the input with its own flattening (not the pipeline's
 ``diff_written``) and compares the result with ``explain --json``'s host section. Then the
-three wrong results the duplicated paths produced (issue 16), each pinned.
+three wrong results the duplicated paths produced, each pinned.
 """
 
 from __future__ import annotations
@@ -227,13 +227,13 @@ def test_nemo_rl_values_are_read_with_nemo_rls_resolvers(tmp_path):
 
 
 def test_explain_says_which_code_runs_for_each_host():
-    """Issue 12 "say which path each host takes at run time": in NeMo RL, NeMo RL's own FP8
+    """Explain says which path each host takes at run time: in NeMo RL, NeMo RL's own FP8
     generation path runs and the plugin's nemo_fp8 vLLM method does not; with vLLM directly
     the nemo_fp8 method is what runs."""
     example = ROOT / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
     hosts = json.loads(cli("explain", example, "--json").stdout)["hosts"]
     assert "init_fp8" in hosts["nemo-rl"]["runtime"] and "not used" in hosts["nemo-rl"]["runtime"]
-    # Issue 23: vLLM's keys do not go into a NeMo RL config (apply refuses, so explain does).
+    # vLLM's keys do not go into a NeMo RL config (apply refuses, so explain does).
     assert "not a vllm one" in hosts["vllm"]["refused"]
     vllm = ROOT / "conf" / "examples" / "vllm_llama8b_fp8_blockwise.yaml"
     own = json.loads(cli("explain", vllm, "--json").stdout)["hosts"]["vllm"]

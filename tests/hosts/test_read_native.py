@@ -1,5 +1,5 @@
 """explain on a config already FP8 in a host's own keys: each adapter's ``read_native`` maps
-them back to our recipe (issue 28). The property: for every registered recipe and host,
+them back to our recipe. The property: for every registered recipe and host,
 reading apply's own output gives back the recipe apply wrote, as far as the host's keys say
 it (the same keys spelt again, the same name or one the keys cannot tell apart)."""
 

@@ -2,7 +2,7 @@
 
 Cost: every ``nemo`` start imports ``nemo.collections.llm`` (~30 s of CPU). The module
 fixture starts all the processes at once: five real ``nemo llm finetune --factory
-llama32_1b_<recipe> --to-yaml`` commands (the done-when of issue 5) and one process that
+llama32_1b_<recipe> --to-yaml`` commands (one per recipe) and one process that
 runs NeMo-Run's ``nemo`` app object in-process for the remaining invocations (plugin
 factories by import path, the callback factory, a pretrain variant, and a YAML written by
 ``nemo-fp8 apply --host nemo2`` loaded back with ``--yaml``), paying the import once. About

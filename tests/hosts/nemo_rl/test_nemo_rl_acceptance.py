@@ -1,5 +1,5 @@
 """`nemo-fp8 apply CONFIG --host nemo-rl` against NVIDIA's own NeMo RL configs, pair by pair
-(issue 6): the BF16 file plus one FP8 line resolves to exactly the FP8 twin's values of the FP8
+: the BF16 file plus one FP8 line resolves to exactly the FP8 twin's values of the FP8
 keys and to the BF16 file's value of every other key; the shipped examples too. Shared
 helpers: ``nemo_rl_cases.py``."""
 
