@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, shared_nemo_rl
+from conftest import NEMO_RL_TRIMMED, REPO, shared_nemo_rl
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts import (
     NO_REQUEST,
@@ -27,7 +27,7 @@ from nemo_fp8_plugin.registry import get_recipe, list_recipes
 
 pytestmark = pytest.mark.torch_free
 
-NEMO_RL_BASE = REPO / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
+NEMO_RL_BASE = NEMO_RL_TRIMMED
 
 _CONFIGS = {
     "megatron": {"model": {"num_layers": 4, "hidden_size": 256}},
