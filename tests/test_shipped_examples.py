@@ -69,7 +69,7 @@ def test_every_conf_example_is_loaded_by_its_hosts_code():
         assert name in (REPO / test).read_text(), f"{test} does not load {name}"
 
 
-def _header_command(path: Path, verb: str) -> list[str]:
+def header_command(path: Path, verb: str) -> list[str]:
     """The header's ``nemo-fp8 apply ...`` (``verb`` "apply") or ``uv run ...`` line."""
     line = next(ln for ln in _header(path).splitlines() if verb in ln)
     return shlex.split(line.lstrip("# "))
@@ -80,7 +80,7 @@ def _header_command(path: Path, verb: str) -> list[str]:
 @pytest.mark.parametrize("overlay", NEMO_RL_OVERLAYS, ids=lambda p: p.name)
 def test_nemo_rl_overlays_run_through_nemo_rls_own_loader(overlay, release, tmp_path, capsys):
     checkout = nemo_rl_checkout(release, tmp_path)
-    apply = _header_command(overlay, "nemo-fp8 apply")
+    apply = header_command(overlay, "nemo-fp8 apply")
     placed = checkout / apply[2]
     assert placed.parent.is_dir() and not placed.exists(), f"{overlay.name}: no place {apply[2]}"
     placed.write_text(overlay.read_text())
@@ -95,7 +95,7 @@ def test_nemo_rl_overlays_run_through_nemo_rls_own_loader(overlay, release, tmp_
         assert main([*apply[1:], "--stack", f"nemo-rl-{release}"]) == 0, capsys.readouterr().err
     finally:
         os.chdir(here)
-    run = _header_command(overlay, "examples/run_grpo.py")
+    run = header_command(overlay, "examples/run_grpo.py")
     assert run[:3] == ["uv", "run", "examples/run_grpo.py"] and run[4] == apply[-1]
 
     nemo_rl = nemo_rl_config_module(release)
