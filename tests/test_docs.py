@@ -347,3 +347,54 @@ def test_every_python_snippet_runs_or_at_least_imports(snippet, tmp_path):
     assert proc.returncode == 0, (
         f"{where} ({snippet.mark or 'whole block'}):\n{proc.stderr[-1500:]}"
     )
+
+
+# --------------------------------------------------------------------------- links, figures
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FIGURE = re.compile(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?:x|%)")
+
+
+def _prose(page: Path) -> str:
+    return re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
+
+
+def _dead_links(pages: list[Path]) -> list[str]:
+    anchors = {
+        p.resolve(): {_anchor(h) for h in re.findall(r"^#+ (.+)$", _prose(p), re.M)} for p in pages
+    }
+    dead = []
+    for page in pages:
+        for link in LINK.findall(_prose(page)):
+            path, _, anchor = link.partition("#")
+            if link.startswith(("http://", "https://")):
+                continue
+            target = (page.parent / path).resolve() if path else page.resolve()
+            if not target.exists() or (anchor and anchor not in anchors.get(target, ())):
+                dead.append(f"{page.name}: {link}")
+    return dead
+
+
+def test_links_between_pages_resolve(tmp_path):
+    """Every relative link of the README and docs/ names a file that exists and, with
+    ``#anchor``, a heading of that page (pages move sections; a dead link is a defect)."""
+    assert not _dead_links(PAGES), _dead_links(PAGES)
+    probe = tmp_path / "p.md"
+    probe.write_text("## `nemo-fp8 bench`: A / B\n[x](#nemo-fp8-bench-a--b) [y](#gone) [z](q.md)\n")
+    assert _dead_links([probe]) == ["p.md: #gone", "p.md: q.md"]
+
+
+def test_the_readmes_own_figures_come_from_performance_md():
+    """The README's measured figures (its "What to expect" bullets that cite no outside
+    source) are the ones docs/performance.md's Demo section holds: one place, no drift."""
+    expect = _prose(REPO / "README.md").split("## What to expect", 1)[1].split("\n## ", 1)[0]
+    ours = [b for b in expect.split("\n- ") if "http" not in b]
+    demo = _prose(REPO / "docs" / "performance.md").split("## Demo", 1)[1].split("\n## ", 1)[0]
+    figures = [f for bullet in ours for f in FIGURE.findall(bullet)]
+    assert len(figures) >= 4, figures
+    missing = [f for f in figures if f not in demo]
+    assert not missing, f"README figures not in performance.md's Demo section: {missing}"
