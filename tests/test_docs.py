@@ -169,13 +169,13 @@ def _run(cmd: DocCommand, tmp: Path):
 
 SLOW_COMMANDS = {
     # command prefix: what makes its blocks slow (over ~5 s, the marker's meaning in
-    # pyproject.toml; so every block over 30 s is among them). Seconds per block measured with
-    # `pytest tests/test_docs.py --durations=0` on the 2-core machine at load 6-13 (2026-12-02);
-    # CI runs them like every test (scripts/test.sh selects no marker), the fast subset not.
-    "nemo llm finetune": "imports NeMo 2 and NeMo-Run and builds the recipe: 33-38 s",
-    "nemo-fp8 rl-check": "the tiny GRPO model's warm-up and 2 steps, each arm: 18-25 s",
-    "nemo-fp8 demo": "trains a megatron-core GPT, BF16 and one recipe, 3 steps: 22 s",
-    "python examples/megatron/": "imports megatron-core and builds its config: 14 s",
+    # pyproject.toml). Seconds per block measured with `pytest tests/test_docs.py --durations=0`
+    # on two cores at load 5-7 (2026-12-06); CI runs them like every test (scripts/test.sh
+    # selects no marker), the fast subset not.
+    "nemo llm finetune": "imports NeMo 2 and NeMo-Run and builds the recipe: 34-66 s",
+    "nemo-fp8 rl-check": "the tiny GRPO model's warm-up and 2 steps, each arm: 19-31 s",
+    "nemo-fp8 demo": "trains a megatron-core GPT, BF16 and one recipe, 3 steps: 16 s",
+    "python examples/megatron/": "imports megatron-core and builds its config: 12 s",
 }
 """Doc commands run under the ``slow`` marker."""
 
