@@ -309,7 +309,7 @@ def test_logprobs_match_the_emulated_trainer_model(llm, trainer_weights):
 
 
 def test_the_engine_runs_vllms_activation_numerics(llm, trainer_weights):
-    """Issue 18: the same sequences scored by the engine under its default numerics (vLLM's)
+    """The same sequences scored by the engine under its default numerics (vLLM's)
     and under the trainer's: the logprobs differ (the engine really quantizes as vLLM does),
     and both stay within the stated tolerance of the emulated trainer."""
     seqs = sample(llm, seed=5)

@@ -70,7 +70,7 @@ def test_mxfp8_is_mxfp8_training_and_mx_generation(tmp_path):
         f"{VLLM}.pow2_activation_scaling_factors": True,
         **IS_ON,
     }
-    # The preset's fp8_param: true is not carried over (NeMo RL issue 1164), and it is said.
+    # The preset's fp8_param: true is not carried over (NVIDIA-NeMo/RL issue 1164), and it is said.
     assert ours[f"{MEG}.fp8_cfg.fp8_param"] is False
     assert any("fp8_param" in w and "1164" in w for w in warnings)
 
@@ -85,7 +85,7 @@ def test_preset_fp8_param_true_is_written_false_for_nemo_rl(tmp_path, recipe):
         relative_defaults=True,
     )
     result = apply_path(NEMO_RL, src, stack=MAIN_STACK)
-    # false is the parent's value already, so the overlay leaves it out (issue 28)
+    # false is the parent's value already, so the overlay leaves it out
     assert result.data["policy"]["megatron_cfg"]["fp8_cfg"].get("fp8_param", False) is False
     (warning,) = [w for w in result.warnings if "fp8_param" in w]
     assert "token_mult_prob_error" in warning and "fp8_param: true" in warning

@@ -336,9 +336,9 @@ def test_the_configs_own_fp8_kv_cache_and_pow2_scales_stand(tmp_path):
 def test_apply_host_megatron_on_a_nemo_rl_config_is_refused_and_force_overrides(tmp_path, capsys):
     """Was: exit 0, the request deleted and a root ``model: {fp8: ...}`` written, which NeMo RL
     ignores (a silent BF16 run)."""
+    from conftest import NEMO_RL_TRIMMED as example
     from conftest import REPO
 
-    example = REPO / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
     out = tmp_path / "out.yaml"
     assert main(["apply", str(example), "--host", "megatron", "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip()
