@@ -346,7 +346,13 @@ def _recipe_section(request: FP8Request) -> dict[str, Any]:
     }
 
 
-_GENERATION_SIDE = ("generation", "kv_cache", "generation_numerics", "importance_sampling")
+_GENERATION_SIDE = (
+    "generation",
+    "kv_cache",
+    "generation_numerics",
+    "importance_sampling",
+    "router_replay",
+)
 """Recipe fields only a host that generates reads (vLLM, NeMo RL): hidden for a config whose
 host only trains, unless ``--all-hosts`` / ``--full``."""
 
@@ -609,8 +615,11 @@ def _host_lines(
         if host == "vllm"
         else "in the training process's environment"
     )
+    rollout_env = section.get("checks", {}).get("rollout", {}).get("needed", {})
     for key, value in section.get("env", {}).items():
-        lines.append(f"  env: {key}={value} ({where})")
+        # what the rollouts need goes where NeMo RL starts: its Ray workers inherit it
+        here = "where NeMo RL starts, for its vLLM workers" if key in rollout_env else where
+        lines.append(f"  env: {key}={value} ({here})")
     if warnings:
         lines += [f"  warning: {w}" for w in section.get("warnings", [])]
     lines += [f"  note: {n}" for n in section.get("notes", [])]

@@ -628,13 +628,21 @@ class RecipeSpec:
     :class:`QuantizationAwareRL`. Default None (off). ``scaling: nvfp4`` only; NeMo RL
     only (other hosts refuse it)."""
 
+    router_replay: bool = False
+    """Router replay (R3) for mixture-of-experts RL: train each token through the experts the
+    rollout engine routed it to, so an FP8 rounding that flips a routing decision in the rollout
+    is not trained on as if the trainer had made it. Default false. NeMo RL
+    ``policy.router_replay.enabled`` (v0.7.0 on; NeMo RL then asks vLLM for the routed experts
+    itself, ``enable_return_routed_experts``); a model without experts is refused. Training-only
+    hosts ignore it, as they ignore ``importance_sampling``."""
+
     hardware: str | None = None
     """Target GPU architecture (``ada``, ``hopper``, ``blackwell``, ``blackwell_sm120``; GPU
     names such as ``h100``, ``nvidia-smi`` names and ``sm90``-style capabilities are accepted;
     an Ampere GPU such as ``a100`` is accepted and then refused by the hardware rules, since it
     has no FP8). Default None: hardware rules are checked only when it is stated. Rules, with
     the nearest recipe that runs and the YAML change:
-    :func:`nemo_fp8_plugin.capabilities.hardware_problems`."""
+    :func:`nemo_fp8_plugin.kinds.hardware_problems`."""
 
     # Fields whose values users may set from YAML (everything but the identity).
     OVERRIDABLE = (
@@ -661,6 +669,7 @@ class RecipeSpec:
         "bf16_layers",
         "importance_sampling",
         "qat",
+        "router_replay",
         "hardware",
     )
 
@@ -698,6 +707,7 @@ class RecipeSpec:
             "fp8_dot_product_attention",
             "fp8_multi_head_attention",
             "fp8_param",
+            "router_replay",
         ):
             set_(key, _bool(key, getattr(self, key)))
         set_("amax_epsilon", _float("amax_epsilon", self.amax_epsilon, 0.0, 1e30))
@@ -878,7 +888,7 @@ class RecipeSpec:
 
     def findings(self) -> list[Finding]:
         """Hardware findings for the stated target (errors make the spec invalid), from the
-        capability table (:func:`nemo_fp8_plugin.capabilities.hardware_problems`)."""
+        capability table (:func:`nemo_fp8_plugin.kinds.hardware_problems`)."""
         if self.hardware is None:
             return []
         return [

@@ -306,6 +306,15 @@ def _keys(releases: tuple[str, ...], source: str, *names: str) -> tuple[HostFact
 
 _TE_RECIPE = "transformer_engine/common/recipe/__init__.py"
 
+_VQ = "vllm/model_executor/layers/quantization"
+
+
+def _at(path: str, *places: str) -> str:
+    """``path:line (release)`` for each ``"line (release)"`` of ``places``: the citation form
+    the tests read back from each release's source."""
+    return ", ".join(f"{path}:{place}" for place in places)
+
+
 FACTS: tuple[HostFact, ...] = (
     # Transformer Engine recipe classes: the oldest TE megatron-core 0.16.1 builds each with
     # (megatron/core/fp8_utils.py and fp4_utils.py, is_te_min_version checks).
@@ -529,6 +538,27 @@ FACTS: tuple[HostFact, ...] = (
         "NeMo RL v0.7.0 ~120 and main 7ea279a ~147 (absent at v0.6.0)",
         "Qwen3-VL (HF model_type qwen3_vl / qwen3_vl_moe)",
     ),
+    HostFact(
+        "nemo-rl",
+        "grpo.seq_logprob_error_threshold is read by subscript",
+        _releases("0.6.0"),
+        None,
+        "nemo_rl/algorithms/grpo.py: v0.6.0 ~1771 master_config['grpo']"
+        "['seq_logprob_error_threshold'] (a config without the key stops with a KeyError); "
+        "v0.7.0 ~2582 .get(..., None), main 7ea279a ~296 a field defaulting to None",
+        "whether a GRPO config must carry the key (null for no masking)",
+    ),
+    HostFact(
+        "nemo-rl",
+        "vllm_cfg.num_first_layers_in_bf16 reaches vLLM's ignored_layers",
+        _releases(*_MAIN),
+        None,
+        "nemo_rl/models/generation/vllm/quantization/fp8.py (init_fp8): v0.6.0 and v0.7.0 ~214 "
+        "and ~224 bf16_params.append(<list of names>), a list nested in the ignored_layers "
+        "list, which vLLM's is_layer_skipped compares module names with and never matches; "
+        "main 7ea279a ~269 and ~279 .extend(...)",
+        "whether num_first_layers_in_bf16 / num_last_layers_in_bf16 keep vLLM layers in BF16",
+    ),
     # The configuration keys the plugin writes, reads or checks: one row per key, naming the
     # releases that declare it (a TypedDict or pydantic field) or read it (``cfg["k"]``,
     # ``cfg.get("k")``). NeMo RL does not refuse unknown keys, so writing one a release lacks
@@ -596,6 +626,36 @@ FACTS: tuple[HostFact, ...] = (
         "quantization/fp8.py (init_fp8) at main 7ea279a (absent at v0.6.0 and v0.7.0, whose "
         "FP8 rollouts are 128x128 block FP8 only)",
         "policy.generation.vllm_cfg.is_mx",
+    ),
+    *_keys(
+        _FROM_0_7,
+        "nemo_rl/models/generation/vllm/config.py (VllmConfig.env_vars) and vllm_generation.py "
+        "(the vLLM workers' environment) at v0.7.0 ~206 and main 7ea279a ~217 (absent at v0.6.0)",
+        "policy.generation.vllm_cfg.env_vars",
+    ),
+    *_keys(
+        _ALL,
+        "nemo_rl/models/generation/vllm/config.py and vllm_generation.py / vllm_worker.py "
+        "(colocated, gpu_memory_utilization, tensor_parallel_size, vllm_kwargs passed to "
+        "vLLM's engine) at v0.6.0, v0.7.0 and main 7ea279a",
+        "policy.generation.colocated.enabled",
+        "policy.generation.vllm_cfg.gpu_memory_utilization",
+        "policy.generation.vllm_cfg.tensor_parallel_size",
+        "policy.generation.vllm_kwargs",
+    ),
+    *_keys(
+        _ALL,
+        "nemo_rl/algorithms/grpo.py (GRPOConfig.seq_logprob_error_threshold, read where the "
+        "batch's sample_mask is set) at v0.6.0 ~169, v0.7.0 ~199 and main 7ea279a ~296 "
+        "(absent at v0.5.0)",
+        "grpo.seq_logprob_error_threshold",
+    ),
+    *_keys(
+        _FROM_0_7,
+        "nemo_rl/models/policy/__init__.py (PolicyConfig.router_replay) and "
+        "nemo_rl/models/megatron/router_replay.py at v0.7.0 and main 7ea279a (absent at "
+        "v0.6.0)",
+        "policy.router_replay.enabled",
     ),
     *_keys(
         _ALL,
@@ -875,6 +935,189 @@ FACTS: tuple[HostFact, ...] = (
         "scales_raw first",
         "a zero or tiny activation group's UE8M0 scale is 2^-17 (a power of two), not 1/229376",
     ),
+    # How vLLM matches an ignore list: Fp8Config.ignored_layers (also modules_to_not_convert)
+    # and ModelOpt's exclude_modules (hosts/vllm/ignore.py asks these rows). The rows from
+    # 0.17.1 are the matching every release read shares; tests/ignore_citations.py holds what
+    # each cited line must say, tests/hosts/test_vllm_ignore.py runs each release's own
+    # matching functions against ignore.py's. In 0.32.0 and 0.34.0 is_layer_skipped takes a
+    # match_mode; Fp8Config and ModelOpt use its default, exact (a model class may set
+    # another: bailing_moe_v3.py sets suffix).
+    HostFact(
+        "vllm",
+        "Fp8Config.get_quant_method:is_layer_skipped",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/fp8.py",
+            "177 (0.17.1)",
+            "172 (0.20.0)",
+            "175 (0.25.1)",
+            "177 (0.32.0)",
+            "174 (0.34.0)",
+        )
+        + " (Fp8Config.get_quant_method) ask is_layer_skipped, defined at "
+        + _at(
+            f"{_VQ}/utils/quant_utils.py",
+            "431 (0.17.1)",
+            "464 (0.20.0)",
+            "510 (0.25.1)",
+            "617 (0.32.0)",
+            "634 (0.34.0)",
+        ),
+        "Fp8Config decides each linear and fused-MoE layer by is_layer_skipped(prefix, "
+        "ignored_layers, packed_modules_mapping): a prefix is skipped when it is an entry, a "
+        "fused projection when its shards are (shards that disagree: the model is refused)",
+    ),
+    HostFact(
+        "vllm",
+        "is_layer_skipped:experts_substring",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/utils/quant_utils.py",
+            "473 (0.17.1)",
+            "506 (0.20.0)",
+            "560 (0.25.1)",
+            "682 (0.32.0)",
+            "699 (0.34.0)",
+        )
+        + " (the experts branch of is_layer_skipped)",
+        "a prefix containing experts (not fused) is skipped when it is a substring of an entry "
+        "containing experts: model.layers.3.mlp.experts.0.gate_proj skips the whole fused-MoE "
+        "layer model.layers.3.mlp.experts",
+    ),
+    HostFact(
+        "vllm",
+        "is_layer_skipped:fused_name_first",
+        _from("0.25.1"),
+        None,
+        _at(f"{_VQ}/utils/quant_utils.py", "540 (0.25.1)", "662 (0.32.0)", "679 (0.34.0)")
+        + " (is_layer_skipped); absent in 0.20.0 and 0.17.1, which look at the shards only",
+        "an entry naming a fused module itself (self_attn.qkv_proj) skips it before its shards "
+        "are looked at",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.is_layer_excluded:is_layer_skipped",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/modelopt.py",
+            "134 (0.17.1)",
+            "141 (0.20.0)",
+            "144 (0.25.1)",
+            "187 (0.32.0)",
+            "198 (0.34.0)",
+        )
+        + " (ModelOptQuantConfigBase.is_layer_excluded, first asking is_layer_skipped)",
+        "ModelOpt's exclude_modules (hf_quant_config.json, or ignore in the "
+        "compressed-tensors-style config) first go through is_layer_skipped",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.is_layer_excluded:substring",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/modelopt.py",
+            "157 (0.17.1)",
+            "164 (0.20.0)",
+            "167 (0.25.1)",
+            "209 (0.32.0)",
+            "220 (0.34.0)",
+        )
+        + " (is_layer_excluded)",
+        "then an exclude_module anywhere inside the prefix excludes it, also after a "
+        "language_model. prefix: excluding mlp.gate also excludes every mlp.gate_up_proj",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.is_layer_excluded:fnmatch",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/modelopt.py",
+            "167 (0.17.1)",
+            "174 (0.20.0)",
+            "177 (0.25.1)",
+            "219 (0.32.0)",
+            "230 (0.34.0)",
+        )
+        + " (is_layer_excluded)",
+        "then each exclude_module as an fnmatch wildcard_pattern",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.apply_vllm_mapper:star_rewrite",
+        _from("0.17.1"),
+        None,
+        _at(
+            f"{_VQ}/modelopt.py",
+            "222 (0.17.1)",
+            "229 (0.20.0)",
+            "236 (0.25.1)",
+            "275 (0.32.0)",
+            "283 (0.34.0)",
+        )
+        + " (ModelOptQuantConfigBase.apply_vllm_mapper)",
+        "where the model class has an hf_to_vllm_mapper, each exclude entry module_path* (a "
+        "star not after a dot) becomes module_path and module_path.* before matching",
+    ),
+    HostFact(
+        "vllm",
+        "ModelOptQuantConfigBase.get_quant_method:lm_head",
+        _from("0.25.1"),
+        None,
+        _at(f"{_VQ}/modelopt.py", "191 (0.25.1)", "233 (0.32.0)", "244 (0.34.0)")
+        + " (ModelOptQuantConfigBase.get_quant_method); 0.20.0 and 0.17.1 test "
+        "isinstance(layer, LinearBase) only",
+        "ModelOpt's method quantizes lm_head (ParallelLMHead), so its list decides it; before, "
+        "lm_head stayed unquantized whatever the list (Fp8Config never quantizes it)",
+    ),
+    HostFact(
+        "vllm",
+        "hf_to_vllm_mapper:llama",
+        _from("0.25.1"),
+        None,
+        _at("vllm/model_executor/models/llama.py", "455 (0.25.1)", "473 (0.32.0)", "473 (0.34.0)")
+        + " (LlamaForCausalLM.hf_to_vllm_mapper); absent in 0.20.0 and 0.17.1",
+        "vLLM's Llama class has an hf_to_vllm_mapper, so ModelOpt's module_path* rewrite runs "
+        "for Llama-like models",
+    ),
+    HostFact(
+        "vllm",
+        "hf_to_vllm_mapper:qwen3_moe",
+        _from("0.25.1"),
+        None,
+        _at(
+            "vllm/model_executor/models/qwen3_moe.py",
+            "550 (0.25.1)",
+            "552 (0.32.0)",
+            "552 (0.34.0)",
+        )
+        + " (Qwen3MoeForCausalLM.hf_to_vllm_mapper); absent in 0.20.0 and 0.17.1",
+        "vLLM's Qwen3-MoE class has an hf_to_vllm_mapper, so ModelOpt's module_path* rewrite "
+        "runs for it (DeepseekV2ForCausalLM, deepseek_v2.py, has none in any release read)",
+    ),
+    # Measured, not read from vLLM's source: the profiling that sizes the KV cache spans the
+    # model runner, the allocator and the model's own activations. Checked against NeMo RL's
+    # recipes per release by tests/hosts/test_vllm_memory.py (hosts/vllm/memory.py asks it).
+    HostFact(
+        "vllm",
+        "gpu_memory_utilization:larger_kv_cache",
+        _from("0.25"),
+        None,
+        "NVIDIA-NeMo/RL#3280, measured when NeMo RL main moved from vLLM 0.20.0 to 0.25.1: NeMo "
+        "RL main 7ea279a's examples/configs/recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron-"
+        "fp8-e2e.yaml pins policy.generation.vllm_kwargs.kv_cache_memory_bytes to 20 GiB (0.25's "
+        "profiling sized about 34 where 0.20 sized about 20, at gpu_memory_utilization 0.5); "
+        "the recipe at v0.6.0 and v0.7.0 (vLLM 0.17.1, 0.20.0) pins nothing. From the 0.25 "
+        "series (0.21 to 0.24 not measured)",
+        "at the same setting the KV cache is larger than vLLM 0.20 made it (NVIDIA's colocated "
+        "FP8 Moonlight-16B-A3B recipe: about 34 GiB where 0.20 gave 20), and a colocated engine "
+        "can run out of memory waking up next to the trainer: pin kv_cache_memory_bytes (it "
+        "takes precedence; that recipe pins 20 GiB)",
+    ),
 )
 """Every version-dependent fact the plugin relies on (see :class:`HostFact`)."""
 
@@ -900,7 +1143,12 @@ def nemo_rl_key_fact(key: str) -> HostFact | None:
 
 
 _PASSED_ON_WHOLE = frozenset(
-    {"policy.megatron_cfg.env_vars", "policy.megatron_cfg.model_overrides"}
+    {
+        "policy.megatron_cfg.env_vars",
+        "policy.megatron_cfg.model_overrides",
+        "policy.generation.vllm_cfg.env_vars",
+        "policy.generation.vllm_kwargs",
+    }
 )
 """NeMo RL sections whose keys it hands on whole (to the workers' environment, to the
 Megatron-Bridge provider): a row for the section covers every key under it."""

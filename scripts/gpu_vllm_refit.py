@@ -2,9 +2,9 @@
 """GPU run: vLLM generation in block FP8 with a refit every step (needs vLLM on a GPU).
 
 For a machine that has vLLM and a GPU, e.g. a NeMo RL or vLLM container with this package
-installed (``pip install --no-deps -e .``). It cannot run on the project's CPU-only machine
-(vLLM's CPU build has no FP8 kernel; the CPU path is exercised by ``tests/vllm``), and the
-team's borrowed GPU box has no vLLM. What it does, for ``--steps`` simulated RL steps:
+installed (``pip install --no-deps -e .``). vLLM's CPU build has no FP8 kernel: on a CPU,
+``--tiny --device cpu`` runs the same loop through the ``nemo_fp8`` method's emulation, a smoke
+test of the script. What it does, for ``--steps`` simulated RL steps:
 
 1. a trainer model (Hugging Face, BF16, on the GPU) takes a stand-in optimizer step
    (every decoder weight moves by ``--lr`` times its own std, in random directions);
@@ -380,6 +380,7 @@ def run_steps(
             payload += list(scales.items())
         with Stopwatch(device) as load:
             llm.collective_rpc("nemo_fp8_load_weights", args=(payload,))
+            llm.reset_prefix_cache()  # KV blocks of the old weights must not be reused
         again = rescore(llm, previous)
         changed = float(
             torch.cat([(a - lp).abs() for a, (_, _, lp) in zip(again, previous)]).mean()

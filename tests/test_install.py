@@ -1,4 +1,4 @@
-"""Installing the plugin into a container changes nothing the container already has (issue 23
+"""Installing the plugin into a container changes nothing the container already has (
 item 5, docs/install.md).
 
 Users extend stock containers (NeMo 2, NeMo RL and its vLLM environment, vLLM images): their

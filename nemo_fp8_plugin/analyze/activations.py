@@ -10,14 +10,20 @@ operands quantized. The activation modules' names are joined to the checkpoint's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FP8ConfigError
 from ..rules.names import builtin_high_precision
 from .metrics import ErrorStats, quantize_dequantize, quantizer_key
 from .scan import progress_bar
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..spec import RecipeSpec
 
 __all__ = ["SAMPLE_TEXTS", "load_samples", "activation_stats", "join_activation_names"]
 
@@ -74,7 +80,7 @@ def load_samples(samples: str | Path | None) -> tuple[list[str] | None, list[lis
     return lines, None
 
 
-def _quiet_import(name: str):
+def _quiet_import(name: str) -> ModuleType:
     """Import a third-party package with its import-time noise (deprecation warnings, a
     torchao shared-library notice printed through logging) logged at debug level instead of
     reaching the user's terminal."""
@@ -104,7 +110,13 @@ def _quiet_import(name: str):
     return module
 
 
-def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress: bool | None):
+def activation_stats(
+    checkpoint: Path,
+    specs: Sequence[RecipeSpec],
+    samples: str | Path | None,
+    max_tokens: int,
+    progress: bool | None,
+) -> tuple[dict[str, dict[str, ErrorStats]], dict[str, dict[str, ErrorStats]], dict[str, Any]]:
     """Per linear module (HF name) and recipe, the quantization error of its inputs and of
     its GEMM's output (input and weight both quantized), and run information."""
     import torch
@@ -165,6 +177,7 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
             for t in texts
         ]
     else:
+        assert token_ids is not None  # load_samples gives texts or token ids
         vocab = getattr(config, "vocab_size", None)
         for ids in token_ids:
             if vocab and max(ids) >= vocab:
@@ -186,8 +199,8 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
         )
     weight_dq: dict[tuple[str, tuple], Any] = {}
 
-    def make_hook(name: str):
-        def hook(module, args):
+    def make_hook(name: str) -> Callable[[torch.nn.Linear, tuple[Any, ...]], None]:
+        def hook(module: torch.nn.Linear, args: tuple[Any, ...]) -> None:
             if not args or not isinstance(args[0], torch.Tensor) or name in problems:
                 return
             x = args[0].detach()

@@ -163,7 +163,9 @@ def report_from_data(
     chosen = usable[:top]
     flagged = {m for r in chosen for m in r["modules"]}
     settings = data.get("settings")
-    recipe = settings.get("recipe") if isinstance(settings, dict) else None
+    if not isinstance(settings, dict):
+        settings = {}  # refused just below: no recipe
+    recipe = settings.get("recipe")
     if not isinstance(recipe, str) or not recipe or not recipe.isprintable():
         # a newline would reach the suggested YAML and the terminal as written
         raise _fail("settings.recipe", "expected the run's recipe name (one line)", recipe)

@@ -256,12 +256,22 @@ def _recipe_lines(report: dict[str, Any], r: dict[str, Any], verbose: bool) -> l
     lines = [f"recipe {r['recipe']} ({r['scaling']}): {_label(r['runnable'], arch)}{where}"]
     lines += [f"  problem: {p}" for p in r["problems"]]
     lines += [f"  note: {n}" for n in [*r["notes"], *([r["judged"]] if r.get("judged") else [])]]
+    lines += _preflight_lines(r)
     lines += _env_lines(r["env"], verbose)
     if r["env_effective"] is not None:
         te_state = "match the recipe" if r["env_effective"] else "DO NOT match the recipe"
         lines.append(f"  TE quantizer parameters in this process: {te_state}")
     if verbose:
         lines += [f"  not checked: {n}" for n in r["not_checked"]]
+    return lines
+
+
+def _preflight_lines(r: dict[str, Any]) -> list[str]:
+    """A NeMo RL config's rollouts (kernel and scale grid per GPU) and, for a colocated engine,
+    its KV cache: the lines ``apply`` says, from the records (``rollout``, ``kv_cache``)."""
+    rollout = r.get("rollout") or {}
+    lines = [f"  {rollout['line']}"] if rollout.get("line") else []
+    lines += [f"  {line}" for line in (r.get("kv_cache") or {}).get("lines", [])]
     return lines
 
 

@@ -435,7 +435,7 @@ def build_report(
     from ..spec import normalize_hardware
 
     target = normalize_hardware(hardware, key="--hardware") if hardware else None
-    stated, dims, host = None, [], None
+    stated, dims, host, preflight = None, [], None, None
     keys: tuple[str, ...] = ()
     if config is not None:
         from ..hosts import detect_host, load_context
@@ -453,7 +453,10 @@ def build_report(
         if request is not None and ctx.model is not None:
             dims = dimension_findings(request.spec, ctx.model, ctx.resolved, resolved_value)
         if host == "nemo-rl" and request is not None:
-            dims = [*dims, *_nemo_rl_refusal(ctx)]
+            from ._doctor_nemo_rl import nemo_rl_run
+
+            refused, preflight = nemo_rl_run(config, ctx, hardware, stack)
+            dims = [*dims, *refused]
     else:
         specs = list_recipes()
     versions = package_versions()
@@ -499,24 +502,19 @@ def build_report(
         ],
         "not_checked": machine_not_checked,
     }
+    if preflight is not None:
+        from ._doctor_nemo_rl import with_preflight
+
+        checked = report["recipes"][0]
+        for var, want in with_preflight(checked, preflight).items():
+            entry = _env_entry(var, want, os.environ.get(var))
+            checked["env"].append(
+                dict(entry, where="where NeMo RL starts (its workers inherit it)")
+            )
     from ._doctor_view import verdict
 
     report["verdict"] = verdict(report, hardware_given=target is not None)
     return report
-
-
-def _nemo_rl_refusal(ctx) -> list[Any]:
-    """What ``apply`` refuses of a NeMo RL config (the release's keys, NeMo RL's own FP8
-    start-up asserts), as one error finding; none when it writes the config."""
-    from ..errors import FP8ConfigError
-    from ..hosts import get_adapter, run
-    from ..spec import Finding
-
-    try:
-        run(get_adapter("nemo-rl"), ctx)
-    except FP8ConfigError as err:
-        return [Finding("error", err.key or "nemo-rl", err.bare_message)]
-    return []
 
 
 def _with_dims(checked: dict[str, Any], dims) -> dict[str, Any]:

@@ -203,6 +203,9 @@ class ApplyResult:
         runtime: which code applies these keys when the job runs.
         files: companion files ``apply`` writes (atomically, before the output): path -> text.
         edit: whether ``data`` is the input edited (False: a new document).
+        checks: pre-flight records as plain data, by name, for ``explain --json`` and
+            ``doctor`` (NeMo RL: ``rollout``, ``kv_cache``, ``ignore_list``); the lines that
+            say them are among :attr:`notes` / :attr:`warnings`.
     """
 
     data: Any
@@ -216,11 +219,12 @@ class ApplyResult:
     runtime: str = ""
     files: dict[str, str] = field(default_factory=dict)
     edit: bool = True
+    checks: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """The host section of ``explain --json``."""
         out: dict[str, Any] = {"keys": self.written}
-        for name in ("removed", "env", "warnings", "notes", "runtime"):
+        for name in ("removed", "env", "warnings", "notes", "runtime", "checks"):
             value = getattr(self, name)
             if value:
                 out[name] = [str(m) for m in value] if name in ("warnings", "notes") else value

@@ -331,7 +331,15 @@ def _tiles(x: torch.Tensor, rows: int, bm: int, kt: int, bn: int) -> torch.Tenso
     return x.reshape(rows, bm, kt, bn)
 
 
-def _compare_band(e_data, x_data, e_scale, x_scale, bm, bn, fp32_scales):
+def _compare_band(
+    e_data: torch.Tensor,
+    x_data: torch.Tensor,
+    e_scale: torch.Tensor,
+    x_scale: torch.Tensor,
+    bm: int,
+    bn: int,
+    fp32_scales: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per tile of a band: (within the scale difference, different, codes differing, largest
     dequantized gap, scale distance in ulps or -1 / None)."""
     rows, kt = e_scale.shape

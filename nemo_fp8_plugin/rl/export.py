@@ -44,10 +44,10 @@ import re
 import secrets
 import shutil
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,9 @@ from .._signals import interruptible, signals_held
 from ..capabilities import capability
 from ..errors import FP8ConfigError, format_value
 from . import safetensors_io as st
+
+if TYPE_CHECKING:
+    from ..spec import RecipeSpec
 
 __all__ = ["export_fp8_checkpoint", "ExportResult", "WEIGHT_FILES"]
 
@@ -163,7 +166,13 @@ _QUANTIZED_NAMES = (_SCALE_SUFFIX, ".weight_scale", ".input_scale", ".qweight", 
 """Tensor name endings of a quantized checkpoint (FP8's, ModelOpt's, AWQ / GPTQ, compressed-tensors)."""
 
 
-def _refuse_quantized(hf_config: Mapping[str, Any], entries, source, *, config_key: str) -> None:
+def _refuse_quantized(
+    hf_config: Mapping[str, Any],
+    entries: list[st.Entry] | None,
+    source: Any,
+    *,
+    config_key: str,
+) -> None:
     """A source that is already quantized is refused before any work: its FP8 weights would
     pass through as they are beside scales in another layout, and its ``quantization_config``
     would be replaced, so the output would claim a recipe its tensors do not follow."""
@@ -276,13 +285,15 @@ def _ignored_layers(
     return list(dict.fromkeys(out))
 
 
-def _quantization_config(spec, ignored: list[str]) -> dict[str, Any]:
+def _quantization_config(spec: RecipeSpec, ignored: list[str]) -> dict[str, Any]:
+    from ..numerics.reference import check_block
+
     if capability(spec.scaling).is_block:
         cfg: dict[str, Any] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
-            "weight_block_size": list(spec.weight_block),
+            "weight_block_size": list(check_block(spec.weight_block, key="weight_block")),
             "ignored_layers": ignored,
         }
         if spec.pow2_scales:
@@ -355,6 +366,7 @@ def export_fp8_checkpoint(
     with interruptible(), _locked(out):
         _check_out_dir(out, source_dir, overwrite)  # again: another export may have finished
         bar = _progress_bar(total, progress)
+        named: Iterator[tuple[str, torch.Tensor]]
         if entries is not None:
             named = st.stream_entries(entries, bar.update if bar is not None else _ignore)
         else:
@@ -379,7 +391,14 @@ def _ignore(nbytes: int) -> None:
     """No progress bar: the byte counts go nowhere."""
 
 
-def _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_files):
+def _check_args(
+    out_dir: object,
+    spec: Any,
+    config: object,
+    max_shard_bytes: object,
+    overwrite: object,
+    copy_other_files: object,
+) -> RecipeSpec:
     """Every argument but the source and ``progress`` checked; returns the recipe."""
     from ..registry import get_recipe
 
@@ -428,7 +447,7 @@ def _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_fi
 # --------------------------------------------------------------------------- the source
 
 
-def _source(source) -> tuple[Path | None, list[st.Entry] | None, int]:
+def _source(source: Any) -> tuple[Path | None, list[st.Entry] | None, int]:
     """(source directory, its tensors from the headers, total bytes) for a directory or a
     file; (None, None, total bytes) for a state dict, checked before any work."""
     if isinstance(source, (str, os.PathLike)):
@@ -525,14 +544,16 @@ def _check_state_dict_item(name: Any, tensor: Any) -> None:
         st.checked_tensor(name, tensor)  # raises, naming the tensor
 
 
-def _stream_mapping(source: Mapping, on_done) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream_mapping(
+    source: Mapping, on_done: Callable[[int], object]
+) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in source.items():
         _check_state_dict_item(name, tensor)  # again: a mapping may change as it is read
         yield name, tensor
         on_done(tensor.numel() * tensor.element_size())
 
 
-def _progress_bar(total: int, enabled: bool | None):
+def _progress_bar(total: int, enabled: bool | None) -> Any:
     """A byte counter on stderr (tqdm's rule when ``enabled`` is None: only on a terminal)."""
     try:
         from tqdm import tqdm
@@ -557,7 +578,7 @@ def _write(
     tmp: Path,
     out: Path,
     named: Iterable[tuple[str, torch.Tensor]],
-    spec,
+    spec: RecipeSpec,
     hf_config: dict,
     max_shard_bytes: int,
     source_dir: Path | None,
@@ -604,7 +625,9 @@ def _write(
     return result
 
 
-def _quantized(named, spec, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def _quantized(
+    named: Iterable[tuple[str, torch.Tensor]], spec: RecipeSpec, hf_config: Mapping[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
     from .refit import quantize_for_refit
 
     return quantize_for_refit(named, spec, num_layers=_num_layers(hf_config))

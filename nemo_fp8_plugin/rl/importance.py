@@ -52,7 +52,7 @@ Deliberate differences from NeMo RL:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
@@ -76,6 +76,12 @@ KL_TYPES = ("k1", "k2", "k3")
 # ------------------------------------------------------------------ argument checks
 
 
+@overload
+def _choice(
+    key: str, value: Any, choices: tuple[str, ...], optional: Literal[False] = False
+) -> str: ...
+@overload
+def _choice(key: str, value: Any, choices: tuple[str, ...], optional: bool) -> str | None: ...
 def _choice(key: str, value: Any, choices: tuple[str, ...], optional: bool = False) -> str | None:
     if value is None and optional:
         return None
@@ -91,6 +97,10 @@ def _choice(key: str, value: Any, choices: tuple[str, ...], optional: bool = Fal
     )
 
 
+@overload
+def _bound(key: str, value: Any, optional: Literal[False] = False) -> float: ...
+@overload
+def _bound(key: str, value: Any, optional: bool) -> float | None: ...
 def _bound(key: str, value: Any, optional: bool = False) -> float | None:
     if value is None and optional:
         return None

@@ -36,11 +36,12 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import FP8ConfigError, format_value
+from ..numerics.reference import check_block
 from ..numerics.refit_diff import (
     STATUSES,
     WeightCheck,
@@ -49,6 +50,9 @@ from ..numerics.refit_diff import (
     missing_weight,
 )
 from . import safetensors_io as st
+
+if TYPE_CHECKING:
+    from ..spec import RecipeSpec
 
 __all__ = ["NUMERICS", "RefitReport", "dump_engine_weights", "verify_refit"]
 
@@ -191,7 +195,7 @@ def _plan(source: Any, key: str) -> tuple[Path | None, list[st.Entry]]:
     )
 
 
-def _entries(files: list[Path], weight_map, key: str) -> list[st.Entry]:
+def _entries(files: list[Path], weight_map: dict[str, str] | None, key: str) -> list[st.Entry]:
     try:
         return st.plan(files, weight_map)
     except FP8ConfigError as err:  # the reader names its argument "source"
@@ -222,13 +226,15 @@ def _num_layers(directory: Path | None) -> int | None:
 # --------------------------------------------------------------------------- expectation
 
 
-def _expected_fp8(name: str, weight: torch.Tensor, spec, numerics: str):
+def _expected_fp8(
+    name: str, weight: torch.Tensor, spec: RecipeSpec, numerics: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale_inv) the trainer's weight quantizes to with the claimed numerics."""
     if numerics == "nemo_rl":
         from ..numerics.nemo_rl_numerics import quantize_weight_nemo_rl
 
         return quantize_weight_nemo_rl(
-            weight, tuple(spec.weight_block), pow2_scales=spec.pow2_scales
+            weight, check_block(spec.weight_block, key="weight_block"), pow2_scales=spec.pow2_scales
         )
     from .refit import quantize_for_refit
 
@@ -246,7 +252,7 @@ def _always(name: str, tensor: torch.Tensor) -> bool:
     return True
 
 
-def _check_numerics(numerics: Any, spec) -> str:
+def _check_numerics(numerics: Any, spec: RecipeSpec) -> str:
     from ..capabilities import capability
 
     if not isinstance(numerics, str) or numerics not in NUMERICS:
@@ -262,10 +268,11 @@ def _check_numerics(numerics: Any, spec) -> str:
             key="spec",
             value=spec.name,
         )
-    if numerics == "nemo_rl" and (not row.is_block or spec.weight_block[0] != spec.weight_block[1]):
+    tile = check_block(spec.weight_block, key="weight_block")  # the tuple a tiled kind has
+    if numerics == "nemo_rl" and (not row.is_block or tile[0] != tile[1]):
         raise FP8ConfigError(
             f"NeMo RL's worker quantizer is block FP8 with square tiles; recipe {spec.name} "
-            f"has {spec.scaling} scaling with {list(spec.weight_block)} tiles",
+            f"has {spec.scaling} scaling with {list(tile)} tiles",
             key="numerics",
             value=numerics,
             hint="use numerics 'te' for this recipe",
@@ -273,7 +280,14 @@ def _check_numerics(numerics: Any, spec) -> str:
     return numerics
 
 
-def _compare(name, trainer, engine: _Engine, spec, numerics, fp8_expected) -> WeightCheck:
+def _compare(
+    name: str,
+    trainer: torch.Tensor,
+    engine: _Engine,
+    spec: RecipeSpec,
+    numerics: str,
+    fp8_expected: bool,
+) -> WeightCheck:
     from ..hosts.vllm.refit_check import canonical_name
 
     kind = "fp8" if fp8_expected else "high_precision"
@@ -301,6 +315,7 @@ def _compare(name, trainer, engine: _Engine, spec, numerics, fp8_expected) -> We
         )
     if scale is None:
         return missing_weight(name, kind, f"the engine holds FP8 codes but no {key}{_SCALE}")
+    block = check_block(spec.weight_block, key="weight_block")  # the tuple a tiled kind has
     if trainer.dim() == 3 and held.dim() == 3:  # an expert stack, expert by expert
         checks = [
             compare_quantized(
@@ -308,13 +323,13 @@ def _compare(name, trainer, engine: _Engine, spec, numerics, fp8_expected) -> We
                 held[e],
                 scale[e],
                 *_expected_fp8(name, trainer[e], spec, numerics),
-                tuple(spec.weight_block),
+                block,
             )
             for e in range(trainer.shape[0])
         ]
         return max(checks, key=lambda c: STATUSES.index(c.status))  # the worst expert
     want, want_scale = _expected_fp8(name, trainer, spec, numerics)
-    return compare_quantized(name, held, scale, want, want_scale, tuple(spec.weight_block))
+    return compare_quantized(name, held, scale, want, want_scale, block)
 
 
 def verify_refit(

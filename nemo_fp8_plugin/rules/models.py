@@ -204,7 +204,7 @@ def _build(
     units: list[tuple[str, tuple[str, ...]]] = []
     hf_all: list[str] = []
 
-    def add(mg: str | None, hfs: tuple[str, ...]):
+    def add(mg: str | None, hfs: tuple[str, ...]) -> None:
         if mg is not None:
             mg_map.append((mg, hfs))
 
@@ -421,7 +421,7 @@ def _qwen35_layer(i: int, kind: str, experts: int, shared: bool) -> _Modules:
         ba = (f"{la}.in_proj_b", f"{la}.in_proj_a")
         # Megatron fuses the four input projections into one in_proj; vLLM into two
         # (packed_modules_mapping in_proj_qkvz / in_proj_ba).
-        parts = [
+        parts: list[_Modules] = [
             (
                 [(f"{mgp}.self_attention.in_proj", qkvz + ba)],
                 [*qkvz, *ba],
@@ -796,7 +796,7 @@ def from_transformer_config(
 # --------------------------------------------------------------------------- built-in table
 
 
-def _llama(layers, hidden, ffn):
+def _llama(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "model_type": "llama",
         "num_hidden_layers": layers,
@@ -805,7 +805,7 @@ def _llama(layers, hidden, ffn):
     }
 
 
-def _qwen2(layers, hidden, ffn):
+def _qwen2(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "model_type": "qwen2",
         "num_hidden_layers": layers,
@@ -814,7 +814,7 @@ def _qwen2(layers, hidden, ffn):
     }
 
 
-def _qwen3(layers, hidden, ffn):
+def _qwen3(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "model_type": "qwen3",
         "num_hidden_layers": layers,
@@ -823,7 +823,7 @@ def _qwen3(layers, hidden, ffn):
     }
 
 
-def _qwen3_moe(layers, hidden, ffn, experts, moe_ffn):
+def _qwen3_moe(layers: int, hidden: int, ffn: int, experts: int, moe_ffn: int) -> dict[str, Any]:
     return {
         "model_type": "qwen3_moe",
         "num_hidden_layers": layers,
@@ -836,7 +836,16 @@ def _qwen3_moe(layers, hidden, ffn, experts, moe_ffn):
     }
 
 
-def _deepseek(layers, hidden, ffn, experts, moe_ffn, shared, first_dense, q_lora):
+def _deepseek(
+    layers: int,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    moe_ffn: int,
+    shared: int,
+    first_dense: int,
+    q_lora: int | None,
+) -> dict[str, Any]:
     return {
         "model_type": "deepseek_v3",
         "num_hidden_layers": layers,
@@ -852,7 +861,7 @@ def _deepseek(layers, hidden, ffn, experts, moe_ffn, shared, first_dense, q_lora
     }
 
 
-def _qwen35(layers, hidden, ffn):
+def _qwen35(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "model_type": "qwen3_5_text",
         "num_hidden_layers": layers,
@@ -862,7 +871,9 @@ def _qwen35(layers, hidden, ffn):
     }
 
 
-def _qwen35_moe(layers, hidden, experts, moe_ffn, shared_ffn):
+def _qwen35_moe(
+    layers: int, hidden: int, experts: int, moe_ffn: int, shared_ffn: int
+) -> dict[str, Any]:
     return {
         "model_type": "qwen3_5_moe_text",
         "num_hidden_layers": layers,
@@ -874,7 +885,9 @@ def _qwen35_moe(layers, hidden, experts, moe_ffn, shared_ffn):
     }
 
 
-def _nemotron_h(pattern, hidden, ffn, experts, moe_ffn, shared_ffn):
+def _nemotron_h(
+    pattern: str, hidden: int, ffn: int, experts: int, moe_ffn: int, shared_ffn: int
+) -> dict[str, Any]:
     return {
         "model_type": "nemotron_h",
         "num_hidden_layers": len(pattern),
@@ -888,7 +901,7 @@ def _nemotron_h(pattern, hidden, ffn, experts, moe_ffn, shared_ffn):
     }
 
 
-def _gpt(layers, hidden, ffn):
+def _gpt(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "megatron": True,
         "num_layers": layers,

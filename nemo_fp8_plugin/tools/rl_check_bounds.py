@@ -1,5 +1,5 @@
 """NeMo RL's nightly bounds on ``token_mult_prob_error``: the one definition that rl-check,
-``scripts/gpu_vllm_refit.py`` and the tests use (issue 27 owns them).
+``scripts/gpu_vllm_refit.py`` and the tests use.
 
 Torch-free, so a script can take its command-line defaults from here without importing the
 RL loop."""

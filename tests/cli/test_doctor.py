@@ -197,7 +197,7 @@ def test_exit_code_1_when_the_configs_recipe_cannot_run_here(capsys, tmp_path):
 
 
 def test_mxfp8_is_not_runnable_on_sm120(capsys):
-    """Issue 12 item 18: TE refuses MXFP8 on SM 12.0+ (`_compute_mxfp8_support`); the plugin
+    """TE refuses MXFP8 on SM 12.0+ (`_compute_mxfp8_support`); the plugin
     used to map sm120 to Blackwell and allow it."""
     assert main(["doctor", "--hardware", "rtx-pro-6000", "--json"]) in (0, 1)
     report = json.loads(capsys.readouterr().out)
@@ -207,7 +207,7 @@ def test_mxfp8_is_not_runnable_on_sm120(capsys):
     assert verdict["fp8_current"]["runnable"] is not False
 
 
-# --------------------------------------------------------------------------- issue 15 item 4
+# --------------------------------------------------------------------------- doctor's verdict
 
 
 def test_reports_the_plugin_version_and_its_entry_points(capsys):

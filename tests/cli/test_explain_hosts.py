@@ -50,7 +50,10 @@ def test_a_training_only_config_hides_the_generation_side(host, tmp_path, capsys
     assert rc == 0 and f"host: {host} (detected" in out
     fields = out[out.index("recipe fields:") :]
     assert not [f for f in GENERATION_FIELDS if f"  {f}" in fields]
-    assert f"(generation, kv_cache, generation_numerics, importance_sampling: {host} only " in out
+    assert (
+        f"(generation, kv_cache, generation_numerics, importance_sampling, router_replay: {host} only "
+        in out
+    )
     assert "(refused)" not in out and "nemo-rl (not this host's)" in out
     rc, everything, _ = _run(capsys, "explain", cfg, "--all-hosts")
     assert all(f in everything for f in GENERATION_FIELDS)

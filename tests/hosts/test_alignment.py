@@ -1,4 +1,4 @@
-"""Alignment checks before the run (issue 13, item 5).
+"""Alignment checks before the run.
 
 What each recipe's GEMMs need is read from Transformer Engine 2.20.2's own source in its wheel
 (``assert_dim_for_fp8_exec``, ``get_align_size_for_quantization``, the block sizes of the

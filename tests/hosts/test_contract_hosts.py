@@ -1,6 +1,6 @@
 """Contract tests for the training hosts: every output judged by the host's own code.
 
-Issue 12, item 1, for Transformer Engine, megatron-core, NeMo RL and Megatron-Bridge:
+For Transformer Engine, megatron-core, NeMo RL and Megatron-Bridge:
 
 * TE: the environment variables TE's recipe module (and ``pytorch/quantization.py``) reads are
   enumerated from TE 2.20.2's own source with ``ast``, not from a list; each value TE's source
@@ -37,9 +37,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from vllm_source import WHEELS as VLLM_WHEELS
+from vllm_source import SourceTree
 
-from conftest import REPO, load_te_recipe_module, shared_nemo_rl, upstream_file
-from nemo_fp8_plugin import FP8ConfigError, get_recipe
+from conftest import (
+    NEMO_RL_RELEASES,
+    NEMO_RL_TRIMMED,
+    REPO,
+    load_te_recipe_module,
+    shared_nemo_rl,
+    upstream_file,
+    upstream_wheel,
+)
+from nemo_fp8_plugin import FP8ConfigError, get_recipe, stacks
 from nemo_fp8_plugin.config import load_config
 from nemo_fp8_plugin.hosts import apply_path, bridge, te
 from nemo_fp8_plugin.hosts import megatron as mg
@@ -226,8 +236,8 @@ MEGATRON_EXAMPLES = (
 )
 OTHER_EXAMPLES = {
     "bridge_llama3_8b_pretrain_fp8_blockwise.yaml": "bridge",
+    "bridge_llama3_8b_pretrain_mxfp8.yaml": "bridge",
     "nemo2_llama32_1b_finetune_fp8_blockwise.yaml": "nemo2",
-    "nemo_rl_grpo_fp8_blockwise.yaml": "nemo-rl",
     "vllm_llama8b_fp8_blockwise.yaml": "vllm",
     "vllm_moonlight_fp8_kv.yaml": "vllm",
 }
@@ -474,6 +484,8 @@ FREE_FORM = {
     "policy.megatron_cfg.model_overrides": "merged into the Megatron-Bridge model provider "
     "(_merge_model_overrides): judged by megatron-core's "
     "TransformerConfig fields",
+    "policy.generation.vllm_cfg.env_vars": "environment variables of NeMo RL's vLLM workers: "
+    "judged by the names in the release's own vLLM's vllm/envs.py",
 }
 
 ROOT_SECTIONS = {
@@ -510,20 +522,26 @@ REQUESTS = [
     },
     {"recipe": "mxfp8", "fp8_param": True, "importance_sampling": {"truncation": "tis"}},
     {"recipe": "fp8_current", "pow2_scales": True},
+    {"recipe": "fp8_current", "pow2_scales": True, "bf16_layers": {"first": 0, "last": 0}},
     {"recipe": "fp8_blockwise", "training": "bf16"},
+    # what the releases without model_overrides accept: edge layers kept for generation only
+    {
+        "recipe": "fp8_blockwise",
+        "kv_cache": "fp8",
+        "bf16_layers": {"first": 1, "last": 1, "modules": ["*q_proj*"], "applies_to": "generation"},
+    },
 ]
 """Every preset, and requests that reach the keys presets leave alone (KV cache, module rules,
 first/last layers, truncation, stated fp8_param, pow2 current scaling, generation only)."""
 
 
-def _nemo_rl_inputs(tmp_path: Path):
-    """(label, input file, its mapping) for each request x each NeMo RL config and each plugin
-    NeMo RL example, with ``defaults:`` pointed at the real parents."""
-    configs_dir = shared_nemo_rl("examples/configs")
+def _nemo_rl_inputs(tmp_path: Path, tree: str = ""):
+    """(label, input file, its mapping) for each request x each NeMo RL config of the release
+    whose shared tree is ``tree`` and each plugin NeMo RL example, with ``defaults:`` pointed at
+    the real parents."""
+    configs_dir = shared_nemo_rl(tree + "examples/configs")
     configs = sorted(configs_dir.rglob("*.yaml"))
-    examples = sorted(EXAMPLES.glob("nemo_rl*.yaml")) + sorted(
-        (REPO / "examples" / "nemo_rl").glob("*.yaml")
-    )
+    examples = [NEMO_RL_TRIMMED] + sorted((REPO / "examples" / "nemo_rl").glob("*.yaml"))
     out = []
     for n, request in enumerate(REQUESTS):
         for path in configs + examples:
@@ -551,11 +569,35 @@ def _nemo_rl_inputs(tmp_path: Path):
     return out
 
 
+WRITTEN_PER_RELEASE = {
+    "0.6.0": (
+        "policy.generation.vllm_cfg.kv_cache_dtype",
+        "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+    ),
+    "0.7.0": (
+        "policy.generation.vllm_cfg.kv_cache_dtype",
+        "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+        "policy.generation.vllm_cfg.env_vars.VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER",
+    ),
+    "main-2026-08-22": (
+        "policy.megatron_cfg.model_overrides.first_last_layers_bf16",
+        "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+        "policy.generation.vllm_cfg.env_vars.VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER",
+    ),
+}
+"""Keys each release's requests must reach (so that the test sees every kind of key that release
+reads: the BF16 edge layers of training only where ``model_overrides`` exists)."""
+
+
 @pytest.mark.slow
-def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path):
+@pytest.mark.parametrize("release", sorted(NEMO_RL_RELEASES))
+def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path, release):
+    """Per NeMo RL release, applied for that release's stack: every key written is one that
+    release's own source declares or reads (NeMo RL ignores the others silently)."""
     from megatron.core.transformer import TransformerConfig
 
-    src = shared_nemo_rl("src")
+    tree = NEMO_RL_RELEASES[release]
+    src = shared_nemo_rl(tree + "nemo_rl" if tree else "src")
     declared, read = _typed_dict_fields_and_reads(src)
     classes = {
         n.name
@@ -566,12 +608,20 @@ def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path):
     assert set(ROOT_SECTIONS.values()) <= classes
     known = declared | read | set(ROOT_SECTIONS)
     te_vars = set(_te_variables_from_wheel(tmp_path))
+    vllm_envs = SourceTree.from_wheel(
+        upstream_wheel(VLLM_WHEELS[stacks.get_stack(f"nemo-rl-{release}").versions["vllm"]])
+    ).read("vllm/envs.py")
     tc_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     written: dict[str, str] = {}
     applied = 0
-    for label, src in _nemo_rl_inputs(tmp_path):
+    for label, src in _nemo_rl_inputs(tmp_path, tree):
         try:
-            out = apply_path(NEMO_RL_ADAPTER, src, output=tmp_path / "out" / src.name).data
+            out = apply_path(
+                NEMO_RL_ADAPTER,
+                src,
+                output=tmp_path / "out" / src.name,
+                stack=f"nemo-rl-{release}",
+            ).data
         except FP8ConfigError:
             continue  # refused (delayed scaling, DTensor training, a contradicting FP8 twin)
         applied += 1
@@ -583,8 +633,7 @@ def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path):
                 written.setdefault(key, label)
     assert applied >= 30 and written
     for key in (
-        "policy.megatron_cfg.model_overrides.first_last_layers_bf16",
-        "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+        *WRITTEN_PER_RELEASE[release],
         "policy.megatron_cfg.env_vars.NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES",
     ):
         assert key in written, key  # the requests reach every kind of key
@@ -596,6 +645,8 @@ def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path):
         missing = [s for s in segments if s not in known]
         if container == "policy.megatron_cfg.env_vars" and head not in te_vars:
             missing.append(f"{head} (no TE getenv)")
+        if container == "policy.generation.vllm_cfg.env_vars" and f'"{head}"' not in vllm_envs:
+            missing.append(f"{head} (not in that vLLM's envs.py)")
         if (
             container == "policy.megatron_cfg.model_overrides"
             and head.split(".")[0] not in tc_fields
@@ -603,7 +654,7 @@ def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path):
             missing.append(f"{head} (no TransformerConfig field)")
         if missing and key not in NOT_IN_NEMO_RL:
             unknown[key] = (label, missing)
-    assert unknown == {}
+    assert unknown == {}, release
 
 
 def _te_variables_from_wheel(tmp_path: Path) -> dict:
@@ -669,7 +720,7 @@ def test_bridge_both_model_forms_for_every_preset(form, tmp_path, monkeypatch):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
 
-    sys.path.insert(0, str(Path(__file__).parent / "bridge"))  # its own folder (issue 22)
+    sys.path.insert(0, str(Path(__file__).parent / "bridge"))  # its own folder
     from test_bridge_adapter import GPTModelConfigStandIn
 
     from nemo_fp8_plugin.hosts.bridge.callback import FP8ScaleRefreshBridgeCallback
@@ -702,6 +753,15 @@ def test_bridge_both_model_forms_for_every_preset(form, tmp_path, monkeypatch):
         FP8ScaleRefreshBridgeCallback(name).on_train_start(
             types.SimpleNamespace(state=state, model=[copy.copy(base)])
         )
+
+
+def test_the_bridge_mxfp8_example_as_written():
+    """conf/examples/bridge_llama3_8b_pretrain_mxfp8.yaml, the quick start's Bridge file: the
+    block apply writes for a B200 is honoured by megatron-core."""
+    path = EXAMPLES / "bridge_llama3_8b_pretrain_mxfp8.yaml"
+    block = apply_path(bridge.ADAPTER, path, hardware="b200").data["mixed_precision"]
+    assert block["fp8_recipe"] == "mxfp8"
+    _check_fields_are_honoured(block, "bridge mxfp8 example")
 
 
 @pytest.mark.parametrize("preset", PRESETS)

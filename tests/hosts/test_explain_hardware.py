@@ -25,11 +25,12 @@ pytestmark = pytest.mark.torch_free
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "conf" / "examples"
+FIXTURES = ROOT / "tests" / "fixtures"
 HOST_CONFIGS = {
     "megatron": "megatron_gpt_fp8_current.yaml",
     "nemo2": "nemo2_llama32_1b_finetune_fp8_blockwise.yaml",
     "bridge": "bridge_llama3_8b_pretrain_fp8_blockwise.yaml",
-    "nemo-rl": "nemo_rl_grpo_fp8_blockwise.yaml",
+    "nemo-rl": "nemo_rl_grpo_trimmed.yaml",  # tests/fixtures: no NeMo RL example runs alone
     "vllm": "vllm_llama8b_fp8_blockwise.yaml",
     "te": "megatron_gpt_fp8_current.yaml",
 }
@@ -40,7 +41,9 @@ GPUS = ("h100", "b200", "rtx pro 6000")
 def _config(host: str, recipe: str, *, drop_deep_gemm: bool = False) -> dict:
     """The host's example with its request replaced by ``recipe`` (and, for NeMo RL, without
     the example's own ``use_deep_gemm``, so the target decides it)."""
-    data = yaml.safe_load((EXAMPLES / HOST_CONFIGS[host]).read_text())
+    data = yaml.safe_load(
+        ((EXAMPLES if host != "nemo-rl" else FIXTURES) / HOST_CONFIGS[host]).read_text()
+    )
     data.pop("precision", None)
     data.pop("fp8", None)
     data["fp8"] = {"recipe": recipe}

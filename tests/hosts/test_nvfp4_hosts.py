@@ -1,5 +1,5 @@
 """`nvfp4`, the sixth recipe, in every host, each output judged by the host's own code
-(issue 13, item 1): Transformer Engine 2.20.2's recipe module from its wheel, megatron-core
+: Transformer Engine 2.20.2's recipe module from its wheel, megatron-core
 0.16.1's TransformerConfig, NeMo 2.7.3's MegatronMixedPrecision, Megatron-Bridge 0.6.2's
 mixed_precision.py from its wheel, NeMo RL's own model_overrides merge (read from its source
 with ast) and vLLM's refusal with the reason. The numerics are tests/numerics/test_numerics_nvfp4.py's.
@@ -218,7 +218,7 @@ def test_megatron_yaml_with_a_native_fp8_is_refused(tmp_path):
         "precision: nvfp4\nmodel: {num_layers: 4, hidden_size: 256, num_attention_heads: 4}\n"
     )
     result = apply_path(mg.ADAPTER, path)
-    # fp8_param_gather: false is the DDP config's default, so not written (issue 28)
+    # fp8_param_gather: false is the DDP config's default, so not written
     ddp = result.data.get("ddp", {})
     assert result.data["model"]["fp4"] == "e2m1" and ddp.get("fp8_param_gather", False) is False
     assert mg.ADAPTER.validate(result, mapping_context(yaml.safe_load(path.read_text())))

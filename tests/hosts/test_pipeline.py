@@ -3,7 +3,7 @@
 The equality is checked from the outside: ``apply`` runs as a command and writes a file;
 the test diffs that file against the input with its own flattening (not the pipeline's
 ``diff_written``) and compares the result with ``explain --json``'s host section. Then the
-three wrong results the duplicated paths produced (issue 16), each pinned.
+three wrong results the duplicated paths produced, each pinned.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import NEMO_RL_TRIMMED
 from nemo_fp8_plugin.hosts import ADAPTERS, HostAdapter, get_adapter, load_context, run
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((ROOT / "conf" / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "conf" / "examples").glob("*.yaml")) + [NEMO_RL_TRIMMED]
 NEMO_RL = ROOT / "tests" / "fixtures" / "nemo_rl" / "examples" / "configs"
 
 # The host each shipped example is written for, and the other hosts it also serves (a
@@ -27,11 +28,12 @@ NEMO_RL = ROOT / "tests" / "fixtures" / "nemo_rl" / "examples" / "configs"
 # describes the recipe TE builds).
 SERVES = {
     "bridge_llama3_8b_pretrain_fp8_blockwise.yaml": ["bridge", "te"],
+    "bridge_llama3_8b_pretrain_mxfp8.yaml": ["bridge", "te"],
     "demo_gpt_fp8_blockwise.yaml": ["megatron", "nemo2", "bridge", "te"],
     "llama3_8b_pretrain_fp8_blockwise.yaml": ["megatron", "nemo2", "bridge", "te"],
     "megatron_gpt_fp8_current.yaml": ["megatron", "nemo2", "bridge", "te"],
     "nemo2_llama32_1b_finetune_fp8_blockwise.yaml": ["nemo2", "te"],
-    "nemo_rl_grpo_fp8_blockwise.yaml": ["nemo-rl", "te"],
+    "nemo_rl_grpo_trimmed.yaml": ["nemo-rl", "te"],
     "vllm_llama8b_fp8_blockwise.yaml": ["vllm"],
     "vllm_moonlight_fp8_kv.yaml": ["vllm"],
 }
@@ -227,13 +229,13 @@ def test_nemo_rl_values_are_read_with_nemo_rls_resolvers(tmp_path):
 
 
 def test_explain_says_which_code_runs_for_each_host():
-    """Issue 12 "say which path each host takes at run time": in NeMo RL, NeMo RL's own FP8
+    """Explain says which path each host takes at run time: in NeMo RL, NeMo RL's own FP8
     generation path runs and the plugin's nemo_fp8 vLLM method does not; with vLLM directly
     the nemo_fp8 method is what runs."""
-    example = ROOT / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
+    example = NEMO_RL_TRIMMED
     hosts = json.loads(cli("explain", example, "--json").stdout)["hosts"]
     assert "init_fp8" in hosts["nemo-rl"]["runtime"] and "not used" in hosts["nemo-rl"]["runtime"]
-    # Issue 23: vLLM's keys do not go into a NeMo RL config (apply refuses, so explain does).
+    # vLLM's keys do not go into a NeMo RL config (apply refuses, so explain does).
     assert "not a vllm one" in hosts["vllm"]["refused"]
     vllm = ROOT / "conf" / "examples" / "vllm_llama8b_fp8_blockwise.yaml"
     own = json.loads(cli("explain", vllm, "--json").stdout)["hosts"]["vllm"]
@@ -278,7 +280,7 @@ def test_apply_spells_the_request_once_and_describes_the_model_once(tmp_path, ch
     """Was: ``describe_model`` x3, ``to_nemo_rl`` x2 and ``sequence_alignment`` x2 for the
     example (the refusal and the spelling each ran them, and the TE precision file's route
     spelt the rules again to find its warnings)."""
-    config = ROOT / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
+    config = NEMO_RL_TRIMMED
     if chain:
         config = _nemo_rl_child(tmp_path, "policy: {precision: fp8_blockwise}\n")
     counts = _counted(["apply", str(config), "--host", "nemo-rl"], SPELT)
@@ -286,9 +288,7 @@ def test_apply_spells_the_request_once_and_describes_the_model_once(tmp_path, ch
 
 
 def test_explain_describes_the_model_once_for_every_host():
-    counts = _counted(
-        ["explain", str(ROOT / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml")], SPELT
-    )
+    counts = _counted(["explain", str(NEMO_RL_TRIMMED)], SPELT)
     assert counts["describe_model"] == 1 and counts["load_config_files"] == 1, counts
     assert counts["to_nemo_rl"] == counts["native_keys"] == counts["sequence_alignment"] == 1, (
         counts

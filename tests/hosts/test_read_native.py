@@ -1,5 +1,5 @@
 """explain on a config already FP8 in a host's own keys: each adapter's ``read_native`` maps
-them back to our recipe (issue 28). The property: for every registered recipe and host,
+them back to our recipe. The property: for every registered recipe and host,
 reading apply's own output gives back the recipe apply wrote, as far as the host's keys say
 it (the same keys spelt again, the same name or one the keys cannot tell apart)."""
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, shared_nemo_rl
+from conftest import NEMO_RL_TRIMMED, REPO, shared_nemo_rl
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts import (
     NO_REQUEST,
@@ -27,7 +27,7 @@ from nemo_fp8_plugin.registry import get_recipe, list_recipes
 
 pytestmark = pytest.mark.torch_free
 
-NEMO_RL_BASE = REPO / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
+NEMO_RL_BASE = NEMO_RL_TRIMMED
 
 _CONFIGS = {
     "megatron": {"model": {"num_layers": 4, "hidden_size": 256}},

@@ -1,4 +1,4 @@
-"""Retargeting a config between GPU generations (issue 13, item 4).
+"""Retargeting a config between GPU generations.
 
 `--hardware` / `hardware:` take GPU names, `nvidia-smi` names and `sm90`-style capabilities.
 For each GPU generation: what runs, what cannot, the nearest recipe that can and the exact YAML

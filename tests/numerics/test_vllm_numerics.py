@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from conftest import IN_CI
+from conftest import upstream_wheel
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise
 from nemo_fp8_plugin.numerics.vllm_numerics import (
@@ -234,15 +234,9 @@ def _release_group_quantizer(version: str):
     """vLLM ``version``'s own ``QuantFP8._quantize_group_native``, compiled from its wheel's
     ``input_quant_fp8.py`` (vLLM itself is not imported: its constants are E4M3's, as
     ``get_fp8_min_max()`` gives them on CUDA and CPU, and the module's own floor line)."""
-    from vllm_source import SourceTree, wheel_path
+    from vllm_source import WHEELS, SourceTree
 
-    path = wheel_path(version)
-    if path is None:
-        reason = f"vLLM {version}'s wheel not downloaded (bash scripts/install.sh test)"
-        if IN_CI:
-            pytest.fail(reason)
-        pytest.skip(reason)
-    text = SourceTree.from_wheel(path).read(
+    text = SourceTree.from_wheel(upstream_wheel(WHEELS[version])).read(
         "vllm/model_executor/layers/quantization/input_quant_fp8.py"
     )
     tree = ast.parse(text)

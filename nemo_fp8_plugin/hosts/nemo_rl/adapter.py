@@ -40,10 +40,13 @@ from .releases import (
     request_key,
     truncation,
 )
+from .rl_options import edge_layers_as_keywords, is_grpo, refuse_rl_only, router_replay_advice
 from .spelling import (
     _MEGATRON,
     _VLLM,
     DEEP_GEMM_BLACKWELL,
+    ROUTER_REPLAY,
+    SEQUENCE_ERROR,
     _generation_fp8,
     _is_moe,
     _refusal,
@@ -97,6 +100,7 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
         if ctx is not None:
             assert ctx.request is not None
             qat_refuse(spec, ctx)
+            refuse_rl_only(spec, ctx)
             _dropped_keys(ctx.resolved, assumed_release(ctx))
             _interpolation_users(ctx.resolved, list(ctx.request.keys))
         return
@@ -113,6 +117,7 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
         return
     assert ctx.request is not None
     _checks(spec, ctx.resolved)
+    refuse_rl_only(spec, ctx)
     _refuse_deep_gemm(spec, ctx)
     _dropped_keys(ctx.resolved, assumed_release(ctx))
     _interpolation_users(ctx.resolved, list(ctx.request.keys))
@@ -129,15 +134,25 @@ def _refuse_deep_gemm(spec: RecipeSpec, ctx: HostContext) -> None:
     refused (:data:`DEEP_GEMM_BLACKWELL`); the user's own ``false`` is kept by :func:`_spell`."""
     if not _block_generation(spec, ctx) or deep_gemm_wanted(spec):
         return
-    if get_path(ctx.resolved, _DEEP_GEMM, None) is True:
+    if get_path(ctx.resolved, _DEEP_GEMM, None) is not True:
+        return
+    if spec.generation_numerics == "vllm_deepgemm_ue8m0":
         raise FP8ConfigError(
-            f"is true, but the target GPU is {spec.hardware}: {DEEP_GEMM_BLACKWELL}",
+            "is true, which makes NeMo RL set VLLM_USE_DEEP_GEMM_E8M0=0 in its vLLM workers "
+            "(DeepGEMM with fp32 scales), and generation_numerics: vllm_deepgemm_ue8m0 is "
+            "DeepGEMM's UE8M0 mode, vLLM's default",
             key=_DEEP_GEMM,
             value=True,
-            hint=f"set {_DEEP_GEMM}: false (it sets no variable: a stock vLLM still runs "
-            "DeepGEMM with UE8M0 scales there; VLLM_USE_DEEP_GEMM=0 in the driver's "
-            "environment gives CUTLASS with fp32 scales)",
+            hint=f"set {_DEEP_GEMM}: false, or use generation_numerics: vllm",
         )
+    raise FP8ConfigError(
+        f"is true, but the target GPU is {spec.hardware}: {DEEP_GEMM_BLACKWELL}",
+        key=_DEEP_GEMM,
+        value=True,
+        hint=f"set {_DEEP_GEMM}: false (it sets no variable: vLLM then runs DeepGEMM "
+        "with power-of-2 (UE8M0) scales there, or CUTLASS with fp32 ones under "
+        "VLLM_USE_DEEP_GEMM=0; apply says which the recipe needs)",
+    )
 
 
 def _spell(spec: RecipeSpec, ctx: HostContext, resolve: bool) -> Spelling:
@@ -151,8 +166,12 @@ def _spell(spec: RecipeSpec, ctx: HostContext, resolve: bool) -> Spelling:
                 "remove; writing the fully resolved config instead"
             )
         )
-    if spec.qat is not None:
+    if spec.qat is not None:  # the RL options are policy and GRPO keys: QAT takes them too
         out.extend(qat_spell(spec, ctx))
+        if spec.router_replay:
+            out.set(ROUTER_REPLAY, True)
+        if spec.importance_sampling.max_sequence_error is not None:
+            out.set(SEQUENCE_ERROR, spec.importance_sampling.max_sequence_error)
     else:
         _recipe(spec, ctx, out)
     # The request is consumed: policy.precision back to bfloat16, the other keys removed.
@@ -196,10 +215,15 @@ def _recipe(spec: RecipeSpec, ctx: HostContext, out: Spelling) -> None:
             )
         )
         hk.writes = [w for w in hk.writes if w.key.startswith(_MEGATRON + ".")]
+    elif not is_grpo(resolved):  # no GRPO loop reads the threshold (refused when set)
+        hk.writes = [w for w in hk.writes if w.key != SEQUENCE_ERROR]
     from .alignment import sequence_alignment
 
     aligned, notes = sequence_alignment(spec, resolved, assumed_release(ctx), _model_known(ctx))
     out.notes += notes
+    replay_warnings, replay_notes = router_replay_advice(spec, ctx)
+    out.warnings += replay_warnings
+    out.notes += replay_notes
     if _block_generation(spec, ctx) and get_path(ctx.raw, _DEEP_GEMM, None) is False:
         # The user's own file says false: kept. It sets no variable, so vLLM's defaults pick
         # the kernel (DeepGEMM with UE8M0 scales on a stock install: hosts.vllm.rollout).
@@ -208,6 +232,12 @@ def _recipe(spec: RecipeSpec, ctx: HostContext, out: Spelling) -> None:
                 Message(f"{_DEEP_GEMM}: false kept as your config states it", "nemo-rl")
             )
         hk.set(_DEEP_GEMM, False)
+    out.notes += edge_layers_as_keywords(spec, ctx, hk)
+    from .preflight import spell_rollout_env
+
+    rollout_env, rollout_notes = spell_rollout_env(spec, ctx, hk)
+    out.notes += rollout_notes
+    out.env.update(rollout_env)
     if capability(spec.scaling).megatron_field == "fp4_recipe" and training:
         out.notes.append(
             Message(
@@ -230,6 +260,20 @@ def _recipe(spec: RecipeSpec, ctx: HostContext, out: Spelling) -> None:
             # recipes need, so it is the user's choice, kept (an inherited fp64 is not).
             continue
         have = get_path(resolved, w.key, _MISSING)
+        if have is _MISSING and w.key == SEQUENCE_ERROR and w.value is None:
+            if _sequence_error_required(ctx):  # read by subscript: written, even as null
+                out.set(w.key, None, checked=False)
+            continue
+        if have is not _MISSING and _inert_count(ctx, w.key, have):
+            out.set(w.key, w.value, checked=False)
+            out.notes.append(
+                Message(
+                    f"{w.key}: {have} replaced by {w.value}: at this release it never reaches "
+                    f"vLLM (the layers are written as quantization_ignored_layer_kws)",
+                    "nemo-rl",
+                )
+            )
+            continue
         kept = _users_choice(ctx, w.key, have, w.value) if have is not _MISSING else None
         if kept is not None:
             out.notes.append(kept)
@@ -263,6 +307,32 @@ def _model_known(ctx: HostContext) -> bool:
     return True
 
 
+def _inert_count(ctx: HostContext, key: str, have: Any) -> bool:
+    """A ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` saying what the rules say,
+    at a release where the counts never reach vLLM (:mod:`.ignored_layers`): the rules' layers
+    are written as keywords instead, and the count changes nothing."""
+    from .ignored_layers import counts_reach_vllm
+
+    rules = ctx.spec.bf16_layers
+    counts = {
+        f"{_VLLM}.num_first_layers_in_bf16": rules.first,
+        f"{_VLLM}.num_last_layers_in_bf16": rules.last,
+    }
+    if key not in counts or counts_reach_vllm(assumed_release(ctx)):
+        return False
+    return rules.acts_on("generation") and _same(key, have, counts[key])
+
+
+def _sequence_error_required(ctx: HostContext) -> bool:
+    """Whether the assumed release reads the GRPO sequence-masking threshold without a default
+    (v0.6.0: ``master_config["grpo"]["seq_logprob_error_threshold"]``), so it is written where
+    the chain lacks it, even as null ("off"); elsewhere a null threshold is not written."""
+    from ...stacks import lookup
+
+    fact = f"{SEQUENCE_ERROR} is read by subscript"
+    return bool(lookup("nemo-rl", fact, assumed_release(ctx)).present)
+
+
 def _stated(ctx: HostContext, field: str, *inner: str) -> bool:
     """Whether the user's ``fp8:`` block states ``field`` (and, for a mapping such as
     ``importance_sampling``, one of ``inner``), so a native value otherwise is a conflict
@@ -287,6 +357,14 @@ def _users_choice(ctx: HostContext, key: str, have: Any, want: Any) -> Message |
         return None
     leaf = _leaf(key)
     spec = ctx.spec
+    stated_error = _stated(ctx, "importance_sampling", "max_sequence_error")
+    if key == SEQUENCE_ERROR and want is None and not stated_error:
+        return Message(
+            f"{key}: {have} kept as your config states it (sequences whose log-prob "
+            f"error exceeds it leave the loss; state importance_sampling.max_sequence_error in "
+            f"the fp8: block to change it)",
+            "nemo-rl",
+        )
     if leaf == "kv_cache_dtype" and _generation_fp8(spec) and not _stated(ctx, "kv_cache"):
         if isinstance(have, str) and have.startswith("fp8") and want == "auto":
             return Message(
@@ -363,7 +441,7 @@ def _refuse_at_startup(ctx: HostContext, out: dict) -> None:
     request that turns the importance-sampling correction off is named as the cause."""
     from .startup import importance_sampling_required, startup_problems
 
-    final = out if "defaults" not in out else _written_over_parents(ctx, out)
+    final = _final(ctx, out)
     release = assumed_release(ctx)
     problems = startup_problems(final, release)
     if not problems:
@@ -380,6 +458,12 @@ def _refuse_at_startup(ctx: HostContext, out: dict) -> None:
             "generate in BF16 (generation: bf16)",
         )
     raise first
+
+
+def _final(ctx: HostContext, out: dict) -> dict:
+    """The whole configuration the output ``out`` makes: itself when it has no ``defaults:``
+    (fully resolved, or a file without parents), else an overlay over its parents."""
+    return out if "defaults" not in out else _written_over_parents(ctx, out)
 
 
 def _written_over_parents(ctx: HostContext, out: dict) -> dict:
@@ -471,7 +555,12 @@ class NeMoRLAdapter(HostAdapter):
 
         _refuse_at_startup(ctx, result.data)
         # module rules reach training through the TE precision file where NeMo RL has its key
-        return nemo_rl_precision_file(ctx, result)
+        result = nemo_rl_precision_file(ctx, result)
+        if ctx.spec.qat is None:
+            from .preflight import preflight
+
+            preflight(ctx, result, _final(ctx, result.data))
+        return result
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         # NeMo RL is not installable from the registry; its keys are checked against its own

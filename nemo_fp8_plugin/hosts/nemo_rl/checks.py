@@ -92,7 +92,7 @@ def _neutral(key: str, have: Any, resolved: Mapping) -> bool:
         return have == [] or have == ()
     if ".env_vars." in key:
         return False  # a variable set otherwise is a choice the recipe contradicts
-    if leaf.startswith("truncated_importance_sampling"):
+    if leaf.startswith("truncated_importance_sampling") or leaf == "seq_logprob_error_threshold":
         return False  # None was handled above
     return have is False or have == 0
 
@@ -277,8 +277,11 @@ def vllm_fp8_keys(release: str | None) -> tuple[str, ...]:
     return tuple(k for k in nemo_rl_keys(release, _VLLM) if k not in _VLLM_NOT_FP8)
 
 
-_VLLM_NOT_FP8 = frozenset({"async_engine"})
-"""``vllm_cfg`` keys of the table that are not FP8 settings (the start-up checks read them)."""
+_VLLM_NOT_FP8 = frozenset(
+    {"async_engine", "env_vars", "gpu_memory_utilization", "tensor_parallel_size"}
+)
+"""``vllm_cfg`` keys of the table that are not FP8 settings (the start-up checks and the
+pre-flight read them; ``env_vars`` carries the rollout kernel's variables)."""
 
 _VLLM_FP8_HINTS = ("fp8", "bf16", "pow2", "quantiz", "scaling", "deep_gemm", "mx")
 

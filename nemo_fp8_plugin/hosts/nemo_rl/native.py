@@ -18,6 +18,7 @@ from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW
 from ...errors import FP8ConfigError
 from .. import NO_DEFAULT, HostContext, NativeRecipe
 from .releases import assumed_release
+from .spelling import ROUTER_REPLAY, SEQUENCE_ERROR
 
 __all__ = ["VLLM_CFG_DEFAULTS", "LOSS_DEFAULTS", "REQUIRED", "key_default", "read_native"]
 
@@ -107,7 +108,30 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
     _training_env(value, scaling, fields, read, training is not None)
     _layers(value, fields, training is not None, generation is not None)
     _importance_sampling(value, fields, read, assumed_release(ctx))
+    _sequence_error(value, fields, read, unmatched)
+    if value(ROUTER_REPLAY) is True:
+        read.append((ROUTER_REPLAY, True))
+        fields["router_replay"] = True
     return match_recipe("nemo-rl", scaling, fields, read=read, unmatched=unmatched)
+
+
+def _sequence_error(value, fields: dict[str, Any], read: list, unmatched: list) -> None:
+    """GRPO's sequence masking (``grpo.seq_logprob_error_threshold``) as
+    ``importance_sampling.max_sequence_error``; a threshold no recipe takes (below 1.0: every
+    sequence that differs at all, and more, leaves the loss; not a number) is named instead."""
+    got = value(SEQUENCE_ERROR)
+    if got is None:
+        return
+    read.append((SEQUENCE_ERROR, got))
+    number = isinstance(got, (int, float)) and not isinstance(got, bool)
+    if number and 1.0 <= got < float("inf"):
+        fields["importance_sampling"]["max_sequence_error"] = float(got)
+        return
+    unmatched.append(
+        f"{SEQUENCE_ERROR}: {got!r}: a sequence's error, the mean of exp(|gen - train|), is 1.0 "
+        f"where the two agree; no recipe of ours masks at a threshold that is not a number "
+        f"of at least 1.0"
+    )
 
 
 def _generation(value, read: list, fields: dict[str, Any]) -> str | None:

@@ -93,6 +93,18 @@ FEATURES: tuple[Feature, ...] = (
         f"bf16_layers.first/last (for a preset: state bf16_layers: {{first: 0, last: 0}})",
     ),
     Feature(
+        "policy.router_replay.",
+        "replay MoE routing (no policy.router_replay: training routes each token itself)",
+        "router_replay",
+        "use NeMo RL v0.7.0 or later (--stack nemo-rl-0.7.0), or remove router_replay",
+    ),
+    Feature(
+        "grpo.seq_logprob_error_threshold",
+        "drop sequences by their log-prob error (no grpo.seq_logprob_error_threshold)",
+        "importance_sampling.max_sequence_error",
+        "use NeMo RL v0.6.0 or later, or remove max_sequence_error",
+    ),
+    Feature(
         f"{_VLLM}.is_mx",
         "generate in MXFP8 (no policy.generation.vllm_cfg.is_mx: its FP8 rollouts are 128x128 "
         "block FP8 only)",

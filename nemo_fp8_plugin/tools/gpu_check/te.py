@@ -4,7 +4,7 @@ d. ``te_quantizers``: TE's ``Float8BlockQuantizer`` (1x128 and 128x128 tiles, fp
    power-of-2 scales, fp32 and bf16 input) against the plugin's reference, bit for bit.
 e. ``te_linear``: ``te.Linear`` forward + backward per recipe against the same layer in
    BF16, measured in the same run; a recipe the GPU cannot train is skipped with the
-   capability table's reason (:func:`nemo_fp8_plugin.capabilities.hardware_problems`).
+   capability table's reason (:func:`nemo_fp8_plugin.kinds.hardware_problems`).
 
 Both take the TE modules as an argument (:class:`TEModules`, default :func:`import_te`) and
 ``require_cuda``, so the tests run every line of them on the CPU with stand-ins that follow

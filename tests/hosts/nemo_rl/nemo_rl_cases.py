@@ -29,7 +29,7 @@ VLLM = "policy.generation.vllm_cfg"
 
 MEG = "policy.megatron_cfg"
 
-# The keys issue 6 lists as the FP8 keys of NVIDIA's twins.
+# The FP8 keys of NVIDIA's twins (the keys that differ between each BF16/FP8 pair).
 FP8_KEYS = (
     "loss_fn.use_importance_sampling_correction",
     "loss_fn.truncated_importance_sampling_type",

@@ -75,7 +75,7 @@ def _input(tmp_path, edit_vllm: dict | None = None, fp8: dict | None = None) -> 
 
 def _vllm_cfg(result, where: Path) -> dict:
     """vllm_cfg as NeMo RL sees it: apply's overlay at ``where`` with its defaults: chain (a
-    key whose parent value is already right is not written, issue 28)."""
+    key whose parent value is already right is not written)."""
     where.write_text(yaml.safe_dump(result.data, sort_keys=False))
     return load_config_chain(where)[1]["policy"]["generation"]["vllm_cfg"]
 

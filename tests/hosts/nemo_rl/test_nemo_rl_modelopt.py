@@ -1,4 +1,4 @@
-"""ModelOpt QAT NVFP4 presets write NVIDIA's keys (issue 24, item 1).
+"""ModelOpt QAT NVFP4 presets write NVIDIA's keys.
 
 Each shipped recipe's keys are compared with its twin in the NeMo RL snapshot
 (``../shared/data/nemo_rl``, commit 7ea279a): ``examples/modelopt/

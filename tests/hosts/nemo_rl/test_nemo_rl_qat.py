@@ -1,4 +1,4 @@
-"""ModelOpt quantization-aware NVFP4 RL from one line (issue 24, item 1).
+"""ModelOpt quantization-aware NVFP4 RL from one line.
 
 ``fp8: {recipe: nvfp4, qat: PRESET}`` in a NeMo RL config: ``apply`` writes NVIDIA's keys.
 Each shipped recipe is checked key for key: NVIDIA's config, fully resolved through its

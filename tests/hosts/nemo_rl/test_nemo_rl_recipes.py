@@ -50,6 +50,8 @@ def test_fp8_subchannel_is_block_fp8_on_both_sides_with_pow2_scales(tmp_path):
         f"{VLLM}.use_deep_gemm": True,
         f"{VLLM}.pow2_weight_scaling_factors": True,
         f"{VLLM}.pow2_activation_scaling_factors": True,
+        # FlashInfer's Hopper kernel quantizes batches below 32 tokens itself, with fp32 scales
+        f"{VLLM}.env_vars.VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
         **IS_ON,
     }
     assert warnings == []
@@ -68,7 +70,7 @@ def test_mxfp8_is_mxfp8_training_and_mx_generation(tmp_path):
         f"{VLLM}.pow2_activation_scaling_factors": True,
         **IS_ON,
     }
-    # The preset's fp8_param: true is not carried over (NeMo RL issue 1164), and it is said.
+    # The preset's fp8_param: true is not carried over (NVIDIA-NeMo/RL issue 1164), and it is said.
     assert ours[f"{MEG}.fp8_cfg.fp8_param"] is False
     assert any("fp8_param" in w and "1164" in w for w in warnings)
 
@@ -83,7 +85,7 @@ def test_preset_fp8_param_true_is_written_false_for_nemo_rl(tmp_path, recipe):
         relative_defaults=True,
     )
     result = apply_path(NEMO_RL, src, stack=MAIN_STACK)
-    # false is the parent's value already, so the overlay leaves it out (issue 28)
+    # false is the parent's value already, so the overlay leaves it out
     assert result.data["policy"]["megatron_cfg"]["fp8_cfg"].get("fp8_param", False) is False
     (warning,) = [w for w in map(str, result.warnings) if "fp8_param" in w]
     assert "token_mult_prob_error" in warning and "fp8_param: true" in warning
@@ -382,7 +384,13 @@ def test_mxfp8_rollouts_give_nvidias_keys(tmp_path):
         f"{VLLM}.quantization_ignored_layer_kws": ["q_proj", "k_proj", "v_proj", "o_proj"],
         **IS_ON,
     }
-    assert ours[f"{MEG}.fp8_cfg.enabled"] is False and warnings == []
+    # vLLM 0.25.1's ModelOpt MXFP8 method quantizes lm_head unless listed, and NeMo RL lists
+    # base-model names only (test_nemo_rl_preflight.py)
+    (lm_head,) = warnings
+    assert ours[f"{MEG}.fp8_cfg.enabled"] is False and "quantizes 1 module(s)" in lm_head
+    assert lm_head.endswith(
+        "lm_head; NeMo RL builds the list from the base model's names, without the output head"
+    )
     # the keys NeMo RL's own init_fp8 checks for MXFP8 (its source, read with ast)
     src = shared_nemo_rl("src/nemo_rl/models/generation/vllm/quantization/fp8.py")
     import ast
@@ -462,20 +470,22 @@ def test_model_overrides_cannot_carry_a_per_module_quant_recipe():
 
 
 @pytest.mark.parametrize(
-    ("numerics", "named"),
+    ("numerics", "named", "deep_gemm"),
     [
-        ("vllm", None),
-        ("trainer", "generation_numerics=trainer"),
-        ("vllm_deepgemm_ue8m0", "VLLM_USE_DEEP_GEMM_E8M0=0"),
+        ("vllm", None, True),
+        ("trainer", "generation_numerics=trainer", True),
+        ("vllm_deepgemm_ue8m0", None, False),
     ],
 )
-def test_generation_numerics_nemo_rl_cannot_express_is_said(numerics, named):
-    """NeMo RL generates with vLLM's own kernels (vLLM's numerics) and turns DeepGEMM's E8M0
-    mode off whenever it turns DeepGEMM on (its generation/vllm/quantization/fp8.py), so
-    only ``generation_numerics: vllm`` is what NeMo RL runs; the others are said, not
-    silently dropped. A BF16-generation recipe has nothing to say."""
+def test_generation_numerics_nemo_rl_cannot_express_is_said(numerics, named, deep_gemm):
+    """NeMo RL generates with vLLM's own kernels (vLLM's numerics): ``trainer`` is said, not
+    silently dropped. It turns DeepGEMM's E8M0 mode off when use_deep_gemm is true (its
+    generation/vllm/quantization/fp8.py) and sets nothing when false, where vLLM's default is
+    DeepGEMM in its E8M0 mode: ``vllm_deepgemm_ue8m0`` is ``use_deep_gemm: false``. A
+    BF16-generation recipe has nothing to say."""
     spec = get_recipe({"recipe": "fp8_blockwise", "generation_numerics": numerics})
     said = [w for w in map(str, native_keys(spec).warnings) if "generation_numerics" in w]
+    assert native_keys(spec).keys["policy"]["generation"]["vllm_cfg"]["use_deep_gemm"] is deep_gemm
     if named is None:
         assert said == []
     else:

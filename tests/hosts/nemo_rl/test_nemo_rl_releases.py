@@ -58,6 +58,17 @@ def test_the_table_has_the_keys_the_adapter_writes():
     assert all(isinstance(f.versions, stacks.Releases) for f in KEY_FACTS)
 
 
+READ_AT = {
+    # every release has some other ``env_vars`` (policy.megatron_cfg's, local variables)
+    "policy.generation.vllm_cfg.env_vars": (
+        "nemo_rl/models/generation/vllm/vllm_generation.py",
+        'self.cfg["vllm_cfg"].get("env_vars", {})',
+    ),
+}
+"""Key facts whose leaf name other code of every release uses too: the release has the key
+when this file reads it this way."""
+
+
 @pytest.mark.parametrize("fact", KEY_FACTS, ids=lambda f: f.name)
 def test_each_key_fact_names_exactly_the_releases_whose_source_has_it(fact, source_names):
     """A release has a key when its source declares or reads every part of it (``fp8_cfg``
@@ -67,6 +78,10 @@ def test_each_key_fact_names_exactly_the_releases_whose_source_has_it(fact, sour
     parts = fact.name.split(".")
     for release, names in source_names.items():
         has = all(p in names for p in parts)
+        if fact.name in READ_AT:  # a name the source also uses for something else
+            path, text = READ_AT[fact.name]
+            file = shared_nemo_rl(f"{SOURCE[release]}/{path}")
+            has = file.is_file() and text in file.read_text()
         said = stacks.lookup("nemo-rl", fact.name, release).present
         assert said is has, (fact.name, release, [p for p in parts if p not in names])
 
@@ -110,6 +125,28 @@ def test_the_behaviour_facts_agree_with_each_release(release):
     e8m0_off = 'os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = "0"' in fp8
     deep_gemm = "vllm_cfg.use_deep_gemm sets VLLM_USE_DEEP_GEMM_E8M0=0"
     assert stacks.lookup("nemo-rl", deep_gemm, release).present is e8m0_off
+    grpo = ast.parse(shared_nemo_rl(f"{SOURCE[release]}/nemo_rl/algorithms/grpo.py").read_text())
+    subscript = any(
+        isinstance(n, ast.Subscript)
+        and isinstance(n.slice, ast.Constant)
+        and n.slice.value == "seq_logprob_error_threshold"
+        for n in ast.walk(grpo)
+    )
+    required = "grpo.seq_logprob_error_threshold is read by subscript"
+    assert stacks.lookup("nemo-rl", required, release).present is subscript
+    # num_first/last_layers_in_bf16: the layer names are appended as one list (nested in
+    # ignored_layers) or extended into it
+    calls = {
+        n.func.attr
+        for n in ast.walk(ast.parse(fp8))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "bf16_params"
+    }
+    assert calls in ({"append"}, {"extend"}), calls
+    reaches = "vllm_cfg.num_first_layers_in_bf16 reaches vLLM's ignored_layers"
+    assert stacks.lookup("nemo-rl", reaches, release).present is (calls == {"extend"})
 
 
 # --------------------------------------------------------------------------- the gate
@@ -167,9 +204,13 @@ def test_what_a_release_cannot_express_is_refused_naming_it(tmp_path, release, f
 
 
 def test_training_edge_layers_for_generation_only_are_accepted_on_v0_7_0(tmp_path):
+    """Accepted, as keywords: v0.7.0's layer counts never reach vLLM
+    (test_nemo_rl_preflight.py runs NeMo RL's and vLLM's own code on both)."""
     fp8 = {"recipe": "fp8_blockwise", "bf16_layers": {"first": 1, "applies_to": "generation"}}
     result = apply_path(NEMO_RL, _child(tmp_path, "0.7.0", EIGHT_B, fp8), stack="nemo-rl-0.7.0")
-    assert result.written["policy"]["generation"]["vllm_cfg"]["num_first_layers_in_bf16"] == 1
+    vllm_cfg = result.written["policy"]["generation"]["vllm_cfg"]
+    assert vllm_cfg["quantization_ignored_layer_kws"] == ["layers.0."]
+    assert "num_first_layers_in_bf16" not in vllm_cfg  # 0, as the parent has it
 
 
 @pytest.mark.parametrize(
@@ -295,9 +336,9 @@ def test_the_configs_own_fp8_kv_cache_and_pow2_scales_stand(tmp_path):
 def test_apply_host_megatron_on_a_nemo_rl_config_is_refused_and_force_overrides(tmp_path, capsys):
     """Was: exit 0, the request deleted and a root ``model: {fp8: ...}`` written, which NeMo RL
     ignores (a silent BF16 run)."""
+    from conftest import NEMO_RL_TRIMMED as example
     from conftest import REPO
 
-    example = REPO / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
     out = tmp_path / "out.yaml"
     assert main(["apply", str(example), "--host", "megatron", "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip()

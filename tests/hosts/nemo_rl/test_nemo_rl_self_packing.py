@@ -1,4 +1,4 @@
-"""Sequence alignment for models NeMo RL does not pack (issue 24, item 3).
+"""Sequence alignment for models NeMo RL does not pack.
 
 NeMo RL 7ea279a hands models that pack inside their forward (``_model_self_packs_for_cp``,
 ``megatron_policy_worker.py:147-165``: ``model_owns_packing`` or Megatron-Bridge's
