@@ -264,7 +264,7 @@ def _recipe(spec: RecipeSpec, ctx: HostContext, out: Spelling) -> None:
             if _sequence_error_required(ctx):  # read by subscript: written, even as null
                 out.set(w.key, None, checked=False)
             continue
-        if have is not _MISSING and _inert_count(ctx, w.key, have):
+        if have is not _MISSING and _inert_count(ctx, w.key, have, w.value):
             out.set(w.key, w.value, checked=False)
             out.notes.append(
                 Message(
@@ -307,7 +307,7 @@ def _model_known(ctx: HostContext) -> bool:
     return True
 
 
-def _inert_count(ctx: HostContext, key: str, have: Any) -> bool:
+def _inert_count(ctx: HostContext, key: str, have: Any, want: Any) -> bool:
     """A ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` saying what the rules say,
     at a release where the counts never reach vLLM (:mod:`.ignored_layers`): the rules' layers
     are written as keywords instead, and the count changes nothing."""
@@ -319,6 +319,8 @@ def _inert_count(ctx: HostContext, key: str, have: Any) -> bool:
         f"{_VLLM}.num_last_layers_in_bf16": rules.last,
     }
     if key not in counts or counts_reach_vllm(assumed_release(ctx)):
+        return False
+    if _same(key, have, want):  # already what is written: nothing replaced
         return False
     return rules.acts_on("generation") and _same(key, have, counts[key])
 
