@@ -280,6 +280,21 @@ def test_first_and_last_layers_are_written_as_keywords_where_counts_do_not_reach
     assert err.value.key == "fp8.bf16_layers.last" and f"NeMo RL v{release}" in str(err.value)
 
 
+def test_a_count_the_config_states_is_replaced_only_when_it_changes(tmp_path, qwen3_moe):
+    """At v0.6.0 the counts never reach vLLM: a config count equal to the rules' is replaced by
+    0 with a note saying so; a count already 0 (NVIDIA's configs) is no replacement, no note."""
+    fp8 = {"recipe": "fp8_blockwise", "bf16_layers": {"first": 1, "applies_to": "generation"}}
+    counts = {"generation": {"vllm_cfg": {"num_first_layers_in_bf16": 1}}}
+    src = _child(tmp_path, "0.6.0", EIGHT_B, fp8, policy=counts)
+    result = apply_path(NEMO_RL, src, stack=STACK["0.6.0"], model_config=qwen3_moe)
+    assert result.data["policy"]["generation"]["vllm_cfg"]["num_first_layers_in_bf16"] == 0
+    (said,) = [str(n) for n in result.notes if "replaced by" in str(n)]
+    assert "num_first_layers_in_bf16: 1 replaced by 0" in said
+    plain = _child(tmp_path, "0.6.0", EIGHT_B, {"recipe": "fp8_blockwise"})
+    result = apply_path(NEMO_RL, plain, stack=STACK["0.6.0"], model_config=qwen3_moe)
+    assert not [n for n in map(str, result.notes) if "replaced by" in n]
+
+
 def test_explain_shows_what_vllm_leaves_in_bf16_for_mlp_gate_on_a_qwen3_moe_model(
     tmp_path, qwen3_moe
 ):
