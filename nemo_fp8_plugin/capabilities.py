@@ -9,14 +9,19 @@ megatron-core 0.16 (``fp8_utils.py``, ``transformer_config.py``), vLLM 0.32
 numerics with the upstream file of each rule.
 
 The keys are the spec's ``scaling`` kinds (:data:`ScalingKind`); nothing here imports the spec,
-so the spec module can import this one. Code elsewhere asks a row's predicates
-(:attr:`RecipeCapability.is_block`, ...) and fields, never the kind's spelling.
+so the spec module can import this one. What differs between kinds in code is the kind's class
+(:mod:`nemo_fp8_plugin.kinds`), which reads its row here.
+
+Longer than the package's 600-line guide: it is one table (the GPU generations and their
+names, one row per scaling kind, the alignment rules), and splitting it would put a fact in
+two places.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
@@ -44,13 +49,10 @@ __all__ = [
     "arch_by_name",
     "arch_of_capability",
     "arch_label",
-    "hardware_problems",
     "HardwareProblem",
     "SIDES",
     "HOST_SIDES",
     "host_sides",
-    "NEAREST",
-    "side_summary",
     "NVFP4_GENERATION_REFUSAL",
     "token_alignment",
     "dimension_problems",
@@ -344,6 +346,12 @@ class RecipeCapability:
             megatron-core ``get_fp4_align_size``).
         tile_align: a larger multiple that fills every scale tile (block scaling: 128); a size
             off it runs with partial tiles, at a cost (a warning), or None.
+        nearest: ``(architecture, "rl" | "train") -> recipe``: the nearest built-in recipe
+            that trains where this kind cannot (``"rl"``: it also generates in FP8, so the
+            replacement needs a vLLM FP8 path there; checked against the table itself in
+            ``tests/hosts/test_retarget.py``).
+        generation_nearest: architecture -> the recipe to generate with where this kind's vLLM
+            FP8 generation cannot run but block FP8 generation can.
     """
 
     scaling: ScalingKind
@@ -373,6 +381,8 @@ class RecipeCapability:
     token_align: int = 16
     dim_align: int = 16
     tile_align: int | None = None
+    nearest: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    generation_nearest: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def block(self) -> int | None:
@@ -455,6 +465,10 @@ class RecipeCapability:
 
 _ALL_FP8 = frozenset({"ada", "hopper", "blackwell", "blackwell_sm120"})
 
+_CURRENT_ON_ADA_AND_SM120 = {
+    (arch, use): "fp8_current" for arch in ("ada", "blackwell_sm120") for use in ("rl", "train")
+}
+
 CAPABILITIES: dict[str, RecipeCapability] = {
     "delayed": RecipeCapability(
         scaling="delayed",
@@ -490,6 +504,7 @@ CAPABILITIES: dict[str, RecipeCapability] = {
         deepgemm_generation=True,
         te_env=ENV_BLOCK_FP32_SCALES,
         tile_align=128,
+        nearest=_CURRENT_ON_ADA_AND_SM120,
     ),
     "mx": RecipeCapability(
         scaling="mx",
@@ -508,6 +523,12 @@ CAPABILITIES: dict[str, RecipeCapability] = {
         nemo_rl_generation=True,
         token_align=32,
         dim_align=32,
+        nearest={
+            ("hopper", "rl"): "fp8_blockwise",
+            ("hopper", "train"): "fp8_subchannel",
+            **_CURRENT_ON_ADA_AND_SM120,
+        },
+        generation_nearest={"hopper": "fp8_blockwise", "blackwell_sm120": "fp8_blockwise"},
     ),
     "nvfp4": RecipeCapability(
         scaling="nvfp4",
@@ -527,6 +548,11 @@ CAPABILITIES: dict[str, RecipeCapability] = {
         generation_refusal=NVFP4_GENERATION_REFUSAL,
         token_align=128,
         dim_align=32,
+        nearest={
+            ("hopper", "train"): "fp8_subchannel",
+            ("hopper", "rl"): "fp8_blockwise",
+            **_CURRENT_ON_ADA_AND_SM120,
+        },
     ),
 }
 """Scaling kind -> :class:`RecipeCapability`."""
@@ -674,32 +700,6 @@ def arch_label(arch: str) -> str:
     return _LABELS.get(arch, arch)
 
 
-NEAREST: dict[tuple[str, str, str], str] = {
-    # (scaling kind, architecture, "rl" | "train") -> the preset to move to when the kind's
-    # training cannot run there ("rl": the recipe also generates in FP8, so the replacement
-    # must have a vLLM FP8 path on that architecture).
-    ("mx", "hopper", "rl"): "fp8_blockwise",
-    ("mx", "hopper", "train"): "fp8_subchannel",
-    ("nvfp4", "hopper", "train"): "fp8_subchannel",
-    ("nvfp4", "hopper", "rl"): "fp8_blockwise",
-    **{
-        (kind, arch, use): "fp8_current"
-        for kind in ("block", "mx", "nvfp4")
-        for arch in ("ada", "blackwell_sm120")
-        for use in ("rl", "train")
-    },
-}
-"""The nearest built-in recipe that trains where a scaling kind cannot (checked against the
-table itself in ``tests/hosts/test_retarget.py``: each runs there). Block scaling with fp32 scales on
-Blackwell is fixed in place (``pow2_scales: true``) or by ``fp8_subchannel``."""
-
-_GENERATION_NEAREST = {
-    ("mx", "hopper"): "fp8_blockwise",
-    ("mx", "blackwell_sm120"): "fp8_blockwise",
-}
-"""Where a kind's vLLM FP8 generation cannot run but block FP8 generation can."""
-
-
 def _change(
     spec: _SpecLike,
     recipe: str | None = None,
@@ -726,191 +726,6 @@ def _change(
     if len(items) == 1:
         return f"{key}: {recipe}"
     return f"{{{key}: {recipe}, fp8: {{{', '.join(items[1:])}}}}}"
-
-
-def _needs(archs: frozenset[str]) -> str:
-    names = [arch_label(a.name) for a in ARCHS if a.name in archs]
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
-
-
-def _training_verdict(
-    spec: _SpecLike, arch: str, generates: bool = True
-) -> tuple[str | None, str | None, dict[str, str]]:
-    """(why training cannot run on ``arch`` or None, the nearest recipe, the in-place fix).
-    ``generates``: the host also generates with the recipe (NeMo RL), so the nearest recipe
-    must have a vLLM FP8 path there too; a host that only trains gets the training one."""
-    cap = CAPABILITIES[spec.scaling]
-    if arch in cap.training_archs:
-        if spec.scaling == "block" and arch == "blackwell" and not spec.pow2_scales:
-            return (
-                "on Blackwell Transformer Engine emulates block scaling with MXFP8 and "
-                "needs power-of-2 scales; fp32 block scales cannot run there",
-                "fp8_subchannel",
-                {"pow2_scales": "true"},
-            )
-        return None, None, {}
-    use = "rl" if generates and spec.generation == "fp8" and cap.vllm_generation else "train"
-    near = NEAREST.get((spec.scaling, arch, use))
-    if spec.scaling == "mx":
-        why = "MXFP8 training needs Blackwell (SM100/SM103)" + (
-            "; Transformer Engine refuses MXFP8 on SM 12.0+" if arch == "blackwell_sm120" else ""
-        )
-    elif spec.scaling == "nvfp4":
-        why = (
-            "NVFP4 training needs the Blackwell data-center GPUs (SM100/SM103: B200, GB200, "
-            "B300, GB300)"
-        )
-    else:
-        why = f"{cap.te_class} training needs {_needs(cap.training_archs)}"
-    return why, near, {}
-
-
-def _generation_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | None]:
-    cap = CAPABILITIES[spec.scaling]
-    if spec.generation != "fp8" or not cap.vllm_generation or arch in cap.generation_archs:
-        return None, None
-    what = "MXFP8" if spec.scaling == "mx" else "block FP8"
-    return (
-        f"vLLM's {what} kernels need {_needs(cap.generation_archs)} (vLLM 0.32 falls back "
-        f"to weight-only or emulated kernels elsewhere, without an error)",
-        _GENERATION_NEAREST.get((spec.scaling, arch)),
-    )
-
-
-def hardware_problems(
-    spec: _SpecLike, arch: str, sides: tuple[Side, ...] = SIDES, keys: tuple[str, ...] = ()
-) -> list[HardwareProblem]:
-    """What stops ``spec`` on ``arch`` (an :data:`ARCHS` name), each problem with the nearest
-    recipe that runs there and the exact YAML change (:attr:`HardwareProblem.change`).
-
-    ``sides``: the sides the config's host runs (:func:`host_sides`); a side it does not run
-    is not judged, and the nearest recipe is the one for what the host does (a host that only
-    trains is pointed at the training recipe docs/recipes.md names, never at vLLM's kernels).
-    ``keys``: the config's request keys (:attr:`nemo_fp8_plugin.config.FP8Request.keys`); a
-    config that names its recipe by one key is told the new name in that key.
-    A recipe whose training and generation both fail gets one problem naming the recipe that
-    trains there (its generation follows that recipe), so a config moved between GPU
-    generations gets one message."""
-    label = arch_label(arch)
-    if not any(a.name == arch and a.fp8 for a in ARCHS):
-        verbs = " and ".join({"training": "train", "generation": "generate"}[s] for s in sides)
-        return [
-            HardwareProblem(
-                "error",
-                "hardware",
-                f"{label} GPUs have no FP8 tensor cores, so no FP8 (or FP4) "
-                f"recipe runs there: {verbs} in BF16 (remove the FP8 request: the "
-                f"precision/fp8 key) or target Ada (SM89), Hopper (SM90) or Blackwell (SM100)",
-            )
-        ]
-    out: list[HardwareProblem] = []
-    key = keys[0] if len(keys) == 1 else None
-
-    def change_to(recipe: str | None, **fields: str) -> str:
-        return _change(spec, recipe, sides=sides, key=key, **fields)
-
-    generates = "generation" in sides
-    training = spec.training == "fp8" and "training" in sides
-    t_why, t_near, t_fix = (
-        _training_verdict(spec, arch, generates) if training else (None, None, {})
-    )
-    g_why, g_near = _generation_verdict(spec, arch) if generates else (None, None)
-    if t_why and g_why and not t_fix:
-        change = change_to(t_near) if t_near else None
-        msg = f"{spec.name} cannot run on {label}: {t_why}, and {g_why}; " + (
-            f"the nearest recipe that runs there is {t_near}: `{change}`"
-            if t_near
-            else "no FP8 recipe runs there"
-        )
-        return [HardwareProblem("error", "hardware", msg, None, t_near, change)]
-    if t_why:
-        if t_fix:
-            fix = change_to(None, **t_fix)
-            alt = change_to(t_near)
-            msg = (
-                f"{spec.name} cannot train on {label}: {t_why}; set `{fix}`, or use "
-                f"{t_near}: `{alt}`"
-            )
-            out.append(HardwareProblem("error", next(iter(t_fix)), msg, "training", spec.name, fix))
-        else:
-            change = change_to(t_near) if t_near else None
-            msg = f"{spec.name} cannot train on {label}: {t_why}; " + (
-                f"the nearest recipe that trains there is {t_near}: `{change}`"
-                if t_near
-                else "no FP8 training recipe runs there"
-            )
-            out.append(HardwareProblem("error", "hardware", msg, "training", t_near, change))
-    elif training and spec.scaling == "block" and arch == "hopper":
-        out.append(
-            HardwareProblem(
-                "warning",
-                "hardware",
-                "block scaling on Hopper needs CUDA >= 12.9 (cuBLAS "
-                "block-scaled GEMMs); `nemo-fp8 doctor` checks it",
-                "training",
-            )
-        )
-    if g_why:
-        bf16 = change_to(None, generation="bf16")
-        if g_near and not training:
-            change = change_to(g_near)
-            msg = (
-                f"{spec.name} cannot generate on {label}: {g_why}; the nearest recipe that "
-                f"generates there is {g_near}: `{change}`"
-            )
-        else:
-            change = bf16 if training else None
-            msg = f"{spec.name} cannot generate on {label}: {g_why}; " + (
-                f"generate in BF16 there: `{change}`"
-                if training
-                else "no FP8 generation runs there"
-            )
-        out.append(
-            HardwareProblem(
-                "error", "hardware", msg, "generation", g_near if not training else None, change
-            )
-        )
-    if training and spec.fp8_dot_product_attention and arch == "ada":
-        out.append(
-            HardwareProblem(
-                "warning",
-                "fp8_dot_product_attention",
-                "FP8 attention kernels target Hopper and Blackwell",
-            )
-        )
-    return out
-
-
-def side_summary(spec: _SpecLike, arch: str) -> dict[str, str]:
-    """What each side runs on ``arch``, in words: ``{"training": ..., "generation": ...}``."""
-    cap = CAPABILITIES[spec.scaling]
-    label = arch_label(arch)
-    problems = {p.side: p for p in hardware_problems(spec, arch) if p.level == "error"}
-    both = problems.get(None)
-    out: dict[str, str] = {}
-    if spec.training != "fp8":
-        out["training"] = "BF16 (training: bf16)"
-    elif both or "training" in problems:
-        out["training"] = f"cannot run on {label}"
-    elif spec.scaling == "block" and arch == "blackwell":
-        out["training"] = (
-            f"{cap.te_class} (power-of-2 scales), which Transformer Engine runs "
-            f"with MXFP8 kernels on {label}"
-        )
-    else:
-        out["training"] = f"{cap.te_class} on {label}"
-    if spec.generation != "fp8":
-        out["generation"] = "BF16 (generation: bf16)"
-    elif not cap.vllm_generation:
-        out["generation"] = (
-            f"BF16: vLLM has no FP8 path for {spec.scaling} scaling here (block FP8 and MXFP8 only)"
-        )
-    elif both or "generation" in problems:
-        out["generation"] = f"cannot run on {label}"
-    else:
-        what = "MXFP8 (1x32 E8M0 scales)" if spec.scaling == "mx" else "block FP8 (128x128 weights)"
-        out["generation"] = f"vLLM {what} on {label}"
-    return out
 
 
 # --------------------------------------------------------------------------- alignment

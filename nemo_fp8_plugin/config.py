@@ -40,6 +40,7 @@ __all__ = [
     "get_path",
     "FP8_BLOCK_EXTRA_KEYS",
     "load_config_chain",
+    "load_config_files",
     "regular_file",
     "regular_entries",
     "safetensors_files",
@@ -182,12 +183,14 @@ class _Chain:
 
     def __init__(self) -> None:
         self.parsed: dict[Path, dict[str, Any]] = {}
+        self.files: list[Path] = [Path()]  # the config's own place, then each parent read
         self.references = 0
 
     def read(self, path: Path) -> dict[str, Any]:
         key = path.resolve()
         if key not in self.parsed:
             self.parsed[key] = _read_mapping(path)
+            self.files.append(path)
         return self.parsed[key]
 
 
@@ -243,11 +246,18 @@ def load_config(
 def load_config_chain(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(as written, with its defaults: chain merged)``, each file of the chain parsed once;
     the second is the first itself when there is no chain (callers must not mutate either)."""
+    raw, resolved, _ = load_config_files(path)
+    return raw, resolved
+
+
+def load_config_files(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], list[Path]]:
+    """:func:`load_config_chain` and every file it read, the config first."""
     path = Path(path)
     raw = _read_mapping(path)
     state = _Chain()
     state.parsed[path.resolve()] = raw
-    return raw, _merge_chain(copy.deepcopy(raw), path, (), state)
+    resolved = _merge_chain(copy.deepcopy(raw), path, (), state)
+    return raw, resolved, [path, *state.files[1:]]
 
 
 _NUMERIC_PRECISIONS = (16, 32, 64)

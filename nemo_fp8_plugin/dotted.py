@@ -1,5 +1,5 @@
-"""Dotted config paths (``policy.megatron_cfg.fp8_cfg``): get, set, delete and flatten, the
-one implementation every adapter uses (stdlib only, core layer)."""
+"""Dotted config paths (``policy.megatron_cfg.fp8_cfg``; a list item as ``plugins[1]``): get,
+set, delete and flatten, the one implementation every adapter uses (stdlib only, core layer)."""
 
 from __future__ import annotations
 
@@ -10,29 +10,60 @@ from typing import Any
 __all__ = ["get_path", "set_path", "delete_path", "flatten", "nest", "child_mapping"]
 
 
-def _parts(path: tuple[str, ...] | str) -> tuple[str, ...]:
-    return tuple(path.split(".")) if isinstance(path, str) else tuple(path)
+def _parts(path: tuple[str, ...] | str) -> tuple[Any, ...]:
+    """``"trainer.plugins[1].fp8"`` -> ``("trainer", "plugins", 1, "fp8")``."""
+    if not isinstance(path, str):
+        return tuple(path)
+    out: list[Any] = []
+    for part in path.split("."):
+        name, bracket, index = part.partition("[")
+        out += [name, int(index[:-1])] if bracket and index[:-1].isdigit() else [part]
+    return tuple(out)
+
+
+def _walk(node: Any, parts: tuple[Any, ...], default: Any) -> Any:
+    for part in parts:
+        if isinstance(part, int) and isinstance(node, list) and part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and isinstance(node, Mapping) and part in node:
+            node = node[part]
+        else:
+            return default
+    return node
 
 
 def get_path(mapping: Any, path: tuple[str, ...] | str, default: Any = None) -> Any:
     """``mapping[a][b]...`` or ``default`` when any step is missing or not a mapping."""
-    node = mapping
-    for part in _parts(path):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
+    return _walk(mapping, _parts(path), default)
 
 
-def set_path(mapping: dict, path: tuple[str, ...] | str, value: Any) -> None:
-    """Set ``mapping[a][b]... = value`` (a deep copy), creating the mappings on the way; a
-    step that holds something other than a mapping (``env_vars: null``) is replaced by one,
-    as OmegaConf's merge (and so NeMo RL's) does."""
+def set_path(
+    mapping: dict, path: tuple[str, ...] | str, value: Any, *, strict: bool = False
+) -> None:
+    """Set ``mapping[a][b]... = value`` (a deep copy), creating the mappings on the way (a
+    list item one past the end is appended). A step that holds something other than a
+    mapping (``env_vars: null``) is replaced by one, as OmegaConf's merge (and so NeMo RL's)
+    does; with ``strict`` a step that is neither a mapping nor null is refused instead, naming
+    it (:class:`~nemo_fp8_plugin.errors.FP8ConfigError`)."""
     parts = _parts(path)
-    node = mapping
-    for part in parts[:-1]:
+    node: Any = mapping
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(part, int):
+            if part == len(node):
+                node.append({})
+            node = node[part]
+            continue
         child = node.get(part)
-        if not isinstance(child, dict):
+        indexed = isinstance(child, list) and isinstance(parts[i + 1], int)
+        if strict and child is not None and not isinstance(child, dict) and not indexed:
+            from .errors import FP8ConfigError, format_value
+
+            raise FP8ConfigError(
+                f"expected a mapping, got {format_value(child)}",
+                key=".".join(str(p) for p in parts[: i + 1]),
+                value=child,
+            )
+        if not isinstance(child, dict) and not indexed:
             child = node[part] = {}
         node = child
     node[parts[-1]] = copy.deepcopy(value)
@@ -41,9 +72,7 @@ def set_path(mapping: dict, path: tuple[str, ...] | str, value: Any) -> None:
 def delete_path(mapping: dict, path: tuple[str, ...] | str) -> None:
     """Remove ``mapping[a][b]...`` when it is there (nothing happens otherwise)."""
     parts = _parts(path)
-    node: Any = mapping
-    for part in parts[:-1]:
-        node = node.get(part) if isinstance(node, dict) else None
+    node = _walk(mapping, parts[:-1], None)
     if isinstance(node, dict):
         node.pop(parts[-1], None)
 

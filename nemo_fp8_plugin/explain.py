@@ -4,7 +4,6 @@ and for every host exactly what ``nemo-fp8 apply --host <host>`` writes (the sam
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +84,7 @@ def _build_report(
             "name": ctx.stack.label,
             "how": ctx.stack.how,
             "versions": dict(ctx.stack.versions),
-            "nemo_rl": ctx.nemo_rl.summary(),
+            "nemo_rl": ctx.stack.release.summary(),
         }
     request = ctx.request
     if request is None:
@@ -98,12 +97,13 @@ def _build_report(
     report["warnings"] += list(ctx.model_notes)
     description = ctx.model
     if description is not None:
-        from .hosts import check_model_shape
+        from .hosts import check_model_shape, get_adapter
 
         report["model"] = description.name
         report["model_description"] = description.summary()
         # The check apply runs (hosts.run), so both refuse the same model, naming one key.
-        report["warnings"] += check_model_shape(ctx)
+        shape = check_model_shape(ctx, get_adapter(own) if own is not None else None)
+        report["warnings"] += [str(w) for w in shape]
     if description is not None and request.spec.qat is not None:
         report.setdefault("notes", []).append(_QAT_NO_TABLES.format(request.spec.qat.preset))
     elif description is not None:
@@ -152,7 +152,8 @@ def _hardware_section(
     refusing it (``apply`` refuses, ``doctor`` exits 1). Problems are judged for the sides
     the config's host ``own`` runs (:func:`~nemo_fp8_plugin.capabilities.host_sides`), as
     ``apply`` refuses them; ``runs`` names both sides."""
-    from .capabilities import arch_label, hardware_problems, host_sides, side_summary
+    from .capabilities import arch_label, host_sides
+    from .kinds import hardware_problems, side_summary
 
     spec, arch = request.spec, request.hardware
     assert arch is not None
@@ -234,18 +235,17 @@ def _layers_section(spec, description) -> tuple[list[dict], list[str], list[str]
         if active
         else set()
     )
-    warnings, notes = [], []
+    warnings: list[str] = []
+    notes: list[str] = []
     for label in sorted(nowhere):
         warnings.append(f"{label} matches no module of {description.name} (a typo?)")
     # A side's own "matches no" line for a rule reported above is dropped: found through the
-    # rule's index (one dict probe per warning), never by scanning every unmatched label.
-    by_index = {_rule_index(label): label + " matches no" for label in nowhere}
+    # resolution's record of where it put that line (one probe per rule).
     for side in active:
-        for w in resolutions[side].warnings:
-            prefix = by_index.get(_rule_index(w))
-            if prefix is None or not w.startswith(prefix):
-                warnings.append(w)
-        notes += [n for n in resolutions[side].notes if n not in notes]
+        res = resolutions[side]
+        dropped = {res.unmatched_at[label] for label in nowhere}
+        warnings += [w for i, w in enumerate(res.warnings) if i not in dropped]
+        notes = list(dict.fromkeys([*notes, *res.notes]))
     return layers, warnings, notes
 
 
@@ -257,15 +257,6 @@ def _lint_section(report: dict[str, Any], spec, description) -> None:
     lint = [r.line for r in overreaching_rules(spec, description)]
     if lint:
         report["lint"] = lint
-
-
-_RULE_INDEX = re.compile(r"bf16_layers\.modules\[(\d+)\]=")
-
-
-def _rule_index(text: str) -> int | None:
-    """The pattern index a rule label (or a warning starting with one) names."""
-    found = _RULE_INDEX.match(text)
-    return int(found.group(1)) if found else None
 
 
 def _with_hardware(ctx, own: str | None):
@@ -293,7 +284,7 @@ def _hosts_section(
     hardware target the recipe cannot run on is every host's refusal (``refusal``).
     Another host's refusal says whether that host refuses the recipe itself
     (``refuses_recipe``: whatever the config) or only this config, which is not written
-    for it."""
+    for it. The model-shape warnings are the report's, not repeated per host."""
     from .hosts import get_adapter, run
 
     out: dict[str, Any] = {}
@@ -303,7 +294,10 @@ def _hosts_section(
             out[name] = {"refused": refusal}
             continue
         try:
-            out[name] = run(adapter, ctx).summary()
+            result = run(adapter, ctx)
+            # the pipeline's own warnings (the model's shape) name no host: shown once, above
+            result.warnings = [w for w in result.warnings if w.host]
+            out[name] = result.summary()
         except ConflictingKeyError:
             raise
         except FP8ConfigError as err:
@@ -325,8 +319,8 @@ def _refuses_recipe(adapter, ctx) -> bool:
 
 def _raise_strict(report: dict[str, Any]) -> None:
     found = list(report.get("warnings", []))
-    for host, section in report.get("hosts", {}).items():
-        found += [w if f"host {host}" in w else f"{host}: {w}" for w in section.get("warnings", [])]
+    for section in report.get("hosts", {}).values():
+        found += section.get("warnings", [])  # each names its host
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise FP8ConfigError(
@@ -421,11 +415,7 @@ def render_text(
         lines[-1] += f"; {stack}"
     lines += [f"warning: {w}" for w in report.get("warnings", [])]
     if own is not None and own in hosts:
-        lines += [
-            f"warning: {_with_host(w, own)}"
-            for w in hosts[own].get("warnings", [])
-            if w not in report.get("warnings", [])  # the model-shape ones are shown above
-        ]
+        lines += [f"warning: {w}" for w in hosts[own].get("warnings", [])]
     # A host that only trains reads no generation-side field: they are hidden for it.
     trains_only = (
         not (all_hosts or full) and own is not None and "generation" not in host_sides(own)
@@ -650,10 +640,6 @@ def _host_summary(section: dict[str, Any], host: str, detected: str | None = Non
     warned = len(section.get("warnings", []))
     more = f", {warned} warning{'s' if warned != 1 else ''}" if warned else ""
     return f"{host} ({count} key{'s' if count != 1 else ''}{more})"
-
-
-def _with_host(warning: str, host: str) -> str:
-    return warning if host in warning else f"{host}: {warning}"
 
 
 def _spell(value: Any, *, full: bool) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from . import capabilities as _caps
+from . import kinds as _kinds
 from .errors import FP8ConfigError, format_value, suggest
 
 _T = TypeVar("_T")
@@ -641,7 +642,7 @@ class RecipeSpec:
     an Ampere GPU such as ``a100`` is accepted and then refused by the hardware rules, since it
     has no FP8). Default None: hardware rules are checked only when it is stated. Rules, with
     the nearest recipe that runs and the YAML change:
-    :func:`nemo_fp8_plugin.capabilities.hardware_problems`."""
+    :func:`nemo_fp8_plugin.kinds.hardware_problems`."""
 
     # Fields whose values users may set from YAML (everything but the identity).
     OVERRIDABLE = (
@@ -695,7 +696,7 @@ class RecipeSpec:
                 value="e5m2",
                 hint="use 'hybrid' for E5M2 gradients with E4M3 forward",
             )
-        set_("scaling", _choice("scaling", self.scaling, SCALING_KINDS))
+        set_("scaling", _choice("scaling", self.scaling, tuple(_caps.CAPABILITIES)))
         set_("fp8_format", _choice("fp8_format", self.fp8_format, FP8_FORMATS))
         for key in ("activation_block", "weight_block", "gradient_block"):
             set_(key, _block(key, getattr(self, key)))
@@ -733,7 +734,7 @@ class RecipeSpec:
                 ),
             )
         set_("qat", _prefixed("qat", QuantizationAwareRL.from_value, self.qat))
-        if self.qat is not None and not _caps.capability(self.scaling).is_nvfp4:
+        if self.qat is not None and _caps.capability(self.scaling).element_format != "e2m1":
             raise FP8ConfigError(
                 f"ModelOpt quantization-aware RL is an NVFP4 path, not a {self.scaling} one",
                 key="qat",
@@ -887,11 +888,12 @@ class RecipeSpec:
 
     def findings(self) -> list[Finding]:
         """Hardware findings for the stated target (errors make the spec invalid), from the
-        capability table (:func:`nemo_fp8_plugin.capabilities.hardware_problems`)."""
+        capability table (:func:`nemo_fp8_plugin.kinds.hardware_problems`)."""
         if self.hardware is None:
             return []
         return [
-            Finding(p.level, p.key, p.message) for p in _caps.hardware_problems(self, self.hardware)
+            Finding(p.level, p.key, p.message)
+            for p in _kinds.hardware_problems(self, self.hardware)
         ]
 
     def check_dims(self, dims: Mapping[str, int], *, tensor_parallel: int = 1) -> list[Finding]:

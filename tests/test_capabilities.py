@@ -28,8 +28,8 @@ from nemo_fp8_plugin.capabilities import (
     arch_by_name,
     arch_of_capability,
     capability,
-    hardware_problems,
 )
+from nemo_fp8_plugin.kinds import hardware_problems
 from nemo_fp8_plugin.registry import list_recipes
 
 pytestmark = pytest.mark.torch_free

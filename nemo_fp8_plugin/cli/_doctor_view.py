@@ -255,7 +255,7 @@ def _recipe_lines(report: dict[str, Any], r: dict[str, Any], verbose: bool) -> l
     where = f" on {arch}" if arch else ""
     lines = [f"recipe {r['recipe']} ({r['scaling']}): {_label(r['runnable'], arch)}{where}"]
     lines += [f"  problem: {p}" for p in r["problems"]]
-    lines += [f"  note: {n}" for n in r["notes"]]
+    lines += [f"  note: {n}" for n in [*r["notes"], *([r["judged"]] if r.get("judged") else [])]]
     lines += _preflight_lines(r)
     lines += _env_lines(r["env"], verbose)
     if r["env_effective"] is not None:
@@ -285,15 +285,14 @@ def _survey_lines(report: dict[str, Any]) -> list[str]:
     judged = " (judged for --hardware, not for this machine)" if _for_hardware(recipes) else ""
     lines = [f"recipes{' on ' + arch if arch else ''}{judged}: " + "; ".join(parts)]
     for r in recipes:
-        notes = [n for n in r["notes"] if not n.startswith("judged for --hardware")]
-        for text in [f"problem: {p}" for p in r["problems"]] + [f"note: {n}" for n in notes]:
+        for text in [f"problem: {p}" for p in r["problems"]] + [f"note: {n}" for n in r["notes"]]:
             lines.append(f"  {r['recipe']}: {text}")
         lines += [f"  {r['recipe']}:{line[1:]}" for line in _env_lines(r["env"], verbose=False)]
     return lines
 
 
 def _for_hardware(recipes: list[dict[str, Any]]) -> bool:
-    return any(n.startswith("judged for --hardware") for r in recipes for n in r["notes"])
+    return any(r.get("judged") for r in recipes)
 
 
 def _env_lines(env: list[dict[str, Any]], verbose: bool) -> list[str]:

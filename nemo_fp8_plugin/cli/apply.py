@@ -83,7 +83,6 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import FP8ConfigError
     from ..hosts import get_adapter, load_context
     from ..hosts import run as run_pipeline
-    from ..hosts.nemo_rl.releases import release_hint
     from ..roundtrip import render, unified_diff
 
     target = _target(args)
@@ -103,18 +102,18 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
     )
     if target is not None and not args.in_place:
-        _refuse_own_files(Path(args.config), target, ctx.raw)
+        _refuse_own_files(Path(args.config), target, ctx.sources)
     detected = _detected_host(ctx) if args.host is None else None
     adapter = get_adapter(args.host if detected is None else detected)
     try:
         result = run_pipeline(adapter, ctx)  # its own refusals (a mistyped section...) first
-    except FP8ConfigError as err:  # a refusal naming an assumed NeMo RL release says so
-        raise release_hint(err, ctx.nemo_rl) from None
+    except FP8ConfigError as err:  # a refusal naming an assumed host release says so
+        raise adapter.refusal(err, ctx) from None
     other = _forced_host(adapter, ctx) if args.host is not None else None
-    # The first line: which NeMo RL release the keys are written for (after the pipeline,
-    # so a refusal stays one line: it names the release itself).
-    if adapter.name == "nemo-rl":
-        print(f"nemo-fp8 apply: {ctx.nemo_rl.line}", file=sys.stderr)
+    # The first line: which host release the keys are written for (after the pipeline, so a
+    # refusal stays one line: it names the release itself).
+    for line in adapter.preamble(ctx):
+        print(f"nemo-fp8 apply: {line}", file=sys.stderr)
     if args.stack is not None and ctx.stack is not None:
         print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
     if detected is not None:
@@ -131,9 +130,7 @@ def run(args: argparse.Namespace) -> int:
     source = _read_text(Path(args.config))
     written, removed = result.written or {}, list(result.removed)
     # An edit of the input is applied to the file as written, keeping all the pipeline does
-    # not change. Transformer Engine's output is a new document, which its adapter reports
-    # as written whole.
-    edit = result.written is not result.data
+    # not change; a host whose output is a new document reports it written whole.
     fmt = "json" if target is not None and target.suffix.lower() == ".json" else result.fmt
     text = render(
         source,
@@ -143,22 +140,18 @@ def run(args: argparse.Namespace) -> int:
         removed=removed,
         source_fmt=ctx.fmt,
         fmt=fmt,
-        edit=edit,
+        edit=result.edit,
         where=str(args.config),
     )
     from . import printable_path
 
     # one line each, whatever file names they quote
     for w in result.warnings:
-        print(f"nemo-fp8 apply: warning: {printable_path(w)}", file=sys.stderr)
+        print(f"nemo-fp8 apply: warning: {printable_path(str(w))}", file=sys.stderr)
     for n in result.notes:  # informational: nothing to fix
-        print(f"nemo-fp8 apply: note: {printable_path(n)}", file=sys.stderr)
-    if adapter.name == "vllm":  # no config key holds these: vLLM reads them when it starts
-        for var, value in result.env.items():
-            print(
-                f"nemo-fp8 apply: env: set {var}={value} where vLLM starts (not a config key)",
-                file=sys.stderr,
-            )
+        print(f"nemo-fp8 apply: note: {printable_path(str(n))}", file=sys.stderr)
+    for line in adapter.env_lines(result):  # variables no config key holds
+        print(f"nemo-fp8 apply: env: {line}", file=sys.stderr)
     for line in checks:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
     if args.diff:
@@ -173,13 +166,13 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     elif target is not None:
-        _write_with_companions(args, target, text, source, result.files, ctx.raw)
+        _write_with_companions(args, target, text, source, result.files, ctx.sources)
     else:
         sys.stdout.write(text)
     return 0
 
 
-def _write_with_companions(args, target: Path, text: str, source: str, files, raw) -> None:
+def _write_with_companions(args, target: Path, text: str, source: str, files, sources) -> None:
     """Write the output and the adapter's companion files (the TE precision file) as one
     step: every companion is checked as ``-o`` is (and refused when it is the input, a file
     of its ``defaults:`` chain or the output itself) before anything is written; then the
@@ -197,7 +190,7 @@ def _write_with_companions(args, target: Path, text: str, source: str, files, ra
                 key="--output",
                 value=str(path),
             )
-        _refuse_own_files(config, Path(path), raw, what=f"{path} (written beside the output)")
+        _refuse_own_files(config, Path(path), sources, what=f"{path} (written beside the output)")
         check_companion_file(path, "--output", text=body, force=args.force)
     unchanged = args.in_place and text == source
     writes = [] if unchanged else [(target, text.encode("utf-8"))]
@@ -213,11 +206,11 @@ def _write_with_companions(args, target: Path, text: str, source: str, files, ra
 def _forced_host(adapter, ctx) -> str | None:
     """``--host`` against the config's shape: refused naming both hosts
     (:func:`~nemo_fp8_plugin.hosts.refuse_other_host`), unless ``--force``; then the host the
-    shape names, for the command to say so (None: the shapes agree). Transformer Engine's
-    output is a new document, not an edit of the config: any shape is fine."""
+    shape names, for the command to say so (None: the shapes agree). A host whose output is a
+    new document, not an edit of the config, takes any shape."""
     from ..hosts import refuse_other_host, shape_mismatch
 
-    if adapter.name == "te":
+    if not adapter.edits_config:
         return None
     refuse_other_host(adapter, ctx)
     return shape_mismatch(adapter, ctx)
@@ -270,7 +263,7 @@ def _same(a: Path, b: Path) -> bool:
     return same_file(a, b)
 
 
-def _refuse_own_files(config: Path, target: Path, raw, *, what: str = "") -> None:
+def _refuse_own_files(config: Path, target: Path, sources, *, what: str = "") -> None:
     """``-o`` naming the input, or a file of its ``defaults:`` chain, would overwrite what the
     result was made from (a parent overwritten by its child's result makes the chain loop);
     so would a file written beside the output (``what`` names it) that is one of them."""
@@ -286,7 +279,7 @@ def _refuse_own_files(config: Path, target: Path, raw, *, what: str = "") -> Non
             value=str(target),
             hint="write another file" + ("" if what else ", or pass --in-place to edit the config"),
         )
-    for parent in _defaults_chain(config, raw):
+    for parent in sources[1:]:  # the defaults: chain, read once by the command
         if _same(target, parent):
             raise FP8ConfigError(
                 f"{subject} {parent}, a parent of {config} through defaults:; "
@@ -295,26 +288,6 @@ def _refuse_own_files(config: Path, target: Path, raw, *, what: str = "") -> Non
                 value=str(target),
                 hint="write another file",
             )
-
-
-_CHAIN_LIMIT = 64
-
-
-def _defaults_chain(config: Path, raw) -> list[Path]:
-    """Every file the ``defaults:`` chain of ``config`` names, parents first read for their
-    own ``defaults:`` (only when the output exists, so the common case parses nothing)."""
-    from ..config import _defaults_paths, _read_mapping
-
-    out: list[Path] = []
-    todo = [(config, raw)]
-    while todo and len(out) < _CHAIN_LIMIT:
-        here, mapping = todo.pop()
-        parents = _defaults_paths(mapping.get("defaults"), here) if "defaults" in mapping else None
-        for parent in parents or []:
-            if parent.is_file() and not any(_same(parent, seen) for seen in out):
-                out.append(parent)
-                todo.append((parent, _read_mapping(parent)))
-    return out
 
 
 def _read_text(path: Path) -> str:

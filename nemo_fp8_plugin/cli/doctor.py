@@ -301,9 +301,10 @@ def check_recipe(
     A vLLM config runs no training: Transformer Engine and its ``NVTE_*`` variables are not
     its concern; the variables vLLM reads at start-up (``engine_env``) and vLLM's version are.
     """
-    from ..capabilities import capability, hardware_problems, host_sides
+    from ..capabilities import capability, host_sides
     from ..errors import FP8ConfigError
     from ..hosts.te import TE_RECIPE_CLASS, required_env, verify_host_recipe
+    from ..kinds import hardware_problems
     from ..stacks import lookup
 
     problems: list[str] = []
@@ -366,8 +367,7 @@ def check_recipe(
                 effective = False
                 runnable = False  # it would run, with the wrong scales: the callback refuses it
                 problems.append(str(err))
-    if hardware_given and arch is not None:
-        notes.append(f"judged for --hardware {arch}, not for this machine")
+    judged = f"judged for --hardware {arch}, not for this machine" if hardware_given else None
     return {
         "recipe": spec.name,
         "scaling": spec.scaling,
@@ -376,6 +376,7 @@ def check_recipe(
         "runnable": runnable,
         "problems": problems,
         "notes": notes,
+        "judged": judged if arch is not None else None,
         "env": env,
         "env_effective": effective,
         "not_checked": not_checked,
@@ -411,8 +412,6 @@ def _vllm_verdict(
         dict(_env_entry(var, want, os.environ.get(var)), where="where vLLM starts")
         for var, want in engine_env(spec).items()
     ]
-    if hardware_given:
-        notes.append("judged for --hardware, not for this machine")
     return {
         "recipe": spec.name,
         "scaling": spec.scaling,
@@ -421,6 +420,7 @@ def _vllm_verdict(
         "runnable": runnable,
         "problems": problems,
         "notes": notes,
+        "judged": "judged for --hardware, not for this machine" if hardware_given else None,
         "env": env,
         "env_effective": None,
         "not_checked": not_checked,

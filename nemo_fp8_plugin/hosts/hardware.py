@@ -6,7 +6,7 @@ RL does both (:data:`nemo_fp8_plugin.capabilities.HOST_SIDES`). ``apply`` refuse
 host cannot run there, in the host's terms and with the recipe docs/recipes.md names for it
 (``fp8_subchannel`` for pretraining where NeMo RL gets ``fp8_blockwise``); a side the host
 does not run is not its concern. ``explain`` and ``doctor`` report the same problems
-(:func:`nemo_fp8_plugin.capabilities.hardware_problems` with the host's sides).
+(:func:`nemo_fp8_plugin.kinds.hardware_problems` with the host's sides).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from ..capabilities import hardware_problems, host_sides
+from ..capabilities import host_sides
 from ..errors import FP8ConfigError
+from ..kinds import hardware_problems
 
 if TYPE_CHECKING:
     from ..config import FP8Request

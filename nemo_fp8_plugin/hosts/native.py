@@ -121,7 +121,7 @@ def megatron_fields(
         scaling = scaling_for_megatron_recipe(recipe)
         read += [(f"{where}fp8", value("fp8")), (f"{where}fp8_recipe", recipe)]
         fields["fp8_format"] = value("fp8")
-        if scaling is not None and CAPABILITIES[scaling].is_delayed:
+        if scaling is not None and CAPABILITIES[scaling].history:
             for ours, theirs in (
                 ("margin", "fp8_margin"),
                 ("amax_history_len", "fp8_amax_history_len"),

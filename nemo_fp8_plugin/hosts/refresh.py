@@ -276,7 +276,7 @@ class ScaleRefresher:
             return False
         from ..capabilities import capability
 
-        return self.spec is None or capability(self.spec.scaling).is_delayed
+        return self.spec is None or capability(self.spec.scaling).history
 
     # -- work
 

@@ -1,64 +1,22 @@
-"""Transformer Engine: a recipe spec as a TE recipe object, and the fp32-scale trap.
+"""Transformer Engine: a recipe spec as a TE recipe object, and the fp32-scale trap
+(docs/hosts/te.md).
 
-TE has four FP8 recipe classes: ``DelayedScaling`` (scaling ``delayed``),
-``Float8CurrentScaling`` (``tensorwise``), ``Float8BlockScaling`` (``block``) and
-``MXFP8BlockScaling`` (``mx``), and one FP4 class, ``NVFP4BlockScaling`` (``nvfp4``: its
-Hadamard transform, stochastic rounding, 2D weight tiles and "4over6" are class defaults read
-from ``NVTE_NVFP4_*`` at import, :data:`nemo_fp8_plugin.capabilities.ENV_NVFP4`, and its
-per-role ``fp4_quant_*`` parameters are derived from them in ``__post_init__``). Two facts make
-building them by hand unsafe:
-
-* TE's recipe dataclasses accept unknown keyword arguments without complaint, so a
-  misspelt or version-dependent field is silently ignored. :func:`build_te_recipe`
-  therefore reads every field back and refuses a recipe that differs from the spec.
-* The quantizer parameters ``fp8_quant_fwd_inp`` / ``fp8_quant_fwd_weight`` /
-  ``fp8_quant_bwd_grad`` (``QParams(power_2_scale=..., amax_epsilon=...)``) are *class*
-  attributes fixed when ``transformer_engine`` is imported, from
-  ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` (block) and
-  ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` (current scaling).
-  ``Float8BlockScaling(use_f32_scales=True)`` still quantizes with power-of-2 scales when
-  the variable was unset at import, and megatron-core builds its own recipe object from
-  ``fp8_recipe='blockwise'`` with only ``fp8_format``.
-* TE >= 2.15 also defaults every recipe class's ``backward_override`` from
-  ``NVTE_BACKWARD_OVERRIDE`` at import (``high_precision`` / ``dequantized``: the whole
-  backward leaves FP8; ``DelayedScaling`` raises). Objects built here pin it to None;
-  :func:`verify_host_recipe` refuses a TE imported with it set, for every recipe.
-
-How this module makes fp32 block scales take effect and never run the wrong ones:
-
-1. Recipe objects built here (:func:`build_te_recipe`) carry per-instance quantizer
-   parameters, which TE's block-scaling state reads in preference to the class defaults;
-   they are correct whatever the environment.
-2. For recipe objects a host builds itself (megatron-core, hence NeMo 2 and
-   Megatron-Bridge), the variable must be in the training process's environment before TE
-   is imported. :func:`required_env` names it. Only the NeMo RL adapter can write it into a
-   config (``policy.megatron_cfg.env_vars``, which NeMo RL applies before its workers
-   import TE); the NeMo 2, Megatron-Bridge and megatron-core adapters cannot, because their
-   configs have no environment that is applied early enough, so their output says where to
-   set it (NeMo-Run executor ``env_vars`` or the shell, the launch script) and the user sets it.
-3. :func:`verify_host_recipe` compares the recipe the host will build with the spec and
-   raises :class:`FP8ConfigError` with the fix when they quantize differently.
-   :func:`verify_installed_te` runs it against the TE of the current process, and is called
-   wherever plugin code runs inside the training process: the callbacks of
-   :mod:`nemo_fp8_plugin.hosts.refresh` at train start, Bridge's registered mixed-precision
-   recipes (:func:`nemo_fp8_plugin.hosts.bridge.mixed_precision_config`) and megatron-core's
-   :func:`~nemo_fp8_plugin.hosts.megatron.build_transformer_config`. NeMo 2's plugin-only
-   factory (``trainer.plugins=nemo_fp8_plugin.hosts.nemo2.factories.<recipe>``) runs in the
-   launcher, not the training process, so only the callback checks that path.
-
-megatron-core's ``fp8_recipe='custom'`` (a ``CustomRecipe`` with a quantizer factory) would
-sidestep the environment, but TE marks it experimental and TE/megatron-core code paths
-that test ``recipe.float8_block_scaling()`` treat it as a different recipe, so it is not
-used.
-
-Nothing here imports TE at module level; :func:`build_te_recipe` and
-:func:`verify_host_recipe` take the TE recipe module as an argument (tests pass TE's real
-``transformer_engine/common/recipe/__init__.py`` loaded by file path).
+TE has one recipe class per scaling kind (:mod:`nemo_fp8_plugin.kinds` answers its fields).
+Building them by hand is unsafe for two reasons: TE's recipe dataclasses accept unknown
+keyword arguments silently (so :func:`build_te_recipe` reads every field back), and the
+quantizer parameters of current and block scaling are *class* attributes fixed at TE import
+from ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` / ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` (and
+NVFP4's from ``NVTE_NVFP4_*``; TE >= 2.15 also reads ``NVTE_BACKWARD_OVERRIDE``). Objects
+built here carry per-instance quantizer parameters; for objects a host builds itself
+(megatron-core, hence NeMo 2 and Bridge) the variable must be in the training process's
+environment before TE is imported: :func:`required_env` names it and
+:func:`verify_installed_te` checks the TE of the calling process (the callbacks, Bridge's
+registered recipes and :func:`~nemo_fp8_plugin.hosts.megatron.build_transformer_config` call
+it). Nothing here imports TE at module level.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping
 from types import ModuleType
@@ -75,10 +33,11 @@ from ..capabilities import (
     te_env,
 )
 from ..errors import FP8ConfigError, HostUnavailableError
+from ..kinds import kind
 from ..spec import RecipeSpec
 from ..stacks import fact as _host_fact
 from ..stacks import installed_version
-from . import ApplyResult, HostAdapter, HostContext, HostKeys
+from . import ApplyResult, HostAdapter, HostContext, Message, Spelling
 
 __all__ = [
     "TE_RECIPE_CLASS",
@@ -95,7 +54,6 @@ __all__ = [
     "verify_installed_te",
     "FP8_WGRAD_IGNORED",
     "ENV_BACKWARD_OVERRIDE",
-    "native_keys",
     "TEAdapter",
     "ADAPTER",
 ]
@@ -111,81 +69,8 @@ QUANTIZER_ROLES = {
 }
 """TE quantizer-parameter attribute -> the GEMM operand role it quantizes."""
 
-_FORMAT = {"hybrid": "HYBRID", "e4m3": "E4M3", "e2m1": "E2M1"}
-
 NVFP4_QUANTIZERS = ("fp4_quant_fwd_inp", "fp4_quant_fwd_weight", "fp4_quant_bwd_grad")
 """``NVFP4BlockScaling``'s per-role quantizer parameters (derived from its fields)."""
-
-
-def _block_dim(block) -> int:
-    """TE's ``*_block_scaling_dim``: 1 for 1x128 tiles, 2 for 128x128."""
-    return 2 if block is not None and block[0] > 1 else 1
-
-
-def _attention(spec: RecipeSpec) -> dict[str, Any]:
-    """The recipe's FP8 attention switches (on every class but ``Float8BlockScaling``)."""
-    return {"fp8_dpa": spec.fp8_dot_product_attention, "fp8_mha": spec.fp8_multi_head_attention}
-
-
-def _qparams(spec: RecipeSpec) -> dict[str, dict[str, Any]]:
-    """The per-role ``QParams`` of current and block scaling."""
-    return {
-        attr: {"power_2_scale": spec.pow2_scales, "amax_epsilon": spec.amax_epsilon}
-        for attr in QUANTIZER_ROLES
-    }
-
-
-def _delayed_fields(spec: RecipeSpec, fmt: str) -> dict[str, Any]:
-    return {
-        "fp8_format": fmt,
-        "margin": spec.margin,
-        "amax_history_len": spec.amax_history_len,
-        "amax_compute_algo": spec.amax_compute_algo,
-        "reduce_amax": spec.reduce_amax,
-        **_attention(spec),
-    }
-
-
-def _block_fields(spec: RecipeSpec, fmt: str) -> dict[str, Any]:
-    return {
-        "fp8_format": fmt,
-        "use_f32_scales": not spec.pow2_scales,
-        "x_block_scaling_dim": _block_dim(spec.activation_block),
-        "w_block_scaling_dim": _block_dim(spec.weight_block),
-        "grad_block_scaling_dim": _block_dim(spec.gradient_block),
-    }
-
-
-def _nvfp4_description(spec: RecipeSpec, fmt: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``NVFP4BlockScaling``'s fields and the quantizer parameters its ``__post_init__``
-    derives: FP4 elements, E4M3 block scales; FP8 attention where asked (megatron-core >=
-    0.17 passes fp8_dpa; the megatron adapter refuses it before)."""
-    te = nvfp4_te_fields(spec)
-    fields = {"fp4_format": fmt, "fp8_format": "E4M3", **te, **_attention(spec)}
-    rht, sr, two_d = (
-        not te["disable_rht"],
-        not te["disable_stochastic_rounding"],
-        not te["disable_2d_quantization"],
-    )
-    # Read back, never set: a TE deriving them otherwise fails.
-    quantizers = {
-        "fp4_quant_fwd_inp": {
-            "random_hadamard_transform": rht,
-            "stochastic_rounding": False,
-            "fp4_2d_quantization": False,
-        },
-        "fp4_quant_fwd_weight": {
-            "random_hadamard_transform": False,
-            "stochastic_rounding": False,
-            "fp4_2d_quantization": two_d,
-        },
-        "fp4_quant_bwd_grad": {
-            "random_hadamard_transform": rht,
-            "stochastic_rounding": sr,
-            "fp4_2d_quantization": False,
-        },
-    }
-    return fields, quantizers
 
 
 def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
@@ -195,30 +80,13 @@ def te_recipe_description(spec: RecipeSpec) -> dict[str, Any]:
     "amax_epsilon": x}}}``; ``fp8_format`` is the ``Format`` member name. ``quantizers`` is
     empty for recipes without per-role quantizer parameters (delayed, MXFP8).
     """
-    fmt = _FORMAT[spec.fp8_format]
-    row = capability(spec.scaling)
-    quantizers: dict[str, dict[str, Any]] = {}
-    if row.is_delayed:
-        fields = _delayed_fields(spec, fmt)
-    elif row.is_current:
-        fields = {"fp8_format": fmt, "use_power_2_scales": spec.pow2_scales, **_attention(spec)}
-        quantizers = _qparams(spec)
-    elif row.is_block:
-        fields, quantizers = _block_fields(spec, fmt), _qparams(spec)
-    elif row.is_nvfp4:
-        fields, quantizers = _nvfp4_description(spec, fmt)
-    else:  # mx
-        fields = {
-            "fp8_format": fmt,
-            "margin": spec.margin,
-            "enable_2d_quantization": spec.weight_block == (32, 32),
-            **_attention(spec),
-        }
+    the = kind(spec.scaling)
+    fields = the.te_fields(spec)
     # TE >= 2.15 defaults every recipe's backward_override from NVTE_BACKWARD_OVERRIDE at
     # import; the spec's backward is FP8, so the object to build pins it off (TE < 2.15 has no
     # such field and ignores the argument: its backward is the recipe's own).
     fields["backward_override"] = None
-    return {"class": row.te_class, "fields": fields, "quantizers": quantizers}
+    return {"class": the.row.te_class, "fields": fields, "quantizers": the.te_quantizers(spec)}
 
 
 def required_env(spec: RecipeSpec) -> dict[str, str]:
@@ -236,7 +104,7 @@ def _unsupported(spec: RecipeSpec) -> list[tuple[str, str]]:
     row = capability(spec.scaling)
     if not row.te_amax_epsilon and spec.amax_epsilon:
         out.append(("amax_epsilon", f"TE's {row.te_class} has no amax epsilon"))
-    if row.is_delayed and spec.pow2_scales:
+    if row.history and spec.pow2_scales:  # an amax history's scales are never rounded
         out.append(("pow2_scales", f"TE's {row.te_class} has no power-of-2 scale option"))
     # The spec refuses it already (row.fp8_attention: Float8BlockScaling asserts not fp8_dpa;
     # NVFP4BlockScaling takes it); kept for a spec built without its checks.
@@ -336,7 +204,7 @@ def _te_label(te_version: str | None) -> str:
 def _recipe_class(spec: RecipeSpec, te_recipe: ModuleType, te_version: str | None) -> Any:
     """The TE class for ``spec``, or :class:`HostUnavailableError` naming the first release
     that has it."""
-    name = TE_RECIPE_CLASS[spec.scaling]
+    name = capability(spec.scaling).te_class
     cls = getattr(te_recipe, name, None)
     if cls is None:
         known = _host_fact("transformer-engine", name)
@@ -462,22 +330,11 @@ def host_built_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
     the TE class constructed with ``fp8_format`` (and ``fp8_dpa`` for current scaling) only, so
     every other parameter comes from TE's defaults, i.e. from the environment at TE import."""
     te_recipe = te_recipe or import_te_recipe_module()
-    desc = te_recipe_description(spec)
-    cls = getattr(te_recipe, desc["class"])
-    row = capability(spec.scaling)
-    if row.is_nvfp4:
-        return cls()  # megatron-core 0.16 fp4_utils.get_fp4_recipe: NVFP4BlockScaling()
-    fmt = te_recipe.Format[desc["fields"]["fp8_format"]]
-    if row.is_current:
-        return cls(fp8_format=fmt, fp8_dpa=spec.fp8_dot_product_attention)
-    if row.is_delayed:
-        return cls(
-            fp8_format=fmt,
-            margin=spec.margin,
-            amax_history_len=spec.amax_history_len,
-            amax_compute_algo=spec.amax_compute_algo,
-        )
-    return cls(fp8_format=fmt)
+    cls = getattr(te_recipe, capability(spec.scaling).te_class)
+    args = kind(spec.scaling).te_host_args(spec)
+    if "fp8_format" in args:
+        args["fp8_format"] = te_recipe.Format[args["fp8_format"]]
+    return cls(**args)
 
 
 _BACKWARD_MODES = {
@@ -496,14 +353,14 @@ def backward_override_default(cls: Any) -> Any:
 
 
 def _refuse_backward_override(spec: RecipeSpec, te_recipe: ModuleType, where: str) -> None:
-    cls = getattr(te_recipe, TE_RECIPE_CLASS[spec.scaling], None)
+    cls = getattr(te_recipe, capability(spec.scaling).te_class, None)
     value = backward_override_default(cls)
     if value is None:
         return
-    name = TE_RECIPE_CLASS[spec.scaling]
+    name = capability(spec.scaling).te_class
     if value not in _BACKWARD_MODES:
         effect = "which Transformer Engine rejects when the recipe is built"
-    elif capability(spec.scaling).is_delayed:
+    elif capability(spec.scaling).history:
         effect = "which DelayedScaling refuses (TE raises when megatron-core builds the recipe)"
     else:
         effect = (
@@ -569,15 +426,15 @@ def verify_host_recipe(
         return
     te_recipe = te_recipe or import_te_recipe_module()
     _refuse_backward_override(spec, te_recipe, where)
-    row = capability(spec.scaling)
-    if row.is_nvfp4:
+    check = kind(spec.scaling).te_check
+    if check == "nvfp4":
         _refuse_nvfp4_defaults(spec, te_recipe, where, te_version)
         return
-    if row.is_mx:
-        # megatron-core builds MXFP8BlockScaling(fp8_format=...) only: the TE must at least
-        # be able to express the spec's tiles.
+    if check == "tiles":
+        # megatron-core builds the recipe with the format only: the TE must at least be able
+        # to express the spec's tiles.
         _absent_off_fields(spec, _recipe_class(spec, te_recipe, te_version), _mx(spec), te_version)
-    if not (row.is_block or row.is_current):
+    if check != "scales":
         return
     obj = host_built_recipe(spec, te_recipe)
     problems = recipe_mismatches(obj, spec, check_fields=False)
@@ -587,7 +444,7 @@ def verify_host_recipe(
         now = os.environ.get(var)
         want = "power-of-2" if spec.pow2_scales else "fp32"
         raise FP8ConfigError(
-            f"Transformer Engine in {where} would quantize {TE_RECIPE_CLASS[spec.scaling]} with "
+            f"Transformer Engine in {where} would quantize {capability(spec.scaling).te_class} with "
             f"the wrong scales ({_render(scale)}): recipe {spec.name!r} needs {want} scales, and "
             f"TE fixed its quantizer parameters from {var} when it was imported ({var}={now!r} "
             f"in this process now)",
@@ -600,7 +457,7 @@ def verify_host_recipe(
     if problems:
         attr = problems[0][0]
         raise FP8ConfigError(
-            f"megatron-core builds {TE_RECIPE_CLASS[spec.scaling]} with TE's defaults, which "
+            f"megatron-core builds {capability(spec.scaling).te_class} with TE's defaults, which "
             f"differ from the spec ({_render(problems)})",
             key="amax_epsilon"
             if "amax_epsilon" in attr
@@ -642,16 +499,6 @@ def verify_installed_te(
 # --------------------------------------------------------------------------- adapter contract
 
 
-def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
-    """TE's spelling: the recipe class, its constructor fields and quantizer parameters."""
-    warnings = [
-        f"transformer-engine: {key}: {reason}; ignored" for key, reason in _unsupported(spec)
-    ]
-    if spec.training != "fp8":
-        return HostKeys(keys={}, warnings=["transformer-engine: training: bf16, no TE recipe"])
-    return HostKeys(keys=te_recipe_description(spec), warnings=warnings, env=required_env(spec))
-
-
 class TEAdapter(HostAdapter):
     """Transformer Engine itself, for scripts that build their own recipe object: the output
     is a new document describing the recipe (class, fields, quantizer parameters, env), not
@@ -659,29 +506,30 @@ class TEAdapter(HostAdapter):
     are, so a config of any host may be described)."""
 
     name = "te"
+    label = "Transformer Engine"
     runtime = (
         "your script constructs Transformer Engine's recipe from this description; "
         "nemo_fp8_plugin.hosts.te.build_te_recipe builds it and reads every field back"
     )
     follows_defaults = True  # the output is a description, so a parent's request is fine
+    edits_config = False
 
     def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
         # Nothing: what TE has no field for is a warning of the description (its script
         # builds the object, and build_te_recipe refuses a mismatch there).
         return None
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
-        hk = native_keys(spec)
-        out = dict(hk.keys)
-        if hk.env:
-            out["env"] = hk.env
-        return HostKeys(keys={"transformer_engine": out}, warnings=hk.warnings, env=hk.env)
-
-    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
-        data = copy.deepcopy(keys.keys)
-        return ApplyResult(
-            data=data, warnings=list(keys.warnings), env=dict(keys.env), written=data
-        )
+    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+        """The recipe class, its constructor fields and quantizer parameters, and the
+        environment TE must see at import."""
+        if spec.training != "fp8":
+            out = Spelling(warnings=[Message("training: bf16, no TE recipe", _LABEL)])
+            out.set("transformer_engine", {})
+            return out
+        out = Spelling(env=required_env(spec))
+        out.warnings = [Message(f"{k}: {why}; ignored", _LABEL) for k, why in _unsupported(spec)]
+        out.set("transformer_engine", {**te_recipe_description(spec), **_env(out.env)})
+        return out
 
     def passthrough(self, ctx: HostContext):
         raise FP8ConfigError(
@@ -698,6 +546,13 @@ class TEAdapter(HostAdapter):
             return [f"te: not checked ({exc})"]
         build_te_recipe(ctx.spec, te_recipe)
         return [f"te: {TE_RECIPE_CLASS[ctx.spec.scaling]} built and read back"]
+
+
+_LABEL = "transformer-engine"
+
+
+def _env(env: dict[str, str]) -> dict[str, Any]:
+    return {"env": env} if env else {}
 
 
 ADAPTER = TEAdapter()

@@ -80,7 +80,7 @@ from .quantize import (
     quantize_with_scale_reference,
     tensor_amax,
 )
-from .recipe import RecipeLike, RecipeTypeError, check_recipe
+from .recipe import RecipeLike, RecipeTypeError, check_recipe, register_numerics
 from .scaling import scale_from_amax
 
 __all__ = [
@@ -134,6 +134,7 @@ __all__ = [
     "RecipeLike",
     "RecipeTypeError",
     "check_recipe",
+    "register_numerics",
     "quantize_nvfp4",
     "dequantize_nvfp4",
     "quantize_nvfp4_reference",

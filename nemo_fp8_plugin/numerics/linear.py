@@ -40,7 +40,7 @@ from .fused import (
 )
 from .nvfp4 import fake_quant_nvfp4
 from .quantize import tensor_amax
-from .recipe import RecipeLike, check_recipe
+from .recipe import KIND_NUMERICS, RecipeLike, check_recipe
 from .reference import check_block
 
 if TYPE_CHECKING:
@@ -126,6 +126,9 @@ class RoleQuantizer:
 
     def rowwise(self, t: torch.Tensor) -> torch.Tensor:
         """fp32 ``dequantize(quantize(t))`` with tiles along the last dim of a 2-D ``t``."""
+        added = KIND_NUMERICS.get(self.scaling)
+        if added is not None:  # a kind added after the built-in ones: its own numerics
+            return added(t, self.block, self.fmt, self.pow2, self.eps)
         if self.scaling == "delayed":
             state = self._before_cast()
             deq, amax = fake_quant_with_scale(t, state.scale, state.scale_inv, self.fmt)
@@ -204,6 +207,9 @@ class RoleQuantizer:
                 raise RuntimeError("column-wise copy needs the row-wise result")
             return rowwise_result.t()
         transposed_tile = (self._tile[1], self._tile[0])
+        added = KIND_NUMERICS.get(self.scaling)
+        if added is not None:
+            return added(t, transposed_tile, self.fmt, self.pow2, self.eps).t()
         if self.scaling == "nvfp4":  # quantized again from t.T with 1x16 groups, RHT on
             return self._nvfp4(t.t().contiguous(), self._tile, rht=True)
         if self.scaling == "block":

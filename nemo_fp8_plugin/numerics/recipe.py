@@ -8,18 +8,38 @@ one is :func:`nemo_fp8_plugin.get_recipe`'s job, done by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from ..errors import FP8ConfigError, format_value
 
 if TYPE_CHECKING:  # for readers and type checkers only: RecipeSpec satisfies RecipeLike
     from ..spec import RecipeSpec  # noqa: F401
 
-__all__ = ["RecipeLike", "RecipeTypeError", "check_recipe", "SCALING_KINDS"]
+__all__ = [
+    "RecipeLike",
+    "RecipeTypeError",
+    "check_recipe",
+    "SCALING_KINDS",
+    "KIND_NUMERICS",
+    "register_numerics",
+]
 
 SCALING_KINDS = ("delayed", "tensorwise", "block", "mx", "nvfp4")
 """The scaling kinds the quantizers implement (``RecipeSpec.scaling``)."""
+
+KIND_NUMERICS: dict[str, Callable[..., Any]] = {}
+"""Scaling kind added after the built-in ones -> its fake quantizer,
+``fake_quant(t, tile, fmt, pow2, eps)``: the fp32 ``dequantize(quantize(t))`` of a 2-D ``t``
+with ``tile`` along its last dim (None per tensor), element format ``fmt``."""
+
+
+def register_numerics(scaling: str, fake_quant: Callable[..., Any]) -> None:
+    """Add the numerics of a new scaling kind (:data:`KIND_NUMERICS`)."""
+    if scaling in SCALING_KINDS or scaling in KIND_NUMERICS:
+        raise FP8ConfigError(f"scaling kind {scaling!r} has numerics already", key="scaling")
+    KIND_NUMERICS[scaling] = fake_quant
+
 
 _FIELDS = (
     "name",
@@ -105,10 +125,10 @@ def check_recipe(recipe: object, key: str = "recipe") -> RecipeLike:
         )
     checked = cast(RecipeLike, recipe)  # every field checked above
     scaling = checked.scaling
-    if scaling not in SCALING_KINDS:
+    if scaling not in SCALING_KINDS and scaling not in KIND_NUMERICS:
         raise FP8ConfigError(
             f"unknown scaling kind {format_value(scaling)}; the numerics "
-            f"implement {', '.join(SCALING_KINDS)}",
+            f"implement {', '.join((*SCALING_KINDS, *KIND_NUMERICS))}",
             key=f"{key}.scaling",
             value=scaling,
         )

@@ -103,6 +103,8 @@ class Resolution:
     """Harmless facts: a rule matching only modules that never run in FP8."""
     partial: dict[str, list[str]] = field(default_factory=dict)
     """Rule label -> units it matched only in part (kept BF16 whole)."""
+    unmatched_at: dict[str, int] = field(default_factory=dict)
+    """Rule label of :attr:`unmatched_rules` -> the index of its warning in :attr:`warnings`."""
 
     def bf16_modules(self) -> list[str]:
         return [d.module for d in self.decisions if d.precision == "bf16"]
@@ -298,6 +300,7 @@ def _resolve(
     for r in mrules:
         if not matched[r.label]:
             res.unmatched_rules.append(r.label)
+            res.unmatched_at[r.label] = len(res.warnings)
             res.warnings.append(
                 f"{r.label} matches no {side} module of {model.name} "
                 f"({naming} names{_nearby(r.pattern, leaves)})"

@@ -153,7 +153,7 @@ def test_nothing_is_written_beside_a_device(tmp_path, src):
     ctx = load_context(str(src), output=Path(os.devnull))
     result = run(get_adapter("megatron"), ctx)
     assert result.files == {} and precision_file_path(os.devnull) is None
-    assert any("apply -o OUT (a file)" in w for w in result.warnings)
+    assert any("apply -o OUT (a file)" in w for w in map(str, result.warnings))
 
 
 def test_the_output_names_the_file_it_is_written_with(tmp_path, src, capsys):

@@ -158,7 +158,7 @@ def test_unpacked_moonlight_gets_the_sequence_alignment(tmp_path, fp8, megatron,
     src = _input(tmp_path, MOONLIGHT, fp8, megatron=megatron)
     result = apply_path(NEMO_RL, src, stack=MAIN)  # mxfp8 and nvfp4: main's keys
     assert result.data["policy"]["make_sequence_length_divisible_by"] == need
-    note = next(n for n in result.notes if KEY in n)
+    note = next(n for n in map(str, result.notes) if KEY in n)
     assert f"set to {need}" in note and "tensor_model_parallel_size" in note  # what it was
 
 
@@ -197,7 +197,7 @@ def test_a_stated_value_is_kept_raised_or_refused(tmp_path, value, outcome):
 def test_packed_configs_are_left_to_nemo_rls_packer(tmp_path):
     result = apply_path(NEMO_RL, _input(tmp_path, LLAMA_8B, {"recipe": "fp8_blockwise"}))
     assert "make_sequence_length_divisible_by" not in result.data["policy"]
-    assert any("pads packed sequences to a multiple of 128" in n for n in result.notes)
+    assert any("pads packed sequences to a multiple of 128" in n for n in map(str, result.notes))
 
 
 def test_dynamic_batching_rounding_is_aligned_too(tmp_path):

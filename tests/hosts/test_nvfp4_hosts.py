@@ -331,7 +331,9 @@ def test_bridge_variant_gets_the_block_and_setup_pushes_fp4(mp, tmp_path):
     path.write_text("fp8: {recipe: nvfp4, bf16_layers: {last: 2}}\nmodel: {num_layers: 4}\n")
     result = apply_path(bridge.ADAPTER, path)
     block = result.data["mixed_precision"]
-    assert isinstance(block, dict) and any("bf16_with_nvfp4_mixed" in n for n in result.notes)
+    assert isinstance(block, dict) and any(
+        "bf16_with_nvfp4_mixed" in n for n in map(str, result.notes)
+    )
     import torch
 
     fields = {
@@ -403,7 +405,7 @@ def test_nemo_rl_nvfp4_reaches_the_provider_through_model_overrides(tmp_path):
         get_recipe("nvfp4")
     )
     assert "precision" not in result.data["policy"]["generation"].get("vllm_cfg", {})
-    assert any("BF16" in n and "ModelOpt" in n for n in result.notes)
+    assert any("BF16" in n and "ModelOpt" in n for n in map(str, result.notes))
     # NeMo RL's own merge, on a megatron-core TransformerConfig (a Bridge provider subclasses it)
     (merge,) = _nemo_rl_function("_merge_model_overrides", "_merge_model_override_value")[:1]
     merged = merge(TransformerConfig(**MODEL), meg["model_overrides"])

@@ -242,3 +242,54 @@ def test_explain_says_which_code_runs_for_each_host():
     assert "nemo_fp8 quantization method" in own["runtime"]
     for name, section in hosts.items():
         assert section.get("runtime") or "refused" in section, name
+
+
+# --------------------------------------------------------------------------- spelt once
+
+
+def _counted(argv: list[str], names: tuple[str, ...]) -> dict[str, int]:
+    """How many times ``main(argv)`` calls each function of the package named in ``names``."""
+    import contextlib
+    import io
+
+    from nemo_fp8_plugin.cli import main
+
+    package = str(ROOT / "nemo_fp8_plugin")
+    counts = dict.fromkeys(names, 0)
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name in counts and code.co_filename.startswith(package):
+            counts[code.co_name] += 1
+
+    sink = io.StringIO()
+    sys.setprofile(profile)
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            assert main(argv) == 0, sink.getvalue()
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+SPELT = ("describe_model", "to_nemo_rl", "sequence_alignment", "native_keys", "load_config_files")
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["example", "defaults-chain"])
+def test_apply_spells_the_request_once_and_describes_the_model_once(tmp_path, chain):
+    """Was: ``describe_model`` x3, ``to_nemo_rl`` x2 and ``sequence_alignment`` x2 for the
+    example (the refusal and the spelling each ran them, and the TE precision file's route
+    spelt the rules again to find its warnings)."""
+    config = NEMO_RL_TRIMMED
+    if chain:
+        config = _nemo_rl_child(tmp_path, "policy: {precision: fp8_blockwise}\n")
+    counts = _counted(["apply", str(config), "--host", "nemo-rl"], SPELT)
+    assert counts == dict.fromkeys(SPELT, 1), counts
+
+
+def test_explain_describes_the_model_once_for_every_host():
+    counts = _counted(["explain", str(NEMO_RL_TRIMMED)], SPELT)
+    assert counts["describe_model"] == 1 and counts["load_config_files"] == 1, counts
+    assert counts["to_nemo_rl"] == counts["native_keys"] == counts["sequence_alignment"] == 1, (
+        counts
+    )

@@ -72,11 +72,10 @@ def test_nemo_rl_cannot_set_fp4_param_gather_and_says_so():
     assert calls and all(
         kw.arg != "fp4_param_gather" and kw.arg is not None for c in calls for kw in c.keywords
     )
-    assert (
-        NVFP4_PARAM_GATHER_WARNING
-        in native_keys(get_recipe("nvfp4"), fp8_param_stated=True).warnings
+    assert NVFP4_PARAM_GATHER_WARNING in map(
+        str, native_keys(get_recipe("nvfp4"), fp8_param_stated=True).warnings
     )
-    assert NVFP4_PARAM_GATHER_WARNING not in native_keys(get_recipe("nvfp4")).warnings
+    assert NVFP4_PARAM_GATHER_WARNING not in map(str, native_keys(get_recipe("nvfp4")).warnings)
 
 
 # --------------------------------------------------------------------------- NVFP4 + FP8 attention
@@ -120,5 +119,5 @@ def test_a_megatron_core_that_passes_fp8_dpa_gets_it(monkeypatch):
 def test_nemo_rl_says_training_attention_stays_bf16():
     from nemo_fp8_plugin.hosts.nemo_rl import native_keys as nemo_rl_keys
 
-    warnings = nemo_rl_keys(get_recipe(NVFP4_DPA)).warnings
+    warnings = [str(w) for w in nemo_rl_keys(get_recipe(NVFP4_DPA)).warnings]
     assert any("FP8 attention has no fp8_cfg key" in w for w in warnings)

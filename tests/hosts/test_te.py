@@ -205,7 +205,7 @@ def test_unexpressible_settings_refused(override, key, te_unset):
     with pytest.raises(FP8ConfigError) as err:
         te.build_te_recipe(get_recipe(override), te_unset)
     assert err.value.key == key
-    assert any(key in w for w in te.native_keys(get_recipe(override)).warnings)
+    assert any(key in w for w in map(str, te.ADAPTER.spell(get_recipe(override)).warnings))
 
 
 def test_non_default_tiles_and_epsilon_read_back(te_unset):
@@ -235,7 +235,7 @@ def test_ignored_constructor_argument_is_caught(te_unset):
 def test_te_adapter_imports_no_host():
     code = (
         "import sys; import nemo_fp8_plugin.hosts.te as t; "
-        "t.native_keys(__import__('nemo_fp8_plugin').get_recipe('fp8_blockwise')); "
+        "t.ADAPTER.spell(__import__('nemo_fp8_plugin').get_recipe('fp8_blockwise')); "
         "print(any(m.startswith(('torch', 'transformer_engine')) for m in sys.modules))"
     )
     out = subprocess.run(
@@ -297,7 +297,7 @@ def test_fp8_wgrad_false_is_refused_because_te_ignores_it(te_unset):
         with pytest.raises(FP8ConfigError) as err:
             te.build_te_recipe(spec, te_unset)
         assert err.value.key == "fp8_wgrad"
-        assert any("fp8_wgrad" in w for w in te.native_keys(spec).warnings)
+        assert any("fp8_wgrad" in w for w in map(str, te.ADAPTER.spell(spec).warnings))
 
 
 # --------------------------------------------------------------------------- NVTE_BACKWARD_OVERRIDE
@@ -384,9 +384,6 @@ def test_fp8_wgrad_message_names_the_nearest_te_setting():
     refused and the message points at the nearest TE setting."""
     assert "NVTE_BACKWARD_OVERRIDE=high_precision" in te.FP8_WGRAD_IGNORED
     assert "whole backward" in te.FP8_WGRAD_IGNORED
-    warning = next(
-        w
-        for w in te.native_keys(get_recipe("fp8_blockwise").replace(fp8_wgrad=False)).warnings
-        if "fp8_wgrad" in w
-    )
+    spec = get_recipe("fp8_blockwise").replace(fp8_wgrad=False)
+    warning = next(w for w in map(str, te.ADAPTER.spell(spec).warnings) if "fp8_wgrad" in w)
     assert "NVTE_BACKWARD_OVERRIDE=high_precision" in warning

@@ -304,7 +304,10 @@ def test_rules_matched_through_the_name_mapping():
     assert gen["model.layers.3.mlp.shared_experts.down_proj"].precision == "bf16"
     # experts.linear_fc2 holds down_proj only; vLLM fuses all expert projections in one module
     assert gen["model.layers.3.mlp.experts"].precision == "bf16"
-    assert any("part of 26 fused generation" in w for w in resolve(spec, m, "generation").warnings)
+    assert any(
+        "part of 26 fused generation" in w
+        for w in map(str, resolve(spec, m, "generation").warnings)
+    )
     spec = with_rules(modules=["*.router", "output_layer"])
     res = resolve(spec, m, "generation")
     assert res.by_module()["model.layers.3.mlp.gate"].rule == "bf16_layers.modules[0]='*.router'"
@@ -328,7 +331,7 @@ def test_moonlight_rules_give_nemo_rl_keywords_of_its_fp8_recipe():
         }
         assert want == ["a_proj", "b_proj"]
         assert len(out.warnings) == 2
-        for w, label in zip(out.warnings, ("'*a_proj*'", "'*b_proj*'")):
+        for w, label in zip(map(str, out.warnings), ("'*a_proj*'", "'*b_proj*'")):
             assert label in w and "host nemo-rl" in w and "training side" in w
     # The same rules on megatron-core: MLA's down/up projections, every layer.
     mg = to_megatron(spec, model)
@@ -376,7 +379,7 @@ def test_nemo_rl_keywords_reproduce_the_generation_decisions(model_name, rules):
     m = describe_model(model_name)
     spec = with_rules(**rules)
     out = to_nemo_rl(spec, m)
-    assert not [w for w in out.warnings if "also matches" in w]
+    assert not [w for w in map(str, out.warnings) if "also matches" in w]
     kws = (
         out.keys.get("policy", {})
         .get("generation", {})
@@ -423,7 +426,7 @@ def test_llama_first_last_spellings():
     )
     # Without a model vLLM cannot be spelt (no layer-count key): a warning per rule.
     bare = to_vllm(spec)
-    assert bare.keys == {} and len(bare.warnings) == 2 and "host vllm" in bare.warnings[0]
+    assert bare.keys == {} and len(bare.warnings) == 2 and "host vllm" in str(bare.warnings[0])
 
 
 def test_qwen3_moe_router_kept_bf16_on_vllm():
@@ -446,11 +449,11 @@ def test_layer_specific_megatron_patterns_warn_about_pipeline_parallelism():
     assert pats == ["decoder.layers.3.mlp.linear_fc1", "decoder.layers.3.mlp.linear_fc2"]
     assert (
         len(out.warnings) == 1
-        and "pipeline" in out.warnings[0]
-        and "host megatron" in out.warnings[0]
+        and "pipeline" in str(out.warnings[0])
+        and "host megatron" in str(out.warnings[0])
     )
     generic = to_megatron(with_rules(modules=["model.layers.3.mlp.*"]))
-    assert "without a model description" in generic.warnings[0]
+    assert "without a model description" in str(generic.warnings[0])
 
 
 # --------------------------------------------------------------------------- per name

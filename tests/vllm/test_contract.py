@@ -44,7 +44,7 @@ from tiny_models import LLAMA, llama_state_dict, write_checkpoint
 def apply_vllm(config):
     """``apply --host vllm`` on a mapping: (output, warnings)."""
     result = apply_mapping(get_adapter("vllm"), config)
-    return result.data, result.warnings
+    return result.data, [str(w) for w in result.warnings]
 
 
 pytestmark = pytest.mark.vllm
@@ -167,7 +167,7 @@ def test_every_engine_config_is_accepted_by_vllm(source, recipe, kv, tmp_path, t
     assert "calculate_kv_scales" not in {k.replace("-", "_") for k in written}  # item 1
     assert "device" not in written  # item 2
     if source == "apply-device-cpu":
-        assert any(w.startswith("device:") for w in found), found
+        assert any(w.startswith("vllm: device:") for w in found), found
 
     # 1. vllm.LLM(**mapping): EngineArgs is a dataclass; an unknown key is a TypeError.
     kwargs = {k.replace("-", "_"): v for k, v in written.items()}

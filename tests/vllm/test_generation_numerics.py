@@ -355,7 +355,7 @@ def test_recipe_field_reaches_the_quantization_config():
 
     def apply_vllm(config):
         result = apply_mapping(get_adapter("vllm"), config)
-        return result.data, result.warnings
+        return result.data, [str(w) for w in result.warnings]
 
     from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
 

@@ -21,7 +21,7 @@ from nemo_fp8_plugin.hosts.vllm import QUANT_METHOD, engine_kwargs, engine_spell
 def apply_vllm(config):
     """``apply --host vllm`` on a mapping: (output, warnings)."""
     result = apply_mapping(get_adapter("vllm"), config)
-    return result.data, result.warnings
+    return result.data, [str(w) for w in result.warnings]
 
 
 pytestmark = pytest.mark.vllm
@@ -336,7 +336,7 @@ def test_apply_on_cpu_device_keeps_the_kv_cache_in_model_dtype():
     # the model dtype is EngineArgs' default kv_cache_dtype (auto): nothing written for it
     assert "kv_cache_dtype" not in out and any("E5M2" in w for w in found)
     # vLLM 0.32 has no `device` engine argument: read as the platform, left out, named.
-    assert "device" not in out and any(w.startswith("device:") for w in found)
+    assert "device" not in out and any(w.startswith("vllm: device:") for w in found)
     from vllm.engine.arg_utils import EngineArgs
 
     EngineArgs(**out)

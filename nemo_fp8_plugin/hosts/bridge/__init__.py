@@ -1,56 +1,23 @@
-"""Megatron-Bridge: the recipes in Bridge's mixed-precision registry, and its YAML block.
+"""Megatron-Bridge: the recipes in Bridge's mixed-precision registry, and its YAML block
+(docs/hosts/bridge.md has the table of fields).
 
-Megatron-Bridge resolves ``mixed_precision: <name>`` (YAML, CLI override or Python) through
-``megatron.bridge.training.mixed_precision.MIXED_PRECISION_RECIPES`` when the config is
-finalized; ``MixedPrecisionConfig.setup`` then pushes the fields onto the model, optimizer
-and DDP configs, overwriting what was there (NVIDIA-NeMo/Megatron-Bridge issue 5365), so precision
-belongs in ``mixed_precision`` only. Bridge has no plugin discovery: the training script
-runs the one import below before it builds or loads its config::
-
-    import nemo_fp8_plugin.hosts.bridge as fp8; fp8.register()
-
-:func:`register` adds every recipe of the plugin's registry with Bridge's own ``register``
-decorator (so ``fp8_blockwise`` and its hyphenated alias ``fp8-blockwise`` resolve), refuses
-a name Bridge or another package already uses, and allows in Bridge YAML exactly the
-``_target_`` callables of :mod:`nemo_fp8_plugin.hosts.targets` (:data:`ALLOWED_TARGETS`:
-the ``quant_recipe`` builder and :func:`mixed_precision_config`), through Bridge's exact
-allow-list, or that module as a prefix on a Bridge without one; never the package prefix.
-
-=============================================  =============================================
-``MixedPrecisionConfig`` field                  from the spec
-=============================================  =============================================
-``bf16``, ``params_dtype``, ``pipeline_dtype``,  Bridge's ``bf16_mixed`` (FP8 runs on BF16)
-``autocast_enabled``, ``grad_reduce_in_fp32``
-``fp8`` ... ``num_layers_at_end_in_bf16``       as megatron-core (:mod:`.megatron`)
-``fp8_param_gather`` (= ``fp8_param``)           ``fp8_param``
-``reuse_grad_buf_for_mxfp8_param_ag``            MXFP8 with FP8 parameters (Bridge requires it)
-=============================================  =============================================
-
-``nvfp4`` is Bridge's own registered ``bf16_with_nvfp4_mixed`` (``fp4: e2m1``,
-``fp4_recipe: nvfp4``, ``fp4_param_gather``; :data:`BRIDGE_RECIPES`): ``apply`` writes
-``mixed_precision: bf16_with_nvfp4_mixed`` when the spec has exactly its fields (else the
-expanded block, with ``fp4_param_gather`` for ``fp8_param``), and :func:`register` adds no
-duplicate of it.
-
-Per-module BF16 rules go to ``quant_recipe`` of the model's TransformerConfig (``setup`` does
-not overwrite it): ``model.quant_recipe`` for a model provider (a megatron-core
-``TransformerConfig`` subclass), ``model.transformer.quant_recipe`` for a ``GPTModelConfig`` /
-``HybridModelConfig``, the other form ``ConfigContainer.model`` takes
-(:func:`transformer_section`, :func:`transformer_config_of`). The TE environment variable
-(:func:`nemo_fp8_plugin.hosts.te.required_env`) must be exported by the launch script:
-Bridge's own ``env_vars`` are applied after Transformer Engine is imported, too late for the
-variables TE reads at import. Two places check it inside the training process: the recipes
-:func:`register` adds (Bridge calls them there, when it finalizes ``mixed_precision:
-<name>``; :func:`mixed_precision_config` runs
-:func:`nemo_fp8_plugin.hosts.te.verify_installed_te`), and
-:class:`nemo_fp8_plugin.hosts.bridge.callback.FP8ScaleRefreshBridgeCallback` at the start of training. The
-expanded YAML block ``apply --host bridge`` writes is built by stock Bridge, so for it only the
-callback checks.
+Bridge resolves ``mixed_precision: <name>`` through ``MIXED_PRECISION_RECIPES`` when the
+config is finalized; ``MixedPrecisionConfig.setup`` then pushes the fields onto the model,
+optimizer and DDP configs, so precision belongs in ``mixed_precision`` only. Bridge has no
+plugin discovery: the training script calls :func:`register` (``import
+nemo_fp8_plugin.hosts.bridge as fp8; fp8.register()``), which adds every recipe with Bridge's
+own ``register`` decorator and allows exactly the ``_target_`` callables of
+:mod:`nemo_fp8_plugin.hosts.targets`. ``nvfp4`` is Bridge's own ``bf16_with_nvfp4_mixed``
+(:data:`BRIDGE_RECIPES`). Per-module BF16 rules go to ``quant_recipe`` of the model's
+TransformerConfig (``model`` for a provider, ``model.transformer`` for a
+``GPTModelConfig``). The TE environment variable must be exported by the launch script;
+the recipes :func:`register` adds and
+:class:`~nemo_fp8_plugin.hosts.bridge.callback.FP8ScaleRefreshBridgeCallback` check it in the
+training process.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
@@ -59,15 +26,16 @@ from ...capabilities import capability
 from ...dotted import child_mapping
 from ...errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, HostAdapter, HostContext, HostKeys, NativeRecipe, recipe_keys
-from ..megatron import (
-    check_layer_counts,
-    merge_native,
-    precision_config_fields,
-    refuse_dropped,
-    remove_request_keys,
-    stack_core,
+from .. import (
+    ApplyResult,
+    HostAdapter,
+    HostContext,
+    Message,
+    NativeRecipe,
+    Spelling,
+    refuse_recipe,
 )
+from ..megatron import check_layer_counts, precision_fields, refuse_dropped, stack_core
 
 __all__ = [
     "MIXED_PRECISION_TARGET",
@@ -76,7 +44,6 @@ __all__ = [
     "ALLOWED_TARGETS",
     "QUANT_RECIPE_TARGET",
     "mixed_precision_fields",
-    "native_keys",
     "mixed_precision_config",
     "register",
     "transformer_config_of",
@@ -163,21 +130,21 @@ Bridge 0.6.2's own function in ``tests/hosts/test_nvfp4_hosts.py``)."""
 
 def mixed_precision_fields(
     spec: RecipeSpec, model=None, megatron_core: str | None = None
-) -> HostKeys:
-    """Bridge ``MixedPrecisionConfig`` FP8 fields for ``spec`` (plain data), plus
-    ``quant_recipe`` (for ``model.quant_recipe``) when per-module rules need one; for nvfp4
-    also ``fp4_param_gather`` (Bridge's name for FP4 parameters, kept in sync with
+) -> Spelling:
+    """Bridge ``MixedPrecisionConfig`` FP8 fields for ``spec`` as writes keyed by field name,
+    plus ``quant_recipe`` (for the model's TransformerConfig) when module rules need one; for
+    FP4 also ``fp4_param_gather`` (Bridge's name for FP4 parameters, kept in sync with
     ``fp4_param``)."""
-    hk = precision_config_fields(spec, model, host="bridge", megatron_core=megatron_core)
-    if spec.training == "fp8" and capability(spec.scaling).is_nvfp4:
-        hk.keys["fp4_param_gather"] = spec.fp8_param
+    hk = precision_fields(spec, model, host="bridge", megatron_core=megatron_core)
+    if spec.training == "fp8" and capability(spec.scaling).megatron_field == "fp4_recipe":
+        hk.set("fp4_param_gather", spec.fp8_param)
     return hk
 
 
 def _own_recipe_key(spec: RecipeSpec) -> str:
     """The key of :data:`BRIDGE_RECIPES` a spec is looked up by: its scaling kind for nvfp4
     (any nvfp4 spec may be Bridge's recipe), else its name."""
-    return "nvfp4" if capability(spec.scaling).is_nvfp4 else spec.name
+    return "nvfp4" if capability(spec.scaling).megatron_field == "fp4_recipe" else spec.name
 
 
 def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:
@@ -187,59 +154,71 @@ def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:
     if name is None or spec.training != "fp8":
         return None
     fields = {
-        k: v
-        for k, v in mixed_precision_fields(spec, model).keys.items()
-        if k not in ("quant_recipe", "fp8_recipe")
+        w.key: w.value
+        for w in mixed_precision_fields(spec, model).writes
+        if w.key not in ("quant_recipe", "fp8_recipe")
     }
     return name if fields == BRIDGE_RECIPE_FIELDS[name] else None
 
 
-def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
-    """Bridge's spelling: the ``mixed_precision`` block (and ``model.quant_recipe``)."""
-    return _spell(spec, model, current=None, section="model")
-
-
-def _spell(
-    spec: RecipeSpec,
-    model,
-    *,
-    current: Any,
-    section: str,
-    megatron_core: str | None = None,
-) -> HostKeys:
-    """The ``mixed_precision`` value for a config whose current one is ``current`` (None,
-    a Bridge recipe name, or a block, whose own fields are kept: only the FP8 fields are
-    given), and ``quant_recipe`` under ``section`` (``model`` or ``model.transformer``)."""
-    hk = mixed_precision_fields(spec, model, megatron_core)
-    if not hk.keys:
-        return hk
-    fields = dict(hk.keys)
-    quant = fields.pop("quant_recipe", None)
+def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -> Spelling:
+    """``mixed_precision`` for the config (Bridge's own recipe by name, a new block on the
+    config's base recipe, or only the FP8 fields into the config's own block) and
+    ``quant_recipe`` into the model's TransformerConfig section."""
+    fields = mixed_precision_fields(spec, model, core)
+    out = Spelling(warnings=fields.warnings, env=fields.env)
+    if not fields.writes:
+        return out
+    current = _current_block(ctx) if ctx is not None else None
+    args = {w.key: w.value for w in fields.writes if w.key != "quant_recipe"}
     own = bridge_recipe_name(spec, model)
-    block: Any
-    if own is not None and (
-        current is None
-        or current == own
-        or (isinstance(current, str) and _BASE_NAMES.get(current) == "bf16")
-    ):
-        block = own  # Bridge's own registered recipe, by name
+    base_name = _BASE_NAMES.get(current) if isinstance(current, str) else None
+    if own is not None and (current is None or current == own or base_name == "bf16"):
+        out.set("mixed_precision", own, checked=False)  # Bridge's own registered recipe
     elif isinstance(current, Mapping):
-        block = fields
+        for key, value in args.items():
+            out.set(f"mixed_precision.{key}", value)
+        if "fp4" not in args:  # FP4 and FP8 exclude each other
+            out.guard("mixed_precision.fp4", False)
+        out.guard("mixed_precision.fp8_param", spec.fp8_param)
     else:
-        base = _BASE_NAMES.get(current, "bf16") if isinstance(current, str) else "bf16"
-        block = {"_target_": MIXED_PRECISION_TARGET, **base_fields(base), **fields}
-    keys: dict[str, Any] = {"mixed_precision": block}
+        if base_name is not None:  # the base recipe's name: its block takes its place
+            out.set("mixed_precision", {}, checked=False)
+        block = {"_target_": MIXED_PRECISION_TARGET, **base_fields(base_name or "bf16"), **args}
+        for key, value in block.items():
+            out.set(f"mixed_precision.{key}", value)
+    quant = fields.get("quant_recipe")
     if quant is not None:
-        from ...dotted import set_path
-
-        set_path(keys, f"{section}.quant_recipe", _quant_recipe_yaml(quant))
-    return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
+        model_yaml = ctx.raw.get("model") if ctx is not None else None
+        on_config = isinstance(model_yaml, Mapping) and _is_model_config_yaml(model_yaml)
+        where = "model.transformer" if on_config else "model"
+        out.set(f"{where}.quant_recipe", _quant_recipe_yaml(quant))
+    if capability(spec.scaling).megatron_field == "fp4_recipe" and own is None:
+        out.notes.append(
+            Message(
+                f"{spec.name} as requested differs from Megatron-Bridge's bf16_with_nvfp4_mixed "
+                f"(BF16 layers, FP4 parameters or the base), so the MixedPrecisionConfig block "
+                f"is written instead of that name",
+                "bridge",
+            )
+        )
+    out.notes += [
+        Message(
+            f"export {var}={value} in the launch script (Bridge's env_vars are applied after "
+            f"Transformer Engine is imported); stock Bridge builds this block without checking "
+            f"it: pass nemo_fp8_plugin.hosts.bridge.callback.FP8ScaleRefreshBridgeCallback to "
+            f"pretrain/finetune to verify it at start",
+            "bridge",
+        )
+        for var, value in fields.env.items()
+    ]
+    return out
 
 
 def _current_block(ctx: HostContext) -> Any:
     """The config's ``mixed_precision`` the FP8 fields go into (None when the request itself
     was a ``mixed_precision:`` naming one of our recipes: it is replaced)."""
-    if "mixed_precision" in ctx.request.keys:
+    if ctx.request is None or "mixed_precision" in ctx.request.keys:
         return None
     return ctx.raw.get("mixed_precision")
 
@@ -283,17 +262,15 @@ def mixed_precision_config(
     from ..te import verify_installed_te
 
     spec = get_recipe(spec)
-    recipe_keys(ADAPTER, spec, model=model)  # the refusals apply makes
+    refuse_recipe(ADAPTER, spec)  # the refusals apply makes
     verify_installed_te(spec, where="the Megatron-Bridge training process")
     mp = _mp_module(mp_module)
-    hk = mixed_precision_fields(spec, model)
     own = BRIDGE_RECIPES.get(_own_recipe_key(spec))
     # Start from Bridge's own recipe where it has one (nvfp4: bf16_with_nvfp4_mixed).
     cfg = getattr(mp, own)() if own and hasattr(mp, own) else mp.bf16_mixed()
-    for key, value in hk.keys.items():
-        if key == "quant_recipe":
-            continue  # a model field, not a mixed-precision one
-        setattr(cfg, key, value)
+    for w in mixed_precision_fields(spec, model).writes:
+        if w.key != "quant_recipe":  # a model field, not a mixed-precision one
+            setattr(cfg, w.key, w.value)
     return cfg
 
 
@@ -475,74 +452,22 @@ def _refuse_block(spec: RecipeSpec, current: Any) -> None:
         )
 
 
-def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
-    """Write the spelling: ``mixed_precision`` (Bridge's own recipe by name, a new block, or
-    the FP8 fields merged into the config's block) and ``quant_recipe`` into the model's
-    TransformerConfig section."""
-    spec, request = ctx.spec, ctx.request
-    current = _current_block(ctx)
-    spelt = keys.keys.get("mixed_precision")
-    notes: list[str] = []
-    if isinstance(current, Mapping) and isinstance(spelt, Mapping):
-        block: Any = copy.deepcopy(dict(current))
-        merge_native(block, spelt, where="mixed_precision.", conflicting=("fp4",))
-        if block.get("fp8_param") not in (None, spec.fp8_param):
-            raise ConflictingKeyError(
-                f"already set to {format_value(block['fp8_param'])}",
-                key="mixed_precision.fp8_param",
-                value=block["fp8_param"],
-            )
-    else:
-        block = copy.deepcopy(spelt)
-    out = _replace_request(ctx.raw, request.keys, block)
-    quant = keys.keys.get("model", {})
-    if quant:
-        # model: is a provider (itself a TransformerConfig) or, on Bridge HEAD, a
-        # GPTModelConfig holding it under model.transformer.
-        section, where = transformer_section(out)
-        fields = quant.get("transformer", quant) if where == "model.transformer." else quant
-        merge_native(section, fields, where=where)
-    if capability(spec.scaling).is_nvfp4 and bridge_recipe_name(spec, ctx.model) is None:
-        notes.append(
-            f"bridge: {spec.name} as requested differs from Megatron-Bridge's "
-            f"bf16_with_nvfp4_mixed (BF16 layers, FP4 parameters or the base), so the "
-            f"MixedPrecisionConfig block is written instead of that name"
-        )
-    notes += [
-        f"bridge: export {var}={value} in the launch script (Bridge's env_vars are "
-        f"applied after Transformer Engine is imported); stock Bridge builds this "
-        f"block without checking it: pass nemo_fp8_plugin.hosts.bridge.callback."
-        f"FP8ScaleRefreshBridgeCallback to pretrain/finetune to verify it at start"
-        for var, value in keys.env.items()
-    ]
-    return ApplyResult(data=out, warnings=list(keys.warnings), notes=notes, env=dict(keys.env))
-
-
-def _replace_request(config: Mapping[str, Any], request_keys, block: dict) -> dict:
-    """A copy of ``config`` whose ``mixed_precision`` is ``block``, placed where the request
-    was (the first root key that carried it), without the plugin's request keys."""
-    roots = {k.split(".")[0] for k in request_keys}
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if key == "mixed_precision" or (key in roots and key in ("precision", "fp8")):
-            if "mixed_precision" not in out:
-                out["mixed_precision"] = block
-            continue
-        out[key] = copy.deepcopy(value)
-    if "mixed_precision" not in out:
-        out["mixed_precision"] = block
-    return remove_request_keys(out, [k for k in request_keys if "." in k])  # policy.precision
-
-
 class BridgeAdapter(HostAdapter):
     """Megatron-Bridge (a ``mixed_precision`` block of ``MixedPrecisionConfig`` fields)."""
 
     name = "bridge"
+    label = "Megatron-Bridge"
     runtime = (
         "Megatron-Bridge's own MixedPrecisionConfig applies these fields at setup; this "
         "package runs in training only through FP8ScaleRefreshBridgeCallback, or when "
         "the script calls nemo_fp8_plugin.hosts.bridge.register()"
     )
+
+    detect_order = 30
+    serves_shapes = ("megatron",)
+
+    def detects(self, config: Mapping[str, Any]) -> bool:
+        return "mixed_precision" in config
 
     def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
         prefix = ctx.prefix if ctx is not None else ""
@@ -557,25 +482,26 @@ class BridgeAdapter(HostAdapter):
             check_layer_counts(ctx)
             _refuse_block(spec, _current_block(ctx))
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
-        if ctx is None:
-            return _spell(spec, model, current=None, section="model")
-        model = dict(ctx.raw).get("model")
-        section = (
-            "model.transformer"
-            if isinstance(model, Mapping) and _is_model_config_yaml(model)
-            else "model"
-        )
-        return _spell(
-            spec,
-            ctx.model,
-            current=_current_block(ctx),
-            section=section,
-            megatron_core=stack_core(ctx),
-        )
+    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+        return _spell(spec, ctx, ctx.model if ctx else model, stack_core(ctx))
 
-    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
-        return _merge(ctx, keys)
+    def finish(self, ctx: HostContext, result: ApplyResult) -> ApplyResult:
+        """``mixed_precision`` in the place of the request (or of the config's own
+        ``mixed_precision``), whichever comes first in the file."""
+        assert ctx.request is not None
+        roots = {k for k in ctx.request.keys if k in ("precision", "fp8")} | {"mixed_precision"}
+        first = next((k for k in ctx.raw if k in roots), None)
+        if first is None or "mixed_precision" not in result.data:
+            return result
+        order = []
+        for key in ctx.raw:
+            if key == first:
+                order.append("mixed_precision")
+            if key in result.data and key != "mixed_precision":
+                order.append(key)
+        order += [k for k in result.data if k not in order]
+        result.data = {k: result.data[k] for k in order}
+        return result
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         # Bridge needs Python >= 3.12 and Transformer Engine at import: where it imports, its

@@ -40,6 +40,7 @@ from ...rules import ModelDescription
 from ...rules.names import layer_index
 from ...rules.resolve import side_rules
 from ...spec import RecipeSpec
+from .. import Message
 
 __all__ = [
     "MEGATRON_LM_FLAG",
@@ -49,8 +50,6 @@ __all__ = [
     "PrecisionFile",
     "precision_file_path",
     "precision_recipe",
-    "check_precision_file_path",
-    "write_precision_file",
     "generation_only_note",
     "recipe_for",
     "megatron_lm_precision_file",
@@ -90,7 +89,7 @@ class PrecisionFile:
 
     path: Path
     recipe: Mapping[str, Any]
-    warnings: tuple[str, ...] = field(default=())
+    warnings: tuple[Message, ...] = field(default=())
 
     @property
     def patterns(self) -> list[str]:
@@ -113,22 +112,13 @@ def precision_file_path(output: str | os.PathLike[str]) -> Path | None:
     return companion_path(output, FILE_SUFFIX)
 
 
-def check_precision_file_path(path: Path, key: str = "--output", *, force: bool = False) -> None:
-    """Refuse, before any write, a file path that cannot take the file: the output's own
-    checks, and a symbolic link, or a file there that is not an earlier precision file (unless
-    ``force``), is refused (``_io.check_companion_file``)."""
-    from ..._io import check_companion_file
-
-    check_companion_file(path, key, text=_HEADER, force=force)
-
-
 def precision_recipe(
     spec: RecipeSpec,
     model: ModelDescription | None,
     *,
     pipeline_parallel: int = 1,
     pipeline_key: str = "pipeline_model_parallel_size",
-) -> tuple[dict[str, Any] | None, list[str]]:
+) -> tuple[dict[str, Any] | None, list[Message]]:
     """The file's mapping for ``spec``'s module rules (None when no rule keeps a Transformer
     Engine module of the training side in BF16), and the translation's warnings.
 
@@ -145,23 +135,22 @@ def precision_recipe(
     keys = to_megatron(spec, model)
     # to_megatron's note that layer-specific patterns need pipeline size 1: the file route
     # checks the size itself (below) instead.
-    stage_local = {i.warning for i in keys.rule_issues if i.kind is RuleIssueKind.STAGE_LOCAL}
-    warnings = [w for w in keys.warnings if w not in stage_local]
+    warnings = [w for w in keys.warnings if w.kind is not RuleIssueKind.STAGE_LOCAL]
     # Without a model the name-only translation may name layers in Hugging Face names (no
     # megatron-core name to write) or pass a pattern on unrecognised: the file would keep
     # nothing of it in BF16, so it is refused rather than written.
     refused = (RuleIssueKind.UNTRANSLATABLE, RuleIssueKind.PASSED_AS_IS)
-    untranslatable = [i for i in keys.rule_issues if i.kind in refused]
+    untranslatable = [w for w in keys.warnings if w.kind in refused]
     if untranslatable:
         raise FP8ConfigError(
             "cannot be translated to megatron-core module names without a model description "
             "(it names particular layers, or no module the plugin knows); the TE precision "
             "file matches megatron-core names only",
             key=untranslatable[0].key,
-            value=untranslatable[0].pattern,
+            value=untranslatable[0].patterns[0],
             hint="pass --model or --model-config (or set fp8.model)",
         )
-    recipe = keys.keys.get("quant_recipe")
+    recipe = keys.get("quant_recipe")
     if recipe is None:
         return None, warnings
     layered = [p for p in _patterns(recipe) if layer_index(p) is not None]
@@ -183,14 +172,7 @@ def _patterns(recipe: Mapping[str, Any]) -> list[str]:
     return [m["pattern"] for m in recipe.get("matchers", {}).values()]
 
 
-def write_precision_file(file: PrecisionFile) -> Path:
-    """Write ``file`` atomically (temp + rename); the path written."""
-    from ..._io import atomic_write_text
-
-    return atomic_write_text(file.path, file.text())
-
-
-def generation_only_note(host: str, version: str | None, minimum: str, key: str) -> str:
+def generation_only_note(host: str, version: str | None, minimum: str, key: str) -> Message:
     """The note for a stack without the file's key: module rules act on generation only."""
     why = (
         f"{host} {version} has no {key} (from {minimum})"
@@ -198,9 +180,9 @@ def generation_only_note(host: str, version: str | None, minimum: str, key: str)
         else f"the {host} version is unknown here and {key} exists from {minimum} only "
         f"(pass --stack naming one that has it)"
     )
-    return (
-        f"{host}: module rules stay generation-only: {why}, so training runs the modules "
-        f"they match in FP8"
+    return Message(
+        f"module rules stay generation-only: {why}, so training runs the modules they match in FP8",
+        host,
     )
 
 
@@ -274,13 +256,20 @@ def megatron_lm_precision_file(ctx, result):
     path = precision_file_path(ctx.output) if ctx.output is not None else None
     if path is None:
         result.warnings.append(
-            f"megatron: {loss}; apply -o OUT (a file) writes them to a TE precision file for "
-            f"{MEGATRON_LM_FLAG} (with --yaml-cfg those modules train in FP8)"
+            Message(
+                f"{loss}; apply -o OUT (a file) writes them to a TE precision file for "
+                f"{MEGATRON_LM_FLAG} (with --yaml-cfg those modules train in FP8)",
+                "megatron",
+            )
         )
         return result
     result.files[str(path)] = PrecisionFile(path=path, recipe=recipe).text()
     result.warnings.append(
-        f"megatron: {loss}: they are in {path.name}; run Megatron-LM with argparse arguments and "
-        f"{MEGATRON_LM_FLAG} {os.path.realpath(path)} (with --yaml-cfg those modules train in FP8)"
+        Message(
+            f"{loss}: they are in {path.name}; run Megatron-LM with argparse arguments and "
+            f"{MEGATRON_LM_FLAG} {os.path.realpath(path)} (with --yaml-cfg those modules train "
+            f"in FP8)",
+            "megatron",
+        )
     )
     return result

@@ -20,7 +20,7 @@ from ...rules.resolve import (
     template,
 )
 from ...spec import BF16Rules, RecipeSpec
-from .. import HostKeys, RuleIssue, RuleIssueKind
+from .. import Message, RuleIssueKind, Spelling
 
 __all__ = ["to_megatron", "BF16_QUANT_CONFIG"]
 
@@ -38,44 +38,44 @@ _PP_WARNING = (
 )
 
 
-def to_megatron(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> HostKeys:
-    """megatron-core's spelling of the training-side rules.
+def to_megatron(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> Spelling:
+    """megatron-core's spelling of the training-side rules, as writes keyed by field name.
 
     Keys (only those needed): ``first_last_layers_bf16``, ``num_layers_at_start_in_bf16``,
     ``num_layers_at_end_in_bf16`` (both written: megatron-core defaults each to 1), and
     ``quant_recipe`` (a ``RecipeConfig`` dict: one ``bf16`` config and ordered glob matchers
-    over Megatron module names; needs Transformer Engine modules to take effect).
-    ``rule_issues`` records, per rule, what the warnings say (untranslatable, passed as is,
-    right with pipeline size 1 only).
+    over Megatron module names; needs Transformer Engine modules to take effect). Each
+    warning records what falls short of which rules (untranslatable, passed as is, right with
+    pipeline size 1 only).
     """
     rules, training_on, _ = side_rules(spec)
-    keys: dict[str, Any] = {}
-    warnings: list[str] = []
-    issues: list[RuleIssue] = []
+    out = Spelling()
     if not training_on or not rules.acts_on("training") or rules.empty:
-        return HostKeys(keys)
+        return out
     if rules.first or rules.last:
-        keys.update(
-            first_last_layers_bf16=True,
-            num_layers_at_start_in_bf16=rules.first,
-            num_layers_at_end_in_bf16=rules.last,
-        )
+        out.set("first_last_layers_bf16", True)
+        out.set("num_layers_at_start_in_bf16", rules.first)
+        out.set("num_layers_at_end_in_bf16", rules.last)
     if rules.modules:
         if model is not None:
             patterns, found = _megatron_patterns(spec, model)
         else:
             patterns, found = _megatron_patterns_generic(rules)
-        issues += found
-        warnings += list(dict.fromkeys(i.warning for i in found))
+        out.warnings += found
         if patterns:
-            keys["quant_recipe"] = {
-                "configs": {"bf16": dict(BF16_QUANT_CONFIG, training_recipe={})},
-                "matchers": {
-                    f"bf16_{i}": {"config": "bf16", "type": "glob", "pattern": p, "enabled": True}
-                    for i, p in enumerate(patterns)
-                },
-            }
-    return HostKeys(keys, warnings, rule_issues=issues)
+            out.set("quant_recipe", quant_recipe_mapping(patterns))
+    return out
+
+
+def quant_recipe_mapping(patterns: list[str]) -> dict[str, Any]:
+    """megatron-core's ``RecipeConfig`` mapping keeping the modules ``patterns`` match in BF16."""
+    return {
+        "configs": {"bf16": dict(BF16_QUANT_CONFIG, training_recipe={})},
+        "matchers": {
+            f"bf16_{i}": {"config": "bf16", "type": "glob", "pattern": p, "enabled": True}
+            for i, p in enumerate(patterns)
+        },
+    }
 
 
 def _experts_glob(name: str) -> str:
@@ -84,7 +84,7 @@ def _experts_glob(name: str) -> str:
     return re.sub(r"\.mlp\.experts\.(linear_fc[12])$", r".mlp.experts.*\1", name)
 
 
-def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[RuleIssue]]:
+def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[Message]]:
     res = resolve(spec, model, "training")
     bf16 = {d.module for d in res.decisions if d.precision == "bf16"}
     # Routers and the output layer are not TE modules: megatron-core never runs them in FP8.
@@ -112,7 +112,7 @@ def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[R
                 if m in by_rules:
                     patterns.append(_experts_glob(m))
                     layer_specific = layer_specific or layer_index(m) is not None
-    issues: list[RuleIssue] = []
+    issues: list[Message] = []
     if layer_specific:
         labels = sorted(
             {
@@ -123,11 +123,18 @@ def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[R
                 and not all(m in bf16 for m in by_template[template(d.module)])
             }
         )
-        warning = f"{', '.join(labels)} (host megatron): {_PP_WARNING}"
+        named = [
+            (i, p) for i, p in enumerate(side_rules(spec)[0].modules) if rule_label(i, p) in labels
+        ]
         issues = [
-            RuleIssue(RuleIssueKind.STAGE_LOCAL, i, p, warning)
-            for i, p in enumerate(side_rules(spec)[0].modules)
-            if rule_label(i, p) in labels
+            Message(
+                _PP_WARNING,
+                "megatron",
+                ", ".join(labels),
+                RuleIssueKind.STAGE_LOCAL,
+                tuple(i for i, _ in named),
+                tuple(p for _, p in named),
+            )
         ]
     return patterns, issues
 
@@ -137,10 +144,10 @@ def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[R
 _PROBE_LAYERS = (0, 1, 2, 7, 10, 31, 99, 125)
 
 
-def _megatron_patterns_generic(rules: BF16Rules) -> tuple[list[str], list[RuleIssue]]:
+def _megatron_patterns_generic(rules: BF16Rules) -> tuple[list[str], list[Message]]:
     """Translate globs by module leaf when no model description is at hand."""
     patterns: list[str] = []
-    issues: list[RuleIssue] = []
+    issues: list[Message] = []
     mg_leaves = [mg for mg, _ in MEGATRON_TO_HF_LEAVES]
     for index, r in enumerate(module_rules(rules)):
         found = False
@@ -159,21 +166,23 @@ def _megatron_patterns_generic(rules: BF16Rules) -> tuple[list[str], list[RuleIs
                 ]
                 coverage.add("all" if all(hits) else "some" if any(hits) else "none")
             if "some" in coverage:
-                warning = (
-                    f"{r.label} (host megatron): names particular layers in Hugging "
-                    f"Face names; without a model description it cannot be translated "
-                    f"to megatron-core names (pass --model or --model-config)"
+                text = (
+                    "names particular layers in Hugging Face names; without a model "
+                    "description it cannot be translated to megatron-core names (pass --model "
+                    "or --model-config)"
                 )
-                issues.append(RuleIssue(RuleIssueKind.UNTRANSLATABLE, index, r.pattern, warning))
+                kind = RuleIssueKind.UNTRANSLATABLE
+                issues.append(Message(text, "megatron", r.label, kind, (index,), (r.pattern,)))
                 found = True
             elif "all" in coverage:
                 patterns.append(_experts_glob(f"decoder.layers.*.{mg_leaf}"))
                 found = True
         if not found:
-            warning = (
-                f"{r.label} (host megatron): matches no known megatron-core or Hugging "
-                f"Face module name; without a model description it is passed as is"
+            text = (
+                "matches no known megatron-core or Hugging Face module name; without a model "
+                "description it is passed as is"
             )
-            issues.append(RuleIssue(RuleIssueKind.PASSED_AS_IS, index, r.pattern, warning))
+            kind = RuleIssueKind.PASSED_AS_IS
+            issues.append(Message(text, "megatron", r.label, kind, (index,), (r.pattern,)))
             patterns.append(r.pattern)
     return list(dict.fromkeys(patterns)), list(dict.fromkeys(issues))

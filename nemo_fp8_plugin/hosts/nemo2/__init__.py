@@ -1,72 +1,32 @@
-"""NeMo 2 (nemo-toolkit 2.x, NeMo-Run): a recipe spec as a ``MegatronMixedPrecision`` plugin.
+"""NeMo 2 (nemo-toolkit 2.x, NeMo-Run): a recipe spec as a ``MegatronMixedPrecision`` plugin
+(docs/hosts/nemo2.md has the table of arguments).
 
-In NeMo 2 precision lives on the trainer's precision plugin,
-``nemo.lightning.pytorch.plugins.mixed_precision.MegatronMixedPrecision``:
-``MegatronStrategy`` copies the plugin's ``DtypeConfig`` onto ``model.config``, the
-optimizer config and the DDP config when it connects, overwriting whatever was set there.
-So FP8 set on ``model.config`` is silently lost; this adapter only ever writes the plugin
-(``trainer.plugins``).
-
-===========================================  ================================================
-``MegatronMixedPrecision`` argument           from the spec
-===========================================  ================================================
-``fp8``, ``fp8_recipe``, ``fp8_margin``,      as megatron-core's ``TransformerConfig`` fields
-``fp8_amax_history_len``,                     (:mod:`nemo_fp8_plugin.hosts.megatron`)
-``fp8_amax_compute_algo``, ``fp8_wgrad``,
-``fp8_dot_product_attention``,
-``fp8_multi_head_attention``,
-``first_last_layers_bf16``,
-``num_layers_at_start_in_bf16``,
-``num_layers_at_end_in_bf16``
-``fp8_param_gather``                          ``fp8_param`` (NeMo's name; it sets ``fp8_param`` too)
-``reuse_grad_buf_for_mxfp8_param_ag``         true for MXFP8 with FP8 parameters (as NeMo's
-                                              ``bf16_with_mxfp8_mixed``)
-``fp4``, ``fp4_recipe``                       nvfp4: ``e2m1``, ``nvfp4`` (NeMo 2.7.3's plugin has
-                                              them; ``fp8`` is null and ``fp8_recipe`` null)
-``precision``, ``params_dtype``,              kept from the recipe's plugin; a new plugin gets
-``pipeline_dtype``, ``autocast_enabled``,     NeMo's ``bf16_mixed`` values
-``grad_reduce_in_fp32``
-===========================================  ================================================
-
-Per-module BF16 rules (``bf16_layers.modules``) have no plugin argument; they go on
-``model.config.quant_recipe``, which the strategy does not overwrite. Likewise FP4 parameters
-(nvfp4's ``fp8_param``): NeMo 2.7.3's ``MegatronMixedPrecision`` has ``fp4`` and
-``fp4_recipe`` but no ``fp4_param``, and the strategy copies only its ``DtypeConfig`` fields,
-so ``model.config.fp4_param`` (a megatron-core ``TransformerConfig`` field) is kept.
-
-The environment variable of :func:`nemo_fp8_plugin.hosts.te.required_env` belongs in the
-executor (``executor.env_vars`` in NeMo-Run, or the shell for ``--direct`` runs); nothing here
-writes it. The scale-refresh callback verifies it inside the training process before the
-first step; :func:`add_fp8_to_recipe` (the ``<recipe>_<fp8 recipe>`` factories) adds it to
-``trainer.callbacks``. The plugin alone (:func:`plugin_config`, the plugin-only factories, the
-``apply`` block) is NeMo's own ``MegatronMixedPrecision``, built in the training process
-without any code of this package, so it checks nothing: :func:`plugin_only_warning` says so.
+``MegatronStrategy`` copies the plugin's ``DtypeConfig`` onto ``model.config``, the optimizer
+and DDP configs when it connects, overwriting what was set there, so FP8 set on
+``model.config`` is lost: this adapter writes the plugin (``trainer.plugins``), and only what the
+plugin has no argument for on ``model.config`` (``quant_recipe`` for per-module rules, FP4's
+``fp4_param``). The TE environment variable belongs in the executor's ``env_vars``; the
+scale-refresh callback checks it in the training process. The plugin alone (the plugin-only
+factories, the ``apply`` block) is NeMo's own class and checks nothing
+(:func:`plugin_only_warning`).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
 from ...capabilities import capability
-from ...errors import ConflictingKeyError, FP8ConfigError, format_value
+from ...dotted import get_path
+from ...errors import FP8ConfigError, format_value
 from ...spec import RecipeSpec
-from .. import ApplyResult, HostAdapter, HostContext, HostKeys, NativeRecipe, recipe_keys
-from ..megatron import (
-    check_layer_counts,
-    merge_native,
-    precision_config_fields,
-    refuse_dropped,
-    remove_request_keys,
-    stack_core,
-)
+from .. import ApplyResult, HostAdapter, HostContext, Message, NativeRecipe, Spelling, refuse_recipe
+from ..megatron import check_layer_counts, precision_fields, refuse_dropped, stack_core
 
 __all__ = [
     "PLUGIN_TARGET",
     "CALLBACK_TARGET",
     "plugin_fields",
-    "native_keys",
     "plugin_config",
     "callback_config",
     "add_fp8_to_recipe",
@@ -101,55 +61,22 @@ plugin yet. Dtypes are import paths: NeMo-Run's YAML loader resolves ``torch.bfl
 the dtype, while the ``{_target_: torch.bfloat16, _call_: false}`` form its ``--to-yaml``
 writes cannot be loaded back."""
 
-MODEL_CONFIG_FIELDS = ("quant_recipe", "fp4_param")
-"""Keys of :func:`plugin_fields` that go on ``model.config``, not on the plugin."""
+
+def plugin_fields(spec: RecipeSpec, model=None, megatron_core: str | None = None) -> Spelling:
+    """``MegatronMixedPrecision``'s FP8 arguments for ``spec`` as writes keyed by argument
+    name, and the fields that go on ``model.config`` instead (keyed ``model.config.<field>``):
+    ``quant_recipe`` when module rules need one (its mapping), ``fp4_param`` for FP4."""
+    hk = precision_fields(spec, model, host="nemo2", megatron_core=megatron_core)
+    out = Spelling(warnings=hk.warnings, env=hk.env)
+    for w in hk.writes:
+        out.set(f"model.config.{w.key}" if w.key == "quant_recipe" else w.key, w.value)
+    if spec.training == "fp8" and capability(spec.scaling).megatron_field == "fp4_recipe":
+        out.set("model.config.fp4_param", spec.fp8_param)
+    return out
 
 
-def plugin_fields(spec: RecipeSpec, model=None, megatron_core: str | None = None) -> HostKeys:
-    """``MegatronMixedPrecision`` FP8 arguments for ``spec`` (plain data), plus the
-    ``model.config`` fields of :data:`MODEL_CONFIG_FIELDS` (``quant_recipe`` when per-module
-    rules need one, ``fp4_param`` for nvfp4)."""
-    hk = precision_config_fields(spec, model, host="nemo2", megatron_core=megatron_core)
-    if spec.training == "fp8" and capability(spec.scaling).is_nvfp4:
-        hk.keys["fp4_param"] = spec.fp8_param
-    return hk
-
-
-def native_keys(spec: RecipeSpec, model=None) -> HostKeys:
-    """NeMo 2's spelling: the ``trainer.plugins`` block (and ``model.config.quant_recipe``),
-    complete as ``apply`` writes it into a config without a plugin (``MegatronMixedPrecision``
-    requires ``precision``), so it can be copied as it stands."""
-    return _spell(spec, model, existing_plugin=False)
-
-
-def _spell(
-    spec: RecipeSpec, model, *, existing_plugin: bool, megatron_core: str | None = None
-) -> HostKeys:
-    """The plugin block (only the FP8 fields when the config has a plugin already, whose
-    precision and dtypes are kept) and the ``model.config`` fields."""
-    hk = plugin_fields(spec, model, megatron_core)
-    if not hk.keys:
-        return hk
-    fields = dict(hk.keys)
-    quant = fields.pop("quant_recipe", None)
-    fp4_param = fields.pop("fp4_param", None)
-    plugin = (
-        fields
-        if existing_plugin
-        else {"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED), **fields}
-    )
-    keys: dict[str, Any] = {"trainer": {"plugins": plugin}}
-    if quant is not None:
-        keys["model"] = {"config": {"quant_recipe": quant_recipe_yaml(quant)}}
-    if fp4_param is not None:
-        keys.setdefault("model", {}).setdefault("config", {})["fp4_param"] = fp4_param
-    return HostKeys(keys=keys, warnings=hk.warnings, env=hk.env)
-
-
-def _fields_of(keys: HostKeys) -> dict[str, Any]:
-    """The ``MegatronMixedPrecision`` FP8 arguments of a spelling (no target, no base)."""
-    plugin = keys.keys.get("trainer", {}).get("plugins", {})
-    return {k: v for k, v in plugin.items() if k != "_target_" and k not in BF16_MIXED}
+def _plugin_args(fields: Spelling) -> dict[str, Any]:
+    return {w.key: w.value for w in fields.writes if not w.key.startswith("model.")}
 
 
 QUANT_RECIPE_TARGET = "nemo_fp8_plugin.hosts.targets.bf16_quant_recipe"
@@ -196,8 +123,8 @@ def _spec_arg(spec: RecipeSpec) -> str:
 def plugin_config(spec: RecipeSpec, model=None, base: Mapping[str, Any] | None = None):
     """``run.Config(MegatronMixedPrecision, ...)`` for ``spec`` on top of ``base`` arguments
     (default: NeMo's ``bf16_mixed``). Imports NeMo-Run and NeMo."""
-    # Refused first, as apply refuses it (the plugin-only factory runs here too).
-    fields = _fields_of(recipe_keys(ADAPTER, spec, model=model))
+    refuse_recipe(ADAPTER, spec)  # as apply refuses it (the plugin-only factory runs here too)
+    fields = _plugin_args(plugin_fields(spec, model))
     import nemo_run as run
     from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision
 
@@ -242,8 +169,9 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
     """
     import nemo_run as run
 
-    keys = recipe_keys(ADAPTER, spec, model=model)
-    model_config = keys.keys.get("model", {}).get("config", {})
+    refuse_recipe(ADAPTER, spec)
+    spelt = plugin_fields(spec, model)
+    fields = _plugin_args(spelt)
     trainer = getattr(recipe, "trainer", None)
     if trainer is None:
         raise FP8ConfigError(
@@ -251,7 +179,6 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
         )
     plugins = getattr(trainer, "plugins", None)
     plugin = _find_plugin(plugins)
-    fields = _fields_of(keys)
     if plugin is None:
         new = plugin_config(spec, model)
         if isinstance(plugins, list):
@@ -260,20 +187,23 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
             trainer.plugins = new
     else:
         if getattr(plugin, "fp4", None) and "fp4" not in fields:  # FP4, FP8: exclusive
+            from ...errors import ConflictingKeyError
+
             raise ConflictingKeyError(
                 f"the recipe's precision plugin already sets fp4={plugin.fp4!r}",
                 key="trainer.plugins.fp4",
             )
         for key, value in fields.items():
             setattr(plugin, key, value)
-    if "quant_recipe" in model_config:
-        from ..megatron import bf16_quant_recipe
+    quant = spelt.get("model.config.quant_recipe")
+    if quant is not None:
+        from ..megatron import bf16_patterns, bf16_quant_recipe
 
         recipe.model.config.quant_recipe = run.Config(
-            bf16_quant_recipe, patterns=model_config["quant_recipe"]["patterns"]
+            bf16_quant_recipe, patterns=bf16_patterns(quant)
         )
-    if "fp4_param" in model_config:
-        recipe.model.config.fp4_param = model_config["fp4_param"]
+    if spelt.get("model.config.fp4_param") is not None:
+        recipe.model.config.fp4_param = spelt.get("model.config.fp4_param")
     if callback:
         callbacks = list(getattr(trainer, "callbacks", None) or [])
         callbacks.append(callback_config(spec))
@@ -353,63 +283,47 @@ def _plugin_node(config: Mapping[str, Any]) -> tuple[str, int | None] | None:
     )
 
 
-def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
-    """Write the spelling: the FP8 fields into the config's plugin (a new one, NeMo's
-    ``bf16_mixed`` values, when it has none), the ``model.config`` fields beside it.
+def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -> Spelling:
+    """The FP8 arguments into the config's plugin (a new one, NeMo's ``bf16_mixed`` values,
+    when it has none), the ``model.config`` fields beside it.
 
     The scale-refresh callback is not written into ``trainer.callbacks``: NeMo-Run's YAML
     loader cannot build a list of ``_target_`` mappings (it cannot load the callback list its
     own ``--to-yaml`` writes either). A note gives the command-line form instead."""
-    spec = ctx.spec
-    fields = _fields_of(keys)
-    out = remove_request_keys(ctx.raw, ctx.request.keys)
-    trainer = out.setdefault("trainer", {})
-    if not isinstance(trainer, dict):
-        raise FP8ConfigError(
-            f"expected a mapping, got {format_value(trainer)}", key="trainer", value=trainer
-        )
-    found = _plugin_node(out)
-    block = keys.keys.get("trainer", {}).get("plugins", {})
+    fields = plugin_fields(spec, model, core)
+    out = Spelling(warnings=fields.warnings, env=fields.env)
+    if not fields.writes:
+        return out
+    found = _plugin_node(ctx.raw) if ctx is not None else None
     if found is None:
-        new = {"_target_": PLUGIN_TARGET, **copy.deepcopy(BF16_MIXED), **copy.deepcopy(block)}
-        if isinstance(trainer.get("plugins"), list):
-            trainer["plugins"].append(new)
-            where = f"trainer.plugins[{len(trainer['plugins']) - 1}]."
-        else:
-            trainer["plugins"] = new
-            where = "trainer.plugins."
-        plugin = new
-    else:
-        where, index = found
-        plugin = trainer["plugins"] if index is None else trainer["plugins"][index]
-    # NeMo's deprecated alias; a different value would contradict fp8_param_gather.
-    if "fp8_params" in plugin and plugin["fp8_params"] not in (
-        None,
-        fields.get("fp8_param_gather", spec.fp8_param),
-    ):
-        raise ConflictingKeyError(
-            f"already set to {format_value(plugin['fp8_params'])}",
-            key=f"{where}fp8_params",
-            value=plugin["fp8_params"],
+        plugins = get_path(ctx.raw, "trainer.plugins") if ctx is not None else None
+        where = (
+            f"trainer.plugins[{len(plugins)}]." if isinstance(plugins, list) else "trainer.plugins."
         )
-    merge_native(plugin, fields, where=where, conflicting=() if "fp4" in fields else ("fp4",))
-    model_fields = keys.keys.get("model", {}).get("config", {})
-    if model_fields:
-        model = out.setdefault("model", {})
-        cfg = model.setdefault("config", {}) if isinstance(model, dict) else None
-        if not isinstance(cfg, dict):
-            raise FP8ConfigError(
-                "cannot place per-module rules or fp4_param: model.config is not a mapping",
-                key="model.config",
-            )
-        merge_native(cfg, model_fields, where="model.config.")
-    notes = [
-        f"nemo2: set {var}={value} in the executor's env_vars (or the shell, for "
-        f"--direct runs), and add the start-of-training check: "
-        f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]"
-        for var, value in keys.env.items()
+        for key, value in {"_target_": PLUGIN_TARGET, **BF16_MIXED}.items():
+            out.set(where + key, value)
+    else:
+        where = found[0]
+    for w in fields.writes:
+        if w.key == "model.config.quant_recipe":
+            out.set(w.key, quant_recipe_yaml(w.value))
+        else:
+            out.set(w.key if w.key.startswith("model.") else where + w.key, w.value)
+    args = _plugin_args(fields)
+    if "fp4" not in args:  # FP4 and FP8 exclude each other
+        out.guard(f"{where}fp4", False)
+    # NeMo's deprecated alias; a different value would contradict fp8_param_gather.
+    out.guard(f"{where}fp8_params", args.get("fp8_param_gather", spec.fp8_param))
+    out.notes += [
+        Message(
+            f"set {var}={value} in the executor's env_vars (or the shell, for --direct runs), "
+            f"and add the start-of-training check: "
+            f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]",
+            "nemo2",
+        )
+        for var, value in fields.env.items()
     ]
-    return ApplyResult(data=out, warnings=list(keys.warnings), notes=notes, env=dict(keys.env))
+    return out
 
 
 def _validate(result: ApplyResult, ctx) -> list[str]:
@@ -438,11 +352,18 @@ class NeMo2Adapter(HostAdapter):
     """NeMo 2 (NeMo-Run YAML; a ``MegatronMixedPrecision`` plugin in ``trainer.plugins``)."""
 
     name = "nemo2"
+    label = "NeMo 2"
     runtime = (
         "NeMo's own MegatronMixedPrecision plugin copies these fields onto the model, "
         "optimizer and DDP configs; this package runs in training only through the "
         "<recipe>_callback factories (TE check, scale refresh)"
     )
+
+    detect_order = 20
+    serves_shapes = ("megatron",)
+
+    def detects(self, config: Mapping[str, Any]) -> bool:
+        return isinstance(config.get("trainer"), Mapping)
 
     def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
         prefix = ctx.prefix if ctx is not None else ""
@@ -457,18 +378,8 @@ class NeMo2Adapter(HostAdapter):
             _plugin_node(ctx.raw)
             check_layer_counts(ctx)
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
-        if ctx is None:
-            return _spell(spec, model, existing_plugin=False)
-        return _spell(
-            spec,
-            ctx.model,
-            existing_plugin=_plugin_node(ctx.raw) is not None,
-            megatron_core=stack_core(ctx),
-        )
-
-    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
-        return _merge(ctx, keys)
+    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+        return _spell(spec, ctx, ctx.model if ctx else model, stack_core(ctx))
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         return _validate(result, ctx)

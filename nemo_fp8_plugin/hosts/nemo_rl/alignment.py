@@ -10,7 +10,9 @@ from typing import Any
 from ...capabilities import capability, token_alignment
 from ...dotted import get_path
 from ...errors import FP8ConfigError
+from ...kinds import kind
 from ...spec import RecipeSpec
+from .. import Message
 
 __all__ = [
     "SEQUENCE_KEY",
@@ -25,9 +27,6 @@ SEQUENCE_KEY = "policy.make_sequence_length_divisible_by"
 
 DYNAMIC_ROUND_KEY = "policy.dynamic_batching.sequence_length_round"
 """What NeMo RL rounds dynamic batches' sequence lengths to a multiple of."""
-
-ALIGNMENT_KEYS = (SEQUENCE_KEY, DYNAMIC_ROUND_KEY)
-"""The keys :func:`sequence_alignment` may write."""
 
 MODEL_KEY = "policy.model_name"
 """The Hugging Face model NeMo RL trains."""
@@ -87,18 +86,12 @@ def _in_model_table(model_name: Any) -> bool:
     return True
 
 
-def _packing_divisor(spec: RecipeSpec) -> int:
-    """What NeMo RL's packer pads packed sequences to for an ``fp8_cfg`` recipe: 128 for
-    block scaling, 32 for MXFP8, 16 for the others (``nemo_rl/models/megatron/data.py``,
-    ``_get_pack_sequence_parameters_for_megatron``), before the TP (sequence parallel) and
-    2 x CP factors."""
-    row = capability(spec.scaling)
-    return 128 if row.is_block else 32 if row.is_mx else 16
-
-
 def sequence_alignment(
-    spec: RecipeSpec, resolved: Mapping[str, Any], nemo_rl_version: str | None = None
-) -> tuple[dict, list[str]]:
+    spec: RecipeSpec,
+    resolved: Mapping[str, Any],
+    nemo_rl_version: str | None = None,
+    known: bool | None = None,
+) -> tuple[dict, list[Message]]:
     """``({dotted key: value to write}, notes)`` for the sequence lengths of ``resolved``.
 
     Packed sequences: NeMo RL pads them itself for its ``fp8_cfg`` recipes, so nothing is
@@ -110,7 +103,8 @@ def sequence_alignment(
     Unpacked: ``make_sequence_length_divisible_by`` (and
     ``dynamic_batching.sequence_length_round`` when dynamic batching is on) must be a multiple
     of :func:`~nemo_fp8_plugin.capabilities.token_alignment`; unset or a divisor of it (too
-    small) is raised to it, with a note; anything else cannot work and is refused."""
+    small) is raised to it, with a note; anything else cannot work and is refused.
+    ``known``: whether ``policy.model_name`` is in the model table (None: looked up)."""
     if spec.training != "fp8":
         return {}, []
     from ..alignment import parallel_sizes
@@ -119,7 +113,9 @@ def sequence_alignment(
     sizes = parallel_sizes(resolved, resolved_value)
     model_name = resolved_value(resolved, MODEL_KEY)
     self_packs = model_self_packs(model_name)
-    cautious = self_packs is not None or not _in_model_table(model_name)
+    if known is None:
+        known = _in_model_table(model_name)
+    cautious = self_packs is not None or not known
     tp_factor = sizes.sequence_parallel or (cautious and sizes.tensor_parallel > 1)
     need = token_alignment(
         spec.scaling,
@@ -142,7 +138,8 @@ def sequence_alignment(
             "sequence parallel and packing as if the model packed itself"
         )
     packed = resolved_value(resolved, "policy.sequence_packing.enabled", False) is True
-    if packed and self_packs is None and (not cautious or capability(spec.scaling).is_nvfp4):
+    pads = kind(spec.scaling).nemo_rl_pack_align
+    if packed and self_packs is None and (not cautious or not pads):
         return {}, [_packed(spec, why, need)]
     keys = [SEQUENCE_KEY]
     if resolved_value(resolved, "policy.dynamic_batching.enabled", False) is True:
@@ -154,16 +151,15 @@ def _raise_to(resolved: Mapping[str, Any], keys: list[str], need: int, why: str)
     from .values import resolved_value
 
     writes: dict[str, Any] = {}
-    notes: list[str] = []
+    notes: list[Message] = []
     for key in keys:
         value = resolved_value(resolved, key)
         written = get_path(resolved, key)
         shown = f"{written} (= {value})" if written != value else f"{value}"
         if value is None or (_count(value) and need % value == 0 and value < need):
             writes[key] = need
-            notes.append(
-                f"nemo-rl: {key} set to {need} (was {'unset' if value is None else shown}): {why}"
-            )
+            was = "unset" if value is None else shown
+            notes.append(Message(f"{key} set to {need} (was {was}): {why}", "nemo-rl"))
         elif not _count(value) or value % need:
             raise FP8ConfigError(
                 f"{shown} cannot work: {why}, so it must be a multiple of {need}",
@@ -178,8 +174,9 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _packed(spec: RecipeSpec, why: str, need: int) -> str:
-    if capability(spec.scaling).is_nvfp4:
+def _packed(spec: RecipeSpec, why: str, need: int) -> Message:
+    pads = kind(spec.scaling).nemo_rl_pack_align
+    if not pads:
         raise FP8ConfigError(
             f"NeMo RL pads packed sequences for its fp8_cfg recipes only, and {spec.name} "
             f"reaches the model through model_overrides, so packed batches would not be "
@@ -188,8 +185,9 @@ def _packed(spec: RecipeSpec, why: str, need: int) -> str:
             value=True,
             hint=f"set policy.sequence_packing.enabled: false (apply then sets {SEQUENCE_KEY})",
         )
-    return (
-        f"nemo-rl: sequence packing is on, and NeMo RL pads packed sequences to a "
-        f"multiple of {_packing_divisor(spec)} (x TP with sequence parallelism, x 2 CP) for "
-        f"fp8_cfg recipes itself; {SEQUENCE_KEY} is left as it is"
+    return Message(
+        f"sequence packing is on, and NeMo RL pads packed sequences to a multiple of {pads} "
+        f"(x TP with sequence parallelism, x 2 CP) for fp8_cfg recipes itself; {SEQUENCE_KEY} "
+        f"is left as it is",
+        "nemo-rl",
     )

@@ -9,11 +9,11 @@ from typing import Any
 from ...capabilities import capability
 from ...dotted import flatten, get_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
+from ...kinds import kind
 from ...spec import RecipeSpec
-from .. import HostKeys
 from .spelling import _MEGATRON, _VLLM, BLOCK_MX_REFUSAL, NOT_FP8, _generation_fp8
 
-__all__ = ["FP8_CFG_KEYS", "VLLM_FP8_KEYS", "fp8_cfg_keys", "vllm_fp8_keys"]
+__all__ = ["fp8_cfg_keys", "vllm_fp8_keys"]
 
 _ABSENT = {
     "enabled": False,
@@ -38,8 +38,9 @@ def _leaf(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
-def _absent_value(key: str) -> Any:
-    return _ABSENT.get(_leaf(key))
+def _absent_value(key: str, default: Any = None) -> Any:
+    """What an absent ``key`` reads as where NeMo RL's FP8 path reads it as off."""
+    return _ABSENT.get(_leaf(key), default)
 
 
 def _is_fp8_text(value: Any) -> bool:
@@ -170,7 +171,7 @@ def _native_checks(spec: RecipeSpec, resolved: Mapping) -> None:
             value=kv,
             hint="use auto, or state kv_cache: fp8 in the fp8: block",
         )
-    if row.is_mx and _generation_fp8(spec):
+    if row.fixed_pow2 and _generation_fp8(spec):
         for name in ("pow2_weight_scaling_factors", "pow2_activation_scaling_factors"):
             key = f"{_VLLM}.{name}"
             if get_path(resolved, key) is False:
@@ -282,12 +283,6 @@ _VLLM_NOT_FP8 = frozenset(
 """``vllm_cfg`` keys of the table that are not FP8 settings (the start-up checks and the
 pre-flight read them; ``env_vars`` carries the rollout kernel's variables)."""
 
-FP8_CFG_KEYS = fp8_cfg_keys(None)
-"""Keys any NeMo RL release reads from ``policy.megatron_cfg.fp8_cfg``."""
-
-VLLM_FP8_KEYS = vllm_fp8_keys(None)
-"""FP8 keys any NeMo RL release reads from ``policy.generation.vllm_cfg``."""
-
 _VLLM_FP8_HINTS = ("fp8", "bf16", "pow2", "quantiz", "scaling", "deep_gemm", "mx")
 
 
@@ -344,39 +339,24 @@ def _has_generation(resolved: Mapping) -> bool:
     return isinstance(get_path(resolved, "policy.generation"), Mapping)
 
 
-def _desired(spec: RecipeSpec, hk: HostKeys, *, rl: bool = True) -> list[tuple[str, Any, bool]]:
-    """Every native key the recipe decides: ``(key, value it needs, written)``. Unwritten
-    entries are guards: an existing value must agree, but nothing is added for them.
-    ``rl=False`` (a config without a generation section, e.g. SFT) keeps training keys only."""
-    want = [(k, v, True) for k, v in flatten(hk.keys)]
-    decided = {k for k, _, _ in want}
-    guards: list[tuple[str, Any]] = []
-    row = capability(spec.scaling)
+def _guards(spec: RecipeSpec, rl: bool = True) -> list[tuple[str, Any]]:
+    """``(key, value it needs)`` of each native key the recipe decides without writing it: an
+    existing value must agree. ``rl=False`` (a config without a generation section, e.g.
+    SFT): training keys only."""
+    the = kind(spec.scaling)
+    out: list[tuple[str, Any]] = []
     if spec.training == "fp8":
         # No BF16 training layers asked for: a native first_last_layers_bf16: true contradicts.
-        guards.append((f"{_MEGATRON}.model_overrides.first_last_layers_bf16", False))
-        if row.is_nvfp4:  # FP4 and FP8 exclude each other in megatron-core
-            guards.append((f"{_MEGATRON}.fp8_cfg.enabled", False))
-        else:  # a native FP4 override contradicts an FP8 recipe
-            guards.append((f"{_MEGATRON}.model_overrides.fp4", None))
+        out.append((f"{_MEGATRON}.model_overrides.first_last_layers_bf16", False))
+        out += [(f"{_MEGATRON}.{k}", v) for k, v in the.nemo_rl_training_guards(spec).items()]
     if not rl:
-        return [entry for entry in want if entry[0].startswith(_MEGATRON)] + [
-            (k, v, False) for k, v in guards if k not in decided
-        ]
+        return out
     if spec.training != "fp8":
-        guards.append((f"{_MEGATRON}.fp8_cfg.enabled", False))
+        out.append((f"{_MEGATRON}.fp8_cfg.enabled", False))
     if not _generation_fp8(spec):
-        guards += [(f"{_VLLM}.precision", NOT_FP8), (f"{_VLLM}.kv_cache_dtype", "auto")]
-    else:
-        if row.is_block and not spec.pow2_scales:
-            guards += [
-                (f"{_VLLM}.pow2_weight_scaling_factors", False),
-                (f"{_VLLM}.pow2_activation_scaling_factors", False),
-            ]
-        if row.is_block:
-            guards.append((f"{_VLLM}.is_mx", False))
-        guards.append((f"{_VLLM}.quantization_ignored_layer_kws", []))
-    return want + [(k, v, False) for k, v in guards if k not in decided]
+        return out + [(f"{_VLLM}.precision", NOT_FP8), (f"{_VLLM}.kv_cache_dtype", "auto")]
+    out += [(f"{_VLLM}.{k}", v) for k, v in the.nemo_rl_generation_guards(spec).items()]
+    return out + [(f"{_VLLM}.quantization_ignored_layer_kws", [])]
 
 
 def _fp8_param_stated(resolved: Mapping) -> bool:

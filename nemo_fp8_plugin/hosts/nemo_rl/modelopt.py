@@ -25,10 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...dotted import get_path, set_path
-from ...errors import FP8ConfigError, format_value
+from ...dotted import get_path
+from ...errors import FP8ConfigError
 from ...spec import BF16Rules, RecipeSpec
-from .. import HostContext, HostKeys
+from .. import HostContext, Message, Spelling
+from .releases import assumed_release
 from .spelling import _MEGATRON
 
 __all__ = [
@@ -42,7 +43,6 @@ __all__ = [
     "qat_refuse",
     "qat_recipe_keys",
     "qat_spell",
-    "qat_merge",
 ]
 
 MODELOPT_FACTS = (
@@ -267,18 +267,16 @@ def modelopt_qat_keys(
 
 # --------------------------------------------------------------------------- the adapter's route
 
-_MISSING = object()
-
 
 def _request_key(ctx: HostContext, field: str) -> str:
     """How a message names a spec field: ``fp8.<field>`` when the request is an fp8: block."""
     return f"fp8.{field}" if isinstance(ctx.resolved.get("fp8"), Mapping) else field
 
 
-def qat_recipe_keys(spec: RecipeSpec, model: Any = None) -> HostKeys:
+def qat_recipe_keys(spec: RecipeSpec, model: Any = None) -> Spelling:
     """The preset's keys without a config (``recipe_keys``): ``model`` gives the layer count."""
     assert spec.qat is not None
-    keys: dict[str, Any] = {}
+    out = Spelling()
     flat = modelopt_qat_keys(
         spec.qat.preset,
         spec.bf16_layers,
@@ -286,8 +284,8 @@ def qat_recipe_keys(spec: RecipeSpec, model: Any = None) -> HostKeys:
         num_layers=getattr(model, "num_layers", None),
     )
     for key, value in flat.items():
-        set_path(keys, key, value)
-    return HostKeys(keys=keys)
+        out.set(key, value)
+    return out
 
 
 def _qat_keys(spec: RecipeSpec, ctx: HostContext) -> dict[str, Any]:
@@ -309,7 +307,7 @@ def qat_refuse(spec: RecipeSpec, ctx: HostContext) -> None:
     """What NeMo RL cannot run of a ModelOpt QAT request: a version without the keys, a rule
     set ModelOpt cannot express, a config that also turns on Transformer Engine FP8/FP4."""
     assert spec.qat is not None
-    version = ctx.assumed_version("nemo-rl")
+    version = assumed_release(ctx)
     refusal = qat_stack_refusal(version, real_quant=spec.qat.rollout == "real_quant")
     if refusal:
         raise FP8ConfigError(
@@ -344,37 +342,19 @@ def qat_refuse(spec: RecipeSpec, ctx: HostContext) -> None:
     _qat_keys(spec, ctx)
 
 
-def qat_spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
-    """NVIDIA's keys for the preset, nested, with notes on what the route leaves alone."""
+def qat_spell(spec: RecipeSpec, ctx: HostContext) -> Spelling:
+    """NVIDIA's keys for the preset, with a note on what the route leaves alone; a key the
+    config already sets otherwise is refused by the writer (the recipe is stated once)."""
     assert spec.qat is not None
-    keys: dict[str, Any] = {}
+    out = Spelling()
     for key, value in _qat_keys(spec, ctx).items():
-        set_path(keys, key, value)
+        out.set(key, value)
     p = QAT_PRESETS[spec.qat.preset]
-    notes = [
-        f"nemo-rl: ModelOpt quantization-aware RL, preset {spec.qat.preset} ({p.quant_cfg}, "
+    text = (
+        f"ModelOpt quantization-aware RL, preset {spec.qat.preset} ({p.quant_cfg}, "
         f"{spec.qat.rollout} rollout): the policy trains in BF16 through ModelOpt fake "
         f"quantizers, not Transformer Engine NVFP4; the loss_fn and the sequence lengths are "
         f"left as the config states"
-    ]
-    return HostKeys(keys=keys, notes=notes)
-
-
-def qat_merge(ctx: HostContext, out: dict, keys: HostKeys) -> None:
-    """Write ``keys`` into ``out`` (the overlay): a key the config already sets to the same
-    value is kept, a different value is refused naming it (the recipe is stated once)."""
-    from ...dotted import flatten
-    from ...errors import ConflictingKeyError
-
-    for key, want in flatten(keys.keys):
-        have = get_path(ctx.resolved, key, _MISSING)
-        if have is not _MISSING and have is not None and have != want:
-            raise ConflictingKeyError(
-                f"already set to {format_value(have)}, but ModelOpt QAT preset "
-                f"{ctx.spec.qat.preset if ctx.spec.qat else '?'} needs {format_value(want)}",
-                key=key,
-                value=have,
-                hint="remove the key and let the preset set it (or state the rollout's BF16 "
-                "modules as bf16_layers)",
-            )
-        set_path(out, key, want)
+    )
+    out.notes.append(Message(text, "nemo-rl"))
+    return out

@@ -12,12 +12,12 @@ it is always written where the config lacks it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES
 from ...errors import FP8ConfigError
 from .. import NO_DEFAULT, HostContext, NativeRecipe
+from .releases import assumed_release
 from .spelling import ROUTER_REPLAY, SEQUENCE_ERROR
 
 __all__ = ["VLLM_CFG_DEFAULTS", "LOSS_DEFAULTS", "REQUIRED", "key_default", "read_native"]
@@ -77,7 +77,7 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
         read += [(f"{_MEGATRON}.fp8_cfg.fp8_recipe", recipe)]
         fields["fp8_format"] = value(f"{_MEGATRON}.fp8_cfg.fp8", "e4m3")
         fields["fp8_param"] = bool(value(f"{_MEGATRON}.fp8_cfg.fp8_param", False))
-        if training is None or CAPABILITIES[training].is_delayed:
+        if training is None or CAPABILITIES[training].history:
             unmatched.append(
                 f"{_MEGATRON}.fp8_cfg.fp8_recipe: {recipe!r}: NeMo RL trains no recipe of ours "
                 f"with it (delayed scaling goes stale when the weights change every step)"
@@ -107,7 +107,7 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
     fields["generation"] = "fp8" if generation else "bf16"
     _training_env(value, scaling, fields, read, training is not None)
     _layers(value, fields, training is not None, generation is not None)
-    _importance_sampling(value, fields, read, ctx.assumed_version("nemo-rl"))
+    _importance_sampling(value, fields, read, assumed_release(ctx))
     _sequence_error(value, fields, read, unmatched)
     if value(ROUTER_REPLAY) is True:
         read.append((ROUTER_REPLAY, True))
@@ -142,7 +142,12 @@ def _generation(value, read: list, fields: dict[str, Any]) -> str | None:
     mx = value(f"{_VLLM}.is_mx") is True
     if mx:
         read.append((f"{_VLLM}.is_mx", True))
-    kind = next(k for k, row in CAPABILITIES.items() if (row.is_mx if mx else row.is_block))
+    # the kind NeMo RL's vLLM path generates: E8M0 (MX) scales when is_mx, else fp32 block ones
+    kind = next(
+        k
+        for k, row in CAPABILITIES.items()
+        if row.nemo_rl_generation and (row.scale_format == "e8m0") == mx
+    )
     if not mx:  # MXFP8's E8M0 scales are powers of two whatever the key says
         fields["pow2_scales"] = value(f"{_VLLM}.pow2_weight_scaling_factors") is True
     kv = value(f"{_VLLM}.kv_cache_dtype", "auto")
@@ -248,8 +253,3 @@ def _ratio(key: str, got: Any, *, positive: bool) -> Any:
         value=got,
         hint="set a ratio such as 2.0, or turn truncation off (type: null)",
     )
-
-
-def hook_default(key: str, data: Mapping[str, Any]) -> Any:
-    """:meth:`NeMoRLAdapter.default` (``data`` unused: no NeMo RL key is inert by another)."""
-    return key_default(key)

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ...dotted import get_path, set_path
-from .. import ApplyResult, HostContext
+from ...dotted import get_path
+from .. import ApplyResult, HostContext, Message, Spelling
+from .releases import assumed_release
 from .rollout import ENV_VARS_KEY, needed_line, rollout_archs, rollout_checks, rollout_line
 from .spelling import _VLLM, _generation_fp8
 
@@ -47,7 +48,7 @@ def _checks(spec, ctx: HostContext, vllm_cfg: Mapping[str, Any]):
     env = vllm_cfg.get("env_vars")
     return rollout_checks(
         spec,
-        ctx.assumed_version("nemo-rl"),
+        assumed_release(ctx),
         archs,
         use_deep_gemm=use_deep_gemm,
         pow2=(pow2[0], pow2[1]),
@@ -58,14 +59,14 @@ def _checks(spec, ctx: HostContext, vllm_cfg: Mapping[str, Any]):
 def _reads_env_vars(ctx: HostContext) -> bool:
     from ...stacks import lookup
 
-    return lookup("nemo-rl", ENV_VARS_KEY, ctx.assumed_version("nemo-rl")).present is True
+    return lookup("nemo-rl", ENV_VARS_KEY, assumed_release(ctx)).present is True
 
 
 def spell_rollout_env(
-    spec, ctx: HostContext, keys: dict[str, Any]
-) -> tuple[dict[str, str], list[str]]:
+    spec, ctx: HostContext, keys: Spelling
+) -> tuple[dict[str, str], list[Message]]:
     """The variables that keep the recipe's scale grid in the rollouts, for the config as
-    ``keys`` (nested, as spelled) leave it: written into ``keys`` under
+    ``keys`` (as spelled) leave it: written into ``keys`` under
     ``policy.generation.vllm_cfg.env_vars`` where the release reads it; otherwise returned as
     ``(env, notes)`` for the environment NeMo RL starts from."""
     from .values import resolved_value
@@ -76,7 +77,7 @@ def spell_rollout_env(
         return {}, []
 
     def value(leaf: str) -> Any:
-        got = get_path(keys, f"{_VLLM}.{leaf}", _MISSING)
+        got = keys.get(f"{_VLLM}.{leaf}", _MISSING)
         return resolved_value(ctx.resolved, f"{_VLLM}.{leaf}") if got is _MISSING else got
 
     vllm_cfg = {
@@ -91,12 +92,12 @@ def spell_rollout_env(
     _, needed = _checks(spec, ctx, vllm_cfg)
     if not needed:
         return {}, []
-    release = ctx.assumed_version("nemo-rl")
+    release = assumed_release(ctx)
     if _reads_env_vars(ctx):
         for name, setting in needed.items():
-            set_path(keys, f"{ENV_VARS_KEY}.{name}", setting)
-        return {}, [needed_line(needed, release, spec, in_config=True)]
-    return dict(needed), [needed_line(needed, release, spec, in_config=False)]
+            keys.set(f"{ENV_VARS_KEY}.{name}", setting)
+        return {}, [Message(needed_line(needed, release, spec, in_config=True), "nemo-rl")]
+    return dict(needed), [Message(needed_line(needed, release, spec, in_config=False), "nemo-rl")]
 
 
 def preflight(ctx: HostContext, result: ApplyResult, final: Mapping[str, Any]) -> None:
@@ -113,17 +114,18 @@ def preflight(ctx: HostContext, result: ApplyResult, final: Mapping[str, Any]) -
         # config where the release reads them there, else for the environment)
         checks, needed = _checks(spec, ctx, {**vllm_cfg, "env_vars": None})
         if checks:
-            release = ctx.assumed_version("nemo-rl")
+            release = assumed_release(ctx)
             result.checks["rollout"] = {
                 "gpus": [c.to_dict() for c in checks],
                 "needed": dict(needed),
                 "where": ENV_VARS_KEY if _reads_env_vars(ctx) else "environment",
             }
             line = rollout_line(checks, release, spec)
-            result.checks["rollout"]["line"] = line
-            if line is not None:
+            said = None if line is None else Message(line, "nemo-rl")
+            result.checks["rollout"]["line"] = None if said is None else str(said)
+            if said is not None:
                 lost = any(c.kernel is not None and not c.matches for c in checks)
-                (result.warnings if lost else result.notes).append(line)
+                (result.warnings if lost else result.notes).append(said)
         _ignore_list(ctx, result, vllm_cfg)
     if generation.get("backend", "vllm") == "vllm":
         _kv_cache(ctx, result, final)
@@ -138,7 +140,7 @@ def _ignore_list(ctx: HostContext, result: ApplyResult, vllm_cfg: Mapping[str, A
     from .rollout import vllm_of
 
     spec, model = ctx.spec, ctx.model
-    release = ctx.assumed_version("nemo-rl")
+    release = assumed_release(ctx)
     vllm = vllm_of(release)
     if model is None or vllm is None:
         return
@@ -165,7 +167,9 @@ def _ignore_list(ctx: HostContext, result: ApplyResult, vllm_cfg: Mapping[str, A
         how = f" ({first.how}: {first.entry})" if first.entry else ""
         if any(r.module == "lm_head" for r in found) and status == "missing":
             how += "; NeMo RL builds the list from the base model's names, without the output head"
-        result.warnings.append(f"nemo-rl: {what.format(n=len(found), vllm=vllm)}: {shown}{how}")
+        result.warnings.append(
+            Message(f"{what.format(n=len(found), vllm=vllm)}: {shown}{how}", "nemo-rl")
+        )
 
 
 _DIFFERENCES = {
@@ -239,7 +243,7 @@ def _kv_cache(ctx: HostContext, result: ApplyResult, final: Mapping[str, Any]) -
         "tensor_parallel_size": resolved_value(final, keys["tensor_parallel_size"], 1),
         "kv_cache_memory_bytes": resolved_value(final, _KV_BYTES),
     }
-    vllm = vllm_of(ctx.assumed_version("nemo-rl"))
+    vllm = vllm_of(assumed_release(ctx))
     try:
         estimate = estimate_kv_cache(
             spec,
@@ -264,7 +268,7 @@ def _kv_cache(ctx: HostContext, result: ApplyResult, final: Mapping[str, Any]) -
     if estimate.kv_cache_bytes is not None and estimate.kv_cache_bytes > 0 and memory is not None:
         if estimate.estimated:
             line = (
-                f"nemo-rl: KV cache of the colocated vLLM engine on one {gpu}: about "
+                f"KV cache of the colocated vLLM engine on one {gpu}: about "
                 f"{estimate.kv_cache_bytes / GIB:.1f} GiB, an estimate: "
                 f"{_UTILIZATION.rsplit('.', 1)[1]} {estimate.gpu_memory_utilization} x "
                 f"{memory / GIB:.0f} GiB - {weights} ({spec.name}); vLLM's own profiling also "
@@ -272,19 +276,21 @@ def _kv_cache(ctx: HostContext, result: ApplyResult, final: Mapping[str, Any]) -
             )
         else:
             line = (
-                f"nemo-rl: KV cache of the colocated vLLM engine on one {gpu}: "
+                f"KV cache of the colocated vLLM engine on one {gpu}: "
                 f"{estimate.kv_cache_bytes / GIB:.1f} GiB ({_KV_BYTES}), next to about {weights}"
             )
         if estimate.assumptions:
             line += f" (the weight count: {'; '.join(estimate.assumptions)})"
-        result.notes.append(line)
-        lines.append(line)
+        said = Message(line, "nemo-rl")
+        result.notes.append(said)
+        lines.append(str(said))
     for hint in estimate.hints:
         if hint.code == "unknown_gpu_memory":
             continue
-        text = f"nemo-rl: {hint.message}" + (
+        text = hint.message + (
             f"; in NeMo RL: {_KV_BYTES}" if hint.key == "kv_cache_memory_bytes" else ""
         )
         lost = hint.code in ("weights_exceed_budget", "pinned_exceeds_memory")
-        (result.warnings if lost else result.notes).append(text)
-        lines.append(text)
+        said = Message(text, "nemo-rl")
+        (result.warnings if lost else result.notes).append(said)
+        lines.append(str(said))

@@ -24,6 +24,8 @@ from ...errors import FP8ConfigError
 from .. import HostContext
 
 __all__ = [
+    "release_choice",
+    "assumed_release",
     "Feature",
     "FEATURES",
     "request_key",
@@ -36,6 +38,22 @@ __all__ = [
 _MEGATRON = "policy.megatron_cfg"
 _VLLM = "policy.generation.vllm_cfg"
 _MAIN_STACK = "--stack nemo-rl-main-2026-08-22"
+
+
+def release_choice(ctx: HostContext | None) -> Any:
+    """The NeMo RL release a command writes for and how it was decided: the stack's
+    (``--stack``, or detected from the installed vLLM and Transformer Engine), else, for a
+    context built in code, the newest release (:data:`nemo_fp8_plugin.stacks.NEMO_RL_NEWEST`)."""
+    from ...stacks import NEMO_RL_NEWEST, ReleaseChoice
+
+    if ctx is not None and ctx.stack is not None:
+        return ctx.stack.release
+    return ReleaseChoice(NEMO_RL_NEWEST, "assumed, the newest release: no --stack given")
+
+
+def assumed_release(ctx: HostContext | None) -> str:
+    """The name of :func:`release_choice`'s release."""
+    return str(release_choice(ctx).release)
 
 
 @dataclass(frozen=True)
@@ -115,7 +133,7 @@ def refuse_unread(ctx: HostContext, keys: Mapping[str, Any]) -> None:
     row covers, is let through (the tests hold every key the adapter writes to a row)."""
     from ...stacks import lookup, nemo_rl_key_fact, release_label
 
-    release = ctx.assumed_version("nemo-rl")
+    release = assumed_release(ctx)
     for key, _ in flatten(dict(keys)):
         row = nemo_rl_key_fact(key)
         if row is None or lookup("nemo-rl", row.name, release).present is not False:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ...dotted import get_path, set_path
 from ...errors import FP8ConfigError
 from ...spec import RecipeSpec
-from .. import HostContext
+from .. import HostContext, Message, Spelling
 from .checks import _has_generation, _moe_fallback
-from .releases import request_key
+from .releases import assumed_release, request_key
 from .spelling import _VLLM, ROUTER_REPLAY, SEQUENCE_ERROR, _generation_fp8, _is_moe
 
 __all__ = ["refuse_rl_only", "router_replay_advice", "edge_layers_as_keywords", "is_grpo"]
@@ -50,7 +49,7 @@ def refuse_rl_only(spec: RecipeSpec, ctx: HostContext) -> None:
         )
 
 
-def router_replay_advice(spec: RecipeSpec, ctx: HostContext) -> tuple[list[str], list[str]]:
+def router_replay_advice(spec: RecipeSpec, ctx: HostContext) -> tuple[list[Message], list[Message]]:
     """``(warnings, notes)``: router replay suggested for a mixture of experts generating in FP8
     that does not replay yet; a warning when it is asked for and the model is unknown."""
     from ...stacks import lookup, release_label
@@ -62,9 +61,11 @@ def router_replay_advice(spec: RecipeSpec, ctx: HostContext) -> tuple[list[str],
     if spec.router_replay:
         if moe is None:
             return [
-                "router replay needs a mixture-of-experts model, and the model is not known "
-                "here (--model or --model-config): for a dense model NeMo RL's vLLM worker "
-                "stops, as vLLM returns no routed experts"
+                Message(
+                    "router replay needs a mixture-of-experts model, and the model is not known "
+                    "here (--model or --model-config): for a dense model NeMo RL's vLLM worker "
+                    "stops, as vLLM returns no routed experts"
+                )
             ], []
         return [], []
     if not (moe and _generation_fp8(spec) and _has_generation(resolved)):
@@ -73,26 +74,27 @@ def router_replay_advice(spec: RecipeSpec, ctx: HostContext) -> tuple[list[str],
 
     if resolved_value(resolved, ROUTER_REPLAY) is True:
         return [], []
-    release = ctx.assumed_version("nemo-rl")
+    release = assumed_release(ctx)
     has = lookup("nemo-rl", ROUTER_REPLAY, release).present is not False
     where = "" if has else f" (NeMo RL v0.7.0 on; {release_label(release)} has none)"
-    return [], [
-        f"nemo-rl: a mixture of experts generating in FP8: router replay{where} trains each "
+    text = (
+        f"a mixture of experts generating in FP8: router replay{where} trains each "
         f"token through the experts vLLM routed it to, so an FP8 rounding that flips a routing "
         f"decision is not trained on; add router_replay: true to the fp8: block "
         f"({ROUTER_REPLAY}; maintainers advise it with importance sampling for MoE FP8 "
         f"rollouts, NVIDIA/Megatron-LM#4168)"
-    ]
+    )
+    return [], [Message(text, "nemo-rl")]
 
 
-def edge_layers_as_keywords(spec: RecipeSpec, ctx: HostContext, keys: dict) -> list[str]:
+def edge_layers_as_keywords(spec: RecipeSpec, ctx: HostContext, keys: Spelling) -> list[Message]:
     """First/last BF16 generation layers as ``quantization_ignored_layer_kws`` for a release
     whose ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` never reach vLLM
     (:mod:`.ignored_layers`); the note that says so. The last layers need the layer count."""
     from ...stacks import release_label
     from .ignored_layers import counts_reach_vllm, edge_layer_keywords
 
-    rules, release = spec.bf16_layers, ctx.assumed_version("nemo-rl")
+    rules, release = spec.bf16_layers, assumed_release(ctx)
     if not (
         _generation_fp8(spec) and _has_generation(ctx.resolved) and rules.acts_on("generation")
     ):
@@ -116,14 +118,15 @@ def edge_layers_as_keywords(spec: RecipeSpec, ctx: HostContext, keys: dict) -> l
         )
     num_layers = ctx.model.num_layers if ctx.model is not None else rules.first
     added = edge_layer_keywords(rules.first, rules.last, num_layers)
-    have = list(get_path(keys, f"{_VLLM}.quantization_ignored_layer_kws", None) or [])
-    set_path(
-        keys, f"{_VLLM}.quantization_ignored_layer_kws", have + [k for k in added if k not in have]
-    )
-    set_path(keys, f"{_VLLM}.num_first_layers_in_bf16", 0)
-    set_path(keys, f"{_VLLM}.num_last_layers_in_bf16", 0)
+    have = list(keys.get(f"{_VLLM}.quantization_ignored_layer_kws") or [])
+    keys.set(f"{_VLLM}.quantization_ignored_layer_kws", have + [k for k in added if k not in have])
+    keys.set(f"{_VLLM}.num_first_layers_in_bf16", 0)
+    keys.set(f"{_VLLM}.num_last_layers_in_bf16", 0)
     return [
-        f"nemo-rl: BF16 generation layers written as quantization_ignored_layer_kws {added}: {why}"
+        Message(
+            f"BF16 generation layers written as quantization_ignored_layer_kws {added}: {why}",
+            "nemo-rl",
+        )
     ]
 
 

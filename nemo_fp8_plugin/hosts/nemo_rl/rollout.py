@@ -104,7 +104,7 @@ def rollout_archs(spec, use_deep_gemm: bool) -> list[str]:
     """The GPU generations to judge when no target GPU is stated: where ``use_deep_gemm:
     true`` is written, the Hopper GPUs it is written for (NVIDIA's FP8 configs; a Blackwell
     target gets ``false``); otherwise every generation the recipe runs on."""
-    from ...capabilities import hardware_problems
+    from ...kinds import hardware_problems
     from ..vllm.rollout import GPU_ARCHS
 
     if use_deep_gemm:
@@ -219,7 +219,7 @@ _GRID_WORDS = {
 
 def rollout_line(checks: list[RolloutCheck], release: str | None, spec) -> str | None:
     """One line naming, per GPU, the kernel and scale grid of the rollouts and whether it is
-    the grid training quantizes to (None without checks)."""
+    the grid training quantizes to (None without checks); said of the host ``nemo-rl``."""
     from ...capabilities import arch_label, capability
     from ...stacks import release_label
 
@@ -258,7 +258,7 @@ def rollout_line(checks: list[RolloutCheck], release: str | None, spec) -> str |
     if others:
         said.append("with " + " ".join(f"{k}={v}" for k, v in others.items()))
     context = "; ".join([f"the vLLM of {release_label(release)}", *said])
-    return f"nemo-rl: rollouts on vLLM {first.vllm} ({context}): " + "; ".join(parts)
+    return f"rollouts on vLLM {first.vllm} ({context}): " + "; ".join(parts)
 
 
 def needed_line(needed: Mapping[str, str], release: str | None, spec, *, in_config: bool) -> str:
@@ -269,11 +269,11 @@ def needed_line(needed: Mapping[str, str], release: str | None, spec, *, in_conf
     why = f"so that vLLM {vllm_of(release)} rolls out {spec.name} on its own scale grid"
     if in_config:
         return (
-            f"nemo-rl: {sets} written to {ENV_VARS_KEY}: NeMo RL starts its vLLM workers "
+            f"{sets} written to {ENV_VARS_KEY}: NeMo RL starts its vLLM workers "
             f"with these variables, {why}"
         )
     return (
-        f"nemo-rl: set {sets} in the environment NeMo RL starts from (the driver's; its Ray "
+        f"set {sets} in the environment NeMo RL starts from (the driver's; its Ray "
         f"workers, vLLM's among them, inherit it), {why}: {release_label(release)} has no "
         f"{ENV_VARS_KEY}"
     )

@@ -21,14 +21,14 @@ from ...rules.resolve import (
     side_rules,
 )
 from ...spec import BF16Rules, RecipeSpec
-from .. import HostKeys, RuleIssue, RuleIssueKind
+from .. import Message, RuleIssueKind, Spelling
 
-__all__ = ["to_nemo_rl", "training_layer_overrides", "TRAINING_LAYER_FIELDS"]
+__all__ = ["to_nemo_rl", "training_layer_overrides"]
 
 
 def _training_side_issues(
     spec, rules: BF16Rules, model: ModelDescription | None, host: str, where: str
-) -> list[RuleIssue]:
+) -> list[Message]:
     out = []
     harmless: set[str] = set()
     if model is not None:  # rules that only name routers / the output layer lose nothing
@@ -41,28 +41,25 @@ def _training_side_issues(
         }
     for i, p in enumerate(rules.modules):
         if rule_label(i, p) not in harmless:
-            warning = (
-                f"{rule_label(i, p)} (host {host}): {where} has no per-module keys; "
-                f"training runs the modules it matches in FP8"
-            )
-            out.append(RuleIssue(RuleIssueKind.TRAINING_UNEXPRESSIBLE, i, p, warning))
+            text = f"{where} has no per-module keys; training runs the modules it matches in FP8"
+            kind = RuleIssueKind.TRAINING_UNEXPRESSIBLE
+            out.append(Message(text, host, rule_label(i, p), kind, (i,), (p,)))
     return out
 
 
-def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> HostKeys:
-    """NeMo RL's spelling: the vLLM generation keys under ``policy.generation.vllm_cfg``, the
-    first/last training layers under ``policy.megatron_cfg.model_overrides``, and a warning
-    for every rule its Megatron training side cannot express (each also a
-    :class:`~nemo_fp8_plugin.hosts.RuleIssue` in ``rule_issues``)."""
+def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> Spelling:
+    """NeMo RL's spelling as writes: the vLLM generation keys under
+    ``policy.generation.vllm_cfg``, the first/last training layers under
+    ``policy.megatron_cfg.model_overrides``, and a warning for every rule its Megatron
+    training side cannot express (kind :attr:`~.RuleIssueKind.TRAINING_UNEXPRESSIBLE`)."""
     rules, training_on, generation_on = side_rules(spec)
-    warnings: list[str] = []
-    issues: list[RuleIssue] = []
+    warnings: list[Message] = []
     vllm_cfg: dict[str, Any] = {}
     model_overrides: dict[str, Any] = {}
     if training_on and rules.acts_on("training"):
         if rules.first or rules.last:
             model_overrides = training_layer_overrides(rules)
-        issues = _training_side_issues(
+        warnings += _training_side_issues(
             spec,
             rules,
             model,
@@ -70,7 +67,6 @@ def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = No
             "NeMo RL's training side (policy.megatron_cfg: fp8_cfg, and model_overrides, "
             "which cannot build megatron-core's quant_recipe object)",
         )
-        warnings += [i.warning for i in issues]
     if generation_on and rules.acts_on("generation"):
         if rules.first:
             vllm_cfg["num_first_layers_in_bf16"] = rules.first
@@ -85,21 +81,12 @@ def to_nemo_rl(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = No
         warnings += warns
         if keywords:
             vllm_cfg["quantization_ignored_layer_kws"] = keywords
-    keys: dict[str, Any] = {}
-    if vllm_cfg:
-        keys.setdefault("policy", {})["generation"] = {"vllm_cfg": vllm_cfg}
-    if model_overrides:
-        keys.setdefault("policy", {})["megatron_cfg"] = {"model_overrides": model_overrides}
-    return HostKeys(keys, warnings, rule_issues=issues)
-
-
-TRAINING_LAYER_FIELDS = (
-    "first_last_layers_bf16",
-    "num_layers_at_start_in_bf16",
-    "num_layers_at_end_in_bf16",
-)
-"""megatron-core ``TransformerConfig`` fields (also Megatron-Bridge provider fields) for BF16
-first/last layers, written under ``policy.megatron_cfg.model_overrides``."""
+    out = Spelling(warnings=warnings)
+    for key, value in vllm_cfg.items():
+        out.set(f"policy.generation.vllm_cfg.{key}", value)
+    for key, value in model_overrides.items():
+        out.set(f"policy.megatron_cfg.model_overrides.{key}", value)
+    return out
 
 
 def training_layer_overrides(rules: BF16Rules) -> dict[str, Any]:
@@ -121,7 +108,7 @@ def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
     with a matched one are added (vLLM refuses a fused module whose parts disagree), and a
     keyword that would catch modules the rules keep in FP8 is reported.
     """
-    warnings: list[str] = []
+    warnings: list[Message] = []
     keywords: list[str] = []
     source: dict[str, str] = {}
     untranslated: list[str] = []
@@ -135,11 +122,11 @@ def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
             untranslated.append(rule_label(i, p))
     if model is None:
         for label in untranslated:
-            warnings.append(
-                f"{label} (host nemo-rl): quantization_ignored_layer_kws takes substrings, "
-                f"not globs; without a model description (--model or --model-config) "
-                f"this pattern cannot be expanded"
+            text = (
+                "quantization_ignored_layer_kws takes substrings, not globs; without a model "
+                "description (--model or --model-config) this pattern cannot be expanded"
             )
+            warnings.append(Message(text, "nemo-rl", label))
         return keywords, warnings
 
     res = resolve(spec, model, "generation")
@@ -178,11 +165,11 @@ def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
         got = caught(kw)
         extra = sorted(got - allowed, key=position.__getitem__)
         if extra:
-            warnings.append(
-                f"{source[kw]} (host nemo-rl): keyword {kw!r} also matches "
-                f"{len(extra)} module(s) the rules keep in FP8 (e.g. {extra[0]}); NeMo RL "
-                f"matches keywords as substrings of parameter names"
+            text = (
+                f"keyword {kw!r} also matches {len(extra)} module(s) the rules keep in FP8 (e.g. "
+                f"{extra[0]}); NeMo RL matches keywords as substrings of parameter names"
             )
+            warnings.append(Message(text, "nemo-rl", source[kw]))
         covered |= got
     missing = [n for n in names if n in required and n not in covered]
     added: list[str] = []

@@ -9,15 +9,13 @@ from typing import Any
 
 from ...capabilities import (
     CAPABILITIES,
-    ENV_BLOCK_FP32_SCALES,
-    ENV_CURRENT_POW2_SCALES,
     arch_by_name,
     capability,
     te_env,
 )
-from ...dotted import get_path, set_path
+from ...kinds import kind
 from ...spec import RecipeSpec
-from .. import HostKeys
+from .. import Message, Spelling
 
 __all__ = [
     "native_keys",
@@ -36,21 +34,16 @@ __all__ = [
 ]
 
 TRAINING_RECIPE = {
-    kind: row.megatron_recipe
-    for kind, row in CAPABILITIES.items()
-    if row.is_block or row.is_mx or row.is_current
+    name: row.megatron_recipe
+    for name, row in CAPABILITIES.items()
+    if row.megatron_field == "fp8_recipe" and not row.history
 }
 """Spec ``scaling`` -> NeMo RL ``policy.megatron_cfg.fp8_cfg.fp8_recipe`` (megatron-core names)."""
-
-FP32_SCALES_ENV = ENV_BLOCK_FP32_SCALES
-POW2_CURRENT_ENV = ENV_CURRENT_POW2_SCALES
 
 MEGATRON = _MEGATRON = "policy.megatron_cfg"
 """NeMo RL's Megatron training section."""
 VLLM = _VLLM = "policy.generation.vllm_cfg"
 """NeMo RL's vLLM generation section."""
-
-_MISSING = object()
 
 
 class _NotFP8:
@@ -83,24 +76,8 @@ def _generation_fp8(spec: RecipeSpec) -> bool:
 
 def _unexpressible(spec: RecipeSpec) -> list[str]:
     """Spec settings NeMo RL has no key for (it then uses TE's / vLLM's defaults)."""
-    out = []
     training = spec.training == "fp8"
-    row = capability(spec.scaling)
-    if row.is_block:
-        if (
-            spec.activation_block != (1, 128)
-            or spec.weight_block != (128, 128)
-            or spec.gradient_block != (1, 128)
-        ):
-            out.append(
-                "NeMo RL: block tiles other than 1x128 activations/gradients and 128x128 "
-                "weights cannot be expressed (Transformer Engine's Float8BlockScaling "
-                "defaults and vLLM's weight_block_size [128, 128] are used)"
-            )
-    if row.is_mx and spec.weight_block != (1, 32) and training:
-        out.append(
-            "NeMo RL: MXFP8 weight tiles of 32x32 cannot be expressed in fp8_cfg (1x32 is used)"
-        )
+    out = kind(spec.scaling).nemo_rl_unexpressible(spec)
     if _generation_fp8(spec) and spec.generation_numerics == "trainer":
         out.append(
             "NeMo RL: generation_numerics=trainer cannot be expressed: NeMo RL generates "
@@ -127,20 +104,6 @@ def _unexpressible(spec: RecipeSpec) -> list[str]:
                 "NeMo RL: FP8 attention has no fp8_cfg key (attention runs in BF16 in training)"
             )
     return out
-
-
-def _rules_keys(spec: RecipeSpec, model: Any) -> HostKeys:
-    """BF16 layer rules in NeMo RL's spelling, from the rules module."""
-    from .rules import to_nemo_rl
-
-    return to_nemo_rl(spec, model=model)
-
-
-_RULE_LEAVES = (
-    "num_first_layers_in_bf16",
-    "num_last_layers_in_bf16",
-    "quantization_ignored_layer_kws",
-)
 
 
 def _is_moe(model: Any) -> bool | None:
@@ -209,8 +172,9 @@ NVFP4_OVERRIDES = ("fp4", "fp4_recipe", "fp4_param")
 """``model_overrides`` keys (megatron-core ``TransformerConfig`` FP4 fields) nvfp4 writes."""
 
 
-def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool = False) -> HostKeys:
-    """NeMo RL's spelling of ``spec`` (no host import, no file access).
+def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool = False) -> Spelling:
+    """NeMo RL's spelling of ``spec`` as writes (no host import, no file access): one function
+    per concern, training, generation, BF16 rules, importance sampling.
 
     ``model`` is a model description from :func:`nemo_fp8_plugin.rules.describe_model` (or
     None): it decides ``moe_router_dtype`` and lets the BF16 rules resolve per layer. A
@@ -218,117 +182,82 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
     adapter refuses it. ``fp8_param_stated``: the user's config itself asked for
     ``fp8_param`` (else a preset's ``fp8_param: true`` is written false, with a warning).
     """
+    out = Spelling()
     refusal = _refusal(spec)
     if refusal:
-        return HostKeys(keys={}, warnings=[refusal + "; use fp8_blockwise"])
-    keys: dict[str, Any] = {}
-    env: dict[str, str] = {}
-    warnings: list[str] = []
+        out.warnings.append(Message(refusal + "; use fp8_blockwise"))
+        return out
     if spec.training == "fp8":
-        _training_keys(spec, model, fp8_param_stated, keys, env, warnings)
+        _training_keys(spec, model, fp8_param_stated, out)
     if _generation_fp8(spec):
-        _generation_keys(spec, keys)
+        _generation_keys(spec, out)
     elif spec.generation == "fp8":
-        warnings.append(
-            f"NeMo RL generates in FP8 with block or MXFP8 scaling only; "
-            f"{spec.name} ({spec.scaling} scaling) trains in FP8 and generates in "
-            f"BF16, so the two sides differ (the importance-sampling correction "
-            f"absorbs it; fp8_blockwise keeps both sides identical)"
-        )
-    _rule_keys(spec, model, keys, warnings)
-    _importance_sampling_keys(spec, keys)
-    if spec.router_replay:
-        set_path(keys, ROUTER_REPLAY, True)
-    warnings.extend(_unexpressible(spec))
-    return HostKeys(keys=keys, warnings=warnings, env=env)
-
-
-def _training_keys(
-    spec: RecipeSpec,
-    model: Any,
-    fp8_param_stated: bool,
-    keys: dict[str, Any],
-    env: dict[str, str],
-    warnings: list[str],
-) -> None:
-    fp8_param = spec.fp8_param and fp8_param_stated
-    nvfp4 = capability(spec.scaling).is_nvfp4
-    if spec.fp8_param and not fp8_param:
-        warnings.append(
-            FP8_PARAM_WARNING.format(
-                name=spec.name,
-                key="model_overrides.fp4_param" if nvfp4 else "fp8_cfg.fp8_param",
+        out.warnings.append(
+            Message(
+                f"NeMo RL generates in FP8 with block or MXFP8 scaling only; {spec.name} "
+                f"({spec.scaling} scaling) trains in FP8 and generates in BF16, so the two sides "
+                f"differ (the importance-sampling correction absorbs it; fp8_blockwise keeps "
+                f"both sides identical)"
             )
         )
-    if nvfp4:
-        # fp8_cfg is FP8 only; the provider's FP4 fields come through model_overrides,
-        # which NeMo RL merges before it applies fp8_cfg (left disabled: FP4 xor FP8).
-        for name, value in zip(NVFP4_OVERRIDES, ("e2m1", "nvfp4", fp8_param)):
-            set_path(keys, f"{_MEGATRON}.model_overrides.{name}", value)
-        if fp8_param:
-            warnings.append(NVFP4_PARAM_GATHER_WARNING)
-    else:
-        set_path(
-            keys,
-            f"{_MEGATRON}.fp8_cfg",
-            {
-                "enabled": True,
-                "fp8": spec.fp8_format,
-                "fp8_recipe": TRAINING_RECIPE[spec.scaling],
-                "fp8_param": fp8_param,
-            },
+    _rule_keys(spec, model, out)
+    _importance_sampling_keys(spec, out)
+    if spec.router_replay:
+        out.set(ROUTER_REPLAY, True)
+    out.warnings += [Message(text) for text in _unexpressible(spec)]
+    return out
+
+
+def _training_keys(spec: RecipeSpec, model: Any, fp8_param_stated: bool, out: Spelling) -> None:
+    fp8_param = spec.fp8_param and fp8_param_stated
+    training = kind(spec.scaling).nemo_rl_training(spec, fp8_param)
+    fp4 = f"{_MEGATRON}.model_overrides.fp4_param"
+    if spec.fp8_param and not fp8_param:
+        key = (
+            "model_overrides.fp4_param"
+            if "model_overrides.fp4_param" in training
+            else "fp8_cfg.fp8_param"
         )
-    # Every variable TE reads for this recipe, pinned either way (a cluster-wide
-    # `=1` must not flip fp32 scales to power-of-2 or back): the capability table's.
-    env.update(te_env(spec))
-    for name, value in env.items():
-        set_path(keys, f"{_MEGATRON}.env_vars.{name}", value)
-    set_path(keys, f"{_MEGATRON}.optimizer.use_precision_aware_optimizer", False)
+        out.warnings.append(Message(FP8_PARAM_WARNING.format(name=spec.name, key=key)))
+    for key, value in training.items():
+        out.set(f"{_MEGATRON}.{key}", value)
+    if fp8_param and out.get(fp4) is not None:
+        out.warnings.append(Message(NVFP4_PARAM_GATHER_WARNING))
+    # Every variable TE reads for this recipe, pinned either way (a cluster-wide `=1` must not
+    # flip fp32 scales to power-of-2 or back): the capability table's.
+    out.env.update(te_env(spec))
+    for name, value in out.env.items():
+        out.set(f"{_MEGATRON}.env_vars.{name}", value)
+    out.set(f"{_MEGATRON}.optimizer.use_precision_aware_optimizer", False)
     if _is_moe(model):
-        set_path(keys, f"{_MEGATRON}.moe_router_dtype", "fp32")
+        out.set(f"{_MEGATRON}.moe_router_dtype", "fp32")
 
 
-def _generation_keys(spec: RecipeSpec, keys: dict[str, Any]) -> None:
-    set_path(keys, f"{_VLLM}.precision", "fp8")
-    if capability(spec.scaling).is_block:
-        set_path(keys, f"{_VLLM}.use_deep_gemm", deep_gemm_wanted(spec))
-        if spec.pow2_scales:
-            set_path(keys, f"{_VLLM}.pow2_weight_scaling_factors", True)
-            set_path(keys, f"{_VLLM}.pow2_activation_scaling_factors", True)
-    else:
-        # NVIDIA's MXFP8 rollout keys: NeMo RL takes power-of-2 (E8M0) scales only.
-        set_path(keys, f"{_VLLM}.is_mx", True)
-        set_path(keys, f"{_VLLM}.pow2_weight_scaling_factors", True)
-        set_path(keys, f"{_VLLM}.pow2_activation_scaling_factors", True)
-    set_path(keys, f"{_VLLM}.kv_cache_dtype", "fp8" if spec.kv_cache == "fp8" else "auto")
+def _generation_keys(spec: RecipeSpec, out: Spelling) -> None:
+    for key, value in kind(spec.scaling).nemo_rl_generation(spec, deep_gemm_wanted(spec)).items():
+        out.set(f"{_VLLM}.{key}", value)
+    out.set(f"{_VLLM}.kv_cache_dtype", "fp8" if spec.kv_cache == "fp8" else "auto")
 
 
-def _rule_keys(spec: RecipeSpec, model: Any, keys: dict[str, Any], warnings: list[str]) -> None:
+def _rule_keys(spec: RecipeSpec, model: Any, out: Spelling) -> None:
     training, generation = spec.training == "fp8", _generation_fp8(spec)
     if not spec.bf16_layers.empty or (generation and model is not None):
         # The rules also add layers vLLM must keep unquantized for some models (routers).
-        rules = _rules_keys(spec, model)
-        warnings.extend(rules.warnings)
-        overrides = get_path(rules.keys, f"{_MEGATRON}.model_overrides")
-        if training and isinstance(overrides, Mapping):
+        from .rules import to_nemo_rl
+
+        rules = to_nemo_rl(spec, model=model)
+        out.warnings += rules.warnings
+        for w in rules.writes:
             # First/last BF16 training layers: Bridge-provider (TransformerConfig) fields that
             # NeMo RL merges into the provider from model_overrides.
-            for name, value in overrides.items():
-                set_path(keys, f"{_MEGATRON}.model_overrides.{name}", value)
-        if generation:
-            for name in _RULE_LEAVES:
-                value = get_path(rules.keys, f"{_VLLM}.{name}", _MISSING)
-                if value is not _MISSING:
-                    set_path(
-                        keys,
-                        f"{_VLLM}.{name}",
-                        list(value) if isinstance(value, (list, tuple)) else value,
-                    )
+            ours = training if w.key.startswith(_MEGATRON) else generation
+            if ours:
+                out.set(w.key, list(w.value) if isinstance(w.value, tuple) else w.value)
     if generation:
         # A BF16 config has these at 0; writing them makes the output say what runs in BF16.
         for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
-            if get_path(keys, f"{_VLLM}.{name}") is None:
-                set_path(keys, f"{_VLLM}.{name}", 0)
+            if out.get(f"{_VLLM}.{name}") is None:
+                out.set(f"{_VLLM}.{name}", 0)
 
 
 ROUTER_REPLAY = "policy.router_replay.enabled"
@@ -339,27 +268,19 @@ SEQUENCE_ERROR = "grpo.seq_logprob_error_threshold"
 ``importance_sampling.max_sequence_error``, ``null`` for none."""
 
 
-def _importance_sampling_keys(spec: RecipeSpec, keys: dict[str, Any]) -> None:
+def _importance_sampling_keys(spec: RecipeSpec, out: Spelling) -> None:
     is_ = spec.importance_sampling
     # Which sequences count, not how they are weighted: written with the correction on or off.
-    set_path(keys, SEQUENCE_ERROR, is_.max_sequence_error)
+    out.set(SEQUENCE_ERROR, is_.max_sequence_error)
     if not is_.enabled:
         return
-    set_path(keys, "loss_fn.use_importance_sampling_correction", True)
-    set_path(keys, "loss_fn.sequence_level_importance_ratios", is_.level == "sequence")
-    set_path(keys, "loss_fn.truncated_importance_sampling_type", is_.truncation)
-    set_path(
-        keys,
-        "loss_fn.truncated_importance_sampling_ratio",
-        None if is_.truncation is None else is_.ratio_max,
-    )
-    set_path(
-        keys,
-        "loss_fn.truncated_importance_sampling_ratio_min",
-        None
-        if is_.truncation is None
-        else _window_low(is_.truncation, is_.ratio_max, is_.ratio_min),
-    )
+    truncated = is_.truncation is not None
+    out.set("loss_fn.use_importance_sampling_correction", True)
+    out.set("loss_fn.sequence_level_importance_ratios", is_.level == "sequence")
+    out.set("loss_fn.truncated_importance_sampling_type", is_.truncation)
+    out.set("loss_fn.truncated_importance_sampling_ratio", is_.ratio_max if truncated else None)
+    low = _window_low(is_.truncation, is_.ratio_max, is_.ratio_min) if truncated else None
+    out.set("loss_fn.truncated_importance_sampling_ratio_min", low)
 
 
 def _window_low(truncation: str, ratio_max: float, ratio_min: float | None) -> float | None:

@@ -20,7 +20,7 @@ from typing import Any
 from ...dotted import get_path
 from ...errors import FP8ConfigError
 
-__all__ = ["ASSERTS", "KV_CACHE_DTYPES", "startup_problems"]
+__all__ = ["ASSERTS", "KV_CACHE_DTYPES", "importance_sampling_required", "startup_problems"]
 
 _VLLM = "policy.generation.vllm_cfg"
 _MEGATRON = "policy.megatron_cfg"
@@ -109,6 +109,13 @@ def _where(name: str, release: str | None) -> str:
     return f"{release_label(release)} stops at start-up{cite}"
 
 
+def importance_sampling_required(release: str | None, state: str) -> str:
+    """The refusal of FP8 generation without the importance-sampling correction, its key's
+    ``state`` first (``"is not true"``)."""
+    where = _where("fp8_generation_needs_importance_sampling", release)
+    return f"{state}, and FP8 generation (vllm_cfg.precision: fp8) requires it: {where}"
+
+
 def startup_problems(config: Mapping[str, Any], release: str | None) -> list[FP8ConfigError]:
     """What NeMo RL ``release`` refuses at start-up of ``config`` (a whole configuration, its
     ``defaults:`` merged and ``${...}`` resolved), one error each, naming the key to change:
@@ -147,8 +154,7 @@ def startup_problems(config: Mapping[str, Any], release: str | None) -> list[FP8
     if precision == "fp8" and not importance:
         out.append(
             FP8ConfigError(
-                f"is not true, and FP8 generation (vllm_cfg.precision: fp8) requires it: "
-                f"{_where('fp8_generation_needs_importance_sampling', release)}",
+                importance_sampling_required(release, "is not true"),
                 key=_IS,
                 value=value(_IS),
                 hint="set it true (leave importance_sampling on in the fp8: block), or "

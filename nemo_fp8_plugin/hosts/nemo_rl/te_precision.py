@@ -22,6 +22,7 @@ from ..megatron.precision_file import (
     precision_file_path,
     recipe_for,
 )
+from .releases import assumed_release
 
 __all__ = ["nemo_rl_precision_file"]
 
@@ -40,16 +41,16 @@ def nemo_rl_precision_file(ctx, result):
     """
     from ...dotted import get_path, set_path
     from ...stacks import fact, lookup
+    from .. import Message, RuleIssueKind
     from .values import resolved_value
 
     spec = ctx.spec
     if spec.training != "fp8":
         return result
-    unexpressible = _training_unexpressible(ctx)
-    moved = [w for w in result.warnings if w in unexpressible]
-    if not moved:
+    moved = RuleIssueKind.TRAINING_UNEXPRESSIBLE
+    if not any(w.kind is moved for w in result.warnings):
         return result
-    version = ctx.assumed_version("nemo-rl")
+    version = assumed_release(ctx)
     answer = lookup("nemo-rl", NEMO_RL_FACT, version)
     row = fact("nemo-rl", NEMO_RL_FACT)
     minimum = row.minimum if row is not None else "0.8"
@@ -60,23 +61,30 @@ def nemo_rl_precision_file(ctx, result):
         # Hybrid models (Mamba / linear-attention layers) train as megatron-core's hybrid
         # model, whose per-layer module names the file's patterns are not mapped to (yet).
         result.notes.append(
-            "nemo-rl: module rules stay generation-only for a hybrid model (its Mamba / "
-            "linear-attention layers): the TE precision file's patterns are written for "
-            "megatron-core's GPT layer names only, so training runs the modules they match in FP8"
+            Message(
+                "module rules stay generation-only for a hybrid model (its Mamba / "
+                "linear-attention layers): the TE precision file's patterns are written for "
+                "megatron-core's GPT layer names only, so training runs the modules they "
+                "match in FP8",
+                "nemo-rl",
+            )
         )
         return result
     path = precision_file_path(ctx.output) if ctx.output is not None else None
     if path is None:
         result.notes.append(
-            f"nemo-rl: with -o OUT (a file), apply writes the module rules to a TE precision "
-            f"file (OUT + {FILE_SUFFIX}) and sets {NEMO_RL_KEY}; to standard output or a "
-            f"device they stay generation-only"
+            Message(
+                f"with -o OUT (a file), apply writes the module rules to a TE precision file "
+                f"(OUT + {FILE_SUFFIX}) and sets {NEMO_RL_KEY}; to standard output or a device "
+                f"they stay generation-only",
+                "nemo-rl",
+            )
         )
         return result
     # NeMo RL resolves ${...} in the pipeline size before megatron-core sees it
     pp = resolved_value(ctx.resolved, _NEMO_RL_PP, 1)
     recipe, warnings = recipe_for(ctx, _NEMO_RL_PP, pp)
-    result.warnings[:] = [w for w in result.warnings if w not in moved]
+    result.warnings[:] = [w for w in result.warnings if w.kind is not moved]
     if recipe is None:  # every rule names modules no TE layer runs in FP8 anyway
         return result
     stated = get_path(ctx.resolved, NEMO_RL_KEY, None)
@@ -91,20 +99,12 @@ def nemo_rl_precision_file(ctx, result):
     file = PrecisionFile(path=path, recipe=recipe, warnings=tuple(warnings))
     set_path(result.data, NEMO_RL_KEY, os.path.realpath(path))
     result.files[str(path)] = file.text()
-    result.warnings.extend(w.replace("(host megatron)", "(host nemo-rl)") for w in warnings)
+    result.warnings.extend(w.about("nemo-rl") for w in warnings)
     result.notes.append(
-        f"nemo-rl: {len(file.patterns)} BF16 module pattern(s) for training go to {path.name} "
-        f"({NEMO_RL_KEY}); megatron-core matches them against its module names"
+        Message(
+            f"{len(file.patterns)} BF16 module pattern(s) for training go to {path.name} "
+            f"({NEMO_RL_KEY}); megatron-core matches them against its module names",
+            "nemo-rl",
+        )
     )
     return result
-
-
-def _training_unexpressible(ctx) -> set[str]:
-    """The NeMo RL rules' warnings for module rules its training side cannot express (the
-    file route expresses them), found by their records: the adapter's spelling called
-    :func:`~nemo_fp8_plugin.hosts.nemo_rl.rules.to_nemo_rl` with the same spec and model."""
-    from .. import RuleIssueKind
-    from .rules import to_nemo_rl
-
-    issues = to_nemo_rl(ctx.spec, ctx.model).rule_issues
-    return {i.warning for i in issues if i.kind is RuleIssueKind.TRAINING_UNEXPRESSIBLE}

@@ -85,7 +85,7 @@ def _rules_spelling(spec, model) -> tuple[list[str], int, int, list[str]]:
     from .rules import to_vllm
 
     keys = to_vllm(spec, describe_model(model))
-    return list(keys.keys.get("ignored_layers", [])), 0, 0, list(keys.warnings)
+    return list(keys.get("ignored_layers", [])), 0, 0, [str(w) for w in keys.warnings]
 
 
 def engine_spelling(
@@ -239,7 +239,7 @@ def mla_kv_cache_note(spec, model) -> str | None:
     from ...capabilities import capability
 
     row = capability(spec.scaling)
-    generates_fp8 = spec.generation == "fp8" and (row.is_block or row.is_mx)
+    generates_fp8 = spec.generation == "fp8" and row.vllm_generation
     if spec.kv_cache != "fp8" or not generates_fp8 or model is None or model.family != "deepseek":
         return None
     return (

@@ -1,63 +1,51 @@
-"""vLLM adapter: ``precision: fp8_blockwise`` in a vLLM engine config -> vLLM's own arguments.
+"""vLLM adapter: ``precision: fp8_blockwise`` in a vLLM engine config (``vllm serve --config``
+YAML, dashes or underscores; the mapping of ``vllm.LLM(**kwargs)``) -> the engine arguments of
+:func:`nemo_fp8_plugin.hosts.vllm.engine_kwargs` (``quantization``,
+``hf_overrides.quantization_config``, ``kv_cache_dtype``; docs/hosts/vllm.md).
 
-The input is a vLLM engine config: the YAML ``vllm serve --config FILE`` reads (keys are
-the command-line options, with dashes or underscores), which is also the mapping of
-``vllm.LLM(**kwargs)``. It names a recipe the usual way (``precision: <recipe>`` or an
-``fp8:`` block); the output is the same mapping with that request replaced by the engine
-arguments of :func:`nemo_fp8_plugin.hosts.vllm.engine_kwargs`:
-
-=================================  ==============================================================
-vLLM option                        from the spec
-=================================  ==============================================================
-``quantization``                   ``nemo_fp8`` (the plugin's method, registered through the
-                                   ``vllm.general_plugins`` entry point)
-``hf_overrides.quantization_config``  scheme, tiles, ``pow2_scales``, ``ignored_layers`` and the
-                                   first/last BF16 layers (``bf16_layers``), ``kv_cache_dtype``,
-                                   ``generation_numerics``
-``kv_cache_dtype``                 ``auto``, or ``fp8_e4m3`` for ``kv_cache: fp8`` (KV scales
-                                   come with each refit; vLLM 0.32 has no ``calculate_kv_scales``)
-=================================  ==============================================================
-
-Every other key is kept. The output has no ``precision`` / ``fp8`` key left, so running
-``apply`` on it again changes nothing. A config that already sets one of the options above to
-something else (``quantization: fp8``, ``kv-cache-dtype: fp8_e5m2``, its own
-``quantization_config``) is refused with the key named. ``device: cpu`` in the config
-selects vLLM's CPU backend, where the FP8 KV cache is not requested (see
-:func:`nemo_fp8_plugin.hosts.vllm.engine_kwargs`); vLLM 0.32 has no ``device`` engine
-argument (``vllm serve --config`` refuses it), so the key is read, left out of the output
-and named in a warning.
+Every other key is kept, in the file's spelling. An option already set otherwise is refused,
+naming it. ``device: cpu`` selects vLLM's CPU backend (no FP8 KV cache requested there); vLLM
+>= 0.32 has no ``device`` engine argument, so the key is read, left out and named.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
-from ...dotted import delete_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from .. import (
+    DELETE,
     ApplyResult,
     HostAdapter,
     HostContext,
-    HostKeys,
+    Message,
     NativeRecipe,
+    Spelling,
+    Write,
     refuse_other_host,
 )
 
-__all__ = ["native_keys", "VLLMAdapter", "ADAPTER"]
+__all__ = ["ENGINE_KEYS", "VLLMAdapter", "ADAPTER"]
 
 
-def native_keys(spec, model=None) -> HostKeys:
-    """The engine arguments for ``spec`` (see :func:`nemo_fp8_plugin.hosts.vllm.engine_spelling`)."""
-    from . import engine_spelling
+ENGINE_KEYS = (
+    "tensor_parallel_size",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "quantization",
+    "kv_cache_dtype",
+    "served_model_name",
+    "enforce_eager",
+    "dtype",
+)
+"""vLLM engine options (dashes or underscores) that, next to a string ``model:``, make a
+config a vLLM engine config."""
 
-    kwargs, found = engine_spelling(spec, model)
-    env, notes = _env_and_notes(spec, model, kwargs, None)
-    return HostKeys(keys=kwargs, warnings=found, env=env, notes=notes)
 
-
-def _env_and_notes(spec, model, kwargs, release: str | None) -> tuple[dict[str, str], list[str]]:
+def _env_and_notes(
+    spec, model, kwargs, release: str | None
+) -> tuple[dict[str, str], list[Message]]:
     """The variables vLLM reads at start-up for the recipe's grid (:func:`.engine_env`, for
     ``release``: the assumed vLLM), and the notes: the rollout kernels with them set, an FP8
     KV cache on latent attention."""
@@ -67,9 +55,11 @@ def _env_and_notes(spec, model, kwargs, release: str | None) -> tuple[dict[str, 
     if not kwargs:
         return {}, []
     env = engine_env(spec, release=release)
-    notes = [n for n in (rollout_note(spec, spec.hardware, release=release, env=env),) if n]
-    note = mla_kv_cache_note(spec, model)
-    return env, notes + ([note] if note else [])
+    notes = [
+        rollout_note(spec, spec.hardware, release=release, env=env),
+        mla_kv_cache_note(spec, model),
+    ]
+    return env, [Message(n) for n in notes if n]
 
 
 def _style(config: Mapping[str, Any]) -> str:
@@ -108,93 +98,59 @@ def _canonical(value: Any) -> Any:
     return "fp8_e4m3" if value == "fp8" else value
 
 
-def _spell(spec, ctx: HostContext) -> HostKeys:
-    """The engine options in the file's spelling (dashes or underscores); ``device: cpu``
-    read as the target platform (vLLM >= 0.32 has no such engine argument)."""
+def _spell(spec, ctx: HostContext | None, model) -> Spelling:
+    """The engine options, each in the spelling the file gives it (else the file's style,
+    dashes or underscores); ``device: cpu`` read as the target platform and left out (vLLM >=
+    0.32 has no such engine argument)."""
     from . import engine_spelling
 
-    device_key, device = _find(ctx.raw, "device")
-    platform = "cpu" if device == "cpu" else None
-    kwargs, found = engine_spelling(spec, ctx.model, platform=platform)
+    raw: Mapping[str, Any] = ctx.raw if ctx is not None else {}
+    device_key, device = _find(raw, "device")
+    kwargs, found = engine_spelling(spec, model, platform="cpu" if device == "cpu" else None)
+    out = Spelling(warnings=[Message(w) for w in found])
     if device_key is not None:
-        found.append(
-            f"{device_key}: {format_value(device)} is not an engine argument of vLLM "
-            f">= 0.32 (`vllm serve --config` refuses it; the installed vLLM build picks "
-            f"the platform): read as the target platform and left out of the output"
+        out.warnings.append(
+            Message(
+                f"{device_key}: {format_value(device)} is not an engine argument of vLLM >= 0.32 "
+                f"(`vllm serve --config` refuses it; the installed vLLM build picks the platform): "
+                f"read as the target platform and left out of the output"
+            )
         )
-    sep = _style({k: v for k, v in ctx.raw.items() if k not in ctx.request.keys})
+        out.set(device_key, DELETE)
+    request = ctx.request.keys if ctx is not None and ctx.request is not None else ()
+    sep = _style({k: v for k, v in raw.items() if k not in request})
+    for name, value in kwargs.items():
+        key = _find(raw, name)[0] or name.replace("_", sep)
+        if name == "hf_overrides":  # the config's other overrides are kept
+            out.set(f"{key}.quantization_config", value["quantization_config"])
+        else:
+            out.set(key, value)
     # Read when vLLM starts: no engine argument; for the vLLM the command assumes.
-    env, notes = _env_and_notes(spec, ctx.model, kwargs, ctx.assumed_version("vllm"))
-    return HostKeys(
-        keys={k.replace("_", sep): v for k, v in kwargs.items()},
-        warnings=found,
-        env=env,
-        notes=notes,
-    )
-
-
-def _merge(ctx: HostContext, keys: HostKeys) -> ApplyResult:
-    """Write the engine options, replacing the request; ``hf_overrides`` keeps the config's
-    other overrides; any option already set otherwise is refused, naming it."""
-    out = copy.deepcopy(dict(ctx.raw))
-    for dotted in ctx.request.keys:
-        delete_path(out, dotted)
-    device_key, _ = _find(out, "device")
-    if device_key is not None:  # vLLM 0.32's EngineArgs has no `device`
-        del out[device_key]
-    for spelt, value in keys.keys.items():
-        name = spelt.replace("-", "_")
-        key, current = _find(out, name)
-        if name == "hf_overrides":
-            current = {} if current is None else current
-            if not isinstance(current, dict):
-                raise FP8ConfigError(
-                    f"expected a mapping, got {format_value(current)}",
-                    key=key or name,
-                    value=current,
-                )
-            theirs = current.get("quantization_config")
-            if theirs is not None and theirs != value["quantization_config"]:
-                raise ConflictingKeyError(
-                    "already sets a quantization_config; the recipe writes its own",
-                    key=f"{key}.quantization_config",
-                    value=theirs,
-                    hint="remove it, or remove the precision/fp8 request",
-                )
-            value = {**current, **value}
-        elif current is not None and _canonical(current) != _canonical(value):
-            hint = (
-                "say `fp8: {recipe: ..., kv_cache: fp8}` for an FP8 KV cache"
-                if name == "kv_cache_dtype"
-                else f"remove it: the recipe sets {name} to {value!r}"
-            )
-            raise ConflictingKeyError(
-                f"already set to {format_value(current)}; the recipe needs {format_value(value)}",
-                key=key,
-                value=current,
-                hint=hint,
-            )
-        if key is not None:
-            del out[key]
-        out[spelt] = value
-    return ApplyResult(
-        data=out,
-        warnings=list(keys.warnings),
-        notes=list(keys.notes),
-        env=dict(keys.env),
-        fmt=ctx.fmt,
-    )
+    release = ctx.assumed_version("vllm") if ctx is not None else None
+    out.env, out.notes = _env_and_notes(spec, model, kwargs, release)
+    return out
 
 
 class VLLMAdapter(HostAdapter):
     """vLLM (an engine config: ``vllm serve --config`` YAML / ``vllm.LLM(**kwargs)``)."""
 
     name = "vllm"
+    label = "vLLM"
     runtime = (
         "vLLM loads this package's nemo_fp8 quantization method (entry point "
         "nemo_fp8_plugin.hosts.vllm:register), so the package must be installed where "
         "vLLM runs; in-place refit goes through its worker extension"
     )
+
+    detect_order = 40
+
+    def detects(self, config: Mapping[str, Any]) -> bool:
+        options = {k.replace("-", "_") for k in config if isinstance(k, str)}
+        return isinstance(config.get("model"), str) and bool(options & set(ENGINE_KEYS))
+
+    def env_lines(self, result: ApplyResult) -> list[str]:
+        # vLLM reads them when it starts: no engine argument carries them
+        return [f"set {k}={v} where vLLM starts (not a config key)" for k, v in result.env.items()]
 
     def refuse(self, spec, ctx: HostContext | None) -> None:
         from . import refuse_spec
@@ -204,13 +160,25 @@ class VLLMAdapter(HostAdapter):
             _refuse_two_spellings(ctx.raw)
         refuse_spec(spec)
 
-    def spell(self, spec, ctx: HostContext | None = None, *, model=None) -> HostKeys:
-        if ctx is None:
-            return native_keys(spec, model)
-        return _spell(spec, ctx)
+    def spell(self, spec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+        return _spell(spec, ctx, ctx.model if ctx else model)
 
-    def merge(self, ctx: HostContext, keys: HostKeys) -> ApplyResult:
-        return _merge(ctx, keys)
+    def overwrites(self, ctx: HostContext, key: str, have: Any, want: Any) -> bool:
+        return _canonical(have) == _canonical(want)  # vLLM reads `fp8` as E4M3: respelt
+
+    def conflict(self, ctx: HostContext, write: Write, have: Any) -> FP8ConfigError:
+        name = write.key.replace("-", "_")
+        hint = (
+            "say `fp8: {recipe: ..., kv_cache: fp8}` for an FP8 KV cache"
+            if name == "kv_cache_dtype"
+            else f"remove it: the recipe sets {write.key} to {format_value(write.value)}"
+        )
+        return ConflictingKeyError(
+            f"already set to {format_value(have)}; the recipe needs {format_value(write.value)}",
+            key=write.key,
+            value=have,
+            hint=hint,
+        )
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         """vLLM's own ``EngineArgs`` takes the output's engine options (dashes or

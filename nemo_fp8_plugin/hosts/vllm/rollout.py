@@ -490,8 +490,8 @@ def _search(spec, archs, env, release, method, kw) -> dict[str, str] | None:
 
 def _runnable_archs(spec) -> list[str]:
     """The GPU generations of :data:`GPU_ARCHS` the recipe runs on (training and generation,
-    :func:`~nemo_fp8_plugin.capabilities.hardware_problems`)."""
-    from ...capabilities import hardware_problems
+    :func:`~nemo_fp8_plugin.kinds.hardware_problems`)."""
+    from ...kinds import hardware_problems
 
     return [a for a in GPU_ARCHS if not any(p.level == "error" for p in hardware_problems(spec, a))]
 
@@ -511,7 +511,7 @@ def needed_env(
     """The variables to set before vLLM starts so its rollouts keep ``spec``'s scale grid
     (never one the ``nemo_fp8`` method then refuses): :attr:`Rollout.needed` on ``hardware``,
     or, when it is None, the fewest that serve on every GPU generation the recipe runs on
-    (:func:`~nemo_fp8_plugin.capabilities.hardware_problems`). A release newer than every
+    (:func:`~nemo_fp8_plugin.kinds.hardware_problems`). A release newer than every
     one read is answered as the newest read would be (these are variables only; the method
     still vets the kernel at load). ``{}`` when nothing is needed."""
     from ...capabilities import capability

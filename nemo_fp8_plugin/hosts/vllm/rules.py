@@ -11,12 +11,12 @@ from ...rules.resolve import (
     side_rules,
 )
 from ...spec import BF16Rules, RecipeSpec
-from .. import HostKeys
+from .. import Message, Spelling
 
 __all__ = ["to_vllm"]
 
 
-def to_vllm(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> HostKeys:
+def to_vllm(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None) -> Spelling:
     """vLLM's spelling: ``ignored_layers`` for its FP8 quantization config.
 
     vLLM compares these exactly against its module prefixes, splitting fused modules into
@@ -27,35 +27,36 @@ def to_vllm(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None)
     """
     rules, _, generation_on = side_rules(spec)
     if not generation_on:
-        return HostKeys({})
+        return Spelling()
     acts = rules.acts_on("generation") and not rules.empty
     if model is None:
         if not acts:
-            return HostKeys({})
-        warnings = []
+            return Spelling()
+        out = Spelling()
         exact = []
-        if rules.first:
-            warnings.append(
-                f"bf16_layers.first={rules.first} (host vllm): vLLM has no layer-count "
-                f"key; ignored_layers needs the model description (--model or --model-config)"
-            )
-        if rules.last:
-            warnings.append(
-                f"bf16_layers.last={rules.last} (host vllm): vLLM has no layer-count "
-                f"key; ignored_layers needs the model description (--model or --model-config)"
-            )
+        no_count = (
+            "vLLM has no layer-count key; ignored_layers needs the model description (--model "
+            "or --model-config)"
+        )
+        for side in ("first", "last"):
+            if getattr(rules, side):
+                out.warnings.append(
+                    Message(no_count, "vllm", f"bf16_layers.{side}={getattr(rules, side)}")
+                )
         for i, p in enumerate(rules.modules):
             if GLOB_CHARS.search(p):
-                warnings.append(
-                    f"{rule_label(i, p)} (host vllm): ignored_layers takes exact module "
-                    f"names; expanding this glob needs the model description "
-                    f"(--model or --model-config)"
+                text = (
+                    "ignored_layers takes exact module names; expanding this glob needs the "
+                    "model description (--model or --model-config)"
                 )
+                out.warnings.append(Message(text, "vllm", rule_label(i, p)))
             else:
                 exact.append(p)
-        return HostKeys({"ignored_layers": exact} if exact else {}, warnings)
+        if exact:
+            out.set("ignored_layers", exact)
+        return out
     if not acts and not model.vllm_quantizes_router:
-        return HostKeys({})
+        return Spelling()
     res = resolve(spec, model, "generation")
     ignored: list[str] = []
     for d in res.decisions:
@@ -67,4 +68,7 @@ def to_vllm(spec: RecipeSpec | BF16Rules, model: ModelDescription | None = None)
             ignored.append(d.module)
         else:
             ignored.extend(model.vllm_members(d.module))
-    return HostKeys({"ignored_layers": ignored} if ignored else {})
+    out = Spelling()
+    if ignored:
+        out.set("ignored_layers", ignored)
+    return out

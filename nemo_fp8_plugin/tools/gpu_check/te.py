@@ -4,7 +4,7 @@ d. ``te_quantizers``: TE's ``Float8BlockQuantizer`` (1x128 and 128x128 tiles, fp
    power-of-2 scales, fp32 and bf16 input) against the plugin's reference, bit for bit.
 e. ``te_linear``: ``te.Linear`` forward + backward per recipe against the same layer in
    BF16, measured in the same run; a recipe the GPU cannot train is skipped with the
-   capability table's reason (:func:`nemo_fp8_plugin.capabilities.hardware_problems`).
+   capability table's reason (:func:`nemo_fp8_plugin.kinds.hardware_problems`).
 
 Both take the TE modules as an argument (:class:`TEModules`, default :func:`import_te`) and
 ``require_cuda``, so the tests run every line of them on the CPU with stand-ins that follow
@@ -146,8 +146,9 @@ def check_te_linear(
         return skipped(why)
     if require_cuda and device.type != "cuda":
         return skipped("Transformer Engine's linear layers run on CUDA only")
-    from ...capabilities import arch_of_capability, hardware_problems
+    from ...capabilities import arch_of_capability
     from ...hosts.te import build_te_recipe
+    from ...kinds import hardware_problems
     from .presets import check_recipes
 
     specs = check_recipes()[0] if recipes is None else list(recipes)

@@ -199,7 +199,7 @@ def test_apply_writes_the_mixed_precision_block(tmp_path, registered):
     assert "precision" not in out and out["train"] == {"train_iters": 100}
     block = out["mixed_precision"]
     assert block["_target_"] == bridge.MIXED_PRECISION_TARGET
-    assert any("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in w for w in result.notes)
+    assert any("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in w for w in map(str, result.notes))
     built = _build_block(mp, block)
     reference = mp.get_mixed_precision_config("fp8_blockwise")
     assert dataclasses.asdict(built) == dataclasses.asdict(reference)
@@ -245,7 +245,7 @@ def test_apply_refuses_conflicts_and_dropped_settings(tmp_path, text, key):
 
 
 def test_native_keys_are_plain_data():
-    keys = bridge.native_keys(get_recipe("mxfp8")).keys
+    keys = bridge.ADAPTER.spell(get_recipe("mxfp8")).keys
     assert keys["mixed_precision"]["reuse_grad_buf_for_mxfp8_param_ag"] is True
     yaml.safe_dump(keys)  # serialisable as is
 
@@ -287,7 +287,7 @@ def test_registered_recipe_catches_the_fp32_scale_trap(registered, te_unset):
 
 
 def test_apply_warning_does_not_promise_a_check_stock_bridge_lacks(tmp_path):
-    (warning,) = [w for w in _apply(tmp_path, BRIDGE_YAML).notes if "NVTE_" in w]
+    (warning,) = [w for w in map(str, _apply(tmp_path, BRIDGE_YAML).notes) if "NVTE_" in w]
     assert "pass nemo_fp8_plugin.hosts.bridge.callback.FP8ScaleRefreshBridgeCallback" in warning
 
 

@@ -16,7 +16,7 @@ from megatron.core.transformer import TransformerConfig
 from conftest import REPO, load_te_recipe_module
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.cli import main
-from nemo_fp8_plugin.hosts import apply_path
+from nemo_fp8_plugin.hosts import apply_mapping, apply_path
 from nemo_fp8_plugin.hosts import megatron as mg
 
 pytestmark = pytest.mark.host
@@ -116,7 +116,7 @@ def test_per_module_rules_become_a_real_recipe_config():
 )
 def test_settings_megatron_would_drop_are_refused(override, key, tmp_path):
     spec = get_recipe(override)
-    assert any(f"{key}:" in w for w in mg.native_keys(spec).warnings)
+    assert any(f"{key}:" in str(w) for w in map(str, mg.ADAPTER.spell(spec).warnings))
     with pytest.raises(FP8ConfigError) as err:
         mg.build_transformer_config(spec, **MODEL)
     assert err.value.key.endswith(key)
@@ -162,7 +162,7 @@ def test_apply_writes_under_model_keeps_the_rest_and_is_idempotent(tmp_path):
     model = out["model"]
     assert model["num_layers"] == 4 and model["fp8_recipe"] == "tensorwise"
     assert model["num_layers_at_start_in_bf16"] == 1
-    assert any("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=0" in w for w in result.notes)
+    assert any("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=0" in w for w in map(str, result.notes))
     again = _apply(tmp_path, yaml.safe_dump(out, sort_keys=False), "out.yaml").data
     assert again == out
     # The written section is a valid TransformerConfig as megatron-core sees it.
@@ -270,7 +270,7 @@ def test_building_the_config_catches_the_fp32_scale_trap(te_unset):
 
 def test_apply_warning_says_who_checks_the_variable(tmp_path):
     result = _apply(tmp_path, "precision: fp8_blockwise\nmodel: {num_layers: 4}\n")
-    (warning,) = [w for w in result.notes if "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in w]
+    (warning,) = [w for w in map(str, result.notes) if "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in w]
     assert "callback" not in warning  # plain megatron-core has none
     assert "verify_installed_te('fp8_blockwise')" in warning
     over = _apply(
@@ -278,7 +278,7 @@ def test_apply_warning_says_who_checks_the_variable(tmp_path):
     )
     assert any(
         "verify_installed_te({'recipe': 'fp8_blockwise', 'pow2_scales': True})" in w
-        for w in over.notes
+        for w in map(str, over.notes)
     )
 
 
@@ -406,7 +406,7 @@ def test_the_reader_follows_the_source_not_a_list(tmp_path):
 )
 def test_fp8_attention_get_fp8_recipe_drops_is_refused(override, key, instead, tmp_path, capsys):
     spec = get_recipe(override)
-    (warning,) = [w for w in mg.native_keys(spec).warnings if f"{key}:" in w]
+    (warning,) = [str(w) for w in map(str, mg.ADAPTER.spell(spec).warnings) if f"{key}:" in str(w)]
     assert "megatron-core 0.16.1" in warning
     with pytest.raises(FP8ConfigError) as err:
         mg.build_transformer_config(spec, **MODEL)
@@ -492,35 +492,27 @@ def _ddp_from_megatron_lm_args(out):
     return DistributedDataParallelConfig(**{k: v for k, v in flat.items() if k in names})
 
 
-def test_write_distributed_fields_places_them_per_layout():
-    spec = get_recipe("mxfp8")
+def test_apply_places_the_ddp_fields_per_layout():
+    spec_request = {"recipe": "mxfp8", "fp8_param": True}
     lm = {"language_model": {"num_layers": 2}, "model_parallel": {"tensor_model_parallel_size": 1}}
-    assert mg.write_distributed_fields(lm, spec) == [
-        "fp8_param_gather",
-        "reuse_grad_buf_for_mxfp8_param_ag",
-    ]
-    ddp = _ddp_from_megatron_lm_args(lm)
+    out = apply_mapping(mg.ADAPTER, {**lm, "fp8": spec_request}).data
+    assert out["fp8_param_gather"] is True and out["reuse_grad_buf_for_mxfp8_param_ag"] is True
+    ddp = _ddp_from_megatron_lm_args(out)
     assert ddp.fp8_param_gather and ddp.reuse_grad_buf_for_mxfp8_param_ag
-    plain = {"model": {"num_layers": 2}}
-    mg.write_distributed_fields(plain, spec)
+    plain = apply_mapping(mg.ADAPTER, {"model": {"num_layers": 2}, "fp8": spec_request}).data
     from megatron.core.distributed import DistributedDataParallelConfig
 
     assert DistributedDataParallelConfig(**plain["ddp"]).reuse_grad_buf_for_mxfp8_param_ag
-    with pytest.raises(FP8ConfigError) as err:
-        mg.write_distributed_fields({"model": {}, "ddp": {"fp8_param_gather": False}}, spec)
-    assert err.value.key == "ddp.fp8_param_gather"
-    with pytest.raises(FP8ConfigError) as err:
-        mg.write_distributed_fields({"language_model": {}, "fp8_param_gather": False}, spec)
-    assert err.value.key == "fp8_param_gather"
-    with pytest.raises(FP8ConfigError) as err:
-        mg.write_distributed_fields({"model": {}, "ddp": 3}, spec)
-    assert err.value.key == "ddp"
-    assert (
-        mg.write_distributed_fields(
-            {"model": {}}, get_recipe({"recipe": "fp8_blockwise", "training": "bf16"})
-        )
-        == []
-    )
+    for config, key in (
+        ({"model": {}, "ddp": {"fp8_param_gather": False}}, "ddp.fp8_param_gather"),
+        ({"language_model": {}, "fp8_param_gather": False}, "fp8_param_gather"),
+        ({"model": {}, "ddp": 3}, "ddp"),
+    ):
+        with pytest.raises(FP8ConfigError) as err:
+            apply_mapping(mg.ADAPTER, {**config, "fp8": spec_request})
+        assert err.value.key == key
+    bf16 = {"recipe": "fp8_blockwise", "training": "bf16"}
+    assert "ddp" not in apply_mapping(mg.ADAPTER, {"model": {}, "fp8": bf16}).data
 
 
 def test_apply_writes_the_ddp_side(tmp_path):

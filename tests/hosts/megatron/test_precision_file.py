@@ -35,12 +35,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import shared_nemo_rl
+from conftest import FIXTURES, shared_nemo_rl
 from nemo_fp8_plugin import stacks
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.dotted import get_path
 from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts import get_adapter, load_context, run
+from nemo_fp8_plugin.hosts import RuleIssueKind, get_adapter, load_context, run
 from nemo_fp8_plugin.hosts.megatron import rules as megatron_rules
 from nemo_fp8_plugin.hosts.megatron.precision_file import (
     FILE_SUFFIX,
@@ -222,9 +222,12 @@ def _accepted(tmp_path, case):
     if ctx.model is None or get_path(ctx.resolved, "policy.megatron_cfg", None) is None:
         return None, None, "no model description or no Megatron policy"
     if ctx.model.layer_kinds:  # hybrid (Nemotron-3's Mamba layers): said generation-only
-        assert any("generation-only for a hybrid model" in n for n in result.notes) or not any(
-            "training runs the modules" in w for w in result.warnings
-        ), (cid, result.notes)
+        assert any(
+            "generation-only for a hybrid model" in n for n in map(str, result.notes)
+        ) or not any("training runs the modules" in w for w in map(str, result.warnings)), (
+            cid,
+            result.notes,
+        )
         return None, None, "hybrid model: module rules stay generation-only"
     return ctx, result, None
 
@@ -244,7 +247,7 @@ def test_the_file_is_read_by_megatron_core_and_keeps_the_rules_modules_bf16(tmp_
     path = precision_file_path(out)
     assert list(result.files) == [str(path)] and path.name == "moonlight.yaml" + FILE_SUFFIX
     assert get_path(result.data, NEMO_RL_KEY) == str(path.resolve())
-    assert not [w for w in result.warnings if "training runs the modules" in w]
+    assert not [w for w in map(str, result.warnings) if "training runs the modules" in w]
     path.parent.mkdir(parents=True)
     path.write_text(result.files[str(path)])
     load, match, params, _, _ = _megatron()
@@ -310,8 +313,10 @@ def test_without_the_key_module_rules_stay_generation_only(tmp_path):
     )
     _, result = _apply(src, tmp_path / "o.yaml", assumed=WITHOUT_KEY)
     assert result.files == {} and get_path(result.data, NEMO_RL_KEY) is None
-    assert any("stay generation-only" in n and "nemo-rl 0.6.0" in n for n in result.notes)
-    assert any("training runs the modules it matches in FP8" in w for w in result.warnings)
+    assert any("stay generation-only" in n and "nemo-rl 0.6.0" in n for n in map(str, result.notes))
+    assert any(
+        "training runs the modules it matches in FP8" in w for w in map(str, result.warnings)
+    )
 
 
 def test_layer_specific_rules_with_pipeline_parallelism_are_refused_naming_the_key(tmp_path):
@@ -504,9 +509,9 @@ def test_a_pipeline_size_that_is_not_an_int_is_read_or_refused(tmp_path, pp, wor
 
 
 # --------------------------------------------------------------------------- records, not wording
-# The route decides on the rules spellings' records (hosts.RuleIssue), never on their warnings'
-# wording: each test rewords every warning a rules spelling produces (the records' copies too)
-# and checks the decision is unchanged.
+# The route decides on the rules spellings' records (hosts.Message: kind, rules), never on
+# their wording: each test rewords every warning a rules spelling produces and checks the
+# decision is unchanged.
 
 _REWORDED = {
     "cannot be translated": "has no translation",
@@ -528,14 +533,8 @@ def _rewording(monkeypatch, module, name: str) -> None:
 
     def reworded(*args, **kwargs):
         keys = spell(*args, **kwargs)
-        issues = [
-            dataclasses.replace(i, warning=_reword(i.warning))
-            for i in getattr(keys, "rule_issues", [])
-        ]
-        out = dataclasses.replace(keys, warnings=[_reword(w) for w in keys.warnings])
-        if hasattr(keys, "rule_issues"):
-            out = dataclasses.replace(out, rule_issues=issues)
-        return out
+        words = [dataclasses.replace(w, text=_reword(w.text)) for w in keys.warnings]
+        return dataclasses.replace(keys, warnings=words)
 
     monkeypatch.setattr(module, name, reworded)
 
@@ -549,7 +548,7 @@ def test_a_reworded_untranslatable_warning_still_refuses_the_rule(monkeypatch, p
     _rewording(monkeypatch, megatron_rules, "to_megatron")
     assert any(
         "has no translation" in w or "written verbatim" in w
-        for w in megatron_rules.to_megatron(_spec("*.linear_fc2", pattern)).warnings
+        for w in map(str, megatron_rules.to_megatron(_spec("*.linear_fc2", pattern)).warnings)
     )
     with pytest.raises(FP8ConfigError) as err:
         precision_recipe(_spec("*.linear_fc2", pattern), None)
@@ -560,9 +559,10 @@ def test_a_reworded_pipeline_warning_is_still_left_to_the_file_route(monkeypatch
     model = describe_model("moonshotai/Moonlight-16B-A3B-Instruct")
     spec = _spec(*RULE_SETS["one-layer"]["modules"])
     _rewording(monkeypatch, megatron_rules, "to_megatron")
-    assert any("per-stage names" in w for w in megatron_rules.to_megatron(spec, model).warnings)
+    said = map(str, megatron_rules.to_megatron(spec, model).warnings)
+    assert any("per-stage names" in w for w in said)
     recipe, warnings = precision_recipe(spec, model, pipeline_parallel=1)
-    assert recipe is not None and not any("per-stage names" in w for w in warnings)
+    assert recipe is not None and not any("per-stage names" in w for w in map(str, warnings))
 
 
 def test_reworded_nemo_rl_training_warnings_still_move_into_the_file(monkeypatch, tmp_path):
@@ -575,4 +575,18 @@ def test_reworded_nemo_rl_training_warnings_still_move_into_the_file(monkeypatch
     )
     _, result = _apply(src, tmp_path / "written" / "moonlight.yaml")
     assert len(result.files) == 1 and get_path(result.data, NEMO_RL_KEY) is not None
-    assert not [w for w in result.warnings if "stay FP8 in training" in w]
+    assert not [w for w in map(str, result.warnings) if "stay FP8 in training" in w]
+
+
+def test_the_file_route_takes_the_training_warnings_it_expresses(tmp_path):
+    """The rules NeMo RL's training keys cannot express (records of kind
+    TRAINING_UNEXPRESSIBLE) leave the warnings when the file carries them; the others stay.
+    NVIDIA's configs shipped with the tests (no shared data needed)."""
+    parent = FIXTURES / "nemo_rl" / "examples" / "configs" / "grpo_math_8B_megatron.yaml"
+    src = _input(tmp_path, "child.yaml", parent, {"modules": ["*.linear_fc2", "*q_proj*"]})
+    without = run(get_adapter("nemo-rl"), load_context(str(src)))  # standard output: no file
+    moved = [w for w in without.warnings if w.kind is RuleIssueKind.TRAINING_UNEXPRESSIBLE]
+    assert len(moved) == 2 and without.files == {}
+    _, result = _apply(src, tmp_path / "out" / "run.yaml")
+    assert len(result.files) == 1
+    assert not [w for w in result.warnings if w.kind is RuleIssueKind.TRAINING_UNEXPRESSIBLE]

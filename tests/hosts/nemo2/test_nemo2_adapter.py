@@ -319,7 +319,7 @@ def test_apply_updates_the_existing_plugin_and_is_idempotent(tmp_path):
     assert "precision" not in out
     assert any(
         "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in w and "fp8_blockwise_callback" in w
-        for w in result.notes
+        for w in map(str, result.notes)
     )
     assert _apply(tmp_path, yaml.safe_dump(out, sort_keys=False), "again.yaml").data == out
 
@@ -391,6 +391,6 @@ def test_apply_refuses_fp8_wgrad_false_and_too_many_bf16_layers(tmp_path):
 
 
 def test_native_keys():
-    keys = nemo2.native_keys(get_recipe("fp8_current")).keys
+    keys = nemo2.ADAPTER.spell(get_recipe("fp8_current")).keys
     assert keys["trainer"]["plugins"]["first_last_layers_bf16"] is True
     assert "model" not in keys

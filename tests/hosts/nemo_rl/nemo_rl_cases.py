@@ -181,7 +181,7 @@ def apply_8b(tmp_path, **fp8):
         NEMO_RL, eight_b(tmp_path, **fp8), output=tmp_path / "out.yaml", stack=MAIN_STACK
     )
     (tmp_path / "out.yaml").write_text(yaml.safe_dump(result.data, sort_keys=False))
-    return flatten(resolved(tmp_path / "out.yaml")), result.warnings
+    return flatten(resolved(tmp_path / "out.yaml")), [str(w) for w in result.warnings]
 
 
 BF16_8B = None

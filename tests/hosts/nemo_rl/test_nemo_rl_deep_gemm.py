@@ -150,4 +150,4 @@ def test_the_users_own_deep_gemm_false_is_kept(tmp_path, hardware):
     assert _vllm_cfg(result, tmp_path / "out.yaml")["use_deep_gemm"] is False
     assert nemo_rl_deep_gemm_env(_vllm_cfg(result, tmp_path / "out.yaml")) == {}
     if hardware != "b200":
-        assert any("use_deep_gemm: false kept" in n for n in result.notes)
+        assert any("use_deep_gemm: false kept" in n for n in map(str, result.notes))

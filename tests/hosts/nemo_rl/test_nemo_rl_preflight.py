@@ -150,7 +150,7 @@ def test_rollouts_keep_the_recipes_grid_with_what_apply_writes(
             spec, gpu, release=VLLM_OF[release], env=_deep_gemm_env(release, vllm_cfg), method="fp8"
         )
         assert not bare.matches or bare.kernel != vllm.kernel
-        words = " ".join(result.notes)
+        words = " ".join(map(str, result.notes))
         if in_config:
             assert f"written to {ENV_VARS}" in words and not set(needed) & set(result.env)
         else:
@@ -280,6 +280,21 @@ def test_first_and_last_layers_are_written_as_keywords_where_counts_do_not_reach
     assert err.value.key == "fp8.bf16_layers.last" and f"NeMo RL v{release}" in str(err.value)
 
 
+def test_a_count_the_config_states_is_replaced_only_when_it_changes(tmp_path, qwen3_moe):
+    """At v0.6.0 the counts never reach vLLM: a config count equal to the rules' is replaced by
+    0 with a note saying so; a count already 0 (NVIDIA's configs) is no replacement, no note."""
+    fp8 = {"recipe": "fp8_blockwise", "bf16_layers": {"first": 1, "applies_to": "generation"}}
+    counts = {"generation": {"vllm_cfg": {"num_first_layers_in_bf16": 1}}}
+    src = _child(tmp_path, "0.6.0", EIGHT_B, fp8, policy=counts)
+    result = apply_path(NEMO_RL, src, stack=STACK["0.6.0"], model_config=qwen3_moe)
+    assert result.data["policy"]["generation"]["vllm_cfg"]["num_first_layers_in_bf16"] == 0
+    (said,) = [str(n) for n in result.notes if "replaced by" in str(n)]
+    assert "num_first_layers_in_bf16: 1 replaced by 0" in said
+    plain = _child(tmp_path, "0.6.0", EIGHT_B, {"recipe": "fp8_blockwise"})
+    result = apply_path(NEMO_RL, plain, stack=STACK["0.6.0"], model_config=qwen3_moe)
+    assert not [n for n in map(str, result.notes) if "replaced by" in n]
+
+
 def test_explain_shows_what_vllm_leaves_in_bf16_for_mlp_gate_on_a_qwen3_moe_model(
     tmp_path, qwen3_moe
 ):
@@ -320,7 +335,8 @@ def test_the_kv_cache_of_a_colocated_engine_is_estimated_and_pinning_suggested(t
     (estimate, pin) = kv["lines"]
     assert "an estimate" in estimate and "on one h100" in estimate
     assert "policy.generation.vllm_kwargs.kv_cache_memory_bytes" in pin and "vLLM 0.25.1" in pin
-    assert estimate in result.notes and pin in result.notes
+    notes = [str(n) for n in result.notes]
+    assert estimate in notes and pin in notes
     # v0.7.0's vLLM 0.20: the estimate, no pin
     old = apply_path(
         NEMO_RL,

@@ -87,11 +87,11 @@ def test_preset_fp8_param_true_is_written_false_for_nemo_rl(tmp_path, recipe):
     result = apply_path(NEMO_RL, src, stack=MAIN_STACK)
     # false is the parent's value already, so the overlay leaves it out
     assert result.data["policy"]["megatron_cfg"]["fp8_cfg"].get("fp8_param", False) is False
-    (warning,) = [w for w in result.warnings if "fp8_param" in w]
+    (warning,) = [w for w in map(str, result.warnings) if "fp8_param" in w]
     assert "token_mult_prob_error" in warning and "fp8_param: true" in warning
     hk = native_keys(get_recipe(recipe))
     assert hk.keys["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is False
-    assert any("fp8_param" in w for w in hk.warnings)
+    assert any("fp8_param" in w for w in map(str, hk.warnings))
 
 
 def test_fp8_param_stated_by_the_user_is_kept(tmp_path):
@@ -281,7 +281,7 @@ def test_request_in_a_parent_root_key_falls_back_to_resolved_output(tmp_path):
     result = apply_path(NEMO_RL, child, output=tmp_path / "out.yaml")
     assert "defaults" not in result.data and "precision" not in result.data
     assert result.data["grpo"]["max_num_steps"] == 7
-    assert any("fully resolved" in w for w in result.warnings)
+    assert any("fully resolved" in w for w in map(str, result.warnings))
 
 
 def test_adapter_contract():
@@ -296,7 +296,7 @@ def test_adapter_contract():
     }
     assert hk.env == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
     delayed = native_keys(get_recipe("fp8_delayed"))
-    assert delayed.keys == {} and "fp8_blockwise" in delayed.warnings[0]
+    assert delayed.keys == {} and "fp8_blockwise" in str(delayed.warnings[0])
 
 
 @pytest.mark.host
@@ -351,7 +351,9 @@ def test_fp8_current_preset_first_last_layers_in_native_keys():
         "num_layers_at_start_in_bf16": 1,
         "num_layers_at_end_in_bf16": 1,
     }
-    assert not any("bf16_layers.first" in w or "bf16_layers.last" in w for w in hk.warnings)
+    assert not any(
+        "bf16_layers.first" in w or "bf16_layers.last" in w for w in map(str, hk.warnings)
+    )
     # generation-only BF16 layers leave training alone; per-module globs still cannot be said
     gen = native_keys(
         get_recipe(
@@ -362,7 +364,7 @@ def test_fp8_current_preset_first_last_layers_in_native_keys():
     mods = native_keys(
         get_recipe({"recipe": "fp8_blockwise", "bf16_layers": {"modules": ["*q_proj*"]}})
     )
-    assert any("'*q_proj*'" in w and "training" in w for w in mods.warnings)
+    assert any("'*q_proj*'" in w and "training" in w for w in map(str, mods.warnings))
 
 
 def test_mxfp8_rollouts_give_nvidias_keys(tmp_path):
@@ -464,7 +466,7 @@ def test_model_overrides_cannot_carry_a_per_module_quant_recipe():
     # what the plugin writes instead: nothing per module for training, and a warning
     hk = native_keys(spec)
     assert "quant_recipe" not in json.dumps(hk.keys)
-    assert any("training runs the modules it matches in FP8" in w for w in hk.warnings)
+    assert any("training runs the modules it matches in FP8" in w for w in map(str, hk.warnings))
 
 
 @pytest.mark.parametrize(
@@ -482,7 +484,7 @@ def test_generation_numerics_nemo_rl_cannot_express_is_said(numerics, named, dee
     DeepGEMM in its E8M0 mode: ``vllm_deepgemm_ue8m0`` is ``use_deep_gemm: false``. A
     BF16-generation recipe has nothing to say."""
     spec = get_recipe({"recipe": "fp8_blockwise", "generation_numerics": numerics})
-    said = [w for w in native_keys(spec).warnings if "generation_numerics" in w]
+    said = [w for w in map(str, native_keys(spec).warnings) if "generation_numerics" in w]
     assert native_keys(spec).keys["policy"]["generation"]["vllm_cfg"]["use_deep_gemm"] is deep_gemm
     if named is None:
         assert said == []
@@ -490,4 +492,4 @@ def test_generation_numerics_nemo_rl_cannot_express_is_said(numerics, named, dee
         (warning,) = said
         assert named in warning
     bf16_gen = get_recipe({"recipe": "fp8_current", "generation_numerics": "trainer"})
-    assert not [w for w in native_keys(bf16_gen).warnings if "generation_numerics" in w]
+    assert not [w for w in map(str, native_keys(bf16_gen).warnings) if "generation_numerics" in w]

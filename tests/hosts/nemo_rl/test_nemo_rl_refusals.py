@@ -35,7 +35,7 @@ def test_output_is_idempotent(tmp_path):
     assert out.read_bytes() == first
     again = apply_path(NEMO_RL, out, output=tmp_path / "elsewhere" / "x.yaml")
     assert again.data["policy"] == yaml.safe_load(first)["policy"]
-    assert any("no FP8 recipe requested" in w for w in again.warnings)
+    assert any("no FP8 recipe requested" in w for w in map(str, again.warnings))
 
 
 @pytest.mark.parametrize(
@@ -175,7 +175,7 @@ def test_config_without_generation_gets_training_keys_only(tmp_path):
             "make_sequence_length_divisible_by": 16,
         }
     }
-    assert any("policy.generation" in w for w in result.warnings)
+    assert any("policy.generation" in w for w in map(str, result.warnings))
     with pytest.raises(FP8ConfigError) as err:
         apply_path(NEMO_RL, _gen_only(src))
     assert err.value.key == "fp8.training"

@@ -251,7 +251,7 @@ def test_nvidias_v0_6_0_base_config_is_accepted(tmp_path):
     src = _child(tmp_path, "0.6.0", EIGHT_B, {"recipe": "fp8_blockwise"})
     result = apply_path(NEMO_RL, src, stack="nemo-rl-0.6.0")
     assert result.written["loss_fn"] == {"use_importance_sampling_correction": True}
-    assert not any("truncation" in n for n in result.notes)
+    assert not any("truncation" in n for n in map(str, result.notes))
 
 
 def test_the_configs_own_truncation_is_kept_and_shown(tmp_path, capsys):
@@ -260,7 +260,7 @@ def test_the_configs_own_truncation_is_kept_and_shown(tmp_path, capsys):
     src = _child(tmp_path, "0.7.0", EIGHT_B, {"recipe": "fp8_blockwise"}, **top)
     result = apply_path(NEMO_RL, src, stack="nemo-rl-0.7.0")
     assert "truncated_importance_sampling_type" not in result.written["loss_fn"]
-    (note,) = [n for n in result.notes if "truncation kept" in n]
+    (note,) = [n for n in map(str, result.notes) if "truncation kept" in n]
     assert "icepop" in note and "5.0" in note
     assert main(["explain", str(src), "--stack", "nemo-rl-0.7.0"]) == 0
     assert "loss_fn truncation kept as your config states it: icepop" in capsys.readouterr().out
@@ -318,7 +318,7 @@ def test_the_configs_own_fp8_kv_cache_and_pow2_scales_stand(tmp_path):
     result = apply_path(NEMO_RL, src, stack="nemo-rl-0.7.0")
     assert result.data["policy"]["generation"]["vllm_cfg"]["kv_cache_dtype"] == "fp8"
     assert result.data["policy"]["generation"]["vllm_cfg"]["pow2_weight_scaling_factors"] is True
-    kept = [n for n in result.notes if "kept as your config states it" in n]
+    kept = [n for n in map(str, result.notes) if "kept as your config states it" in n]
     assert len(kept) == 2, result.notes
     # stated otherwise: refused, naming both values
     stated = _child(

@@ -99,7 +99,7 @@ def test_router_replay_is_written_where_the_release_reads_it(tmp_path, release):
     # read back, and no suggestion to turn it on once it is
     spec = read_native(load_context(tmp_path / "out.yaml", stack=STACK[release]), "nemo-rl").spec
     assert spec.router_replay is True
-    assert not [n for n in result.notes if "router replay" in n]
+    assert not [n for n in map(str, result.notes) if "router replay" in n]
 
 
 def test_router_replay_is_refused_naming_v0_6_0(tmp_path):
@@ -174,7 +174,7 @@ def test_what_nemo_rls_router_replay_refuses_is_refused_by_name(tmp_path, releas
 def test_router_replay_is_suggested_for_moe_fp8_rollouts_only(tmp_path):
     def suggested(base: str, fp8: dict, release: str = "0.7.0") -> list[str]:
         result = apply_path(NEMO_RL, _child(tmp_path, release, base, fp8), stack=STACK[release])
-        return [n for n in result.notes if "router_replay: true" in n]
+        return [n for n in map(str, result.notes) if "router_replay: true" in n]
 
     (note,) = suggested(MOONLIGHT, {"recipe": "fp8_blockwise"})
     assert REPLAY in note and "mixture of experts generating in FP8" in note
@@ -273,7 +273,9 @@ def test_a_configs_own_threshold_stands_unless_the_block_states_one(tmp_path):
     src = _child(tmp_path, "0.7.0", EIGHT_B, {"recipe": "fp8_blockwise"}, **top)
     result = apply_path(NEMO_RL, src, stack=STACK["0.7.0"])
     assert result.data["grpo"]["seq_logprob_error_threshold"] == 2.0
-    assert any(f"{THRESHOLD}: 2.0 kept as your config states it" in n for n in result.notes)
+    assert any(
+        f"{THRESHOLD}: 2.0 kept as your config states it" in n for n in map(str, result.notes)
+    )
     stated = {"recipe": "fp8_blockwise", "importance_sampling": {"max_sequence_error": 1.5}}
     with pytest.raises(ConflictingKeyError) as err:
         apply_path(NEMO_RL, _child(tmp_path, "0.7.0", EIGHT_B, stated, **top), stack=STACK["0.7.0"])

@@ -69,7 +69,7 @@ def test_a_packed_self_packing_model_gets_the_alignment_written(tmp_path, megatr
         NEMO_RL, _input(tmp_path, "Qwen/Qwen3.5-35B-A3B", {"recipe": "fp8_blockwise"}, megatron)
     )
     assert result.data["policy"][KEY] == need
-    assert any("delegate_pack_to_model" in n for n in result.notes)
+    assert any("delegate_pack_to_model" in n for n in map(str, result.notes))
 
 
 def test_a_packed_unknown_model_gets_the_alignment_written(tmp_path):
@@ -83,7 +83,7 @@ def test_a_packed_unknown_model_gets_the_alignment_written(tmp_path):
         ),
     )
     assert result.data["policy"][KEY] == 64
-    assert any("not in the model table" in n for n in result.notes)
+    assert any("not in the model table" in n for n in map(str, result.notes))
 
 
 def test_a_packed_known_model_is_still_left_to_nemo_rls_packer(tmp_path):
@@ -156,6 +156,6 @@ def test_qwen35_is_in_the_model_table_and_still_gets_the_alignment(tmp_path, mod
     megatron = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
     result = apply_path(NEMO_RL, _input(tmp_path, model, {"recipe": "fp8_blockwise"}, megatron))
     assert result.data["policy"][KEY] == 32
-    assert any("delegate_pack_to_model" in n for n in result.notes)
-    assert not any("not in the model table" in n for n in result.notes)
-    assert not any("not in the architecture table" in w for w in result.warnings)
+    assert any("delegate_pack_to_model" in n for n in map(str, result.notes))
+    assert not any("not in the model table" in n for n in map(str, result.notes))
+    assert not any("not in the architecture table" in w for w in map(str, result.warnings))
