@@ -111,21 +111,20 @@ def run(args: argparse.Namespace) -> int:
     except FP8ConfigError as err:  # a refusal naming an assumed NeMo RL release says so
         raise release_hint(err, ctx.nemo_rl) from None
     other = _forced_host(adapter, ctx) if args.host is not None else None
-    # The first line: which NeMo RL release the keys are written for (after the pipeline,
-    # so a refusal stays one line: it names the release itself).
+    # What apply says besides the output: printed once the output is rendered and written, so a
+    # refusal on the way (a file that cannot be edited in place, a companion refused) stays the
+    # one line that names it. The first line: which NeMo RL release the keys are written for.
+    said: list[str] = []
     if adapter.name == "nemo-rl":
-        print(f"nemo-fp8 apply: {ctx.nemo_rl.line}", file=sys.stderr)
+        said.append(ctx.nemo_rl.line)
     if args.stack is not None and ctx.stack is not None:
-        print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
+        said.append(ctx.stack.line)
     if detected is not None:
-        print(
-            f"nemo-fp8 apply: host: {detected} (detected from the config's shape)", file=sys.stderr
-        )
+        said.append(f"host: {detected} (detected from the config's shape)")
     if other is not None:
-        print(
-            f"nemo-fp8 apply: --force: {adapter.name}'s keys written into a {other} config "
-            f"(from its shape); {other} may not read them",
-            file=sys.stderr,
+        said.append(
+            f"--force: {adapter.name}'s keys written into a {other} config "
+            f"(from its shape); {other} may not read them"
         )
     checks = adapter.validate(result, ctx) if args.validate and result.requested else []
     source = _read_text(Path(args.config))
@@ -149,21 +148,21 @@ def run(args: argparse.Namespace) -> int:
     from . import printable_path
 
     # one line each, whatever file names they quote
-    for w in result.warnings:
-        print(f"nemo-fp8 apply: warning: {printable_path(w)}", file=sys.stderr)
-    for n in result.notes:  # informational: nothing to fix
-        print(f"nemo-fp8 apply: note: {printable_path(n)}", file=sys.stderr)
+    said += [f"warning: {printable_path(w)}" for w in result.warnings]
+    said += [f"note: {printable_path(n)}" for n in result.notes]  # informational
     if adapter.name == "vllm":  # no config key holds these: vLLM reads them when it starts
-        for var, value in result.env.items():
-            print(
-                f"nemo-fp8 apply: env: set {var}={value} where vLLM starts (not a config key)",
-                file=sys.stderr,
-            )
-    for line in checks:
-        print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
+        said += [
+            f"env: set {var}={value} where vLLM starts (not a config key)"
+            for var, value in result.env.items()
+        ]
+    said += [f"checked: {line}" for line in checks]
     if args.diff:
-        for path in result.files:  # companions too are only shown
-            print(f"nemo-fp8 apply: note: would also write {printable_path(path)}", file=sys.stderr)
+        said += [f"note: would also write {printable_path(path)}" for path in result.files]
+    elif target is not None:
+        _write_with_companions(args, target, text, source, result.files, ctx.raw)
+    for line in said:
+        print(f"nemo-fp8 apply: {line}", file=sys.stderr)
+    if args.diff:
         sys.stdout.write(
             unified_diff(
                 source,
@@ -172,9 +171,7 @@ def run(args: argparse.Namespace) -> int:
                 label=f"nemo-fp8 apply --host {adapter.name}",
             )
         )
-    elif target is not None:
-        _write_with_companions(args, target, text, source, result.files, ctx.raw)
-    else:
+    elif target is None:
         sys.stdout.write(text)
     return 0
 

@@ -23,10 +23,11 @@ import yaml
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin._io import dump_yaml
 from nemo_fp8_plugin.hosts import apply_path, nemo2
+from presets import FP8_PRESETS
 
 pytestmark = pytest.mark.host
 
-RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
+RECIPES = FP8_PRESETS
 NEMO = Path(sys.executable).with_name("nemo")
 STOCK = "llama32_1b"  # Llama 3.2 1B: 16 layers
 EXAMPLE = (
