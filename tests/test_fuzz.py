@@ -555,7 +555,7 @@ def _write_checkpoint(root: Path, shards, index, config) -> None:
 
 
 @settings(max_examples=examples(80), **FUZZ)
-@given(ckpt=checkpoints(), recipe=st.sampled_from(["fp8_blockwise", "mxfp8", "fp8_current"]))
+@given(ckpt=checkpoints(), recipe=st.sampled_from(RECIPES))
 def test_checkpoints_are_analyzed_exported_or_refused(capsys, ckpt, recipe):
     from nemo_fp8_plugin.rl import export_fp8_checkpoint
 
@@ -590,15 +590,13 @@ anything = st.one_of(
     st.lists(scalars, max_size=3),
     st.sampled_from(
         [
+            *RECIPES,
             "false",
             "true",
             "0",
             "1",
             "nemo_fp8",
             "compressed_tensors",
-            "fp8_blockwise",
-            "mxfp8",
-            "fp8_current",
         ]
     ),
     st.just(lambda *a: "false"),
@@ -626,7 +624,7 @@ anything = st.one_of(
         anything,
         max_size=3,
     ),
-    spec=st.one_of(st.sampled_from(["fp8_blockwise", "mxfp8", "fp8_subchannel"]), anything),
+    spec=st.one_of(st.sampled_from(RECIPES), anything),
     items=st.sampled_from(["mapping", "pairs", "bad-pair", "not-tensor", "string", "number"]),
 )
 def test_quantize_for_refit_arguments(kwargs, spec, items):
@@ -688,7 +686,7 @@ def test_refresh_scales_arguments(model, forward, kwargs):
         anything,
         max_size=3,
     ),
-    spec=st.one_of(st.sampled_from(["fp8_blockwise", "mxfp8"]), anything),
+    spec=st.one_of(st.sampled_from(RECIPES), anything),
     out_kind=st.sampled_from(["path", "str", "number", "none"]),
 )
 def test_export_fp8_checkpoint_arguments(kwargs, spec, out_kind):

@@ -11,15 +11,12 @@ from nemo_fp8_plugin import FP8ConfigError, RecipeSpec
 from nemo_fp8_plugin.config import find_fp8_request
 from nemo_fp8_plugin.errors import one_line
 from nemo_fp8_plugin.spec import BF16Rules, ImportanceSampling
+from presets import FP8_PRESETS
 
 pytestmark = pytest.mark.torch_free
 
 NAMES = [
-    "fp8_delayed",
-    "fp8_current",
-    "fp8_subchannel",
-    "fp8_blockwise",
-    "mxfp8",
+    *FP8_PRESETS,
     "fp8_bogus",
     "bfloat16",
     "bf16-mixed",

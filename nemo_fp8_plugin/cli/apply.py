@@ -110,21 +110,18 @@ def run(args: argparse.Namespace) -> int:
     except FP8ConfigError as err:  # a refusal naming an assumed host release says so
         raise adapter.refusal(err, ctx) from None
     other = _forced_host(adapter, ctx) if args.host is not None else None
-    # The first line: which host release the keys are written for (after the pipeline, so a
-    # refusal stays one line: it names the release itself).
-    for line in adapter.preamble(ctx):
-        print(f"nemo-fp8 apply: {line}", file=sys.stderr)
+    # What apply says besides the output: printed once the output is rendered and written, so a
+    # refusal on the way (a file that cannot be edited in place, a companion refused) stays the
+    # one line that names it. The first line: which host release the keys are written for.
+    said: list[str] = list(adapter.preamble(ctx))
     if args.stack is not None and ctx.stack is not None:
-        print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
+        said.append(ctx.stack.line)
     if detected is not None:
-        print(
-            f"nemo-fp8 apply: host: {detected} (detected from the config's shape)", file=sys.stderr
-        )
+        said.append(f"host: {detected} (detected from the config's shape)")
     if other is not None:
-        print(
-            f"nemo-fp8 apply: --force: {adapter.name}'s keys written into a {other} config "
-            f"(from its shape); {other} may not read them",
-            file=sys.stderr,
+        said.append(
+            f"--force: {adapter.name}'s keys written into a {other} config "
+            f"(from its shape); {other} may not read them"
         )
     checks = adapter.validate(result, ctx) if args.validate and result.requested else []
     source = _read_text(Path(args.config))
@@ -146,17 +143,17 @@ def run(args: argparse.Namespace) -> int:
     from . import printable_path
 
     # one line each, whatever file names they quote
-    for w in result.warnings:
-        print(f"nemo-fp8 apply: warning: {printable_path(str(w))}", file=sys.stderr)
-    for n in result.notes:  # informational: nothing to fix
-        print(f"nemo-fp8 apply: note: {printable_path(str(n))}", file=sys.stderr)
-    for line in adapter.env_lines(result):  # variables no config key holds
-        print(f"nemo-fp8 apply: env: {line}", file=sys.stderr)
-    for line in checks:
-        print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
+    said += [f"warning: {printable_path(str(w))}" for w in result.warnings]
+    said += [f"note: {printable_path(str(n))}" for n in result.notes]  # informational
+    said += [f"env: {line}" for line in adapter.env_lines(result)]  # no config key holds these
+    said += [f"checked: {line}" for line in checks]
     if args.diff:
-        for path in result.files:  # companions too are only shown
-            print(f"nemo-fp8 apply: note: would also write {printable_path(path)}", file=sys.stderr)
+        said += [f"note: would also write {printable_path(path)}" for path in result.files]
+    elif target is not None:
+        _write_with_companions(args, target, text, source, result.files, ctx.sources)
+    for line in said:
+        print(f"nemo-fp8 apply: {line}", file=sys.stderr)
+    if args.diff:
         sys.stdout.write(
             unified_diff(
                 source,
@@ -165,9 +162,7 @@ def run(args: argparse.Namespace) -> int:
                 label=f"nemo-fp8 apply --host {adapter.name}",
             )
         )
-    elif target is not None:
-        _write_with_companions(args, target, text, source, result.files, ctx.sources)
-    else:
+    elif target is None:
         sys.stdout.write(text)
     return 0
 

@@ -11,8 +11,9 @@ import pytest
 
 from conftest import NEMO_RL_TRIMMED, REPO
 from nemo_fp8_plugin.cli import COMMANDS, build_parser
+from presets import FP8_PRESETS
 
-FIVE = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8")
+FIVE = tuple(FP8_PRESETS)
 
 
 def cli(*args, cwd=None):

@@ -897,3 +897,21 @@ def test_generated_configs_edit_only_their_written_keys(capsys):
             assert rc == 0 and again.read_bytes() == out.read_bytes(), err
 
     check()
+
+
+def test_a_refusal_after_the_pipeline_is_one_line(tmp_path, capsys):
+    """apply's release line, warnings and notes come after the output is written: a file it
+    cannot edit in place (a NEL key beside a float PyYAML and ruamel read differently) is
+    refused in one line, nothing before it."""
+    src = tmp_path / "grpo.yaml"
+    src.write_text(
+        "policy:\n  model_name:\n  - 1.435706254469481e+119\n  - ? '\x85      '\n    : null\n"
+        "  precision: fp8_blockwise\n  megatron_cfg:\n    enabled: true\n"
+        "  generation:\n    backend: vllm\nloss_fn:\n  token_level_loss: true\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "out.yaml"
+    assert main(["apply", str(src), "--host", "nemo-rl", "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("nemo-fp8 apply: error: "), err
+    assert "in place" in err[0] and not out.exists()

@@ -18,10 +18,11 @@ import pytest
 from conftest import REPO, load_te_recipe_module
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.hosts import apply_path, te
+from presets import FP8_PRESETS
 
 pytestmark = pytest.mark.host
 
-RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
+RECIPES = FP8_PRESETS
 BACKWARD_OVERRIDE = "NVTE_BACKWARD_OVERRIDE"  # TE >= 2.15, read at import by every recipe class
 ENV_VARS = (te.ENV_BLOCK_FP32_SCALES, te.ENV_CURRENT_POW2_SCALES, BACKWARD_OVERRIDE)
 

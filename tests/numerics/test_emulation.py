@@ -39,8 +39,9 @@ from nemo_fp8_plugin.numerics import (
     set_amax_reduction_group,
     update_fp8_scales,
 )
+from presets import FP8_PRESETS
 
-RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
+RECIPES = FP8_PRESETS
 
 
 @pytest.fixture(autouse=True)

@@ -16,8 +16,9 @@ import torch
 from nemo_fp8_plugin import get_recipe
 from nemo_fp8_plugin.numerics import FP8EmulatedLinear, _cpu, clear_weight_cache, fused_mode
 from nemo_fp8_plugin.numerics import linear as L
+from presets import FP8_PRESETS, preset_names
 
-RECIPES = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8", "nvfp4")
+RECIPES = preset_names()
 
 
 @pytest.fixture
@@ -73,7 +74,9 @@ def test_every_recipe_on_the_cpu_kernels_matches_the_reference(recipe, kernel_ca
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize(
+    "recipe", preset_names(lambda row: row.tiled)
+)  # the kinds with CPU kernels
 def test_bf16_activations_on_the_cpu_kernels_match_the_reference(recipe, kernel_calls):
     want = train(recipe, fused=False, steps=1, dtype=torch.bfloat16)
     got = train(recipe, fused=True, steps=1, dtype=torch.bfloat16)
@@ -113,7 +116,7 @@ def _weight_casts(layer, monkeypatch) -> list[int]:
     return count
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_subchannel", "fp8_delayed"])
+@pytest.mark.parametrize("recipe", FP8_PRESETS)
 def test_weight_cast_once_per_optimizer_step(recipe, monkeypatch):
     layer = FP8EmulatedLinear(128, 128, recipe=get_recipe(recipe))
     count = _weight_casts(layer, monkeypatch)

@@ -22,6 +22,7 @@ from nemo_fp8_plugin.numerics import (
     is_fp8_emulated,
     revert_fp8_emulation,
 )
+from presets import FP8_PRESETS
 
 pytestmark = pytest.mark.host
 
@@ -65,7 +66,7 @@ def _mlp(cfg):
     return MLP(cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
 
 
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_delayed", "mxfp8"])
+@pytest.mark.parametrize("recipe", FP8_PRESETS)
 def test_megatron_mlp_runs_the_recipe(megatron_env, recipe):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 

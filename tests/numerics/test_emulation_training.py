@@ -21,8 +21,9 @@ from torch import nn
 
 from nemo_fp8_plugin import get_recipe
 from nemo_fp8_plugin.numerics import convert_to_fp8_emulation, fused_mode
+from presets import FP8_PRESETS
 
-RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
+RECIPES = FP8_PRESETS
 STEPS = 300
 BATCH = 128
 

@@ -36,10 +36,11 @@ from nemo_fp8_plugin.numerics import (
     quantize_per_tensor,
     quantize_with_scale,
 )
+from presets import FP8_PRESETS
 
 DTYPES = [torch.float32, torch.bfloat16]
 FMTS = ["e4m3", "e5m2"]
-RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
+RECIPES = FP8_PRESETS
 PATTERNS = [
     "zeros",
     "huge",

@@ -13,6 +13,7 @@ from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.numerics import quantize_blockwise
 from nemo_fp8_plugin.rl import RefitLayoutError, quantize_for_refit
 from nemo_fp8_plugin.rl.refit import default_is_linear_weight, row_parallel_shard_dim
+from presets import preset_names
 
 H, F, V = 256, 384, 300
 
@@ -279,7 +280,7 @@ def test_bad_requests():
         list(quantize_for_refit({"model.layers.0.mlp.up_proj.weight": torch.randn(128, 128)}, spec))
 
 
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", preset_names(lambda row: row.tiled and not row.is_nvfp4))
 def test_default_kernel_is_bit_identical_to_the_reference(recipe):
     """fused=None takes the public quantizers' own choice (the CPU kernels here)."""
     from nemo_fp8_plugin.numerics import kernel_for

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from presets import preset_names
+
 
 @pytest.mark.slow
 def test_bench_quick_reports_every_ratio(tmp_path):
@@ -67,7 +69,7 @@ def test_bench_quick_reports_every_ratio(tmp_path):
     assert "\r" not in proc.stderr
 
 
-RECIPES = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8", "nvfp4")
+RECIPES = tuple(preset_names())
 
 
 def test_linear_bench_sets_every_recipe_against_the_bf16_linear():

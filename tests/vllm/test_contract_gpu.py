@@ -22,6 +22,7 @@ from fake_gpu import GPU_PARAMS, assert_refusal, building, linear, moe, qcfg
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts.vllm import engine_env
 from nemo_fp8_plugin.registry import get_recipe
+from presets import BLOCK_PRESETS
 
 pytestmark = pytest.mark.vllm
 
@@ -43,7 +44,7 @@ def kernel_env(*, e8m0: bool = True, flashinfer_block: bool = False) -> dict[str
     [(True, True), (True, False), (False, True)],
     ids=["deepgemm-e8m0", "deepgemm-fp32", "no-deepgemm"],
 )
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
+@pytest.mark.parametrize("recipe", BLOCK_PRESETS)
 def test_block_kernel_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m0, recipe):
     """Items 5 and 6: vLLM's choice for each recipe, and what the method does with it."""
     fake_gpu(sm, deep_gemm_installed=deep_gemm_installed, env=kernel_env(e8m0=e8m0))
@@ -135,7 +136,7 @@ def test_amax_epsilon_is_refused_on_vllm_kernels(vllm_env, fake_gpu):
     assert_refusal(err, "amax_epsilon", "emulate")
 
 
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
+@pytest.mark.parametrize("recipe", BLOCK_PRESETS)
 @pytest.mark.parametrize(
     "sm,deep_gemm_installed,e8m0",
     [(90, False, True), (90, True, False), (90, True, True), (100, True, True)],
@@ -177,7 +178,7 @@ def test_generation_numerics_on_vllm_kernels(
         assert_refusal(err, "generation_numerics", "fused-MoE", "VLLM_USE_DEEP_GEMM_E8M0=1")
 
 
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
+@pytest.mark.parametrize("recipe", BLOCK_PRESETS)
 def test_cutlass_weight_processing_keeps_parameters_and_scales(vllm_env, fake_gpu, recipe):
     """The CUTLASS block kernel's weight processing is plain torch: run it (vLLM's own
     ``process_weights_after_loading``) and check that the loadable parameters keep their
@@ -301,7 +302,7 @@ def test_mx_kernel_selection(vllm_env, fake_gpu, sm, flashinfer, expected, accep
     [(True, True), (True, False), (False, True)],
     ids=["deepgemm-e8m0", "deepgemm-fp32", "no-deepgemm"],
 )
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
+@pytest.mark.parametrize("recipe", BLOCK_PRESETS)
 def test_block_moe_quant_config(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m0, recipe):
     """vLLM's Triton fused-MoE kernel quantizes activations with UE8M0 scales exactly when
     DeepGEMM's E8M0 mode is on: the recipe must agree, or the method refuses."""

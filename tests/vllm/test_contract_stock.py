@@ -20,10 +20,12 @@ from nemo_fp8_plugin.capabilities import CAPABILITIES, arch_of_capability, capab
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts.vllm import engine_env
 from nemo_fp8_plugin.registry import get_recipe
+from presets import BLOCK_PRESETS, preset_names
 
 pytestmark = pytest.mark.vllm
 
-RECIPES = ["fp8_blockwise", "fp8_subchannel", "mxfp8"]
+RECIPES = preset_names(lambda row: row.vllm_generation)
+"""The presets vLLM generates in (block FP8 and MXFP8); the others train only."""
 FLASHINFER_BLOCK = "FlashInferFp8DeepGEMMDynamicBlockScaledKernel"
 DEEP_GEMM_BLOCK = "DeepGemmFp8BlockScaledMMKernel"
 MX_CUTLASS = "FlashInferCutlassMxfp8LinearKernel"
@@ -108,7 +110,7 @@ def test_the_subchannel_refusal_says_set_it_to_zero(vllm_env, fake_gpu):
 
 
 @pytest.mark.parametrize("with_env", [False, True], ids=["stock", "engine_env"])
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
+@pytest.mark.parametrize("recipe", BLOCK_PRESETS)
 @pytest.mark.parametrize("sm", GPU_PARAMS)
 def test_block_moe_on_a_stock_install(vllm_env, fake_gpu, sm, recipe, with_env):
     """vLLM's fused-MoE kernel quantizes activations with UE8M0 scales exactly when

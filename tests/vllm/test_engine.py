@@ -48,6 +48,7 @@ import torch
 import vllm
 
 from nemo_fp8_plugin.tools.rl_check_bounds import TOKEN_MULT_PROB_ERROR_BOUND
+from presets import preset_names
 from tiny_models import LLAMA, llama_state_dict, set_numerics
 
 # slow: all tests but one share a ~13 s engine start
@@ -545,7 +546,10 @@ def test_report_times(llm):
     assert TIMES["engine_start_s"] > 0
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_subchannel"])
+# the generation presets other than fp8_blockwise, which the module's engine already serves
+@pytest.mark.parametrize(
+    "recipe", [n for n in preset_names(lambda row: row.vllm_generation) if n != "fp8_blockwise"]
+)
 def test_other_recipes_in_a_vllm_linear_layer(llm, recipe):
     """MXFP8 (E8M0 per 32) and power-of-2 block scales through vLLM's own fused linear layer
     class, built in the running engine's worker: BF16 shards quantized on arrival, the FP8

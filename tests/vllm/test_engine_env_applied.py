@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from nemo_fp8_plugin.hosts.vllm import engine_env
+from presets import BLOCK_PRESETS
 
 pytestmark = pytest.mark.vllm
 
@@ -57,7 +58,7 @@ def started_env(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_subchannel"])
+@pytest.mark.parametrize("recipe", BLOCK_PRESETS)
 def test_gpu_vllm_refit_sets_engine_env_before_the_engine(started_env, recipe, tmp_path):
     path = REPO / "scripts" / "gpu_vllm_refit.py"
     spec = importlib.util.spec_from_file_location("gpu_vllm_refit_env", path)

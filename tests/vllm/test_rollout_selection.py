@@ -23,16 +23,16 @@ from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts.vllm import engine_env
 from nemo_fp8_plugin.hosts.vllm.rollout import KERNEL_ENV, rollout
 from nemo_fp8_plugin.registry import get_recipe
+from presets import BLOCK_PRESETS, preset_names
 
 pytestmark = pytest.mark.vllm
 
 RELEASE = str(vllm.__version__).split("+")[0]
 RECIPES = {
-    "fp8_blockwise": "fp8_blockwise",
-    "fp8_subchannel": "fp8_subchannel",
-    "mxfp8": "mxfp8",
+    **{name: name for name in preset_names(lambda row: row.vllm_generation)},
     "deepgemm_ue8m0": {"recipe": "fp8_blockwise", "generation_numerics": "vllm_deepgemm_ue8m0"},
 }
+"""The presets vLLM generates in, and block FP8 under vLLM's DeepGEMM (UE8M0) numerics."""
 ENVS = [
     {k: v for k, v in zip(KERNEL_ENV, values) if v is not None}
     for values in itertools.product((None, "0"), repeat=len(KERNEL_ENV))
@@ -142,7 +142,7 @@ def test_a_stock_install_runs_deepgemm_ue8m0_where_nemo_rl_writes_use_deep_gemm_
 
 
 @pytest.mark.parametrize("sm", GPUS)
-@pytest.mark.parametrize("name", ["fp8_blockwise", "fp8_subchannel", "deepgemm_ue8m0"])
+@pytest.mark.parametrize("name", [*BLOCK_PRESETS, "deepgemm_ue8m0"])
 def test_the_needed_variables_make_the_method_load_on_the_recipes_grid(
     vllm_env, fake_gpu, sm, name
 ):

@@ -28,10 +28,11 @@ from megatron.core.transformer import TransformerConfig
 from conftest import load_te_recipe_module, upstream_file
 from nemo_fp8_plugin import FP8ConfigError, RecipeRegistryError, get_recipe
 from nemo_fp8_plugin.hosts import apply_path, bridge
+from presets import FP8_PRESETS
 
 pytestmark = pytest.mark.host
 
-RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
+RECIPES = FP8_PRESETS
 WHEEL = "megatron_bridge-0.6.2-*.whl"
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4)
 

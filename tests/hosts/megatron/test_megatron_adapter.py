@@ -18,10 +18,11 @@ from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.hosts import apply_mapping, apply_path
 from nemo_fp8_plugin.hosts import megatron as mg
+from presets import FP8_PRESETS
 
 pytestmark = pytest.mark.host
 
-RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
+RECIPES = FP8_PRESETS
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, bf16=True)
 
 EXPECTED = {  # what megatron-core must end up with, written out independently of the adapter

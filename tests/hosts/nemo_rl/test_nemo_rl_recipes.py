@@ -34,6 +34,7 @@ from nemo_fp8_plugin.hosts import HostAdapter, apply_path, get_adapter
 from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 from nemo_fp8_plugin.hosts.nemo_rl import NeMoRLAdapter, native_keys
 from nemo_fp8_plugin.registry import get_recipe
+from presets import preset_names
 
 pytestmark = pytest.mark.torch_free
 
@@ -75,7 +76,16 @@ def test_mxfp8_is_mxfp8_training_and_mx_generation(tmp_path):
     assert any("fp8_param" in w and "1164" in w for w in warnings)
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_current"])
+# the presets that gather FP8 parameters, of the kinds NeMo RL trains in FP8 (it refuses delayed
+# scaling; NVFP4 goes through model_overrides, tested in test_nemo_rl_nvfp4_overrides.py)
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        n
+        for n in preset_names(lambda row: not (row.is_delayed or row.is_nvfp4))
+        if get_recipe(n).fp8_param
+    ],
+)
 def test_preset_fp8_param_true_is_written_false_for_nemo_rl(tmp_path, recipe):
     assert get_recipe(recipe).fp8_param is True  # the premise: these presets gather FP8 params
     src = write_input(
