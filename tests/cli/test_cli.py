@@ -259,9 +259,9 @@ def test_bridge_hyphenated_alias_and_typos(tmp_path):
         "mixed_precision:",
         "did you mean 'fp8_blockwise'",
     )
-    # Bridge's own presets are Bridge's business
+    # Bridge's own named recipe with our fields reads as our recipe (no request: apply leaves it)
     out = cli("explain", write(tmp_path, "mixed_precision: bf16_with_fp8_current_scaling_mixed\n"))
-    assert out.returncode == 0 and "no FP8 recipe requested" in out.stdout
+    assert out.returncode == 0 and "read from native keys: fp8_current" in out.stdout
 
 
 def test_hardware_flag_is_blamed_as_the_flag(tmp_path):

@@ -771,8 +771,8 @@ def test_bridge_example_with_every_preset(preset, tmp_path):
     path = tmp_path / "bridge.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     block = apply_path(bridge.ADAPTER, path).data["mixed_precision"]
-    if get_recipe(preset).scaling == "nvfp4":  # Bridge's own registered recipe, by name
-        assert block == bridge.BRIDGE_RECIPES["nvfp4"]
-        return
-    assert block["fp8_recipe"] == mg.FP8_RECIPE[get_recipe(preset).scaling]
+    if get_recipe(preset).scaling == "nvfp4":  # the block too, as for every recipe
+        assert block["fp4_recipe"] == "nvfp4"
+    else:
+        assert block["fp8_recipe"] == mg.FP8_RECIPE[get_recipe(preset).scaling]
     _check_fields_are_honoured(block, f"bridge example {preset}")

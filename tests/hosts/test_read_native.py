@@ -168,8 +168,8 @@ def test_an_fp8_kv_cache_in_native_keys_is_read(tmp_path):
         ),
         (
             "bridge",
-            "mixed_precision: bf16_with_fp8_current_scaling_mixed\n",
-            "Megatron-Bridge recipe",
+            "mixed_precision: bf16_with_fp8_tilewise_mixed\n",
+            "no recipe of that name in Megatron-Bridge",
         ),
     ],
 )

@@ -7,8 +7,10 @@ optimizer and DDP configs, so precision belongs in ``mixed_precision`` only. Bri
 plugin discovery: the training script calls :func:`register` (``import
 nemo_fp8_plugin.hosts.bridge as fp8; fp8.register()``), which adds every recipe with Bridge's
 own ``register`` decorator and allows exactly the ``_target_`` callables of
-:mod:`nemo_fp8_plugin.hosts.targets`. ``nvfp4`` is Bridge's own ``bf16_with_nvfp4_mixed``
-(:data:`BRIDGE_RECIPES`). Per-module BF16 rules go to ``quant_recipe`` of the model's
+:mod:`nemo_fp8_plugin.hosts.targets`. Bridge's own named recipes with the fields of one of ours
+(``bf16_with_mxfp8_mixed`` is ``mxfp8``: :mod:`.recipes` reads them from Bridge's source) are
+that recipe; ``apply`` writes the ``MixedPrecisionConfig`` block for every recipe, the one
+form stock Bridge builds for all of them. Per-module BF16 rules go to ``quant_recipe`` of the model's
 TransformerConfig (``model`` for a provider, ``model.transformer`` for a
 ``GPTModelConfig``). The TE environment variable must be exported by the launch script;
 the recipes :func:`register` adds and
@@ -108,24 +110,9 @@ _BASE_NAMES = {
 }
 
 BRIDGE_RECIPES = {"nvfp4": "bf16_with_nvfp4_mixed"}
-"""Plugin recipe -> the Megatron-Bridge recipe (0.6.2 and HEAD) registered with the same
-fields, used instead of registering a duplicate."""
-
-BRIDGE_RECIPE_FIELDS = {
-    "bf16_with_nvfp4_mixed": {
-        "fp8": None,
-        "fp4": "e2m1",
-        "fp4_recipe": "nvfp4",
-        "fp8_param_gather": False,
-        "fp4_param_gather": True,
-        "first_last_layers_bf16": False,
-        "num_layers_at_start_in_bf16": 0,
-        "num_layers_at_end_in_bf16": 0,
-        "reuse_grad_buf_for_mxfp8_param_ag": False,
-    },
-}
-"""The fields each recipe of :data:`BRIDGE_RECIPES` sets on ``bf16_mixed()`` (checked against
-Bridge 0.6.2's own function in ``tests/hosts/test_nvfp4_hosts.py``)."""
+"""Plugin recipe -> the Megatron-Bridge recipe (0.6.2 and HEAD) :func:`register` starts from
+and does not register a duplicate of (``tests/hosts/bridge/test_bridge_names.py`` checks the
+two are the same recipe)."""
 
 
 def mixed_precision_fields(
@@ -147,42 +134,38 @@ def _own_recipe_key(spec: RecipeSpec) -> str:
     return "nvfp4" if capability(spec.scaling).megatron_field == "fp4_recipe" else spec.name
 
 
-def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:
-    """Bridge's own recipe with exactly ``spec``'s mixed-precision fields (``fp8_recipe`` is
-    inert without ``fp8``), or None."""
-    name = BRIDGE_RECIPES.get(_own_recipe_key(spec))
-    if name is None or spec.training != "fp8":
+def _base_name(current: Any) -> str | None:
+    """The base (``"bf16"``, ``"fp16"``) of a ``mixed_precision:`` naming Bridge's base recipe
+    or one of Bridge's recipes (:func:`_refuse_block` has made sure it is the request's)."""
+    if not isinstance(current, str):
         return None
-    fields = {
-        w.key: w.value
-        for w in mixed_precision_fields(spec, model).writes
-        if w.key not in ("quant_recipe", "fp8_recipe")
-    }
-    return name if fields == BRIDGE_RECIPE_FIELDS[name] else None
+    from .recipes import base_of, recipe_fields
+
+    theirs = recipe_fields(current)
+    return _BASE_NAMES.get(current) or (base_of(theirs) if theirs is not None else None)
 
 
 def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -> Spelling:
-    """``mixed_precision`` for the config (Bridge's own recipe by name, a new block on the
-    config's base recipe, or only the FP8 fields into the config's own block) and
-    ``quant_recipe`` into the model's TransformerConfig section."""
+    """``mixed_precision`` for the config (a new block on the config's base recipe, or only
+    the FP8 fields into the config's own block) and ``quant_recipe`` into the model's
+    TransformerConfig section. Every recipe gets the block: Bridge registers names for some
+    (never ``fp8_blockwise``, nor a recipe with BF16 layers or module rules), and a stock
+    Bridge builds the block for all of them."""
     fields = mixed_precision_fields(spec, model, core)
     out = Spelling(warnings=fields.warnings, env=fields.env)
     if not fields.writes:
         return out
     current = _current_block(ctx) if ctx is not None else None
     args = {w.key: w.value for w in fields.writes if w.key != "quant_recipe"}
-    own = bridge_recipe_name(spec, model)
-    base_name = _BASE_NAMES.get(current) if isinstance(current, str) else None
-    if own is not None and (current is None or current == own or base_name == "bf16"):
-        out.set("mixed_precision", own, checked=False)  # Bridge's own registered recipe
-    elif isinstance(current, Mapping):
+    base_name = _base_name(current)
+    if isinstance(current, Mapping):
         for key, value in args.items():
             out.set(f"mixed_precision.{key}", value)
         if "fp4" not in args:  # FP4 and FP8 exclude each other
             out.guard("mixed_precision.fp4", False)
         out.guard("mixed_precision.fp8_param", spec.fp8_param)
     else:
-        if base_name is not None:  # the base recipe's name: its block takes its place
+        if base_name is not None:  # a recipe's name: its block takes its place
             out.set("mixed_precision", {}, checked=False)
         block = {"_target_": MIXED_PRECISION_TARGET, **base_fields(base_name or "bf16"), **args}
         for key, value in block.items():
@@ -193,15 +176,6 @@ def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -
         on_config = isinstance(model_yaml, Mapping) and _is_model_config_yaml(model_yaml)
         where = "model.transformer" if on_config else "model"
         out.set(f"{where}.quant_recipe", _quant_recipe_yaml(quant))
-    if capability(spec.scaling).megatron_field == "fp4_recipe" and own is None:
-        out.notes.append(
-            Message(
-                f"{spec.name} as requested differs from Megatron-Bridge's bf16_with_nvfp4_mixed "
-                f"(BF16 layers, FP4 parameters or the base), so the MixedPrecisionConfig block "
-                f"is written instead of that name",
-                "bridge",
-            )
-        )
     out.notes += [
         Message(
             f"export {var}={value} in the launch script (Bridge's env_vars are applied after "
@@ -419,14 +393,26 @@ def transformer_section(config: dict) -> tuple[dict, str]:
 # --------------------------------------------------------------------------- YAML
 
 
-def _refuse_block(spec: RecipeSpec, current: Any) -> None:
+def _refuse_block(spec: RecipeSpec, current: Any, model=None) -> None:
     """A ``mixed_precision`` the FP8 fields cannot go into: another Bridge recipe's name, a
     block whose ``_target_`` is not Bridge's class, or anything else."""
     if isinstance(current, str):
-        if current not in _BASE_NAMES and current != bridge_recipe_name(spec):
+        from .recipes import difference
+
+        differs = None if current in _BASE_NAMES else difference(current, spec, model)
+        if differs:
+            said = ", ".join(f"{k}: {a!r} (the recipe: {b!r})" for k, (a, b) in differs.items())
             raise ConflictingKeyError(
-                f"already names the Megatron-Bridge recipe {current!r}, which "
-                f"conflicts with FP8 recipe {spec.name!r}",
+                f"names Megatron-Bridge's recipe {current!r}, which is not FP8 recipe "
+                f"{spec.name!r}: it sets {said}",
+                key="mixed_precision",
+                value=current,
+                hint="state the recipe once",
+            )
+        if differs is None and current not in _BASE_NAMES:
+            raise ConflictingKeyError(
+                f"already names {current!r}, not a Megatron-Bridge recipe "
+                f"(nor FP8 recipe {spec.name!r})",
                 key="mixed_precision",
                 value=current,
                 hint="state the recipe once",
@@ -480,7 +466,7 @@ class BridgeAdapter(HostAdapter):
         )
         if ctx is not None:
             check_layer_counts(ctx)
-            _refuse_block(spec, _current_block(ctx))
+            _refuse_block(spec, _current_block(ctx), ctx.model)
 
     def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
         return _spell(spec, ctx, ctx.model if ctx else model, stack_core(ctx))
@@ -514,11 +500,6 @@ class BridgeAdapter(HostAdapter):
                 f"{type(exc).__name__})"
             ]
         named = result.data.get("mixed_precision")
-        if isinstance(named, str):  # Bridge's own recipe, by name
-            from megatron.bridge.training.mixed_precision import get_mixed_precision_config
-
-            get_mixed_precision_config(named)
-            return [f"bridge: Megatron-Bridge resolves mixed_precision: {named}"]
         block = {
             k: v for k, v in (named or {}).items() if k != "_target_" and not isinstance(v, Mapping)
         }

@@ -1,9 +1,8 @@
 """Megatron-Bridge's own defaults for the ``MixedPrecisionConfig`` fields the adapter writes
-(``BridgeAdapter.default``; recorded from Bridge 0.6.2's
-``megatron/bridge/training/mixed_precision.py``, compared with the wheel's file by
-``tests/hosts/test_read_native.py``), and the reader of a Megatron-Bridge config already FP8 in its ``mixed_precision`` block
+(``BridgeAdapter.default``; :data:`~nemo_fp8_plugin.hosts.bridge.recipes.MIXED_PRECISION_DEFAULTS`,
+compared with the wheel's file by ``tests/hosts/test_read_native.py``), and the reader of a Megatron-Bridge config already FP8 in its ``mixed_precision`` block
 (``BridgeAdapter.read_native``): a ``MixedPrecisionConfig`` mapping, or the name of a Bridge
-recipe whose fields this package records (:data:`~nemo_fp8_plugin.hosts.bridge.BRIDGE_RECIPE_FIELDS`)."""
+recipe, whose fields :mod:`~nemo_fp8_plugin.hosts.bridge.recipes` reads from Bridge's source."""
 
 from __future__ import annotations
 
@@ -12,25 +11,9 @@ from typing import Any
 
 from ...dotted import get_path
 from .. import NO_DEFAULT, HostContext, NativeRecipe
-from ..native import FP8_FIELD_DEFAULTS
+from .recipes import MIXED_PRECISION_DEFAULTS
 
 __all__ = ["MIXED_PRECISION_DEFAULTS", "field_default", "read_native"]
-
-MIXED_PRECISION_DEFAULTS: dict[str, Any] = {
-    **FP8_FIELD_DEFAULTS,
-    "fp32": False,
-    "fp16": False,
-    "bf16": False,
-    "autocast_enabled": False,
-    "grad_reduce_in_fp32": True,
-    "fp8_param_gather": False,
-    "fp4_param_gather": False,
-    "num_layers_at_start_in_bf16": 0,
-    "num_layers_at_end_in_bf16": 0,
-    "reuse_grad_buf_for_mxfp8_param_ag": False,
-}
-"""``MixedPrecisionConfig`` field -> its default in Megatron-Bridge 0.6.2 (the constant ones
-the adapter writes)."""
 
 
 def field_default(key: str, data: Mapping[str, Any]) -> Any:
@@ -49,26 +32,27 @@ def field_default(key: str, data: Mapping[str, Any]) -> Any:
 
 def read_native(ctx: HostContext) -> NativeRecipe | None:
     from ..native import match_recipe, megatron_fields
-    from . import BRIDGE_RECIPE_FIELDS
+    from .recipes import RECIPE_DEFAULTS, bridge_recipes, recipe_fields
 
     block: Any = ctx.resolved.get("mixed_precision")
     where = "mixed_precision."
     read: list[tuple[str, Any]] = []
     if isinstance(block, str):
-        if block not in BRIDGE_RECIPE_FIELDS:
+        fields = recipe_fields(block)
+        if fields is None:
             if "fp8" in block or "fp4" in block:
                 return NativeRecipe(
                     "bridge",
                     None,
                     (("mixed_precision", block),),
                     unmatched=(
-                        f"mixed_precision: {block!r}: a Megatron-Bridge recipe whose fields "
-                        f"live in Bridge's code, not read here",
+                        f"mixed_precision: {block!r}: no recipe of that name in "
+                        f"{bridge_recipes()[0]}",
                     ),
                 )
             return None
         read.append(("mixed_precision", block))
-        block, where = BRIDGE_RECIPE_FIELDS[block], f"mixed_precision={block}:"
+        block, where = {**RECIPE_DEFAULTS, **fields}, f"mixed_precision={block}:"
     if not isinstance(block, Mapping):
         return None
     scaling, fields, found, unmatched = megatron_fields(block, where, MIXED_PRECISION_DEFAULTS)

@@ -234,13 +234,16 @@ PLUGIN_TARGETS = frozenset(
 re-exports of it); ``tests/hosts/nemo2/test_nemo2_adapter.py`` resolves each to the one class."""
 
 
-def _is_plugin_mapping(node: Any) -> bool:
+def _is_plugin_mapping(node: Any, *, overlay: bool = False) -> bool:
     """Whether ``node`` is NeMo's ``MegatronMixedPrecision`` block, by the exact import path
     of its ``_target_``. FP8 fields go into NeMo's own plugin only: a ``_target_`` that merely
     ends like it (``evil.MegatronMixedPrecision``) names another callable, and is refused
-    rather than taken for it or passed over."""
+    rather than taken for it or passed over. ``overlay``: a ``trainer.plugins`` mapping
+    without ``_target_`` is also one (the overlay on a ``--factory`` recipe's own plugin)."""
     if not isinstance(node, Mapping):
         return False
+    if overlay and "_target_" not in node:
+        return True
     target = node.get("_target_")
     if not isinstance(target, str):
         return False
@@ -273,7 +276,7 @@ def _plugin_node(config: Mapping[str, Any]) -> tuple[str, int | None] | None:
         return None if index is None else (f"trainer.plugins[{index}].", index)
     if plugins is None:
         return None
-    if _is_plugin_mapping(plugins):
+    if _is_plugin_mapping(plugins, overlay=True):
         return "trainer.plugins.", None
     raise FP8ConfigError(
         f"is not a MegatronMixedPrecision plugin: {format_value(plugins)}",
@@ -284,12 +287,20 @@ def _plugin_node(config: Mapping[str, Any]) -> tuple[str, int | None] | None:
 
 
 def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -> Spelling:
-    """The FP8 arguments into the config's plugin (a new one, NeMo's ``bf16_mixed`` values,
-    when it has none), the ``model.config`` fields beside it.
+    """The FP8 arguments into the config's plugin, the ``model.config`` fields beside it.
+
+    A config without a plugin is an overlay for ``nemo llm finetune --factory <recipe> --yaml``:
+    NeMo-Run replaces a ``trainer.plugins`` mapping that names a ``_target_`` with a new object
+    (the factory plugin's ``autocast_enabled``, ``grad_reduce_in_fp32`` and any other field
+    are lost) and merges one without ``_target_`` into the factory's plugin, so the overlay
+    gets the FP8 arguments only, every one written (the factory's plugin, not NeMo's class
+    defaults, holds the values an omitted argument would keep). A plugin list gets a new
+    plugin on NeMo's ``bf16_mixed`` values.
 
     The scale-refresh callback is not written into ``trainer.callbacks``: NeMo-Run's YAML
     loader cannot build a list of ``_target_`` mappings (it cannot load the callback list its
-    own ``--to-yaml`` writes either). A note gives the command-line form instead."""
+    own ``--to-yaml`` writes either), and a list replaces the recipe's own. A note names the
+    FP8 variant factory, which adds the callback to the stock ones."""
     fields = plugin_fields(spec, model, core)
     out = Spelling(warnings=fields.warnings, env=fields.env)
     if not fields.writes:
@@ -297,11 +308,12 @@ def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -
     found = _plugin_node(ctx.raw) if ctx is not None else None
     if found is None:
         plugins = get_path(ctx.raw, "trainer.plugins") if ctx is not None else None
-        where = (
-            f"trainer.plugins[{len(plugins)}]." if isinstance(plugins, list) else "trainer.plugins."
-        )
-        for key, value in {"_target_": PLUGIN_TARGET, **BF16_MIXED}.items():
-            out.set(where + key, value)
+        if isinstance(plugins, list):
+            where = f"trainer.plugins[{len(plugins)}]."
+            for key, value in {"_target_": PLUGIN_TARGET, **BF16_MIXED}.items():
+                out.set(where + key, value)
+        else:
+            where = "trainer.plugins."
     else:
         where = found[0]
     for w in fields.writes:
@@ -317,8 +329,10 @@ def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -
     out.notes += [
         Message(
             f"set {var}={value} in the executor's env_vars (or the shell, for --direct runs), "
-            f"and add the start-of-training check: "
-            f"trainer.callbacks=[{CALLBACK_FACTORY}.{_callback_factory_name(spec)}]",
+            f"and add the start-of-training check: give the FP8 variant as the factory, "
+            f"--factory <stock recipe>_{spec.name} --yaml OUT, which adds it to the stock "
+            f"callbacks (trainer.callbacks=[{CALLBACK_FACTORY}."
+            f"{_callback_factory_name(spec)}] replaces the whole list: name every callback)",
             "nemo2",
         )
         for var, value in fields.env.items()
@@ -335,10 +349,13 @@ def _validate(result: ApplyResult, ctx) -> list[str]:
         return [f"nemo2: not checked (NeMo is not importable here: {type(exc).__name__})"]
     plugins = (result.data.get("trainer") or {}).get("plugins")
     items = plugins if isinstance(plugins, list) else [plugins]
-    plugin = next((p for p in items if _is_plugin_mapping(p)), None)
+    overlay = isinstance(plugins, Mapping) and "_target_" not in plugins
+    plugin = next((p for p in items if _is_plugin_mapping(p, overlay=overlay)), None)
     if plugin is None:
         return ["nemo2: not checked (no MegatronMixedPrecision block in the output)"]
-    kwargs = {k: _dtype(v) for k, v in plugin.items() if k != "_target_"}
+    # An overlay is checked on NeMo's bf16_mixed, the stock recipes' plugin.
+    base = BF16_MIXED if overlay else {}
+    kwargs = {k: _dtype(v) for k, v in {**base, **plugin}.items() if k != "_target_"}
     try:
         MegatronMixedPrecision(**kwargs)
     except (TypeError, ValueError, AssertionError) as exc:

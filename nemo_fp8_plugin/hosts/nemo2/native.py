@@ -37,6 +37,7 @@ def argument_default(key: str, data: Mapping[str, Any]) -> Any:
     plugin = get_path(data, parent)
     if parent != "trainer.plugins" or not isinstance(plugin, Mapping):
         return NO_DEFAULT
+    # An overlay (no ``_target_``) merges into a factory's plugin, whose values are unknown here.
     if not str(plugin.get("_target_", "")).endswith("MegatronMixedPrecision"):
         return NO_DEFAULT
     return PLUGIN_DEFAULTS.get(leaf, NO_DEFAULT)
@@ -50,9 +51,11 @@ def _plugin(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
     if isinstance(plugins, list):
         items = [(f"trainer.plugins[{i}]", p) for i, p in enumerate(plugins)]
     for where, block in items:
-        if isinstance(block, Mapping) and str(block.get("_target_", "")).endswith(
-            "MegatronMixedPrecision"
-        ):
+        if not isinstance(block, Mapping):
+            continue
+        if str(block.get("_target_", "")).endswith("MegatronMixedPrecision"):
+            return where, block
+        if where == "trainer.plugins" and "_target_" not in block:  # an overlay's plugin fields
             return where, block
     return None
 

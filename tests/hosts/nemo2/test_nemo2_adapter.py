@@ -158,6 +158,11 @@ def runs(tmp_path_factory):
         "overlay_out.yaml",
         "-y",
     ]
+    # The FP8 variant as the factory under the same overlay: its callback joins the stock ones.
+    invocations["overlay_variant"] = [
+        *("llm", "finetune", "--factory", f"{STOCK}_fp8_blockwise", "--yaml", "overlay.yaml"),
+        *("--to-yaml", "overlay_variant_out.yaml", "-y"),
+    ]
     invocations["example"] = [
         *("llm", "finetune", "--factory", STOCK, "--yaml", "example.yaml"),
         *("--to-yaml", "example_out.yaml", "-y"),
@@ -271,6 +276,27 @@ def test_applied_yaml_loads_back_through_nemo_run(runs):
     )
     quant = doc["model"]["config"]["quant_recipe"]
     assert quant == {"_target_": nemo2.QUANT_RECIPE_TARGET, "patterns": ["*.linear_qkv"]}
+    # merged into the factory's own plugin, not a new one: the fields only the factory sets
+    # (NeMo-Run's --to-yaml writes the arguments a Config was given) are still there
+    assert (plugin["precision"], plugin["autocast_enabled"], plugin["grad_reduce_in_fp32"]) == (
+        "bf16-mixed",
+        False,
+        True,
+    )
+
+
+@pytest.mark.slow
+def test_overlay_on_the_fp8_variant_keeps_the_stock_callbacks(runs):
+    """`--factory llama32_1b_fp8_blockwise --yaml OUT`, the form apply's note gives: the overlay's
+    BF16 edge layer on the variant's plugin, the stock callbacks and the FP8 check together."""
+    work, results, out = _in_process(runs)
+    assert results["overlay_variant"] == 0, out[-3000:]
+    doc = yaml.safe_load((work / "overlay_variant_out.yaml").read_text())
+    plugin = _plugin(doc)
+    assert (plugin["num_layers_at_start_in_bf16"], plugin["first_last_layers_bf16"]) == (2, True)
+    assert (plugin["autocast_enabled"], plugin["grad_reduce_in_fp32"]) == (False, True)
+    callbacks = [c["_target_"] for c in doc["trainer"]["callbacks"]]
+    assert callbacks == ["nemo.utils.exp_manager.TimingCallback", nemo2.CALLBACK_TARGET]
 
 
 @pytest.mark.slow
@@ -331,8 +357,22 @@ def test_apply_updates_the_existing_plugin_and_is_idempotent(tmp_path):
     assert _apply(tmp_path, yaml.safe_dump(out, sort_keys=False), "again.yaml").data == out
 
 
-def test_apply_creates_a_plugin_when_there_is_none(tmp_path):
-    plugin = _apply(tmp_path, "precision: mxfp8\n").data["trainer"]["plugins"]
+def test_without_a_plugin_apply_writes_an_overlay_that_merges(tmp_path):
+    """No ``_target_`` (NeMo-Run would replace the factory's plugin with a new one) and every
+    FP8 argument written (the factory's plugin, not NeMo's defaults, holds omitted ones)."""
+    result = _apply(tmp_path, "precision: fp8_delayed\n")
+    plugin = result.data["trainer"]["plugins"]
+    assert "_target_" not in plugin and "precision" not in plugin
+    assert plugin == nemo2.plugin_fields(get_recipe("fp8_delayed")).keys
+    assert plugin["first_last_layers_bf16"] is False  # NeMo's default, written all the same
+    again = _apply(tmp_path, yaml.safe_dump(result.data, sort_keys=False), "again.yaml")
+    assert again.data == result.data
+
+
+def test_apply_into_a_plugin_list_builds_a_whole_plugin(tmp_path):
+    text = "precision: mxfp8\ntrainer: {plugins: [{_target_: some.OtherPlugin}]}\n"
+    plugin = _apply(tmp_path, text).data["trainer"]["plugins"][1]
+    assert plugin["_target_"] == nemo2.PLUGIN_TARGET
     assert plugin["params_dtype"] == "torch.bfloat16" and plugin["fp8_recipe"] == "mxfp8"
 
 

@@ -1,0 +1,327 @@
+"""Megatron-Bridge's named mixed-precision recipes (``mixed_precision: bf16_with_mxfp8_mixed``),
+read from Bridge's own ``megatron/bridge/training/mixed_precision.py``.
+
+The file is parsed with :mod:`ast`, never imported: importing Bridge needs Transformer Engine
+and torch, and config-only commands stay free of both. Each function decorated with Bridge's
+``@register`` either returns ``MixedPrecisionConfig(<field>=<literal>, ...)`` or starts from
+another recipe (``cfg = bf16_mixed()``) and sets fields on it (``cfg.fp8 = "e4m3"``); a recipe
+written any other way is left out (:func:`parse_recipes` says which), never guessed.
+
+Where Bridge is installed its file is read; elsewhere (a laptop, a login node) the recipes
+of Bridge 0.6.2 recorded in :data:`RECORDED_RECIPES` stand in
+(``tests/hosts/bridge/test_bridge_names.py`` parses the 0.6.2 wheel's file and compares).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+from typing import Any
+
+from ..native import FP8_FIELD_DEFAULTS
+
+__all__ = [
+    "SOURCE",
+    "MIXED_PRECISION_DEFAULTS",
+    "RECORDED_RECIPES",
+    "RECIPE_DEFAULTS",
+    "parse_recipes",
+    "bridge_recipes",
+    "recipe_fields",
+    "as_recorded",
+    "base_of",
+    "spelt_as_recipe",
+    "difference",
+]
+
+SOURCE = "megatron/bridge/training/mixed_precision.py"
+"""Bridge's module holding ``MixedPrecisionConfig`` and its recipe registry, in its wheel."""
+
+MIXED_PRECISION_DEFAULTS: dict[str, Any] = {
+    **FP8_FIELD_DEFAULTS,
+    "fp32": False,
+    "fp16": False,
+    "bf16": False,
+    "autocast_enabled": False,
+    "grad_reduce_in_fp32": True,
+    "fp8_param_gather": False,
+    "fp4_param_gather": False,
+    "num_layers_at_start_in_bf16": 0,
+    "num_layers_at_end_in_bf16": 0,
+    "reuse_grad_buf_for_mxfp8_param_ag": False,
+}
+"""``MixedPrecisionConfig`` field -> its default in Megatron-Bridge 0.6.2 (the constant ones
+the adapter writes)."""
+
+_MIRRORED = ("fp8_param", "fp4_param")
+"""Fields Bridge's ``MixedPrecisionConfig.__setattr__`` keeps equal to ``fp8_param_gather`` /
+``fp4_param_gather`` from construction on: left out, the ``*_gather`` field says it."""
+
+_BF16 = {
+    "bf16": True,
+    "params_dtype": "torch.bfloat16",
+    "pipeline_dtype": "torch.bfloat16",
+}
+_FP16 = {
+    "fp16": True,
+    "params_dtype": "torch.float16",
+    "pipeline_dtype": "torch.float16",
+    "grad_reduce_in_fp32": False,
+}
+
+RECORDED_RECIPES: dict[str, dict[str, Any]] = {
+    "bf16_mixed": {**_BF16},
+    "fp16_mixed": {**_FP16},
+    "bf16_with_fp8_delayed_scaling_mixed": {
+        **_BF16,
+        "fp8": "hybrid",
+        "fp8_recipe": "delayed",
+        "fp8_amax_history_len": 1024,
+        "fp8_amax_compute_algo": "max",
+        "fp8_param_gather": True,
+    },
+    "fp16_with_fp8_delayed_scaling_mixed": {
+        **_FP16,
+        "fp8": "hybrid",
+        "fp8_recipe": "delayed",
+        "fp8_amax_history_len": 1024,
+        "fp8_amax_compute_algo": "max",
+        "fp8_param_gather": True,
+    },
+    "bf16_with_mxfp8_mixed": {
+        **_BF16,
+        "fp8": "e4m3",
+        "fp8_recipe": "mxfp8",
+        "fp8_param_gather": True,
+        "reuse_grad_buf_for_mxfp8_param_ag": True,
+    },
+    "fp16_with_mxfp8_mixed": {
+        **_FP16,
+        "fp8": "e4m3",
+        "fp8_recipe": "mxfp8",
+        "fp8_param_gather": True,
+        "reuse_grad_buf_for_mxfp8_param_ag": True,
+    },
+    "bf16_with_fp8_current_scaling_mixed": {
+        **_BF16,
+        "fp8": "hybrid",
+        "first_last_layers_bf16": True,
+        "num_layers_at_start_in_bf16": 1,
+        "num_layers_at_end_in_bf16": 1,
+        "fp8_param_gather": True,
+    },
+    "nemotron_h_bf16_with_fp8_current_scaling_mixed": {
+        **_BF16,
+        "fp8": "hybrid",
+        "first_last_layers_bf16": True,
+        "num_layers_at_start_in_bf16": 2,
+        "num_layers_at_end_in_bf16": 2,
+        "fp8_param_gather": True,
+    },
+    "nanov2_bf16_with_fp8_current_scaling_mixed": {
+        **_BF16,
+        "fp8": "hybrid",
+        "fp8_recipe": "blockwise",
+        "first_last_layers_bf16": True,
+        "num_layers_at_start_in_bf16": 2,
+        "num_layers_at_end_in_bf16": 2,
+        "fp8_param_gather": True,
+    },
+    "fp16_with_fp8_current_scaling_mixed": {
+        **_FP16,
+        "fp8": "hybrid",
+        "first_last_layers_bf16": True,
+        "num_layers_at_start_in_bf16": 1,
+        "num_layers_at_end_in_bf16": 1,
+        "fp8_param_gather": True,
+    },
+    "bf16_with_fp8_subchannel_scaling_mixed": {**_BF16, "fp8": "hybrid", "fp8_recipe": "blockwise"},
+    "fp16_with_fp8_subchannel_scaling_mixed": {**_FP16, "fp8": "hybrid", "fp8_recipe": "blockwise"},
+    "bf16_with_nvfp4_mixed": {**_BF16, "fp4": "e2m1", "fp4_param_gather": True},
+    "nemotron_3_super_bf16_with_nvfp4_mixed": {
+        **_BF16,
+        "fp4": "e2m1",
+        "fp4_param_gather": True,
+        "first_last_layers_bf16": True,
+        "num_layers_at_end_in_bf16": 14,
+    },
+    "nemotron_3_ultra_bf16_with_nvfp4_mixed": {
+        **_BF16,
+        "fp4": "e2m1",
+        "fp4_param_gather": True,
+        "first_last_layers_bf16": True,
+        "num_layers_at_end_in_bf16": 16,
+    },
+}
+"""Bridge 0.6.2's registered recipes: name -> the ``MixedPrecisionConfig`` fields it sets to
+other than the class defaults (dtypes as import paths; ``fp8_param`` / ``fp4_param`` left out:
+they mirror the ``*_gather`` fields). Used only where Bridge is not installed."""
+
+
+class _Unreadable(Exception):
+    """A recipe body this reader does not follow (it is left out)."""
+
+
+def _literal(node: ast.expr) -> Any:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        if node.value.id == "torch":  # a dtype, by import path (torch.half is torch.float16)
+            return "torch.float16" if node.attr == "half" else f"torch.{node.attr}"
+    raise _Unreadable(ast.unparse(node))
+
+
+def _class_defaults(tree: ast.Module) -> dict[str, Any]:
+    cls = next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MixedPrecisionConfig"
+    )
+    out: dict[str, Any] = {}
+    for item in cls.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            out[item.target.id] = _literal(item.value) if item.value is not None else None
+    return out
+
+
+def parse_recipes(source: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """``(recipes, unreadable)`` of Bridge's ``mixed_precision.py`` text: each
+    ``@register``-ed recipe -> the fields it sets to other than ``MixedPrecisionConfig``'s
+    defaults (as :data:`RECORDED_RECIPES`), and the names of recipes written in a form this
+    reader does not follow."""
+    tree = ast.parse(source)
+    defaults = _class_defaults(tree)
+    functions = {
+        n.name: n
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef)
+        and any(isinstance(d, ast.Name) and d.id == "register" for d in n.decorator_list)
+    }
+
+    @functools.cache
+    def build(name: str) -> tuple[tuple[str, Any], ...]:
+        fields: dict[str, Any] | None = None
+        for stmt in functions[name].body:
+            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+                continue  # the docstring
+            call = getattr(stmt, "value", None)
+            if isinstance(stmt, ast.Return) and isinstance(call, ast.Call):
+                if getattr(call.func, "id", None) != "MixedPrecisionConfig" or call.args:
+                    raise _Unreadable(ast.unparse(stmt))
+                fields = {**defaults, **{k.arg: _literal(k.value) for k in call.keywords}}
+                break
+            if isinstance(stmt, ast.Return) and isinstance(call, ast.Name) and fields is not None:
+                break
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                target = stmt.targets[0]
+                if isinstance(target, ast.Name) and isinstance(call, ast.Call) and not call.args:
+                    base = getattr(call.func, "id", None)
+                    if base in functions and fields is None:
+                        fields = dict(build(base))
+                        continue
+                if isinstance(target, ast.Attribute) and fields is not None:
+                    fields[target.attr] = _literal(stmt.value)
+                    continue
+            raise _Unreadable(ast.unparse(stmt))
+        if fields is None:
+            raise _Unreadable(name)
+        return tuple(fields.items())
+
+    recipes: dict[str, dict[str, Any]] = {}
+    unreadable: list[str] = []
+    for name in functions:
+        try:
+            fields = dict(build(name))
+        except _Unreadable:
+            unreadable.append(name)
+            continue
+        recipes[name] = {
+            k: v for k, v in fields.items() if k not in _MIRRORED and defaults.get(k) != v
+        }
+    return recipes, unreadable
+
+
+def _installed_source() -> Path | None:
+    """Bridge's ``mixed_precision.py`` where the distribution is installed (found through its
+    metadata, without importing it), else None."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        path = Path(str(distribution("megatron-bridge").locate_file(SOURCE)))
+    except PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
+@functools.cache
+def _read(path: Path | None) -> tuple[str, dict[str, dict[str, Any]]]:
+    if path is None:
+        return "Megatron-Bridge 0.6.2 (recorded)", RECORDED_RECIPES
+    recipes, _unreadable = parse_recipes(path.read_text())
+    return f"Megatron-Bridge's {path}", recipes
+
+
+def bridge_recipes() -> tuple[str, dict[str, dict[str, Any]]]:
+    """``(where they were read, recipes)``: the installed Bridge's recipes, else the recorded
+    0.6.2 ones."""
+    return _read(_installed_source())
+
+
+def recipe_fields(name: str) -> dict[str, Any] | None:
+    """The fields Bridge's recipe ``name`` (or its hyphenated alias) sets, or None when Bridge
+    registers no such recipe."""
+    return bridge_recipes()[1].get(name.replace("-", "_"))
+
+
+# --------------------------------------------------------------------------- our recipes as Bridge's
+
+
+RECIPE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp4_recipe": "nvfp4"}
+"""``MixedPrecisionConfig``'s defaults for the two recipe fields (megatron-core's differ): what a
+recipe of :data:`RECORDED_RECIPES` that does not list them uses."""
+
+
+def _class_default(key: str) -> Any:
+    return {**MIXED_PRECISION_DEFAULTS, **RECIPE_DEFAULTS}.get(key)
+
+
+def as_recorded(fields: dict[str, Any]) -> dict[str, Any]:
+    """A full ``MixedPrecisionConfig`` mapping (dtypes as ``{_target_: torch.X}`` or import
+    paths) in the form of :data:`RECORDED_RECIPES`: the fields off Bridge's defaults, without
+    the mirrored ones, and without ``fp8_recipe`` when no FP8 is on (it is inert then)."""
+    out = {}
+    for key, value in fields.items():
+        if isinstance(value, dict) and "_target_" in value:
+            value = value["_target_"]
+        if key not in _MIRRORED and _class_default(key) != value:
+            out[key] = value
+    if out.get("fp8") is None:
+        out.pop("fp8_recipe", None)
+    return out
+
+
+def base_of(fields: dict[str, Any]) -> str:
+    """``"fp16"`` or ``"bf16"``: the base recipe a Bridge recipe's fields start from."""
+    return "fp16" if fields.get("fp16") else "bf16"
+
+
+def spelt_as_recipe(spec, base: str, model=None) -> dict[str, Any]:
+    """What ``spec`` sets on Bridge's ``<base>_mixed()``, in the form of :data:`RECORDED_RECIPES`
+    (``quant_recipe`` included: no Bridge recipe has per-module rules)."""
+    from . import base_fields, mixed_precision_fields
+
+    writes = {w.key: w.value for w in mixed_precision_fields(spec, model).writes}
+    return as_recorded({**base_fields(base), **writes})
+
+
+def difference(name: str, spec, model=None) -> dict[str, tuple[Any, Any]] | None:
+    """Field -> (Bridge's recipe ``name``'s value, ``spec``'s) where they differ (empty: the
+    same recipe), or None when Bridge registers no recipe ``name``."""
+    theirs = recipe_fields(name)
+    if theirs is None:
+        return None
+    ours = spelt_as_recipe(spec, base_of(theirs), model)
+    return {
+        k: (theirs.get(k, _class_default(k)), ours.get(k, _class_default(k)))
+        for k in sorted(set(theirs) | set(ours))
+        if theirs.get(k) != ours.get(k)
+    }
