@@ -80,7 +80,7 @@ def _unexpressible(spec: RecipeSpec) -> list[str]:
     out = kind(spec.scaling).nemo_rl_unexpressible(spec)
     if _generation_fp8(spec) and spec.generation_numerics == "trainer":
         out.append(
-            "NeMo RL: generation_numerics=trainer cannot be expressed: NeMo RL generates "
+            "generation_numerics=trainer cannot be expressed: NeMo RL generates "
             "with vLLM's own FP8 kernels, which quantize activations as vLLM does "
             "(generation_numerics: vllm); the trainer's numerics exist only in the plugin's "
             "nemo_fp8 emulation"
@@ -88,21 +88,19 @@ def _unexpressible(spec: RecipeSpec) -> list[str]:
     if training:
         if spec.amax_epsilon:
             out.append(
-                f"NeMo RL: amax_epsilon={spec.amax_epsilon} has no fp8_cfg key "
+                f"amax_epsilon={spec.amax_epsilon} has no fp8_cfg key "
                 "(Transformer Engine's default 0 is used)"
             )
         if not spec.fp8_wgrad:
             out.append(
-                "NeMo RL: fp8_wgrad=false has no fp8_cfg key and megatron-core hands it "
+                "fp8_wgrad=false has no fp8_cfg key and megatron-core hands it "
                 "to Transformer Engine only for delayed scaling, which TE 2.x ignores (the "
                 "weight-gradient GEMM runs in FP8); the nearest TE setting, "
                 "NVTE_BACKWARD_OVERRIDE=high_precision, moves the whole backward to high "
                 "precision"
             )
         if spec.fp8_dot_product_attention or spec.fp8_multi_head_attention:
-            out.append(
-                "NeMo RL: FP8 attention has no fp8_cfg key (attention runs in BF16 in training)"
-            )
+            out.append("FP8 attention has no fp8_cfg key (attention runs in BF16 in training)")
     return out
 
 
@@ -121,7 +119,7 @@ def _is_moe(model: Any) -> bool | None:
 
 
 FP8_PARAM_WARNING = (
-    "NeMo RL: {key} is written false although recipe {name} sets fp8_param: low-precision "
+    "{key} is written false although recipe {name} sets fp8_param: low-precision "
     "parameters can make token_mult_prob_error NaN in NeMo RL (NVIDIA-NeMo/RL issue 1164) and "
     "NVIDIA's NeMo RL FP8 configs all use fp8_param: false; state fp8_param: true in the fp8: "
     "block to keep it"
@@ -160,7 +158,7 @@ def deep_gemm_wanted(spec: RecipeSpec) -> bool:
 
 
 NVFP4_PARAM_GATHER_WARNING = (
-    "NeMo RL: FP4 parameters (model_overrides.fp4_param: true) without fp4_param_gather: NeMo "
+    "FP4 parameters (model_overrides.fp4_param: true) without fp4_param_gather: NeMo "
     "RL builds megatron-core's DistributedDataParallelConfig from fixed keys of "
     "policy.megatron_cfg.distributed_data_parallel_config (nemo_rl/models/megatron/setup.py, "
     "commit 7ea279a), none of them fp4_param_gather (megatron-core >= 0.18), which the "
