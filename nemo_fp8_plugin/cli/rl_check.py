@@ -71,6 +71,11 @@ def register(sub) -> None:
         help="write the reward and token_mult_prob_error curves (default with --json: "
         "the JSON path with .png)",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a read-only (e.g. 0444) --json or --png file; without it one is refused",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -87,6 +92,26 @@ def _int(text: str | None, key: str, lo: int, hi: int) -> int | None:
     if not lo <= value <= hi:
         raise FP8ConfigError(f"must be in [{lo}, {hi}], got {value}", key=key, value=value)
     return value
+
+
+def _check_folder(path: str | None, key: str) -> None:
+    """The folder an output goes to must exist: a mistyped folder is refused, not created
+    (the file itself is written later, atomically, by the ``_io`` writers)."""
+    import os
+    from pathlib import Path
+
+    from ..errors import FP8ConfigError
+
+    if path is None:
+        return
+    for folder in dict.fromkeys((Path(path).parent, Path(os.path.realpath(path)).parent)):
+        if not folder.is_dir():
+            raise FP8ConfigError(
+                f"folder {folder} does not exist; it is not created",
+                key=key,
+                value=path,
+                hint="create the folder first, or name a file in an existing one",
+            )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,13 +133,14 @@ def run(args: argparse.Namespace) -> int:
     from ._args import name_list
 
     # Every check before any work: a typo must not cost a finished run its results.
-    check_output_file(args.json, "--json")
     png = args.png
     if png is None and args.json is not None:
         png = str(Path(args.json).with_suffix(".png"))
         if png == args.json:
             png = args.json + ".png"
-    check_output_file(png, "--png")
+    for path, key in ((args.json, "--json"), (png, "--png")):
+        check_output_file(path, key, read_only_ok=args.force)
+        _check_folder(path, key)
     if args.json is not None and png is not None and same_file(args.json, png):
         raise FP8ConfigError("--json and --png name the same file", key="--png", value=png)
     arms = tuple(

@@ -517,3 +517,47 @@ def test_help_says_what_the_code_does(capsys):
     assert f"number of seeds (default {rl_check.FULL.seeds})" in text
     for arm in ARMS:
         assert arm in text
+
+
+# ------------------------------------------------------------------ outputs, as apply -o
+
+
+def _no_work(*a, **k):
+    raise AssertionError("the check started before its outputs were checked")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--png"])
+def test_a_read_only_output_is_refused_without_force(monkeypatch, capsys, tmp_path, flag):
+    monkeypatch.setattr(rl_check, "run_check", _no_work)
+    target = tmp_path / ("out.json" if flag == "--json" else "out.png")
+    target.write_text("mine")
+    target.chmod(0o444)
+    assert cli_main(["rl-check", "--quick", flag, str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and "read-only" in err and "--force" in err and "\n" not in err
+    assert target.read_text() == "mine"
+
+    class Started(Exception):
+        pass
+
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(rl_check, "run_check", started)
+    with pytest.raises(Started):  # --force: the outputs pass their checks, the work starts
+        cli_main(["rl-check", "--quick", "--force", flag, str(target)])
+
+
+@pytest.mark.parametrize("flag", ["--json", "--png"])
+def test_a_missing_folder_is_refused_not_created(monkeypatch, capsys, tmp_path, flag):
+    monkeypatch.setattr(rl_check, "run_check", _no_work)
+    missing = tmp_path / "no" / "such"
+    assert cli_main(["rl-check", "--quick", flag, str(missing / "out.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and "does not exist" in err and "\n" not in err
+    assert not (tmp_path / "no").exists()
+    # a link to a file in a missing folder: the same
+    link = tmp_path / "link.json"
+    link.symlink_to(missing / "out.json")
+    assert cli_main(["rl-check", "--quick", flag, str(link)]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "no").exists()
