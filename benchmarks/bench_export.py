@@ -1,4 +1,4 @@
-"""Checkpoint export benchmark (issue 14 item 3): ``export_fp8_checkpoint`` against a same-run
+"""Checkpoint export benchmark: ``export_fp8_checkpoint`` against a same-run
 safetensors copy of the same files.
 
 Writes a synthetic Llama-shaped bf16 checkpoint (hidden 4096, MLP 14336, 8 KV heads, four

@@ -1,4 +1,4 @@
-"""Numerics benchmark (issues 3 and 14): the public quantizers' throughput and the emulated
+"""Numerics benchmark: the public quantizers' throughput and the emulated
 linear layer's overhead.
 
 The figures of ``nemo_fp8_plugin.tools.bench`` (see its docstring): the public quantizers

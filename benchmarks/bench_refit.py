@@ -1,4 +1,4 @@
-"""Refit quantizer benchmark (issues 7 and 14): GB/s of ``quantize_for_refit`` vs a copy.
+"""Refit quantizer benchmark: GB/s of ``quantize_for_refit`` vs a copy.
 
 Quantizes the linear weights of transformer layers shaped like Llama-3-8B's (hidden 4096,
 8 KV heads of 128, MLP 14336; bf16) with the recipe's block FP8 layout, and clones the

@@ -1,4 +1,10 @@
-"""Output helpers: atomic file writes (regular files only), and stable YAML/JSON rendering."""
+"""File safety, one home: atomic writes (regular files only; an output and the files beside
+it as one step), the checks of an output path before any work, every read of a file a user
+names (regular files of bounded size, JSON within the limits, links kept inside a checkpoint),
+printed file names, and stable YAML/JSON rendering.
+
+Longer than the package's 600-line guide on purpose: every reader and writer of user files
+shares these checks, and a second module would invite a second, laxer path."""
 
 from __future__ import annotations
 
@@ -8,18 +14,29 @@ import math
 import os
 import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "atomic_write_text",
     "atomic_write_bytes",
+    "atomic_write_files",
     "dump_yaml",
     "dump_json",
     "dump_config_json",
     "check_output_file",
     "check_output_dir",
+    "companion_path",
+    "check_companion_file",
     "same_file",
+    "shown_path",
+    "regular_file",
+    "read_user_bytes",
+    "read_user_json",
+    "inside_checkpoint",
+    "safetensors_files",
+    "regular_entries",
 ]
 
 
@@ -32,7 +49,68 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     a reader is written through, never renamed over; a FIFO nobody reads, a socket or a
     block device is refused. Every error names ``path``, not the temp file.
     """
-    shown = Path(path)
+    atomic_write_files([(path, data)])
+    return Path(path)
+
+
+def atomic_write_files(writes: Sequence[tuple[str | os.PathLike[str], bytes]]) -> None:
+    """Write several files as one step: what :func:`atomic_write_bytes` does for each, with
+    every temp file written and synced before the first rename, then the renames in the
+    order given (an output first, then the files it names). A failure or a signal before
+    the renames (a full disk, SIGTERM) removes every temp file and changes no target; a
+    character device or FIFO among the targets is written through at its turn."""
+    from ._signals import interruptible, signals_held
+
+    with interruptible():
+        staged: list[_Staged] = []
+        try:
+            for path, data in writes:
+                staged.append(_stage(Path(path), data))
+            with signals_held():  # the renames run whole: no output without its companions
+                for one in staged:
+                    one.commit()
+        finally:
+            with signals_held():  # a second SIGTERM must not cut the cleanup short
+                for one in staged:
+                    one.discard()
+
+
+class _Staged:
+    """One target of :func:`atomic_write_files`: its temp file, written, synced and locked
+    (``commit`` renames it over the target), or the bytes a device takes at commit."""
+
+    def __init__(self, shown: Path, target: Path, data: bytes, mode: int | None) -> None:
+        self.shown, self.target, self.data, self.mode = shown, target, data, mode
+        self.tmp: str | None = None
+        self.fd: int | None = None
+        self.locked = False
+
+    def commit(self) -> None:
+        if self.mode is not None:  # not a regular file: written through, never replaced
+            _write_through(self.target, self.mode, self.data, self.shown)
+            return
+        assert self.tmp is not None and self.fd is not None
+        try:
+            os.replace(self.tmp, self.target)  # renamed open, so the lock covers the rename
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(self.shown)) from None
+        self.tmp = None
+        self.discard()
+
+    def discard(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.tmp is not None:
+            try:
+                os.unlink(self.tmp)
+            except FileNotFoundError:
+                pass
+            self.tmp = None
+
+
+def _stage(shown: Path, data: bytes) -> _Staged:
+    """The temp file of a write to ``shown`` (symlinks followed), complete on disk."""
     target = Path(os.path.realpath(shown))
     try:
         st = os.stat(target)
@@ -43,13 +121,32 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, "is a directory, expected a file path", str(shown))
     if st is not None and not stat.S_ISREG(st.st_mode):
-        _write_through(target, st.st_mode, data, shown)
-        return shown
-    from ._signals import interruptible
+        _check_write_through(st.st_mode, shown)
+        return _Staged(shown, target, data, st.st_mode)
+    one = _Staged(shown, target, data, None)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        prefix = _temp_prefix(target)
+        _remove_stale_temps(target.parent, prefix)
+        one.fd, one.tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=target.parent)
+        # Held until the rename: while it is, no later write takes the file for a leftover.
+        one.locked = _lock(one.fd, blocking=True)
+        # mkstemp creates 0600; the result should look like any file the user writes
+        # (umask applied), or keep the mode of the file it replaces.
+        os.fchmod(one.fd, st.st_mode & 0o7777 if st is not None else 0o666 & ~_umask())
+        view = memoryview(data)
+        while view:
+            view = view[os.write(one.fd, view) :]
+        os.fsync(one.fd)
+    except BaseException as exc:
+        from ._signals import signals_held
 
-    with interruptible():
-        _replace_file(target, st, data, shown)
-    return shown
+        with signals_held():
+            one.discard()
+        if isinstance(exc, OSError):  # disk full, quota, read-only: the user's path, not ours
+            raise OSError(exc.errno, exc.strerror, str(shown)) from None
+        raise
+    return one
 
 
 TEMP_MARK = ".nemo-fp8-write-"
@@ -62,42 +159,6 @@ writer is gone is removed by the next write: a SIGKILL or a power cut cannot be 
 what it leaves is cleaned later. The age is a second guard beside the lock (a file system
 whose ``flock`` is a no-op), and covers the instant between a temp file's creation and its
 lock."""
-
-
-def _replace_file(target: Path, st: os.stat_result | None, data: bytes, shown: Path) -> None:
-    from ._signals import signals_held
-
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        prefix = _temp_prefix(target)
-        _remove_stale_temps(target.parent, prefix)
-        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=target.parent)
-    except OSError as err:
-        raise OSError(err.errno, err.strerror, str(shown)) from None
-    try:
-        # Held until the rename: while it is, no later write takes the file for a leftover.
-        locked = _lock(fd, blocking=True)
-        # mkstemp creates 0600; the result should look like any file the user writes
-        # (umask applied), or keep the mode of the file it replaces.
-        mode = st.st_mode & 0o7777 if st is not None else 0o666 & ~_umask()
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-            if locked:  # renamed open, so the lock covers the rename (POSIX allows it)
-                os.replace(tmp, target)
-        if not locked:
-            os.replace(tmp, target)
-    except BaseException as exc:
-        with signals_held():  # a second SIGTERM must not cut the cleanup short
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        if isinstance(exc, OSError):  # disk full, quota, read-only: the user's path, not ours
-            raise OSError(exc.errno, exc.strerror, str(shown)) from None
-        raise
 
 
 def _lock(fd: int, *, blocking: bool) -> bool:
@@ -181,13 +242,9 @@ def _temp_prefix(target: Path) -> str:
     return f".{name or 'out'}{TEMP_MARK}"
 
 
-def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:
-    """Write into a character device or a FIFO (a reader must be there: never block)."""
-    if stat.S_ISCHR(mode):
-        flags = os.O_WRONLY
-    elif stat.S_ISFIFO(mode):
-        flags = os.O_WRONLY | os.O_NONBLOCK
-    else:
+def _check_write_through(mode: int, shown: Path) -> None:
+    """Refuse a target that is neither a regular file nor one written through."""
+    if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
         kind = (
             "a socket"
             if stat.S_ISSOCK(mode)
@@ -196,6 +253,12 @@ def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:
         raise OSError(
             errno.EINVAL, f"is {kind}; name a file (or - for standard output)", str(shown)
         )
+
+
+def _write_through(target: Path, mode: int, data: bytes, shown: Path) -> None:
+    """Write into a character device or a FIFO (a reader must be there: never block)."""
+    _check_write_through(mode, shown)
+    flags = os.O_WRONLY if stat.S_ISCHR(mode) else os.O_WRONLY | os.O_NONBLOCK
     held = _HELD_FIFOS.pop(os.path.realpath(target), None)
     try:
         fd = held if held is not None else os.open(target, flags)
@@ -388,6 +451,73 @@ def check_output_file(
     _check_creatable(Path(os.path.realpath(path)), key, shown=path)
 
 
+def companion_path(output: str | os.PathLike[str], suffix: str) -> Path | None:
+    """Where a file written beside ``output`` goes: ``output``'s name + ``suffix`` in its
+    folder, so two outputs (``run.yaml``, ``run.json``) never share one; None when
+    ``output`` is not a regular file (a character device or FIFO is written through, and
+    nothing is ever created beside ``/dev/null``)."""
+    out = Path(output)
+    try:
+        mode = os.stat(out).st_mode
+    except OSError:
+        mode = None  # not there yet: a file, created by the write
+    if mode is not None and not stat.S_ISREG(mode):
+        return None
+    return out.with_name(out.name + suffix)
+
+
+def check_companion_file(
+    path: str | os.PathLike[str],
+    key: str,
+    *,
+    text: str,
+    force: bool = False,
+    force_flag: str = "--force",
+) -> None:
+    """:func:`check_output_file` for a file a command writes beside its output, a name the
+    user did not type: a symbolic link there is never followed (it could point at anything),
+    anything but a regular file is refused, and a file there is replaced only when it is an
+    earlier one of the same kind (it starts with ``text``'s first line) or, with ``force``, a
+    read-only or foreign one."""
+    from .errors import FP8ConfigError
+
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as err:
+        raise FP8ConfigError(
+            f"cannot inspect {path}: {err.strerror}", key=key, value=str(path)
+        ) from None
+    beside = "written beside the output"
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise FP8ConfigError(
+            f"{path} ({beside}) is a symbolic link; it was not followed",
+            key=key,
+            value=str(path),
+            hint="remove the link, or write the output elsewhere",
+        )
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise FP8ConfigError(f"{path} ({beside}) is {kind}", key=key, value=str(path))
+    if st is not None and not force:
+        first = text.split("\n", 1)[0].encode("utf-8")
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(len(first))
+        except OSError:
+            head = b""
+        if head != first:
+            raise FP8ConfigError(
+                f"{path} ({beside}) is a file nemo-fp8 did not write; it was not replaced",
+                key=key,
+                value=str(path),
+                hint=f"move it away, write the output elsewhere, or pass {force_flag}",
+            )
+    check_output_file(path, key, read_only_ok=force, force_flag=force_flag)
+
+
 def _check_fifo_reader(path: Path, key: str) -> None:
     """A FIFO is written through at the end; with no reader that write fails, so refuse it
     now. The probe's descriptor stays open (:data:`_HELD_FIFOS`) and the final write uses
@@ -413,6 +543,16 @@ def _check_fifo_reader(path: Path, key: str) -> None:
 
 _HELD_FIFOS: dict[str, int] = {}
 """Write descriptors of output FIFOs checked before the work, by real path."""
+
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A file name as a command prints it: one line, every character encodable. A control
+    character (ESC, a newline) is escaped as ``\\x1b`` / ``\\n``, not sent to the terminal,
+    and a byte that is not UTF-8 (a surrogate escape in ``str``) as ``\\xff``."""
+    from .errors import one_line
+
+    text = os.fsdecode(path)
+    return one_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
@@ -458,15 +598,93 @@ def regular_file(path: str | Path, *, key: str | None, what: str = "file") -> Pa
             f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
         ) from None
     if not stat.S_ISREG(mode):
-        kind = (
-            "a directory"
-            if stat.S_ISDIR(mode)
-            else "a FIFO"
-            if stat.S_ISFIFO(mode)
-            else "a special file"
+        raise FP8ConfigError(
+            f"{path} is {_kind(mode)}, not a regular {what}", key=key, value=str(path)
         )
-        raise FP8ConfigError(f"{path} is {kind}, not a regular {what}", key=key, value=str(path))
     return path
+
+
+def _kind(mode: int) -> str:
+    return (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a special file"
+    )
+
+
+def read_user_bytes(
+    path: str | Path, *, key: str | None, what: str = "file", limit: int | None = None
+) -> bytes:
+    """File safety (one home): the bytes of a file a user named, read only when it is a
+    regular file and at most ``limit`` bytes (default ``LIMITS.config_bytes``). It is opened
+    without blocking and checked on the open descriptor (a FIFO never blocks the read,
+    ``/dev/zero`` is never read, a file swapped in between is seen), and its size is checked
+    before a byte is read (a 2 GB sparse file costs nothing). Every refusal is an
+    :class:`FP8ConfigError` naming ``key``."""
+    from .errors import LIMITS, FP8ConfigError, check_limit
+
+    limit = LIMITS.config_bytes if limit is None else limit
+    path = Path(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise FP8ConfigError(f"{what} not found: {path}", key=key, value=str(path)) from None
+    except OSError as exc:
+        raise FP8ConfigError(
+            f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
+        ) from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise FP8ConfigError(
+                f"{path} is {_kind(st.st_mode)}, not a regular {what}", key=key, value=str(path)
+            )
+        check_limit(st.st_size, limit, f"{path} is too large: bytes", key=key, value=str(path))
+        try:
+            data = fh.read(limit + 1)
+        except OSError as exc:
+            raise FP8ConfigError(
+                f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
+            ) from None
+    check_limit(len(data), limit, f"{path} is too large: bytes", key=key, value=str(path))
+    return data
+
+
+def read_user_json(
+    path: str | Path,
+    *,
+    key: str | None,
+    what: str = "JSON file",
+    limit: int | None = None,
+    hint: str | None = None,
+) -> Any:
+    """:func:`read_user_bytes`, parsed as JSON within the limits: nesting deeper than
+    ``LIMITS.yaml_depth``, an integer past Python's digit limit, bad UTF-8 or bad JSON is one
+    :class:`FP8ConfigError` naming ``key`` (never a RecursionError or a traceback)."""
+    from .errors import FP8ConfigError, check_depth, format_value
+
+    data = read_user_bytes(path, key=key, what=what, limit=limit)
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise FP8ConfigError(
+            f"{path} is nested too deeply to read",
+            key=key,
+            value=str(path),
+            hint="limits: docs/refusals.md",
+        ) from None
+    except ValueError as exc:  # JSON syntax, bad UTF-8, a 5000-digit integer
+        raise FP8ConfigError(
+            f"{path} is not a readable {what} ({format_value(str(exc), limit=200)})",
+            key=key,
+            value=str(path),
+            hint=hint,
+        ) from None
+    check_depth(value, key=key, what=str(path))
+    return value
 
 
 _INDEX_BYTES = 64 * 2**20
@@ -480,7 +698,7 @@ def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
     read files elsewhere, is refused) and a regular file (symlinks followed); without one,
     the directory's regular ``*.safetensors`` files. Raises :class:`FP8ConfigError` naming ``key``; an empty list
     when there are none."""
-    from .errors import FP8ConfigError, check_limit, format_value
+    from .errors import FP8ConfigError, format_value
 
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
@@ -490,15 +708,10 @@ def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
             for f in sorted(directory.glob("*.safetensors"))
             if not f.is_dir()
         ]
-    regular_file(index, key=key, what="safetensors index")
+    document = read_user_json(index, key=key, what="safetensors index", limit=_INDEX_BYTES)
     try:
-        with open(index, "rb") as fh:
-            text = fh.read(_INDEX_BYTES + 1)
-        check_limit(len(text), _INDEX_BYTES, f"{index} is too large: bytes", key=key)
-        weight_map = json.loads(text.decode("utf-8"))["weight_map"]
-    except FP8ConfigError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        weight_map = document["weight_map"]
+    except (KeyError, TypeError) as exc:
         raise FP8ConfigError(
             f"{index} is not a readable safetensors index "
             f"({type(exc).__name__}: {format_value(str(exc))})",
@@ -531,6 +744,21 @@ def safetensors_files(directory: str | Path, *, key: str) -> list[Path]:
             )
         files.append(regular_file(shard, key=key, what="safetensors shard"))
     return files
+
+
+def inside_checkpoint(path: str | Path, directory: str | Path) -> bool:
+    """Whether ``path``, symbolic links followed, stays inside the checkpoint ``directory``
+    (itself followed), or, when ``directory`` is a Hugging Face cache snapshot
+    (``.../snapshots/<revision>``), inside that repository's ``blobs`` folder, where the
+    snapshot's relative links (``../../blobs/<hash>``) point."""
+    real = os.path.realpath(path)
+    top = os.path.realpath(directory)
+    roots = [top]
+    # the snapshot as named (a link to it) and as it is
+    for snapshot in (Path(os.path.abspath(directory)), Path(top)):
+        if snapshot.parent.name == "snapshots":
+            roots.append(os.path.realpath(snapshot.parent.parent / "blobs"))
+    return any(os.path.commonpath([real, root]) == root for root in roots)
 
 
 def regular_entries(directory: str | Path, *, key: str) -> None:

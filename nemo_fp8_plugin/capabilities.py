@@ -46,6 +46,9 @@ __all__ = [
     "arch_label",
     "hardware_problems",
     "HardwareProblem",
+    "SIDES",
+    "HOST_SIDES",
+    "host_sides",
     "NEAREST",
     "side_summary",
     "NVFP4_GENERATION_REFUSAL",
@@ -126,7 +129,8 @@ NVFP4_GENERATION_REFUSAL = (
     "weights (TE NVFP4 training of the routed experts with per-token NVFP4 rollouts, "
     "policy.megatron_cfg.fp4_cfg with policy.generation.nvfp4_pertoken_rollout, arrived in "
     "NVIDIA-NeMo/RL pull request 3566 after 7ea279a, in no release the stacks table knows: "
-    "checked NeMo RL 0.6); vLLM (0.25.1 under NeMo RL 0.6, 0.32 here) serves NVFP4 only from an NVFP4 "
+    "checked NeMo RL v0.6.0, v0.7.0 and main 7ea279a); vLLM (0.25.1 under NeMo RL main "
+    "7ea279a, 0.32 here) serves NVFP4 only from an NVFP4 "
     "checkpoint in ModelOpt or compressed-tensors format on Blackwell (SM100), which the "
     "plugin does not export, and its nemo_fp8 vLLM method has no NVFP4 kernels"
 )
@@ -218,6 +222,8 @@ def arch_by_name(name: str) -> Arch | None:
     """The :class:`Arch` for an architecture name, CUDA architecture spelling or GPU name
     (``"H100"``, ``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA GeForce RTX 5090"``, ``"sm_90a"``,
     ``"sm100a"``, ``"sm121"``), or None."""
+    if any(sep in name for sep in ",;/+"):  # a list of GPUs is no one GPU's name
+        return None
     text = _normalized(name)
     for arch in ARCHS:
         if text == arch.name.replace("_", ""):
@@ -226,19 +232,36 @@ def arch_by_name(name: str) -> Arch | None:
     if sm:
         return arch_of_capability(int(sm.group(1)), int(sm.group(2)))
     # nvidia-smi names carry memory sizes and form factors after the model ("NVIDIA H100 80GB
-    # HBM3"): the longest GPU name the text starts with wins, so "a100" beats "a10".
+    # HBM3", "NVIDIA A100-SXM4-80GB"): the longest GPU name the text starts with wins, so
+    # "a100" beats "a10", and only where the model name ends there (a separator or the end
+    # follows it: "b2000" and "h100x" are no B200 or H100).
+    spaced = _without_vendor(name)
     names = sorted(
         ((gpu, arch) for arch in ARCHS for gpu in arch.gpus),
         key=lambda item: len(item[0]),
         reverse=True,
     )
     for gpu, arch in names:
-        if text.startswith(gpu):
+        if _spelled(gpu).match(spaced):
             return arch
     for arch in ARCHS:
-        if any(re.match(family, text) for family in arch.families):
+        if any(re.match(family + r"(?!\d)", text) for family in arch.families):
             return arch
     return None
+
+
+def _without_vendor(name: str) -> str:
+    """``name`` lower-cased, separators kept, without the vendor words nvidia-smi puts first."""
+    text = name.strip().lower()
+    for prefix in _VENDOR:
+        if re.match(prefix + r"[\s_-]*", text):
+            text = re.sub("^" + prefix + r"[\s_-]*", "", text)
+    return text
+
+
+def _spelled(gpu: str) -> re.Pattern[str]:
+    """A GPU name as written with or without separators ("rtx 6000 ada"), ending there."""
+    return re.compile(r"[\s_-]*".join(map(re.escape, gpu)) + r"(?![a-z0-9])")
 
 
 def arch_of_capability(major: int, minor: int) -> Arch | None:
@@ -625,6 +648,27 @@ _LABELS = {
 }
 
 
+SIDES: tuple[Side, ...] = ("training", "generation")
+
+HOST_SIDES: dict[str, tuple[Side, ...]] = {
+    "megatron": ("training",),
+    "nemo2": ("training",),
+    "bridge": ("training",),
+    "te": ("training",),
+    "vllm": ("generation",),
+    "nemo-rl": SIDES,
+}
+"""The sides each host runs (the ``--host`` names): megatron-core, NeMo 2, Megatron-Bridge and
+Transformer Engine train, vLLM generates, NeMo RL does both. What cannot run on a GPU is judged,
+and said, for these sides only (:func:`hardware_problems`)."""
+
+
+def host_sides(host: str | None) -> tuple[Side, ...]:
+    """The sides ``host`` runs (:data:`HOST_SIDES`; ``nemo_rl`` spells ``nemo-rl`` as
+    ``--host`` takes it); both when no host is known."""
+    return HOST_SIDES.get(host.replace("_", "-"), SIDES) if host is not None else SIDES
+
+
 def arch_label(arch: str) -> str:
     """``"Hopper (SM90)"`` for ``"hopper"``: how messages name a GPU generation."""
     return _LABELS.get(arch, arch)
@@ -656,17 +700,32 @@ _GENERATION_NEAREST = {
 """Where a kind's vLLM FP8 generation cannot run but block FP8 generation can."""
 
 
-def _change(spec: _SpecLike, recipe: str | None = None, **fields: str) -> str:
+def _change(
+    spec: _SpecLike,
+    recipe: str | None = None,
+    *,
+    sides: tuple[Side, ...] = SIDES,
+    key: str | None = None,
+    **fields: str,
+) -> str:
     """The ``fp8:`` block that moves ``spec`` to ``recipe`` (or changes ``fields`` in place),
-    keeping what the user chose for each side."""
+    keeping what the user chose for each side the host runs (``sides``). A plain move of a
+    config that names its recipe by one key (``key``: ``precision``, ``policy.precision``,
+    ``mixed_precision``) is that key with the new name, and an ``fp8:`` block without a recipe
+    for the rest (``{precision: fp8_subchannel, fp8: {generation: bf16}}``): an ``fp8:`` block
+    naming another recipe next to it would be refused as a conflict."""
     items = [f"recipe: {recipe or spec.name}"]
     if recipe is not None:
-        if spec.training == "bf16":
+        if spec.training == "bf16" and "training" in sides:
             items.append("training: bf16")
-        if spec.generation == "bf16" and recipe != "nvfp4":
+        if spec.generation == "bf16" and recipe != "nvfp4" and "generation" in sides:
             items.append("generation: bf16")
     items += [f"{k}: {v}" for k, v in fields.items()]
-    return "fp8: {" + ", ".join(items) + "}"
+    if recipe is None or key in (None, "fp8"):
+        return "fp8: {" + ", ".join(items) + "}"
+    if len(items) == 1:
+        return f"{key}: {recipe}"
+    return f"{{{key}: {recipe}, fp8: {{{', '.join(items[1:])}}}}}"
 
 
 def _needs(archs: frozenset[str]) -> str:
@@ -674,8 +733,12 @@ def _needs(archs: frozenset[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def _training_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | None, dict[str, str]]:
-    """(why training cannot run on ``arch`` or None, the nearest recipe, the in-place fix)."""
+def _training_verdict(
+    spec: _SpecLike, arch: str, generates: bool = True
+) -> tuple[str | None, str | None, dict[str, str]]:
+    """(why training cannot run on ``arch`` or None, the nearest recipe, the in-place fix).
+    ``generates``: the host also generates with the recipe (NeMo RL), so the nearest recipe
+    must have a vLLM FP8 path there too; a host that only trains gets the training one."""
     cap = CAPABILITIES[spec.scaling]
     if arch in cap.training_archs:
         if spec.scaling == "block" and arch == "blackwell" and not spec.pow2_scales:
@@ -686,7 +749,7 @@ def _training_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | Non
                 {"pow2_scales": "true"},
             )
         return None, None, {}
-    use = "rl" if spec.generation == "fp8" and cap.vllm_generation else "train"
+    use = "rl" if generates and spec.generation == "fp8" and cap.vllm_generation else "train"
     near = NEAREST.get((spec.scaling, arch, use))
     if spec.scaling == "mx":
         why = "MXFP8 training needs Blackwell (SM100/SM103)" + (
@@ -714,30 +777,46 @@ def _generation_verdict(spec: _SpecLike, arch: str) -> tuple[str | None, str | N
     )
 
 
-def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
+def hardware_problems(
+    spec: _SpecLike, arch: str, sides: tuple[Side, ...] = SIDES, keys: tuple[str, ...] = ()
+) -> list[HardwareProblem]:
     """What stops ``spec`` on ``arch`` (an :data:`ARCHS` name), each problem with the nearest
     recipe that runs there and the exact YAML change (:attr:`HardwareProblem.change`).
 
+    ``sides``: the sides the config's host runs (:func:`host_sides`); a side it does not run
+    is not judged, and the nearest recipe is the one for what the host does (a host that only
+    trains is pointed at the training recipe docs/recipes.md names, never at vLLM's kernels).
+    ``keys``: the config's request keys (:attr:`nemo_fp8_plugin.config.FP8Request.keys`); a
+    config that names its recipe by one key is told the new name in that key.
     A recipe whose training and generation both fail gets one problem naming the recipe that
     trains there (its generation follows that recipe), so a config moved between GPU
     generations gets one message."""
     label = arch_label(arch)
     if not any(a.name == arch and a.fp8 for a in ARCHS):
+        verbs = " and ".join({"training": "train", "generation": "generate"}[s] for s in sides)
         return [
             HardwareProblem(
                 "error",
                 "hardware",
                 f"{label} GPUs have no FP8 tensor cores, so no FP8 (or FP4) "
-                f"recipe runs there: train and generate in BF16 (remove the FP8 request: the "
+                f"recipe runs there: {verbs} in BF16 (remove the FP8 request: the "
                 f"precision/fp8 key) or target Ada (SM89), Hopper (SM90) or Blackwell (SM100)",
             )
         ]
     out: list[HardwareProblem] = []
-    training = spec.training == "fp8"
-    t_why, t_near, t_fix = _training_verdict(spec, arch) if training else (None, None, {})
-    g_why, g_near = _generation_verdict(spec, arch)
+    key = keys[0] if len(keys) == 1 else None
+
+    def change_to(recipe: str | None, **fields: str) -> str:
+        return _change(spec, recipe, sides=sides, key=key, **fields)
+
+    generates = "generation" in sides
+    training = spec.training == "fp8" and "training" in sides
+    t_why, t_near, t_fix = (
+        _training_verdict(spec, arch, generates) if training else (None, None, {})
+    )
+    g_why, g_near = _generation_verdict(spec, arch) if generates else (None, None)
     if t_why and g_why and not t_fix:
-        change = _change(spec, t_near) if t_near else None
+        change = change_to(t_near) if t_near else None
         msg = f"{spec.name} cannot run on {label}: {t_why}, and {g_why}; " + (
             f"the nearest recipe that runs there is {t_near}: `{change}`"
             if t_near
@@ -746,15 +825,15 @@ def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
         return [HardwareProblem("error", "hardware", msg, None, t_near, change)]
     if t_why:
         if t_fix:
-            fix = _change(spec, None, **t_fix)
-            alt = _change(spec, t_near)
+            fix = change_to(None, **t_fix)
+            alt = change_to(t_near)
             msg = (
                 f"{spec.name} cannot train on {label}: {t_why}; set `{fix}`, or use "
                 f"{t_near}: `{alt}`"
             )
             out.append(HardwareProblem("error", next(iter(t_fix)), msg, "training", spec.name, fix))
         else:
-            change = _change(spec, t_near) if t_near else None
+            change = change_to(t_near) if t_near else None
             msg = f"{spec.name} cannot train on {label}: {t_why}; " + (
                 f"the nearest recipe that trains there is {t_near}: `{change}`"
                 if t_near
@@ -772,9 +851,9 @@ def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
             )
         )
     if g_why:
-        bf16 = _change(spec, None, generation="bf16")
+        bf16 = change_to(None, generation="bf16")
         if g_near and not training:
-            change = _change(spec, g_near)
+            change = change_to(g_near)
             msg = (
                 f"{spec.name} cannot generate on {label}: {g_why}; the nearest recipe that "
                 f"generates there is {g_near}: `{change}`"
@@ -791,7 +870,7 @@ def hardware_problems(spec: _SpecLike, arch: str) -> list[HardwareProblem]:
                 "error", "hardware", msg, "generation", g_near if not training else None, change
             )
         )
-    if spec.fp8_dot_product_attention and arch == "ada":
+    if training and spec.fp8_dot_product_attention and arch == "ada":
         out.append(
             HardwareProblem(
                 "warning",

@@ -38,7 +38,7 @@ class Limits:
     """Largest config file read (YAML or JSON), in bytes."""
     yaml_depth: int = 64
     """Deepest nesting of mappings and lists in a config."""
-    yaml_nodes: int = 200_000
+    yaml_nodes: int = 50_000
     """Most values in a config once its aliases are expanded (what every later step walks)."""
     yaml_aliases: int = 1_000
     """Most alias references (``*name``) in a config."""
@@ -50,8 +50,31 @@ class Limits:
     """Most transformer layers of a model description."""
     experts: int = 4_096
     """Most MoE experts per layer of a model description."""
-    modules: int = 1_000_000
-    """Most per-module decisions a model description may need (layers x linear modules)."""
+    modules: int = 250_000
+    """Most per-module decisions a model description may need (layers x linear modules; the
+    largest real MoE models, DeepSeek-V3 and Kimi K2, need 47,000 and 70,000)."""
+    bf16_rules: int = 1_000
+    """Most ``bf16_layers.modules`` rules (each is matched against every module name and
+    explained on its own)."""
+    rule_checks: int = 500_000
+    """Most (``bf16_layers.modules`` rule, module name) pairs matched for one model and side
+    (rules x linear module names: 7 rules on Kimi K2's 70,000, 10 on DeepSeek-V3's 46,000)."""
+    interpolations: int = 4_096
+    """Most evaluations resolving one NeMo RL ``${...}`` value may take, each reference counted
+    as often as it is reached (OmegaConf re-evaluates it each time: ``k0: ${k1}${k1}``,
+    ``k1: ${k2}${k2}``... doubles per line), with the values handed to OmegaConf."""
+    interpolation_depth: int = 32
+    """Longest chain of ``${...}`` references, and deepest nesting inside one value
+    (``${add:1,${add:1,...}}``)."""
+    interpolated_chars: int = 2**20
+    """Longest value (characters, or list items) a ``${...}`` may resolve to
+    (``${mul:'abc',100000000}``)."""
+    roundtrip_bytes: int = 512 * 2**10
+    """Largest YAML file ``apply`` edits in place (ruamel.yaml's round trip is pure Python);
+    a larger one is refused with the hint to write JSON (``-o OUT.json``)."""
+    roundtrip_nodes: int = 5_000
+    """Most values (keys, list items, scalars) a YAML file ``apply`` edits in place may hold
+    (NVIDIA's largest NeMo RL config holds under 800)."""
     tensor_elements: int = 2**36
     """Most elements a numerics quantizer takes, counted after padding to whole tiles (the
     largest real weight, a 256k x 16k embedding, has 2^32): a huge ``block`` or a zero-stride

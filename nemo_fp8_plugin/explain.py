@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .capabilities import SIDES, host_sides
 from .errors import ConflictingKeyError, FP8ConfigError
 from .hosts import detect_host
 from .registry import default_registry
@@ -36,8 +37,36 @@ def build_report(
     detected from the config's shape (:func:`detect_host`): what that host's ``apply`` refuses,
     ``explain`` refuses; another host's refusal is reported in its section. A native key
     contradicting the recipe is refused whichever host it belongs to. ``strict`` turns every
-    rule and host warning into an :class:`FP8ConfigError`.
+    rule and host warning into an :class:`FP8ConfigError`. A refusal naming a NeMo RL release
+    that was assumed or detected says how it was decided, as ``apply``'s does.
     """
+    from .hosts.nemo_rl.releases import release_hint
+    from .stacks import assumed_versions
+
+    try:
+        return _build_report(
+            path,
+            hardware=hardware,
+            model=model,
+            model_config=model_config,
+            strict=strict,
+            host=host,
+            stack=stack,
+        )
+    except FP8ConfigError as err:
+        raise release_hint(err, assumed_versions(stack).release) from None
+
+
+def _build_report(
+    path: str | Path,
+    *,
+    hardware: str | None,
+    model: str | None,
+    model_config: str | Path | None,
+    strict: bool,
+    host: str | None,
+    stack: str | None,
+) -> dict[str, Any]:
     from .hosts import ADAPTERS, get_adapter, load_context
 
     # A target the recipe cannot run on is reported below (an error only under --strict).
@@ -56,13 +85,16 @@ def build_report(
             "name": ctx.stack.label,
             "how": ctx.stack.how,
             "versions": dict(ctx.stack.versions),
+            "nemo_rl": ctx.nemo_rl.summary(),
         }
     request = ctx.request
     if request is None:
         return _no_request(report, ctx, own)
     report.update(_recipe_section(request))
+    refusal = None
     if request.hardware is not None:
-        _hardware_section(report, request, hardware)
+        _hardware_section(report, request, hardware, own)
+        ctx, refusal = _with_hardware(ctx, own)
     report["warnings"] += list(ctx.model_notes)
     description = ctx.model
     if description is not None:
@@ -84,7 +116,7 @@ def build_report(
         _lint_section(report, request.spec, description)
         if notes:
             report.setdefault("notes", []).extend(notes)
-    report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS))
+    report["hosts"] = _hosts_section(ctx, own, list(ADAPTERS), refusal)
     if strict:
         _raise_strict(report)
     return report
@@ -111,18 +143,23 @@ def _no_request(report: dict[str, Any], ctx, own: str | None) -> dict[str, Any]:
     return report
 
 
-def _hardware_section(report: dict[str, Any], request: FP8Request, flag: str | None) -> None:
+def _hardware_section(
+    report: dict[str, Any], request: FP8Request, flag: str | None, own: str | None
+) -> None:
     """``report["hardware"]``: what each side runs on the stated target and what cannot run,
     with the nearest recipe and the YAML change; every problem is also a warning (an error
     under ``--strict``), so ``explain`` reports a config moved to another GPU rather than
-    refusing it (``apply`` refuses, ``doctor`` exits 1)."""
-    from .capabilities import arch_label, hardware_problems, side_summary
+    refusing it (``apply`` refuses, ``doctor`` exits 1). Problems are judged for the sides
+    the config's host ``own`` runs (:func:`~nemo_fp8_plugin.capabilities.host_sides`), as
+    ``apply`` refuses them; ``runs`` names both sides."""
+    from .capabilities import arch_label, hardware_problems, host_sides, side_summary
 
     spec, arch = request.spec, request.hardware
     assert arch is not None
     target = flag if request.hardware_key == "--hardware" else None
     name = target or arch_label(arch)
-    problems = hardware_problems(spec, arch)
+    sides = host_sides(own)
+    problems = hardware_problems(spec, arch, sides, request.keys)
     report["recipe"]["hardware"] = arch
     report["hardware"] = {
         "target": arch,
@@ -144,7 +181,7 @@ def _hardware_section(report: dict[str, Any], request: FP8Request, flag: str | N
     report["warnings"] += [f"{request.hardware_key} {name}: {p.message}" for p in problems]
     runs = report["hardware"]["runs"]
     report.setdefault("notes", []).append(
-        f"on {name}: training: {runs['training']}; generation: {runs['generation']}"
+        f"on {name}: " + "; ".join(f"{side}: {runs[side]}" for side in sides)
     )
 
 
@@ -231,22 +268,59 @@ def _rule_index(text: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _hosts_section(ctx, own: str | None, names: list[str]) -> dict[str, Any]:
+def _with_hardware(ctx, own: str | None):
+    """``(ctx, None)`` with the hardware target in the spec, as ``apply`` has it for the
+    config's host ``own`` (the host keys depend on it: NeMo RL's ``use_deep_gemm``, vLLM's
+    variables), or ``(ctx, why)`` when that host cannot run the recipe there: ``apply``
+    refuses, in the host's terms, and so does every host section (the hardware section says
+    what would run)."""
+    import dataclasses
+
+    from .hosts.hardware import targeted
+
+    try:
+        request = targeted(ctx.request, own)
+    except FP8ConfigError as err:
+        return ctx, str(err)
+    return dataclasses.replace(ctx, request=request), None
+
+
+def _hosts_section(
+    ctx, own: str | None, names: list[str], refusal: str | None = None
+) -> dict[str, Any]:
     """Every host's result of the apply pipeline on this config, the config's own host
-    first. The own host's refusals propagate (``apply`` would refuse the same way)."""
+    first. The own host's refusals propagate (``apply`` would refuse the same way); a
+    hardware target the recipe cannot run on is every host's refusal (``refusal``).
+    Another host's refusal says whether that host refuses the recipe itself
+    (``refuses_recipe``: whatever the config) or only this config, which is not written
+    for it."""
     from .hosts import get_adapter, run
 
     out: dict[str, Any] = {}
     for name in ([own] if own else []) + [n for n in names if n != own]:
+        adapter = get_adapter(name)
+        if refusal is not None:
+            out[name] = {"refused": refusal}
+            continue
         try:
-            out[name] = run(get_adapter(name), ctx).summary()
+            out[name] = run(adapter, ctx).summary()
         except ConflictingKeyError:
             raise
         except FP8ConfigError as err:
             if name == own:
                 raise
-            out[name] = {"refused": str(err)}
+            out[name] = {"refused": str(err), "refuses_recipe": _refuses_recipe(adapter, ctx)}
     return out
+
+
+def _refuses_recipe(adapter, ctx) -> bool:
+    """Whether ``adapter`` refuses the config's recipe on its own, with no config around it
+    (:func:`~nemo_fp8_plugin.hosts.recipe_keys`' refusal)."""
+    try:
+        adapter.refuse(ctx.spec, None)
+    except FP8ConfigError:
+        return True
+    return False
 
 
 def _raise_strict(report: dict[str, Any]) -> None:
@@ -266,8 +340,11 @@ def _recipe_section(request: FP8Request) -> dict[str, Any]:
     spec = request.spec
     reg = default_registry()
     base = spec.name
+    recipe = spec.to_dict()
+    if base in reg:
+        recipe["description"] = _described(reg.get(base).to_dict(), recipe)
     return {
-        "recipe": spec.to_dict(),
+        "recipe": recipe,
         "recipe_source": reg.source(base) if base in reg else "derived",
         "keys": list(request.keys),
         "model": request.model,
@@ -275,8 +352,34 @@ def _recipe_section(request: FP8Request) -> dict[str, Any]:
     }
 
 
-_HOST_SIDES = {"vllm": ("generation",), "nemo-rl": ("training", "generation")}
-"""The sides of the layer table a host runs (training only when not listed)."""
+_GENERATION_SIDE = (
+    "generation",
+    "kv_cache",
+    "generation_numerics",
+    "importance_sampling",
+    "router_replay",
+)
+"""Recipe fields only a host that generates reads (vLLM, NeMo RL): hidden for a config whose
+host only trains, unless ``--all-hosts`` / ``--full``."""
+
+
+_SCALAR_FIELDS_SKIPPED = ("name", "description", "hardware")
+"""Fields that never make a preset's description wrong (the target has its own section)."""
+
+
+def _described(preset: dict[str, Any], recipe: dict[str, Any]) -> str:
+    """The preset's description when the recipe is the preset; otherwise what the request
+    changed, since the preset's words (``fp32 scales``) may no longer hold."""
+    changed = [
+        (k, v)
+        for k, v in recipe.items()
+        if k not in _SCALAR_FIELDS_SKIPPED and not isinstance(v, dict) and preset.get(k) != v
+    ]
+    if not changed:
+        return str(preset["description"])
+    spelt = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in changed)
+    return f"the preset {recipe['name']} changed by the request ({spelt}); its fields below"
+
 
 _WIDTH = 100
 """Text view width: recipe fields are packed into lines of this many characters."""
@@ -295,7 +398,9 @@ def render_text(
     from ``--host``, not from the config's shape. ``--json`` has everything."""
     own = report.get("host")
     hosts = report.get("hosts", {})
-    lines = [f"config: {report['config']}"]
+    from ._io import shown_path
+
+    lines = [f"config: {shown_path(report['config'])}"]
     # which host versions the keys below assume (--stack, else the installed ones)
     stack = (
         f"stack: {report['stack']['name']} ({report['stack']['how']})" if "stack" in report else ""
@@ -321,16 +426,22 @@ def render_text(
             for w in hosts[own].get("warnings", [])
             if w not in report.get("warnings", [])  # the model-shape ones are shown above
         ]
-    recipe_lines = _recipe_lines(report, full=full)
+    # A host that only trains reads no generation-side field: they are hidden for it.
+    trains_only = (
+        not (all_hosts or full) and own is not None and "generation" not in host_sides(own)
+    )
+    recipe_lines = _recipe_lines(report, full=full, only_trains=own if trains_only else None)
     lines += recipe_lines[:2]  # name and description
     # What changes and what to check lead; the recipe's fields, the model and its
     # per-layer decisions follow.
     shown = list(hosts) if (all_hosts or full) else [h for h in hosts if h == own]
     for host in shown:
-        lines += _host_lines(host, hosts[host], own=host == own, full=full, warnings=host != own)
+        lines += _host_lines(
+            host, hosts[host], own=host == own, full=full, warnings=host != own, detected=own
+        )
     rest = [h for h in hosts if h not in shown]
     if rest:
-        summary = ", ".join(_host_summary(hosts[h], h) for h in rest)
+        summary = ", ".join(_host_summary(hosts[h], h, detected=own) for h in rest)
         label = "other hosts" if shown else "hosts"
         lines.append(f"{label} (--host NAME or --all-hosts shows their keys): {summary}")
     lines += ["recipe fields:", *recipe_lines[2:]]
@@ -363,7 +474,7 @@ def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
             lines.append(f"  the same keys also spell: {', '.join(native['alike'])}")
     else:
         lines.append(f"FP8 in native keys, but no recipe of ours: {read or '(see below)'}")
-    sides = _HOST_SIDES.get(host, ("training",))
+    sides = host_sides(host)
     if spec is not None and len(sides) == 1:
         other = "generation" if sides == ("training",) else "training"
         lines.append(
@@ -389,9 +500,12 @@ _DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "margin", "reduce_amax
 ``--full`` only."""
 
 
-def _recipe_lines(report: dict[str, Any], *, full: bool) -> list[str]:
+def _recipe_lines(
+    report: dict[str, Any], *, full: bool, only_trains: str | None = None
+) -> list[str]:
     """The recipe: name, where it came from, what it is, its fields (those that matter for its
-    kind of scaling; every field with ``full``)."""
+    kind of scaling; every field with ``full``). ``only_trains``: the config's host, when it
+    runs training only (its generation-side fields are hidden)."""
     from .capabilities import capability
 
     recipe = report["recipe"]
@@ -403,13 +517,14 @@ def _recipe_lines(report: dict[str, Any], *, full: bool) -> list[str]:
     fields = [(k, v) for k, v in recipe.items() if k not in ("name", "description")]
     if full:
         return lines + [f"  {k:<26} {_spell(v, full=True)}" for k, v in fields]
-    groups = _inapplicable(recipe, capability(recipe["scaling"]))
+    groups = _inapplicable(recipe, capability(recipe["scaling"]), only_trains)
     hidden = {k for names, _ in groups for k in names}
     lines += _packed(
         [f"{k}: {_spell(v, full=False)}" for k, v in fields if k not in hidden], indent="  "
     )
     for names, why in groups:
-        lines.append(f"  ({', '.join(names)}: {why}; --full shows them)")
+        more = "" if "--all-hosts" in why else "; --full shows them"
+        lines.append(f"  ({', '.join(names)}: {why}{more})")
     return lines
 
 
@@ -418,9 +533,12 @@ _TRAINING_ONLY = ("fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_atte
 _GENERATION_ONLY = ("kv_cache", "generation_numerics")
 
 
-def _inapplicable(recipe: dict[str, Any], row) -> list[tuple[tuple[str, ...], str]]:
+def _inapplicable(
+    recipe: dict[str, Any], row, only_trains: str | None = None
+) -> list[tuple[tuple[str, ...], str]]:
     """The recipe fields that do not apply to this recipe, grouped with why (its kind of
-    scaling, from the capability row; a side it leaves in BF16)."""
+    scaling, from the capability row; a side it leaves in BF16; the generation side when the
+    config's host ``only_trains``)."""
     groups: list[tuple[tuple[str, ...], str]] = []
     if not row.is_delayed:
         groups.append((_DELAYED_ONLY, "read by delayed scaling only"))
@@ -428,7 +546,10 @@ def _inapplicable(recipe: dict[str, Any], row) -> list[tuple[tuple[str, ...], st
         groups.append((_TILES, f"{recipe['scaling']} scaling has one scale per tensor, no tiles"))
     if recipe.get("training") == "bf16":
         groups.append((_TRAINING_ONLY, "training runs in BF16"))
-    if recipe.get("generation") == "bf16":
+    if only_trains is not None:
+        why = f"{only_trains} only trains; --all-hosts shows them"
+        groups.append((_GENERATION_SIDE, why))
+    elif recipe.get("generation") == "bf16":
         groups.append((_GENERATION_ONLY, "generation runs in BF16"))
     return groups
 
@@ -449,11 +570,7 @@ def _model_lines(report: dict[str, Any], own: str | None, *, all_hosts: bool, fu
         )
     if not report.get("layers"):
         return lines
-    sides = (
-        (_HOST_SIDES.get(own, ("training",)) if own else ("training", "generation"))
-        if not (all_hosts or full)
-        else ("training", "generation")
-    )
+    sides = host_sides(own) if not (all_hosts or full) else SIDES
     for side in ("training", "generation"):
         rows = [d for d in report["layers"] if d["side"] == side and side in sides]
         table = render_layer_table(rows)
@@ -484,11 +601,20 @@ def _model_lines(report: dict[str, Any], own: str | None, *, all_hosts: bool, fu
 
 
 def _host_lines(
-    host: str, section: dict[str, Any], *, own: bool, full: bool, warnings: bool
+    host: str,
+    section: dict[str, Any],
+    *,
+    own: bool,
+    full: bool,
+    warnings: bool,
+    detected: str | None = None,
 ) -> list[str]:
-    """One host's section: what ``apply --host`` writes, in the spelling it writes it."""
+    """One host's section: what ``apply --host`` writes, in the spelling it writes it.
+    ``detected``: the config's own host; another host that refuses only this config (not
+    the recipe) is "not this host's", with the reason."""
     if "refused" in section:
-        return [f"apply --host {host}: refused: {section['refused']}"]
+        state = "refused" if _refuses(section, host, detected) else "not this host's config"
+        return [f"apply --host {host}: {state}: {section['refused']}"]
     lines = [f"apply --host {host} writes{' (this config' + chr(39) + 's host)' if own else ''}:"]
     for key, value in _flatten(section.get("keys", {})):
         lines.append(f"  {key}: {_spell(value, full=full)}")
@@ -499,17 +625,27 @@ def _host_lines(
         if host == "vllm"
         else "in the training process's environment"
     )
+    rollout_env = section.get("checks", {}).get("rollout", {}).get("needed", {})
     for key, value in section.get("env", {}).items():
-        lines.append(f"  env: {key}={value} ({where})")
+        # what the rollouts need goes where NeMo RL starts: its Ray workers inherit it
+        here = "where NeMo RL starts, for its vLLM workers" if key in rollout_env else where
+        lines.append(f"  env: {key}={value} ({here})")
     if warnings:
         lines += [f"  warning: {w}" for w in section.get("warnings", [])]
     lines += [f"  note: {n}" for n in section.get("notes", [])]
     return lines
 
 
-def _host_summary(section: dict[str, Any], host: str) -> str:
+def _refuses(section: dict[str, Any], host: str, detected: str | None) -> bool:
+    """A refusal that is the host's own word on the recipe, not on a config written for
+    another host (``detected``)."""
+    return detected is None or host == detected or bool(section.get("refuses_recipe", True))
+
+
+def _host_summary(section: dict[str, Any], host: str, detected: str | None = None) -> str:
     if "refused" in section:
-        return f"{host} (refused)"
+        state = "refused" if _refuses(section, host, detected) else "not this host's"
+        return f"{host} ({state})"
     count = sum(1 for _ in _flatten(section.get("keys", {})))
     warned = len(section.get("warnings", []))
     more = f", {warned} warning{'s' if warned != 1 else ''}" if warned else ""

@@ -201,7 +201,9 @@ def load_yaml_file(path: Path) -> Any:
             )
         data = fh.read(LIMITS.config_bytes + 1)
     check_limit(len(data), LIMITS.config_bytes, f"{path} is too large: bytes", key=None)
-    stream = io.StringIO(_join_surrogate_escapes(data.decode("utf-8")))
+    text = _join_surrogate_escapes(data.decode("utf-8"))
+    _check_event_count(text, str(path))
+    stream = io.StringIO(text)
     stream.name = str(path)  # PyYAML's marks (line numbers) name the file
     try:
         return yaml.load(stream, Loader=_safe_loader())  # a SafeLoader subclass
@@ -209,6 +211,32 @@ def load_yaml_file(path: Path) -> Any:
         raise FP8ConfigError(
             f"{path} nests mappings and lists too deeply to read", hint="limits: docs/refusals.md"
         ) from None
+
+
+def _check_event_count(text: str, where: str) -> None:
+    """Refuse, from the parser's events and before anything is composed, a document with
+    far more values than ``LIMITS.yaml_nodes`` (the composer builds a node for each first:
+    150,000 keys took seconds before :func:`_check_document` could count them). Each entry is
+    a key and a value, so more than twice the limit in events means more values than the
+    limit; the exact count, aliases expanded, is :func:`_check_document`'s."""
+    import io
+
+    import yaml
+
+    counted = (yaml.ScalarEvent, yaml.AliasEvent, yaml.MappingStartEvent, yaml.SequenceStartEvent)
+    events = 0
+    stream = io.StringIO(text)
+    stream.name = where
+    for event in yaml.parse(stream, Loader=_safe_loader()):
+        if isinstance(event, counted):
+            events += 1
+            if events > 2 * LIMITS.yaml_nodes + 1:
+                check_limit(
+                    LIMITS.yaml_nodes + 1,
+                    LIMITS.yaml_nodes,
+                    f"{where} holds too many values (aliases expanded); counted",
+                    key=None,
+                )
 
 
 _SURROGATE_PAIR = re.compile(

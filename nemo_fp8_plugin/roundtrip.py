@@ -26,7 +26,12 @@ the file it read instead of printing a fresh rendering of the result:
 
 A file the pipeline does not change is returned as it is, so ``apply`` on its own output is a
 no-op byte for byte. JSON stays JSON (rendered with :func:`nemo_fp8_plugin._io.dump_config_json`
-when it changes).
+when it changes). The work is bounded by the file's bytes and values (``LIMITS.roundtrip_bytes``,
+``roundtrip_nodes``): a fixed number of ruamel passes at the limits, line diffs that are never
+quadratic.
+
+Longer than the package's 600-line guide: the edit, the merge and the comparison share
+ruamel's round-trip types and the merge's invariants, and change together.
 """
 
 from __future__ import annotations
@@ -46,9 +51,18 @@ _INDENTS = ((2, 2, 0), (2, 4, 2), (4, 4, 0), (4, 6, 2), (4, 4, 2), (3, 3, 0))
 """(mapping, sequence, offset) indentations tried, in order, for the one ruamel re-emits the
 file with (ruamel keeps one global setting, not each node's own)."""
 
-MAX_LINES = 50_000
-"""The longest file edited in place (ruamel's round trip is pure Python: ~1 s per 3,000 lines);
-a longer one is refused rather than left running."""
+_PASSES_AT_THE_LIMIT = 3
+"""ruamel.yaml passes (a load or a dump) an edit of a file at ``LIMITS.roundtrip_bytes`` or
+``roundtrip_nodes`` may take: its load, the emission of the unedited file and of the edited
+one. A smaller file may take proportionally more (other indentations tried for a file that
+mixes them), so the work of an edit never exceeds that of three passes over the largest file
+admitted."""
+
+_EXACT_DIFF_CELLS = 4_000_000
+"""Line diffs of up to this many (lines x lines) cells are difflib's own (quadratic where lines
+repeat); larger ones anchor on the lines unique to both sides first (:func:`_opcodes`)."""
+
+_JSON_HINT = "write the result as JSON with -o OUT.json"
 
 _FLOW_LIST_WIDTH = 60
 """A new list of scalars is written in flow style (``[128, 128]``) when it fits this."""
@@ -128,19 +142,14 @@ def edit_yaml(
     except RecursionError:
         raise FP8ConfigError(
             f"{where} is nested too deeply to be edited in place",
-            hint="write the result as JSON with -o OUT.json",
+            hint=_JSON_HINT,
         ) from None
 
 
 def _edit_yaml(
     source: str, raw: Any, data: Any, written: Mapping[str, Any], removed: Sequence[str], where: str
 ) -> str:
-    lines = source.count("\n") + 1
-    if lines > MAX_LINES:
-        raise FP8ConfigError(
-            f"{where} has {lines} lines; apply edits files of up to {MAX_LINES} lines in place",
-            hint="write the result as JSON with -o OUT.json",
-        )
+    budget = _Budget(source, raw, where)
     doc = _rt_load(source, where)
     plain = _plain(doc)
     differs = _first_difference(plain, raw)
@@ -153,13 +162,16 @@ def _edit_yaml(
             hint="quote the value, or spell a boolean true/false (not yes/no/on/"
             "off), so both read it alike; or write -o OUT.json",
         )
-    indent, base = _best_indent(doc, source)
+    indent, base = _best_indent(doc, source, budget)
     newline = "\r\n" if source.count("\r\n") * 2 > source.count("\n") else "\n"
     fallback = None
     # A file that mixes indentations (ruamel re-emits with one) is tried with the others too,
-    # so the lines the edit touches are emitted in the indentation they have there.
+    # so the lines the edit touches are emitted in the indentation they have there, while
+    # the budget lasts (three passes each: load, and both emissions).
     for attempt in (indent, *(i for i in _INDENTS if i != indent)):
         if attempt != indent:
+            if not budget.take(3):
+                break
             doc = _rt_load(source, where)
             base = _dump(doc, attempt)
         _edit(doc, written, removed, data, where)
@@ -179,7 +191,7 @@ def _edit_yaml(
         return fallback
     raise FP8ConfigError(
         f"apply could not edit {where} in place without changing what it means",
-        hint="write the result as JSON with -o OUT.json, and report this file",
+        hint=f"{_JSON_HINT}, and report this file",
     )
 
 
@@ -271,7 +283,7 @@ def _rt_load(source: str, where: str) -> Any:
         msg = " ".join(str(exc).split())[:300]
         raise FP8ConfigError(
             f"ruamel.yaml (which apply edits the file with) cannot read {where}: {msg}",
-            hint="write the result as JSON with -o OUT.json",
+            hint=_JSON_HINT,
         ) from None
     if doc is None:
         doc = CommentedMap()
@@ -286,10 +298,60 @@ def _dump(doc: Any, indent: tuple[int, int, int]) -> str:
     return buf.getvalue()
 
 
-def _best_indent(doc: Any, source: str) -> tuple[tuple[int, int, int], str]:
+class _Budget:
+    """The ruamel.yaml passes an edit may still take (:data:`_PASSES_AT_THE_LIMIT` over the
+    largest file admitted); refuses, before any, a file past ``LIMITS.roundtrip_bytes`` or
+    ``roundtrip_nodes``."""
+
+    def __init__(self, source: str, raw: Any, where: str) -> None:
+        from .errors import LIMITS, check_limit
+
+        size, nodes = len(source.encode("utf-8", "surrogatepass")), _count_values(raw)
+        for count, limit, what in (
+            (size, LIMITS.roundtrip_bytes, "bytes"),
+            (nodes, LIMITS.roundtrip_nodes, "values"),
+        ):
+            check_limit(
+                count,
+                limit,
+                f"{where} is too large to edit in place: {what}",
+                key=None,
+                hint=f"{_JSON_HINT}; limits: docs/refusals.md",
+            )
+        share = max(size / LIMITS.roundtrip_bytes, nodes / LIMITS.roundtrip_nodes, 1e-9)
+        # the load and the two emissions every edit takes are spent already
+        self.left = max(0, int(_PASSES_AT_THE_LIMIT / share) - _PASSES_AT_THE_LIMIT)
+
+    def take(self, passes: int) -> bool:
+        if passes > self.left:
+            return False
+        self.left -= passes
+        return True
+
+
+def _count_values(data: Any) -> int:
+    """Keys, items and scalars of a parsed document, a shared (aliased) container once."""
+    count, seen, todo = 0, set(), [data]
+    while todo:
+        here = todo.pop()
+        count += 1
+        if isinstance(here, (dict, list)):
+            if id(here) in seen:
+                continue
+            seen.add(id(here))
+            if isinstance(here, dict):
+                count += len(here)
+                todo.extend(here.values())
+            else:
+                todo.extend(here)
+    return count
+
+
+def _best_indent(doc: Any, source: str, budget: _Budget) -> tuple[tuple[int, int, int], str]:
     """The indentation whose re-emission of the unedited ``doc`` is closest to ``source``,
     and that emission (the base of the three-way merge). The one the file's own lines
-    suggest is tried first; the others only while none re-emits the file line for line."""
+    suggest is tried first; the others only while none re-emits the file line for line (and
+    the budget lasts)."""
     from collections import Counter
 
     want = Counter(line.rstrip() for line in source.splitlines())
@@ -297,6 +359,8 @@ def _best_indent(doc: Any, source: str) -> tuple[tuple[int, int, int], str]:
     best: tuple[int, tuple[int, int, int], str] | None = None
     guess = _guess_indent(source)
     for indent in sorted(_INDENTS, key=lambda i: i != guess):
+        if best is not None and not budget.take(1):
+            break
         text = _dump(doc, indent)
         got = Counter(line.rstrip() for line in text.splitlines())
         misses = sum(((want - got) + (got - want)).values())
@@ -377,11 +441,7 @@ def _carry_over(
     respelled: set[int] = set()
     theirs: set[int] = set()
     skip = (0, 0)  # the source lines ruamel's tail stands for
-    same: list[tuple[str, int, int, int, int]] = list(
-        difflib.SequenceMatcher(
-            None, [s.rstrip() for s in mine], [s.rstrip() for s in old], autojunk=False
-        ).get_opcodes()
-    )
+    same = _opcodes([s.rstrip() for s in mine], [s.rstrip() for s in old])
     last = max((n for n, op in enumerate(same) if op[0] == "replace"), default=None)
     if ruamel_tail and last is not None and all(op[0] == "equal" for op in same[last + 1 :]):
         _, i1, i2, j1, j2 = same[last]
@@ -400,8 +460,7 @@ def _carry_over(
             anchor[j2 - 1] = i2 - 1
     out: list[str] = []
     pos = 0  # the next source line not yet emitted
-    changes = difflib.SequenceMatcher(None, old, new, autojunk=False)
-    for tag, i1, i2, j1, j2 in changes.get_opcodes():
+    for tag, i1, i2, j1, j2 in _opcodes(old, new):
         if tag == "equal":
             for k, b in enumerate(range(i1, i2)):
                 if b in theirs:
@@ -425,6 +484,97 @@ def _carry_over(
         if not out[i].endswith("\n"):
             out[i] += newline
     return "".join(out)
+
+
+Opcode = tuple[str, int, int, int, int]
+
+
+def _opcodes(a: Sequence[str], b: Sequence[str]) -> list[Opcode]:
+    """``difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()`` where that is
+    cheap; for large inputs the same opcodes from matching blocks found in linear time per
+    level: common leading and trailing lines, then lines that occur once on each side, in the
+    same order on both (patience diff), anchor the match and the gaps between them are
+    matched the same way (difflib inside a gap small enough). A gap with nothing to anchor
+    it stays a replacement: nothing is quadratic, whatever the lines."""
+    if len(a) * len(b) <= _EXACT_DIFF_CELLS:
+        return list(difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes())
+    blocks: list[tuple[int, int, int]] = []
+    todo = [(0, len(a), 0, len(b))]
+    work = 64 * (len(a) + len(b))  # line visits: past it, what is left is replaced
+    while todo:
+        alo, ahi, blo, bhi = todo.pop()
+        while alo < ahi and blo < bhi and a[alo] == b[blo]:
+            blocks.append((alo, blo, 1))
+            alo, blo = alo + 1, blo + 1
+        while alo < ahi and blo < bhi and a[ahi - 1] == b[bhi - 1]:
+            ahi, bhi = ahi - 1, bhi - 1
+            blocks.append((ahi, bhi, 1))
+        if alo >= ahi or blo >= bhi:
+            continue
+        if (ahi - alo) * (bhi - blo) <= _EXACT_DIFF_CELLS // 4:
+            matcher = difflib.SequenceMatcher(None, a[alo:ahi], b[blo:bhi], autojunk=False)
+            blocks.extend((alo + i, blo + j, n) for i, j, n in matcher.get_matching_blocks() if n)
+            continue
+        work -= (ahi - alo) + (bhi - blo)
+        if work < 0:
+            continue
+        anchors = _unique_in_order(a, alo, ahi, b, blo, bhi)
+        prev_a, prev_b = alo, blo
+        for i, j in anchors:
+            blocks.append((i, j, 1))
+            todo.append((prev_a, i, prev_b, j))
+            prev_a, prev_b = i + 1, j + 1
+        if anchors:
+            todo.append((prev_a, ahi, prev_b, bhi))
+    blocks.sort()
+    merged: list[list[int]] = []
+    for i, j, n in blocks:
+        if merged and merged[-1][0] + merged[-1][2] == i and merged[-1][1] + merged[-1][2] == j:
+            merged[-1][2] += n
+        else:
+            merged.append([i, j, n])
+    ops: list[Opcode] = []
+    i = j = 0
+    for ai, bj, size in [*merged, [len(a), len(b), 0]]:
+        tag = "replace" if i < ai and j < bj else "delete" if i < ai else "insert" if j < bj else ""
+        if tag:
+            ops.append((tag, i, ai, j, bj))
+        i, j = ai + size, bj + size
+        if size:
+            ops.append(("equal", ai, i, bj, j))
+    return ops
+
+
+def _unique_in_order(
+    a: Sequence[str], alo: int, ahi: int, b: Sequence[str], blo: int, bhi: int
+) -> list[tuple[int, int]]:
+    """Pairs ``(i, j)`` of lines that occur exactly once in ``a[alo:ahi]`` and in
+    ``b[blo:bhi]``, the longest run of them in the same order on both sides (patience
+    sorting: O(n log n))."""
+    import bisect
+    from collections import Counter
+
+    count_a, count_b = Counter(a[alo:ahi]), Counter(b[blo:bhi])
+    where_b = {b[j]: j for j in range(blo, bhi) if count_b[b[j]] == 1}
+    pairs = [(i, where_b[a[i]]) for i in range(alo, ahi) if count_a[a[i]] == 1 and a[i] in where_b]
+    # longest increasing subsequence of the b positions, in a's order
+    tails: list[int] = []  # b position ending the best run of each length
+    tail_at: list[int] = []  # its index into pairs
+    back: list[int] = [-1] * len(pairs)
+    for k, (_, j) in enumerate(pairs):
+        n = bisect.bisect_left(tails, j)
+        back[k] = tail_at[n - 1] if n else -1
+        if n == len(tails):
+            tails.append(j)
+            tail_at.append(k)
+        else:
+            tails[n], tail_at[n] = j, k
+    out: list[tuple[int, int]] = []
+    k = tail_at[-1] if tail_at else -1
+    while k >= 0:
+        out.append(pairs[k])
+        k = back[k]
+    return out[::-1]
 
 
 def _reads_as(text: str, data: Any) -> bool:

@@ -91,6 +91,13 @@ def normalize_hardware(value: Any, key: str = "hardware") -> str | None:
             value=value,
             hint=f"one of {', '.join(HARDWARE_ARCHS)}",
         )
+    if any(sep in value for sep in ",;/+"):  # "b200,h100" was read as its first name
+        raise FP8ConfigError(
+            f"expected one GPU or architecture, got a list: {format_value(value)}",
+            key=key,
+            value=value,
+            hint="check one target at a time",
+        )
     arch = _caps.arch_by_name(value)
     if arch is None:
         raise FP8ConfigError(
@@ -352,7 +359,17 @@ class ImportanceSampling:
     """Lower bound of the truncation window. Default None (0 for ``tis``; for ``icepop`` and
     ``seq-mask-tis`` None means 1/ratio_max). Ignored without ``truncation``."""
 
-    FIELDS = ("enabled", "level", "truncation", "ratio_max", "ratio_min")
+    max_sequence_error: float | None = None
+    """Drop whole sequences whose generation/training log-prob error is too large: a sequence
+    whose mean over its valid tokens of ``exp(|gen - train|)`` (NeMo RL's
+    ``token_mult_prob_error``, per sequence: 1.0 means identical) exceeds this value leaves
+    the loss, as if its sample mask were 0. None (default): no sequence is dropped. At least
+    1.0 (1.0 drops any sequence that differs at all; NeMo RL's example value is 1.5).
+    Applies whether or not ``enabled`` (it changes which sequences count, not their
+    weights). NeMo RL ``grpo.seq_logprob_error_threshold`` (v0.6.0 and later); the numerics
+    are :func:`nemo_fp8_plugin.rl.sequence_mask.sequence_error_mask`."""
+
+    FIELDS = ("enabled", "level", "truncation", "ratio_max", "ratio_min", "max_sequence_error")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "enabled", _bool("enabled", self.enabled))
@@ -374,6 +391,17 @@ class ImportanceSampling:
                 key="ratio_min",
                 value=self.ratio_min,
             )
+        error = _float("max_sequence_error", self.max_sequence_error, 0.0, 1e6, optional=True)
+        if error is not None and error < 1.0:
+            raise FP8ConfigError(
+                f"must be at least 1.0, got {error}: a sequence's error, the mean of "
+                f"exp(|gen - train|), is 1.0 when the two agree, so every sequence would leave "
+                f"the loss",
+                key="max_sequence_error",
+                value=self.max_sequence_error,
+                hint="NeMo RL's example value is 1.5; null keeps every sequence",
+            )
+        object.__setattr__(self, "max_sequence_error", error)
         check_importance_combination(self.level, self.truncation)
 
     @classmethod
@@ -599,6 +627,14 @@ class RecipeSpec:
     :class:`QuantizationAwareRL`. Default None (off). ``scaling: nvfp4`` only; NeMo RL
     only (other hosts refuse it)."""
 
+    router_replay: bool = False
+    """Router replay (R3) for mixture-of-experts RL: train each token through the experts the
+    rollout engine routed it to, so an FP8 rounding that flips a routing decision in the rollout
+    is not trained on as if the trainer had made it. Default false. NeMo RL
+    ``policy.router_replay.enabled`` (v0.7.0 on; NeMo RL then asks vLLM for the routed experts
+    itself, ``enable_return_routed_experts``); a model without experts is refused. Training-only
+    hosts ignore it, as they ignore ``importance_sampling``."""
+
     hardware: str | None = None
     """Target GPU architecture (``ada``, ``hopper``, ``blackwell``, ``blackwell_sm120``; GPU
     names such as ``h100``, ``nvidia-smi`` names and ``sm90``-style capabilities are accepted;
@@ -632,6 +668,7 @@ class RecipeSpec:
         "bf16_layers",
         "importance_sampling",
         "qat",
+        "router_replay",
         "hardware",
     )
 
@@ -669,6 +706,7 @@ class RecipeSpec:
             "fp8_dot_product_attention",
             "fp8_multi_head_attention",
             "fp8_param",
+            "router_replay",
         ):
             set_(key, _bool(key, getattr(self, key)))
         set_("amax_epsilon", _float("amax_epsilon", self.amax_epsilon, 0.0, 1e30))

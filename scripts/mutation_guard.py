@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A guard that the test suite keeps its teeth (issue 26, item 3).
+"""A guard that the test suite keeps its teeth.
 
 Each mutation below is a known-bad edit (a flipped E4M3 cast, a dropped refusal, a broken
 round trip, a dropped alignment factor, a lexical path where a physical one is needed, a
@@ -57,6 +57,16 @@ MUTATIONS = (
         "    header = _header(source)\n    if not header:",
         "    header = _header(source)\n    if True:",
         ("tests/test_hostile.py::test_round_trip_keeps_the_lines_before_the_document",),
+    ),
+    Mutation(
+        "round-trip-drops-the-lines-before-the-first-change",
+        "nemo_fp8_plugin/roundtrip.py",
+        "            out.extend(mine[pos : touched[0]])  # lines only the source has, before the change\n",
+        "",
+        (
+            "tests/cli/test_roundtrip.py::"
+            "test_a_block_mapping_keeps_its_header_when_the_request_line_below_it_goes",
+        ),
     ),
     Mutation(
         "sequence-parallel-alignment-factor-dropped",

@@ -53,6 +53,10 @@ collect_ignore = [] if _has_vllm() else ["vllm"]
 
 
 FIXTURES = REPO / "tests" / "fixtures"
+NEMO_RL_TRIMMED = FIXTURES / "nemo_rl_grpo_trimmed.yaml"
+"""A self-contained NeMo RL config (NVIDIA's grpo_math_1B_megatron.yaml, trimmed) asking for
+``precision: fp8_blockwise``: a test input NeMo RL cannot run; the shipped NeMo RL examples
+are overlays on NVIDIA's configs (examples/nemo_rl/)."""
 
 LLAMA_LINEARS = (
     "self_attn.q_proj",
@@ -92,7 +96,60 @@ def shared_nemo_rl(relative: str = "") -> Path:
     return path
 
 
+NEMO_RL_RELEASES = {"0.6.0": "releases/v0.6.0/", "0.7.0": "releases/v0.7.0/", "main-2026-08-22": ""}
+"""NeMo RL release (the ``nemo-rl-<release>`` stack's suffix) -> its tree in the shared data."""
+
+
+def nemo_rl_checkout(release: str, dest: Path) -> Path:
+    """``dest`` laid out as a NeMo RL checkout of ``release`` has its configs: every file of
+    the release's ``examples/configs`` linked (read-only: nothing is ever written through a
+    link), every folder a real one, so a file a test puts next to NVIDIA's is its own."""
+    source = shared_nemo_rl(f"{NEMO_RL_RELEASES[release]}examples/configs")
+    for path in sorted(source.rglob("*")):
+        target = dest / "examples" / "configs" / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(path)
+    return dest
+
+
+def nemo_rl_config_module(release: str):
+    """NeMo RL's own ``nemo_rl/utils/config.py`` of ``release`` (``load_config``,
+    ``register_omegaconf_resolvers``), loaded from its source by path: the code that reads a
+    config when NeMo RL starts a run (it imports only OmegaConf and Hydra)."""
+    import importlib.util
+
+    tree = NEMO_RL_RELEASES[release] or "src/"
+    path = shared_nemo_rl(f"{tree}nemo_rl/utils/config.py")
+    spec = importlib.util.spec_from_file_location(f"nemo_rl_config_{release}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 UPSTREAM = REPO / ".cache" / "upstream"
+
+
+def upstream_wheel(name: str) -> Path:
+    """The wheel ``name`` in :data:`UPSTREAM` (scripts/install.sh downloads it; read, never
+    installed). When it is absent the calling test is skipped naming it; under CI=true that is
+    a failure, as a missing host is."""
+    path = UPSTREAM / name
+    if not path.is_file():
+        reason = f"{name} not in {UPSTREAM}: run `bash scripts/install.sh test`"
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="session")
+def upstream_wheels():
+    """:func:`upstream_wheel` for tests that cannot import this module by name (tests/vllm:
+    its own conftest.py takes the module name ``conftest`` there)."""
+    return upstream_wheel
 
 
 def upstream_file(wheel_glob: str, member: str, dest: Path) -> Path:

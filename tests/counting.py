@@ -1,4 +1,4 @@
-"""Work measured by counting, not by a clock (issue 26): the same input makes the same
+"""Work measured by counting, not by a clock: the same input makes the same
 number of calls on any machine, so a bound on it is an honest test of "bounded work"."""
 
 from __future__ import annotations

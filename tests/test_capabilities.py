@@ -1,7 +1,7 @@
-"""The capability table itself (issue 22 item 3): every row, every predicate, every gate, and
+"""The capability table itself: every row, every predicate, every gate, and
 that the spec's refusals read the row (change a row and the spec follows), checked against
 Transformer Engine 2.20.2's own recipe module where TE states the fact. GPU names as
-``nvidia-smi`` prints them (issue 23).
+``nvidia-smi`` prints them.
 
 The torch-side check of the format maxima (``torch.finfo``) is
 ``tests/numerics/test_formats.py``: this module stays torch-free.
@@ -330,7 +330,7 @@ def test_a_row_change_moves_the_hardware_gate(monkeypatch):
     assert not [p for p in hardware_problems(spec, "hopper") if p.level == "error"]
 
 
-# --------------------------------------------------------------------------- GPU names (issue 23)
+# --------------------------------------------------------------------------- GPU names
 
 NVIDIA_SMI = {
     # GeForce, as nvidia-smi prints them: the "GeForce" word used to defeat the name lookup.

@@ -2,7 +2,10 @@
 
 A fenced ``bash`` block's lines are commands. ``nemo-fp8`` and ``nemo`` resolve to this
 environment's console scripts, ``python`` to its interpreter; paths under ``/tmp/`` are
-moved into the test's temp dir. Long commands get their quick flags (``nemo-fp8 demo
+moved into the test's temp dir. A block preceded by ``<!-- doc-test: nemo-rl-checkout
+RELEASE -->`` runs in a NeMo RL checkout of that release (NVIDIA's configs from the shared test
+data, read-only) with this repository's ``examples/nemo_rl`` overlays put where their headers
+say, as the page tells the user to. Long commands get their quick flags (``nemo-fp8 demo
 --steps 3``, ``nemo-fp8 rl-check --quick --steps 2 --seeds 1``, :data:`QUICK`). Each command is
 a test of its own (``--durations`` times it); the slow ones carry the marker
 (:data:`SLOW_COMMANDS`). A block that cannot run here
@@ -11,10 +14,11 @@ a test of its own (``--durations`` times it); the slow ones carry the marker
 set-up commands are what CI itself runs (.ci/run), so they are checked for shape only.
 
 What a page shows a command producing is checked against what it produces: a block after a
-``bash`` block, preceded by ``<!-- doc-test: output /tmp/FILE -->``, is YAML that must be
-contained, key for key, in the FILE the command before it wrote; preceded by
-``<!-- doc-test: output -->``, each of its lines (``...`` lines aside) must occur in the
-command's standard output or error. Other pages' shown output is checked by their own tests
+``bash`` block, preceded by ``<!-- doc-test: output FILE -->``, is YAML that must be
+contained, key for key, in the FILE the command before it wrote (``/tmp/...`` or relative to
+where it ran); preceded by ``<!-- doc-test: output -->``, each of its lines (``...`` lines
+aside; ``/tmp/`` moved as in the command) must occur in the command's standard output or
+error. Only the last command of a block has its output shown. Other pages' shown output is checked by their own tests
 (docs/analyze.md's block by tests/analyze/test_analyze.py, docs/rl.md's rendered blocks by
 tests/tools/test_rl_check_docs.py).
 """
@@ -30,13 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_shipped_examples import NEMO_RL_OVERLAYS, header_command
 
-from conftest import REPO
+from conftest import REPO, nemo_rl_checkout
 
 BIN = Path(sys.executable).parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 SKIP = re.compile(r"<!--\s*doc-test:\s*skip\s+(?P<reason>[^>]*?)\s*-->")
 OUTPUT = re.compile(r"<!--\s*doc-test:\s*output(?:\s+(?P<file>\S+))?\s*-->")
+CHECKOUT = re.compile(r"<!--\s*doc-test:\s*nemo-rl-checkout\s+(?P<release>\S+)\s*-->")
 QUICK = {
     "demo": ["--steps", "3", "--recipes", "fp8_blockwise", "--no-progress"],
     # the smoke run cut to one seed of two steps (18 s instead of 100 s here): the page's own
@@ -54,8 +60,10 @@ class DocCommand:
     shown: str | None = None
     """The output the page shows for this command (a marked block after its own), or None."""
     shown_file: str | None = None
-    """Where the shown output is: the file the command writes (``/tmp/...``), or None for
-    its standard output and error."""
+    """Where the shown output is: the file the command writes (``/tmp/...``, or relative to
+    where it ran), or None for its standard output and error."""
+    checkout: str | None = None
+    """The NeMo RL release whose checkout the command runs in, or None (the repository)."""
 
 
 def doc_commands() -> list[DocCommand]:
@@ -63,12 +71,16 @@ def doc_commands() -> list[DocCommand]:
     for page in PAGES:
         lines = page.read_text().splitlines()
         in_block, skip, pending_skip = False, None, None
+        checkout, pending_checkout = None, None
         expect, shown = None, None  # a pending output marker; the block it marks
         last: DocCommand | None = None  # the last command of the latest bash block
         for i, line in enumerate(lines, 1):
-            m, o = SKIP.search(line), OUTPUT.search(line)
+            m, o, c = SKIP.search(line), OUTPUT.search(line), CHECKOUT.search(line)
             if m:
                 pending_skip = m.group("reason") or ""
+                continue
+            if c:
+                pending_checkout = c.group("release")
                 continue
             if o:
                 expect = (o.group("file"),)
@@ -82,6 +94,7 @@ def doc_commands() -> list[DocCommand]:
                     shown = []
                 elif not in_block and line[3:].strip() in ("bash", "sh", "shell", "console"):
                     in_block, skip, pending_skip = True, pending_skip, None
+                    checkout, pending_checkout = pending_checkout, None
                 elif in_block:
                     in_block = False
                 continue
@@ -90,7 +103,7 @@ def doc_commands() -> list[DocCommand]:
             elif in_block:
                 text = line.split(" #", 1)[0].strip() if not line.lstrip().startswith("#") else ""
                 if text:
-                    last = DocCommand(page, i, text, skip)
+                    last = DocCommand(page, i, text, skip, checkout=checkout)
                     out.append(last)
     return out
 
@@ -140,6 +153,10 @@ def _run(cmd: DocCommand, tmp: Path):
     # Run from a scratch folder that sees the repository's top-level folders, so relative
     # paths in the docs resolve and whatever a command writes stays out of the checkout.
     tmp.mkdir(parents=True, exist_ok=True)
+    if cmd.checkout is not None:
+        nemo_rl_checkout(cmd.checkout, tmp)
+        for overlay in NEMO_RL_OVERLAYS:  # where its header says it goes
+            (tmp / header_command(overlay, "nemo-fp8 apply")[2]).write_text(overlay.read_text())
     for entry in ("conf", "examples", "scripts", "benchmarks", "docs"):
         if (REPO / entry).exists() and not (tmp / entry).exists():
             (tmp / entry).symlink_to(REPO / entry)
@@ -152,13 +169,13 @@ def _run(cmd: DocCommand, tmp: Path):
 
 SLOW_COMMANDS = {
     # command prefix: what makes its blocks slow (over ~5 s, the marker's meaning in
-    # pyproject.toml; so every block over 30 s is among them). Seconds per block measured with
-    # `pytest tests/test_docs.py --durations=0` on the 2-core machine at load 6-13 (2026-12-02);
-    # CI runs them like every test (scripts/test.sh selects no marker), the fast subset not.
-    "nemo llm finetune": "imports NeMo 2 and NeMo-Run and builds the recipe: 33-38 s",
-    "nemo-fp8 rl-check": "the tiny GRPO model's warm-up and 2 steps, each arm: 18-25 s",
-    "nemo-fp8 demo": "trains a megatron-core GPT, BF16 and one recipe, 3 steps: 22 s",
-    "python examples/megatron/": "imports megatron-core and builds its config: 14 s",
+    # pyproject.toml). Seconds per block measured with `pytest tests/test_docs.py --durations=0`
+    # on two cores at load 5-7 (2026-12-06); CI runs them like every test (scripts/test.sh
+    # selects no marker), the fast subset not.
+    "nemo llm finetune": "imports NeMo 2 and NeMo-Run and builds the recipe: 34-66 s",
+    "nemo-fp8 rl-check": "the tiny GRPO model's warm-up and 2 steps, each arm: 19-31 s",
+    "nemo-fp8 demo": "trains a megatron-core GPT, BF16 and one recipe, 3 steps: 16 s",
+    "python examples/megatron/": "imports megatron-core and builds its config: 12 s",
 }
 """Doc commands run under the ``slow`` marker."""
 
@@ -199,13 +216,14 @@ def _check_shown(cmd: DocCommand, proc, tmp: Path) -> None:
     if cmd.shown_file is not None:
         import yaml
 
-        written = tmp / cmd.shown_file.replace("/tmp/", "", 1)
+        written = tmp / cmd.shown_file.removeprefix("/tmp/")
         _contained(yaml.safe_load(cmd.shown), yaml.safe_load(written.read_text()), where)
         return
     said = proc.stdout + proc.stderr
     for line in cmd.shown.splitlines():
         if line.strip() and line.strip() != "...":
-            assert line.strip() in said, f"{where}: the page shows {line.strip()!r}; got\n{said}"
+            expected = line.strip().replace("/tmp/", f"{tmp}/")  # where the command wrote
+            assert expected in said, f"{where}: the page shows {line.strip()!r}; got\n{said}"
 
 
 def test_shown_output_is_checked_against_the_command():
@@ -329,3 +347,54 @@ def test_every_python_snippet_runs_or_at_least_imports(snippet, tmp_path):
     assert proc.returncode == 0, (
         f"{where} ({snippet.mark or 'whole block'}):\n{proc.stderr[-1500:]}"
     )
+
+
+# --------------------------------------------------------------------------- links, figures
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FIGURE = re.compile(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?:x|%)")
+
+
+def _prose(page: Path) -> str:
+    return re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
+
+
+def _dead_links(pages: list[Path]) -> list[str]:
+    anchors = {
+        p.resolve(): {_anchor(h) for h in re.findall(r"^#+ (.+)$", _prose(p), re.M)} for p in pages
+    }
+    dead = []
+    for page in pages:
+        for link in LINK.findall(_prose(page)):
+            path, _, anchor = link.partition("#")
+            if link.startswith(("http://", "https://")):
+                continue
+            target = (page.parent / path).resolve() if path else page.resolve()
+            if not target.exists() or (anchor and anchor not in anchors.get(target, ())):
+                dead.append(f"{page.name}: {link}")
+    return dead
+
+
+def test_links_between_pages_resolve(tmp_path):
+    """Every relative link of the README and docs/ names a file that exists and, with
+    ``#anchor``, a heading of that page (pages move sections; a dead link is a defect)."""
+    assert not _dead_links(PAGES), _dead_links(PAGES)
+    probe = tmp_path / "p.md"
+    probe.write_text("## `nemo-fp8 bench`: A / B\n[x](#nemo-fp8-bench-a--b) [y](#gone) [z](q.md)\n")
+    assert _dead_links([probe]) == ["p.md: #gone", "p.md: q.md"]
+
+
+def test_the_readmes_own_figures_come_from_performance_md():
+    """The README's measured figures (its "What to expect" bullets that cite no outside
+    source) are the ones docs/performance.md's Demo section holds: one place, no drift."""
+    expect = _prose(REPO / "README.md").split("## What to expect", 1)[1].split("\n## ", 1)[0]
+    ours = [b for b in expect.split("\n- ") if "http" not in b]
+    demo = _prose(REPO / "docs" / "performance.md").split("## Demo", 1)[1].split("\n## ", 1)[0]
+    figures = [f for bullet in ours for f in FIGURE.findall(bullet)]
+    assert len(figures) >= 4, figures
+    missing = [f for f in figures if f not in demo]
+    assert not missing, f"README figures not in performance.md's Demo section: {missing}"

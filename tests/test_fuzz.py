@@ -18,7 +18,7 @@ multiplies every example count, for a longer sweep by hand). Under ``CI=true`` t
 reproduces on the next run; locally each run explores new examples. Output paths (special
 files, symlinks, the input itself) are fuzzed with the output-safety tests, not here; output
 file names (any bytes), standard output (any encoding, or closed) and the environment
-variables the package and Python read are fuzzed in tests/test_fuzz_streams.py (issue 26).
+variables the package and Python read are fuzzed in tests/test_fuzz_streams.py.
 """
 
 from __future__ import annotations

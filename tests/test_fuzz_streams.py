@@ -1,4 +1,4 @@
-"""Fuzzing the promise around the command (issue 26, item 4): any output file name the file
+"""Fuzzing the promise around the command: any output file name the file
 system takes (bytes that are not UTF-8 included), standard output in any encoding or closed,
 and the environment variables the package and Python read. The promise and its helpers are
 tests/test_fuzz.py's; budget about 15 s (the environment test, a child process per example,

@@ -1,4 +1,4 @@
-"""Hostile and careless input, third pass (issue 26): no hang, no silent loss, no traceback.
+"""Hostile and careless input: no hang, no silent loss, no traceback.
 
 Work is bounded by counting (Python calls made, through :func:`sys.setprofile`), never by
 a clock: the same input gives the same count on any machine. Each test failed before its fix.
@@ -365,6 +365,111 @@ def test_json_with_a_surrogate_pair_is_read(tmp_path, capsys):
     assert load_config(cfg)["name"] == "\U0001f600"
     rc, _, err = run(capsys, "explain", cfg)
     assert rc == 0, err
+
+
+# --------------------------------------------------------------------------- native keys read back
+
+
+_MEGATRON_COUNTS = {
+    "megatron": "language_model: {num_layers: 32, fp8: e4m3, fp8_recipe: blockwise, "
+    "first_last_layers_bf16: true, %s: %s}\n",
+    "nemo2": "trainer:\n  plugins:\n    _target_: nemo.lightning.pytorch.plugins.mixed_precision"
+    ".MegatronMixedPrecision\n    precision: bf16-mixed\n    fp8: hybrid\n    fp8_recipe: "
+    "blockwise\n    first_last_layers_bf16: true\n    %s: %s\n",
+    "bridge": "mixed_precision:\n  fp8: hybrid\n  fp8_recipe: blockwise\n  "
+    "first_last_layers_bf16: true\n  %s: %s\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("host", "value"),
+    [("megatron", "abc"), ("nemo2", "[1]"), ("bridge", ".inf"), ("megatron", "-1")],
+)
+def test_a_native_layer_count_that_is_no_count_is_one_line(tmp_path, capsys, host, value):
+    """megatron-core's ``num_layers_at_start_in_bf16`` read back by explain raised ValueError,
+    OverflowError or TypeError (megatron, NeMo 2 and Bridge spell it alike)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(_MEGATRON_COUNTS[host] % ("num_layers_at_start_in_bf16", value))
+    rc, _, err = run(capsys, "explain", cfg)
+    one_line_error(rc, err, "num_layers_at_start_in_bf16", "number of layers")
+    cfg.write_text(_MEGATRON_COUNTS[host] % ("num_layers_at_end_in_bf16", "'2'"))
+    rc, out, err = run(capsys, "explain", cfg)
+    assert rc == 0 and "Traceback" not in err, err
+
+
+def test_a_vllm_scheme_that_is_a_list_is_reported_not_a_type_error(tmp_path, capsys):
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text(
+        "model: meta-llama/Llama-3.1-8B\nquantization: nemo_fp8\nhf_overrides:\n"
+        "  quantization_config:\n    quant_method: nemo_fp8\n    scheme: [block]\n"
+    )
+    rc, out, err = run(capsys, "explain", cfg)
+    assert rc == 0 and "Traceback" not in err, err
+    assert "scheme: ['block']: not a kind of ours" in out
+
+
+# --------------------------------------------------------------------------- --hardware
+
+
+@pytest.mark.parametrize(
+    ("hardware", "needle"),
+    [
+        ("b200,h100", "got a list"),  # was Blackwell: nvfp4 passed for a list holding an H100
+        ("h100,b200", "got a list"),  # was Hopper
+        ("b2000", "unknown hardware"),  # was B200
+        ("h100x", "unknown hardware"),  # was H100
+    ],
+)
+def test_hardware_names_one_gpu_exactly(tmp_path, capsys, hardware, needle):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: nvfp4\nmodel: {num_layers: 4}\n")
+    rc, _, err = run(capsys, "explain", cfg, "--hardware", hardware)
+    one_line_error(rc, err, "--hardware", needle)
+    cfg.write_text(f"fp8: {{recipe: fp8_blockwise, hardware: '{hardware}'}}\n")
+    rc, _, err = run(capsys, "explain", cfg)
+    one_line_error(rc, err, "hardware", needle)
+
+
+def test_nvidia_smi_names_still_name_their_gpu():
+    """A guard (it passed before): the name ends at a separator, not at the model number."""
+    from nemo_fp8_plugin.capabilities import arch_by_name
+
+    names = {
+        "NVIDIA H100 80GB HBM3": "hopper",
+        "NVIDIA A100-SXM4-80GB": "ampere",
+        "NVIDIA A10G": "ampere",
+        "NVIDIA GH200 480GB": "hopper",
+        "NVIDIA B200": "blackwell",
+        "NVIDIA RTX 6000 Ada Generation": "ada",
+        "NVIDIA GeForce RTX 4090 D": "ada",
+        "NVIDIA RTX PRO 6000 Blackwell Server Edition": "blackwell_sm120",
+    }
+    assert {n: getattr(arch_by_name(n), "name", None) for n in names} == names
+
+
+# --------------------------------------------------------------------------- printed names
+
+
+def test_control_characters_in_file_names_are_escaped_where_printed(tmp_path, capsys):
+    """ESC and newline in a file name reached the terminal raw in explain's ``config:`` line
+    and apply's ``wrote`` line (export escaped them)."""
+    cfg = tmp_path / "a\x1b[31mb\nc.yaml"
+    cfg.write_text("precision: fp8_blockwise\nmodel: {num_layers: 4}\n")
+    out = tmp_path / "o\x1b[2Jx.yaml"
+    printed = []
+    for argv in (
+        ["explain", cfg],
+        ["apply", cfg, "--host", "megatron", "-o", out],
+        ["apply", cfg, "--host", "megatron", "--diff"],
+    ):
+        rc, stdout, stderr = run(capsys, *argv)
+        assert rc == 0, stderr
+        printed.append(stdout + stderr)
+    text = "".join(printed)
+    assert "\x1b" not in text and "b\nc.yaml" not in text, text
+    assert "config: " + str(tmp_path) + "/a\\x1b[31mb\\nc.yaml\n" in printed[0]
+    assert "wrote " + str(tmp_path) + "/o\\x1b[2Jx.yaml\n" in printed[1]
+    assert "a\\x1b[31mb\\nc.yaml (nemo-fp8 apply --host megatron)\n" in printed[2]
 
 
 # --------------------------------------------------------------------------- round trip

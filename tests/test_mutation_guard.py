@@ -1,4 +1,4 @@
-"""The suite keeps its teeth (issue 26, item 3): scripts/mutation_guard.py applies known-bad
+"""The suite keeps its teeth: scripts/mutation_guard.py applies known-bad
 edits to a copy of the package and requires the named tests to fail for each (and to pass
 on the unmutated copy). About 2 minutes on two cores; CI budget 3 minutes."""
 

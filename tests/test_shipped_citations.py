@@ -1,4 +1,4 @@
-"""No shipped file cites a path outside the repository (issue 22 item 6): a user or contributor
+"""No shipped file cites a path outside the repository: a user or contributor
 who clones the project must be able to read every source a file points to. The stated
 numerics live in docs/numerics.md. Tests may still read the shared test data."""
 
@@ -13,9 +13,7 @@ from conftest import REPO
 pytestmark = pytest.mark.torch_free
 
 SHIPPED = ["nemo_fp8_plugin", "docs", "examples", "conf", "scripts", "README.md", "pyproject.toml"]
-OUTSIDE = re.compile(
-    r"\.\./shared|shared/(NUMERICS|HOSTS)\.md|/work/shared|\b(NUMERICS|HOSTS)\.md\b"
-)
+OUTSIDE = re.compile(r"\.\./shared|shared/(NUMERICS|HOSTS)\.md|\b(NUMERICS|HOSTS)\.md\b")
 SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".sh", ".txt", ".cfg", ".cpp"}
 
 

@@ -169,7 +169,7 @@ def test_invalid_overrides_name_the_key(overrides, key):
 
 
 def test_generation_numerics_default_values_and_refusals():
-    """Issue 18: ``generation_numerics`` defaults to vLLM's numerics in every preset, takes
+    """``generation_numerics`` defaults to vLLM's numerics in every preset, takes
     the three values from YAML ``fp8:`` blocks through ``get_recipe``, and a bad value is
     refused naming the key and listing the allowed ones."""
     from nemo_fp8_plugin.spec import GENERATION_NUMERICS

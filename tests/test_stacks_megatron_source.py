@@ -183,3 +183,45 @@ def test_the_installed_megatron_core_agrees_and_lacks_both(name):
     assert stacks.lookup("megatron-core", name, INSTALLED).present is False
     # the probes see the installed file's neighbours, so "lacks" is not a misread file
     assert "fp8_param_gather" in ddp_fields(read(DDP_FILE))
+
+
+# --------------------------------------------------------------------------- get_fp8_recipe's branches
+
+_VIA_TE_DELAYED = frozenset(
+    f.name.rsplit(".", 1)[1]
+    for f in stacks.FACTS
+    if f.name.startswith("get_fp8_recipe.delayed.") and "TEDelayedScaling" in f.source
+)
+"""The delayed branch's fields read inside ``TEDelayedScaling.__init__`` (its file is not in
+the excerpts: the installed 0.16.1 is read through it)."""
+
+
+def _rows(version: str) -> dict[str, frozenset[str]]:
+    from nemo_fp8_plugin.hosts.megatron.honoured import honoured_fp8_fields
+
+    return honoured_fp8_fields(version).fields
+
+
+@pytest.mark.host
+def test_the_branch_rows_are_the_installed_get_fp8_recipe_s():
+    from megatron_source import read_honoured_fields
+
+    root = Path(str(metadata.distribution("megatron-core").locate_file("megatron")))
+    assert read_honoured_fields(root) == _rows(INSTALLED)
+
+
+@pytest.mark.parametrize("version", SHIPPED)
+def test_the_branch_rows_are_each_excerpt_s(version):
+    """Each excerpt's branches read exactly the rows' fields, but those the delayed branch
+    hands to TEDelayedScaling (whose file the excerpts leave out), which it still does."""
+    from megatron_source import read_honoured_fields
+
+    root = EXCERPTS / version / "megatron"
+    read = read_honoured_fields(root)
+    rows = _rows(version)
+    assert set(read) == set(rows)
+    for recipe, fields in rows.items():
+        missing = fields - read[recipe]
+        assert read[recipe] <= fields, (recipe, read[recipe] - fields)
+        assert recipe == "delayed" and missing <= _VIA_TE_DELAYED or not missing, (recipe, missing)
+    assert "TEDelayedScaling(" in (root / "core" / "fp8_utils.py").read_text(encoding="utf-8")

@@ -1,6 +1,6 @@
 """What a config may make a host import and call, and which files the plugin reads.
 
-Issue 17 item 2. ``_target_``: Megatron-Bridge refuses a ``_target_`` outside its allow-list;
+``_target_``: Megatron-Bridge refuses a ``_target_`` outside its allow-list;
 ``register()`` used to allow the whole ``nemo_fp8_plugin`` prefix, under which
 ``nemo_fp8_plugin.<module>.os.system`` resolves (the package's modules import ``os``).
 Now it allows exactly the callables of :mod:`nemo_fp8_plugin.hosts.targets` (Bridge's exact

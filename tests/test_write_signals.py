@@ -1,5 +1,5 @@
 """The one signal handler of the commands that write (``nemo_fp8_plugin._signals``), as
-``apply``'s atomic writes use it, and the cleanup of what a SIGKILL leaves (issue 26 item 1).
+``apply``'s atomic writes use it, and the cleanup of what a SIGKILL leaves.
 
 Each writer is a real child ``nemo-fp8 apply`` process; the signal lands mid-write through a
 hook on ``os.fsync`` (after the temp file's data is on disk, before its rename)."""
@@ -186,3 +186,32 @@ def test_an_outer_handler_is_left_in_place(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert exit_status(KeyboardInterrupt()) == 130
+
+
+def test_a_signal_between_the_output_and_its_companion_leaves_neither(
+    tmp_path, monkeypatch, capsys
+):
+    """The output and the TE precision file beside it are one write: a SIGTERM once the first
+    temp file is on disk used to leave the companion written (it came first, whole) beside the
+    old output; now every temp file is synced before the first rename, and none survives."""
+    cfg, out = tmp_path / "lm.yaml", tmp_path / "out" / "r.yaml"
+    cfg.write_text(
+        "fp8: {recipe: fp8_blockwise, model: llama3.1-8b, bf16_layers: {modules: ['*.linear_fc2']}}\n"
+        "language_model: {num_layers: 32}\n"
+    )
+    out.parent.mkdir()
+    out.write_text("the old output\n")
+    real, synced = os.fsync, []
+
+    def fsync(fd):
+        real(fd)
+        synced.append(fd)
+        if len(synced) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    rc = main(["apply", str(cfg), "--host", "megatron", "-o", str(out)])
+    assert rc == 143, capsys.readouterr().err
+    assert out.read_text() == "the old output\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["r.yaml"]
+    capsys.readouterr()

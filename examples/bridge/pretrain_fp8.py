@@ -5,10 +5,13 @@
 
 The one line Bridge needs is the `register()` call: after it, `mixed_precision: fp8_blockwise`
 resolves in Bridge YAML and on its command line. The callback stops the run at start if
-Transformer Engine was imported without the variable the recipe needs.
+Transformer Engine was imported without the variable the recipe needs. It ends with a verdict,
+``pretrain_fp8: PASS`` when pretraining returned, ``FAIL`` (exit 1) with the error otherwise.
 """
 
 import argparse
+import sys
+import traceback
 
 import nemo_fp8_plugin.hosts.bridge as fp8
 
@@ -25,4 +28,11 @@ args = parser.parse_args()
 
 cfg = llama3_8b_pretrain_config()
 cfg.mixed_precision = args.recipe  # resolved by Bridge's registry at finalize
-pretrain(cfg, forward_step, callbacks=[FP8ScaleRefreshBridgeCallback(args.recipe)])
+try:
+    pretrain(cfg, forward_step, callbacks=[FP8ScaleRefreshBridgeCallback(args.recipe)])
+except Exception as err:
+    traceback.print_exc()
+    sys.exit(f"pretrain_fp8: FAIL: {type(err).__name__}: {err}")
+print(
+    f"pretrain_fp8: PASS: pretrained under {args.recipe} (its Transformer Engine recipe checked at start)"
+)

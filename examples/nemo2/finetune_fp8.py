@@ -5,10 +5,13 @@
 
 The same as `nemo llm finetune --factory llama32_1b_fp8_blockwise`: the stock recipe, FP8 on
 its precision plugin, the scale-refresh callback, and the Transformer Engine variable the
-recipe needs in the executor's environment.
+recipe needs in the executor's environment. It ends with a verdict, ``finetune_fp8: PASS`` or
+``FAIL`` (exit 1): with ``--dry-run``, whether the configuration carries the recipe; else
+whether NeMo-Run's job succeeded.
 """
 
 import argparse
+import sys
 
 import nemo_run as run
 from nemo.collections import llm
@@ -26,8 +29,30 @@ spec = get_recipe(args.recipe)
 recipe = add_fp8_to_recipe(llm.llama32_1b.finetune_recipe(num_gpus_per_node=1), spec)
 executor = run.LocalExecutor(ntasks_per_node=1, launcher="torchrun", env_vars=required_env(spec))
 if args.dry_run:
-    print(recipe.trainer.plugins)
-    print(recipe.trainer.callbacks[-1])
+    plugin, callback = recipe.trainer.plugins, recipe.trainer.callbacks[-1]
+    print(plugin)
+    print(callback)
     print("executor env:", executor.env_vars)
+    precision = plugin.fp4 if spec.scaling == "nvfp4" else plugin.fp8
+    failures = [
+        *([] if precision else [f"the precision plugin is not {spec.name}'s"]),
+        *([] if callback.recipe == spec.name else ["no scale-refresh callback for the recipe"]),
+        *[
+            f"executor env lacks {k}={v}"
+            for k, v in required_env(spec).items()
+            if executor.env_vars.get(k) != v
+        ],
+    ]
+    if failures:
+        sys.exit(f"finetune_fp8: FAIL: {'; '.join(failures)}")
+    print(
+        f"finetune_fp8: PASS (dry run): {spec.name} on the precision plugin, its callback, env set"
+    )
 else:
-    run.run(recipe, executor=executor)
+    with run.Experiment(f"finetune_{spec.name}", executor=executor) as exp:
+        exp.add(recipe, name="finetune")
+        exp.run(detach=False)  # waits for the job
+    state = getattr(exp.jobs[0].state, "name", str(exp.jobs[0].state))
+    if state != "SUCCEEDED":
+        sys.exit(f"finetune_fp8: FAIL: NeMo-Run's job ended {state}: its log is above")
+    print(f"finetune_fp8: PASS: finetuned under {spec.name}")

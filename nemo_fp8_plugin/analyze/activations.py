@@ -10,15 +10,20 @@ operands quantized. The activation modules' names are joined to the checkpoint's
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FP8ConfigError
 from ..rules.names import builtin_high_precision
 from .metrics import ErrorStats, quantize_dequantize, quantizer_key
 from .scan import progress_bar
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..spec import RecipeSpec
 
 __all__ = ["SAMPLE_TEXTS", "load_samples", "activation_stats", "join_activation_names"]
 
@@ -39,20 +44,12 @@ numbers, another language, so that the inputs of every layer see varied statisti
 def load_samples(samples: str | Path | None) -> tuple[list[str] | None, list[list[int]] | None]:
     if samples is None:
         return list(SAMPLE_TEXTS), None
+    from .._io import read_user_bytes, read_user_json
+
     path = Path(samples).expanduser()
-    if not path.is_file():
-        raise FP8ConfigError(f"samples file not found: {path}", key="--samples", value=str(path))
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FP8ConfigError(
-            f"cannot read {path} ({exc})", key="--samples", value=str(path)
-        ) from None
     if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise FP8ConfigError(f"{path} is not valid JSON ({exc})", key="--samples") from None
+        # a regular file within LIMITS.config_bytes, nesting and digits bounded
+        data = read_user_json(path, key="--samples", what="samples file")
         if isinstance(data, dict):
             data = data.get("input_ids")
         if (
@@ -69,6 +66,12 @@ def load_samples(samples: str | Path | None) -> tuple[list[str] | None, list[lis
             key="--samples",
             value=str(path),
         )
+    try:
+        text = read_user_bytes(path, key="--samples", what="samples file").decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FP8ConfigError(
+            f"cannot read {path} ({exc})", key="--samples", value=str(path)
+        ) from None
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise FP8ConfigError(
@@ -77,7 +80,7 @@ def load_samples(samples: str | Path | None) -> tuple[list[str] | None, list[lis
     return lines, None
 
 
-def _quiet_import(name: str):
+def _quiet_import(name: str) -> ModuleType:
     """Import a third-party package with its import-time noise (deprecation warnings, a
     torchao shared-library notice printed through logging) logged at debug level instead of
     reaching the user's terminal."""
@@ -107,7 +110,13 @@ def _quiet_import(name: str):
     return module
 
 
-def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress: bool | None):
+def activation_stats(
+    checkpoint: Path,
+    specs: Sequence[RecipeSpec],
+    samples: str | Path | None,
+    max_tokens: int,
+    progress: bool | None,
+) -> tuple[dict[str, dict[str, ErrorStats]], dict[str, dict[str, ErrorStats]], dict[str, Any]]:
     """Per linear module (HF name) and recipe, the quantization error of its inputs and of
     its GEMM's output (input and weight both quantized), and run information."""
     import torch
@@ -168,6 +177,7 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
             for t in texts
         ]
     else:
+        assert token_ids is not None  # load_samples gives texts or token ids
         vocab = getattr(config, "vocab_size", None)
         for ids in token_ids:
             if vocab and max(ids) >= vocab:
@@ -189,8 +199,8 @@ def activation_stats(checkpoint: Path, specs, samples, max_tokens: int, progress
         )
     weight_dq: dict[tuple[str, tuple], Any] = {}
 
-    def make_hook(name: str):
-        def hook(module, args):
+    def make_hook(name: str) -> Callable[[torch.nn.Linear, tuple[Any, ...]], None]:
+        def hook(module: torch.nn.Linear, args: tuple[Any, ...]) -> None:
             if not args or not isinstance(args[0], torch.Tensor) or name in problems:
                 return
             x = args[0].detach()

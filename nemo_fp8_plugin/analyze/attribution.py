@@ -16,7 +16,6 @@ Reads JSON only: no torch, no host, no rl-check import (analyze sits below tools
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -44,22 +43,13 @@ def _fail(where: str, message: str, value: Any = None, hint: str | None = None) 
 
 
 def _load(path: str | Path) -> dict[str, Any]:
+    from .._io import read_user_json
+
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FP8ConfigError(f"{p} not found", key=KEY, value=str(p)) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise FP8ConfigError(f"cannot read {p}: {err}", key=KEY, value=str(p)) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise FP8ConfigError(
-            f"{p} is not JSON ({err.msg}, line {err.lineno})",
-            key=KEY,
-            value=str(p),
-            hint="pass the file `nemo-fp8 rl-check --json` wrote",
-        ) from None
+    # a regular file (a FIFO, /dev/zero refused) within LIMITS.config_bytes, nesting bounded
+    data = read_user_json(
+        p, key=KEY, what="JSON file", hint="pass the file `nemo-fp8 rl-check --json` wrote"
+    )
     if not isinstance(data, dict):
         raise _fail("the document", "expected rl-check's JSON object", type(data).__name__)
     return data
@@ -173,9 +163,12 @@ def report_from_data(
     chosen = usable[:top]
     flagged = {m for r in chosen for m in r["modules"]}
     settings = data.get("settings")
-    recipe = settings.get("recipe") if isinstance(settings, dict) else None
-    if not isinstance(recipe, str) or not recipe:
-        raise _fail("settings.recipe", "expected the run's recipe name", recipe)
+    if not isinstance(settings, dict):
+        settings = {}  # refused just below: no recipe
+    recipe = settings.get("recipe")
+    if not isinstance(recipe, str) or not recipe or not recipe.isprintable():
+        # a newline would reach the suggested YAML and the terminal as written
+        raise _fail("settings.recipe", "expected the run's recipe name (one line)", recipe)
     step = settings.get("attribution_step")
     steps = settings.get("steps")
     if isinstance(step, int) and step < 0 and isinstance(steps, int):

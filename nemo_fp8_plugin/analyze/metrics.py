@@ -11,12 +11,19 @@ tensor SQNR is below the threshold minus :data:`OUTPUT_MARGIN_DB` (:func:`is_fla
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..capabilities import capability
 from ..errors import FP8ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..numerics import QTensor
+    from ..numerics.nvfp4 import NVFP4Tensor
+    from ..spec import RecipeSpec
 
 __all__ = [
     "DEFAULT_THRESHOLD_DB",
@@ -46,7 +53,7 @@ on Gaussian data (measured: 19.06 per tensor, 18.40 worst row of a 512x1024 rand
 25 dB would flag every healthy module. The same rule as E4M3's: 4x the floor's noise (-6 dB)."""
 
 
-def default_threshold_db(spec) -> float:
+def default_threshold_db(spec: RecipeSpec) -> float:
     """The flagging threshold for ``spec`` when ``--threshold`` is not given: by its element
     format (NVFP4's floor is ~12 dB below E4M3's)."""
     return NVFP4_THRESHOLD_DB if capability(spec.scaling).is_nvfp4 else DEFAULT_THRESHOLD_DB
@@ -83,7 +90,9 @@ class ErrorStats:
             return -math.inf
         return 10.0 * math.log10(self.signal / self.noise)
 
-    def add(self, x, dq, row_signal=None) -> None:
+    def add(
+        self, x: torch.Tensor, dq: torch.Tensor, row_signal: torch.Tensor | None = None
+    ) -> None:
         """Accumulate ``x`` [rows, cols] against its quantize-dequantize ``dq``.
         ``row_signal`` (sum of x^2 per row) may be passed when several recipes share ``x``."""
         xf = x.float()
@@ -117,7 +126,7 @@ class ErrorStats:
         return out
 
 
-def quantizer_key(spec, role: str) -> tuple:
+def quantizer_key(spec: RecipeSpec, role: str) -> tuple:
     """Recipes that quantize a role identically share one key (delayed and current scaling
     quantize a weight alike; see :func:`quantize_dequantize`)."""
     block = spec.weight_block if role == "weight" else spec.activation_block
@@ -126,28 +135,37 @@ def quantizer_key(spec, role: str) -> tuple:
     return (kind, block, spec.pow2_scales if row.fixed_pow2 is None else row.fixed_pow2)
 
 
-def quantize_dequantize(x, spec, role: str):
+def quantize_dequantize(x: torch.Tensor, spec: RecipeSpec, role: str) -> torch.Tensor:
     """Quantize-dequantize ``x`` (2-D) as the recipe quantizes a ``role`` operand."""
     from ..numerics import quantize_blockwise, quantize_mxfp8, quantize_per_tensor
+    from ..numerics.reference import check_block
 
-    block = spec.weight_block if role == "weight" else spec.activation_block
     row = capability(spec.scaling)
+    q: QTensor | NVFP4Tensor
     if row.per_tensor:
         # Delayed scaling's weight scale comes from the amax history, which for a weight at
         # steady state equals its current amax: current scaling is the faithful stand-in.
         q = quantize_per_tensor(x, "e4m3", pow2_scales=spec.pow2_scales)
-    elif row.is_block:
+        return q.dequantize()
+    # a tiled kind's tile (a spec without one is refused, naming ``block``)
+    block = check_block(spec.weight_block if role == "weight" else spec.activation_block)
+    if row.is_block:
         q = quantize_blockwise(x, block=block, fmt="e4m3", pow2_scales=spec.pow2_scales)
     elif row.is_nvfp4:  # TE's NVFP4, bit-exact (forward operands: no RHT)
         from ..numerics import quantize_nvfp4
 
-        q = quantize_nvfp4(x, tuple(block))
+        q = quantize_nvfp4(x, block)
     else:
         q = quantize_mxfp8(x, block=block, fmt="e4m3")
     return q.dequantize()
 
 
-def stats_for(mats, specs, role: str, into: dict[str, ErrorStats] | None = None):
+def stats_for(
+    mats: Iterable[torch.Tensor],
+    specs: Sequence[RecipeSpec],
+    role: str,
+    into: dict[str, ErrorStats] | None = None,
+) -> dict[str, ErrorStats]:
     """Error of ``mats`` (2-D tensors) under each recipe, quantizing once per distinct
     quantizer."""
     out = into if into is not None else {}
@@ -163,7 +181,7 @@ def stats_for(mats, specs, role: str, into: dict[str, ErrorStats] | None = None)
     return out
 
 
-def weight_stats(tensor, specs) -> dict[str, ErrorStats]:
+def weight_stats(tensor: torch.Tensor, specs: Sequence[RecipeSpec]) -> dict[str, ErrorStats]:
     import torch
 
     x = tensor if tensor.dtype in (torch.float32, torch.bfloat16, torch.float16) else tensor.float()
@@ -171,14 +189,14 @@ def weight_stats(tensor, specs) -> dict[str, ErrorStats]:
     return stats_for(mats, specs, "weight")
 
 
-def resolve_recipes(recipes: Iterable[Any] | None):
+def resolve_recipes(recipes: Iterable[Any] | None) -> list[RecipeSpec]:
     """The specs to analyze: ``--recipes``' names or specs (duplicates dropped), or every
     registered recipe by name; a bad name is an error naming ``--recipes``."""
     from ..registry import default_registry, get_recipe
 
     if recipes is None:
         return [s for s in (default_registry().get(n) for n in sorted(default_registry().names()))]
-    out = []
+    out: list[RecipeSpec] = []
     for r in recipes:
         try:
             spec = get_recipe(r)
@@ -221,7 +239,7 @@ def judged(stats: dict[str, Any], kind: str) -> float | None:
     return stats.get("sqnr_db") if kind == "outputs" else _lowest(stats)
 
 
-def summarize(rows, recipe: str, kind: str, word: str) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], recipe: str, kind: str, word: str) -> dict[str, Any]:
     """Lowest (tensor or row) SQNR with its module, and the median tensor SQNR."""
     lows = [
         (v, r["module"])

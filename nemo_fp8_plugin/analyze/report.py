@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ __all__ = ["render_text", "write_heatmap"]
 _KIND_WORDS = {"weights": "weight", "activations": "input", "outputs": "output"}
 
 
-def _fmt_db(v) -> str:
+def _fmt_db(v: float | None) -> str:
     return "  -   " if v is None else f"{v:6.1f}"
 
 
@@ -43,9 +44,9 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
         lines.append(f"activations: {a['samples']} samples, {a['tokens']} tokens")
     width = max([len(r["module"]) for r in rows] + [6])
 
-    def worst(r):
-        vals = [judged(r[kind][n], kind) for kind in KINDS if kind in r for n in recipes]
-        vals = [v for v in vals if v is not None]
+    def worst(r: dict[str, Any]) -> float:
+        judgeds = [judged(r[kind][n], kind) for kind in KINDS if kind in r for n in recipes]
+        vals = [v for v in judgeds if v is not None]
         return min(vals) if vals else math.inf
 
     shown = rows if len(rows) <= max_rows else sorted(rows, key=worst)[:max_rows]
@@ -133,7 +134,7 @@ def write_heatmap(report: dict[str, Any], path: str | Path, *, max_rows: int = 4
     columns = [(n, kind) for kind in kinds for n in recipes]
     labels = [f"{n}\n({_KIND_WORDS[kind]})" for n, kind in columns]
 
-    def rows_by(key):
+    def rows_by(key: Callable[[str], str]) -> dict[str, list[float]]:
         merged: dict[str, list[float]] = {}
         for r in report["modules"]:
             vals = []

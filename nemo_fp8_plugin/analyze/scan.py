@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import FP8ConfigError
 from ..rules.names import builtin_high_precision
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
+
+_T = TypeVar("_T")
 
 __all__ = [
     "checkpoint_files",
@@ -57,7 +62,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def open_checkpoint_file(file: Path):
+def open_checkpoint_file(file: Path) -> safe_open:
     from safetensors import safe_open
 
     try:
@@ -121,7 +126,7 @@ def scan_headers(files: list[Path]) -> tuple[list[tuple[Path, str, list[int], st
 
 def iter_tensors(
     todo: Iterable[tuple[Path, str, list[int], str]],
-) -> Iterator[tuple[Path, str, list[int], str, Any]]:
+) -> Generator[tuple[Path, str, list[int], str, Any], None, None]:
     """``(file, name, shape, dtype, tensor)`` for each ``(file, name, shape, dtype)`` of
     :func:`scan_headers`, reading one tensor at a time; a file stays open while its tensors
     are read. Close the generator (``contextlib.closing``) if the loop may stop early."""
@@ -145,7 +150,9 @@ def iter_tensors(
             h.__exit__(None, None, None)
 
 
-def progress_bar(iterable, total: int, desc: str, enabled: bool | None):
+def progress_bar(
+    iterable: Iterable[_T], total: int, desc: str, enabled: bool | None
+) -> Iterable[_T]:
     try:
         from tqdm import tqdm
     except ImportError:  # the analyze extra brings tqdm; without it, no bar

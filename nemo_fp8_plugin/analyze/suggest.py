@@ -65,6 +65,10 @@ def suggest_bf16_layers(modules: list[str], flagged: Iterable[str]) -> dict[str,
     for u in all_units:
         if layer_index(u) not in covered_layers:
             by_template.setdefault(template(u), []).append(u)
+    # linear in the modules: each template's count of flagged units, taken once
+    hits: dict[str, int] = {}
+    for u in rest_units:
+        hits[template(u)] = hits.get(template(u), 0) + 1
     patterns: list[str] = []
     done: set[str] = set()
     for u in rest_units:
@@ -72,8 +76,7 @@ def suggest_bf16_layers(modules: list[str], flagged: Iterable[str]) -> dict[str,
         if t in done:
             continue
         group = by_template.get(t, [])
-        hit = [g for g in group if g in rest_units]
-        if layer_index(u) is not None and len(group) > 1 and len(hit) == len(group):
+        if layer_index(u) is not None and len(group) > 1 and hits[t] == len(group):
             patterns.append(t)
             done.add(t)
         else:

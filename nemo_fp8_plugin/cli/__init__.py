@@ -26,6 +26,7 @@ COMMANDS = (
     "apply",
     "analyze",
     "export",
+    "verify_refit",
     "doctor",
     "demo",
     "rl_check",
@@ -100,13 +101,16 @@ def _error(command: str, message: str, *, kind: str = "error: ") -> None:
 
 
 def printable_path(text: str) -> str:
-    """``text`` with the bytes of a file name that is not UTF-8 (surrogate escapes in a
-    ``str``) shown as ``\\xff``: no stream can encode them as they are."""
+    """``text`` (a file name, or a message holding one) as one printable line: the bytes of
+    a name that is not UTF-8 (surrogate escapes in a ``str``) shown as ``\\xff``, control
+    characters (ESC, newlines) escaped (``_io.shown_path``)."""
+    from .._io import shown_path
+
     try:
         text.encode("utf-8")
-        return text
     except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return shown_path(text)
 
 
 _MESSAGE_MAX = 2000

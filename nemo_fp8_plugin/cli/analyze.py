@@ -175,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.plot:
         path = write_heatmap(report, args.plot)
-        print(f"wrote {path}", file=sys.stderr)
+        from . import printable_path
+
+        print(f"wrote {printable_path(str(path))}", file=sys.stderr)
     sys.stdout.write(dump_json(report) if args.json else render_text(report))
     return 0

@@ -54,7 +54,8 @@ def register(sub) -> None:
     where.add_argument(
         "--force",
         action="store_true",
-        help="replace a read-only (e.g. 0444) output file; without it one is refused",
+        help="replace a read-only (e.g. 0444) output file, and write --host's keys into a "
+        "config whose shape is another host's; without it both are refused",
     )
     p.add_argument(
         "--strict", action="store_true", help="treat rules the host cannot express as errors"
@@ -63,8 +64,9 @@ def register(sub) -> None:
         "--stack",
         default=None,
         metavar="NAME",
-        help="write for this named stack's host versions (nemo-rl-0.6, nemo-2.7, latest; "
-        "default: the installed versions)",
+        help="write for this named stack's host versions (nemo-rl-0.6.0, nemo-rl-0.7.0, "
+        "nemo-rl-main-2026-08-22, nemo-2.7, latest; default: the installed versions, and for "
+        "NeMo RL the release they identify, else v0.7.0)",
     )
     p.add_argument(
         "--validate",
@@ -77,9 +79,11 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._io import atomic_write_text, check_output_file
+    from .._io import check_output_file
+    from ..errors import FP8ConfigError
     from ..hosts import get_adapter, load_context
     from ..hosts import run as run_pipeline
+    from ..hosts.nemo_rl.releases import release_hint
     from ..roundtrip import render, unified_diff
 
     target = _target(args)
@@ -95,13 +99,34 @@ def run(args: argparse.Namespace) -> int:
         strict=args.strict,
         output=Path(args.config) if args.diff else target,
         stack=args.stack,
+        host_forced=args.force and args.host is not None,
+        host=args.host,
     )
-    if args.stack is not None and ctx.stack is not None:
-        print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
     if target is not None and not args.in_place:
         _refuse_own_files(Path(args.config), target, ctx.raw)
-    adapter = get_adapter(args.host if args.host is not None else _detected_host(ctx))
-    result = run_pipeline(adapter, ctx)
+    detected = _detected_host(ctx) if args.host is None else None
+    adapter = get_adapter(args.host if detected is None else detected)
+    try:
+        result = run_pipeline(adapter, ctx)  # its own refusals (a mistyped section...) first
+    except FP8ConfigError as err:  # a refusal naming an assumed NeMo RL release says so
+        raise release_hint(err, ctx.nemo_rl) from None
+    other = _forced_host(adapter, ctx) if args.host is not None else None
+    # The first line: which NeMo RL release the keys are written for (after the pipeline,
+    # so a refusal stays one line: it names the release itself).
+    if adapter.name == "nemo-rl":
+        print(f"nemo-fp8 apply: {ctx.nemo_rl.line}", file=sys.stderr)
+    if args.stack is not None and ctx.stack is not None:
+        print(f"nemo-fp8 apply: {ctx.stack.line}", file=sys.stderr)
+    if detected is not None:
+        print(
+            f"nemo-fp8 apply: host: {detected} (detected from the config's shape)", file=sys.stderr
+        )
+    if other is not None:
+        print(
+            f"nemo-fp8 apply: --force: {adapter.name}'s keys written into a {other} config "
+            f"(from its shape); {other} may not read them",
+            file=sys.stderr,
+        )
     checks = adapter.validate(result, ctx) if args.validate and result.requested else []
     source = _read_text(Path(args.config))
     written, removed = result.written or {}, list(result.removed)
@@ -121,10 +146,13 @@ def run(args: argparse.Namespace) -> int:
         edit=edit,
         where=str(args.config),
     )
+    from . import printable_path
+
+    # one line each, whatever file names they quote
     for w in result.warnings:
-        print(f"nemo-fp8 apply: warning: {w}", file=sys.stderr)
+        print(f"nemo-fp8 apply: warning: {printable_path(w)}", file=sys.stderr)
     for n in result.notes:  # informational: nothing to fix
-        print(f"nemo-fp8 apply: note: {n}", file=sys.stderr)
+        print(f"nemo-fp8 apply: note: {printable_path(n)}", file=sys.stderr)
     if adapter.name == "vllm":  # no config key holds these: vLLM reads them when it starts
         for var, value in result.env.items():
             print(
@@ -135,40 +163,69 @@ def run(args: argparse.Namespace) -> int:
         print(f"nemo-fp8 apply: checked: {line}", file=sys.stderr)
     if args.diff:
         for path in result.files:  # companions too are only shown
-            print(f"nemo-fp8 apply: note: would also write {path}", file=sys.stderr)
+            print(f"nemo-fp8 apply: note: would also write {printable_path(path)}", file=sys.stderr)
         sys.stdout.write(
             unified_diff(
-                source, text, name=str(args.config), label=f"nemo-fp8 apply --host {adapter.name}"
+                source,
+                text,
+                name=printable_path(str(args.config)),
+                label=f"nemo-fp8 apply --host {adapter.name}",
             )
         )
     elif target is not None:
-        _write_companions(result.files)
-        if args.in_place and text == source:
-            print(f"{args.config} unchanged", file=sys.stderr)
-            return 0
-        atomic_write_text(target, text)
-        from . import printable_path
-
-        print(f"wrote {printable_path(str(target))}", file=sys.stderr)
+        _write_with_companions(args, target, text, source, result.files, ctx.raw)
     else:
         sys.stdout.write(text)
     return 0
 
 
-def _write_companions(files: dict[str, str]) -> None:
-    """The adapter's companion files (the NeMo RL TE precision file), each atomically, before
-    the output that names them."""
-    from .._io import atomic_write_text
+def _write_with_companions(args, target: Path, text: str, source: str, files, raw) -> None:
+    """Write the output and the adapter's companion files (the TE precision file) as one
+    step: every companion is checked as ``-o`` is (and refused when it is the input, a file
+    of its ``defaults:`` chain or the output itself) before anything is written; then the
+    output is renamed into place first and the companions after it, and a failure before
+    that (a full disk, a signal) leaves none of them changed."""
+    from .._io import atomic_write_files, check_companion_file, same_file
+    from ..errors import FP8ConfigError
     from . import printable_path
 
-    for path, text in files.items():
-        atomic_write_text(path, text)
-        print(f"wrote {printable_path(path)}", file=sys.stderr)
+    config = Path(args.config)
+    for path, body in files.items():
+        if same_file(path, target):
+            raise FP8ConfigError(
+                f"{path} (written beside the output) is the output itself",
+                key="--output",
+                value=str(path),
+            )
+        _refuse_own_files(config, Path(path), raw, what=f"{path} (written beside the output)")
+        check_companion_file(path, "--output", text=body, force=args.force)
+    unchanged = args.in_place and text == source
+    writes = [] if unchanged else [(target, text.encode("utf-8"))]
+    atomic_write_files(writes + [(path, body.encode("utf-8")) for path, body in files.items()])
+    if unchanged:
+        print(f"{printable_path(str(config))} unchanged", file=sys.stderr)
+    else:
+        print(f"wrote {printable_path(str(target))}", file=sys.stderr)
+    for path in files:
+        print(f"wrote {printable_path(str(path))}", file=sys.stderr)
+
+
+def _forced_host(adapter, ctx) -> str | None:
+    """``--host`` against the config's shape: refused naming both hosts
+    (:func:`~nemo_fp8_plugin.hosts.refuse_other_host`), unless ``--force``; then the host the
+    shape names, for the command to say so (None: the shapes agree). Transformer Engine's
+    output is a new document, not an edit of the config: any shape is fine."""
+    from ..hosts import refuse_other_host, shape_mismatch
+
+    if adapter.name == "te":
+        return None
+    refuse_other_host(adapter, ctx)
+    return shape_mismatch(adapter, ctx)
 
 
 def _detected_host(ctx) -> str:
-    """The host ``explain`` would pick for this config (:func:`detect_host`), said on stderr;
-    a config whose shape names none is refused with the choices."""
+    """The host ``explain`` would pick for this config (:func:`detect_host`); a config whose
+    shape names none is refused with the choices."""
     from ..errors import FP8ConfigError
     from ..hosts import HOSTS, detect_host
 
@@ -180,7 +237,6 @@ def _detected_host(ctx) -> str:
             key="--host",
             hint=f"pass --host, one of {', '.join(HOSTS)}",
         )
-    print(f"nemo-fp8 apply: host: {host} (detected from the config's shape)", file=sys.stderr)
     return host
 
 
@@ -214,24 +270,26 @@ def _same(a: Path, b: Path) -> bool:
     return same_file(a, b)
 
 
-def _refuse_own_files(config: Path, target: Path, raw) -> None:
+def _refuse_own_files(config: Path, target: Path, raw, *, what: str = "") -> None:
     """``-o`` naming the input, or a file of its ``defaults:`` chain, would overwrite what the
-    result was made from (a parent overwritten by its child's result makes the chain loop)."""
+    result was made from (a parent overwritten by its child's result makes the chain loop);
+    so would a file written beside the output (``what`` names it) that is one of them."""
     from ..errors import FP8ConfigError
 
     if not target.exists():
         return
+    subject = f"{what} is" if what else "names"
     if _same(target, config):
         raise FP8ConfigError(
-            "names the input config; the result would overwrite it",
+            f"{subject} the input config; the result would overwrite it",
             key="--output",
             value=str(target),
-            hint="write another file, or pass --in-place to edit the config",
+            hint="write another file" + ("" if what else ", or pass --in-place to edit the config"),
         )
     for parent in _defaults_chain(config, raw):
         if _same(target, parent):
             raise FP8ConfigError(
-                f"names {parent}, a parent of {config} through defaults:; "
+                f"{subject} {parent}, a parent of {config} through defaults:; "
                 f"overwriting it would change (or loop) the chain",
                 key="--output",
                 value=str(target),

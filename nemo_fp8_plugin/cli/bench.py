@@ -64,5 +64,7 @@ def run(args: argparse.Namespace) -> int:
         result["export"] = export
     if args.json:
         write_json(args.json, result)
-        print(f"wrote {args.json}", file=sys.stderr)
+        from . import printable_path
+
+        print(f"wrote {printable_path(str(args.json))}", file=sys.stderr)
     return 0

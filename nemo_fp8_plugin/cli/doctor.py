@@ -2,8 +2,8 @@
 
 Reports, for the machine it runs on:
 
-* the stack: which named stack (:data:`nemo_fp8_plugin.stacks.STACKS`: ``nemo-rl-0.6``,
-  ``nemo-2.7``, ``latest``) the installed host versions are, whether each version is one the
+* the stack: which named stack (:data:`nemo_fp8_plugin.stacks.STACKS`: ``nemo-rl-0.7.0``,
+  ``nemo-2.7``, ``latest``, ...) the installed host versions are (and which NeMo RL release), whether each version is one the
   plugin is tested against, and, when the set is no named stack, what to change to make it the
   nearest one (``--stack NAME`` checks against a named stack instead);
 * GPU architecture and CUDA (from torch, when torch is installed), and the versions of
@@ -22,8 +22,12 @@ Reports, for the machine it runs on:
   when it starts (``VLLM_USE_DEEP_GEMM_E8M0=0``, ...: ``engine_env``), the recipe's refusals
   for vLLM, and vLLM's version; no Transformer Engine check, no exit 3.
 
-Whatever it could not check (no GPU, no TE) is listed plainly under "not checked". Exit code
-0 when it could report (even if a recipe cannot run here), 2 for bad input.
+The first line is the verdict (:func:`verdict`): ``ready``, ``cannot run here`` or ``cannot
+check here`` (no GPU, no Transformer Engine: this is not the machine that trains), with the one
+action; the details follow, and what could not be checked is listed with ``-v``. A stack is
+"tested" for the hosts installed here only, and a version a container pins is described, never
+to be changed. Exit code 0 when it could report (even if a recipe cannot run here), 1 when
+the config's recipe cannot run here, 2 for bad input, 3 (:data:`EXIT_NO_TE`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import warnings
 from importlib import metadata
 from typing import Any
 
-from ..stacks import DISTRIBUTIONS
+from ..stacks import DISTRIBUTIONS, parse_version
 
 PACKAGES = DISTRIBUTIONS
 """Reported package -> distribution names that provide it (first installed one wins): the
@@ -84,10 +88,16 @@ def register(sub) -> None:
         "--stack",
         default=None,
         metavar="NAME",
-        help="check the installed versions against this named stack (nemo-rl-0.6, nemo-2.7, "
-        "latest) instead of the one they match",
+        help="check the installed versions against this named stack (nemo-rl-0.7.0, "
+        "nemo-2.7, latest, ...) instead of the one they match",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also list every check this machine could not make, and each recipe in full",
+    )
     p.set_defaults(run=run)
 
 
@@ -102,47 +112,54 @@ def package_versions() -> dict[str, str | None]:
 
 
 def stack_report(versions: dict[str, str | None], stack: str | None = None) -> dict[str, Any]:
-    """Which named stack ``versions`` is (or, with ``stack``, how it differs from that one),
-    whether each version is tested, and what to change when the set is no tested stack."""
-    from ..stacks import TESTED, Stack, get_stack, match_stack, misfits
+    """Which named stack ``versions`` is (or, with ``stack``, how it differs from that one):
+    the one place doctor matches stacks. ``tested`` holds for the hosts installed here only
+    (``installed``; ``absent``: the stack's hosts this machine lacks, so nothing of theirs is
+    checked); ``differs`` describes each installed version outside the stack's range and
+    each untested one: a container pins its versions, so nothing here says to change one."""
+    from ..stacks import TESTED, Stack, detect_nemo_rl, get_stack, match_stack
 
     match = match_stack(versions)
     have = {h: v for h, v in versions.items() if v}
     named: Stack | None
-    name: str | None
     if stack is not None:
-        named = get_stack(stack)
-        changes = misfits(named, have)
-        name, how = named.name, "chosen with --stack"
-        is_it = not changes
+        named, how = get_stack(stack), "chosen with --stack"
     else:
-        named = match.stack or match.nearest
-        changes = list(match.changes)
-        name = match.stack.name if match.stack is not None else None
-        how = "detected from the installed packages"
-        is_it = match.stack is not None
-    hosts = {
-        host: {
-            "version": version,
-            "tested": host not in match.untested,
-            "tested_versions": list(TESTED.get(host, ())),
-        }
-        for host, version in have.items()
-    }
-    for host, version in match.untested.items():
-        tested = ", ".join(TESTED[host])
-        changes.append(
-            f"{host} {version} is not a version the plugin is tested against (tested: {tested}); "
-            f"its facts come from upstream source only"
-        )
+        named, how = match.stack or match.nearest, "detected from the installed packages"
+    differs = (
+        [
+            f"{host} {have[host]} is outside {named.name}'s {rng.label}"
+            for host, rng in named.ranges.items()
+            if host in have and not rng.contains(have[host])
+        ]
+        if named is not None
+        else []
+    )
+    is_it = named is not None and not differs and (stack is not None or match.stack is not None)
+    differs += [
+        f"{host} {version} is not a version the plugin is tested against (tested: "
+        f"{', '.join(TESTED[host])}): its facts come from upstream source only"
+        for host, version in match.untested.items()
+    ]
+    pinned = list(named.versions) if named is not None else []
     return {
-        "name": name,
+        "name": named.name if named is not None and (is_it or stack is not None) else None,
         "how": how,
         "matches": is_it,
         "tested": is_it and not match.untested,
         "nearest": named.name if named is not None else None,
-        "hosts": hosts,
-        "changes": changes,
+        "installed": [h for h in pinned if h in have],
+        "absent": [h for h in pinned if h not in have],
+        "hosts": {
+            host: {
+                "version": version,
+                "tested": host not in match.untested,
+                "tested_versions": list(TESTED.get(host, ())),
+            }
+            for host, version in have.items()
+        },
+        "differs": differs,
+        "nemo_rl": detect_nemo_rl(versions).summary(),  # the release found, and if tested
     }
 
 
@@ -214,18 +231,6 @@ def entry_points(versions: dict[str, str | None]) -> list[dict[str, Any]]:
     return out
 
 
-def _version_tuple(text: str | None) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    parts = []
-    for piece in text.replace("+", ".").split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts) or None
-
-
 def arch_of(capability: tuple[int, ...]) -> str | None:
     """SM capability -> the spec's architecture name (None for GPUs without FP8), from the
     capability table (:func:`nemo_fp8_plugin.capabilities.arch_of_capability`)."""
@@ -286,14 +291,17 @@ def check_recipe(
     te_reason: str | None,
     hardware_given: bool,
     host: str | None = None,
+    keys: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One recipe's verdict: ``runnable`` (True / False / None = not checked) and why.
 
-    ``host`` is the host the config is written for (:func:`nemo_fp8_plugin.hosts.detect_host`).
+    ``host`` is the host the config is written for (:func:`nemo_fp8_plugin.hosts.detect_host`):
+    the hardware rules judge the sides it runs, in its terms (``keys``: the config's request
+    keys, where a move to another recipe is spelled).
     A vLLM config runs no training: Transformer Engine and its ``NVTE_*`` variables are not
     its concern; the variables vLLM reads at start-up (``engine_env``) and vLLM's version are.
     """
-    from ..capabilities import capability
+    from ..capabilities import capability, hardware_problems, host_sides
     from ..errors import FP8ConfigError
     from ..hosts.te import TE_RECIPE_CLASS, required_env, verify_host_recipe
     from ..stacks import lookup
@@ -308,19 +316,14 @@ def check_recipe(
             "hardware rules: no GPU here (pass --hardware to judge for a target GPU)"
         )
     else:
-        try:
-            judged = spec.replace(hardware=arch)
-            # a finding that points at this command is checked below, not advised
-            notes += [
-                f"{f.key}: {f.message}"
-                for f in judged.findings()
-                if f.level == "warning" and "nemo-fp8 doctor" not in f.message
-            ]
-        except FP8ConfigError as err:
-            runnable = False
-            problems.append(str(err))
+        for found in hardware_problems(spec, arch, host_sides(host), keys):
+            if found.level == "error":
+                runnable = False
+                problems.append(f"{found.key}: {found.message}")
+            elif "nemo-fp8 doctor" not in found.message:  # what it points at is checked below
+                notes.append(f"{found.key}: {found.message}")
     if capability(spec.scaling).is_block and arch == "hopper":
-        cuda = _version_tuple(gpu.get("cuda"))
+        cuda = parse_version(gpu.get("cuda"))
         if cuda is None:
             not_checked.append("CUDA version (torch reports none)")
         elif cuda < MIN_CUDA_BLOCK:
@@ -427,12 +430,13 @@ def _vllm_verdict(
 def build_report(
     config: str | None = None, hardware: str | None = None, stack: str | None = None
 ) -> dict[str, Any]:
-    """The doctor report (the ``--json`` output)."""
+    """The doctor report (the ``--json`` output); ``verdict`` first (:func:`verdict`)."""
     from ..registry import list_recipes
     from ..spec import normalize_hardware
 
     target = normalize_hardware(hardware, key="--hardware") if hardware else None
-    stated, dims, host = None, [], None
+    stated, dims, host, preflight = None, [], None, None
+    keys: tuple[str, ...] = ()
     if config is not None:
         from ..hosts import detect_host, load_context
         from ..hosts.alignment import dimension_findings
@@ -445,8 +449,14 @@ def build_report(
         request = ctx.request
         specs = [request.spec] if request is not None else []
         stated = request.hardware if request is not None else None
+        keys = request.keys if request is not None else ()
         if request is not None and ctx.model is not None:
             dims = dimension_findings(request.spec, ctx.model, ctx.resolved, resolved_value)
+        if host == "nemo-rl" and request is not None:
+            from ._doctor_nemo_rl import nemo_rl_run
+
+            refused, preflight = nemo_rl_run(config, ctx, hardware, stack)
+            dims = [*dims, *refused]
     else:
         specs = list_recipes()
     versions = package_versions()
@@ -465,7 +475,8 @@ def build_report(
         )
     if te_module is None and host != "vllm":  # a vLLM config runs no TE
         machine_not_checked.append(f"Transformer Engine at run time: {te_reason}")
-    return {
+    report: dict[str, Any] = {
+        "verdict": {},
         "machine": {
             "python": platform.python_version(),
             "platform": platform.platform(),
@@ -479,10 +490,11 @@ def build_report(
         "plugin": plugin_info(),
         "entry_points": entry_points(versions),
         "config": config,
+        "host": host,
         "recipes": [
             _with_dims(
                 check_recipe(
-                    s, arch, versions, gpu, te_module, te_reason, target is not None, host
+                    s, arch, versions, gpu, te_module, te_reason, target is not None, host, keys
                 ),
                 dims,
             )
@@ -490,118 +502,40 @@ def build_report(
         ],
         "not_checked": machine_not_checked,
     }
+    if preflight is not None:
+        from ._doctor_nemo_rl import with_preflight
+
+        checked = report["recipes"][0]
+        for var, want in with_preflight(checked, preflight).items():
+            entry = _env_entry(var, want, os.environ.get(var))
+            checked["env"].append(
+                dict(entry, where="where NeMo RL starts (its workers inherit it)")
+            )
+    from ._doctor_view import verdict
+
+    report["verdict"] = verdict(report, hardware_given=target is not None)
+    return report
 
 
-def _with_dims(verdict: dict[str, Any], dims) -> dict[str, Any]:
+def _with_dims(checked: dict[str, Any], dims) -> dict[str, Any]:
     """A recipe's verdict with the model dimensions its GEMMs cannot take (errors: it cannot
     run, whatever the GPU) and those that cost (warnings)."""
     for f in dims:
         if f.level == "error":
-            verdict["runnable"] = False
-            verdict["problems"].append(f"{f.key}: {f.message}")
+            checked["runnable"] = False
+            checked["problems"].append(f"{f.key}: {f.message}")
         else:
-            verdict["notes"].append(f"{f.key}: {f.message}")
-    return verdict
-
-
-def _stack_lines(stack: dict[str, Any]) -> list[str]:
-    if stack["matches"]:
-        state = "a tested stack" if stack["tested"] else "a named stack, with untested versions"
-        lines = [f"stack: {stack['name']} ({stack['how']}): {state}"]
-    elif stack["how"] == "chosen with --stack":
-        lines = [f"stack: {stack['name']} (chosen with --stack): the installed versions differ"]
-    else:
-        nearest = f"; nearest: {stack['nearest']}" if stack["nearest"] else ""
-        lines = [f"stack: none of the named stacks ({stack['how']}){nearest}: untested set"]
-    lines += [f"  change: {c}" for c in stack["changes"]]
-    return lines
-
-
-def render_text(report: dict[str, Any]) -> str:
-    m = report["machine"]
-    lines = [f"python {m['python']} on {m['platform']}"]
-    if m["gpus"]:
-        for g in m["gpus"]:
-            lines.append(
-                f"gpu {g['index']}: {g['name']} ({g['capability']}, {g['arch'] or 'pre-Ada'})"
-            )
-    else:
-        lines.append("gpu: none visible")
-    lines.append(f"cuda (torch build): {m['cuda'] or 'none'}")
-    lines += _stack_lines(report["stack"])
-    hosts = report["stack"]["hosts"]
-    for name, version in report["packages"].items():
-        state = ""
-        if version and name in hosts and hosts[name]["tested_versions"]:
-            state = " (tested)" if hosts[name]["tested"] else " (UNTESTED)"
-        lines.append(f"{name:<18} {version or 'not installed'}{state}")
-    plugin = report["plugin"]
-    lines.append(
-        f"{'nemo-fp8-plugin':<18} {plugin['version']} (imported from {plugin['path']}"
-        + ("" if plugin["installed"] else "; not installed as a package")
-        + ")"
-    )
-    for ep in report["entry_points"]:
-        if "recipes" in ep:
-            names = ", ".join(f"{r['name']} ({r['distribution']})" for r in ep["recipes"])
-            lines.append(
-                f"entry point group {ep['group']}: "
-                + (
-                    f"recipes from other packages: {names}"
-                    if names
-                    else "no other package adds recipes"
-                )
-            )
-            continue
-        state = "visible" if ep["visible"] else "NOT visible"
-        host = (
-            f"{ep['host']} {ep['host_version']} is installed: {ep['loads']}"
-            if ep["host_version"]
-            else f"{ep['host']} is not installed here"
-        )
-        lines.append(f"entry point {ep['group']} {ep['name']}: {state}; {host}")
-        for p in ep["problems"]:
-            lines.append(f"  problem: {p}")
-    if report["config"]:
-        lines.append(f"config: {report['config']}")
-        if not report["recipes"]:
-            lines.append("  asks for no FP8 recipe")
-    verdict = {True: "can run here", False: "CANNOT run here", None: "not fully checked"}
-    for r in report["recipes"]:
-        where = f" on {m['target_arch']}" if m["target_arch"] else ""
-        lines.append(f"recipe {r['recipe']} ({r['scaling']}): {verdict[r['runnable']]}{where}")
-        for p in r["problems"]:
-            lines.append(f"  problem: {p}")
-        for n in r["notes"]:
-            lines.append(f"  note: {n}")
-        lines += _env_lines(r["env"])
-        if r["env_effective"] is not None:
-            te_state = "match the recipe" if r["env_effective"] else "DO NOT match the recipe"
-            lines.append(f"  TE quantizer parameters in this process: {te_state}")
-        for n in r["not_checked"]:
-            lines.append(f"  not checked: {n}")
-    for n in report["not_checked"]:
-        lines.append(f"not checked: {n}")
-    lines += _works_here(report)
-    if len(report["recipes"]) > 1:
-        groups = {
-            v: [r["recipe"] for r in report["recipes"] if r["runnable"] is v]
-            for v in (True, False, None)
-        }
-        parts = [
-            f"{label}: {', '.join(groups[v])}"
-            for v, label in ((True, "can run here"), (False, "cannot"), (None, "not fully checked"))
-            if groups[v]
-        ]
-        lines.append(f"summary: {'; '.join(parts)}")
-    return "\n".join(lines) + "\n"
+            checked["notes"].append(f"{f.key}: {f.message}")
+    return checked
 
 
 def run(args: argparse.Namespace) -> int:
     from .._io import dump_json
+    from ._doctor_view import render_text, training_without_te
 
     report = build_report(args.config, hardware=args.hardware, stack=args.stack)
-    sys.stdout.write(dump_json(report) if args.json else render_text(report))
+    text = dump_json(report) if args.json else render_text(report, verbose=args.verbose)
+    sys.stdout.write(text)
     # A config's own recipe that cannot run here fails the check, so scripts can gate a launch
     # on it; without a config the report surveys every recipe and judges none.
     if args.config and any(r["runnable"] is False for r in report["recipes"]):
@@ -609,7 +543,7 @@ def run(args: argparse.Namespace) -> int:
     # FP8 training asked for, and no Transformer Engine here to run it: not a verdict on the
     # recipe, but a launch script gating on doctor must not go ahead (docs/recipes.md). With
     # --hardware the report judges another machine, whose TE this one cannot see.
-    if args.config and not args.hardware and _training_without_te(report):
+    if args.config and not args.hardware and training_without_te(report):
         return EXIT_NO_TE
     return 0
 
@@ -645,40 +579,3 @@ def _env_entry(var: str, want: str, have: str | None) -> dict[str, Any]:
         "set": have == want,
         "te_default": TE_ENV_DEFAULTS.get(var) == want,
     }
-
-
-def _env_lines(env: list[dict[str, Any]]) -> list[str]:
-    """A line per variable the user must act on; variables left unset whose TE default is
-    the value needed are summed up on one line rather than listed as "needed: unset"."""
-    lines, by_default = [], []
-    for e in env:
-        if e["value"] is None and e.get("te_default"):
-            by_default.append(e["name"])
-            continue
-        state = "set" if e["set"] else (f"is {e['value']!r}" if e["value"] is not None else "unset")
-        where = e.get("where", "in the training process")
-        lines.append(f"  env {e['name']}={e['needed']} needed {where}: {state} in this shell")
-    if by_default:
-        lines.append(
-            f"  env: {len(by_default)} variable(s) unset here, which is fine: TE's default is "
-            f"the value the recipe needs ({', '.join(by_default)})"
-        )
-    return lines
-
-
-def _training_without_te(report: dict[str, Any]) -> bool:
-    # a vLLM config generates only: its FP8 training flag is for a trainer it does not run
-    trains = any(r.get("training") == "fp8" and r.get("host") != "vllm" for r in report["recipes"])
-    return trains and not report["packages"].get("transformer-engine")
-
-
-def _works_here(report: dict[str, Any]) -> list[str]:
-    """What does run on this machine, whatever the GPU checks say: the config tools need no
-    host, the FP8 emulation and the demo need torch (and megatron-core for the demo)."""
-    packages = report["packages"]
-    works = ["explain, apply, analyze and recipes (no host needed)"]
-    if packages.get("torch"):
-        works.append("FP8 emulation (nemo_fp8_plugin.numerics) on torch " + packages["torch"])
-        if packages.get("megatron-core"):
-            works.append("nemo-fp8 demo (megatron-core " + packages["megatron-core"] + ")")
-    return ["works here: " + "; ".join(works)]

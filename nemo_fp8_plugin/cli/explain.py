@@ -35,8 +35,9 @@ def register(sub) -> None:
         "--stack",
         default=None,
         metavar="NAME",
-        help="assume this named stack's host versions (nemo-rl-0.6, nemo-2.7, latest; "
-        "default: the installed versions); the report's first lines name it",
+        help="assume this named stack's host versions (nemo-rl-0.6.0, nemo-rl-0.7.0, "
+        "nemo-rl-main-2026-08-22, nemo-2.7, latest; default: the installed versions, and for "
+        "NeMo RL the release they identify, else v0.7.0); the report's first lines name it",
     )
     p.add_argument(
         "--all-hosts",
@@ -72,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(dump_json(report))
     else:
+        if report.get("host") == "nemo-rl" and "stack" in report:
+            # The first line: which NeMo RL release the keys below are written for.
+            print(report["stack"]["nemo_rl"]["line"])
         sys.stdout.write(
             render_text(
                 report, all_hosts=args.all_hosts, full=args.full, host_given=args.host is not None

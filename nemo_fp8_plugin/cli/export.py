@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import FP8ConfigError
 
     max_bytes = parse_size(args.max_shard_size, "--max-shard-size")
+    from .._io import shown_path
     from ..rl import export_fp8_checkpoint
-    from ..rl.export import shown_path
 
     try:
         result = export_fp8_checkpoint(
@@ -154,6 +154,12 @@ def run(args: argparse.Namespace) -> int:
             f"copied (only its regular files are)",
             file=sys.stderr,
         )
+    for name in result.outside:
+        print(
+            f"nemo-fp8 export: note: {shown_path(name)} of the checkpoint directory not "
+            f"copied (a symbolic link out of it)",
+            file=sys.stderr,
+        )
     if args.json:
         sys.stdout.write(
             dump_json(
@@ -173,4 +179,41 @@ def run(args: argparse.Namespace) -> int:
             f"tensors as they came, {result.shards} shard{'s' if result.shards != 1 else ''}, "
             f"{result.bytes / 1e9:.2f} GB"
         )
+        print("\n".join(next_steps(result, args.recipe)))
     return 0
+
+
+WORKER = "nemo_fp8_plugin.hosts.vllm.worker.NemoFp8WorkerExtension"
+"""The worker extension a refitting engine names (``hosts.vllm.worker.WORKER_EXTENSION``,
+spelled here so that this command imports no vLLM code)."""
+
+
+def next_steps(result, recipe: str) -> list[str]:
+    """How to serve and refit what was written: vLLM's own ``fp8`` method reads a block-FP8
+    export on a GPU; this plugin's ``nemo_fp8`` method (the one an MXFP8 export names) reads
+    it on any platform vLLM runs on, the CPU included, and takes refits in place."""
+    import json
+    import shlex
+
+    from .._io import shown_path
+    from ..hosts.vllm import engine_env
+
+    path = shown_path(result.path)
+    env = "".join(f"{k}={v} " for k, v in engine_env(recipe).items())
+    serve = f"{env}vllm serve {shlex.quote(path)}"
+    python = f'vllm.LLM(model={json.dumps(path)}, quantization="nemo_fp8"'
+    if result.quantization_config.get("quant_method") == "fp8":
+        lines = [
+            f"serve it with vLLM's own fp8 method (GPU): {serve}",
+            f"or with this plugin's nemo_fp8 method (any platform, CPU included): {serve} "
+            f"--quantization nemo_fp8, in Python {python})",
+        ]
+    else:
+        lines = [
+            f"serve it with this plugin's nemo_fp8 method, which its config.json names (any "
+            f"platform, CPU included): {serve}, in Python {python})"
+        ]
+    return lines + [
+        f'refit it in place every RL step: {python}, worker_extension_cls="{WORKER}"); see '
+        f'docs/hosts/vllm.md ("Refit") and examples/vllm/refit_loop.py'
+    ]

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ..config import FP8Request
     from ..rules import ModelDescription
     from ..spec import RecipeSpec
-    from ..stacks import Assumed
+    from ..stacks import Assumed, ReleaseChoice
 
 __all__ = [
     "ADAPTERS",
@@ -57,6 +57,7 @@ __all__ = [
     "model_shape_findings",
     "megatron_model_section",
     "refuse_other_host",
+    "shape_mismatch",
     "NO_REQUEST",
     "available_hosts",
     "diff_written",
@@ -176,6 +177,9 @@ class ApplyResult:
         files: companion files ``apply`` writes (atomically, before the output itself):
             path -> text. The NeMo RL adapter's TE precision file
             (:mod:`nemo_fp8_plugin.hosts.megatron.precision_file`) is one.
+        checks: pre-flight records as plain data, by name, for ``explain --json`` and
+            ``doctor`` (NeMo RL: ``rollout``, ``kv_cache``, ``ignore_list``); the lines that
+            say them are among :attr:`notes` / :attr:`warnings`.
     """
 
     data: Any
@@ -188,11 +192,12 @@ class ApplyResult:
     requested: bool = True
     runtime: str = ""
     files: dict[str, str] = field(default_factory=dict)
+    checks: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """The host section of ``explain --json``."""
         out: dict[str, Any] = {"keys": self.written or {}}
-        for name in ("removed", "env", "warnings", "notes", "runtime"):
+        for name in ("removed", "env", "warnings", "notes", "runtime", "checks"):
             value = getattr(self, name)
             if value:
                 out[name] = value
@@ -227,6 +232,8 @@ class HostContext:
         stack: the host versions assumed (:func:`nemo_fp8_plugin.stacks.assumed_versions`:
             ``--stack NAME``, else the installed ones); None for a mapping given in code
             (adapters then read the installed versions).
+        host_forced: ``--force`` with ``--host``: the host was chosen against the config's
+            shape (:func:`refuse_other_host` lets it through, and the command says so).
     """
 
     path: Path | None
@@ -242,13 +249,28 @@ class HostContext:
     strict: bool = False
     fmt: str = "yaml"
     stack: Assumed | None = None
+    host_forced: bool = False
 
     def assumed_version(self, host: str) -> str | None:
         """The version of ``host`` this command assumes: the ``--stack``'s pin, else the
         installed one (:func:`load_context` sets :attr:`stack` either way); None when the
-        host is absent or the context was built in code without a stack. The one place
-        adapters ask, so a version-table fact is decided the same way everywhere."""
+        host is absent or the context was built in code without a stack. For ``nemo-rl``
+        the release name (:attr:`nemo_rl`), never None. The one place adapters ask, so a
+        version-table fact is decided the same way everywhere."""
+        if host == "nemo-rl":
+            return self.nemo_rl.release
         return self.stack.version(host) if self.stack is not None else None
+
+    @property
+    def nemo_rl(self) -> ReleaseChoice:
+        """The NeMo RL release this command writes for and how it was decided: the stack's
+        (``--stack``, or detected from the installed vLLM and Transformer Engine), else, for a
+        context built in code, the newest release (:data:`nemo_fp8_plugin.stacks.NEMO_RL_NEWEST`)."""
+        if self.stack is not None:
+            return self.stack.release
+        from ..stacks import NEMO_RL_NEWEST, ReleaseChoice
+
+        return ReleaseChoice(NEMO_RL_NEWEST, "assumed, the newest release: no --stack given")
 
     @property
     def spec(self) -> RecipeSpec:
@@ -383,7 +405,7 @@ class HostAdapter(abc.ABC):
 def apply_path(adapter: HostAdapter, path: str | Path, **context: Any) -> ApplyResult:
     """:func:`run` on a config file. ``context``: the keyword arguments of
     :func:`load_context` (``hardware``, ``strict``, ``output``...)."""
-    return run(adapter, load_context(path, **context))
+    return run(adapter, load_context(path, **{"host": adapter.name, **context}))
 
 
 def apply_mapping(adapter: HostAdapter, config: Mapping[str, Any], **context: Any) -> ApplyResult:
@@ -459,6 +481,8 @@ def load_context(
     strict: bool = False,
     check_hardware: bool = True,
     stack: str | None = None,
+    host_forced: bool = False,
+    host: str | None = None,
 ) -> HostContext:
     """Read ``path`` once (its ``defaults:`` chain too), find the request and the model.
 
@@ -466,7 +490,11 @@ def load_context(
     checkpoint directory holding one) override the model the config names.
     ``check_hardware=False``: a target the recipe cannot run on is reported by the caller
     (``explain``, ``doctor``), not refused here (:func:`~nemo_fp8_plugin.config.find_fp8_request`).
-    ``stack``: the ``--stack`` name (None: the installed versions).
+    ``stack``: the ``--stack`` name (None: the installed versions). ``host_forced``: the
+    host was chosen with ``--force`` against the config's shape (:func:`refuse_other_host`).
+    ``host``: whose sides the target GPU is judged for
+    (:func:`~nemo_fp8_plugin.hosts.hardware.targeted`; None: the host the config's shape
+    names).
     """
     from ..config import find_fp8_request, load_config_chain
     from ..stacks import assumed_versions
@@ -475,7 +503,11 @@ def load_context(
 
     path = Path(path)
     raw, resolved = load_config_chain(path)
-    request = find_fp8_request(resolved, hardware=hardware, check_hardware=check_hardware)
+    request = find_fp8_request(resolved, hardware=hardware, check_hardware=False)
+    if check_hardware:
+        from .hardware import targeted
+
+        request = targeted(request, host if host is not None else detect_host(resolved))
     found = _model_of(request, resolved, path, model, model_config)
     return HostContext(
         path=path,
@@ -491,6 +523,7 @@ def load_context(
         strict=strict,
         fmt="json" if path.suffix.lower() == ".json" else "yaml",
         stack=assumed,
+        host_forced=host_forced,
     )
 
 
@@ -501,12 +534,15 @@ def mapping_context(
     strict: bool = False,
     path: str | Path | None = None,
     model: str | None = None,
+    stack: str | None = None,
 ) -> HostContext:
     """A :class:`HostContext` for a config mapping built in code (no file, no ``defaults:``
     chain); a model file the mapping names is read relative to ``path``'s directory (the
-    working directory without one)."""
+    working directory without one). ``stack``: a ``--stack`` name whose versions (and NeMo RL
+    release) to assume; None: no stack (no host versions; NeMo RL's newest release)."""
     from ..config import find_fp8_request
     from ..errors import format_value
+    from ..stacks import assumed_versions
 
     if not isinstance(config, Mapping):
         raise FP8ConfigError(f"a config must be a mapping, got {format_value(config)}")
@@ -529,6 +565,7 @@ def mapping_context(
         stated=_stated(config),
         hardware=hardware,
         strict=strict,
+        stack=assumed_versions(stack) if stack is not None else None,
     )
 
 
@@ -702,18 +739,41 @@ def detect_host(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def refuse_other_host(adapter: HostAdapter, ctx: HostContext, accepted: tuple[str, ...]) -> None:
+_SHAPE_SERVES = {"megatron": ("nemo2", "bridge")}
+"""Hosts a config shaped for another one also serves: a megatron-core model config is also a
+NeMo 2 / Megatron-Bridge overlay."""
+
+
+def shape_mismatch(
+    adapter: HostAdapter, ctx: HostContext, accepted: tuple[str, ...] | None = None
+) -> str | None:
+    """The host the config's shape names (:func:`detect_host`) when it is not ``accepted``
+    (default: the adapter's own) and the shape does not serve the adapter too (a megatron-core
+    model config serves NeMo 2 and Bridge); None when they agree or the shape names none."""
+    other = detect_host(ctx.raw) or detect_host(ctx.resolved)
+    if other is None or other in (accepted or (adapter.name,)):
+        return None
+    return None if adapter.name in _SHAPE_SERVES.get(other, ()) else other
+
+
+def refuse_other_host(
+    adapter: HostAdapter, ctx: HostContext, accepted: tuple[str, ...] | None = None
+) -> None:
     """Refuse a config whose shape says it is for another host (:func:`detect_host`) than
-    ``accepted``: its keys would land where that host never reads them."""
-    other = detect_host(ctx.raw)
-    if other is not None and other not in accepted:
-        raise FP8ConfigError(
-            f"this is a {other} config (from its shape), not a {adapter.name} one: "
-            f"{adapter.name}'s keys would be written where {other} never reads them",
-            key="--host",
-            value=adapter.name,
-            hint=f"use --host {other}",
-        )
+    ``accepted`` (default: the adapter's own): its keys would land where that host never
+    reads them (a NeMo RL config given ``--host megatron`` would get a root ``model: {fp8:
+    ...}`` NeMo RL ignores, and train in BF16). ``ctx.host_forced`` (``--force``) lets it
+    through: the command says so."""
+    other = shape_mismatch(adapter, ctx, accepted)
+    if other is None or ctx.host_forced:
+        return
+    raise FP8ConfigError(
+        f"this is a {other} config (from its shape), not a {adapter.name} one: "
+        f"{adapter.name}'s keys would be written where {other} never reads them",
+        key="--host",
+        value=adapter.name,
+        hint=f"use --host {other} (or --force to write {adapter.name}'s keys anyway)",
+    )
 
 
 def _refuse_parent_request(adapter: HostAdapter, ctx: HostContext) -> None:

@@ -17,7 +17,13 @@ from ..capabilities import CAPABILITIES
 from ..errors import FP8ConfigError
 from . import NativeRecipe
 
-__all__ = ["match_recipe", "scaling_for_megatron_recipe", "megatron_fields", "FP8_FIELD_DEFAULTS"]
+__all__ = [
+    "match_recipe",
+    "scaling_for_megatron_recipe",
+    "megatron_fields",
+    "layer_count",
+    "FP8_FIELD_DEFAULTS",
+]
 
 FP8_FIELD_DEFAULTS: dict[str, Any] = {
     "fp8": None,
@@ -140,9 +146,33 @@ def megatron_fields(
     # The counts are read by megatron-core only under first_last_layers_bf16.
     on = bool(value("first_last_layers_bf16"))
     fields["bf16_layers"] = {
-        "first": int(value("num_layers_at_start_in_bf16") or 0) if on else 0,
-        "last": int(value("num_layers_at_end_in_bf16") or 0) if on else 0,
+        side: layer_count(value(name) or 0, f"{where}{name}") if on else 0
+        for side, name in (
+            ("first", "num_layers_at_start_in_bf16"),
+            ("last", "num_layers_at_end_in_bf16"),
+        )
     }
     if on:
         read.append((f"{where}first_last_layers_bf16", True))
     return scaling, fields, read, unmatched
+
+
+def layer_count(value: Any, key: str) -> int:
+    """A native layer count read back (``num_layers_at_start_in_bf16: 2``): a whole number
+    of layers, 0 or more (a quoted digit string or an integral float read as one); anything
+    else (``abc``, ``.inf``, ``[1]``, ``-1``, ``true``) refused naming ``key``."""
+    from ..errors import LIMITS, check_limit, format_value
+
+    count: Any = value
+    if isinstance(value, str) and value.strip().isdigit() and len(value.strip()) <= 18:
+        count = int(value.strip())
+    elif isinstance(value, float) and value.is_integer():
+        count = int(value)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise FP8ConfigError(
+            f"expected a number of layers (a whole number, 0 or more), got {format_value(value)}",
+            key=key,
+            value=value,
+        )
+    check_limit(count, LIMITS.layers, "layers", key=key)
+    return count

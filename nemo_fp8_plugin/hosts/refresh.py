@@ -20,7 +20,7 @@ What they do:
    nothing to verify (the emulation backend takes the spec as given).
 2. **Refresh scales on resume** (delayed scaling only): after a checkpoint restore the amax
    history and scales describe the weights and activations of the run that saved them;
-   TransformerEngine issue 982 reports the loss blowing up right after resuming FP8
+   NVIDIA/TransformerEngine issue 982 reports the loss blowing up right after resuming FP8
    training. Before the first optimizer step of a resumed run, ``calibration_steps``
    forward passes (no gradients) record fresh amaxes and update the scales. Recipes that
    compute scales from the current tensor (current, block, MX scaling) have no stale state

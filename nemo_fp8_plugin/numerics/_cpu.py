@@ -36,6 +36,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -85,7 +86,14 @@ SMALL_NUMEL = 1 << 18
 """Below this many elements a kernel runs on one thread: waking a second one costs more
 than it saves, and far more on an oversubscribed machine."""
 
-_load_cache = {"at": -1.0, "threads": 1}
+
+class _LoadCache(TypedDict):
+    at: float
+    """``time.monotonic()`` of the last read of the load average."""
+    threads: int
+
+
+_load_cache: _LoadCache = {"at": -1.0, "threads": 1}
 
 
 def available_cores() -> int:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from torch import nn
 
 from ..errors import FP8ConfigError
@@ -34,6 +36,9 @@ from .linear import (
     emulated_linear,
 )
 from .recipe import RecipeLike, check_recipe
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "convert_to_fp8_emulation",
@@ -66,7 +71,7 @@ def default_module_filter(qualified_name: str, module: nn.Module) -> bool:
     return last not in _NEVER_FP8_NAMES
 
 
-def _megatron_linear_types() -> tuple[type, ...]:
+def _megatron_linear_types() -> tuple[type[nn.Module], ...]:
     # A model holding megatron layers has imported megatron already; never import it here
     # (it takes tens of seconds and is absent on plain-torch machines).
     layers = sys.modules.get("megatron.core.tensor_parallel.layers")
@@ -103,21 +108,21 @@ def _tp_size(module: nn.Module) -> int:
     return 1
 
 
-def _megatron_forward_impl(module: nn.Module, emu: LayerEmulator):
+def _megatron_forward_impl(module: nn.Module, emu: LayerEmulator) -> Callable[..., torch.Tensor]:
     """Replacement for ``ColumnParallelLinear/RowParallelLinear._forward_impl`` (TP=1)."""
 
     def forward_impl(
-        input,
-        weight,
-        bias=None,
-        gradient_accumulation_fusion=False,
-        allreduce_dgrad=False,
-        sequence_parallel=False,
-        grad_output_buffer=None,
-        wgrad_deferral_limit=None,
-        tp_group=None,
-        **_unused,
-    ):
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        gradient_accumulation_fusion: bool = False,
+        allreduce_dgrad: bool = False,
+        sequence_parallel: bool = False,
+        grad_output_buffer: list[torch.Tensor] | None = None,
+        wgrad_deferral_limit: int | None = None,
+        tp_group: Any = None,
+        **_unused: Any,
+    ) -> torch.Tensor:
         if grad_output_buffer is not None:
             raise FP8ConfigError(
                 "deferred embedding wgrad (defer_embedding_wgrad_compute) is "
@@ -133,19 +138,19 @@ def _megatron_forward_impl(module: nn.Module, emu: LayerEmulator):
     return forward_impl
 
 
-def _megatron_bf16_forward_impl():
+def _megatron_bf16_forward_impl() -> Callable[..., torch.Tensor]:
     def forward_impl(
-        input,
-        weight,
-        bias=None,
-        gradient_accumulation_fusion=False,
-        allreduce_dgrad=False,
-        sequence_parallel=False,
-        grad_output_buffer=None,
-        wgrad_deferral_limit=None,
-        tp_group=None,
-        **_unused,
-    ):
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        gradient_accumulation_fusion: bool = False,
+        allreduce_dgrad: bool = False,
+        sequence_parallel: bool = False,
+        grad_output_buffer: list[torch.Tensor] | None = None,
+        wgrad_deferral_limit: int | None = None,
+        tp_group: Any = None,
+        **_unused: Any,
+    ) -> torch.Tensor:
         if grad_output_buffer is not None:
             raise FP8ConfigError(
                 "deferred embedding wgrad (defer_embedding_wgrad_compute) is "
@@ -197,8 +202,9 @@ def convert_to_bf16_emulation(
                 setattr(parent, attr, new)
         elif mcore_types and isinstance(module, mcore_types) and keep(name, module):
             _check_tp(name, module, "BF16")
-            module._forward_impl = _megatron_bf16_forward_impl()
-            setattr(module, _BF16_MARK, True)
+            mcore: Any = module  # a megatron-core layer: its GEMM is replaced on the instance
+            mcore._forward_impl = _megatron_bf16_forward_impl()
+            setattr(mcore, _BF16_MARK, True)
     return model
 
 
@@ -258,13 +264,15 @@ def convert_to_fp8_emulation(
             if not keep(name, module):
                 continue
             _check_tp(name, module, "FP8")
-            device = module.weight.device if getattr(module, "weight", None) is not None else None
+            # a megatron-core layer: the emulation's attributes and GEMM set on the instance
+            mcore: Any = module
+            device = mcore.weight.device if getattr(mcore, "weight", None) is not None else None
             emu = LayerEmulator(spec, device)
-            module.fp8_emulator = emu
-            module.fp8_recipe = spec
-            module.fp8_states = emu.states
-            module._forward_impl = _megatron_forward_impl(module, emu)
-            setattr(module, _MARK, True)
+            mcore.fp8_emulator = emu
+            mcore.fp8_recipe = spec
+            mcore.fp8_states = emu.states
+            mcore._forward_impl = _megatron_forward_impl(module, emu)
+            setattr(mcore, _MARK, True)
     return model
 
 
@@ -315,13 +323,18 @@ def emulated_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def _emulator(module: nn.Module) -> LayerEmulator:
+    # set by the converters; typed by nn.Module.__getattr__ as Tensor | Module
+    return cast(LayerEmulator, module.fp8_emulator)
+
+
 def _emulators(model: nn.Module) -> Iterator[LayerEmulator]:
     for _, module in emulated_modules(model):
-        yield module.fp8_emulator
+        yield _emulator(module)
 
 
 @contextlib.contextmanager
-def fp8_calibration(model: nn.Module):
+def fp8_calibration(model: nn.Module) -> Iterator[nn.Module]:
     """Run forward passes in high precision while recording amaxes into the delayed-scaling
     states (TE ``fp8_autocast(enabled=False, calibrating=True)``).
 
@@ -348,7 +361,7 @@ def fp8_calibration(model: nn.Module):
 
 def fp8_states(model: nn.Module) -> dict[str, dict[str, DelayedScalingState]]:
     """``{qualified module name: {role: DelayedScalingState}}`` of every emulated layer."""
-    return {name: dict(module.fp8_emulator.states) for name, module in emulated_modules(model)}
+    return {name: dict(_emulator(module).states) for name, module in emulated_modules(model)}
 
 
 def update_fp8_scales(model: nn.Module) -> int:
@@ -365,7 +378,7 @@ def update_fp8_scales(model: nn.Module) -> int:
     return count
 
 
-def set_amax_reduction_group(model: nn.Module, group) -> int:
+def set_amax_reduction_group(model: nn.Module, group: ProcessGroup | None) -> int:
     """Share delayed-scaling amaxes across ``group`` (TE ``reduce_amax``, usually the
     data-parallel group): before each update, slot 0 of every state is MAX all-reduced over
     it. Every rank of the group must run the same emulated layers in the same order (as

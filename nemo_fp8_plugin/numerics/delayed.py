@@ -9,12 +9,17 @@ state can live on a GPU.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..errors import FP8ConfigError
 from .formats import check_format, fp8_max
 from .quantize import QTensor, quantize_with_scale, tensor_amax
 from .scaling import FLT_MAX, reciprocal
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["DelayedScalingState"]
 
@@ -80,20 +85,20 @@ class DelayedScalingState:
         """``fp8_max * 2^-margin``, the value an amax is mapped to (exact in fp32)."""
         return fp8_max(self.fmt) * 2.0 ** (-self.margin)
 
-    def to(self, device) -> DelayedScalingState:
+    def to(self, device: torch.device | str) -> DelayedScalingState:
         """Move the state tensors (in place) and return self."""
         self.amax_history = self.amax_history.to(device)
         self.scale = self.scale.to(device)
         self.scale_inv = self.scale_inv.to(device)
         return self
 
-    def record_amax(self, amax) -> None:
+    def record_amax(self, amax: torch.Tensor | float) -> None:
         """Max-reduce ``amax`` into slot 0 (NaN-ignoring, like TE's casts and ``fmaxf``)."""
         amax = torch.as_tensor(amax, dtype=torch.float32, device=self.amax_history.device)
         amax = amax.reshape(())
         self.amax_history[0] = torch.fmax(self.amax_history[0], amax)
 
-    def all_reduce_amax(self, group=None) -> None:
+    def all_reduce_amax(self, group: ProcessGroup | None = None) -> None:
         """MAX all-reduce of slot 0 across ``group`` (TE ``reduce_amax``); a no-op unless
         torch.distributed is initialised with more than one rank."""
         import torch.distributed as dist
@@ -101,7 +106,7 @@ class DelayedScalingState:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(self.amax_history[:1], op=dist.ReduceOp.MAX, group=group)
 
-    def update(self, amax=None) -> None:
+    def update(self, amax: torch.Tensor | float | None = None) -> None:
         """Roll the history and recompute the scale (TE ``kernel_bulk``).
 
         With ``amax`` given it is recorded first (``record_amax``), so ``update(a)`` is one

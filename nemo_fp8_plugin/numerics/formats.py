@@ -84,7 +84,7 @@ _FROM_DTYPE = {v: k for k, v in _DTYPES.items()}
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_format(fmt) -> str:
+def check_format(fmt: str | torch.dtype) -> str:
     """Normalise ``fmt`` (``"e4m3"``, ``"e5m2"`` or the torch float8 dtype) to its name."""
     if isinstance(fmt, torch.dtype) and fmt in _FROM_DTYPE:
         return _FROM_DTYPE[fmt]
@@ -95,12 +95,12 @@ def check_format(fmt) -> str:
     )
 
 
-def fp8_dtype(fmt) -> torch.dtype:
+def fp8_dtype(fmt: str | torch.dtype) -> torch.dtype:
     """The torch float8 dtype of a format name."""
     return _DTYPES[check_format(fmt)]
 
 
-def fp8_max(fmt) -> float:
+def fp8_max(fmt: str | torch.dtype) -> float:
     """Largest finite magnitude of a format (448 for E4M3, 57344 for E5M2)."""
     return _MAX[check_format(fmt)]
 
@@ -130,7 +130,7 @@ def input_dtype_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def check_bool(value, name: str) -> bool:
+def check_bool(value: object, name: str) -> bool:
     """A flag argument: ``True`` or ``False`` only (``"false"`` or ``1`` is a mistake, never
     read as a boolean)."""
     if not isinstance(value, bool):
@@ -142,7 +142,7 @@ def check_bool(value, name: str) -> bool:
     return value
 
 
-def check_eps(value, name: str = "eps") -> float:
+def check_eps(value: object, name: str = "eps") -> float:
     """The amax floor: a finite real number >= 0 (not a bool, not a string)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FP8ConfigError(
@@ -156,7 +156,7 @@ def check_eps(value, name: str = "eps") -> float:
     return eps
 
 
-def check_scale_tensor(value, name: str) -> None:
+def check_scale_tensor(value: object, name: str) -> None:
     """A given per-tensor scale: a one-element floating-point tensor, not NaN and not
     negative (checked for CPU tensors only: reading a GPU value would synchronise the
     device at every delayed-scaling cast)."""
@@ -170,6 +170,8 @@ def check_scale_tensor(value, name: str) -> None:
             key=name,
             value=tuple(value.shape),
         )
+    if value.is_meta:  # no value to cast with (the cast raised NotImplementedError)
+        raise FP8ConfigError("a meta tensor holds no value", key=name, value="meta")
     if value.device.type == "cpu":
         v = float(value.detach().reshape(()))
         if not v >= 0.0:  # NaN compares false

@@ -37,7 +37,8 @@ import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any, TypedDict
 
 import torch
 
@@ -52,6 +53,7 @@ from .formats import (
     input_dtype_max,
 )
 from .reference import (
+    BlockLike,
     QTensor,
     _expand_tiles,
     _tiled,
@@ -103,9 +105,18 @@ def _min_numel_from_env(default: int = 1 << 20) -> int:
     return value
 
 
+class _State(TypedDict):
+    enabled: bool
+    """``NEMO_FP8_FUSED``, or :func:`fused_mode` while it is active."""
+    failed: str | None
+    """The compile error that switched the fused path off."""
+    min_numel: int
+    """Below this many elements the fake quantizers stay eager."""
+
+
 _lock = threading.Lock()
 _cache: dict[tuple, Callable] = {}
-_state = {
+_state: _State = {
     "enabled": os.environ.get("NEMO_FP8_FUSED", "1").strip() not in ("0", "false", "no"),
     "failed": None,
     "min_numel": _min_numel_from_env(),
@@ -126,7 +137,7 @@ def compile_failed() -> str | None:
 
 
 @contextlib.contextmanager
-def fused_mode(enabled: bool, min_numel: int | None = None):
+def fused_mode(enabled: bool, min_numel: int | None = None) -> Iterator[None]:
     """Temporarily turn the fused path on or off (``with fused_mode(False):`` runs the
     eager reference), optionally changing the size below which the emulation's
     fake-quantization stays eager (``NEMO_FP8_FUSED_MIN_NUMEL``, default 2^20 elements)."""
@@ -140,7 +151,7 @@ def fused_mode(enabled: bool, min_numel: int | None = None):
         _state["enabled"], _state["min_numel"] = before
 
 
-def _specialize(impl: Callable, name: str, **static) -> Callable:
+def _specialize(impl: Callable, name: str, **static: Any) -> Callable:
     """A fresh function (own code object) calling ``impl(*args, **static)``."""
     namespace: dict = {}
     source = f"def {name}(*args):\n    return _impl(*args, **_static)\n"
@@ -183,7 +194,7 @@ def _use_fused(x: torch.Tensor, force: bool) -> bool:
     return fused_enabled() and x.numel() > 0 and (force or x.numel() >= _state["min_numel"])
 
 
-def _run(kind: str, impl: Callable, static: dict, args: tuple, eager: Callable):
+def _run(kind: str, impl: Callable, static: dict, args: tuple, eager: Callable) -> Any:
     """Call the compiled variant of ``impl`` for these arguments; on a compile error warn
     once and fall back to ``eager``."""
     key = (kind, tuple(sorted(static.items()))) + tuple(
@@ -239,7 +250,9 @@ def _round_to_grid(v: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.copysign(torch.where(a < min_normal, sub, normal), v)
 
 
-def _tile_scale(x, bm, bn, fmt, pow2, eps, vinf):
+def _tile_scale(
+    x: torch.Tensor, bm: int, bn: int, fmt: str, pow2: bool, eps: float, vinf: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     tiles = _tiled(x.float(), bm, bn)
     amax = _abs_no_nan(tiles).amax(dim=(-3, -1))
     return tiles, _scale(amax, fp8_max(fmt), pow2, eps, vinf)
@@ -254,33 +267,37 @@ def _saturate(v: torch.Tensor, fmax: float) -> torch.Tensor:
     return torch.where(v == v, v.clamp(-fmax, fmax), v)
 
 
-def _block_cast(x, *, bm, bn, fmt, pow2, eps, vinf):
+def _block_cast(
+    x: torch.Tensor, *, bm: int, bn: int, fmt: str, pow2: bool, eps: float, vinf: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     tiles, s = _tile_scale(x, bm, bn, fmt, pow2, eps, vinf)
     fmax = fp8_max(fmt)
     v = _saturate(tiles * _expand_tiles(s), fmax)
     return v.to(fp8_dtype(fmt)).reshape(x.shape), _inv(s)
 
 
-def _block_fq(x, *, bm, bn, fmt, pow2, eps, vinf):
+def _block_fq(
+    x: torch.Tensor, *, bm: int, bn: int, fmt: str, pow2: bool, eps: float, vinf: float
+) -> torch.Tensor:
     tiles, s = _tile_scale(x, bm, bn, fmt, pow2, eps, vinf)
     fmax = fp8_max(fmt)
     r = _round_to_grid((tiles * _expand_tiles(s)).clamp(-fmax, fmax), fmt)
     return (r * _expand_tiles(_inv(s))).reshape(x.shape)
 
 
-def _mx_exponent(x, bm, bn, fmt):
+def _mx_exponent(x: torch.Tensor, bm: int, bn: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     tiles = _tiled(x.float(), bm, bn)
     return tiles, e8m0_from_amax(_abs_no_nan(tiles).amax(dim=(-3, -1)), fp8_max(fmt))
 
 
-def _mx_cast(x, *, bm, bn, fmt):
+def _mx_cast(x: torch.Tensor, *, bm: int, bn: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     tiles, e = _mx_exponent(x, bm, bn, fmt)
     fmax = fp8_max(fmt)
     v = _saturate(mx_scale_tiles(tiles, e), fmax)
     return v.to(fp8_dtype(fmt)).reshape(x.shape), e.to(torch.uint8)
 
 
-def _mx_fq(x, *, bm, bn, fmt):
+def _mx_fq(x: torch.Tensor, *, bm: int, bn: int, fmt: str) -> torch.Tensor:
     tiles, e = _mx_exponent(x, bm, bn, fmt)
     fmax = fp8_max(fmt)
     r = _round_to_grid(mx_scale_tiles(tiles, e).clamp(-fmax, fmax), fmt)
@@ -290,14 +307,16 @@ def _mx_fq(x, *, bm, bn, fmt):
     return (r * _expand_tiles(bits.view(torch.float32))).reshape(x.shape)
 
 
-def _tensor_fq(x, *, fmt, pow2, eps):
+def _tensor_fq(x: torch.Tensor, *, fmt: str, pow2: bool, eps: float) -> torch.Tensor:
     xf = x.float()
     s = _scale(_abs_no_nan(xf).amax(), fp8_max(fmt), pow2, eps, FLT_MAX)
     fmax = fp8_max(fmt)
     return _round_to_grid((xf * s).clamp(-fmax, fmax), fmt) * _inv(s)
 
 
-def _scaled_fq(x, scale, scale_inv, *, fmt):
+def _scaled_fq(
+    x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, *, fmt: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     fmax = fp8_max(fmt)
     return (
@@ -315,7 +334,7 @@ def cpu_fake_quant_enabled() -> bool:
     return bool(_state["enabled"])
 
 
-def _cpu_kernels(x: torch.Tensor, dims: tuple[int, ...] | None = (2,)):
+def _cpu_kernels(x: torch.Tensor, dims: tuple[int, ...] | None = (2,)) -> _cpu.CpuKernels | None:
     """The C++ CPU library when it handles ``x`` (a CPU tensor of an input dtype, non-empty,
     of a rank in ``dims``, None for any rank) and the fused path is on, else None."""
     if not cpu_fake_quant_enabled() or x.device.type != "cpu" or x.numel() == 0:
@@ -332,7 +351,11 @@ def _divisible(x: torch.Tensor, bm: int, bn: int) -> bool:
 
 
 def quantize_blockwise_fused(
-    x: torch.Tensor, block=(1, 128), fmt: str = "e4m3", pow2_scales: bool = False, eps: float = 0.0
+    x: torch.Tensor,
+    block: BlockLike = (1, 128),
+    fmt: str = "e4m3",
+    pow2_scales: bool = False,
+    eps: float = 0.0,
 ) -> QTensor:
     """:func:`~.reference.quantize_blockwise_reference` through compiled kernels (same bits).
 
@@ -348,7 +371,7 @@ def quantize_blockwise_fused(
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
 
-    def eager():
+    def eager() -> QTensor:
         return quantize_blockwise_reference(x, (bm, bn), fmt, pow2, eps)
 
     if not _divisible(x, bm, bn) or not _use_fused(x, True):
@@ -367,7 +390,7 @@ def quantize_blockwise_fused(
     return QTensor(data.reshape(x.shape), sinv, fmt, (bm, bn))
 
 
-def quantize_mxfp8_fused(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
+def quantize_mxfp8_fused(x: torch.Tensor, block: BlockLike = 32, fmt: str = "e4m3") -> QTensor:
     """:func:`~.reference.quantize_mxfp8_reference` through compiled kernels (same bits);
     2-D and 3-D inputs with whole blocks, anything else eagerly."""
     check_input_dtype(x)
@@ -375,7 +398,7 @@ def quantize_mxfp8_fused(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTenso
     bm, bn = check_mx_block(block)
     check_size(x, bm, bn)
 
-    def eager():
+    def eager() -> QTensor:
         return quantize_mxfp8_reference(x, (bm, bn), fmt)
 
     if x.dim() not in (2, 3) or not _divisible(x, bm, bn) or not _use_fused(x, True):
@@ -396,7 +419,7 @@ def quantize_mxfp8_fused(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTenso
 
 def fake_quant_blockwise(
     x: torch.Tensor,
-    block,
+    block: BlockLike,
     fmt: str,
     pow2_scales: bool = False,
     eps: float = 0.0,
@@ -411,7 +434,7 @@ def fake_quant_blockwise(
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
 
-    def eager():
+    def eager() -> torch.Tensor:
         return quantize_blockwise_reference(x, (bm, bn), fmt, pow2, eps).dequantize()
 
     lib = _cpu_kernels(x)
@@ -426,13 +449,16 @@ def fake_quant_blockwise(
     return _run("block_fq", _block_fq, static, (x,), eager)
 
 
-def fake_quant_mxfp8(x: torch.Tensor, block, fmt: str, *, force: bool = False) -> torch.Tensor:
-    """``quantize_mxfp8(x, ...).dequantize()`` (fp32) in one compiled kernel."""
-    bm, bn = check_block(block)
+def fake_quant_mxfp8(
+    x: torch.Tensor, block: BlockLike, fmt: str, *, force: bool = False
+) -> torch.Tensor:
+    """``quantize_mxfp8(x, ...).dequantize()`` (fp32) in one compiled kernel; the same MXFP8
+    tiles as ``quantize_mxfp8`` are accepted (1x32, 32x1, 32x32)."""
+    bm, bn = check_mx_block(block)
     check_size(x, bm, bn)
     fmt = check_format(fmt)
 
-    def eager():
+    def eager() -> torch.Tensor:
         return quantize_mxfp8_reference(x, (bm, bn), fmt).dequantize()
 
     lib = _cpu_kernels(x)
@@ -447,11 +473,13 @@ def fake_quant_per_tensor(
     x: torch.Tensor, fmt: str, pow2_scales: bool = False, eps: float = 0.0, *, force: bool = False
 ) -> torch.Tensor:
     """``quantize_per_tensor(x, ...).dequantize()`` (fp32), compiled."""
+    check_input_dtype(x)
+    check_size(x)
     fmt = check_format(fmt)
     pow2 = check_bool(pow2_scales, "pow2_scales")
     eps = check_eps(eps)
 
-    def eager():
+    def eager() -> torch.Tensor:
         return quantize_per_tensor_reference(x, fmt, pow2, eps).dequantize()
 
     lib = _cpu_kernels(x, None)
@@ -468,9 +496,11 @@ def fake_quant_with_scale(
     x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: str, *, force: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Delayed scaling's cast: ``(dequantized fp32, amax of x)`` for a given scale."""
+    check_input_dtype(x)
+    check_size(x)
     fmt = check_format(fmt)
 
-    def eager():
+    def eager() -> tuple[torch.Tensor, torch.Tensor]:
         q = quantize_with_scale_reference(x, scale, fmt, scale_inv=scale_inv)
         return q.dequantize(), tensor_amax(x)
 

@@ -24,6 +24,8 @@ TE's order (a step's scale comes from earlier steps' amaxes).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +41,10 @@ from .fused import (
 from .nvfp4 import fake_quant_nvfp4
 from .quantize import tensor_amax
 from .recipe import RecipeLike, check_recipe
+from .reference import check_block
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "FP8EmulatedLinear",
@@ -70,7 +76,9 @@ class RoleQuantizer:
         state: the role's :class:`DelayedScalingState` under delayed scaling, else None.
     """
 
-    def __init__(self, spec: RecipeLike, role: str, device=None):
+    def __init__(
+        self, spec: RecipeLike, role: str, device: torch.device | str | None = None
+    ) -> None:
         spec = check_recipe(spec, "spec")
         if role not in ROLES:
             raise FP8ConfigError(
@@ -83,12 +91,12 @@ class RoleQuantizer:
         self.pow2 = bool(spec.pow2_scales)
         self.eps = float(spec.amax_epsilon)
         self.reduce_amax = bool(spec.reduce_amax)
-        self.amax_group = None
+        self.amax_group: ProcessGroup | None = None
         """Process group whose ranks share this role's amax (TE ``reduce_amax``); None
         keeps it local. Set with :func:`~nemo_fp8_plugin.numerics.set_amax_reduction_group`:
         the ranks of a group must run the same layers in the same order."""
         self._cache: dict[str, tuple] = {}
-        self.state = None
+        self.state: DelayedScalingState | None = None
         if self.scaling == "delayed":
             self.state = DelayedScalingState(
                 spec.amax_history_len, spec.amax_compute_algo, spec.margin, self.fmt, device=device
@@ -100,44 +108,54 @@ class RoleQuantizer:
         or square tiles); False when it is quantized again from the high-precision tensor."""
         return self.block is None or self.block[0] == self.block[1]
 
-    def _before_cast(self) -> None:
+    def _before_cast(self) -> DelayedScalingState:
         # Delayed scaling: fold the previous step's amax into the scale (TE updates after
         # each autocast region; doing it just before the next cast gives the same order).
+        state = self.state
+        assert state is not None  # set in __init__ for delayed scaling, the only caller
         if self.reduce_amax and self.amax_group is not None:
-            self.state.all_reduce_amax(self.amax_group)
-        self.state.update()
+            state.all_reduce_amax(self.amax_group)
+        state.update()
+        return state
 
     def record(self, t: torch.Tensor) -> None:
         """Calibration: update then record ``t``'s amax without quantizing (TE
         ``fp8_autocast(enabled=False, calibrating=True)``)."""
         if self.state is not None:
-            self._before_cast()
-            self.state.record_amax(tensor_amax(t.detach()))
+            self._before_cast().record_amax(tensor_amax(t.detach()))
 
     def rowwise(self, t: torch.Tensor) -> torch.Tensor:
         """fp32 ``dequantize(quantize(t))`` with tiles along the last dim of a 2-D ``t``."""
         if self.scaling == "delayed":
-            self._before_cast()
-            deq, amax = fake_quant_with_scale(t, self.state.scale, self.state.scale_inv, self.fmt)
-            self.state.record_amax(amax)
+            state = self._before_cast()
+            deq, amax = fake_quant_with_scale(t, state.scale, state.scale_inv, self.fmt)
+            state.record_amax(amax)
             return deq
         if self.scaling == "tensorwise":
             return fake_quant_per_tensor(t, self.fmt, self.pow2, self.eps)
         if self.scaling == "block":
-            return fake_quant_blockwise(t, self.block, self.fmt, self.pow2, self.eps)
+            return fake_quant_blockwise(t, self._tile, self.fmt, self.pow2, self.eps)
         if self.scaling == "nvfp4":
-            return self._nvfp4(t, self.block, rht=False)
-        return fake_quant_mxfp8(t, self.block, self.fmt)
+            return self._nvfp4(t, self._tile, rht=False)
+        return fake_quant_mxfp8(t, self._tile, self.fmt)
 
-    def _nvfp4(self, t: torch.Tensor, block, *, rht: bool) -> torch.Tensor:
+    @property
+    def _tile(self) -> tuple[int, int]:
+        # The tile of a tiled kind (block, mx, nvfp4): a recipe whose block_for gives None
+        # for one is refused here, naming ``block``, as the quantizers refuse it.
+        return check_block(self.block)
+
+    def _nvfp4(self, t: torch.Tensor, block: tuple[int, int], *, rht: bool) -> torch.Tensor:
         # TE's NVFP4BlockScaling: stochastic rounding on gradients, the random Hadamard
         # transform on both operands of the weight-gradient GEMM (the column-wise copies of
         # the input and the gradient). The transform is undone after dequantizing: the two
         # operands' H^T H cancels in the GEMM, so this is that GEMM's product exactly.
         stochastic = self.role == "grad_output"
-        return fake_quant_nvfp4(t, tuple(block), rht=rht, stochastic=stochastic)
+        return fake_quant_nvfp4(t, block, rht=rht, stochastic=stochastic)
 
-    def cached(self, key: tuple | None, which: str, compute) -> torch.Tensor:
+    def cached(
+        self, key: tuple | None, which: str, compute: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
         """``compute()``, reused while ``key`` (:func:`weight_key`: the weight's storage,
         version counter and the optimizer-step count) is unchanged, so that a weight is
         fake-quantized once per optimizer step, not once per micro-batch. ``which`` names
@@ -163,16 +181,16 @@ class RoleQuantizer:
             return self.cached(key, "row", lambda: self.rowwise(w))
         if key is None:
             return self.rowwise(w)
-        self._before_cast()
+        state = self._before_cast()
         entry = self._cache.get("row")
         if entry is not None and entry[0] == key:
             _, deq, scale, amax = entry
-            if bool(torch.equal(self.state.scale, scale)):
-                self.state.record_amax(amax)
+            if bool(torch.equal(state.scale, scale)):
+                state.record_amax(amax)
                 return deq
-        deq, amax = fake_quant_with_scale(w, self.state.scale, self.state.scale_inv, self.fmt)
-        self.state.record_amax(amax)
-        self._cache["row"] = (key, deq, self.state.scale.clone(), amax)
+        deq, amax = fake_quant_with_scale(w, state.scale, state.scale_inv, self.fmt)
+        state.record_amax(amax)
+        self._cache["row"] = (key, deq, state.scale.clone(), amax)
         return deq
 
     def columnwise(self, t: torch.Tensor, rowwise_result: torch.Tensor | None) -> torch.Tensor:
@@ -185,9 +203,9 @@ class RoleQuantizer:
             if rowwise_result is None:
                 raise RuntimeError("column-wise copy needs the row-wise result")
             return rowwise_result.t()
-        transposed_tile = (self.block[1], self.block[0])
+        transposed_tile = (self._tile[1], self._tile[0])
         if self.scaling == "nvfp4":  # quantized again from t.T with 1x16 groups, RHT on
-            return self._nvfp4(t.t().contiguous(), self.block, rht=True)
+            return self._nvfp4(t.t().contiguous(), self._tile, rht=True)
         if self.scaling == "block":
             return fake_quant_blockwise(t, transposed_tile, self.fmt, self.pow2, self.eps).t()
         return fake_quant_mxfp8(t, transposed_tile, self.fmt).t()
@@ -208,7 +226,7 @@ class LayerEmulator:
         enabled: when False the layer runs plainly in high precision.
     """
 
-    def __init__(self, spec: RecipeLike, device=None):
+    def __init__(self, spec: RecipeLike, device: torch.device | str | None = None) -> None:
         spec = check_recipe(spec, "spec")
         self.spec = spec
         self.quantizers = {role: RoleQuantizer(spec, role, device) for role in ROLES}
@@ -223,7 +241,7 @@ class LayerEmulator:
         """role -> delayed-scaling state (empty unless the recipe uses delayed scaling)."""
         return {r: q.state for r, q in self.quantizers.items() if q.state is not None}
 
-    def to(self, device) -> LayerEmulator:
+    def to(self, device: torch.device | str) -> LayerEmulator:
         for state in self.states.values():
             state.to(device)
         return self
@@ -233,7 +251,14 @@ class _EmulatedLinearFn(torch.autograd.Function):
     """fprop/dgrad/wgrad with quantized operands. ``x`` is 2-D ``[M, K]``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, emu: LayerEmulator, wgrad_into_main_grad: bool):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        emu: LayerEmulator,
+        wgrad_into_main_grad: bool,
+    ) -> torch.Tensor:
         qin, qw = emu.quantizers["input"], emu.quantizers["weight"]
         xq = qin.rowwise(x)
         key = emu.weight_key
@@ -257,7 +282,7 @@ class _EmulatedLinearFn(torch.autograd.Function):
         return out.to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         emu = ctx.emu
         x_keep, w_keep, weight = ctx.saved_tensors
         qin, qw, qg = (emu.quantizers[r] for r in ROLES)
@@ -286,21 +311,24 @@ class _EmulatedLinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _accumulate_main_grad(weight: torch.Tensor, dw: torch.Tensor):
+def _accumulate_main_grad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | None:
     """megatron-core's gradient-accumulation fusion: add into ``weight.main_grad`` and hand
     autograd the placeholder megatron expects."""
-    weight.main_grad.add_(dw.to(weight.main_grad.dtype))
+    main_grad: torch.Tensor = weight.main_grad  # type: ignore[attr-defined]  # megatron's
+    main_grad.add_(dw.to(main_grad.dtype))
     if hasattr(weight, "grad_added_to_main_grad"):
         weight.grad_added_to_main_grad = True
         maker = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-        return maker(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+        return maker(main_grad.shape, dtype=weight.dtype, device=weight.device)
     return None
 
 
 _steps = {"count": 0, "hooked": False}
 
 
-def _count_step(optimizer, args, kwargs) -> None:
+def _count_step(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     _steps["count"] += 1
 
 
@@ -405,11 +433,11 @@ class FP8EmulatedLinear(nn.Linear):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         *,
         recipe: RecipeLike,
-    ):
+    ) -> None:
         recipe = check_recipe(recipe)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8_recipe = recipe
@@ -436,7 +464,9 @@ class FP8EmulatedLinear(nn.Linear):
         new.train(linear.training)
         return new
 
-    def _apply(self, fn, recurse=True):
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> FP8EmulatedLinear:
         out = super()._apply(fn, recurse)
         # keep the delayed-scaling state on the parameters' device
         self.fp8_emulator.to(self.weight.device)
@@ -457,7 +487,13 @@ class _BF16LinearFn(torch.autograd.Function):
     fp32 accumulation (and bias), output rounded to BF16. ``x`` is 2-D ``[M, K]``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, wgrad_into_main_grad: bool):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        wgrad_into_main_grad: bool,
+    ) -> torch.Tensor:
         xb, wb = x.bfloat16().float(), weight.bfloat16().float()
         out = torch.matmul(xb, wb.t())
         if bias is not None:
@@ -469,7 +505,7 @@ class _BF16LinearFn(torch.autograd.Function):
         return out.bfloat16().to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         dyb = grad_out.bfloat16().float()
         grad_x = grad_w = grad_b = None

@@ -33,7 +33,8 @@ stochastic rounding reads the same ``torch.rand`` draws, passed in);
 The oracle is TE 2.20.2's own pure-torch reference
 (``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``), which
 ``tests/numerics/test_numerics_nvfp4.py`` runs against this module; see ``docs/nvfp4.md``. This file
-imports only torch, the plugin's error type and the CPU kernel loader.
+imports only torch, the plugin's error type, the format constants, the size check every quantizer
+applies (``LIMITS.tensor_elements``) and the CPU kernel loader.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,7 @@ from ..errors import FP8ConfigError
 from . import _cpu
 from .formats import E2M1_MAX
 from .formats import E4M3_MAX as _E4M3_MAX
+from .reference import check_size
 
 __all__ = [
     "NVFP4Tensor",
@@ -73,6 +76,9 @@ NVFP4_GROUP = 16
 
 NVFP4_BLOCKS = ((1, NVFP4_GROUP), (NVFP4_GROUP, NVFP4_GROUP))
 """Accepted ``block`` values: 1x16 groups (activations, gradients), 16x16 tiles (weights)."""
+
+NVFP4Block: TypeAlias = "tuple[int, int] | list[int]"
+"""An NVFP4 ``block`` argument: one of :data:`NVFP4_BLOCKS`, as a tuple or a list."""
 
 _FLT_MAX = float(torch.finfo(torch.float32).max)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -261,7 +267,14 @@ def _e2m1_codes(v: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
 # --------------------------------------------------------------------------- checks
 
 
-def _check_inputs(x, block, global_amax, rht, stochastic, generator):
+def _check_inputs(
+    x: torch.Tensor,
+    block: object,
+    global_amax: object,
+    rht: object,
+    stochastic: object,
+    generator: object,
+) -> tuple[tuple[int, int], torch.Tensor | None]:
     if not isinstance(x, torch.Tensor):
         raise FP8ConfigError(
             f"quantize_nvfp4 expects a torch.Tensor `x`, got {type(x).__name__}",
@@ -274,9 +287,22 @@ def _check_inputs(x, block, global_amax, rht, stochastic, generator):
             key="x",
             value=str(x.dtype),
         )
+    if x.layout != torch.strided:
+        raise FP8ConfigError(
+            f"cannot quantize a {x.layout} tensor",
+            key="x",
+            value=str(x.layout),
+            hint="convert it to a dense tensor first (.to_dense())",
+        )
     if x.dim() < 2:
         raise FP8ConfigError(
             f"tensor `x` must have at least 2 dims ([..., K]), got shape {tuple(x.shape)}",
+            key="x",
+            value=tuple(x.shape),
+        )
+    if x.shape[-1] == 0:
+        raise FP8ConfigError(
+            f"tensor `x` has shape {tuple(x.shape)}: its last dim (K) is 0",
             key="x",
             value=tuple(x.shape),
         )
@@ -299,6 +325,8 @@ def _check_inputs(x, block, global_amax, rht, stochastic, generator):
         raise FP8ConfigError(
             f"NVFP4 `block` must be (1, 16) or (16, 16), got {block!r}", key="block", value=block
         )
+    # from the shape, before a byte is allocated (an expanded view of 2^40 elements)
+    check_size(x, block[0], NVFP4_GROUP)
     for name, flag in (("rht", rht), ("stochastic", stochastic)):
         if not isinstance(flag, bool):
             raise FP8ConfigError(
@@ -315,7 +343,7 @@ def _check_inputs(x, block, global_amax, rht, stochastic, generator):
     return block, global_amax
 
 
-def _check_global_amax(global_amax, device) -> torch.Tensor:
+def _check_global_amax(global_amax: object, device: torch.device) -> torch.Tensor:
     if isinstance(global_amax, bool) or not isinstance(global_amax, (int, float, torch.Tensor)):
         raise FP8ConfigError(
             f"`global_amax` must be a number or a one-element tensor, got "
@@ -324,6 +352,12 @@ def _check_global_amax(global_amax, device) -> torch.Tensor:
             value=type(global_amax).__name__,
         )
     if isinstance(global_amax, torch.Tensor):
+        if global_amax.is_meta:
+            raise FP8ConfigError(
+                "`global_amax` is a meta tensor: it holds no value",
+                key="global_amax",
+                value="meta",
+            )
         if global_amax.numel() != 1 or not global_amax.is_floating_point():
             raise FP8ConfigError(
                 f"`global_amax` must be a one-element float tensor, got shape "
@@ -346,7 +380,7 @@ def _check_global_amax(global_amax, device) -> torch.Tensor:
 # --------------------------------------------------------------------------- quantize
 
 
-def _cpu_lib(x: torch.Tensor):
+def _cpu_lib(x: torch.Tensor) -> _cpu.CpuKernels | None:
     """The C++ library for a non-empty CPU tensor (None: the eager path)."""
     if x.device.type != "cpu" or x.numel() == 0:
         return None
@@ -355,7 +389,14 @@ def _cpu_lib(x: torch.Tensor):
     return _cpu.kernels() if cpu_fake_quant_enabled() else None
 
 
-def _prepare(x, block, global_amax, rht, stochastic, generator):
+def _prepare(
+    x: torch.Tensor,
+    block: NVFP4Block,
+    global_amax: float | torch.Tensor | None,
+    rht: bool,
+    stochastic: bool,
+    generator: torch.Generator | None,
+) -> tuple[tuple[int, int], torch.Tensor | None, torch.Tensor]:
     """Checks, the RHT (a torch matmul, as the reference), the global amax and the uniform
     draws of stochastic rounding, for the C++ path."""
     block, amax_in = _check_inputs(x, block, global_amax, rht, stochastic, generator)
@@ -365,14 +406,18 @@ def _prepare(x, block, global_amax, rht, stochastic, generator):
     return block, amax_in, x2.contiguous()
 
 
-def _cpu_global_amax(lib, x2: torch.Tensor, amax_in) -> torch.Tensor:
+def _cpu_global_amax(
+    lib: _cpu.CpuKernels, x2: torch.Tensor, amax_in: torch.Tensor | None
+) -> torch.Tensor:
     if amax_in is not None:
         return amax_in.to(torch.float32)
     amax = lib.amax_nan(x2)
     return torch.tensor(math.nan if math.isnan(amax) else amax, dtype=torch.float32)
 
 
-def _draws(x2: torch.Tensor, stochastic: bool, generator) -> torch.Tensor | None:
+def _draws(
+    x2: torch.Tensor, stochastic: bool, generator: torch.Generator | None
+) -> torch.Tensor | None:
     if not stochastic:
         return None
     return torch.rand(x2.shape, generator=generator, dtype=torch.float32, device=x2.device)
@@ -381,9 +426,9 @@ def _draws(x2: torch.Tensor, stochastic: bool, generator) -> torch.Tensor | None
 @torch.no_grad()
 def quantize_nvfp4(
     x: torch.Tensor,
-    block=(1, 16),
+    block: NVFP4Block = (1, 16),
     *,
-    global_amax=None,
+    global_amax: float | torch.Tensor | None = None,
     rht: bool = False,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
@@ -420,6 +465,7 @@ def quantize_nvfp4(
     amax = _cpu_global_amax(lib, x2, amax_in)
     u = _draws(x2, stochastic, generator)
     data, scales, _ = lib.nvfp4(x2, block[0], float(amax), u, packed=True, fake=False)
+    assert data is not None and scales is not None  # packed=True computes both
     return NVFP4Tensor(
         data=data,
         scale_inv=scales,
@@ -435,7 +481,7 @@ def quantize_nvfp4(
 @torch.no_grad()
 def fake_quant_nvfp4(
     x: torch.Tensor,
-    block=(1, 16),
+    block: NVFP4Block = (1, 16),
     *,
     rht: bool = False,
     stochastic: bool = False,
@@ -452,6 +498,7 @@ def fake_quant_nvfp4(
     amax = _cpu_global_amax(lib, x2, amax_in)
     u = _draws(x2, stochastic, generator)
     _, _, out = lib.nvfp4(x2, block[0], float(amax), u, packed=False, fake=True)
+    assert out is not None  # fake=True computes it
     if rht:
         m, k = out.shape
         out = (out.reshape(-1, NVFP4_GROUP) @ _rht(torch.float32, out.device).T).reshape(m, k)
@@ -461,9 +508,9 @@ def fake_quant_nvfp4(
 @torch.no_grad()
 def quantize_nvfp4_reference(
     x: torch.Tensor,
-    block=(1, 16),
+    block: NVFP4Block = (1, 16),
     *,
-    global_amax=None,
+    global_amax: float | torch.Tensor | None = None,
     rht: bool = False,
     stochastic: bool = False,
     generator: torch.Generator | None = None,

@@ -48,6 +48,7 @@ from .formats import (
     input_dtype_max,
 )
 from .reference import (
+    BlockLike,
     QTensor,
     block_quantize_core,
     check_block,
@@ -150,7 +151,11 @@ def _lead3(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blockwise(
-    x: torch.Tensor, block=(1, 128), fmt: str = "e4m3", pow2_scales: bool = False, eps: float = 0.0
+    x: torch.Tensor,
+    block: BlockLike = (1, 128),
+    fmt: str = "e4m3",
+    pow2_scales: bool = False,
+    eps: float = 0.0,
 ) -> QTensor:
     """Block scaling (TE ``Float8BlockScaling``): one fp32 scale per ``block`` tile.
 
@@ -191,7 +196,7 @@ def quantize_blockwise(
     return quantize_blockwise_reference(x, (bm, bn), fmt, pow2, eps)
 
 
-def quantize_mxfp8(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
+def quantize_mxfp8(x: torch.Tensor, block: BlockLike = 32, fmt: str = "e4m3") -> QTensor:
     """OCP MXFP8 (TE ``MXFP8BlockScaling``): one E8M0 scale per 32 elements.
 
     Args:

@@ -9,7 +9,7 @@ one is :func:`nemo_fp8_plugin.get_recipe`'s job, done by the caller.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from ..errors import FP8ConfigError, format_value
 
@@ -103,7 +103,8 @@ def check_recipe(recipe: object, key: str = "recipe") -> RecipeLike:
             value=recipe,
             hint="build one with nemo_fp8_plugin.get_recipe(name)",
         )
-    scaling = recipe.scaling
+    checked = cast(RecipeLike, recipe)  # every field checked above
+    scaling = checked.scaling
     if scaling not in SCALING_KINDS:
         raise FP8ConfigError(
             f"unknown scaling kind {format_value(scaling)}; the numerics "
@@ -111,4 +112,4 @@ def check_recipe(recipe: object, key: str = "recipe") -> RecipeLike:
             key=f"{key}.scaling",
             value=scaling,
         )
-    return recipe  # type: ignore[return-value]  # checked field by field above
+    return checked

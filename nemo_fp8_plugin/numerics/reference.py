@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,11 @@ __all__ = [
     "check_block",
     "check_mx_block",
     "check_rank",
+    "BlockLike",
 ]
+
+BlockLike: TypeAlias = "int | tuple[int, int] | list[int]"
+"""A tile shape as the quantizers take it: ``(rows, cols)``, or an int ``n`` for ``(1, n)``."""
 
 
 @dataclass
@@ -117,10 +122,8 @@ class QTensor:
 # --------------------------------------------------------------------------- helpers
 
 
-def check_block(block, *, allow_none: bool = False, key: str = "block") -> tuple[int, int] | None:
+def check_block(block: object, *, key: str = "block") -> tuple[int, int]:
     """Normalise a tile shape: an int ``n`` means ``(1, n)``; a pair of positive ints."""
-    if block is None and allow_none:
-        return None
     if isinstance(block, int) and not isinstance(block, bool):
         block = (1, block)
     if (
@@ -214,6 +217,7 @@ def dequantize_fp32(
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """NaN-ignoring ``max |x|`` as a 0-d fp32 tensor (0 for an empty tensor)."""
+    check_size(x)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return nan_ignoring_abs(x.float()).amax()
@@ -261,7 +265,7 @@ def quantize_per_tensor_reference(
 # --------------------------------------------------------------------------- block scaling
 
 
-def check_rank(x: torch.Tensor, ranks, what: str) -> None:
+def check_rank(x: torch.Tensor, ranks: tuple[int, ...], what: str) -> None:
     """Refuse a tensor whose rank is not in ``ranks`` (``key="x"``)."""
     if x.dim() not in ranks:
         raise FP8ConfigError(
@@ -289,7 +293,11 @@ def block_quantize_core(
 
 
 def quantize_blockwise_reference(
-    x: torch.Tensor, block=(1, 128), fmt: str = "e4m3", pow2_scales: bool = False, eps: float = 0.0
+    x: torch.Tensor,
+    block: BlockLike = (1, 128),
+    fmt: str = "e4m3",
+    pow2_scales: bool = False,
+    eps: float = 0.0,
 ) -> QTensor:
     """Block scaling (TE ``Float8BlockScaling``): one fp32 scale per ``block`` tile.
 
@@ -324,7 +332,7 @@ def quantize_blockwise_reference(
     return QTensor(data, reciprocal(scale), fmt, (bm, bn))
 
 
-def check_mx_block(block) -> tuple[int, int]:
+def check_mx_block(block: object) -> tuple[int, int]:
     """An MXFP8 block: ``32`` / ``(1, 32)``, ``(32, 1)`` or ``(32, 32)``."""
     bm, bn = check_block(block)
     if (bm, bn) not in ((1, 32), (32, 1), (32, 32)):
@@ -362,7 +370,7 @@ def e8m0_tensor(e: torch.Tensor) -> torch.Tensor:
     return e.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def quantize_mxfp8_reference(x: torch.Tensor, block=32, fmt: str = "e4m3") -> QTensor:
+def quantize_mxfp8_reference(x: torch.Tensor, block: BlockLike = 32, fmt: str = "e4m3") -> QTensor:
     """OCP MXFP8 (TE ``MXFP8BlockScaling``): one E8M0 scale per 32 elements.
 
     Args:

@@ -2,7 +2,8 @@
 
 The trainer quantizes as Transformer Engine does (:mod:`.quantize`: ``scale = 448 / amax``,
 ``q = cast(x * scale)``, ``scale_inv = 1 / scale``). vLLM's engine does not. These functions
-reproduce what vLLM 0.32 computes, read from its source
+reproduce what vLLM computes (0.17.1 to 0.34.0; where releases differ, a parameter names the
+release's rule), read from its source
 (``vllm/model_executor/layers/quantization/input_quant_fp8.py``,
 ``vllm/model_executor/layers/quantization/utils/fp8_utils.py``, ``vllm/utils/deep_gemm.py``),
 so that a CPU experiment's engine side carries the same mismatch a GPU engine does:
@@ -12,13 +13,15 @@ so that a CPU experiment's engine side carries the same mismatch a GPU engine do
   (the code vLLM runs on CPU, and on CUDA under its default torch.compile/Inductor mode, where
   custom ops are off): per group of ``group_size`` along the last dim, ``amax`` in the input
   dtype (NaN propagates), ``s = fp32(amax) / 448``; with ``ue8m0`` ``s = exp2(ceil(log2(s)))``
-  (torch's ``log2``, so the rounding is that of the op, not an exact exponent bump); then
-  ``s = max(s, 1 / (448 * 512))`` (the floor comes *after* the rounding, so a zero or tiny
-  group's UE8M0 scale is ``1/229376``, not a power of two); ``q = cast(clamp(x / s, -448,
-  448))`` with the division in fp32; ``s`` is the stored scale (the ``scale_inv`` of a
-  :class:`QTensor`). A last partial group is zero-padded (padding never raises an amax).
-  A NaN in a group makes its scale and every code of the group NaN; an infinite element
-  makes the scale inf, the group's finite elements 0 and the infinite one NaN.
+  (torch's ``log2``, so the rounding is that of the op, not an exact exponent bump); and the
+  floor ``s = max(s, 1 / (448 * 512))``, whose place differs by release (:data:`FLOOR_ORDER`):
+  up to vLLM 0.32 it comes *after* the rounding, so a zero or tiny group's UE8M0 scale is
+  ``1/229376``, not a power of two; from 0.34 *before* it, so that scale is ``2^-17``. Then
+  ``q = cast(clamp(x / s, -448, 448))`` with the division in fp32; ``s`` is the stored scale
+  (the ``scale_inv`` of a :class:`QTensor`). A last partial group is zero-padded (padding
+  never raises an amax). A NaN in a group makes its scale and every code of the group NaN;
+  an infinite element makes the scale inf, the group's finite elements 0 and the infinite
+  one NaN.
 * :func:`requantize_ue8m0`: DeepGEMM's weight side with ``VLLM_USE_DEEP_GEMM_E8M0=1``
   (``requant_weight_ue8m0_inplace`` + ``per_block_cast_to_fp8(use_ue8m0=True)``): each
   block-FP8 weight is dequantized with its fp32 scales, then requantized per tile with
@@ -50,6 +53,7 @@ __all__ = [
     "VLLM_FP8_MAX",
     "VLLM_MIN_SCALE",
     "DEEPGEMM_AMAX_FLOOR",
+    "FLOOR_ORDER",
     "quantize_activation",
     "quantize_activation_vllm",
     "requantize_ue8m0",
@@ -69,6 +73,12 @@ VLLM_MIN_SCALE = 1.0 / (VLLM_FP8_MAX * 512.0)
 
 DEEPGEMM_AMAX_FLOOR = 1e-4
 """The amax floor of vLLM's ``per_block_cast_to_fp8`` (DeepGEMM weight requantization)."""
+
+FLOOR_ORDER = ("after_rounding", "before_rounding")
+"""Where ``QuantFP8.forward_native`` applies its scale floor relative to the UE8M0 rounding:
+``after_rounding`` (vLLM 0.17.1 ... 0.32.0, ``input_quant_fp8.py``: round, then clamp) or
+``before_rounding`` (vLLM 0.34.0: clamp, then round). Which release does which is the stacks
+fact ``QuantFP8.forward_native:floor_before_ue8m0`` (the vLLM method passes its release's)."""
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -92,6 +102,7 @@ def quantize_activation_vllm(
     *,
     ue8m0: bool = False,
     column_major_scales: bool = False,
+    floor: str = "after_rounding",
 ) -> QTensor:
     """vLLM's dynamic 1 x ``group_size`` activation quantization (``forward_native``).
 
@@ -102,12 +113,20 @@ def quantize_activation_vllm(
             E8M0 mode, or the plugin's power-of-2 recipes on vLLM's kernels).
         column_major_scales: return the scales with vLLM's column-major strides (the
             values are the same; DeepGEMM's kernels ask for this layout).
+        floor: where the scale floor goes relative to the UE8M0 rounding (:data:`FLOOR_ORDER`:
+            the vLLM release's); without ``ue8m0`` both give the same scales.
 
     Returns:
         A :class:`QTensor`: ``data`` float8_e4m3fn of ``x``'s shape, ``scale_inv`` the
         stored fp32 scales ``[..., ceil(K / group_size)]``, ``block = (1, group_size)``.
     """
     _check_input(x)
+    if floor not in FLOOR_ORDER:
+        raise FP8ConfigError(
+            f"floor must be one of {', '.join(FLOOR_ORDER)}, got {floor!r}",
+            key="floor",
+            value=floor,
+        )
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
         raise FP8ConfigError(
             f"group_size must be a positive int, got {group_size!r}",
@@ -123,9 +142,12 @@ def quantize_activation_vllm(
     # The max runs in the input dtype (exact), then widens: as vLLM, so a NaN propagates.
     amax = grouped.abs().max(dim=-1, keepdim=True)[0].float()
     scale = amax / VLLM_FP8_MAX
+    if floor == "before_rounding":
+        scale = scale.clamp(min=VLLM_MIN_SCALE)
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    scale = scale.clamp(min=VLLM_MIN_SCALE)
+    if floor == "after_rounding":
+        scale = scale.clamp(min=VLLM_MIN_SCALE)
     # bf16/fp16 / fp32 promotes to fp32: the division happens in fp32.
     data = (grouped / scale).clamp(-VLLM_FP8_MAX, VLLM_FP8_MAX).to(torch.float8_e4m3fn)
     data = data.reshape(-1, padded)
@@ -182,6 +204,7 @@ def quantize_activation(
     *,
     pow2_scales: bool = False,
     eps: float = 0.0,
+    floor: str = "after_rounding",
 ) -> QTensor:
     """Quantize an activation ``[..., K]`` per ``block`` group as generation does.
 
@@ -195,6 +218,8 @@ def quantize_activation(
             is UE8M0 either way.
         eps: the recipe's ``amax_epsilon``, applied under ``"trainer"`` only (vLLM's
             quantizer has its fixed floor, :data:`VLLM_MIN_SCALE`).
+        floor: the vLLM release's place of that floor (:data:`FLOOR_ORDER`), for the two
+            ``vllm`` numerics.
 
     Returns:
         A :class:`QTensor` usable by :func:`nemo_fp8_plugin.numerics.fp8_gemm`.
@@ -231,4 +256,4 @@ def quantize_activation(
             q.block,
         )
     ue8m0 = numerics == "vllm_deepgemm_ue8m0" or bool(pow2_scales)
-    return quantize_activation_vllm(x, block[1], ue8m0=ue8m0)
+    return quantize_activation_vllm(x, block[1], ue8m0=ue8m0, floor=floor)

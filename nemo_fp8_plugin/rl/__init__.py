@@ -1,5 +1,6 @@
-"""RL in FP8: importance-sampling correction, mismatch metrics, the trainer-side refit
-quantizer, FP8 checkpoint export and per-step scale refresh.
+"""RL in FP8: importance-sampling correction, mismatch metrics, sequence masking, the
+trainer-side refit quantizer and its verification, FP8 checkpoint export and per-step scale
+refresh.
 
 Everything here is framework-neutral torch. Names load lazily so that importing one part
 does not pay for the others.
@@ -21,6 +22,8 @@ if TYPE_CHECKING:  # the lazily loaded names, for type checkers and IDEs
     )
     from .kv_scales import KVScaleCalibrator, refresh_scales
     from .refit import RefitLayoutError, quantize_for_refit
+    from .sequence_mask import sequence_error_mask
+    from .verify import verify_refit
 
 # public name -> submodule that defines it
 _EXPORTS = {
@@ -29,11 +32,13 @@ _EXPORTS = {
     "gen_kl_error": "importance",
     "policy_kl_error": "importance",
     "kl_estimate": "importance",
+    "sequence_error_mask": "sequence_mask",
     "quantize_for_refit": "refit",
     "RefitLayoutError": "refit",
     "export_fp8_checkpoint": "export",
     "KVScaleCalibrator": "kv_scales",
     "refresh_scales": "kv_scales",
+    "verify_refit": "verify",
 }
 
 __all__ = [
@@ -47,6 +52,8 @@ __all__ = [
     "policy_kl_error",
     "quantize_for_refit",
     "refresh_scales",
+    "sequence_error_mask",
+    "verify_refit",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 

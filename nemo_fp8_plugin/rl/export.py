@@ -30,6 +30,9 @@ are done. What a SIGKILL leaves carries that prefix, and the next export to the 
 ``out_dir`` removes it (or, where ``out_dir`` itself is missing, puts the old directory back).
 A lock file (``.<name>.nemo-fp8-export.lock``, ``flock``) keeps two exports from writing the
 same ``out_dir`` at once: the second is refused.
+
+Longer than the package's 600-line guide: the source checks, the streaming write and the
+directory swap share the temporary-name, lock and signal protocol above.
 """
 
 from __future__ import annotations
@@ -41,18 +44,21 @@ import re
 import secrets
 import shutil
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._io import check_output_dir, same_file
 from .._signals import interruptible, signals_held
 from ..capabilities import capability
-from ..errors import FP8ConfigError, format_value, one_line
+from ..errors import FP8ConfigError, format_value
 from . import safetensors_io as st
+
+if TYPE_CHECKING:
+    from ..spec import RecipeSpec
 
 __all__ = ["export_fp8_checkpoint", "ExportResult", "WEIGHT_FILES"]
 
@@ -90,6 +96,9 @@ class ExportResult:
         quantization_config: the mapping written into ``config.json``.
         skipped: entries of the source directory not copied (subdirectories such as
             ``original/``, FIFOs and other non-regular files), by name.
+        outside: symbolic links of the source directory not copied because they point out
+            of it (a Hugging Face cache snapshot's links into its ``blobs`` are followed),
+            by name.
     """
 
     path: Path
@@ -99,6 +108,7 @@ class ExportResult:
     bytes: int = 0
     quantization_config: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    outside: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -106,12 +116,21 @@ class ExportResult:
 
 def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
     if config is None and source_dir is not None:
+        from .._io import inside_checkpoint
+
         config = source_dir / "config.json"
         if not config.exists():
             raise FP8ConfigError(
                 f"{source_dir} has no config.json",
                 key="config",
                 hint="pass config= (the model's Hugging Face config)",
+            )
+        if not inside_checkpoint(config, source_dir):  # it is copied into the output
+            raise FP8ConfigError(
+                f"{config} is a symbolic link out of the checkpoint directory",
+                key="config",
+                value=str(config),
+                hint="pass config= naming the model's config.json",
             )
     if config is None:
         raise FP8ConfigError(
@@ -120,22 +139,15 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
             hint="pass config= (a mapping or a path to config.json)",
         )
     if isinstance(config, (str, os.PathLike)):
-        from .._io import regular_file
+        from .._io import read_user_json
 
         path = Path(config)
         if not str(config):
             raise FP8ConfigError("expected a config.json path, got ''", key="config", value="")
         if path.is_dir():
             path = path / "config.json"
-        regular_file(path, key="config", what="config.json")
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError) as exc:
-            # ValueError: not JSON, or an integer past Python's 4300-digit limit;
-            # RecursionError: arrays nested past the interpreter's stack
-            raise FP8ConfigError(
-                f"cannot read {path}: {format_value(str(exc))}", key="config", value=str(path)
-            ) from None
+        # a regular file within LIMITS.config_bytes, nesting and digits bounded
+        config = read_user_json(path, key="config", what="config.json")
     if hasattr(config, "to_dict"):
         config = config.to_dict()
     if not isinstance(config, Mapping):
@@ -145,6 +157,49 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
             value=config,
         )
     return dict(config)
+
+
+_QUANTIZED_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})
+"""Safetensors dtypes of quantized weights and their scales (FP8, MX E8M0)."""
+
+_QUANTIZED_NAMES = (_SCALE_SUFFIX, ".weight_scale", ".input_scale", ".qweight", ".weight_packed")
+"""Tensor name endings of a quantized checkpoint (FP8's, ModelOpt's, AWQ / GPTQ, compressed-tensors)."""
+
+
+def _refuse_quantized(
+    hf_config: Mapping[str, Any],
+    entries: list[st.Entry] | None,
+    source: Any,
+    *,
+    config_key: str,
+) -> None:
+    """A source that is already quantized is refused before any work: its FP8 weights would
+    pass through as they are beside scales in another layout, and its ``quantization_config``
+    would be replaced, so the output would claim a recipe its tensors do not follow."""
+    for holder in ("quantization_config", "compression_config"):
+        if hf_config.get(holder) is not None:
+            qcfg = hf_config[holder]
+            method = qcfg.get("quant_method") if isinstance(qcfg, Mapping) else None
+            raise FP8ConfigError(
+                f"the checkpoint is already quantized: its config.json has {holder}"
+                + (f" (quant_method: {format_value(method)})" if method is not None else ""),
+                key=config_key,
+                value=format_value(qcfg),
+                hint="export the unquantized (BF16, FP16 or FP32) checkpoint",
+            )
+    if entries is not None:
+        named = ((e.name, e.dtype) for e in entries)
+    else:
+        named = ((n, st.st_dtype_name(t.dtype) or str(t.dtype)) for n, t in source.items())
+    for name, dtype in named:
+        if dtype in _QUANTIZED_DTYPES or name.endswith(_QUANTIZED_NAMES):
+            raise FP8ConfigError(
+                f"the checkpoint is already quantized: tensor {format_value(name)} is "
+                f"{'a quantized weight or scale' if dtype not in _QUANTIZED_DTYPES else dtype}",
+                key="source",
+                value=name,
+                hint="export the unquantized (BF16, FP16 or FP32) checkpoint",
+            )
 
 
 def _num_layers(config: Mapping[str, Any]) -> int | None:
@@ -230,13 +285,15 @@ def _ignored_layers(
     return list(dict.fromkeys(out))
 
 
-def _quantization_config(spec, ignored: list[str]) -> dict[str, Any]:
+def _quantization_config(spec: RecipeSpec, ignored: list[str]) -> dict[str, Any]:
+    from ..numerics.reference import check_block
+
     if capability(spec.scaling).is_block:
         cfg: dict[str, Any] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
-            "weight_block_size": list(spec.weight_block),
+            "weight_block_size": list(check_block(spec.weight_block, key="weight_block")),
             "ignored_layers": ignored,
         }
         if spec.pow2_scales:
@@ -299,6 +356,9 @@ def export_fp8_checkpoint(
     spec = _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_files)
     source_dir, entries, total = _source(source)
     hf_config = _read_config(config, source_dir)
+    _refuse_quantized(
+        hf_config, entries, source, config_key="source" if config is None else "config"
+    )
     out = Path(out_dir)
     _check_out_dir(out, source_dir, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -306,6 +366,7 @@ def export_fp8_checkpoint(
     with interruptible(), _locked(out):
         _check_out_dir(out, source_dir, overwrite)  # again: another export may have finished
         bar = _progress_bar(total, progress)
+        named: Iterator[tuple[str, torch.Tensor]]
         if entries is not None:
             named = st.stream_entries(entries, bar.update if bar is not None else _ignore)
         else:
@@ -330,7 +391,14 @@ def _ignore(nbytes: int) -> None:
     """No progress bar: the byte counts go nowhere."""
 
 
-def _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_files):
+def _check_args(
+    out_dir: object,
+    spec: Any,
+    config: object,
+    max_shard_bytes: object,
+    overwrite: object,
+    copy_other_files: object,
+) -> RecipeSpec:
     """Every argument but the source and ``progress`` checked; returns the recipe."""
     from ..registry import get_recipe
 
@@ -379,7 +447,7 @@ def _check_args(out_dir, spec, config, max_shard_bytes, overwrite, copy_other_fi
 # --------------------------------------------------------------------------- the source
 
 
-def _source(source) -> tuple[Path | None, list[st.Entry] | None, int]:
+def _source(source: Any) -> tuple[Path | None, list[st.Entry] | None, int]:
     """(source directory, its tensors from the headers, total bytes) for a directory or a
     file; (None, None, total bytes) for a state dict, checked before any work."""
     if isinstance(source, (str, os.PathLike)):
@@ -455,10 +523,13 @@ def _safetensors_files(source: Path) -> list[Path]:
 
 def _index_weight_map(source: Path) -> dict[str, str] | None:
     """The index's ``weight_map`` (already checked by ``safetensors_files``), or None."""
+    from .._io import _INDEX_BYTES, read_user_json
+
     index = source / "model.safetensors.index.json"
     if not index.exists():
         return None
-    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    document = read_user_json(index, key="source", what="safetensors index", limit=_INDEX_BYTES)
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
     return weight_map if isinstance(weight_map, dict) else None
 
 
@@ -473,14 +544,16 @@ def _check_state_dict_item(name: Any, tensor: Any) -> None:
         st.checked_tensor(name, tensor)  # raises, naming the tensor
 
 
-def _stream_mapping(source: Mapping, on_done) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream_mapping(
+    source: Mapping, on_done: Callable[[int], object]
+) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in source.items():
         _check_state_dict_item(name, tensor)  # again: a mapping may change as it is read
         yield name, tensor
         on_done(tensor.numel() * tensor.element_size())
 
 
-def _progress_bar(total: int, enabled: bool | None):
+def _progress_bar(total: int, enabled: bool | None) -> Any:
     """A byte counter on stderr (tqdm's rule when ``enabled`` is None: only on a terminal)."""
     try:
         from tqdm import tqdm
@@ -505,7 +578,7 @@ def _write(
     tmp: Path,
     out: Path,
     named: Iterable[tuple[str, torch.Tensor]],
-    spec,
+    spec: RecipeSpec,
     hf_config: dict,
     max_shard_bytes: int,
     source_dir: Path | None,
@@ -548,11 +621,13 @@ def _write(
     new_config["quantization_config"] = qcfg
     _write_text(tmp / "config.json", json.dumps(new_config, indent=2, sort_keys=False) + "\n")
     if source_dir is not None and copy_other_files:
-        result.skipped = _copy_other_files(source_dir, tmp)
+        result.skipped, result.outside = _copy_other_files(source_dir, tmp)
     return result
 
 
-def _quantized(named, spec, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def _quantized(
+    named: Iterable[tuple[str, torch.Tensor]], spec: RecipeSpec, hf_config: Mapping[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
     from .refit import quantize_for_refit
 
     return quantize_for_refit(named, spec, num_layers=_num_layers(hf_config))
@@ -588,21 +663,28 @@ def _write_text(path: Path, text: str) -> None:
         fh.write(text)
 
 
-def _copy_other_files(source_dir: Path, tmp: Path) -> list[str]:
+def _copy_other_files(source_dir: Path, tmp: Path) -> tuple[list[str], list[str]]:
     """Copy the source's regular non-weight files; returns the names of what was not copied
-    (subdirectories, FIFOs, sockets, devices)."""
+    (subdirectories, FIFOs, sockets, devices) and of the symbolic links not followed because
+    they point out of the checkpoint (``ln -s ~/.ssh/id_rsa ck/notes.txt`` must not end up in
+    the output; a Hugging Face snapshot's links into its ``blobs`` are followed)."""
+    from .._io import inside_checkpoint
+
     skipped: list[str] = []
+    outside: list[str] = []
     for item in sorted(source_dir.iterdir()):
         if item.name == "config.json" or any(item.match(p) for p in WEIGHT_FILES):
             continue
         # this export's own temporary directory and lock, when OUT lies inside the source
         if item == tmp or TEMP_MARK.rstrip("-") in item.name:
             continue
-        if item.is_file():  # regular files (a link's target); no FIFO, no directory
+        if item.is_symlink() and not inside_checkpoint(item, source_dir):
+            outside.append(item.name)
+        elif item.is_file():  # regular files (a link's target); no FIFO, no directory
             shutil.copy2(item, tmp / item.name)
         else:
             skipped.append(item.name + ("/" if item.is_dir() else ""))
-    return skipped
+    return skipped, outside
 
 
 # --------------------------------------------------------------------------- the output
@@ -699,10 +781,3 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
             os.replace(backup, out)
             return  # the signal is delivered as the block ends; the caller removes tmp
         shutil.rmtree(backup, ignore_errors=True)  # a few files: quick, and never left
-
-
-def shown_path(path: Path | str) -> str:
-    """A path as the CLI prints it: one line, every character encodable (a name with a
-    non-UTF-8 byte or a terminal escape sequence is escaped, not printed raw)."""
-    text = os.fsdecode(path) if not isinstance(path, str) else path
-    return one_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))

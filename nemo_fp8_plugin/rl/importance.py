@@ -52,7 +52,7 @@ Deliberate differences from NeMo RL:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
@@ -76,6 +76,12 @@ KL_TYPES = ("k1", "k2", "k3")
 # ------------------------------------------------------------------ argument checks
 
 
+@overload
+def _choice(
+    key: str, value: Any, choices: tuple[str, ...], optional: Literal[False] = False
+) -> str: ...
+@overload
+def _choice(key: str, value: Any, choices: tuple[str, ...], optional: bool) -> str | None: ...
 def _choice(key: str, value: Any, choices: tuple[str, ...], optional: bool = False) -> str | None:
     if value is None and optional:
         return None
@@ -91,6 +97,10 @@ def _choice(key: str, value: Any, choices: tuple[str, ...], optional: bool = Fal
     )
 
 
+@overload
+def _bound(key: str, value: Any, optional: Literal[False] = False) -> float: ...
+@overload
+def _bound(key: str, value: Any, optional: bool) -> float | None: ...
 def _bound(key: str, value: Any, optional: bool = False) -> float | None:
     if value is None and optional:
         return None
@@ -181,6 +191,20 @@ class _Inputs(NamedTuple):
     token: torch.Tensor  # mask alone (NeMo RL's token_mask), [..., T]
     samples: torch.Tensor  # sequences that count, [...]
     token_as_given: torch.Tensor  # the caller's mask tensor, its dtype kept (0/1 checked)
+    sequence_dtype: torch.dtype  # what a sequence-level sum runs in (see _sequence_dtype)
+
+
+def _sequence_dtype(dtype: torch.dtype, *masks: Any) -> torch.dtype:
+    """The dtype NeMo RL's sequence-level sum runs in: ``((prev - gen) * mask).sum(-1)`` with
+    ``mask = token_mask * sample_mask.unsqueeze(-1)`` (``loss_functions.py`` v0.6.0 ~430,
+    v0.7.0 ~506, main ~570). NeMo RL's ``sample_mask`` is a float tensor (GRPO's
+    ``loss_multiplier``, fp32), so the product, the sum and ``exp`` run in fp32 at least: bf16
+    log-probs give fp32 weights. A wider floating mask (fp64) widens it, as torch promotes."""
+    out = torch.promote_types(dtype, torch.float32)
+    for mask in masks:
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            out = torch.promote_types(out, mask.dtype)
+    return out
 
 
 def _prepare(
@@ -189,9 +213,10 @@ def _prepare(
     """Validated float copies, detached, and bool masks.
 
     ``upcast``: compute in fp32 or wider (the metrics). The weights pass False: NeMo RL
-    evaluates ``exp(prev - gen)`` in the log-probs' own dtype (``torch.promote_types`` of
-    the two; the truncation comes before any ``* mask``), so bf16 input gives bf16 weights
-    there, and here.
+    evaluates token-level ``exp(prev - gen)`` in the log-probs' own dtype
+    (``torch.promote_types`` of the two; the truncation comes before any ``* mask``), so
+    bf16 input gives bf16 token weights there, and here; its sequence-level sum runs in
+    ``sequence_dtype``.
     """
     tensors = []
     for name, value in (("train_logprobs", train_logprobs), ("gen_logprobs", gen_logprobs)):
@@ -229,7 +254,15 @@ def _prepare(
         samples = _mask_bool("sample_mask", sample_mask, train.shape[:-1], train.device)
         valid = token & samples.unsqueeze(-1)
     given = mask.detach().to(train.device)
-    return _Inputs(train.detach().to(dtype), gen.detach().to(dtype), valid, token, samples, given)
+    return _Inputs(
+        train.detach().to(dtype),
+        gen.detach().to(dtype),
+        valid,
+        token,
+        samples,
+        given,
+        _sequence_dtype(dtype, mask, sample_mask),
+    )
 
 
 # ------------------------------------------------------------------ weights
@@ -272,9 +305,12 @@ class _Weights(NamedTuple):
 def _compute(x: _Inputs, s: _Settings) -> _Weights:
     log_ratio = x.train - x.gen  # NaN where both are -inf or either is NaN, +-inf where one is
     if s.level == "sequence":
-        # Padding is excluded before the sum (NeMo RL multiplies by the mask, which turns a
-        # -inf in the padding into NaN and zeroes the whole sequence).
-        raw = _zero_nonfinite(torch.exp(_masked(log_ratio, x.valid).sum(dim=-1)))
+        # The difference in the log-probs' dtype, then summed in NeMo RL's (fp32 for bf16
+        # log-probs: its float mask promotes the product). Padding is excluded before the sum
+        # (NeMo RL multiplies by the mask, which turns a -inf in the padding into NaN and
+        # zeroes the whole sequence).
+        summed = _masked(log_ratio.to(x.sequence_dtype), x.valid).sum(dim=-1)
+        raw = _zero_nonfinite(torch.exp(summed))
     else:
         raw = _zero_nonfinite(torch.exp(log_ratio))
     low, high = truncation_window(s.truncation, s.ratio_max, s.ratio_min)
@@ -336,9 +372,11 @@ def importance_weights(
             NeMo RL ``sample_mask``): 0 drops the whole sequence.
 
     Returns:
-        Weights of the input's shape, in the log-probs' dtype as NeMo RL computes them
-        (bf16 in, bf16 out: NeMo RL does not upcast first), detached (they scale the
-        loss; gradients do not flow through them), 0 at masked positions.
+        Weights of the input's shape, in the dtype NeMo RL computes them in, detached (they
+        scale the loss; gradients do not flow through them), 0 at masked positions. Token
+        level: the log-probs' dtype (bf16 in, bf16 out: NeMo RL does not upcast first).
+        Sequence level, and ``seq-mask-tis``: fp32 at least (NeMo RL multiplies by its float
+        masks before the sum), wider for fp64 log-probs or masks.
     """
     settings = _settings(level, truncation, ratio_max, ratio_min)
     inputs = _prepare(train_logprobs, gen_logprobs, mask, sample_mask, upcast=False)

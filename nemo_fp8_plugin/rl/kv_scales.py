@@ -73,6 +73,9 @@ import torch
 from ..errors import FP8ConfigError, format_value
 from ..numerics.formats import E4M3_MAX
 
+_PreHook = Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None]
+"""A forward pre-hook with keyword arguments (``register_forward_pre_hook(with_kwargs=True)``)."""
+
 __all__ = [
     "KVScaleCalibrator",
     "ScaleUpdate",
@@ -133,7 +136,7 @@ def nearest_rank_percentile(values: torch.Tensor, percentile: float) -> torch.Te
     return torch.sort(flat).values[rank]
 
 
-class ScaleUpdate(dict):
+class ScaleUpdate(dict[str, torch.Tensor]):
     """``{name: 0-d fp32 tensor}`` from :func:`refresh_scales`, plus how it was obtained.
 
     Attributes:
@@ -144,12 +147,12 @@ class ScaleUpdate(dict):
 
     def __init__(
         self,
-        *args,
+        *args: Any,
         seconds: float = 0.0,
         amax: dict | None = None,
         samples: dict | None = None,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.seconds = seconds
         self.amax = amax or {}
@@ -347,8 +350,8 @@ class KVScaleCalibrator:
                 amax = t.abs().amax(dim=heads_dims).float().reshape(-1)
             self._samples[layer][role].append(amax)
 
-    def _mcore_hook(self, layer: str):
-        def hook(module, args, kwargs):
+    def _mcore_hook(self, layer: str) -> _PreHook:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             named = [kwargs.get(n) for n in ("query", "key", "value")]
             q, k, v = (list(args[:3]) + named[len(args[:3]) :])[:3]
             # megatron-core core attention tensors are [seq, batch, heads, head_dim].
@@ -356,8 +359,8 @@ class KVScaleCalibrator:
 
         return hook
 
-    def _core_hook(self, layer: str, heads_dims: tuple[int, ...]):
-        def hook(module, args, kwargs):
+    def _core_hook(self, layer: str, heads_dims: tuple[int, ...]) -> _PreHook:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             named = [kwargs.get(n) for n in ("q", "k", "v")]
             q, k, v = (list(args[:3]) + named[len(args[:3]) :])[:3]
             self._record(layer, q, k, v, heads_dims)
@@ -375,13 +378,15 @@ class KVScaleCalibrator:
                     module.register_forward_pre_hook(self._mcore_hook(layer), with_kwargs=True)
                 )
             elif kind == "core":
-                dims = _CORE_LAYOUTS[type(module).nemo_fp8_qkv_layout]
+                layout_class: Any = type(module)  # sets nemo_fp8_qkv_layout (_find_layers)
+                dims = _CORE_LAYOUTS[layout_class.nemo_fp8_qkv_layout]
                 self._handles.append(
                     module.register_forward_pre_hook(self._core_hook(layer, dims), with_kwargs=True)
                 )
             else:
-                module._nemo_fp8_kv_record = (weakref.ref(self), layer)
-                hf_configs[id(module.config)] = module.config
+                hf_attention: Any = module  # a Hugging Face attention module and its config
+                hf_attention._nemo_fp8_kv_record = (weakref.ref(self), layer)
+                hf_configs[id(hf_attention.config)] = hf_attention.config
         for config in hf_configs.values():
             base = config._attn_implementation or "eager"
             if base.startswith(_WRAPPER_PREFIX):
@@ -412,7 +417,7 @@ class KVScaleCalibrator:
     def __enter__(self) -> KVScaleCalibrator:
         return self.attach()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.detach()
 
     def reset(self) -> None:
@@ -623,7 +628,14 @@ def _hf_wrapper_name(base: str) -> str:
     if name in AttentionInterface._global_mapping:
         return name
 
-    def attention(module, query, key, value, attention_mask, **kwargs):
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> Any:
         record = getattr(module, "_nemo_fp8_kv_record", None)
         if record is not None:
             calibrator = record[0]()

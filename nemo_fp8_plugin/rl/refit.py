@@ -26,11 +26,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 from ..capabilities import capability
 from ..errors import FP8ConfigError, format_value
+
+if TYPE_CHECKING:
+    from ..numerics import QTensor
+    from ..spec import RecipeSpec
+
+ShardDim: TypeAlias = "int | Mapping[str, int] | Callable[[str, torch.Tensor], int] | None"
+"""A weight's tensor-parallel split dim: one int, per name, per ``(name, tensor)``, or the
+default (:func:`row_parallel_shard_dim`)."""
 
 __all__ = [
     "quantize_for_refit",
@@ -56,7 +65,9 @@ _ROW_PARALLEL = re.compile(
 )
 
 
-def _quantizers():
+def _quantizers() -> tuple[
+    dict[bool | None, Callable[..., QTensor]], dict[bool | None, Callable[..., QTensor]]
+]:
     from .. import numerics
 
     block = {
@@ -101,7 +112,9 @@ def row_parallel_shard_dim(name: str, tensor: torch.Tensor) -> int:
     return 1 if _ROW_PARALLEL.search(name) else 0
 
 
-def scale_name(name: str, spec=None, *, mx_scale_layout: str = "nemo_fp8") -> str:
+def scale_name(
+    name: str, spec: RecipeSpec | None = None, *, mx_scale_layout: str = "nemo_fp8"
+) -> str:
     """The name of a quantized weight's scale tensor: ``<name>_scale_inv`` (block scaling,
     and MXFP8 for the plugin's ``nemo_fp8`` method), or ``<name>_scale`` (MXFP8 in vLLM's
     compressed-tensors layout)."""
@@ -114,7 +127,9 @@ def scale_name(name: str, spec=None, *, mx_scale_layout: str = "nemo_fp8") -> st
     return f"{name}_scale_inv"
 
 
-def _items(named_tensors) -> Iterator[tuple[str, torch.Tensor]]:
+def _items(
+    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
     pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     seen: set[str] = set()  # names only: the tensors are not kept
     for i, item in enumerate(pairs):
@@ -145,7 +160,7 @@ def _items(named_tensors) -> Iterator[tuple[str, torch.Tensor]]:
         yield item
 
 
-def _answer(value, key: str) -> bool:
+def _answer(value: object, key: str) -> bool:
     """A callback's yes/no; a string (``"false"``) is a mistake, not True."""
     if isinstance(value, (str, bytes)) or value is None:
         raise FP8ConfigError(
@@ -155,15 +170,15 @@ def _answer(value, key: str) -> bool:
 
 
 def _check_args(
-    named_tensors,
-    keep_bf16,
-    num_layers,
-    tp_rank,
-    tp_size,
-    shard_dim,
-    is_linear_weight,
-    mx_scale_layout,
-    fused,
+    named_tensors: object,
+    keep_bf16: object,
+    num_layers: object,
+    tp_rank: object,
+    tp_size: object,
+    shard_dim: object,
+    is_linear_weight: object,
+    mx_scale_layout: object,
+    fused: object,
 ) -> None:
     """Every argument of :func:`quantize_for_refit` by type and range, named when wrong
     (``fused="false"`` is a mistake, not True)."""
@@ -216,7 +231,7 @@ def _check_args(
         )
 
 
-def _keep_bf16_from_rules(spec, num_layers):
+def _keep_bf16_from_rules(spec: RecipeSpec, num_layers: int | None) -> Callable[[str], bool]:
     from ..rules import keeps_bf16
 
     def keep(name: str) -> bool:
@@ -225,7 +240,7 @@ def _keep_bf16_from_rules(spec, num_layers):
     return keep
 
 
-def _resolve_shard_dim(shard_dim, name: str, tensor: torch.Tensor) -> int:
+def _resolve_shard_dim(shard_dim: ShardDim, name: str, tensor: torch.Tensor) -> int:
     if shard_dim is None:
         return row_parallel_shard_dim(name, tensor)
     if callable(shard_dim):
@@ -244,7 +259,12 @@ def _resolve_shard_dim(shard_dim, name: str, tensor: torch.Tensor) -> int:
 
 
 def _check_shard(
-    name: str, tensor: torch.Tensor, block: tuple[int, int], tp_rank, tp_size, shard_dim
+    name: str,
+    tensor: torch.Tensor,
+    block: tuple[int, int],
+    tp_rank: int | None,
+    tp_size: int | None,
+    shard_dim: ShardDim,
 ) -> None:
     """A shard's blocks are the gathered tensor's blocks iff its length along the split
     dim is a multiple of the block there (shards are equal-sized, as Megatron and vLLM
@@ -274,13 +294,13 @@ def _check_shard(
 
 def quantize_for_refit(
     named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-    spec,
+    spec: RecipeSpec | str | Mapping[str, Any],
     *,
     keep_bf16: Callable[[str], bool] | None = None,
     num_layers: int | None = None,
     tp_rank: int | None = None,
     tp_size: int | None = None,
-    shard_dim=None,
+    shard_dim: ShardDim = None,
     is_linear_weight: Callable[[str, torch.Tensor], bool] | None = None,
     mx_scale_layout: str = "nemo_fp8",
     fused: bool | None = None,
@@ -323,6 +343,7 @@ def quantize_for_refit(
         FP8ConfigError: per-tensor recipes (vLLM's refit path is block or MX), bad
             arguments. RefitLayoutError: a shard that does not split on block boundaries.
     """
+    from ..numerics.reference import check_block
     from ..registry import get_recipe
 
     _check_args(
@@ -363,14 +384,15 @@ def quantize_for_refit(
     if (tp_rank is None) != (tp_size is None):
         raise FP8ConfigError("pass tp_rank and tp_size together", key="tp_size", value=tp_size)
     sharded = tp_size is not None and tp_size > 1
-    if tp_size is not None and (tp_size < 1 or not 0 <= tp_rank < tp_size):
+    # tp_rank is set exactly when tp_size is (checked above)
+    if tp_size is not None and tp_rank is not None and (tp_size < 1 or not 0 <= tp_rank < tp_size):
         raise FP8ConfigError(
             f"tp_rank {tp_rank} is not in [0, {tp_size})", key="tp_rank", value=tp_rank
         )
     block_quantizers, mx_quantizers = _quantizers()
     keep = keep_bf16 if keep_bf16 is not None else _keep_bf16_from_rules(spec, num_layers)
     is_linear = is_linear_weight or default_is_linear_weight
-    block = tuple(spec.weight_block)
+    block = check_block(spec.weight_block, key="weight_block")  # the tuple a tiled kind has
     fmt = spec.format_for("weight")
 
     for name, tensor in _items(named_tensors):

@@ -32,9 +32,10 @@ import mmap
 import os
 import struct
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,7 +143,7 @@ def _header_json(path: Path) -> tuple[dict, int, int]:
     return header, 8 + n, size
 
 
-def _entry(path: Path, base: int, name: str, info) -> Entry:
+def _entry(path: Path, base: int, name: str, info: Any) -> Entry:
     try:
         dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         ok = (
@@ -273,13 +274,13 @@ def _read_entry(fd: int, e: Entry, dtype: torch.dtype) -> torch.Tensor:
     if mapped is not None:
         return mapped
     raw = torch.empty(e.end - e.begin, dtype=torch.uint8)
-    _read_into(fd, memoryview(raw.numpy()), e.begin, e.file)
+    _read_into(fd, raw.numpy().data, e.begin, e.file)
     return raw.view(dtype).reshape(e.shape)
 
 
 def stream_entries(
     entries: list[Entry], on_done: Callable[[int], None]
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Each tensor in file order: mapped from the file (one mapping per tensor, released
     with the tensor, so about one tensor's pages are resident, not the shard's), or where a
     mapping does not fit, read into a buffer of its own (not a reused one: the consumer's
@@ -300,6 +301,7 @@ def stream_entries(
                         os.close(fd)
                         fd = None
                     fd, open_path = _open_source(e.file), e.file
+                assert fd is not None  # opened for e.file, now or for an earlier entry
                 tensor = _read_entry(fd, e, dtype)
             yield e.name, tensor
             del tensor
@@ -431,7 +433,7 @@ class ShardWriter:
         if size:
             assert self._fd is not None  # opened above
             try:
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                data = t.reshape(-1).view(torch.uint8).numpy().data
                 _write_all(self._fd, data, 8 + self._room + self._data)
             except OSError as exc:
                 raise self._fail(exc) from None
@@ -439,7 +441,7 @@ class ShardWriter:
         self.total_bytes += size
 
     @staticmethod
-    def _fragment(name: str, dtype: str, shape, begin: int, size: int) -> str:
+    def _fragment(name: str, dtype: str, shape: Iterable[int], begin: int, size: int) -> str:
         info = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, begin + size]}
         return json.dumps(name) + ":" + json.dumps(info, separators=(",", ":"))
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..spec import BF16Rules, RecipeSpec
 from .models import ModelDescription
-from .resolve import rule_label, template
+from .resolve import check_rule_work, rule_label, template
 
 __all__ = ["OverreachingRule", "overreaching_rules", "strict_glob"]
 
@@ -88,6 +88,7 @@ def overreaching_rules(
     Face) only through a ``*`` continuing a word, with those names."""
     rules = spec.bf16_layers if isinstance(spec, RecipeSpec) else spec
     names = list(dict.fromkeys((*model.megatron_linear_modules, *model.hf_linear_modules)))
+    check_rule_work(rules, len(names), model.name)
     out = []
     for i, pattern in enumerate(rules.modules):
         if "*" not in pattern:

@@ -14,7 +14,6 @@ model, without torch and without network, from one of:
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -205,7 +204,7 @@ def _build(
     units: list[tuple[str, tuple[str, ...]]] = []
     hf_all: list[str] = []
 
-    def add(mg: str | None, hfs: tuple[str, ...]):
+    def add(mg: str | None, hfs: tuple[str, ...]) -> None:
         if mg is not None:
             mg_map.append((mg, hfs))
 
@@ -422,7 +421,7 @@ def _qwen35_layer(i: int, kind: str, experts: int, shared: bool) -> _Modules:
         ba = (f"{la}.in_proj_b", f"{la}.in_proj_a")
         # Megatron fuses the four input projections into one in_proj; vLLM into two
         # (packed_modules_mapping in_proj_qkvz / in_proj_ba).
-        parts = [
+        parts: list[_Modules] = [
             (
                 [(f"{mgp}.self_attention.in_proj", qkvz + ba)],
                 [*qkvz, *ba],
@@ -797,7 +796,7 @@ def from_transformer_config(
 # --------------------------------------------------------------------------- built-in table
 
 
-def _llama(layers, hidden, ffn):
+def _llama(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "model_type": "llama",
         "num_hidden_layers": layers,
@@ -806,7 +805,7 @@ def _llama(layers, hidden, ffn):
     }
 
 
-def _qwen2(layers, hidden, ffn):
+def _qwen2(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "model_type": "qwen2",
         "num_hidden_layers": layers,
@@ -815,7 +814,7 @@ def _qwen2(layers, hidden, ffn):
     }
 
 
-def _qwen3(layers, hidden, ffn):
+def _qwen3(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "model_type": "qwen3",
         "num_hidden_layers": layers,
@@ -824,7 +823,7 @@ def _qwen3(layers, hidden, ffn):
     }
 
 
-def _qwen3_moe(layers, hidden, ffn, experts, moe_ffn):
+def _qwen3_moe(layers: int, hidden: int, ffn: int, experts: int, moe_ffn: int) -> dict[str, Any]:
     return {
         "model_type": "qwen3_moe",
         "num_hidden_layers": layers,
@@ -837,7 +836,16 @@ def _qwen3_moe(layers, hidden, ffn, experts, moe_ffn):
     }
 
 
-def _deepseek(layers, hidden, ffn, experts, moe_ffn, shared, first_dense, q_lora):
+def _deepseek(
+    layers: int,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    moe_ffn: int,
+    shared: int,
+    first_dense: int,
+    q_lora: int | None,
+) -> dict[str, Any]:
     return {
         "model_type": "deepseek_v3",
         "num_hidden_layers": layers,
@@ -853,7 +861,7 @@ def _deepseek(layers, hidden, ffn, experts, moe_ffn, shared, first_dense, q_lora
     }
 
 
-def _qwen35(layers, hidden, ffn):
+def _qwen35(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "model_type": "qwen3_5_text",
         "num_hidden_layers": layers,
@@ -863,7 +871,9 @@ def _qwen35(layers, hidden, ffn):
     }
 
 
-def _qwen35_moe(layers, hidden, experts, moe_ffn, shared_ffn):
+def _qwen35_moe(
+    layers: int, hidden: int, experts: int, moe_ffn: int, shared_ffn: int
+) -> dict[str, Any]:
     return {
         "model_type": "qwen3_5_moe_text",
         "num_hidden_layers": layers,
@@ -875,7 +885,9 @@ def _qwen35_moe(layers, hidden, experts, moe_ffn, shared_ffn):
     }
 
 
-def _nemotron_h(pattern, hidden, ffn, experts, moe_ffn, shared_ffn):
+def _nemotron_h(
+    pattern: str, hidden: int, ffn: int, experts: int, moe_ffn: int, shared_ffn: int
+) -> dict[str, Any]:
     return {
         "model_type": "nemotron_h",
         "num_hidden_layers": len(pattern),
@@ -889,7 +901,7 @@ def _nemotron_h(pattern, hidden, ffn, experts, moe_ffn, shared_ffn):
     }
 
 
-def _gpt(layers, hidden, ffn):
+def _gpt(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
         "megatron": True,
         "num_layers": layers,
@@ -1083,21 +1095,10 @@ def _existing_config(path: Path, base_dir: str | Path | None) -> Path | None:
 
 
 def _from_config_file(path: Path, key: str) -> ModelDescription:
-    from ..errors import check_depth
+    from .._io import read_user_json
 
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:
-        raise FP8ConfigError(
-            f"{path} is nested too deeply to be a config.json", key=key, value=str(path)
-        ) from None
-    except (OSError, ValueError) as exc:  # JSON syntax, bad UTF-8, a 5000-digit integer
-        raise FP8ConfigError(
-            f"{path} is not a readable config.json ({format_value(str(exc), limit=200)})",
-            key=key,
-            value=str(path),
-        ) from None
-    check_depth(data, key=key, what=str(path))
+    # a regular file within LIMITS.config_bytes, nesting and digits bounded
+    data = read_user_json(path, key=key, what="config.json")
     # Errors name the JSON field (key) and carry the file path in the message.
     if isinstance(data, Mapping) and "num_layers" in data and "num_hidden_layers" not in data:
         return from_transformer_config(data, name=str(path), source=str(path))

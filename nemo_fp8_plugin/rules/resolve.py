@@ -22,7 +22,7 @@ import fnmatch
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from ..errors import FP8ConfigError
@@ -110,6 +110,12 @@ class Resolution:
     def by_module(self) -> dict[str, LayerDecision]:
         return {d.module: d for d in self.decisions}
 
+    @cached_property
+    def module_index(self) -> dict[str, LayerDecision]:
+        """:meth:`by_module`, built once: a resolution is complete when it is returned, and
+        a per-name lookup (:func:`keeps_bf16` with a model) asks it once per parameter."""
+        return self.by_module()
+
 
 # --------------------------------------------------------------------------- rules
 
@@ -128,7 +134,30 @@ def rule_label(index: int, pattern: str) -> str:
 
 
 def is_module_rule(label: str | None) -> bool:
-    return bool(label) and label.startswith("bf16_layers.modules[")
+    return label is not None and label.startswith("bf16_layers.modules[")
+
+
+def check_rule_work(rules: BF16Rules, names: int, what: str) -> None:
+    """Refuse, before any matching, ``bf16_layers.modules`` rules whose matching would run
+    past the limits: more rules than ``LIMITS.bf16_rules``, or more (rule, module name) pairs
+    than ``LIMITS.rule_checks`` against the ``names`` module names of ``what`` (each rule is
+    tried on every name: thousands of rules, or a few on a model of a million expert
+    projections, took minutes)."""
+    from ..errors import LIMITS, check_limit
+
+    count = len(rules.modules)
+    if not count:
+        return
+    key = "bf16_layers.modules"
+    check_limit(count, LIMITS.bf16_rules, "module rules", key=key, value=count)
+    check_limit(
+        count * names,
+        LIMITS.rule_checks,
+        f"{count} module rule(s) x {names} module names of {what}: pairs to match",
+        key=key,
+        value=count,
+        hint="fewer, broader rules (a `*` for a layer number); limits: docs/refusals.md",
+    )
 
 
 def module_rules(rules: BF16Rules) -> list[_Rule]:
@@ -227,6 +256,9 @@ def _resolve(
         units = [(mg, model.hf_names(mg)) for mg in model.megatron_linear_modules]
     else:
         units = list(model.vllm_modules)
+    if acts:
+        names = len(units) + sum(len(members) for _, members in units)
+        check_rule_work(rules, names, f"{model.name} ({side})")
     mg_of = model._hf_to_mg.get
 
     for unit, members in units:
@@ -261,14 +293,14 @@ def _resolve(
             )
         )
 
-    names = "Megatron" if side == "training" else "vLLM / Hugging Face"
+    naming = "Megatron" if side == "training" else "vLLM / Hugging Face"
     leaves = _leaves(units)  # once: each unmatched rule's hint reads the same list
     for r in mrules:
         if not matched[r.label]:
             res.unmatched_rules.append(r.label)
             res.warnings.append(
                 f"{r.label} matches no {side} module of {model.name} "
-                f"({names} names{_nearby(r.pattern, leaves)})"
+                f"({naming} names{_nearby(r.pattern, leaves)})"
             )
         elif not decided[r.label]:
             by = ", ".join(sorted(shadowers[r.label]))
@@ -303,7 +335,13 @@ def _resolve(
     return res
 
 
-def _match_unit(match, unit: str, members: tuple[str, ...], side: str, mg_of) -> str | None:
+def _match_unit(
+    match: Callable[[str], Any],
+    unit: str,
+    members: tuple[str, ...],
+    side: str,
+    mg_of: Callable[[str], str | None],
+) -> str | None:
     """``"full"``, ``"partial"`` or None: does a pattern cover a unit?"""
     if match(unit):
         return "full"
@@ -329,7 +367,7 @@ def _match_unit(match, unit: str, members: tuple[str, ...], side: str, mg_of) ->
     return "full" if hits == len(members) else "partial"
 
 
-def _leaves(units) -> list[str]:
+def _leaves(units: list[tuple[str, tuple[str, ...]]]) -> list[str]:
     """The module leaves (last name parts) of ``units``, sorted."""
     return sorted(
         {u.rsplit(".", 1)[-1] for u, _ in units}
@@ -381,9 +419,10 @@ def keeps_bf16(
     return _generic_decider(brules, on[side], side, num_layers)(name)
 
 
-def _decision_by_name(spec, model: ModelDescription, side: str, name: str) -> LayerDecision | None:
-    table = resolve(spec, model, side)
-    index = getattr(table, "_index", None) or _index(table)
+def _decision_by_name(
+    spec: RecipeSpec | BF16Rules, model: ModelDescription, side: str, name: str
+) -> LayerDecision | None:
+    index = resolve(spec, model, side).module_index
     found = index.get(name)
     if found is not None:
         return found
@@ -398,11 +437,6 @@ def _decision_by_name(spec, model: ModelDescription, side: str, name: str) -> La
         unit = model.vllm_module(hfs[0])
         return index.get(unit) if unit else None
     return None
-
-
-def _index(table: Resolution) -> dict[str, LayerDecision]:
-    table._index = table.by_module()
-    return table._index
 
 
 @lru_cache(maxsize=256)
@@ -432,7 +466,8 @@ def _generic_decider(
             if layer is not None:
                 if layer < rules.first:
                     return "bf16_layers.first"
-                if rules.last and layer >= num_layers - rules.last:
+                # num_layers is set whenever rules.last is (refused above otherwise)
+                if rules.last and num_layers is not None and layer >= num_layers - rules.last:
                     return "bf16_layers.last"
             if mrules:
                 candidates = _candidates(name, side)

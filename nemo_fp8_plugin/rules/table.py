@@ -42,17 +42,13 @@ def render_layer_table(decisions: Iterable[dict[str, Any]], indent: str = "  ") 
                 outside.append(entry)
             else:
                 per_layer.setdefault(d["layer"], []).append(entry)
-        groups: list[tuple[str, list[tuple]]] = []
-        start = prev = None
+        runs: list[list[int]] = []  # [first, last] of consecutive layers decided alike
         for layer in sorted(per_layer):
-            if start is not None and layer == prev + 1 and per_layer[layer] == per_layer[start]:
-                prev = layer
-                continue
-            if start is not None:
-                groups.append((_layers_text(start, prev), per_layer[start]))
-            start = prev = layer
-        if start is not None:
-            groups.append((_layers_text(start, prev), per_layer[start]))
+            if runs and layer == runs[-1][1] + 1 and per_layer[layer] == per_layer[runs[-1][0]]:
+                runs[-1][1] = layer
+            else:
+                runs.append([layer, layer])
+        groups = [(_layers_text(first, last), per_layer[first]) for first, last in runs]
         if outside:
             groups.append(("-", outside))
         body = [(label, *entry) for label, entries in groups for entry in entries]

@@ -1,4 +1,4 @@
-"""Checkpoint export benchmark (issue 14 item 3): :func:`~nemo_fp8_plugin.rl.export_fp8_checkpoint`
+"""Checkpoint export benchmark: :func:`~nemo_fp8_plugin.rl.export_fp8_checkpoint`
 against a same-run safetensors copy of the same files, and its peak memory.
 
 A synthetic Llama-shaped checkpoint (hidden 4096, 8 KV heads of 128, MLP 14336, bf16, in

@@ -265,7 +265,7 @@ def test_bad_files_and_flags_are_one_line_errors(tmp_path):
     junk.write_text("{not json")
     cases = [
         (("--attribution", tmp_path / "missing.json"), "not found"),
-        (("--attribution", junk), "is not JSON"),
+        (("--attribution", junk), "is not a readable JSON file"),
         (("--attribution", _write(tmp_path, [1, 2], "list.json")), "rl-check's JSON object"),
         (("--attribution", good, "--attribution-arm", "fp8-gen"), "--attribution-arm"),
         (("--attribution", good, "--top", "0"), "--top"),

@@ -1,4 +1,4 @@
-"""``apply`` writes only what changes behaviour (issue 28): a key the input's file does not
+"""``apply`` writes only what changes behaviour: a key the input's file does not
 set, whose value is what the config already means (a ``defaults:`` parent's value, else the
 host's own default), is left out; a key the file sets, or a parent sets otherwise, is written;
 informational lines are ``note:``."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import REPO, shared_nemo_rl
+from conftest import NEMO_RL_TRIMMED, shared_nemo_rl
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.dotted import flatten, get_path
 from nemo_fp8_plugin.hosts import apply_mapping, get_adapter
@@ -95,7 +95,7 @@ def test_a_parent_value_that_differs_is_written_and_the_files_own_key_stays(tmp_
 def test_a_key_nemo_rl_requires_is_written_where_the_chain_lacks_it():
     """NeMo RL's init_fp8 reads vllm_cfg["kv_cache_dtype"] without a default (a KeyError at
     start-up): auto is written, though it means no FP8 KV cache."""
-    base = yaml.safe_load((REPO / "conf/examples/nemo_rl_grpo_fp8_blockwise.yaml").read_text())
+    base = yaml.safe_load(NEMO_RL_TRIMMED.read_text())
     del base["policy"]["generation"]["vllm_cfg"]["kv_cache_dtype"]
     data = apply_mapping(get_adapter("nemo-rl"), base).data
     assert get_path(data, "policy.generation.vllm_cfg.kv_cache_dtype") == "auto"
@@ -104,7 +104,7 @@ def test_a_key_nemo_rl_requires_is_written_where_the_chain_lacks_it():
 def test_loss_keys_at_their_defaults_are_left_out():
     """ClippedPGLossConfig's defaults (no truncation) are not written into a config whose
     loss_fn does not set them."""
-    base = yaml.safe_load((REPO / "conf/examples/nemo_rl_grpo_fp8_blockwise.yaml").read_text())
+    base = yaml.safe_load(NEMO_RL_TRIMMED.read_text())
     for key in [k for k in base["loss_fn"] if k.startswith("truncated_")]:
         del base["loss_fn"][key]
     data = apply_mapping(get_adapter("nemo-rl"), base).data

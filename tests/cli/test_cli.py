@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import NEMO_RL_TRIMMED, REPO
 from nemo_fp8_plugin.cli import COMMANDS, build_parser
 
 FIVE = ("fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8")
@@ -146,7 +146,7 @@ def test_console_script_is_installed():
 
 @pytest.mark.slow
 def test_example_configs_explain():
-    for path in sorted((REPO / "conf" / "examples").glob("*.yaml")):
+    for path in sorted((REPO / "conf" / "examples").glob("*.yaml")) + [NEMO_RL_TRIMMED]:
         out = cli("explain", path, "--json")
         assert out.returncode == 0, (path, out.stderr)
 
@@ -265,7 +265,7 @@ def test_bridge_hyphenated_alias_and_typos(tmp_path):
 
 def test_hardware_flag_is_blamed_as_the_flag(tmp_path):
     # apply refuses (exit 2), naming the flag or the key; explain reports (exit 0) and
-    # refuses only under --strict (issue 13 item 4; tests/hosts/test_retarget.py per GPU)
+    # refuses only under --strict (tests/hosts/test_retarget.py per GPU)
     out = cli(
         "apply", write(tmp_path, "precision: mxfp8\n"), "--host", "megatron", "--hardware", "h100"
     )
@@ -279,7 +279,7 @@ def test_hardware_flag_is_blamed_as_the_flag(tmp_path):
 
 
 def test_host_accepts_the_package_spelling_of_nemo_rl():
-    config = REPO / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
+    config = NEMO_RL_TRIMMED
     a, b = cli("apply", config, "--host", "nemo_rl"), cli("apply", config, "--host", "nemo-rl")
     assert a.returncode == 0 and a.stdout == b.stdout, a.stderr
 

@@ -21,7 +21,7 @@ def _json(capsys, *argv, rc=0):
 
 
 def test_reports_versions_and_what_it_could_not_check(capsys):
-    assert main(["doctor"]) == 0
+    assert main(["doctor", "-v"]) == 0
     text = capsys.readouterr().out
     assert "gpu: none visible" in text
     assert f"megatron-core      {metadata.version('megatron-core')}" in text
@@ -86,7 +86,7 @@ def test_variables_at_tes_default_are_not_listed_as_needed(capsys, tmp_path, mon
         monkeypatch.delenv(var, raising=False)
     cfg = tmp_path / "c.yaml"
     cfg.write_text("precision: nvfp4\n")
-    assert main(["doctor", str(cfg)]) == doctor.EXIT_NO_TE
+    assert main(["doctor", str(cfg), "-v"]) == doctor.EXIT_NO_TE
     text = capsys.readouterr().out
     assert "needed in the training process: unset" not in text
     assert "env: 7 variable(s) unset here, which is fine: TE's default is" in text
@@ -197,7 +197,7 @@ def test_exit_code_1_when_the_configs_recipe_cannot_run_here(capsys, tmp_path):
 
 
 def test_mxfp8_is_not_runnable_on_sm120(capsys):
-    """Issue 12 item 18: TE refuses MXFP8 on SM 12.0+ (`_compute_mxfp8_support`); the plugin
+    """TE refuses MXFP8 on SM 12.0+ (`_compute_mxfp8_support`); the plugin
     used to map sm120 to Blackwell and allow it."""
     assert main(["doctor", "--hardware", "rtx-pro-6000", "--json"]) in (0, 1)
     report = json.loads(capsys.readouterr().out)
@@ -207,7 +207,7 @@ def test_mxfp8_is_not_runnable_on_sm120(capsys):
     assert verdict["fp8_current"]["runnable"] is not False
 
 
-# --------------------------------------------------------------------------- issue 15 item 4
+# --------------------------------------------------------------------------- doctor's verdict
 
 
 def test_reports_the_plugin_version_and_its_entry_points(capsys):
@@ -223,7 +223,10 @@ def test_reports_the_plugin_version_and_its_entry_points(capsys):
     assert groups["nemo_fp8_plugin.recipes"]["recipes"] == []
     assert main(["doctor"]) == 0
     text = capsys.readouterr().out
-    assert f"nemo-fp8-plugin    {nemo_fp8_plugin.__version__}" in text
+    assert f"nemo-fp8-plugin {nemo_fp8_plugin.__version__}" in text
+    assert "entry points visible: nemo_run.cli fp8, vllm.general_plugins nemo_fp8" in text
+    assert main(["doctor", "-v"]) == 0
+    text = capsys.readouterr().out
     assert "entry point nemo_run.cli fp8: visible" in text
     assert "entry point vllm.general_plugins nemo_fp8: visible" in text
     assert "no other package adds recipes" in text
@@ -253,8 +256,8 @@ def test_doctor_never_advises_running_itself(capsys):
     assert main(["doctor", "--hardware", "h100"]) == 0
     text = capsys.readouterr().out
     assert "nemo-fp8 doctor" not in text
-    assert "not checked: CUDA version" in text  # the check that note pointed at, made here
-    assert text.splitlines()[-1].startswith("summary: cannot: mxfp8")
+    assert "not checked here: CUDA version" in text  # the check that note pointed at, made here
+    assert "CANNOT run here: mxfp8, nvfp4" in text
 
 
 # --------------------------------------------------------------------------- stacks
@@ -275,48 +278,67 @@ def test_the_test_environment_is_the_nemo_2_7_stack(capsys):
     assert stack["hosts"]["megatron-core"]["tested"] is True
     assert main(["doctor"]) == 0
     text = capsys.readouterr().out
-    assert "stack: nemo-2.7 (detected from the installed packages): a tested stack" in text
-    assert "megatron-core      0.16.1 (tested)" in text
+    assert (
+        "stack: nemo-2.7 (detected from the installed packages): tested here: nemo-toolkit "
+        "2.7.3, megatron-core 0.16.1; not installed here: transformer-engine"
+    ) in text
+    assert "megatron-core 0.16.1 (tested)" in text
 
 
 def test_a_nemo_rl_container_is_detected(capsys, monkeypatch):
+    """NeMo RL main's own versions (its uv.lock: TE 2.15.0+42b8400, vLLM 0.25.1; megatron-core
+    built from its submodule): that release, found from vLLM and TE, and no version of the
+    container's is advised to change."""
     _with_versions(
         monkeypatch,
-        torch="2.11.0+cu129",
-        transformer_engine="2.14.1",
+        torch="2.11.0+cu130",
+        transformer_engine="2.15.0+42b8400",
         vllm="0.25.1",
         megatron_core="0.20.0",
         nemo_toolkit=None,
         nemo_rl="0.6.0",
     )
     stack = _json(capsys)["stack"]
-    assert stack["name"] == "nemo-rl-0.6" and stack["tested"] is False  # core 0.20: source only
-    assert any("megatron-core 0.20.0 is not a version" in c for c in stack["changes"])
+    assert stack["name"] == "nemo-rl-main-2026-08-22" and stack["matches"]
+    assert stack["tested"] is False  # core 0.20: source only
+    assert any("megatron-core 0.20.0 is not a version" in c for c in stack["differs"])
+    assert not any("->" in c for c in stack["differs"])
+    release = stack["nemo_rl"]
+    assert release["release"] == "main-2026-08-22" and release["detected"] and release["tested"]
+    assert "vLLM 0.25.1" in release["how"]
 
 
-def test_an_untested_set_says_what_to_change(capsys, monkeypatch):
+def test_an_untested_set_says_how_it_differs_and_never_to_change_a_pinned_version(
+    capsys, monkeypatch
+):
     """TE 2.17 with megatron-core 0.16.1 is no named stack; the nearest is nemo-2.7, whose
-    TE range megatron-core 0.16.1 itself requires."""
+    TE range megatron-core 0.16.1 itself requires. A container pins its versions: the report
+    describes the difference and advises no change of version."""
     _with_versions(monkeypatch, transformer_engine="2.17.0")
     stack = _json(capsys)["stack"]
     assert stack["name"] is None and stack["matches"] is False and stack["nearest"] == "nemo-2.7"
-    assert any(
-        c.startswith("transformer-engine 2.17.0 -> 2.11.0 (>=2.9,<2.12)") for c in stack["changes"]
-    )
-    assert any("transformer-engine 2.17.0 is not a version" in c for c in stack["changes"])
-    assert main(["doctor"]) == 0
-    text = capsys.readouterr().out
-    assert "stack: none of the named stacks" in text and "untested set" in text
-    assert "transformer-engine 2.17.0 (UNTESTED)" in text
+    assert "transformer-engine 2.17.0 is outside nemo-2.7's >=2.9,<2.12" in stack["differs"]
+    assert any("transformer-engine 2.17.0 is not a version" in c for c in stack["differs"])
+    assert "changes" not in stack
+    for argv in (["doctor"], ["doctor", "-v"]):
+        assert main(argv) == 0
+        text = capsys.readouterr().out
+        assert "stack: none of the named stacks" in text and "untested set" in text
+        assert "transformer-engine 2.17.0 (UNTESTED)" in text
+        assert "change" not in text and "->" not in text
 
 
 def test_stack_flag_checks_against_a_named_stack(capsys):
-    stack = _json(capsys, "--stack", "nemo-rl-0.6")["stack"]
-    assert stack["name"] == "nemo-rl-0.6" and stack["how"] == "chosen with --stack"
+    stack = _json(capsys, "--stack", "nemo-rl-0.7.0")["stack"]
+    assert stack["name"] == "nemo-rl-0.7.0" and stack["how"] == "chosen with --stack"
     assert stack["matches"] is False
-    assert any(c.startswith("megatron-core 0.16.1 -> 0.20.0") for c in stack["changes"])
+    # a released container's versions are its own: how they differ, never a change to make
+    assert any(
+        c.startswith("torch 2.13.0+cpu is outside nemo-rl-0.7.0's") for c in stack["differs"]
+    )
+    assert not any("->" in c for c in stack["differs"])
     assert main(["doctor", "--stack", "nemo-2.7"]) == 0
-    assert "stack: nemo-2.7 (chosen with --stack): a tested stack" in capsys.readouterr().out
+    assert "stack: nemo-2.7 (chosen with --stack): tested here: " in capsys.readouterr().out
 
 
 def test_unknown_stack_is_bad_input(capsys):
@@ -376,3 +398,92 @@ def test_a_vllm_config_the_method_refuses_cannot_run(capsys, tmp_path):
     assert main(["doctor", str(cfg)]) == 1
     out = capsys.readouterr().out
     assert "CANNOT run here" in out and "problem:" in out
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def test_the_first_line_is_the_verdict_and_what_was_not_checked_needs_v(capsys, monkeypatch):
+    """This machine (no GPU, no Transformer Engine) cannot judge a recipe: one verdict line
+    with the action, a screen of details, and the checks it could not make behind -v."""
+    _with_versions(monkeypatch, nemo_toolkit=None)  # the main job's environment: no NeMo
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "verdict: cannot check here: no GPU is visible and Transformer Engine is not installed; "
+        "run it on the machine that runs the job (in its container), or add --hardware GPU "
+        "(h100, b200, ...) to judge the recipes for that GPU"
+    )
+    assert len(lines) <= 12, "\n".join(lines)
+    assert not [ln for ln in lines if "not checked:" in ln]
+    assert lines[-2].startswith("(-v lists the ") and lines[-1].startswith("works here: ")
+    assert main(["doctor", "-v"]) == 0
+    verbose = capsys.readouterr().out.splitlines()
+    assert verbose[0] == lines[0] and len([ln for ln in verbose if "not checked:" in ln]) >= 10
+    assert _json(capsys)["verdict"]["state"] == "cannot check here"
+
+
+def test_a_stack_is_tested_only_for_the_hosts_installed(capsys, monkeypatch):
+    """megatron-core 0.16.1 alone is the nemo-2.7 stack, but NeMo and Transformer Engine are
+    not here: nothing of theirs is tested on this machine."""
+    _with_versions(monkeypatch, nemo_toolkit=None, nemo_run=None)
+    stack = _json(capsys)["stack"]
+    assert stack["name"] == "nemo-2.7" and stack["installed"] == ["megatron-core"]
+    assert stack["absent"] == ["nemo-toolkit", "transformer-engine"]
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "stack: nemo-2.7 (detected from the installed packages): tested here: megatron-core "
+        "0.16.1; not installed here: nemo-toolkit, transformer-engine"
+    ) in text
+    assert "a tested stack" not in text
+
+
+def _gpu(monkeypatch, name="NVIDIA H100 80GB HBM3", cap=(9, 0), cuda="12.9"):
+    """The report sees this GPU (torch's own answers are all the probe reads)."""
+    gpu = {
+        "index": 0,
+        "name": name,
+        "capability": f"sm{cap[0]}{cap[1]}",
+        "arch": doctor.arch_of(cap),
+    }
+    info = {"torch": "2.11.0", "cuda": cuda, "gpus": [gpu], "arch": gpu["arch"]}
+    monkeypatch.setattr(doctor, "gpu_info", lambda: info)
+
+
+def test_ready_on_a_machine_that_runs_the_recipe(capsys, tmp_path, monkeypatch):
+    """An H100 with CUDA 12.9 and Transformer Engine 2.20.2 (its real recipe module, imported
+    with the variable set, as TE reads it at import): the verdict is ready, exit 0."""
+    _gpu(monkeypatch)
+    _with_versions(monkeypatch, transformer_engine="2.20.2")
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    te_recipe = load_te_recipe_module(tmp_path, name="te_recipe_for_ready")
+    monkeypatch.setattr(doctor, "_te_recipe_module", lambda: (te_recipe, None))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("precision: fp8_blockwise\n")
+    assert main(["doctor", str(cfg)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "verdict: ready: fp8_blockwise can run on Hopper (SM90)"
+    assert "recipe fp8_blockwise (block): can run here on hopper" in out
+    assert "gpu: 1 x NVIDIA H100 80GB HBM3 (sm90, hopper)" in out[1]
+
+
+def test_a_plugin_its_host_would_not_load_is_the_verdict(capsys, tmp_path, monkeypatch):
+    """A NeMo 2 config where NeMo-Run is installed but cannot see the plugin's factories."""
+    _gpu(monkeypatch)
+    _with_versions(monkeypatch, transformer_engine="2.11.0")
+    monkeypatch.setattr(doctor, "_te_recipe_module", lambda: (None, "stand-in: not loaded"))
+    real = metadata.entry_points
+    monkeypatch.setattr(
+        doctor.metadata,
+        "entry_points",
+        lambda group: [] if group == "nemo_run.cli" else real(group=group),
+    )
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("trainer: {devices: 8}\nprecision: fp8_current\n")
+    assert main(["doctor", str(cfg)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(
+        "verdict: cannot run here: nemo-run would not load the plugin's nemo_run.cli entry "
+        "point: not visible: install the package"
+    )

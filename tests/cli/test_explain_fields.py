@@ -1,18 +1,18 @@
 """explain leads with what changes; recipe fields that do not apply to the recipe (its kind of
 scaling, read from the capability row; a side it leaves in BF16) only with ``--full``
-(issue 28)."""
+(the fields the config's host reads)."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import REPO
+from conftest import NEMO_RL_TRIMMED, REPO
 from nemo_fp8_plugin.capabilities import capability
 from nemo_fp8_plugin.explain import build_report, render_text
 
 pytestmark = pytest.mark.torch_free
 
-EXAMPLES = sorted((REPO / "conf" / "examples").glob("*.yaml"))
+EXAMPLES = sorted((REPO / "conf" / "examples").glob("*.yaml")) + [NEMO_RL_TRIMMED]
 
 
 def _fields_line_block(text: str) -> str:
@@ -50,9 +50,9 @@ def test_a_tensorwise_recipe_hides_tiles_and_says_why(tmp_path):
 def test_generation_only_hides_training_fields_and_the_all_bf16_table(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
-        (REPO / "conf/examples/nemo_rl_grpo_fp8_blockwise.yaml")
-        .read_text()
-        .replace("precision: fp8_blockwise", "fp8: {recipe: fp8_blockwise, training: bf16}")
+        NEMO_RL_TRIMMED.read_text().replace(
+            "precision: fp8_blockwise", "fp8: {recipe: fp8_blockwise, training: bf16}"
+        )
         + "\n"
     )
     report = build_report(cfg, model="meta-llama/Llama-3.1-8B-Instruct")

@@ -1,4 +1,4 @@
-"""`nemo-fp8 export` on careless and hostile input (issue 26, 28): one line on stderr, exit 2,
+"""`nemo-fp8 export` on careless and hostile input: one line on stderr, exit 2,
 the flag or key named, nothing left behind; what is not copied is said."""
 
 from __future__ import annotations

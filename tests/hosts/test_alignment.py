@@ -1,4 +1,4 @@
-"""Alignment checks before the run (issue 13, item 5).
+"""Alignment checks before the run.
 
 What each recipe's GEMMs need is read from Transformer Engine 2.20.2's own source in its wheel
 (``assert_dim_for_fp8_exec``, ``get_align_size_for_quantization``, the block sizes of the
@@ -26,6 +26,8 @@ from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 from nemo_fp8_plugin.hosts.nemo_rl.values import resolved_value
 
 pytestmark = pytest.mark.torch_free
+
+MAIN = "nemo-rl-main-2026-08-22"  # the NeMo RL of tests/fixtures/nemo_rl: the one with every key
 
 TE_WHEEL = "transformer_engine-2.20.2-*.whl"
 CONFIGS = nemo_rl_configs()
@@ -153,7 +155,8 @@ def _input(tmp_path, base, fp8, policy=None, megatron=None):
 )
 def test_unpacked_moonlight_gets_the_sequence_alignment(tmp_path, fp8, megatron, need):
     """NVIDIA's Moonlight config runs without packing and pads to TP (1): too small for FP8."""
-    result = apply_path(NEMO_RL, _input(tmp_path, MOONLIGHT, fp8, megatron=megatron))
+    src = _input(tmp_path, MOONLIGHT, fp8, megatron=megatron)
+    result = apply_path(NEMO_RL, src, stack=MAIN)  # mxfp8 and nvfp4: main's keys
     assert result.data["policy"]["make_sequence_length_divisible_by"] == need
     note = next(n for n in result.notes if KEY in n)
     assert f"set to {need}" in note and "tensor_model_parallel_size" in note  # what it was
@@ -206,13 +209,14 @@ def test_dynamic_batching_rounding_is_aligned_too(tmp_path):
             {"recipe": "nvfp4"},
             policy={"dynamic_batching": {"enabled": True, "sequence_length_round": 64}},
         ),
+        stack=MAIN,
     )
     assert result.data["policy"]["dynamic_batching"]["sequence_length_round"] == 128
 
 
 def test_bf16_training_needs_no_alignment(tmp_path):
     result = apply_path(
-        NEMO_RL, _input(tmp_path, MOONLIGHT, {"recipe": "mxfp8", "training": "bf16"})
+        NEMO_RL, _input(tmp_path, MOONLIGHT, {"recipe": "mxfp8", "training": "bf16"}), stack=MAIN
     )
     assert (
         result.data["policy"]["make_sequence_length_divisible_by"]

@@ -1,6 +1,6 @@
 """Scale-refresh callbacks on CPU, against the plugin's FP8 emulation backend.
 
-The scenario of TransformerEngine issue 982: a delayed-scaling run resumes from a checkpoint
+The scenario of NVIDIA/TransformerEngine issue 982: a delayed-scaling run resumes from a checkpoint
 whose weights are restored but whose FP8 scaling state is not what the tensors need now
 (here: fresh state, scale 1, as when the checkpoint carries no FP8 metadata). Activations
 above 448 then saturate on the first step. The refresh runs calibration passes before the

@@ -1,6 +1,6 @@
 """Contract tests for the training hosts: every output judged by the host's own code.
 
-Issue 12, item 1, for Transformer Engine, megatron-core, NeMo RL and Megatron-Bridge:
+For Transformer Engine, megatron-core, NeMo RL and Megatron-Bridge:
 
 * TE: the environment variables TE's recipe module (and ``pytorch/quantization.py``) reads are
   enumerated from TE 2.20.2's own source with ``ast``, not from a list; each value TE's source
@@ -38,7 +38,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, load_te_recipe_module, shared_nemo_rl, upstream_file
+from conftest import (
+    NEMO_RL_TRIMMED,
+    REPO,
+    load_te_recipe_module,
+    shared_nemo_rl,
+    upstream_file,
+)
 from nemo_fp8_plugin import FP8ConfigError, get_recipe
 from nemo_fp8_plugin.config import load_config
 from nemo_fp8_plugin.hosts import apply_path, bridge, te
@@ -226,8 +232,8 @@ MEGATRON_EXAMPLES = (
 )
 OTHER_EXAMPLES = {
     "bridge_llama3_8b_pretrain_fp8_blockwise.yaml": "bridge",
+    "bridge_llama3_8b_pretrain_mxfp8.yaml": "bridge",
     "nemo2_llama32_1b_finetune_fp8_blockwise.yaml": "nemo2",
-    "nemo_rl_grpo_fp8_blockwise.yaml": "nemo-rl",
     "vllm_llama8b_fp8_blockwise.yaml": "vllm",
     "vllm_moonlight_fp8_kv.yaml": "vllm",
 }
@@ -324,7 +330,7 @@ def test_recipe_branch_fields_are_read_only_by_get_fp8_recipe():
 
 
 def test_plugin_reader_agrees_with_the_source():
-    from nemo_fp8_plugin.hosts.megatron.source import honoured_fp8_fields
+    from nemo_fp8_plugin.hosts.megatron.honoured import honoured_fp8_fields
 
     mine = _branch_reads_independently()
     theirs = honoured_fp8_fields()
@@ -521,9 +527,7 @@ def _nemo_rl_inputs(tmp_path: Path):
     NeMo RL example, with ``defaults:`` pointed at the real parents."""
     configs_dir = shared_nemo_rl("examples/configs")
     configs = sorted(configs_dir.rglob("*.yaml"))
-    examples = sorted(EXAMPLES.glob("nemo_rl*.yaml")) + sorted(
-        (REPO / "examples" / "nemo_rl").glob("*.yaml")
-    )
+    examples = [NEMO_RL_TRIMMED] + sorted((REPO / "examples" / "nemo_rl").glob("*.yaml"))
     out = []
     for n, request in enumerate(REQUESTS):
         for path in configs + examples:
@@ -669,7 +673,7 @@ def test_bridge_both_model_forms_for_every_preset(form, tmp_path, monkeypatch):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
 
-    sys.path.insert(0, str(Path(__file__).parent / "bridge"))  # its own folder (issue 22)
+    sys.path.insert(0, str(Path(__file__).parent / "bridge"))  # its own folder
     from test_bridge_adapter import GPTModelConfigStandIn
 
     from nemo_fp8_plugin.hosts.bridge.callback import FP8ScaleRefreshBridgeCallback
@@ -702,6 +706,15 @@ def test_bridge_both_model_forms_for_every_preset(form, tmp_path, monkeypatch):
         FP8ScaleRefreshBridgeCallback(name).on_train_start(
             types.SimpleNamespace(state=state, model=[copy.copy(base)])
         )
+
+
+def test_the_bridge_mxfp8_example_as_written():
+    """conf/examples/bridge_llama3_8b_pretrain_mxfp8.yaml, the quick start's Bridge file: the
+    block apply writes for a B200 is honoured by megatron-core."""
+    path = EXAMPLES / "bridge_llama3_8b_pretrain_mxfp8.yaml"
+    block = apply_path(bridge.ADAPTER, path, hardware="b200").data["mixed_precision"]
+    assert block["fp8_recipe"] == "mxfp8"
+    _check_fields_are_honoured(block, "bridge mxfp8 example")
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -1,4 +1,4 @@
-"""No two host adapters share a copied skeleton (issue 16): pylint's duplicate-code check
+"""No two host adapters share a copied skeleton: pylint's duplicate-code check
 over ``nemo_fp8_plugin/hosts`` at 8 lines, imports, docstrings and comments not counted.
 What the adapters share lives once in ``nemo_fp8_plugin.hosts`` (``run``, ``HostAdapter``,
 ``apply_path``)."""

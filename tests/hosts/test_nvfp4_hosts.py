@@ -1,5 +1,5 @@
 """`nvfp4`, the sixth recipe, in every host, each output judged by the host's own code
-(issue 13, item 1): Transformer Engine 2.20.2's recipe module from its wheel, megatron-core
+: Transformer Engine 2.20.2's recipe module from its wheel, megatron-core
 0.16.1's TransformerConfig, NeMo 2.7.3's MegatronMixedPrecision, Megatron-Bridge 0.6.2's
 mixed_precision.py from its wheel, NeMo RL's own model_overrides merge (read from its source
 with ast) and vLLM's refusal with the reason. The numerics are tests/numerics/test_numerics_nvfp4.py's.
@@ -218,7 +218,7 @@ def test_megatron_yaml_with_a_native_fp8_is_refused(tmp_path):
         "precision: nvfp4\nmodel: {num_layers: 4, hidden_size: 256, num_attention_heads: 4}\n"
     )
     result = apply_path(mg.ADAPTER, path)
-    # fp8_param_gather: false is the DDP config's default, so not written (issue 28)
+    # fp8_param_gather: false is the DDP config's default, so not written
     ddp = result.data.get("ddp", {})
     assert result.data["model"]["fp4"] == "e2m1" and ddp.get("fp8_param_gather", False) is False
     assert mg.ADAPTER.validate(result, mapping_context(yaml.safe_load(path.read_text())))
@@ -377,6 +377,9 @@ def _nemo_rl_function(*names: str):
     return [scope[n] for n in names]
 
 
+MAIN = "nemo-rl-main-2026-08-22"  # NeMo RL with model_overrides (NVFP4 training)
+
+
 def _moonlight(tmp_path, fp8, **policy):
     src = CONFIGS / "recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml"
     data = yaml.safe_load(src.read_text())
@@ -391,7 +394,8 @@ def _moonlight(tmp_path, fp8, **policy):
 def test_nemo_rl_nvfp4_reaches_the_provider_through_model_overrides(tmp_path):
     from megatron.core.transformer import TransformerConfig
 
-    result = apply_path(NEMO_RL, _moonlight(tmp_path, {"recipe": "nvfp4", "fp8_param": True}))
+    src = _moonlight(tmp_path, {"recipe": "nvfp4", "fp8_param": True})
+    result = apply_path(NEMO_RL, src, stack=MAIN)  # model_overrides: main's (not v0.7.0's)
     meg = result.data["policy"]["megatron_cfg"]
     assert meg["model_overrides"] == {"fp4": "e2m1", "fp4_recipe": "nvfp4", "fp4_param": True}
     assert "fp8_cfg" not in meg or not meg["fp8_cfg"].get("enabled")
@@ -439,7 +443,7 @@ def test_nemo_rl_nvfp4_next_to_an_enabled_fp8_cfg_is_refused(tmp_path):
         tmp_path, {"recipe": "nvfp4"}, megatron_cfg={"enabled": True, "fp8_cfg": {"enabled": True}}
     )
     with pytest.raises(FP8ConfigError) as err:
-        apply_path(NEMO_RL, path)
+        apply_path(NEMO_RL, path, stack=MAIN)
     assert err.value.key == "policy.megatron_cfg.fp8_cfg.enabled"
 
 

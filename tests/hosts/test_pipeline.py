@@ -3,7 +3,7 @@
 The equality is checked from the outside: ``apply`` runs as a command and writes a file;
 the test diffs that file against the input with its own flattening (not the pipeline's
 ``diff_written``) and compares the result with ``explain --json``'s host section. Then the
-three wrong results the duplicated paths produced (issue 16), each pinned.
+three wrong results the duplicated paths produced, each pinned.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import NEMO_RL_TRIMMED
 from nemo_fp8_plugin.hosts import ADAPTERS, HostAdapter, get_adapter, load_context, run
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((ROOT / "conf" / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "conf" / "examples").glob("*.yaml")) + [NEMO_RL_TRIMMED]
 NEMO_RL = ROOT / "tests" / "fixtures" / "nemo_rl" / "examples" / "configs"
 
 # The host each shipped example is written for, and the other hosts it also serves (a
@@ -27,11 +28,12 @@ NEMO_RL = ROOT / "tests" / "fixtures" / "nemo_rl" / "examples" / "configs"
 # describes the recipe TE builds).
 SERVES = {
     "bridge_llama3_8b_pretrain_fp8_blockwise.yaml": ["bridge", "te"],
+    "bridge_llama3_8b_pretrain_mxfp8.yaml": ["bridge", "te"],
     "demo_gpt_fp8_blockwise.yaml": ["megatron", "nemo2", "bridge", "te"],
     "llama3_8b_pretrain_fp8_blockwise.yaml": ["megatron", "nemo2", "bridge", "te"],
     "megatron_gpt_fp8_current.yaml": ["megatron", "nemo2", "bridge", "te"],
     "nemo2_llama32_1b_finetune_fp8_blockwise.yaml": ["nemo2", "te"],
-    "nemo_rl_grpo_fp8_blockwise.yaml": ["nemo-rl", "te"],
+    "nemo_rl_grpo_trimmed.yaml": ["nemo-rl", "te"],
     "vllm_llama8b_fp8_blockwise.yaml": ["vllm"],
     "vllm_moonlight_fp8_kv.yaml": ["vllm"],
 }
@@ -156,7 +158,9 @@ def test_stated_fp8_param_is_the_same_in_explain_and_apply(tmp_path):
     assert yaml.safe_load(out.read_text())["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is True
     # and a preset's fp8_param: true the user did not state stays false, with the warning
     preset = _nemo_rl_child(tmp_path, "policy: {precision: fp8_current}\n")
-    section = json.loads(cli("explain", preset, "--json").stdout)["hosts"]["nemo-rl"]
+    # (fp8_current keeps training layers in BF16: model_overrides, main's)
+    main = ("--stack", "nemo-rl-main-2026-08-22")
+    section = json.loads(cli("explain", preset, "--json", *main).stdout)["hosts"]["nemo-rl"]
     # (false is the parent's value already, so nothing is written for it)
     assert section["keys"]["policy"]["megatron_cfg"]["fp8_cfg"].get("fp8_param") is not True
     assert any("fp8_param" in w for w in section["warnings"])
@@ -174,7 +178,8 @@ def test_nemo_rl_pins_every_te_variable_the_recipe_depends_on(tmp_path, recipe, 
     """Was: the TE adapter pinned NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=0 for fp8_current,
     NeMo RL wrote nothing, so a cluster-wide `=1` flipped the recipe to power-of-2 scales."""
     cfg = _nemo_rl_child(tmp_path, f"policy: {{precision: {recipe}}}\n")
-    data = run(get_adapter("nemo-rl"), load_context(cfg)).data
+    # fp8_current's BF16 edge layers reach training through model_overrides (main's)
+    data = run(get_adapter("nemo-rl"), load_context(cfg, stack="nemo-rl-main-2026-08-22")).data
     assert data["policy"]["megatron_cfg"]["env_vars"][var] == value
     te = run(get_adapter("te"), load_context(cfg)).data
     assert te["transformer_engine"]["env"] == {var: value}
@@ -224,13 +229,13 @@ def test_nemo_rl_values_are_read_with_nemo_rls_resolvers(tmp_path):
 
 
 def test_explain_says_which_code_runs_for_each_host():
-    """Issue 12 "say which path each host takes at run time": in NeMo RL, NeMo RL's own FP8
+    """Explain says which path each host takes at run time: in NeMo RL, NeMo RL's own FP8
     generation path runs and the plugin's nemo_fp8 vLLM method does not; with vLLM directly
     the nemo_fp8 method is what runs."""
-    example = ROOT / "conf" / "examples" / "nemo_rl_grpo_fp8_blockwise.yaml"
+    example = NEMO_RL_TRIMMED
     hosts = json.loads(cli("explain", example, "--json").stdout)["hosts"]
     assert "init_fp8" in hosts["nemo-rl"]["runtime"] and "not used" in hosts["nemo-rl"]["runtime"]
-    # Issue 23: vLLM's keys do not go into a NeMo RL config (apply refuses, so explain does).
+    # vLLM's keys do not go into a NeMo RL config (apply refuses, so explain does).
     assert "not a vllm one" in hosts["vllm"]["refused"]
     vllm = ROOT / "conf" / "examples" / "vllm_llama8b_fp8_blockwise.yaml"
     own = json.loads(cli("explain", vllm, "--json").stdout)["hosts"]["vllm"]

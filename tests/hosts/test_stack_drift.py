@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import shared_nemo_rl
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.hosts import megatron as mg
 from nemo_fp8_plugin.hosts.nemo_rl import NVFP4_PARAM_GATHER_WARNING, native_keys
@@ -25,7 +25,8 @@ def _apply(tmp_path, capsys, *stack):
 
 
 @pytest.mark.parametrize(
-    "stack,written", [("nemo-rl-0.6", True), ("latest", True), ("nemo-2.7", False)]
+    "stack,written",
+    [("nemo-rl-main-2026-08-22", True), ("latest", True), ("nemo-2.7", False)],
 )
 def test_fp4_param_gather_is_written_where_megatron_core_has_it(tmp_path, capsys, stack, written):
     data, err = _apply(tmp_path, capsys, "--stack", stack)
@@ -59,15 +60,10 @@ def test_no_fp4_parameters_no_gather(tmp_path, capsys):
     assert "fp4_param_gather" not in capsys.readouterr().err
 
 
-NEMO_RL_SETUP = Path("/work/shared/data/nemo_rl/src/nemo_rl/models/megatron/setup.py")
-
-
 def test_nemo_rl_cannot_set_fp4_param_gather_and_says_so():
-    """NeMo RL (7ea279a) passes a fixed set of keys to DistributedDataParallelConfig; the
-    warning's claim is read from its source."""
-    if not NEMO_RL_SETUP.is_file():
-        pytest.skip(f"{NEMO_RL_SETUP} is absent (NeMo RL's source, read-only test data)")
-    tree = ast.parse(NEMO_RL_SETUP.read_text())
+    """NeMo RL (main 7ea279a) passes a fixed set of keys to DistributedDataParallelConfig;
+    the warning's claim is read from its source."""
+    tree = ast.parse(shared_nemo_rl("src/nemo_rl/models/megatron/setup.py").read_text())
     calls = [
         n
         for n in ast.walk(tree)
@@ -110,10 +106,10 @@ def test_megatron_core_0_16_1_refuses_it_naming_the_version(tmp_path, capsys):
 def test_a_megatron_core_that_passes_fp8_dpa_gets_it(monkeypatch):
     """With megatron-core 0.19.2 (its get_fp4_recipe passes fp8_dpa; the version is what
     honoured_fp8_fields reports, patched here: 0.19.2 does not install), the field is written."""
-    from nemo_fp8_plugin.hosts.megatron import source
+    from nemo_fp8_plugin.hosts.megatron import honoured
 
-    patched = source.HonouredFields(dict(source.FALLBACK), "0.19.2", "installed")
-    monkeypatch.setattr(source, "honoured_fp8_fields", lambda: patched)
+    patched = honoured.honoured_fp8_fields("0.19.2")
+    monkeypatch.setattr(honoured, "honoured_fp8_fields", lambda: patched)
     spec = get_recipe(NVFP4_DPA)
     assert mg.dropped_settings(spec) == []
     keys = mg.transformer_config_fields(spec).keys

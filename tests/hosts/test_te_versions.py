@@ -1,5 +1,7 @@
 """Every recipe on the Transformer Engine versions users have: 2.11.0 (NeMo 2.7.3's range),
-2.14.1 (NeMo RL 0.6) and 2.20.2 (latest), each release's own
+2.14.0 (NeMo RL v0.6.0's lock: 2.14.0+71bbefb), 2.14.1, 2.15.0 (NeMo RL v0.7.0's and main's
+lock: 2.15.0+42b8400; the registry's releases stand in for those git builds) and 2.20.2
+(latest), each release's own
 ``transformer_engine/common/recipe/__init__.py`` loaded by file path from its pure-Python wheel
 in ``.cache/upstream`` (``scripts/install.sh test`` downloads them with
 ``pip download --no-deps transformer-engine==V``).
@@ -237,7 +239,7 @@ def test_bridge_registered_recipes_resolve_on_every_version(version, tmp_path, m
     """Megatron-Bridge 0.6.2's own mixed_precision.py (from its wheel) with our recipes
     registered resolves each in a process whose TE is this one (nvfp4 is Bridge's own
     bf16_with_nvfp4_mixed, reached through mixed_precision_config, which checks TE too)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "bridge"))  # its folder (issue 22)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "bridge"))  # its folder
     from test_bridge_adapter import _AllowList, _load_bridge_mixed_precision
 
     from nemo_fp8_plugin.hosts import bridge

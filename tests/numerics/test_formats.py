@@ -1,4 +1,4 @@
-"""The format constants (issue 22 item 3): ``numerics.formats`` derives them from
+"""The format constants: ``numerics.formats`` derives them from
 ``torch.finfo`` and the bit layouts (as torchao's ``mx_formats/constants.py`` does), and the
 torch-free capability table states the same numbers."""
 

@@ -152,3 +152,13 @@ def test_e8m0_edge_through_the_mxfp8_reference():
         above = torch.nextafter(above, torch.tensor(1.0))
     x[0, 5] = above
     assert R.quantize_mxfp8_reference(x).scale_inv.view(torch.uint8).tolist() == [[0x01]]
+
+
+@pytest.mark.parametrize("block", [(1, 64), (16, 16), (1, 16)])
+def test_fake_quant_mxfp8_takes_only_mxfp8_tiles(block):
+    """The fused fake quantizer accepts what quantize_mxfp8 accepts: a non-MX tile is refused
+    naming the block, not quantized with a tile no MXFP8 kernel has."""
+    x = torch.randn(64, 64)
+    with pytest.raises(FP8ConfigError, match="MXFP8 blocks are") as err:
+        F.fake_quant_mxfp8(x, block, "e4m3")
+    assert err.value.key == "block"

@@ -1,5 +1,5 @@
 """numerics runs on a machine that has only torch: no YAML, no omegaconf, no host package, and
-of the plugin itself nothing but ``errors`` (issue 16's layers: numerics sits below the
+of the plugin itself nothing but ``errors`` (the layer contract: numerics sits below the
 recipe spec and registry; the caller resolves a recipe name with ``get_recipe``)."""
 
 from __future__ import annotations

@@ -9,8 +9,15 @@ step or one scale ulp.
 
 from __future__ import annotations
 
+import ast
+import textwrap
+import types
+
+import pytest
 import torch
 
+from conftest import upstream_wheel
+from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise
 from nemo_fp8_plugin.numerics.vllm_numerics import (
     DEEPGEMM_AMAX_FLOOR,
@@ -85,7 +92,7 @@ def test_zero_nan_and_inf_groups():
     for ue8m0 in (False, True):
         q = quantize_activation_vllm(x, ue8m0=ue8m0)
         d, s = q.data.float(), q.scale_inv
-        # vLLM's floor, after the UE8M0 rounding: not a power of two.
+        # vLLM's floor, after the UE8M0 rounding (up to 0.32): not a power of two.
         assert s[0, 0].item() == FLOOR
         assert bool((d[0, :128] == 0).all())
         assert torch.isnan(s[1, 1]) and bool(torch.isnan(d[1, 128:256]).all())
@@ -195,3 +202,85 @@ def test_requantization_floor_and_stacks():
     assert torch.equal(r.scale_inv[1], per_matrix.scale_inv)
     mx = QTensor(q.data, torch.ones(2, 256, 8).to(torch.float8_e8m0fnu), "e4m3", (1, 32))
     assert requantize_ue8m0(mx) is mx  # MXFP8 is left as vLLM leaves it
+
+
+# --------------------------------------------------------------------------- the floor, per release
+
+
+def test_the_floor_goes_before_or_after_the_ue8m0_rounding():
+    """vLLM 0.34 clamps the scale to its floor before rounding it to UE8M0, earlier releases
+    after: only a group below the floor (amax < 1/512) sees it, and only with UE8M0 scales."""
+    x = _random_bf16(4, 384, seed=8)
+    x[0, :128] = 0.0
+    x[1, 128:256] = 1e-5
+    for ue8m0 in (False, True):
+        after = quantize_activation_vllm(x, ue8m0=ue8m0, floor="after_rounding")
+        before = quantize_activation_vllm(x, ue8m0=ue8m0, floor="before_rounding")
+        same = torch.ones_like(after.scale_inv, dtype=torch.bool)
+        same[0, 0] = same[1, 1] = not ue8m0
+        assert torch.equal(after.scale_inv[same], before.scale_inv[same])
+        if not ue8m0:
+            assert torch.equal(after.data.view(torch.uint8), before.data.view(torch.uint8))
+            continue
+        assert after.scale_inv[0, 0].item() == after.scale_inv[1, 1].item() == FLOOR
+        # 1/229376 rounded up to a power of two: 2^-17.
+        assert before.scale_inv[0, 0].item() == before.scale_inv[1, 1].item() == 2.0**-17
+    with pytest.raises(FP8ConfigError) as err:
+        quantize_activation_vllm(x, floor="first")
+    assert err.value.key == "floor"
+
+
+def _release_group_quantizer(version: str):
+    """vLLM ``version``'s own ``QuantFP8._quantize_group_native``, compiled from its wheel's
+    ``input_quant_fp8.py`` (vLLM itself is not imported: its constants are E4M3's, as
+    ``get_fp8_min_max()`` gives them on CUDA and CPU, and the module's own floor line)."""
+    from vllm_source import WHEELS, SourceTree
+
+    text = SourceTree.from_wheel(upstream_wheel(WHEELS[version])).read(
+        "vllm/model_executor/layers/quantization/input_quant_fp8.py"
+    )
+    tree = ast.parse(text)
+    namespace = {
+        "torch": torch,
+        "F": torch.nn.functional,
+        "_FP8_DTYPE": torch.float8_e4m3fn,
+        "_FP8_MIN": -448.0,
+        "_FP8_MAX": 448.0,
+    }
+    floor_line = next(
+        n
+        for n in tree.body
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "_FP8_MIN_SCALING_FACTOR"
+    )
+    exec(ast.unparse(floor_line), namespace)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "QuantFP8")
+    fn = next(
+        n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_quantize_group_native"
+    )
+    exec(textwrap.dedent(ast.get_source_segment(text, fn)), namespace)
+    return namespace["_quantize_group_native"]
+
+
+@pytest.mark.parametrize("version", ["0.17.1", "0.20.0", "0.25.1", "0.34.0"])
+def test_each_release_quantizes_as_its_floor_order_says(version):
+    """Each release's own ``forward_native`` group path against ``quantize_activation_vllm``
+    with the floor order the stacks table gives that release: bit for bit, zero, tiny, NaN
+    and infinite groups included (0.32.0 is compared with the installed vLLM in
+    ``tests/vllm/test_generation_numerics.py``)."""
+    from nemo_fp8_plugin import stacks
+
+    native = _release_group_quantizer(version)
+    first = stacks.lookup("vllm", "QuantFP8.forward_native:floor_before_ue8m0", version)
+    floor = "before_rounding" if first.present else "after_rounding"
+    assert first.tested and (floor == "before_rounding") is (version == "0.34.0")
+    x = _random_bf16(6, 300, seed=9) * torch.logspace(-6, 2, 300).bfloat16()
+    x[0, :128] = 0.0
+    x[1, 128:256] = 3e-6
+    x[2, 5] = float("nan")
+    x[3, 200] = float("inf")
+    for ue8m0 in (False, True):
+        self = types.SimpleNamespace(group_size=128, use_ue8m0=ue8m0, column_major_scales=False)
+        data, scale = native(self, x)
+        ours = quantize_activation_vllm(x, ue8m0=ue8m0, floor=floor)
+        torch.testing.assert_close(ours.scale_inv, scale, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(ours.data.view(torch.uint8), data.view(torch.uint8))

@@ -1,4 +1,4 @@
-"""export_fp8_checkpoint's memory bound (issue 14 item 3), measured in a fresh Python.
+"""export_fp8_checkpoint's memory bound, measured in a fresh Python.
 
 A 400 MB checkpoint of 16 MB tensors in two shards (208 and 192 MiB): the bound (twice the largest
 tensor plus 300 MiB above the interpreter's baseline, 332 MB) is below the checkpoint, below

@@ -1,4 +1,4 @@
-"""export_fp8_checkpoint when things go wrong (issue 26): signals, a SIGKILL's leftovers, two
+"""export_fp8_checkpoint when things go wrong: signals, a SIGKILL's leftovers, two
 exports at once, and inputs that must be refused naming the tensor or key.
 
 Signals are sent by the exporting process to itself at a chosen step (through a wrapper of

@@ -1,7 +1,7 @@
 """The two dtype edges where importance_weights must equal NeMo RL, not a cleaner formula.
 
 NeMo RL (snapshot 7ea279a, ``src/nemo_rl/algorithms/loss/loss_functions.py:637-665`` and
-``algorithms/utils.py:212-224``, in ``/work/shared/data/nemo_rl``) computes the
+``algorithms/utils.py:212-224``, in ``../shared/data/nemo_rl``) computes the
 seq-mask-tis geometric mean as ``sum(x * token_mask) / (sum(token_mask) + 1e-8)`` and the
 weights as ``exp(prev - gen)`` in the inputs' dtype. Both are transcribed below as the
 reference.

@@ -16,7 +16,6 @@ import importlib.util
 import math
 import types
 import zipfile
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -24,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import FIXTURES, UPSTREAM
+from conftest import FIXTURES, UPSTREAM, shared_nemo_rl
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.rl.rollout_correction import (
     VERL_RS_OPTIONS,
@@ -304,7 +303,7 @@ def test_estimators_are_verls_k1_k2_k3():
 
 
 def _nemo_rl_config_fields() -> set[str]:
-    src = Path("/work/shared/data/nemo_rl/src/nemo_rl/algorithms/loss/loss_functions.py")
+    src = shared_nemo_rl("src/nemo_rl/algorithms/loss/loss_functions.py")
     tree = ast.parse(src.read_text())
     cls = next(
         n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ClippedPGLossConfig"

@@ -1,4 +1,4 @@
-"""Progress on a redirected stream (issue 28): ``rl-check``'s and ``demo``'s tqdm bars draw
+"""Progress on a redirected stream: ``rl-check``'s and ``demo``'s tqdm bars draw
 only on a terminal; in a log file they write no carriage-return updates (one rl-check log held
 80 of them), and ``bench`` prints one plain line per case.
 

@@ -144,7 +144,7 @@ def test_amax_epsilon_is_refused_on_vllm_kernels(vllm_env, fake_gpu):
 def test_generation_numerics_on_vllm_kernels(
     vllm_env, fake_gpu, recipe, sm, deep_gemm_installed, e8m0
 ):
-    """Issue 18: on vLLM's kernels the method checks that the kernel vLLM picked computes
+    """On vLLM's kernels the method checks that the kernel vLLM picked computes
     the ``generation_numerics`` asked for. ``trainer`` (TE's numerics) is computed by none of
     them: refused. ``vllm_deepgemm_ue8m0`` needs DeepGEMM in E8M0 mode, and with it is
     accepted whatever the recipe's scales (the fp32 recipe's refusal under ``vllm`` is what

@@ -32,7 +32,23 @@ def test_engine_env_of_each_recipe(name):
     [
         ({"recipe": "fp8_subchannel", "hardware": "hopper"}, EXPECTED["fp8_subchannel"]),
         ({"recipe": "fp8_subchannel", "hardware": "blackwell"}, {}),
-        ({"recipe": "fp8_blockwise", "generation_numerics": "vllm_deepgemm_ue8m0"}, {}),
+        # DeepGEMM's E8M0 mode kept; on H100 FlashInfer's kernel (its own fp32 activation
+        # scales below 32 tokens) is turned off instead.
+        (
+            {"recipe": "fp8_blockwise", "generation_numerics": "vllm_deepgemm_ue8m0"},
+            EXPECTED["fp8_subchannel"],
+        ),
+        # Generation-only FP8 with fp32 scales runs on Blackwell too: CUTLASS there and on
+        # Hopper (DeepGEMM's Blackwell kernels take UE8M0 scales only).
+        ({"recipe": "fp8_blockwise", "training": "bf16"}, {"VLLM_USE_DEEP_GEMM": "0"}),
+        (
+            {"recipe": "fp8_blockwise", "training": "bf16", "hardware": "hopper"},
+            EXPECTED["fp8_blockwise"],
+        ),
+        (
+            {"recipe": "fp8_blockwise", "training": "bf16", "hardware": "blackwell"},
+            {"VLLM_USE_DEEP_GEMM": "0"},
+        ),
         ({"recipe": "fp8_blockwise", "generation": "bf16"}, {}),
         ({"recipe": "fp8_subchannel", "generation": "bf16"}, {}),
         ({"recipe": "fp8_blockwise", "pow2_scales": True}, EXPECTED["fp8_subchannel"]),
@@ -40,3 +56,21 @@ def test_engine_env_of_each_recipe(name):
 )
 def test_engine_env_of_the_variants(spec, want):
     assert engine_env(spec) == want
+
+
+@pytest.mark.parametrize(
+    "release,want",
+    [
+        ("0.17.1", {}),
+        ("0.20.0", {}),
+        ("0.25.1", {"VLLM_USE_DEEP_GEMM": "0"}),
+        ("0.34.0", {"VLLM_USE_DEEP_GEMM": "0"}),
+    ],
+)
+def test_engine_env_follows_the_release(release, want):
+    """On an RTX PRO 6000 vLLM runs DeepGEMM (UE8M0 only) from 0.25; before, CUTLASS, which
+    keeps fp32 scales without any variable."""
+    assert (
+        engine_env({"recipe": "fp8_blockwise", "training": "bf16"}, "rtx pro 6000", release=release)
+        == want
+    )

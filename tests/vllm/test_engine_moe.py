@@ -241,7 +241,7 @@ def _distances(llm, model, reference_bf16, seed):
 
 
 def test_moe_engine_under_vllms_numerics(llm, weights):
-    """Issue 18: the same engine with vLLM's activation numerics (the default) against the
+    """The same engine with vLLM's activation numerics (the default) against the
     emulated trainer (TE's numerics): the mismatch is real and larger than under the
     trainer's numerics, within NeMo RL's nightly bound for end-to-end FP8
     (``token_mult_prob_error = mean(exp(|d|)) <= 1.1``) and under half the distance to the

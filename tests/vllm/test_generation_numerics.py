@@ -370,11 +370,14 @@ def test_recipe_field_reaches_the_quantization_config():
 
 
 def test_engine_env_keeps_deepgemm_e8m0_when_the_recipe_asks_for_it():
+    """DeepGEMM's E8M0 mode stays on for vllm_deepgemm_ue8m0; on H100 FlashInfer's kernel
+    (which quantizes small batches itself, fp32 scales) is switched off instead."""
     from nemo_fp8_plugin.hosts.vllm import engine_env
 
     assert engine_env("fp8_blockwise") == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
     spec = {"recipe": "fp8_blockwise", "generation_numerics": "vllm_deepgemm_ue8m0"}
-    assert engine_env(spec) == {}
+    assert engine_env(spec) == {"VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
+    assert engine_env({**spec, "training": "bf16"}, "b200") == {}
 
 
 def test_quantize_activation_refuses_bad_arguments():
@@ -390,3 +393,30 @@ def test_quantize_activation_refuses_bad_arguments():
     with pytest.raises(FP8ConfigError) as err:
         quantize_activation_vllm(x.to(torch.float64))
     assert err.value.key == "x"
+
+
+def test_the_method_emulates_its_releases_floor_order(vllm_config, monkeypatch):
+    """The emulation quantizes activations with the running release's floor order: the stacks
+    row for a tested release (0.32: after the UE8M0 rounding; 0.34: before), and for an
+    untested one what its own ``forward_native`` does (the installed code, then the same code
+    with the floor moved before the rounding, as 0.34 has it)."""
+    import vllm
+    from vllm.model_executor.layers.quantization import input_quant_fp8 as iq
+
+    from nemo_fp8_plugin.hosts.vllm.quantizer import _running_floor_order
+
+    for version, want in (("0.32.0", "after_rounding"), ("0.34.0", "before_rounding")):
+        monkeypatch.setattr(vllm, "__version__", version)
+        assert _running_floor_order() == want
+    monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    assert _running_floor_order() == "after_rounding"
+
+    def floor_first(self, x):
+        scale = (x.abs().amax(-1, keepdim=True).float() / 448.0).clamp(
+            min=iq._FP8_MIN_SCALING_FACTOR
+        )
+        scale = torch.exp2(torch.ceil(torch.log2(scale))) if self.use_ue8m0 else scale
+        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+    monkeypatch.setattr(iq.QuantFP8, "_quantize_group_native", floor_first)
+    assert _running_floor_order() == "before_rounding"

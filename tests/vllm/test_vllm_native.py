@@ -1,6 +1,6 @@
 """The vLLM engine defaults ``apply`` leaves out (``hosts/vllm/native.py``) are the installed
 vLLM's own ``EngineArgs`` defaults, and an engine config apply wrote reads back through
-vLLM's own ``EngineArgs`` unchanged in meaning (issue 28)."""
+vLLM's own ``EngineArgs`` unchanged in meaning."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Megatron-Bridge resolves ``mixed_precision: <name>`` (YAML, CLI override or Python) through
 ``megatron.bridge.training.mixed_precision.MIXED_PRECISION_RECIPES`` when the config is
 finalized; ``MixedPrecisionConfig.setup`` then pushes the fields onto the model, optimizer
-and DDP configs, overwriting what was there (Megatron-Bridge issue 5365), so precision
+and DDP configs, overwriting what was there (NVIDIA-NeMo/Megatron-Bridge issue 5365), so precision
 belongs in ``mixed_precision`` only. Bridge has no plugin discovery: the training script
 runs the one import below before it builds or loads its config::
 

@@ -130,8 +130,8 @@ def dropped_settings(spec: RecipeSpec, megatron_core: str | None = None) -> list
 
     ``megatron_core``: the version the command assumes (``--stack``, else the installed one,
     :func:`stack_core`); None: the installed source's version. Version-table facts (FP8
-    attention under nvfp4) are decided for it; the per-branch fields are read from the
-    installed source (:mod:`.source`)."""
+    attention under nvfp4) are decided for it; the per-branch fields are the stacks table's
+    rows for the installed version (:mod:`.honoured`)."""
     if spec.training != "fp8":
         return []
     out: list[tuple[str, str]] = []
@@ -159,7 +159,7 @@ def dropped_settings(spec: RecipeSpec, megatron_core: str | None = None) -> list
     if not spec.fp8_wgrad:
         # megatron-core 0.16 reads fp8_wgrad only to build DelayedScaling's
         # override_linear_precision; the other recipes never see it.
-        from .source import honoured_fp8_fields
+        from .honoured import honoured_fp8_fields
 
         out.append(
             (
@@ -194,7 +194,7 @@ def dropped_settings(spec: RecipeSpec, megatron_core: str | None = None) -> list
 
 # Spec key -> (TransformerConfig field, the spec value that asks nothing of that field). A
 # value other than the neutral one is dropped when the recipe's branch of megatron-core's
-# get_fp8_recipe never reads the field (source.honoured_fp8_fields, per installed version).
+# get_fp8_recipe never reads the field (honoured.honoured_fp8_fields, per installed version).
 _RECIPE_FIELDS = (
     ("margin", "fp8_margin", 0),
     ("amax_history_len", "fp8_amax_history_len", 1),
@@ -205,7 +205,7 @@ _RECIPE_FIELDS = (
 
 
 def _unread_fields(spec: RecipeSpec, megatron_core: str | None = None) -> list[tuple[str, str]]:
-    from .source import honoured_fp8_fields
+    from .honoured import honoured_fp8_fields
 
     honoured = honoured_fp8_fields()
     recipe = FP8_RECIPE[spec.scaling]

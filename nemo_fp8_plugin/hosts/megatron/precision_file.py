@@ -67,7 +67,7 @@ NEMO_RL_FACT = NEMO_RL_KEY
 versions have :data:`NEMO_RL_KEY`."""
 
 FILE_SUFFIX = ".te_precision.yaml"
-"""The file is written next to the output: ``<output stem>`` + this suffix."""
+"""The file is written next to the output: the output's file name + this suffix."""
 
 _HEADER = (
     "# Transformer Engine per-module precision (megatron-core quant_recipe), written by\n"
@@ -104,17 +104,22 @@ class PrecisionFile:
         return _HEADER + dump_yaml(dict(self.recipe))
 
 
-def precision_file_path(output: str | os.PathLike[str]) -> Path:
-    """Where the file for ``output`` goes: beside it, ``<stem>.te_precision.yaml``."""
-    out = Path(output)
-    return out.with_name(out.stem + FILE_SUFFIX)
+def precision_file_path(output: str | os.PathLike[str]) -> Path | None:
+    """Where the file for ``output`` goes: beside it, ``output``'s name + :data:`FILE_SUFFIX`
+    (``run.yaml`` -> ``run.yaml.te_precision.yaml``: two outputs never share one); None when
+    ``output`` is a character device or FIFO, beside which nothing is written."""
+    from ..._io import companion_path
+
+    return companion_path(output, FILE_SUFFIX)
 
 
-def check_precision_file_path(path: Path, key: str = "--output") -> None:
-    """Refuse, before any work, a file path that cannot be written (as the output's own)."""
-    from ..._io import check_output_file
+def check_precision_file_path(path: Path, key: str = "--output", *, force: bool = False) -> None:
+    """Refuse, before any write, a file path that cannot take the file: the output's own
+    checks, and a symbolic link, or a file there that is not an earlier precision file (unless
+    ``force``), is refused (``_io.check_companion_file``)."""
+    from ..._io import check_companion_file
 
-    check_output_file(path, key)
+    check_companion_file(path, key, text=_HEADER, force=force)
 
 
 def precision_recipe(
@@ -266,14 +271,13 @@ def megatron_lm_precision_file(ctx, result):
     )
     if recipe is None:
         return result
-    if ctx.output is None:
+    path = precision_file_path(ctx.output) if ctx.output is not None else None
+    if path is None:
         result.warnings.append(
-            f"megatron: {loss}; apply -o OUT writes them to a TE precision file for "
+            f"megatron: {loss}; apply -o OUT (a file) writes them to a TE precision file for "
             f"{MEGATRON_LM_FLAG} (with --yaml-cfg those modules train in FP8)"
         )
         return result
-    path = precision_file_path(ctx.output)
-    check_precision_file_path(path)
     result.files[str(path)] = PrecisionFile(path=path, recipe=recipe).text()
     result.warnings.append(
         f"megatron: {loss}: they are in {path.name}; run Megatron-LM with argparse arguments and "

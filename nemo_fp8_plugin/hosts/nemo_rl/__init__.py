@@ -28,6 +28,12 @@ sequence_level_importance_ratios,
 truncated_importance_sampling_type,
 truncated_importance_sampling_ratio,
 truncated_importance_sampling_ratio_min}``
+``grpo.seq_logprob_error_threshold``                       ``importance_sampling.
+                                                           max_sequence_error`` (GRPO configs)
+``policy.router_replay.enabled``                           ``router_replay`` (v0.7.0 on)
+``policy.generation.vllm_cfg.env_vars.VLLM_*``             the kernel variable the rollouts'
+                                                           scale grid needs (v0.7.0 on;
+                                                           :mod:`.preflight`)
 ``policy.precision``                                       back to ``bfloat16`` when it named
                                                            a recipe
 ========================================================  =====================================
@@ -55,7 +61,7 @@ What each recipe means here (NeMo RL's vLLM path has block FP8 and MXFP8 only):
 * ``nvfp4`` with ``qat: PRESET``: NVIDIA's ModelOpt quantization-aware RL instead (BF16 policy
   through ModelOpt fake quantizers, NVFP4 rollouts fake- or real-quantized): ``policy.quant_cfg``,
   ``policy.quant_calib_*``, ``policy.generation.{quant_cfg,real_quant,real_quant_ignore}``, no
-  Transformer Engine key (:mod:`.modelopt`; NeMo RL 0.6 on, per ``stacks.py``).
+  Transformer Engine key (:mod:`.modelopt`; NeMo RL v0.7.0 on, per ``stacks.py``).
 * ``fp8_current``: tensorwise FP8 training with BF16 generation, and a warning that the two
   sides then differ (the importance-sampling correction stays on to absorb it).
 * ``fp8_delayed``: refused; delayed scales come from an amax history that goes stale when

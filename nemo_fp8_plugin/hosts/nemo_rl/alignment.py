@@ -35,7 +35,7 @@ MODEL_KEY = "policy.model_name"
 SELF_PACKING_FACT = "delegate_pack_to_model:"
 """Prefix of the :data:`nemo_fp8_plugin.stacks.FACTS` names (host ``nemo-rl``) of models that
 pack sequences inside their own forward, so NeMo RL hands them an unpacked ``[B, S]`` batch
-and its packer's FP8 padding never runs (NeMo RL 7ea279a,
+and its packer's FP8 padding never runs (NeMo RL main 7ea279a,
 ``models/policy/workers/megatron_policy_worker.py:147-165`` ``_model_self_packs_for_cp``:
 ``model_owns_packing`` or a ``Qwen3VLModel``; sets ``delegate_pack_to_model`` at :607).
 The rest of the name is the model-name prefix (lowercased basename, ``_`` read as ``-``), the
@@ -63,10 +63,9 @@ def _basename(model_name: Any) -> str | None:
 
 def model_self_packs(model_name: Any) -> str | None:
     """What ``model_name`` is when it packs sequences itself in NeMo RL (a
-    :data:`SELF_PACKING_FACT` fact), else None. Every NeMo RL version counts, the ones before
-    a fact's range too: only 7ea279a (the 0.6 line) was read, and the cautious answer for a
-    version never read is the per-sequence alignment (padding a sequence that needed none
-    costs little; a sequence TE's GEMM cannot take fails the run)."""
+    :data:`SELF_PACKING_FACT` fact), else None. Every NeMo RL release counts, the ones the
+    fact does not name too: the cautious answer is the per-sequence alignment (padding a
+    sequence that needed none costs little; a sequence TE's GEMM cannot take fails the run)."""
     base = _basename(model_name)
     if base is None:
         return None

@@ -13,7 +13,7 @@ from ...spec import RecipeSpec
 from .. import HostKeys
 from .spelling import _MEGATRON, _VLLM, BLOCK_MX_REFUSAL, NOT_FP8, _generation_fp8
 
-__all__ = ["FP8_CFG_KEYS", "VLLM_FP8_KEYS"]
+__all__ = ["FP8_CFG_KEYS", "VLLM_FP8_KEYS", "fp8_cfg_keys", "vllm_fp8_keys"]
 
 _ABSENT = {
     "enabled": False,
@@ -54,6 +54,8 @@ def _same(key: str, have: Any, want: Any) -> bool:
         have = _absent_value(key)
     leaf = _leaf(key)
     if leaf == "kv_cache_dtype":
+        if not isinstance(have, str):  # a list or a number: no dtype at all
+            return False
         norm = {"fp8_e4m3": "fp8", None: "auto"}
         return norm.get(have, have) == norm.get(want, want)
     if leaf == "quantization_ignored_layer_kws":
@@ -89,7 +91,7 @@ def _neutral(key: str, have: Any, resolved: Mapping) -> bool:
         return have == [] or have == ()
     if ".env_vars." in key:
         return False  # a variable set otherwise is a choice the recipe contradicts
-    if leaf.startswith("truncated_importance_sampling"):
+    if leaf.startswith("truncated_importance_sampling") or leaf == "seq_logprob_error_threshold":
         return False  # None was handled above
     return have is False or have == 0
 
@@ -156,7 +158,18 @@ def _checks(spec: RecipeSpec, resolved: Mapping) -> None:
 
 def _native_checks(spec: RecipeSpec, resolved: Mapping) -> None:
     """Native keys that contradict the request in ways a merge cannot resolve."""
+    from .startup import KV_CACHE_DTYPES
+
     row = capability(spec.scaling)
+    kv = get_path(resolved, f"{_VLLM}.kv_cache_dtype")
+    if kv is not None and not (isinstance(kv, str) and (kv in KV_CACHE_DTYPES or "${" in kv)):
+        raise FP8ConfigError(
+            f"is not one of {', '.join(KV_CACHE_DTYPES)}, the values NeMo RL takes "
+            f"(its init_fp8 raises on any other)",
+            key=f"{_VLLM}.kv_cache_dtype",
+            value=kv,
+            hint="use auto, or state kv_cache: fp8 in the fp8: block",
+        )
     if row.is_mx and _generation_fp8(spec):
         for name in ("pow2_weight_scaling_factors", "pow2_activation_scaling_factors"):
             key = f"{_VLLM}.{name}"
@@ -248,58 +261,83 @@ def _override_checks(spec: RecipeSpec, resolved: Mapping) -> None:
         )
 
 
-FP8_CFG_KEYS = ("enabled", "fp8", "fp8_recipe", "fp8_param", "force_clear_fp8_caches")
-"""Keys NeMo RL reads from ``policy.megatron_cfg.fp8_cfg``; anything else there is ignored."""
+def fp8_cfg_keys(release: str | None) -> tuple[str, ...]:
+    """The keys NeMo RL ``release`` reads from ``policy.megatron_cfg.fp8_cfg`` (anything else
+    there is ignored), from :data:`nemo_fp8_plugin.stacks.FACTS`."""
+    from ...stacks import nemo_rl_keys
 
-VLLM_FP8_KEYS = (
-    "precision",
-    "use_deep_gemm",
-    "is_mx",
-    "kv_cache_dtype",
-    "num_first_layers_in_bf16",
-    "num_last_layers_in_bf16",
-    "quantization_ignored_layer_kws",
-    "pow2_weight_scaling_factors",
-    "pow2_activation_scaling_factors",
+    return nemo_rl_keys(release, f"{_MEGATRON}.fp8_cfg")
+
+
+def vllm_fp8_keys(release: str | None) -> tuple[str, ...]:
+    """The FP8 keys NeMo RL ``release`` reads from ``policy.generation.vllm_cfg``."""
+    from ...stacks import nemo_rl_keys
+
+    return tuple(k for k in nemo_rl_keys(release, _VLLM) if k not in _VLLM_NOT_FP8)
+
+
+_VLLM_NOT_FP8 = frozenset(
+    {"async_engine", "env_vars", "gpu_memory_utilization", "tensor_parallel_size"}
 )
-"""FP8 keys NeMo RL reads from ``policy.generation.vllm_cfg``."""
+"""``vllm_cfg`` keys of the table that are not FP8 settings (the start-up checks and the
+pre-flight read them; ``env_vars`` carries the rollout kernel's variables)."""
+
+FP8_CFG_KEYS = fp8_cfg_keys(None)
+"""Keys any NeMo RL release reads from ``policy.megatron_cfg.fp8_cfg``."""
+
+VLLM_FP8_KEYS = vllm_fp8_keys(None)
+"""FP8 keys any NeMo RL release reads from ``policy.generation.vllm_cfg``."""
 
 _VLLM_FP8_HINTS = ("fp8", "bf16", "pow2", "quantiz", "scaling", "deep_gemm", "mx")
 
 
-def _dropped_keys(resolved: Mapping) -> None:
-    """Refuse FP8 settings NeMo RL would silently ignore (typos, keys of other hosts)."""
+def _dropped_keys(resolved: Mapping, release: str | None = None) -> None:
+    """Refuse FP8 settings NeMo RL ``release`` would silently ignore: typos, keys of other
+    hosts, and keys of another release (``is_mx`` before main, ``force_clear_fp8_caches`` at
+    v0.6.0) set to anything but off."""
     import difflib
 
-    fp8_cfg = get_path(resolved, f"{_MEGATRON}.fp8_cfg")
-    if isinstance(fp8_cfg, Mapping):
-        for name in fp8_cfg:
-            if name not in FP8_CFG_KEYS:
-                near = difflib.get_close_matches(str(name), FP8_CFG_KEYS, n=1, cutoff=0.6)
-                raise FP8ConfigError(
-                    "is not read by NeMo RL (its fp8_cfg has only "
-                    f"{', '.join(FP8_CFG_KEYS)}), so it would be ignored silently",
-                    key=f"{_MEGATRON}.fp8_cfg.{name}",
-                    value=fp8_cfg[name],
-                    hint=f"did you mean {near[0]!r}?"
-                    if near
-                    else "state recipe details in the fp8: block, or Megatron fields in "
-                    "policy.megatron_cfg.model_overrides",
-                )
-    vllm_cfg = get_path(resolved, _VLLM)
-    if isinstance(vllm_cfg, Mapping):
-        for name in vllm_cfg:
-            lowered = str(name).lower()
-            if name in VLLM_FP8_KEYS or not any(h in lowered for h in _VLLM_FP8_HINTS):
+    from ...stacks import lookup, release_label
+
+    sections = (
+        (f"{_MEGATRON}.fp8_cfg", fp8_cfg_keys(release), True),
+        (_VLLM, vllm_fp8_keys(release), False),
+    )
+    for section, known, every in sections:
+        node = get_path(resolved, section)
+        if not isinstance(node, Mapping):
+            continue
+        for name, value in node.items():
+            key = f"{section}.{name}"
+            if name in known:
                 continue
-            near = difflib.get_close_matches(str(name), VLLM_FP8_KEYS, n=1, cutoff=0.6)
-            if near:
+            other = lookup("nemo-rl", key, release)
+            if other.fact is not None and other.present is False:
+                if value is None or _same(key, value, _absent_value(key)):
+                    continue  # off, which is what the release does without the key
                 raise FP8ConfigError(
-                    "is not an FP8 key NeMo RL reads, so it would be ignored silently",
-                    key=f"{_VLLM}.{name}",
-                    value=vllm_cfg[name],
-                    hint=f"did you mean {near[0]!r}?",
+                    f"is not read by {release_label(release)} (it is in: "
+                    f"{other.fact.versions.label}), so it would be ignored silently",
+                    key=key,
+                    value=value,
+                    hint="remove it, or choose a release that reads it with --stack",
                 )
+            lowered = str(name).lower()
+            if not every and not any(h in lowered for h in _VLLM_FP8_HINTS):
+                continue
+            near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+            if not every and not near:
+                continue
+            raise FP8ConfigError(
+                f"is not read by {release_label(release)} (its {section.rsplit('.', 1)[-1]} "
+                f"FP8 keys: {', '.join(known)}), so it would be ignored silently",
+                key=key,
+                value=value,
+                hint=f"did you mean {near[0]!r}?"
+                if near
+                else "state recipe details in the fp8: block, or Megatron fields in "
+                "policy.megatron_cfg.model_overrides",
+            )
 
 
 def _has_generation(resolved: Mapping) -> bool:

@@ -1,6 +1,6 @@
 """NVFP4 RL through NeMo RL's ModelOpt quantization-aware training, from one preset.
 
-NeMo RL (snapshot 7ea279a) trains with ModelOpt fake-quant on the Megatron worker
+NeMo RL (v0.7.0 on; read at main 7ea279a) trains with ModelOpt fake-quant on the Megatron worker
 (``policy.quant_cfg``, a ModelOpt config YAML from ``examples/modelopt/quant_configs/``,
 calibrated on ``policy.quant_calib_*``; ``models/policy/__init__.py:598-606``) and
 rolls out with the same recipe in vLLM (``policy.generation.quant_cfg``), optionally with
@@ -165,9 +165,9 @@ the presets turn it off."""
 
 
 def qat_stack_refusal(version: str | None, *, real_quant: bool) -> str | None:
-    """Why NeMo RL ``version`` cannot run the ModelOpt route (None: it can, or the version is
-    unknown), from :data:`nemo_fp8_plugin.stacks.FACTS`."""
-    from ...stacks import lookup
+    """Why NeMo RL release ``version`` cannot run the ModelOpt route (None: it can, or the
+    release is unknown), from :data:`nemo_fp8_plugin.stacks.FACTS`."""
+    from ...stacks import lookup, release_label
 
     for name in MODELOPT_FACTS:
         if name.endswith("real_quant") and not real_quant:
@@ -177,8 +177,8 @@ def qat_stack_refusal(version: str | None, *, real_quant: bool) -> str | None:
             fact = found.fact
             assert fact is not None
             return (
-                f"NeMo RL {version} has no {name} (ModelOpt quantization-aware RL; NeMo RL "
-                f"has it from {fact.minimum}: {fact.source})"
+                f"{release_label(version)} has no {name} (ModelOpt quantization-aware RL; "
+                f"in: {fact.versions.label})"
             )
     return None
 
@@ -316,8 +316,20 @@ def qat_refuse(spec: RecipeSpec, ctx: HostContext) -> None:
             refusal,
             key=_request_key(ctx, "qat"),
             value=spec.qat.preset,
-            hint="use a NeMo RL that has the keys (a --stack pinning one), or recipe nvfp4 "
-            "without qat (Transformer Engine NVFP4 training, BF16 rollouts)",
+            hint="use a NeMo RL that has the keys (--stack nemo-rl-0.7.0 or later), or recipe "
+            "nvfp4 without qat (Transformer Engine NVFP4 training, BF16 rollouts)",
+        )
+    megatron = get_path(ctx.resolved, f"{_MEGATRON}.enabled", None)
+    if megatron is not True:
+        # NeMo RL's ModelOpt policy worker is a Megatron worker: with the DTensor policy
+        # the quant_cfg keys would be read by nothing, and the policy trains in BF16.
+        raise FP8ConfigError(
+            "is not true, and ModelOpt quantization-aware RL runs on NeMo RL's Megatron policy "
+            "worker only (a DTensor policy would train in BF16, ignoring quant_cfg)",
+            key=f"{_MEGATRON}.enabled",
+            value=megatron,
+            hint="set policy.megatron_cfg.enabled: true and policy.dtensor_cfg.enabled: false, "
+            "or remove qat",
         )
     for key in (f"{_MEGATRON}.fp8_cfg.enabled", f"{_MEGATRON}.model_overrides.fp4"):
         have = get_path(ctx.resolved, key, None)
@@ -345,12 +357,6 @@ def qat_spell(spec: RecipeSpec, ctx: HostContext) -> HostKeys:
         f"quantizers, not Transformer Engine NVFP4; the loss_fn and the sequence lengths are "
         f"left as the config states"
     ]
-    version = ctx.assumed_version("nemo-rl")
-    if version is None:
-        notes.append(
-            "nemo-rl: NeMo RL version unknown (not installed, no --stack): ModelOpt QAT keys "
-            "exist from NeMo RL 0.6 (read at 7ea279a)"
-        )
     return HostKeys(keys=keys, notes=notes)
 
 

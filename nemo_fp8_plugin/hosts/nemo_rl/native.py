@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES
+from ...errors import FP8ConfigError
 from .. import NO_DEFAULT, HostContext, NativeRecipe
+from .spelling import ROUTER_REPLAY, SEQUENCE_ERROR
 
 __all__ = ["VLLM_CFG_DEFAULTS", "LOSS_DEFAULTS", "REQUIRED", "key_default", "read_native"]
 
@@ -105,8 +107,31 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
     fields["generation"] = "fp8" if generation else "bf16"
     _training_env(value, scaling, fields, read, training is not None)
     _layers(value, fields, training is not None, generation is not None)
-    _importance_sampling(value, fields, read)
+    _importance_sampling(value, fields, read, ctx.assumed_version("nemo-rl"))
+    _sequence_error(value, fields, read, unmatched)
+    if value(ROUTER_REPLAY) is True:
+        read.append((ROUTER_REPLAY, True))
+        fields["router_replay"] = True
     return match_recipe("nemo-rl", scaling, fields, read=read, unmatched=unmatched)
+
+
+def _sequence_error(value, fields: dict[str, Any], read: list, unmatched: list) -> None:
+    """GRPO's sequence masking (``grpo.seq_logprob_error_threshold``) as
+    ``importance_sampling.max_sequence_error``; a threshold no recipe takes (below 1.0: every
+    sequence that differs at all, and more, leaves the loss; not a number) is named instead."""
+    got = value(SEQUENCE_ERROR)
+    if got is None:
+        return
+    read.append((SEQUENCE_ERROR, got))
+    number = isinstance(got, (int, float)) and not isinstance(got, bool)
+    if number and 1.0 <= got < float("inf"):
+        fields["importance_sampling"]["max_sequence_error"] = float(got)
+        return
+    unmatched.append(
+        f"{SEQUENCE_ERROR}: {got!r}: a sequence's error, the mean of exp(|gen - train|), is 1.0 "
+        f"where the two agree; no recipe of ours masks at a threshold that is not a number "
+        f"of at least 1.0"
+    )
 
 
 def _generation(value, read: list, fields: dict[str, Any]) -> str | None:
@@ -148,18 +173,39 @@ def _layers(value, fields: dict[str, Any], training: bool, generation: bool) -> 
     keywords vLLM keeps unquantized, as ``bf16_layers``."""
     rules: dict[str, Any] = {"first": 0, "last": 0}
     if generation:
-        rules["first"] = int(value(f"{_VLLM}.num_first_layers_in_bf16", 0) or 0)
-        rules["last"] = int(value(f"{_VLLM}.num_last_layers_in_bf16", 0) or 0)
+        rules["first"] = _layer_count(value, f"{_VLLM}.num_first_layers_in_bf16", 0)
+        rules["last"] = _layer_count(value, f"{_VLLM}.num_last_layers_in_bf16", 0)
         kws = value(f"{_VLLM}.quantization_ignored_layer_kws", []) or []
         if isinstance(kws, (list, tuple)) and kws:
             rules["modules"] = [f"*{kw}*" for kw in kws]
     elif training and value(f"{_MEGATRON}.model_overrides.first_last_layers_bf16") is True:
-        rules["first"] = int(value(f"{_MEGATRON}.model_overrides.num_layers_at_start_in_bf16", 1))
-        rules["last"] = int(value(f"{_MEGATRON}.model_overrides.num_layers_at_end_in_bf16", 1))
+        start, end = (
+            f"{_MEGATRON}.model_overrides.num_layers_at_{w}_in_bf16" for w in ("start", "end")
+        )
+        rules["first"] = _layer_count(value, start, 1)
+        rules["last"] = _layer_count(value, end, 1)
     fields["bf16_layers"] = rules
 
 
-def _importance_sampling(value, fields: dict[str, Any], read: list) -> None:
+def _layer_count(value, key: str, default: int) -> int:
+    """A layer count as NeMo RL uses it (a range bound: a whole number >= 0), or a one-line
+    refusal naming the key (``abc``, ``.inf``, ``[1]``, ``1.5`` are none)."""
+    got = value(key, default)
+    if got is None:
+        return default
+    if isinstance(got, bool) or not isinstance(got, int) or got < 0:
+        raise FP8ConfigError(
+            "must be a whole number of layers (0 or more)",
+            key=key,
+            value=got,
+            hint="write a count such as 0, 1 or 2",
+        )
+    return got
+
+
+def _importance_sampling(value, fields: dict[str, Any], read: list, release: str | None) -> None:
+    from .releases import TRUNCATION_KEYS, truncation
+
     enabled = value("loss_fn.use_importance_sampling_correction") is True
     if enabled:
         read.append(("loss_fn.use_importance_sampling_correction", True))
@@ -168,18 +214,40 @@ def _importance_sampling(value, fields: dict[str, Any], read: list) -> None:
         block["level"] = (
             "sequence" if value("loss_fn.sequence_level_importance_ratios") is True else "token"
         )
-        truncation = value("loss_fn.truncated_importance_sampling_type")
-        block["truncation"] = truncation
-        if truncation is not None:
-            high = value("loss_fn.truncated_importance_sampling_ratio")
-            low = value("loss_fn.truncated_importance_sampling_ratio_min")
-            if high is not None:
-                block["ratio_max"] = float(high)
+        # read as the release reads them: at v0.6.0 a type without a ratio is inert
+        kind, high, low = truncation({k: value(k) for k in TRUNCATION_KEYS}, release)
+        block["truncation"] = kind
+        if kind is not None:
+            high = _ratio(TRUNCATION_KEYS[1], high, positive=True)
+            low = _ratio(TRUNCATION_KEYS[2], low, positive=False)
+            block["ratio_max"] = high
             # the spelling writes 1 / ratio_max for icepop and seq-mask-tis when none is given
-            symmetric = high is not None and low is not None and float(low) == 1.0 / float(high)
-            windowed = truncation in ("icepop", "seq-mask-tis")
-            block["ratio_min"] = None if (low is None or (windowed and symmetric)) else float(low)
+            symmetric = low is not None and low == 1.0 / high
+            windowed = kind in ("icepop", "seq-mask-tis")
+            block["ratio_min"] = None if (low is None or (windowed and symmetric)) else low
     fields["importance_sampling"] = block
+
+
+def _ratio(key: str, got: Any, *, positive: bool) -> Any:
+    """A truncation ratio as NeMo RL asserts it: a finite number, > 0 for the upper one (its
+    ``ClippedPGLossFn`` stops otherwise), >= 0 or unset for the lower one."""
+    if got is None and not positive:
+        return None
+    number = isinstance(got, (int, float)) and not isinstance(got, bool)
+    if (
+        number
+        and got == got
+        and abs(got) != float("inf")
+        and (got > 0 or (got >= 0 and not positive))
+    ):
+        return float(got)
+    raise FP8ConfigError(
+        f"must be a {'positive' if positive else 'non-negative'} number with truncated "
+        f"importance sampling on (NeMo RL's loss asserts it at start-up)",
+        key=key,
+        value=got,
+        hint="set a ratio such as 2.0, or turn truncation off (type: null)",
+    )
 
 
 def hook_default(key: str, data: Mapping[str, Any]) -> Any:

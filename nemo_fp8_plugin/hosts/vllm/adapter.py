@@ -50,12 +50,26 @@ __all__ = ["native_keys", "VLLMAdapter", "ADAPTER"]
 
 def native_keys(spec, model=None) -> HostKeys:
     """The engine arguments for ``spec`` (see :func:`nemo_fp8_plugin.hosts.vllm.engine_spelling`)."""
-    from . import engine_env, engine_spelling, mla_kv_cache_note
+    from . import engine_spelling
 
     kwargs, found = engine_spelling(spec, model)
+    env, notes = _env_and_notes(spec, model, kwargs, None)
+    return HostKeys(keys=kwargs, warnings=found, env=env, notes=notes)
+
+
+def _env_and_notes(spec, model, kwargs, release: str | None) -> tuple[dict[str, str], list[str]]:
+    """The variables vLLM reads at start-up for the recipe's grid (:func:`.engine_env`, for
+    ``release``: the assumed vLLM), and the notes: the rollout kernels with them set, an FP8
+    KV cache on latent attention."""
+    from . import engine_env, mla_kv_cache_note
+    from .rollout import rollout_note
+
+    if not kwargs:
+        return {}, []
+    env = engine_env(spec, release=release)
+    notes = [n for n in (rollout_note(spec, spec.hardware, release=release, env=env),) if n]
     note = mla_kv_cache_note(spec, model)
-    env = engine_env(spec) if kwargs else {}
-    return HostKeys(keys=kwargs, warnings=found, env=env, notes=[note] if note else [])
+    return env, notes + ([note] if note else [])
 
 
 def _style(config: Mapping[str, Any]) -> str:
@@ -97,7 +111,7 @@ def _canonical(value: Any) -> Any:
 def _spell(spec, ctx: HostContext) -> HostKeys:
     """The engine options in the file's spelling (dashes or underscores); ``device: cpu``
     read as the target platform (vLLM >= 0.32 has no such engine argument)."""
-    from . import engine_env, engine_spelling, mla_kv_cache_note
+    from . import engine_spelling
 
     device_key, device = _find(ctx.raw, "device")
     platform = "cpu" if device == "cpu" else None
@@ -109,12 +123,13 @@ def _spell(spec, ctx: HostContext) -> HostKeys:
             f"the platform): read as the target platform and left out of the output"
         )
     sep = _style({k: v for k, v in ctx.raw.items() if k not in ctx.request.keys})
-    note = mla_kv_cache_note(spec, ctx.model)
+    # Read when vLLM starts: no engine argument; for the vLLM the command assumes.
+    env, notes = _env_and_notes(spec, ctx.model, kwargs, ctx.assumed_version("vllm"))
     return HostKeys(
         keys={k.replace("_", sep): v for k, v in kwargs.items()},
         warnings=found,
-        env=engine_env(spec) if kwargs else {},  # read when vLLM starts: no engine argument
-        notes=[note] if note else [],
+        env=env,
+        notes=notes,
     )
 
 

@@ -7,6 +7,8 @@ cheap.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 import torch
@@ -50,27 +52,56 @@ def _scheme_kind(scheme: Any):
 
 def _check_release(features: tuple[str, ...], prefix: str) -> None:
     """Refuse a layer whose part of the method the running vLLM release cannot serve
-    (:mod:`.versions`: facts read from each release's source), naming the release and the
-    minimum."""
+    (:func:`.api.unsupported`: the release's row of the stacks table, or the running vLLM
+    itself when the release is untested), naming the release and the minimum."""
     import vllm
 
     from ...errors import FP8ConfigError
-    from . import versions
+    from ...stacks import TESTED
+    from . import api
 
     version = str(getattr(vllm, "__version__", "0"))
     for feature in features:
-        why = versions.unsupported(feature, version)
+        why = api.unsupported(feature, version)
         if why is None:
             continue
-        minimum = versions.feature_minimum(feature)
         raise FP8ConfigError(
-            f"nemo_fp8: {prefix}: vLLM {version} cannot serve {versions.FEATURES[feature]} "
-            f"(needs vLLM >= {minimum}): {why}",
+            f"nemo_fp8: {prefix}: vLLM {version} cannot serve {why.what} "
+            f"(needs vLLM >= {why.minimum}): {why.why}",
             key="vllm",
             value=version,
-            hint=f"install vLLM >= {minimum} (the method is tested on {versions.TESTED}), "
+            hint=f"install vLLM >= {why.minimum} (releases read: {', '.join(TESTED['vllm'])}), "
             f"or keep these layers in BF16",
         )
+    _warn_untested(version)
+
+
+@functools.cache
+def _warn_untested(version: str) -> None:
+    """Once per process: the running release is not one the tests read (its parts were
+    checked on the running vLLM itself, :func:`.api.probe`)."""
+    from ...stacks import TESTED, lookup, newer_than_tested
+
+    if not lookup("vllm", "nemo_fp8:config", version).tested:
+        newer = " (newer than every release read)" if newer_than_tested("vllm", version) else ""
+        warnings.warn(
+            f"nemo_fp8: vLLM {version} is untested{newer}; releases read: "
+            f"{', '.join(TESTED['vllm'])}. The method checked the vLLM names it uses on this "
+            f"vLLM itself",
+            stacklevel=3,
+        )
+
+
+def _experts_class():
+    """vLLM's fused-MoE experts layer: ``RoutedExperts`` (0.25 on), ``FusedMoE`` before it,
+    which the ``moe`` check then refuses naming the release (never served as unquantized)."""
+    try:
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+    except ImportError:
+        from vllm.model_executor.layers.fused_moe import FusedMoE
+
+        return FusedMoE
+    return RoutedExperts
 
 
 class NemoFp8Config(QuantizationConfig):
@@ -206,6 +237,7 @@ class NemoFp8Config(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> NemoFp8Config:
         """Parse a ``quantization_config`` mapping (ours, or a vLLM ``fp8`` block checkpoint's)."""
+        _check_release(("config",), "quantization_config")
         method = config.get("quant_method", QUANT_METHOD)
         if method not in (QUANT_METHOD, "fp8"):
             raise ValueError(f"nemo_fp8 cannot read quant_method {method!r}")
@@ -284,26 +316,36 @@ class NemoFp8Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.attention import Attention, MLAAttention
-        from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
         from vllm.model_executor.layers.linear import LinearBase
 
-        from . import methods
-
         kind = _scheme_kind(self.scheme)
+        # Each part is checked against the running release before its module is imported.
         if isinstance(layer, LinearBase):
             if self.is_bf16(prefix):
-                return methods.NemoBF16LinearMethod()
+                from .linear import NemoBF16LinearMethod
+
+                return NemoBF16LinearMethod()
             _check_release(("block_linear" if kind.is_block else "mx_linear",), prefix)
+            from . import methods
+
             return methods.NemoFp8LinearMethod(self, prefix)
-        if isinstance(layer, RoutedExperts):
+        experts = _experts_class()
+        if experts is not None and isinstance(layer, experts):
+            _check_release(("moe",), prefix)
+            from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
             if self.is_bf16(prefix):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
-            _check_release(("moe", "block_moe" if kind.is_block else "mx_moe"), prefix)
+            _check_release(("block_moe" if kind.is_block else "mx_moe",), prefix)
+            from . import methods
+
             return methods.NemoFp8MoEMethod(self, layer, prefix)
         if isinstance(layer, (Attention, MLAAttention)):
             # MLAAttention (DeepSeek-V3, Moonlight, Kimi) is no Attention subclass, but takes
             # its KV-cache method from the quant config the same way (_init_kv_cache_quant).
             _check_release(("kv",), prefix)
+            from . import methods
+
             return methods.NemoFp8KVCacheMethod(self, prefix)
         return None
 

@@ -156,6 +156,19 @@ def _vet_block_kernel(kernel, config, prefix: str):
         # The user asked for DeepGEMM's power-of-2 numerics, whatever the recipe's scales.
         if deep is None or not deep.use_deep_gemm_e8m0:
             _refuse_missing_deepgemm_ue8m0(prefix, name)
+        if not getattr(kernel, "apply_input_quant", True):
+            # FlashInfer's SM90 kernel: below 32 tokens its own GEMM quantizes activations
+            # with fp32 scales; only its DeepGEMM branch (32 tokens and more) is UE8M0.
+            _refuse(
+                prefix,
+                f"{name} quantizes activations of batches under 32 tokens inside "
+                f"FlashInfer's GEMM with fp32 scales, not DeepGEMM's UE8M0 scales that "
+                f"generation_numerics: vllm_deepgemm_ue8m0 says",
+                key="generation_numerics",
+                value="vllm_deepgemm_ue8m0",
+                hint="set VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0 before vLLM starts "
+                "(nemo_fp8_plugin.hosts.vllm.engine_env), or use generation_numerics: vllm",
+            )
         return kernel
     if deep is not None and _blackwell_class():
         _vet_blackwell_deep_gemm(deep, config, name, prefix)

@@ -9,7 +9,7 @@ Design rules, all for RL refit (weights replaced every step):
 * **Parameters are created once and never replaced.** ``weight`` (float8_e4m3fn, ``[N, K]``)
   and ``weight_scale_inv`` (fp32, one per weight tile) keep their identity and their
   ``weight_loader`` for the life of the engine, so ``model.load_weights(...)`` after any
-  number of steps writes into the same storage (vLLM issue 28425 is what happens when a
+  number of steps writes into the same storage (vllm-project/vllm issue 28425 is what happens when a
   method swaps its parameters after loading). Run-time layouts a kernel wants are built
   beside them, never in their place.
 * **Two payloads.** A float8 tensor is copied as is (with its ``<name>_scale_inv``, the

@@ -76,7 +76,7 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
             unmatched=(f"{qkey}: {_METHOD} without {hkey}.quantization_config: no recipe stated",),
         )
     scaling = qcfg.get("scheme", "block")
-    if scaling not in CAPABILITIES:
+    if not isinstance(scaling, str) or scaling not in CAPABILITIES:  # [block]: unhashable
         return NativeRecipe(
             "vllm",
             None,

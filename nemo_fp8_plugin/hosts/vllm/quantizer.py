@@ -22,6 +22,35 @@ def _numerics():
     return numerics
 
 
+def _running_floor_order() -> str:
+    """Where the running vLLM's ``QuantFP8`` puts its scale floor relative to the UE8M0
+    rounding (:data:`nemo_fp8_plugin.numerics.vllm_numerics.FLOOR_ORDER`): a tested release's
+    row of the stacks table; an untested release is asked itself (its ``forward_native`` on a
+    zero group: the floor's place shows in the scale, ``1/229376`` after rounding, ``2^-17``
+    before)."""
+    import vllm
+
+    from ...stacks import lookup
+
+    version = str(getattr(vllm, "__version__", "0"))
+    answer = lookup("vllm", "QuantFP8.forward_native:floor_before_ue8m0", version)
+    if answer.tested:
+        return "before_rounding" if answer.present else "after_rounding"
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    from ...numerics.vllm_numerics import VLLM_MIN_SCALE
+
+    quant = QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=True)
+    _, scale = quant.forward_native(torch.zeros(1, 128, dtype=torch.bfloat16))
+    floor = torch.tensor(VLLM_MIN_SCALE, dtype=torch.float32)
+    return (
+        "after_rounding"
+        if torch.equal(scale.reshape(-1)[:1], floor.reshape(1))
+        else ("before_rounding")
+    )
+
+
 class _Quantizer:
     """The method's quantization recipe, expressed through the numerics reference."""
 
@@ -35,6 +64,7 @@ class _Quantizer:
         self.pow2 = config.pow2_scales
         self.eps = float(getattr(config, "amax_epsilon", 0.0) or 0.0)
         self.numerics = str(getattr(config, "generation_numerics", "vllm"))
+        self.floor = _running_floor_order()
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -84,7 +114,12 @@ class _Quantizer:
             from ...numerics import vllm_numerics
 
             a = vllm_numerics.quantize_activation(
-                x, self.numerics, self.activation_block, pow2_scales=self.pow2, eps=self.eps
+                x,
+                self.numerics,
+                self.activation_block,
+                pow2_scales=self.pow2,
+                eps=self.eps,
+                floor=self.floor,
             )
             if requant_weights and self.numerics == "vllm_deepgemm_ue8m0":
                 b = vllm_numerics.requantize_ue8m0(b)

@@ -29,17 +29,27 @@ def load_refit_payload(
 ) -> dict[str, Any]:
     """Load ``(name, tensor)`` pairs into a vLLM model in place and finish the refit.
 
-    Returns ``{"loaded": number of vLLM parameters written, "seconds": wall time}``.
+    Returns ``{"loaded": number of vLLM parameters written, "seconds": wall time}``, and
+    under ``NEMO_FP8_VERIFY_REFIT`` the number of weights checked and the check's time
+    (``verified``, ``verify_seconds``; see :mod:`.refit_check`).
     """
     from .methods import finish_refit
+    from .refit_check import refit_check_from_env
 
     start = time.perf_counter()
+    check = refit_check_from_env()  # NEMO_FP8_VERIFY_REFIT: sampled layers checked after
+    if check is not None:
+        named_tensors = check.watch(model, named_tensors)
     loaded = model.load_weights(weights=iter(named_tensors))
     finish_refit(model)
-    return {
+    result: dict[str, Any] = {
         "loaded": len(loaded) if loaded is not None else None,
         "seconds": time.perf_counter() - start,
     }
+    if check is not None:  # raises RefitMismatch when a checked weight differs
+        result["verified"] = len(check.verify(model))
+        result["verify_seconds"] = check.seconds
+    return result
 
 
 class NemoFp8WorkerExtension:

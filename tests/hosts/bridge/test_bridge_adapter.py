@@ -216,7 +216,7 @@ def test_apply_fp16_base_is_kept(tmp_path):
     block = _apply(tmp_path, "precision: mxfp8\nmixed_precision: fp16_mixed\n").data[
         "mixed_precision"
     ]
-    # bf16: false is MixedPrecisionConfig's default, so it is not written (issue 28)
+    # bf16: false is MixedPrecisionConfig's default, so it is not written
     assert block["fp16"] is True and block.get("bf16", False) is False
     assert block["fp8_recipe"] == "mxfp8"
 

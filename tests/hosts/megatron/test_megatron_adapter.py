@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import yaml
@@ -325,15 +326,16 @@ def test_apply_layer_check_uses_the_named_model_and_stays_quiet_without_a_count(
 # --------------------------------------------------------------------------- what get_fp8_recipe honours
 
 
-def test_honoured_fields_are_read_from_the_installed_get_fp8_recipe():
+def test_honoured_fields_are_the_installed_get_fp8_recipe_s():
     """megatron-core 0.16.1's get_fp8_recipe hands fp8_dot_product_attention to TE only for
     delayed and tensorwise, fp8_multi_head_attention only for delayed (the delayed branch reads
-    them inside TEDelayedScaling.__init__, in another file the reader follows)."""
-    from nemo_fp8_plugin.hosts.megatron.source import (
-        FALLBACK,
-        FALLBACK_VERSION,
-        honoured_fp8_fields,
-    )
+    them inside TEDelayedScaling.__init__, in another file the reader follows): the stacks rows
+    for the installed version are what its source says."""
+    import importlib.metadata as md
+
+    from megatron_source import read_honoured_fields
+
+    from nemo_fp8_plugin.hosts.megatron.honoured import honoured_fp8_fields
 
     got = honoured_fp8_fields()
     assert (got.version, got.source) == ("0.16.1", "installed")
@@ -341,15 +343,15 @@ def test_honoured_fields_are_read_from_the_installed_get_fp8_recipe():
     assert got.recipes_reading("fp8_multi_head_attention") == ["delayed"]
     assert got.recipes_reading("fp8_margin") == ["delayed"]
     assert got.fields["blockwise"] == got.fields["mxfp8"] == frozenset()
-    # The table used where megatron-core is not installed is this version's, as read.
-    assert FALLBACK_VERSION == got.version and FALLBACK == got.fields
+    root = Path(str(md.distribution("megatron-core").locate_file("megatron")))
+    assert read_honoured_fields(root) == got.fields
 
 
 def test_the_reader_follows_the_source_not_a_list(tmp_path):
     """A megatron-core whose MXFP8 branch passes fp8_dpa (as 0.18 does) is read as honouring it."""
     import importlib.metadata as md
 
-    from nemo_fp8_plugin.hosts.megatron.source import read_honoured_fields
+    from megatron_source import read_honoured_fields
 
     core = tmp_path / "megatron" / "core"
     (core / "extensions").mkdir(parents=True)

@@ -242,7 +242,7 @@ def test_the_file_is_read_by_megatron_core_and_keeps_the_rules_modules_bf16(tmp_
     out = tmp_path / "written" / "moonlight.yaml"
     ctx, result = _apply(src, out)
     path = precision_file_path(out)
-    assert list(result.files) == [str(path)] and path.name == "moonlight" + FILE_SUFFIX
+    assert list(result.files) == [str(path)] and path.name == "moonlight.yaml" + FILE_SUFFIX
     assert get_path(result.data, NEMO_RL_KEY) == str(path.resolve())
     assert not [w for w in result.warnings if "training runs the modules" in w]
     path.parent.mkdir(parents=True)
@@ -272,7 +272,7 @@ def test_the_cli_writes_the_file_next_to_the_output_atomically(tmp_path, monkeyp
     out.parent.mkdir()
     assert main(["apply", str(src), "--host", "nemo-rl", "--stack", row.name, "-o", str(out)]) == 0
     err = capsys.readouterr().err
-    side = out.with_name("moon" + FILE_SUFFIX)
+    side = out.with_name("moon.yaml" + FILE_SUFFIX)
     assert f"wrote {side}" in err.replace(str(tmp_path) + "/", str(tmp_path) + "/")
     assert yaml.safe_load(out.read_text())["policy"]["megatron_cfg"][
         "te_precision_config_file"
@@ -293,7 +293,7 @@ def test_a_companion_path_that_cannot_be_written_is_refused_before_anything_is(
         configs / "recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml",
     )
     out = tmp_path / "moon.yaml"
-    (tmp_path / ("moon" + FILE_SUFFIX)).mkdir()  # a directory where the file would go
+    (tmp_path / ("moon.yaml" + FILE_SUFFIX)).mkdir()  # a directory where the file would go
     assert main(["apply", str(src), "--host", "nemo-rl", "--stack", row.name, "-o", str(out)]) == 2
     err = capsys.readouterr().err
     errors = [ln for ln in err.splitlines() if ": error: " in ln]
@@ -397,10 +397,11 @@ def test_explain_says_module_rules_stay_generation_only_on_a_stack_without_the_k
         "grpo_moonlight_fp8_e2e.yaml",
         configs / "recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml",
     )
-    assert main(["explain", str(src), "--host", "nemo-rl", "--stack", "nemo-rl-0.6"]) == 0
+    stack = "nemo-rl-main-2026-08-22"
+    assert main(["explain", str(src), "--host", "nemo-rl", "--stack", stack]) == 0
     out = capsys.readouterr().out
     assert (
-        "module rules stay generation-only: nemo-rl 0.6.0 has no "
+        "module rules stay generation-only: nemo-rl main-2026-08-22 has no "
         "policy.megatron_cfg.te_precision_config_file (from 0.8)" in out
     )
 

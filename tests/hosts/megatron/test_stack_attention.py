@@ -74,14 +74,12 @@ def test_a_stack_older_than_the_installed_source_decides_mxfp8_attention(monkeyp
     installed source that honours it (patched: 0.19.2 does not install) a stack pinning 0.17.0
     is refused naming 0.17.0 and the first release that passes fp8_dpa."""
     from nemo_fp8_plugin.hosts import megatron as mg
-    from nemo_fp8_plugin.hosts.megatron import source
+    from nemo_fp8_plugin.hosts.megatron import honoured
     from nemo_fp8_plugin.registry import get_recipe
 
-    fields = dict(source.FALLBACK)
-    fields["mxfp8"] = fields["mxfp8"] | {"fp8_dot_product_attention"}
-    monkeypatch.setattr(
-        source, "honoured_fp8_fields", lambda: source.HonouredFields(fields, "0.19.2", "installed")
-    )
+    real = honoured.honoured_fp8_fields
+    assert "fp8_dot_product_attention" in real("0.19.2").fields["mxfp8"]
+    monkeypatch.setattr(honoured, "honoured_fp8_fields", lambda: real("0.19.2"))
     spec = get_recipe({"recipe": "mxfp8", "fp8_dot_product_attention": True})
     assert mg.dropped_settings(spec) == []
     assert mg.dropped_settings(spec, "0.19.2") == []

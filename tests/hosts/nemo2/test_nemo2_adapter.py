@@ -2,7 +2,7 @@
 
 Cost: every ``nemo`` start imports ``nemo.collections.llm`` (~30 s of CPU). The module
 fixture starts all the processes at once: five real ``nemo llm finetune --factory
-llama32_1b_<recipe> --to-yaml`` commands (the done-when of issue 5) and one process that
+llama32_1b_<recipe> --to-yaml`` commands (one per recipe) and one process that
 runs NeMo-Run's ``nemo`` app object in-process for the remaining invocations (plugin
 factories by import path, the callback factory, a pretrain variant, and a YAML written by
 ``nemo-fp8 apply --host nemo2`` loaded back with ``--yaml``), paying the import once. About
@@ -29,6 +29,9 @@ pytestmark = pytest.mark.host
 RECIPES = ["fp8_delayed", "fp8_current", "fp8_subchannel", "fp8_blockwise", "mxfp8"]
 NEMO = Path(sys.executable).with_name("nemo")
 STOCK = "llama32_1b"  # Llama 3.2 1B: 16 layers
+EXAMPLE = (
+    Path(__file__).parents[3] / "conf" / "examples" / "nemo2_llama32_1b_finetune_fp8_blockwise.yaml"
+)
 
 EXPECTED = {  # MegatronMixedPrecision arguments each recipe must produce (NeMo's own names)
     "fp8_delayed": dict(
@@ -101,6 +104,7 @@ def runs(tmp_path_factory):
         "fp8:\n  recipe: fp8_blockwise\n  bf16_layers: {first: 2, modules: ['*.linear_qkv']}\n"
     )
     (work / "overlay.yaml").write_text(dump_yaml(apply_path(nemo2.ADAPTER, overlay_request).data))
+    (work / "example.yaml").write_text(dump_yaml(apply_path(nemo2.ADAPTER, EXAMPLE).data))
     invocations = {
         f"plugin_{r}": [
             "llm",
@@ -143,6 +147,10 @@ def runs(tmp_path_factory):
         "--to-yaml",
         "overlay_out.yaml",
         "-y",
+    ]
+    invocations["example"] = [
+        *("llm", "finetune", "--factory", STOCK, "--yaml", "example.yaml"),
+        *("--to-yaml", "example_out.yaml", "-y"),
     ]
     import json
 
@@ -256,6 +264,19 @@ def test_applied_yaml_loads_back_through_nemo_run(runs):
     )
     quant = doc["model"]["config"]["quant_recipe"]
     assert quant == {"_target_": nemo2.QUANT_RECIPE_TARGET, "patterns": ["*.linear_qkv"]}
+
+
+@pytest.mark.slow
+def test_the_shipped_nemo2_example_loads_through_nemo_run(runs):
+    """conf/examples/nemo2_llama32_1b_finetune_fp8_blockwise.yaml through apply, then given to
+    `nemo llm finetune --factory llama32_1b --yaml` as its header says: its own keys and the
+    plugin's FP8 fields reach the recipe."""
+    work, results, out = _in_process(runs)
+    assert results["example"] == 0, out[-3000:]
+    doc = yaml.safe_load((work / "example_out.yaml").read_text())
+    assert doc["trainer"]["max_steps"] == 200
+    plugin = _plugin(doc)
+    assert (plugin["fp8"], plugin["fp8_recipe"]) == ("e4m3", "blockwise")
 
 
 # --------------------------------------------------------------------------- no NeMo import

@@ -21,11 +21,15 @@ from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 
 CONFIGS = nemo_rl_configs()
 
+MAIN_STACK = "nemo-rl-main-2026-08-22"
+"""The stack of the configs in tests/fixtures/nemo_rl (NVIDIA's, at main 7ea279a): the release
+tests that need main's keys (``model_overrides``, ``is_mx``) apply for."""
+
 VLLM = "policy.generation.vllm_cfg"
 
 MEG = "policy.megatron_cfg"
 
-# The keys issue 6 lists as the FP8 keys of NVIDIA's twins.
+# The FP8 keys of NVIDIA's twins (the keys that differ between each BF16/FP8 pair).
 FP8_KEYS = (
     "loss_fn.use_importance_sampling_correction",
     "loss_fn.truncated_importance_sampling_type",
@@ -172,7 +176,10 @@ def _with_native(tmp_path, native: dict, **fp8_edits):
 
 
 def apply_8b(tmp_path, **fp8):
-    result = apply_path(NEMO_RL, eight_b(tmp_path, **fp8), output=tmp_path / "out.yaml")
+    """``fp8`` applied to NVIDIA's 8B config for the release it comes from (main 7ea279a)."""
+    result = apply_path(
+        NEMO_RL, eight_b(tmp_path, **fp8), output=tmp_path / "out.yaml", stack=MAIN_STACK
+    )
     (tmp_path / "out.yaml").write_text(yaml.safe_dump(result.data, sort_keys=False))
     return flatten(resolved(tmp_path / "out.yaml")), result.warnings
 
@@ -256,3 +263,59 @@ def nemo_rl_model_override_functions():
     }
     exec(compile(ast.Module(body=body, type_ignores=[]), str(setup), "exec"), namespace)
     return namespace
+
+
+# --------------------------------------------------------------------------- NeMo RL releases
+
+RELEASE_SOURCE = {"0.6.0": "releases/v0.6.0", "0.7.0": "releases/v0.7.0", "main-2026-08-22": "src"}
+"""Release -> its source folder in the shared NeMo RL tree (main's under ``src/``)."""
+
+RELEASE_CONFIGS = {"0.6.0": "releases/v0.6.0/", "0.7.0": "releases/v0.7.0/", "main-2026-08-22": ""}
+"""Release -> where its ``examples/configs`` are in the shared tree (main's at the top)."""
+
+
+def source_names(tree) -> set[str]:
+    """Every configuration name a NeMo RL module (``ast`` tree) declares or reads: fields of
+    its classes (TypedDict, pydantic, dataclass), ``cfg["name"]``, ``cfg.get("name")``
+    (``pop``, ``setdefault``), ``"name" in cfg`` and attribute reads (``config.grpo.name``)."""
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            if isinstance(node.slice.value, str):
+                out.add(node.slice.value)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("get", "pop", "setdefault")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            out.add(node.args[0].value)
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant):
+            if isinstance(node.left.value, str):
+                out.add(node.left.value)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+    return out
+
+
+_RELEASE_NAMES: dict[str, set[str]] = {}
+
+
+def release_source_names(release: str) -> set[str]:
+    """The names NeMo RL ``release``'s source (every file of it in the shared tree) declares or
+    reads (:func:`source_names`), parsed once per process."""
+    import ast
+
+    if release not in _RELEASE_NAMES:
+        names: set[str] = set()
+        folder = shared_nemo_rl(f"{RELEASE_SOURCE[release]}/nemo_rl")
+        for path in sorted(folder.rglob("*.py")):
+            names |= source_names(ast.parse(path.read_text()))
+        _RELEASE_NAMES[release] = names
+    return _RELEASE_NAMES[release]

@@ -1,5 +1,5 @@
 """`nemo-fp8 apply CONFIG --host nemo-rl` against NVIDIA's own NeMo RL configs, pair by pair
-(issue 6): the BF16 file plus one FP8 line resolves to exactly the FP8 twin's values of the FP8
+: the BF16 file plus one FP8 line resolves to exactly the FP8 twin's values of the FP8
 keys and to the BF16 file's value of every other key; the shipped examples too. Shared
 helpers: ``nemo_rl_cases.py``."""
 
@@ -113,12 +113,7 @@ def test_shipped_rollouts_example(tmp_path):
 
 
 def test_self_contained_conf_example(tmp_path):
-    src = (
-        Path(__file__).resolve().parents[3]
-        / "conf"
-        / "examples"
-        / "nemo_rl_grpo_fp8_blockwise.yaml"
-    )
+    src = Path(__file__).resolve().parents[2] / "fixtures" / "nemo_rl_grpo_trimmed.yaml"
     out = tmp_path / "native.yaml"
     assert run_cli("apply", str(src), "--host", "nemo-rl", "-o", str(out)) == 0
     data = yaml.safe_load(out.read_text())

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import nemo_rl_configs
+from conftest import nemo_rl_configs, shared_nemo_rl
 from nemo_fp8_plugin.cli import main as cli_main
 from nemo_fp8_plugin.config import load_config_chain
 from nemo_fp8_plugin.errors import FP8ConfigError
@@ -28,18 +28,15 @@ from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 pytestmark = pytest.mark.host
 
 CONFIGS = nemo_rl_configs()
-NEMO_RL_FP8 = Path(
-    "/work/shared/data/nemo_rl/src/nemo_rl/models/generation/vllm/quantization/fp8.py"
-)
+NEMO_RL_FP8 = "src/nemo_rl/models/generation/vllm/quantization/fp8.py"
 KEY = "policy.generation.vllm_cfg.use_deep_gemm"
 
 
 def nemo_rl_deep_gemm_env(vllm_cfg: dict) -> dict[str, str]:
     """What NeMo RL's ``init_fp8`` puts into the environment for this ``vllm_cfg``: its own
     ``if vllm_cfg.get("use_deep_gemm", ...)`` statement, compiled from its source."""
-    if not NEMO_RL_FP8.is_file():
-        pytest.skip(f"{NEMO_RL_FP8} is absent (NeMo RL's source, read-only test data)")
-    tree = ast.parse(NEMO_RL_FP8.read_text())
+    source = shared_nemo_rl(NEMO_RL_FP8)
+    tree = ast.parse(source.read_text())
     init = next(
         n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "init_fp8"
     )
@@ -52,7 +49,7 @@ def nemo_rl_deep_gemm_env(vllm_cfg: dict) -> dict[str, str]:
     fake_os = type("os", (), {"environ": env})
     is_mx = bool(vllm_cfg.get("is_mx", False))
     exec(
-        compile(ast.Module(body=[stmt], type_ignores=[]), str(NEMO_RL_FP8), "exec"),
+        compile(ast.Module(body=[stmt], type_ignores=[]), str(source), "exec"),
         {"os": fake_os, "vllm_cfg": vllm_cfg, "is_mx": is_mx},
     )
     return env
@@ -78,7 +75,7 @@ def _input(tmp_path, edit_vllm: dict | None = None, fp8: dict | None = None) -> 
 
 def _vllm_cfg(result, where: Path) -> dict:
     """vllm_cfg as NeMo RL sees it: apply's overlay at ``where`` with its defaults: chain (a
-    key whose parent value is already right is not written, issue 28)."""
+    key whose parent value is already right is not written)."""
     where.write_text(yaml.safe_dump(result.data, sort_keys=False))
     return load_config_chain(where)[1]["policy"]["generation"]["vllm_cfg"]
 

@@ -1,7 +1,7 @@
-"""ModelOpt QAT NVFP4 presets write NVIDIA's keys (issue 24, item 1).
+"""ModelOpt QAT NVFP4 presets write NVIDIA's keys.
 
 Each shipped recipe's keys are compared with its twin in the NeMo RL snapshot
-(``/work/shared/data/nemo_rl``, commit 7ea279a): ``examples/modelopt/
+(``../shared/data/nemo_rl``, commit 7ea279a): ``examples/modelopt/
 qa_grpo_llama8b_megatron.v2.yaml``, ``qa_grpo_nano3_megatron.yaml`` and the real-quant
 recipe ``grpo-nanov3-30ba3b-4n4g-megatron-qa-nvfp4-w4a16-real.yaml``; the keys are the
 ones NeMo RL's TypedDicts declare (``models/policy/__init__.py``,
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import SHARED_NEMO_RL
 from nemo_fp8_plugin.dotted import get_path
 from nemo_fp8_plugin.errors import FP8ConfigError
 from nemo_fp8_plugin.hosts.nemo_rl.modelopt import (
@@ -27,7 +28,7 @@ from nemo_fp8_plugin.spec import BF16Rules
 
 pytestmark = pytest.mark.torch_free
 
-SNAPSHOT = Path("/work/shared/data/nemo_rl")
+SNAPSHOT = SHARED_NEMO_RL
 MODELOPT = SNAPSHOT / "examples" / "modelopt"
 RECIPE = (
     SNAPSHOT

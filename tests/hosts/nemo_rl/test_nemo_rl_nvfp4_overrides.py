@@ -5,25 +5,21 @@ read-only test data)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import yaml
-from nemo_rl_cases import nemo_rl_model_override_functions, resolved
+from nemo_rl_cases import MAIN_STACK, nemo_rl_model_override_functions, resolved
 
 from conftest import nemo_rl_configs
 from nemo_fp8_plugin.hosts import apply_path
 from nemo_fp8_plugin.hosts.nemo_rl import ADAPTER as NEMO_RL
 
-NEMO_RL_SETUP = Path("/work/shared/data/nemo_rl/src/nemo_rl/models/megatron/setup.py")
-
 
 def test_nvfp4_model_overrides_pass_nemo_rls_own_conflict_check(tmp_path):
     """The FP4 fields nvfp4 writes through policy.megatron_cfg.model_overrides are no
     first-class NeMo RL key: its own _validate_model_override_conflicts (setup.py at 7ea279a)
-    accepts them, and refuses one that is (the check can fail)."""
-    if not NEMO_RL_SETUP.is_file():
-        pytest.skip(f"{NEMO_RL_SETUP} is absent (NeMo RL's source, read-only test data)")
+    accepts them, and refuses one that is (the check can fail). Only main has
+    model_overrides, so the config is written for main."""
     configs = nemo_rl_configs()
     data = yaml.safe_load((configs / "grpo_math_8B_megatron.yaml").read_text())
     data["defaults"] = os.path.relpath(configs / data["defaults"], tmp_path)
@@ -31,7 +27,7 @@ def test_nvfp4_model_overrides_pass_nemo_rls_own_conflict_check(tmp_path):
     data["policy"]["sequence_packing"] = {"enabled": False}  # NeMo RL pads for fp8_cfg only
     src, out = tmp_path / "in.yaml", tmp_path / "out.yaml"
     src.write_text(yaml.safe_dump(data, sort_keys=False))
-    result = apply_path(NEMO_RL, src, output=out)
+    result = apply_path(NEMO_RL, src, output=out, stack=MAIN_STACK)
     out.write_text(yaml.safe_dump(result.data, sort_keys=False))
     megatron_cfg = dict(resolved(out)["policy"]["megatron_cfg"])
     overrides = megatron_cfg["model_overrides"]

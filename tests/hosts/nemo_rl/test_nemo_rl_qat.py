@@ -1,4 +1,4 @@
-"""ModelOpt quantization-aware NVFP4 RL from one line (issue 24, item 1).
+"""ModelOpt quantization-aware NVFP4 RL from one line.
 
 ``fp8: {recipe: nvfp4, qat: PRESET}`` in a NeMo RL config: ``apply`` writes NVIDIA's keys.
 Each shipped recipe is checked key for key: NVIDIA's config, fully resolved through its
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from nemo_rl_cases import flatten, nemo_rl_load
+from nemo_rl_cases import MAIN_STACK, flatten, nemo_rl_load
 
 from conftest import shared_nemo_rl
 from nemo_fp8_plugin.cli import main as cli_main
@@ -80,7 +80,7 @@ def test_apply_on_the_twin_without_its_keys_gives_nvidias_config(tmp_path, twin,
     assert any(get_path(shipped, k) is not None for k in QUANT_KEYS[:1])  # a QAT config
     request = _without_quant_keys(shipped)
     request["fp8"] = {"recipe": "nvfp4", **fp8}
-    assert _apply(tmp_path, request, "--stack", "nemo-rl-0.6") == 0
+    assert _apply(tmp_path, request, "--stack", MAIN_STACK) == 0
     ours = yaml.safe_load((tmp_path / "out" / "qat.yaml").read_text())
     assert flatten(ours) == flatten(shipped)  # key for key, nothing more, nothing less
 
@@ -122,10 +122,28 @@ def test_every_spec_preset_has_nvidias_recipe_file():
 
 
 def _config(fp8: dict, **policy) -> dict:
+    """A Megatron policy (NeMo RL's ModelOpt worker is a Megatron worker) asking for ``fp8``."""
+    megatron = {"enabled": True, **policy.pop("megatron_cfg", {})}
     return {
-        "policy": {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "generation": {}, **policy},
+        "policy": {
+            "model_name": "meta-llama/Llama-3.1-8B-Instruct",
+            "generation": {},
+            "megatron_cfg": megatron,
+            **policy,
+        },
         "fp8": {"recipe": "nvfp4", **fp8},
     }
+
+
+def test_qat_on_a_dtensor_policy_is_refused_naming_the_key():
+    """NeMo RL's ModelOpt QAT runs on its Megatron policy worker: with the DTensor policy the
+    quant_cfg keys would be read by nothing and the policy would train in BF16."""
+    dtensor = _config({"qat": "w4a16"}, megatron_cfg={"enabled": False})
+    dtensor["policy"]["dtensor_cfg"] = {"enabled": True}
+    with pytest.raises(FP8ConfigError) as err:
+        apply_mapping(NEMO_RL, dtensor)
+    assert err.value.key == "policy.megatron_cfg.enabled" and "Megatron" in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 def test_bf16_rules_become_real_quant_ignore():
@@ -205,22 +223,24 @@ def test_a_config_stating_another_value_is_refused_naming_the_key():
     assert err.value.key == "policy.megatron_cfg.gradient_accumulation_fusion"
 
 
-def test_a_nemo_rl_without_modelopt_qat_is_refused_naming_the_version(monkeypatch):
+def test_a_nemo_rl_without_modelopt_qat_is_refused_naming_the_release():
+    """v0.6.0 declares no ModelOpt key (its PolicyConfig and VllmConfig, read in
+    test_nemo_rl_releases.py); v0.7.0 and main do."""
     import dataclasses
 
     from nemo_fp8_plugin.hosts import mapping_context, run
-    from nemo_fp8_plugin.stacks import Assumed
+    from nemo_fp8_plugin.stacks import assumed_versions
 
     ctx = mapping_context(_config({"qat": "w4a16"}))
-    old = Assumed("untested set", {"nemo-rl": "0.5.0"}, "detected from the installed packages")
+    old = assumed_versions("nemo-rl-0.6.0")
     with pytest.raises(FP8ConfigError) as err:
         run(NEMO_RL, dataclasses.replace(ctx, stack=old))
     assert err.value.key == "fp8.qat"
-    assert "NeMo RL 0.5.0 has no policy.quant_cfg" in str(err.value)
-    assert "from 0.6" in str(err.value)
-    # the 0.6 stack has it
-    new = Assumed("nemo-rl-0.6", {"nemo-rl": "0.6.0"}, "chosen with --stack")
-    assert run(NEMO_RL, dataclasses.replace(ctx, stack=new)).data["policy"]["quant_cfg"]
+    assert "NeMo RL v0.6.0 has no policy.quant_cfg" in str(err.value)
+    assert "v0.7.0" in str(err.value)
+    for release in ("nemo-rl-0.7.0", MAIN_STACK):
+        new = assumed_versions(release)
+        assert run(NEMO_RL, dataclasses.replace(ctx, stack=new)).data["policy"]["quant_cfg"]
 
 
 def test_explain_shows_the_modelopt_keys(capsys, tmp_path):
@@ -258,5 +278,5 @@ def test_te_nvfp4_with_nvfp4_rollouts_is_refused_naming_what_is_missing(tmp_path
     assert _apply(tmp_path, data) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "fp8.generation" in line
-    for fact in ("nvfp4_pertoken_rollout", "3566", "NeMo RL 0.6"):
+    for fact in ("nvfp4_pertoken_rollout", "3566", "NeMo RL v0.6.0, v0.7.0 and main 7ea279a"):
         assert fact in line, fact

@@ -13,6 +13,7 @@ import yaml
 from nemo_rl_cases import (
     CONFIGS,
     IS_ON,
+    MAIN_STACK,
     MEG,
     MISSING,
     VLLM,
@@ -49,6 +50,8 @@ def test_fp8_subchannel_is_block_fp8_on_both_sides_with_pow2_scales(tmp_path):
         f"{VLLM}.use_deep_gemm": True,
         f"{VLLM}.pow2_weight_scaling_factors": True,
         f"{VLLM}.pow2_activation_scaling_factors": True,
+        # FlashInfer's Hopper kernel quantizes batches below 32 tokens itself, with fp32 scales
+        f"{VLLM}.env_vars.VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
         **IS_ON,
     }
     assert warnings == []
@@ -67,7 +70,7 @@ def test_mxfp8_is_mxfp8_training_and_mx_generation(tmp_path):
         f"{VLLM}.pow2_activation_scaling_factors": True,
         **IS_ON,
     }
-    # The preset's fp8_param: true is not carried over (NeMo RL issue 1164), and it is said.
+    # The preset's fp8_param: true is not carried over (NVIDIA-NeMo/RL issue 1164), and it is said.
     assert ours[f"{MEG}.fp8_cfg.fp8_param"] is False
     assert any("fp8_param" in w and "1164" in w for w in warnings)
 
@@ -81,8 +84,8 @@ def test_preset_fp8_param_true_is_written_false_for_nemo_rl(tmp_path, recipe):
         lambda d: d["policy"].update(precision=recipe),
         relative_defaults=True,
     )
-    result = apply_path(NEMO_RL, src)
-    # false is the parent's value already, so the overlay leaves it out (issue 28)
+    result = apply_path(NEMO_RL, src, stack=MAIN_STACK)
+    # false is the parent's value already, so the overlay leaves it out
     assert result.data["policy"]["megatron_cfg"]["fp8_cfg"].get("fp8_param", False) is False
     (warning,) = [w for w in result.warnings if "fp8_param" in w]
     assert "token_mult_prob_error" in warning and "fp8_param: true" in warning
@@ -108,7 +111,7 @@ def test_fp8_param_stated_by_the_user_is_kept(tmp_path):
         },
         recipe="mxfp8",
     )
-    data = apply_path(NEMO_RL, native).data
+    data = apply_path(NEMO_RL, native, stack=MAIN_STACK).data
     assert data["policy"]["megatron_cfg"]["fp8_cfg"]["fp8_param"] is True
     assert native_keys(get_recipe("mxfp8"), fp8_param_stated=True).warnings == []
 
@@ -175,8 +178,16 @@ def test_training_only_mode_keeps_bf16_generation(tmp_path):
 
 
 def test_fp8_kv_cache(tmp_path):
-    ours, _ = apply_8b(tmp_path, kv_cache="fp8")
-    assert ours[f"{VLLM}.kv_cache_dtype"] == "fp8"
+    """The 8B config has pipeline_model_parallel_size 2, which NeMo RL refuses with an FP8 KV
+    cache (the release's grpo.py): refused naming the key; with 1, written."""
+    with pytest.raises(FP8ConfigError) as err:
+        apply_8b(tmp_path, kv_cache="fp8")
+    assert err.value.key == f"{MEG}.pipeline_model_parallel_size" and "grpo.py" in str(err.value)
+    src = _with_native(
+        tmp_path, {"policy": {"megatron_cfg": {"pipeline_model_parallel_size": 1}}}, kv_cache="fp8"
+    )
+    data = apply_path(NEMO_RL, src).data
+    assert data["policy"]["generation"]["vllm_cfg"]["kv_cache_dtype"] == "fp8"
 
 
 @pytest.mark.parametrize(
@@ -221,8 +232,14 @@ def test_sequence_level_needs_a_sequence_level_loss(tmp_path):
 
 
 def test_importance_sampling_off_leaves_the_loss_alone(tmp_path):
-    ours, _ = apply_8b(tmp_path, importance_sampling=False)
+    """Training-only FP8 without the correction leaves the loss as the config has it; FP8
+    generation without it is what every NeMo RL release stops on at start-up (grpo.py), so it
+    is refused naming the request's key."""
+    ours, _ = apply_8b(tmp_path, importance_sampling=False, generation="bf16")
     assert not any(k.startswith("loss_fn") for k in changed(ours))
+    with pytest.raises(FP8ConfigError) as err:
+        apply_8b(tmp_path, importance_sampling=False)
+    assert err.value.key == "fp8.importance_sampling" and "stops at start-up" in str(err.value)
 
 
 def test_moe_router_dtype_only_for_moe_models(tmp_path):
@@ -365,7 +382,13 @@ def test_mxfp8_rollouts_give_nvidias_keys(tmp_path):
         f"{VLLM}.quantization_ignored_layer_kws": ["q_proj", "k_proj", "v_proj", "o_proj"],
         **IS_ON,
     }
-    assert ours[f"{MEG}.fp8_cfg.enabled"] is False and warnings == []
+    # vLLM 0.25.1's ModelOpt MXFP8 method quantizes lm_head unless listed, and NeMo RL lists
+    # base-model names only (test_nemo_rl_preflight.py)
+    (lm_head,) = warnings
+    assert ours[f"{MEG}.fp8_cfg.enabled"] is False and "quantizes 1 module(s)" in lm_head
+    assert lm_head.endswith(
+        "lm_head; NeMo RL builds the list from the base model's names, without the output head"
+    )
     # the keys NeMo RL's own init_fp8 checks for MXFP8 (its source, read with ast)
     src = shared_nemo_rl("src/nemo_rl/models/generation/vllm/quantization/fp8.py")
     import ast
@@ -445,20 +468,22 @@ def test_model_overrides_cannot_carry_a_per_module_quant_recipe():
 
 
 @pytest.mark.parametrize(
-    ("numerics", "named"),
+    ("numerics", "named", "deep_gemm"),
     [
-        ("vllm", None),
-        ("trainer", "generation_numerics=trainer"),
-        ("vllm_deepgemm_ue8m0", "VLLM_USE_DEEP_GEMM_E8M0=0"),
+        ("vllm", None, True),
+        ("trainer", "generation_numerics=trainer", True),
+        ("vllm_deepgemm_ue8m0", None, False),
     ],
 )
-def test_generation_numerics_nemo_rl_cannot_express_is_said(numerics, named):
-    """NeMo RL generates with vLLM's own kernels (vLLM's numerics) and turns DeepGEMM's E8M0
-    mode off whenever it turns DeepGEMM on (its generation/vllm/quantization/fp8.py), so
-    only ``generation_numerics: vllm`` is what NeMo RL runs; the others are said, not
-    silently dropped. A BF16-generation recipe has nothing to say."""
+def test_generation_numerics_nemo_rl_cannot_express_is_said(numerics, named, deep_gemm):
+    """NeMo RL generates with vLLM's own kernels (vLLM's numerics): ``trainer`` is said, not
+    silently dropped. It turns DeepGEMM's E8M0 mode off when use_deep_gemm is true (its
+    generation/vllm/quantization/fp8.py) and sets nothing when false, where vLLM's default is
+    DeepGEMM in its E8M0 mode: ``vllm_deepgemm_ue8m0`` is ``use_deep_gemm: false``. A
+    BF16-generation recipe has nothing to say."""
     spec = get_recipe({"recipe": "fp8_blockwise", "generation_numerics": numerics})
     said = [w for w in native_keys(spec).warnings if "generation_numerics" in w]
+    assert native_keys(spec).keys["policy"]["generation"]["vllm_cfg"]["use_deep_gemm"] is deep_gemm
     if named is None:
         assert said == []
     else:

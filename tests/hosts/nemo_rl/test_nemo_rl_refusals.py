@@ -8,6 +8,7 @@ import pytest
 import yaml
 from nemo_rl_cases import (
     CONFIGS,
+    MAIN_STACK,
     MEG,
     VLLM,
     _gen_only,
@@ -52,27 +53,10 @@ def test_output_is_idempotent(tmp_path):
             {"policy": {"megatron_cfg": {"env_vars": {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}}}},
             f"{MEG}.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES",
         ),
-        (
-            {"policy": {"generation": {"vllm_cfg": {"kv_cache_dtype": "fp8"}}}},
-            f"{VLLM}.kv_cache_dtype",
-        ),
         ({"policy": {"generation": {"vllm_cfg": {"is_mx": True}}}}, f"{VLLM}.is_mx"),
         (
             {"policy": {"generation": {"vllm_cfg": {"num_last_layers_in_bf16": 2}}}},
             f"{VLLM}.num_last_layers_in_bf16",
-        ),
-        (
-            {"policy": {"generation": {"vllm_cfg": {"pow2_weight_scaling_factors": True}}}},
-            f"{VLLM}.pow2_weight_scaling_factors",
-        ),
-        (
-            {
-                "loss_fn": {
-                    "truncated_importance_sampling_type": "tis",
-                    "truncated_importance_sampling_ratio": 2.0,
-                }
-            },
-            "loss_fn.truncated_importance_sampling_type",
         ),
     ],
 )
@@ -96,6 +80,7 @@ def test_native_keys_that_agree_are_kept(tmp_path):
                 "megatron_cfg": {
                     "fp8_cfg": {"enabled": True},
                     "env_vars": {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": 1},
+                    "pipeline_model_parallel_size": 1,  # NeMo RL's FP8 KV cache needs it
                 },
                 "generation": {"vllm_cfg": {"kv_cache_dtype": "fp8_e4m3", "precision": "fp8"}},
             }
@@ -225,7 +210,7 @@ def test_generation_only_with_a_recipe_nemo_rl_cannot_generate_is_refused(tmp_pa
 def test_model_overrides_that_contradict_the_recipe_are_refused(tmp_path, native, fp8, key):
     src = _with_native(tmp_path, {"policy": {"megatron_cfg": {"model_overrides": native}}}, **fp8)
     with pytest.raises(FP8ConfigError) as err:
-        apply_path(NEMO_RL, src)
+        apply_path(NEMO_RL, src, stack=MAIN_STACK)
     assert err.value.key == key and "\n" not in str(err.value)
 
 
@@ -245,7 +230,9 @@ def test_model_overrides_that_agree_or_are_neutral_are_kept(tmp_path):
         },
         bf16_layers={"first": 1},
     )
-    ov = apply_path(NEMO_RL, src).data["policy"]["megatron_cfg"]["model_overrides"]
+    ov = apply_path(NEMO_RL, src, stack=MAIN_STACK).data["policy"]["megatron_cfg"][
+        "model_overrides"
+    ]
     assert ov == {
         "num_layers_at_start_in_bf16": 1,
         "first_last_layers_bf16": True,
@@ -256,9 +243,9 @@ def test_model_overrides_that_agree_or_are_neutral_are_kept(tmp_path):
         tmp_path,
         {"policy": {"megatron_cfg": {"model_overrides": {"first_last_layers_bf16": False}}}},
     )
-    assert apply_path(NEMO_RL, plain).data["policy"]["megatron_cfg"]["model_overrides"] == {
-        "first_last_layers_bf16": False
-    }
+    assert apply_path(NEMO_RL, plain, stack=MAIN_STACK).data["policy"]["megatron_cfg"][
+        "model_overrides"
+    ] == {"first_last_layers_bf16": False}
 
 
 def test_backward_override_in_env_vars_is_refused(tmp_path):
@@ -322,3 +309,27 @@ def test_dtensor_fp8_training_hints_fp8_generation_only_where_there_is_generatio
     assert ("fp8: {training: bf16}" in err.value.hint) is generation
     if not generation:
         assert "no policy.generation" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    "native, key",
+    [
+        ("policy: {generation: {vllm_cfg: {num_first_layers_in_bf16: abc}}}", "num_first"),
+        ("policy: {generation: {vllm_cfg: {num_first_layers_in_bf16: .inf}}}", "num_first"),
+        ("policy: {generation: {vllm_cfg: {num_last_layers_in_bf16: [1]}}}", "num_last"),
+        (
+            "loss_fn: {truncated_importance_sampling_type: tis, "
+            "truncated_importance_sampling_ratio: 0, truncated_importance_sampling_ratio_min: 0.5}",
+            "loss_fn.truncated_importance_sampling_ratio",
+        ),
+    ],
+    ids=["abc", "inf", "list", "ratio-0"],
+)
+def test_native_values_read_back_are_refused_in_one_line(tmp_path, capsys, native, key):
+    """Was: ValueError / OverflowError / TypeError / ZeroDivisionError tracebacks from
+    ``explain`` reading NVIDIA's FP8 config back (``hosts/nemo_rl/native.py``)."""
+    src = tmp_path / "native.yaml"
+    src.write_text(f"defaults: {CONFIGS / 'grpo_math_8B_megatron_fp8.yaml'}\n{native}\n")
+    assert run_cli("explain", str(src)) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and key in err and "Traceback" not in err

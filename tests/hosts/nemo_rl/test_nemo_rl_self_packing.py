@@ -1,4 +1,4 @@
-"""Sequence alignment for models NeMo RL does not pack (issue 24, item 3).
+"""Sequence alignment for models NeMo RL does not pack.
 
 NeMo RL 7ea279a hands models that pack inside their forward (``_model_self_packs_for_cp``,
 ``megatron_policy_worker.py:147-165``: ``model_owns_packing`` or Megatron-Bridge's
@@ -14,6 +14,7 @@ import zipfile
 
 import pytest
 import yaml
+from nemo_rl_cases import MAIN_STACK
 
 from conftest import UPSTREAM, nemo_rl_configs
 from nemo_fp8_plugin.hosts import apply_path
@@ -93,7 +94,9 @@ def test_a_packed_known_model_is_still_left_to_nemo_rls_packer(tmp_path):
 
 
 def test_nvfp4_packing_is_allowed_for_a_self_packing_model(tmp_path):
-    result = apply_path(NEMO_RL, _input(tmp_path, "Qwen/Qwen3.5-27B", {"recipe": "nvfp4"}))
+    result = apply_path(
+        NEMO_RL, _input(tmp_path, "Qwen/Qwen3.5-27B", {"recipe": "nvfp4"}), stack=MAIN_STACK
+    )
     assert result.data["policy"][KEY] == 128
 
 

@@ -1,112 +1,19 @@
-"""What megatron-core's ``get_fp8_recipe`` honours, read from the installed megatron-core source.
+"""Test-side reader of megatron-core's ``get_fp8_recipe``: which ``fp8*`` ``TransformerConfig``
+fields each ``fp8_recipe`` branch reads, parsed with :mod:`ast` from a megatron-core source tree
+(the installed 0.16.1, or the excerpts of later releases in ``tests/fixtures/megatron_core/``).
 
-megatron-core builds the Transformer Engine recipe object itself
-(``megatron/core/fp8_utils.py``, ``get_fp8_recipe(config)``), and each recipe branch reads a
-different set of ``TransformerConfig`` fields: in 0.16.1 ``fp8_dot_product_attention`` reaches
-TE only for ``delayed`` and ``tensorwise`` and ``fp8_multi_head_attention`` only for
-``delayed``; 0.18 passes ``fp8_dpa`` to MXFP8 as well (read from the 0.17.0 and 0.18.0
-wheels: the ``stacks.FACTS`` row ``get_fp8_recipe.mxfp8.fp8_dpa``, which decides it when a
-command names a stack). A field a branch never reads is dropped without a word, so the plugin
-asks the installed version.
-
-``get_fp8_recipe`` exists only when Transformer Engine imports (it is defined under
-``if HAVE_TE:``), and importing megatron-core takes half a minute, so the source is parsed with
-:mod:`ast`, never imported: for every ``if config.fp8_recipe == Fp8Recipe.<name>:`` branch the
-``config.<field>`` reads are collected, following calls that receive ``config`` into functions
-and classes of megatron-core itself (``TEDelayedScaling.__init__`` in
-``megatron/core/extensions/transformer_engine.py`` reads the delayed-scaling fields).
-
-When megatron-core is not installed (``nemo-fp8 apply --host megatron`` on a laptop), the table
-read from megatron-core 0.16.1 is used and the messages say so.
+For every ``if config.fp8_recipe == Fp8Recipe.<name>:`` branch the ``config.<field>`` reads are
+collected, following calls that receive ``config`` into functions and classes of megatron-core
+itself (``TEDelayedScaling.__init__`` in ``megatron/core/extensions/transformer_engine.py``
+reads the delayed-scaling fields). What it reads checks the ``get_fp8_recipe.*`` rows of
+``nemo_fp8_plugin.stacks.FACTS`` (``tests/test_stacks_megatron_source.py``); the package only
+reads the rows (``nemo_fp8_plugin.hosts.megatron.honoured``).
 """
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-
-__all__ = [
-    "HonouredFields",
-    "honoured_fp8_fields",
-    "read_honoured_fields",
-    "FALLBACK_VERSION",
-    "FALLBACK",
-]
-
-FALLBACK_VERSION = "0.16.1"
-"""The megatron-core version :data:`FALLBACK` was read from (tests compare it with the source)."""
-
-_DELAYED = frozenset(
-    {
-        "fp8_margin",
-        "fp8_amax_history_len",
-        "fp8_amax_compute_algo",
-        "fp8_wgrad",
-        "fp8_dot_product_attention",
-        "fp8_multi_head_attention",
-        "fp8_interval",
-    }
-)
-
-FALLBACK: dict[str, frozenset[str]] = {
-    "delayed": _DELAYED,
-    "tensorwise": frozenset({"fp8_dot_product_attention"}),
-    "blockwise": frozenset(),
-    "mxfp8": frozenset(),
-    "custom": frozenset({"fp8_quantizer_factory"}),
-}
-"""FP8 ``TransformerConfig`` fields each ``fp8_recipe`` branch of megatron-core 0.16.1's
-``get_fp8_recipe`` reads (only ``fp8*`` fields are kept)."""
-
-
-@dataclass(frozen=True)
-class HonouredFields:
-    """The answer for one megatron-core.
-
-    Attributes:
-        fields: ``fp8_recipe`` value -> the ``fp8*`` ``TransformerConfig`` fields its branch of
-            ``get_fp8_recipe`` reads (directly or in the megatron-core code it calls).
-        version: the megatron-core version they were read from.
-        source: ``"installed"`` (read from the installed source) or ``"fallback"``.
-    """
-
-    fields: dict[str, frozenset[str]]
-    version: str
-    source: str
-
-    @property
-    def label(self) -> str:
-        """``megatron-core 0.16.1``, with a note when it is not the installed one."""
-        if self.source == "installed":
-            return f"megatron-core {self.version}"
-        return f"megatron-core {self.version} (not installed here; the last version read)"
-
-    def honours(self, recipe: str, field: str) -> bool:
-        return field in self.fields.get(recipe, frozenset())
-
-    def recipes_reading(self, field: str) -> list[str]:
-        return [r for r, fs in self.fields.items() if field in fs and r != "custom"]
-
-
-def honoured_fp8_fields() -> HonouredFields:
-    """:class:`HonouredFields` of the installed megatron-core, else :data:`FALLBACK`."""
-    try:
-        from importlib.metadata import PackageNotFoundError, distribution
-
-        dist = distribution("megatron-core")
-    except PackageNotFoundError:
-        return HonouredFields(dict(FALLBACK), FALLBACK_VERSION, "fallback")
-    root = Path(str(dist.locate_file("megatron")))
-    if not (root / "core" / "fp8_utils.py").is_file():
-        return HonouredFields(dict(FALLBACK), FALLBACK_VERSION, "fallback")
-    return HonouredFields(_read_cached(str(root)), dist.version, "installed")
-
-
-@lru_cache(maxsize=8)
-def _read_cached(root: str) -> dict[str, frozenset[str]]:
-    return read_honoured_fields(Path(root))
 
 
 def read_honoured_fields(megatron_root: Path) -> dict[str, frozenset[str]]:

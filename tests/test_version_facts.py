@@ -1,0 +1,115 @@
+"""Version knowledge lives in ``nemo_fp8_plugin.stacks`` only: one parser, the tested versions
+and the hosts' per-release facts as rows; no command parses a host's source while it runs (the
+readers are the tests', ``tests/vllm_source.py`` and ``tests/megatron_source.py``)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_fp8_plugin import stacks
+from nemo_fp8_plugin.cli import main
+
+pytestmark = pytest.mark.torch_free
+
+PACKAGE = Path(stacks.__file__).parent
+EXAMPLES = PACKAGE.parent / "conf" / "examples"
+FIXTURE = PACKAGE.parent / "tests" / "fixtures" / "nemo_rl_grpo_trimmed.yaml"
+
+
+def _configs(tmp_path: Path) -> list[tuple[Path, str]]:
+    """One config per host, each asking for what reads version facts: megatron-core's
+    dropped fields (FP8 attention under block scaling, fp8_wgrad: false), NeMo RL's and
+    vLLM's rollout keys."""
+    out = []
+    for name, host, block in (
+        (
+            "megatron_gpt_fp8_current.yaml",
+            "megatron",
+            {"recipe": "fp8_blockwise", "fp8_dot_product_attention": True, "fp8_wgrad": False},
+        ),
+        ("nemo_rl_grpo_trimmed.yaml", "nemo-rl", {"recipe": "fp8_blockwise"}),
+        ("vllm_llama8b_fp8_blockwise.yaml", "vllm", {"recipe": "fp8_subchannel"}),
+    ):
+        data = yaml.safe_load((EXAMPLES / name if host != "nemo-rl" else FIXTURE).read_text())
+        data.pop("precision", None)
+        data["fp8"] = block
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(data))
+        out.append((path, host))
+    return out
+
+
+def test_apply_and_explain_parse_no_source(tmp_path, monkeypatch, capsys):
+    """``ast.parse`` is never called while apply and explain run (before, megatron-core's
+    ``fp8_utils.py`` was parsed on every dropped-field check)."""
+    calls: list[str] = []
+    real = ast.parse
+
+    def recording(source, filename="<unknown>", *args, **kwargs):
+        calls.append(str(filename))
+        return real(source, filename, *args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", recording)
+    for path, host in _configs(tmp_path):
+        for hardware in ([], ["--hardware", "h100"]):
+            rc = main(
+                ["apply", str(path), "--host", host, "-o", str(tmp_path / "o.yaml"), *hardware]
+            )
+            assert rc in (0, 2), capsys.readouterr().err
+            assert main(["explain", str(path), "--host", host, *hardware]) in (0, 2)
+    capsys.readouterr()
+    assert calls == []
+
+
+def test_one_version_parser():
+    """No module but stacks.py defines a version parser."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "stacks.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and re.search(
+                r"version_tuple|parse_version|^_key$|version_key", node.name
+            ):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
+    assert not found, found
+
+
+def _string_constants(tree: ast.Module):
+    docstrings = {
+        id(n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ):
+            yield node
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["hosts/vllm", "hosts/megatron", "numerics/vllm_numerics.py", "explain.py", "cli/doctor.py"],
+)
+def test_tested_versions_are_referred_to_by_name(where):
+    """The vLLM and megatron-core modules name no tested version in their code (messages and
+    values): they ask stacks.TESTED, a stack or a row."""
+    versions = [*stacks.TESTED["vllm"], *stacks.TESTED["megatron-core"]]
+    pattern = re.compile(r"(?<![\d.])(" + "|".join(map(re.escape, versions)) + r")(?!\d)")
+    root = PACKAGE / where
+    files = [root] if root.is_file() else sorted(root.rglob("*.py"))
+    found = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value[:60]!r}"
+        for path in files
+        for node in _string_constants(ast.parse(path.read_text(encoding="utf-8")))
+        if pattern.search(node.value)
+    ]
+    assert not found, found
