@@ -39,8 +39,10 @@ def register(sub) -> None:
     p.add_argument(
         "--arms", default=None, help=f"comma-separated subset of {_ARM_HELP} (default: all)"
     )
-    p.add_argument("--steps", default=None, metavar="N", help="GRPO steps per arm and seed")
-    p.add_argument("--seeds", default=None, metavar="N", help="number of seeds (default 8)")
+    p.add_argument(
+        "--steps", default=None, metavar="N", help="GRPO steps per arm and seed (default 12)"
+    )
+    p.add_argument("--seeds", default=None, metavar="N", help="number of seeds (default 10)")
     p.add_argument("--seed", default=None, metavar="N", help="first seed (default 0)")
     p.add_argument(
         "--jobs",

@@ -144,7 +144,7 @@ def _findings(data: dict[str, Any]) -> list[str]:
         f"**Held out**: {held} evaluation prompt of any seed was one of its training prompts "
         "(`summary.eval_disjoint`)."
     )
-    if "bf16" in arms:
+    if "bf16" in arms and arms["bf16"]["learns"] is not None:  # None: a smoke run
         g = arms["bf16"]["gain"]
         se = g["se"]
         learned = "learns" if arms["bf16"]["learns"] else "does not learn (gain < 3 SE)"
@@ -159,8 +159,13 @@ def _findings(data: dict[str, Any]) -> list[str]:
             f"**NVIDIA's comparison** (`{e2e}` minus `{gen_only}`, final reward paired by "
             f"seed; Llama 3.1 8B: {nvidia[e2e]} - {nvidia[gen_only]} = "
             f"{nvidia[e2e] - nvidia[gen_only]:+.3f}) "
-            f"{verdict_sentence(ref['difference'], gap)}. Its own paired SD, "
-            f"{ref['paired_sd']:.4f}, needs {need} seeds to resolve ±{gap:g}."
+            f"{verdict_sentence(ref['difference'], gap)}."
+            + (
+                f" Its own paired SD, {ref['paired_sd']:.4f}, needs {need} seeds to resolve "
+                f"±{gap:g}."
+                if need is not None
+                else ""
+            )
         )
     reward = [
         f"`{a}` {verdict_sentence(arms[a]['final_vs_bf16'], gap)}"
@@ -224,6 +229,15 @@ def _findings(data: dict[str, Any]) -> list[str]:
         out.append(
             f"**Excess mismatch** (`token_mult_prob_error - 1` against BF16's): generation only "
             f"(`fp8-gen`) {ratios('fp8-gen')}; end to end (`fp8-e2e`) {ratios('fp8-e2e')}."
+        )
+    kv_arm = next((a for a in data["arms"] if a.endswith("-kv")), None)
+    if kv_arm is not None:
+        sh = arms[kv_arm]["shares"]
+        out.append(
+            f"**KV-scale calibration** costs {sh['kv_calibration']:.0%} of `{kv_arm}`'s step "
+            f"here (generation {sh['generate']:.0%}), against 2-3% in NVIDIA's GPU runs: it is "
+            f"one more trainer forward over the step's batch, a large share of a step of "
+            f"{s['digits']}-token answers, a small one of a step spent generating long ones."
         )
     checks = [
         f"`{a}` {r['nightly_bound']['seeds_passing']} of {r['nightly_bound']['seeds']} "

@@ -40,7 +40,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_check") / "quick.json"
     text = io.StringIO()
-    with contextlib.redirect_stdout(text):
+    # the worker processes start at one torch thread (the thread test compares at two)
+    with pytest.MonkeyPatch.context() as env, contextlib.redirect_stdout(text):
+        env.setenv("OMP_NUM_THREADS", "1")
         assert cli_main(["rl-check", "--quick", "--quiet", "--jobs", "2", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     data["text"] = text.getvalue()
@@ -48,6 +50,16 @@ def quick(tmp_path_factory):
     data["by_arm"] = data["summary"]["arms"]
     data["run"] = {(r["arm"], r["seed"]): r for r in data["runs"]}
     return data
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def excess(row):
@@ -143,8 +155,8 @@ def test_costs_are_measured(quick):
         assert (shares["kv_refresh"] > 0.0) == with_kv, arm
     assert arms["fp8-e2e-te-refit"]["refit_mib"] < 0.6 * arms["bf16"]["refit_mib"]
     assert arms["fp8-gen"]["refit_mib"] == arms["bf16"]["refit_mib"]  # NeMo RL sends BF16
-    # the engine's own quantization makes NeMo RL's load dearer than a plain copy
-    assert arms["fp8-gen"]["shares"]["load"] > arms["bf16"]["shares"]["load"]
+    # That the engine quantizes what NeMo RL sends is tested on its weights (below), not by
+    # comparing two load times of a few milliseconds that a busy machine's scheduler sets.
 
 
 @pytest.mark.slow
@@ -177,9 +189,9 @@ def _records(run: dict) -> dict:
 @pytest.mark.slow
 def test_two_threads_in_one_process_give_the_records_of_one_thread_per_worker(quick):
     """The smoke run (2 seeds x 3 steps) again, in this process at two torch threads:
-    bit-identical per-seed records to the fixture's (two worker processes, each at whatever
-    thread count it starts with). Two threads do change these sums (a warm-up alone differs),
-    so this holds only because every seed runs at one thread."""
+    bit-identical per-seed records to the fixture's (two worker processes started at one
+    thread). Two threads do change these sums (a warm-up alone differs), so this holds only
+    because every seed runs at one thread whatever the caller's."""
     assert QUICK.steps == 3 and QUICK.seeds == 2
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -423,17 +435,13 @@ def test_shared_start_evaluations_are_each_arms_own(quick):
     for seed in range(QUICK.seeds):
         start = {arm: quick["run"][(arm, seed)]["start_reward"] for arm in ARMS}
         assert start["fp8-gen"] == start["fp8-e2e"] == start["fp8-e2e-is"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as run_seed computes
-    try:
+    with _one_thread():  # as run_seed computes
         template, task, _, _ = rl_check._template(settings, 1)  # the seed's warm-up, once
         spec = get_recipe(settings.recipe)
         for arm in ("fp8-e2e-is", "fp8-e2e-te-refit", "fp8-e2e-is-kv"):
             with fused_mode(False):
                 alone = rl_check.run_arm(arm, template, task, settings, spec, 1)
             assert alone.start_reward == quick["run"][(arm, 1)]["start_reward"], arm
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
@@ -470,11 +478,61 @@ def test_attribution_baseline_is_the_recorded_step(quick):
             key = "both_sides_removed" if rl_check.ARM_SPECS[arm].fp8_training else "removed"
             ranked = [r[key] for r in rows[1:]]
             assert ranked == sorted(ranked, reverse=True)
-    # generation only: keeping every FP8 layer of a side in BF16 removes most of the excess
-    for seed in range(QUICK.attribution_seeds):
-        rows = {r["bf16"]: r for r in quick["run"][("fp8-gen", seed)]["attribution"]}
-        assert rows["layer.0"]["removed"] + rows["layer.1"]["removed"] > 0.5
+    # How much each candidate removes is a figure of the CPU's rounding (a smoke run's last
+    # step has a small excess, so its shares swing): the exact facts of the attribution are
+    # tested on an engine of known layout below.
     assert "Mismatch attribution at step" in quick["text"]
+
+
+@pytest.mark.parametrize("arm", ["fp8-gen", "fp8-e2e"])
+def test_a_candidate_holding_every_fp8_linear_gives_the_bf16_mismatch(arm):
+    """Exact facts of the attribution, the same on any CPU: with FP8 linears in layer 0 only,
+    keeping ``layer.0`` in BF16 leaves an all-BF16 engine, so its row is the BF16 engine's
+    mismatch against the same trainer log-probabilities, bit for bit (end to end, its
+    both-sides row is the all-BF16 trainer's against it); a layer without FP8 linears is no
+    candidate; every share is ``(base - error) / (base - 1)``."""
+    from nemo_fp8_plugin.registry import get_recipe
+    from nemo_fp8_plugin.tools.rl_check_model import RunningSumTask
+
+    template = _template()
+    spec = get_recipe("fp8_blockwise")
+    a, settings = rl_check.ARM_SPECS[arm], QUICK
+    fp8 = {m for m in rl_check.fp8_modules_of(template, spec, 2) if ".layers.0." in m}
+    assert fp8 == {f"model.layers.0.{k}" for k in _LINEARS}
+    task = RunningSumTask(4)
+    prompts = task.prompts(32, torch.Generator().manual_seed(1))
+    # as run_seed computes: one thread (two are slow on a loaded CPU), eager quantizers
+    with _one_thread(), torch.no_grad(), fused_mode(False):
+        trainer = rl_check.Trainer(
+            template, 1e-3, fp8_spec=spec if a.fp8_training else None, fp8_modules=fp8
+        )
+        engine = rl_check._make_engine(template, a, settings, spec, fp8, False)
+        rl_check._refit(trainer, engine, spec, 2)
+        completions, _ = engine.generate(prompts, 4, torch.Generator().manual_seed(2))
+        seq = torch.cat([prompts, completions], dim=1)
+        train_lp = trainer.logprobs(seq, task.prompt_len).float()
+        rows = rl_check.attribute(
+            template, a, settings, spec, trainer, engine, fp8, prompts, completions, train_lp
+        )
+        bf16 = rl_check._make_engine(
+            template, rl_check.ARM_SPECS["bf16"], settings, spec, set(), False
+        )
+        rl_check._refit(trainer, bf16, spec, 2)
+        bf16_lp = bf16.generate(prompts, 4, None, forced=completions)[1]
+        bf16_train_lp = rl_check.Trainer(template, 1e-3).logprobs(seq, task.prompt_len).float()
+    by = {r["bf16"]: r for r in rows}
+    assert set(by) == {"none", "layer.0"} | {k.rpartition(".")[2] for k in _LINEARS}
+    assert by["layer.0"]["token_mult_prob_error"] == rl_check._mismatch(train_lp, bf16_lp)
+    base = by["none"]["token_mult_prob_error"]
+    assert base > 1.0 and base != by["layer.0"]["token_mult_prob_error"]
+    for r in rows[1:]:
+        assert r["removed"] == pytest.approx((base - r["token_mult_prob_error"]) / (base - 1))
+    if a.fp8_training:
+        assert by["layer.0"]["both_sides"] == rl_check._mismatch(bf16_train_lp, bf16_lp)
+        for r in rows[1:]:
+            assert r["both_sides_removed"] == pytest.approx((base - r["both_sides"]) / (base - 1))
+    else:
+        assert all("both_sides" not in r for r in rows)
 
 
 # ------------------------------------------------------------------ the engine's pieces
@@ -568,6 +626,7 @@ def test_help_says_what_the_code_does(capsys):
     assert "%%" not in text and "95% interval" in text
     assert f"{QUICK.seeds} seeds, {QUICK.steps} small steps" in text
     assert f"number of seeds (default {rl_check.FULL.seeds})" in text
+    assert f"GRPO steps per arm and seed (default {rl_check.FULL.steps})" in text
     for arm in ARMS:
         assert arm in text
 

@@ -192,6 +192,16 @@ def test_the_shipped_run_is_the_default_and_names_its_machine():
     assert env["isa"] and env["cpu"]
     page = " ".join(DOC.read_text().split())
     assert f"on {machine_line(env)}" in page and f"CPU ISA {env['isa']}" in page
+    # the prose describing the default names its size
+    assert f"The default's design: {FULL.steps} steps x {FULL.seeds} seeds" in page
+    for typed in (
+        f"Adam at 1e-3, {FULL.steps} steps by default",
+        f"**GRPO**: {FULL.prompts_per_step} prompts x {FULL.generations_per_prompt} samples",
+        f"each seed draws {FULL.eval_prompts} distinct evaluation prompts",
+        f"prompt `BOS d1..d{FULL.digits} SEP`",
+        f"reaches {FULL.warmup_target:g} (checked every {FULL.warmup_check_every} steps)",
+    ):
+        assert typed in page, typed
     # NVIDIA's comparison is reported, with its verdict
     assert "**NVIDIA's comparison** (`fp8-e2e-is` minus `fp8-gen-is`" in page
     assert data["summary"]["reference"]["arms"] == ["fp8-gen-is", "fp8-e2e-is"]
