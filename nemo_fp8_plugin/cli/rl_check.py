@@ -12,31 +12,37 @@ def register(sub) -> None:
     p = sub.add_parser(
         "rl-check",
         help="run a tiny GRPO loop in BF16 and FP8 arms over seeds; mismatch, reward, costs",
-        description="Train a tiny causal LM by GRPO on a toy task with a verifiable reward, "
-        "with rollouts from a separate generation engine refit after every step, in seven "
-        "arms: bf16; fp8-gen (FP8 generation only); fp8-gen-is (the same with token-level "
-        "TIS, ratio 2); fp8-e2e (FP8 generation and training); fp8-e2e-is (NVIDIA's recipe: "
-        "end to end plus TIS); fp8-e2e-is-kv (plus an FP8 KV cache and FP8 queries with "
-        "per-step q/k/v scales); fp8-e2e-te-refit (fp8-e2e with weights quantized on the "
-        "trainer, bit-identical to its own). The engine quantizes activations as vLLM does "
-        "and, except in fp8-e2e-te-refit, the refit BF16 weights as NeMo RL's vLLM worker "
-        "does; the trainer quantizes as Transformer Engine does. Prints the final reward on "
-        "held-out prompts (mean and 95% interval over seeds), a power statement for a 0.03 "
-        "reward gap, the mismatch metrics against NeMo RL's nightly bounds, a per-layer "
-        "attribution of the mismatch and the measured cost of each phase. CPU only; see "
-        "docs/rl.md for the run times; --quick is a smoke run of about a minute.",
+        description="Train a tiny causal LM by GRPO on a task with a verifiable reward and "
+        "answers of 16 tokens (the running sum of the prompt's digits: each answer token "
+        "follows from the one before, so a mismatch compounds), with rollouts from a "
+        "separate generation engine refit after every step, in seven arms: bf16; fp8-gen "
+        "(FP8 generation only); fp8-gen-is (the same with token-level TIS, ratio 2); fp8-e2e "
+        "(FP8 generation and training); fp8-e2e-is (NVIDIA's recipe: end to end plus TIS); "
+        "fp8-e2e-is-kv (plus an FP8 KV cache and FP8 queries with per-step q/k/v scales); "
+        "fp8-e2e-te-refit (fp8-e2e with weights quantized on the trainer, bit-identical to "
+        "its own). The engine quantizes activations as vLLM does and, except in "
+        "fp8-e2e-te-refit, the refit BF16 weights as NeMo RL's vLLM worker does; the trainer "
+        "quantizes as Transformer Engine does. Prints the final reward on held-out prompts "
+        "(mean and 95% interval over seeds) against bf16 and NVIDIA's comparison "
+        "(fp8-e2e-is vs fp8-gen-is), each verdict with its margin, the power per arm for a "
+        "0.03 reward gap, the mismatch metrics against NeMo RL's nightly checks, a per-layer "
+        "attribution of the mismatch, the measured cost of each phase and the CPU it ran on. "
+        "CPU only; see docs/rl.md for the run times; --quick is a smoke run of about a "
+        "minute.",
     )
     p.add_argument(
         "--quick",
         action="store_true",
-        help="the smoke run CI runs (2 seeds, 8 small steps): too short to learn, so it "
-        "checks the machinery, not FP8",
+        help="the smoke run CI runs (2 seeds, 3 small steps, answers of 8 tokens): too short "
+        "to learn, so it checks the machinery, not FP8",
     )
     p.add_argument(
         "--arms", default=None, help=f"comma-separated subset of {_ARM_HELP} (default: all)"
     )
-    p.add_argument("--steps", default=None, metavar="N", help="GRPO steps per arm and seed")
-    p.add_argument("--seeds", default=None, metavar="N", help="number of seeds (default 8)")
+    p.add_argument(
+        "--steps", default=None, metavar="N", help="GRPO steps per arm and seed (default 12)"
+    )
+    p.add_argument("--seeds", default=None, metavar="N", help="number of seeds (default 10)")
     p.add_argument("--seed", default=None, metavar="N", help="first seed (default 0)")
     p.add_argument(
         "--jobs",
@@ -71,6 +77,11 @@ def register(sub) -> None:
         help="write the reward and token_mult_prob_error curves (default with --json: "
         "the JSON path with .png)",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a read-only (e.g. 0444) --json or --png file; without it one is refused",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -89,6 +100,26 @@ def _int(text: str | None, key: str, lo: int, hi: int) -> int | None:
     return value
 
 
+def _check_folder(path: str | None, key: str) -> None:
+    """The folder an output goes to must exist: a mistyped folder is refused, not created
+    (the file itself is written later, atomically, by the ``_io`` writers)."""
+    import os
+    from pathlib import Path
+
+    from ..errors import FP8ConfigError
+
+    if path is None:
+        return
+    for folder in dict.fromkeys((Path(path).parent, Path(os.path.realpath(path)).parent)):
+        if not folder.is_dir():
+            raise FP8ConfigError(
+                f"folder {folder} does not exist; it is not created",
+                key=key,
+                value=path,
+                hint="create the folder first, or name a file in an existing one",
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -96,25 +127,18 @@ def run(args: argparse.Namespace) -> int:
     from ..capabilities import capability
     from ..errors import FP8ConfigError
     from ..registry import get_recipe
-    from ..tools.rl_check import (
-        ARMS,
-        FULL,
-        LIMITS,
-        QUICK,
-        render_tables,
-        run_check,
-        with_overrides,
-    )
+    from ..tools.rl_check import ARMS, FULL, LIMITS, QUICK, run_check, with_overrides
     from ._args import name_list
 
     # Every check before any work: a typo must not cost a finished run its results.
-    check_output_file(args.json, "--json")
     png = args.png
     if png is None and args.json is not None:
         png = str(Path(args.json).with_suffix(".png"))
         if png == args.json:
             png = args.json + ".png"
-    check_output_file(png, "--png")
+    for path, key in ((args.json, "--json"), (png, "--png")):
+        check_output_file(path, key, read_only_ok=args.force)
+        _check_folder(path, key)
     if args.json is not None and png is not None and same_file(args.json, png):
         raise FP8ConfigError("--json and --png name the same file", key="--png", value=png)
     arms = tuple(
@@ -176,14 +200,14 @@ def run(args: argparse.Namespace) -> int:
 
         jobs = max(1, min(settings.seeds, os.cpu_count() or 1))
     result = run_check(settings, arms=arms, progress=not args.quiet, jobs=jobs)
-    from ..tools.rl_check import plot_curves, summarize, to_json
+    from ..tools.harness import environment, write_json
+    from ..tools.rl_check_report import plot_curves, render_tables, summarize, to_json
 
     summary = summarize(result)
-    sys.stdout.write(render_tables(result, summary))
+    machine = environment()
+    sys.stdout.write(render_tables(result, summary, machine))
     if args.json:
-        from ..tools.harness import environment, write_json
-
-        write_json(args.json, {"environment": environment(), **to_json(result, summary)})
+        write_json(args.json, {"environment": machine, **to_json(result, summary)})
     if png is not None:
         plot_curves(result, png)
     return 0

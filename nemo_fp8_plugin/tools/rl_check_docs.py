@@ -15,7 +15,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BLOCKS", "render_blocks", "rewrite", "render_file", "command_of", "verdict"]
+__all__ = [
+    "BLOCKS",
+    "render_blocks",
+    "rewrite",
+    "render_file",
+    "command_of",
+    "verdict_sentence",
+]
 
 BLOCKS = ("command", "tables", "findings", "cost")
 """The generated blocks, in page order."""
@@ -58,32 +65,42 @@ def command_of(data: dict[str, Any], json_path: str = "docs/data/rl_check.json")
     return " ".join(parts)
 
 
-def verdict(d: dict[str, float] | None, gap: float) -> str:
-    """What a paired interval ``d`` (final reward minus bf16's) says about a ``gap``."""
-    if d is None or not math.isfinite(d.get("ci95", math.nan)):
+def verdict_sentence(d: dict[str, float] | None, gap: float) -> str:
+    """What a paired interval ``d`` (final reward minus another arm's) says about 0 and
+    ``gap``, with how firmly (:func:`.rl_check_stats.verdict`)."""
+    from .rl_check_stats import FIRM_MARGIN_SE, verdict
+
+    v = verdict(d, gap)
+    if v["word"] == "none" or d is None:
         return "has no interval (one seed)"
-    lo, hi = d["mean"] - d["ci95"], d["mean"] + d["ci95"]
     text = f"{d['mean']:+.3f} ± {d['ci95']:.3f}"
-    if lo > 0 or hi < 0:
-        side = "above" if lo > 0 else "below"
-        return f"is {side} bf16 ({text}: the interval excludes 0)"
-    if -gap <= lo and hi <= gap:
-        return f"is within {gap:g} of bf16 ({text}: the interval lies inside ±{gap:g})"
-    return f"is unresolved ({text}: the interval holds 0 and reaches past ±{gap:g})"
+    what = {
+        "above": "is above (the interval excludes 0)",
+        "below": "is below (the interval excludes 0)",
+        "within": f"is within {gap:g} (the interval lies inside ±{gap:g})",
+        "unresolved": f"is unresolved (the interval holds 0 and reaches past ±{gap:g})",
+    }[v["word"]]
+    firm = (
+        "firm"
+        if v["firm"]
+        else f"not firm: under {FIRM_MARGIN_SE:g} SE, another CPU may give another verdict"
+    )
+    return f"{what}: {text}, margin {v['margin_se']:.1f} SE, {firm}"
 
 
 def _parity_word(diffs: list[float]) -> tuple[str, str]:
     """The verdict on per-seed differences (parity's mean mismatch minus NeMo RL's weights'):
     "lowers" / "raises" only when their 95% t-interval excludes 0; and the interval, as text."""
-    from .rl_check import t_interval
+    from .rl_check_stats import t_interval, verdict
 
     d = t_interval(diffs)
     if not math.isfinite(d["ci95"]):
         return "does not measurably change", f"{d['mean']:+.5f} (one seed: no interval)"
-    text = f"{d['mean']:+.5f} ± {d['ci95']:.5f}"
-    if d["mean"] - d["ci95"] > 0:
+    v = verdict(d, math.inf)
+    text = f"{d['mean']:+.5f} ± {d['ci95']:.5f}, margin {v['margin_se']:.1f} SE"
+    if v["word"] == "above":
         return "raises", text + " (the interval excludes 0)"
-    if d["mean"] + d["ci95"] < 0:
+    if v["word"] == "below":
         return "lowers", text + " (the interval excludes 0)"
     return "does not measurably change", text + " (the interval holds 0)"
 
@@ -108,44 +125,78 @@ def _top(rows: list[dict[str, Any]]) -> tuple[str, float] | None:
 
 
 def _findings(data: dict[str, Any]) -> list[str]:
+    from .rl_check_report import REFERENCE, machine_line
+    from .rl_check_stats import FIRM_MARGIN_SE
+
     s, summary = data["settings"], data["summary"]
     arms = summary["arms"]
     gap = s["reward_gap"]
     out = []
+    out.append(
+        f"**Machine**: {machine_line(data.get('environment'))}. Another CPU (another vector "
+        "ISA, another BLAS) rounds some sums differently, the seeds' trajectories go "
+        "elsewhere, and every reward figure moves within its noise: a verdict marked firm "
+        f"(margin at least {FIRM_MARGIN_SE:g} standard errors from its thresholds) should "
+        "hold there, the others may not. The mismatch ordering does not depend on it."
+    )
     held = "no" if summary.get("eval_disjoint") else "SOME"
     out.append(
         f"**Held out**: {held} evaluation prompt of any seed was one of its training prompts "
         "(`summary.eval_disjoint`)."
     )
-    if "bf16" in arms:
+    if "bf16" in arms and arms["bf16"]["learns"] is not None:  # None: a smoke run
         g = arms["bf16"]["gain"]
         se = g["se"]
         learned = "learns" if arms["bf16"]["learns"] else "does not learn (gain < 3 SE)"
         ratio = f", {g['mean'] / se:.1f} standard errors above 0" if se and se > 0 else ""
         out.append(f"**BF16 {learned}**: gain {g['mean']:.3f} ± {g['ci95']:.3f}{ratio}.")
+    ref = summary.get("reference")
+    if ref is not None:
+        gen_only, e2e = REFERENCE
+        nvidia = ref["nvidia"]
+        need = ref["power"]["seeds_to_resolve"]
+        out.append(
+            f"**NVIDIA's comparison** (`{e2e}` minus `{gen_only}`, final reward paired by "
+            f"seed; Llama 3.1 8B: {nvidia[e2e]} - {nvidia[gen_only]} = "
+            f"{nvidia[e2e] - nvidia[gen_only]:+.3f}) "
+            f"{verdict_sentence(ref['difference'], gap)}."
+            + (
+                f" Its own paired SD, {ref['paired_sd']:.4f}, needs {need} seeds to resolve "
+                f"±{gap:g}."
+                if need is not None
+                else ""
+            )
+        )
+    reward = [
+        f"`{a}` {verdict_sentence(arms[a]['final_vs_bf16'], gap)}"
+        for a in data["arms"]
+        if a != "bf16"
+    ]
+    if reward:
+        out.append("**Final reward against bf16** (paired by seed): " + "; ".join(reward) + ".")
     pooled = summary["power"]["pooled"]
+    per_arm = summary["power"]["per_arm"]
     if pooled.get("half_width") is not None and math.isfinite(pooled["paired_sd"]):
         word = "resolves" if pooled["resolves"] else "does not resolve"
+        short = [
+            f"`{a}` {p['paired_sd']:.4f} ({p['seeds_to_resolve']} seeds)"
+            for a, p in per_arm.items()
+            if p["seeds_to_resolve"] is not None and p["seeds_to_resolve"] > s["seeds"]
+        ]
         out.append(
-            f"**Power**: the run's paired SD, {pooled['paired_sd']:.4f}, gives {s['seeds']} seeds "
-            f"a 95% half-width of {pooled['half_width']:.4f}: it {word} a {gap:g} gap "
-            f"(needs {pooled['seeds_to_resolve']} seeds)"
+            f"**Power**: the pooled paired SD, {pooled['paired_sd']:.4f}, gives {s['seeds']} "
+            f"seeds a 95% half-width of {pooled['half_width']:.4f}: it {word} a {gap:g} gap "
+            f"(needs {pooled['seeds_to_resolve']} seeds; at the SD's one-sided 90% upper "
+            f"bound, {pooled['paired_sd_upper90']:.4f}, {pooled['seeds_to_resolve_upper90']})."
             + (
-                f"; at the SD's one-sided 90% upper confidence bound, "
-                f"{pooled['paired_sd_upper90']:.4f} ({s['seeds'] - 1} degrees of freedom), "
-                f"it needs {pooled['seeds_to_resolve_upper90']}."
-                if pooled.get("seeds_to_resolve_upper90") is not None
-                else "."
+                " Arms whose own SD asks for more seeds than the run has: " + "; ".join(short) + "."
+                if short
+                else " Every arm's own SD is resolved by the run's seeds."
             )
         )
     drift = _drift(data)
     if drift:
         out.append(drift)
-    reward = [
-        f"`{a}` {verdict(arms[a]['final_vs_bf16'], gap)}" for a in data["arms"] if a != "bf16"
-    ]
-    if reward:
-        out.append("**Final reward against bf16** (paired by seed): " + "; ".join(reward) + ".")
     if {"fp8-e2e", "fp8-e2e-te-refit", "bf16"} <= set(arms):
         nemo, te = _per_seed_mismatch(data, "fp8-e2e"), _per_seed_mismatch(data, "fp8-e2e-te-refit")
         seeds = sorted(set(nemo) & set(te))
@@ -166,26 +217,37 @@ def _findings(data: dict[str, Any]) -> list[str]:
             if e_nemo > 0
             else "**Exact weight parity**: `fp8-e2e` shows no excess mismatch."
         )
-    if {"fp8-gen", "bf16"} <= set(arms) and _excess(arms["bf16"]) > 0:
-        ratio = _excess(arms["fp8-gen"]) / _excess(arms["bf16"])
+    if {"fp8-gen", "fp8-e2e", "bf16"} <= set(arms) and _excess(arms["bf16"]) > 0:
+
+        def ratios(arm: str) -> str:
+            mean = _excess(arms[arm]) / _excess(arms["bf16"])
+            med = (arms[arm]["token_mult_prob_error_median"] - 1.0) / (
+                arms["bf16"]["token_mult_prob_error_median"] - 1.0
+            )
+            return f"{mean:.0f}x by the mean over steps, {med:.0f}x by the median step"
+
         out.append(
-            f"**Generation only** (`fp8-gen` "
-            f"{arms['fp8-gen']['token_mult_prob_error']['mean']:.5f}) has {ratio:.0f}x BF16's "
-            "excess mismatch."
+            f"**Excess mismatch** (`token_mult_prob_error - 1` against BF16's): generation only "
+            f"(`fp8-gen`) {ratios('fp8-gen')}; end to end (`fp8-e2e`) {ratios('fp8-e2e')}."
         )
-    above = [
-        f"`{a}` {r['nightly_bound']['steps_above']} of {r['nightly_bound']['steps']} "
-        f"(worst {r['nightly_bound']['max']:.3f}, bound {r['nightly_bound']['bound']:g})"
+    kv_arm = next((a for a in data["arms"] if a.endswith("-kv")), None)
+    if kv_arm is not None:
+        sh = arms[kv_arm]["shares"]
+        out.append(
+            f"**KV-scale calibration** costs {sh['kv_calibration']:.0%} of `{kv_arm}`'s step "
+            f"here (generation {sh['generate']:.0%}), against 2-3% in NVIDIA's GPU runs: it is "
+            f"one more trainer forward over the step's batch, a large share of a step of "
+            f"{s['digits']}-token answers, a small one of a step spent generating long ones."
+        )
+    checks = [
+        f"`{a}` {r['nightly_bound']['seeds_passing']} of {r['nightly_bound']['seeds']} "
+        f"(`{r['nightly_bound']['check']}`)"
         for a, r in arms.items()
-        if r["nightly_bound"]["steps_above"]
     ]
     out.append(
-        "**NeMo RL's nightly bound**: "
-        + (
-            "steps at or above it: " + "; ".join(above) + "."
-            if above
-            else "no step of any arm reached it."
-        )
+        "**NeMo RL's nightly checks**, each seed's run against its arm's suite: "
+        + "; ".join(checks)
+        + "."
     )
     tops = []
     for arm in data["arms"]:
@@ -195,7 +257,8 @@ def _findings(data: dict[str, Any]) -> list[str]:
     if tops:
         out.append(
             "**Attribution** (the candidate whose BF16 keeping removes the largest share of "
-            "the arm's excess; one at a time, so shares overlap): " + "; ".join(tops) + "."
+            "the arm's excess; one at a time, so shares overlap; a ranking of close shares "
+            "may differ on another CPU): " + "; ".join(tops) + "."
         )
         suggestion = _analyze_suggestion(data)
         if suggestion:
@@ -278,25 +341,29 @@ def _cost(data: dict[str, Any]) -> list[str]:
         lines.append(f"| {arm} | {cpu / steps:.3f} | {rel} |")
     load = summary.get("load_average") or [math.nan, math.nan]
     total = summary.get("cpu_seconds", math.nan)
+    idle = total / 2 / 60
     lines += [
         "",
         f"The run took {summary['seconds']:.0f} s wall and {total:.0f} CPU s in all "
         f"(load average {load[0]:.1f} at the start, {load[1]:.1f} at the end); CPU per step "
-        "includes the arm's evaluations and attribution.",
+        "includes the arm's evaluations and attribution. On two idle cores (two worker "
+        f"processes, seeds split evenly) it would take about {idle:.0f} minutes: an estimate, "
+        "the CPU seconds over two, since the wall time measured on a shared machine is its "
+        "neighbours' as much as the run's.",
     ]
     return lines
 
 
 def render_blocks(data: dict[str, Any], json_path: str = "docs/data/rl_check.json") -> dict:
     """Each block's Markdown, from the rl-check JSON ``data``."""
-    from .rl_check import render_tables
+    from .rl_check_report import render_tables
 
     return {
         # tests/test_docs.py runs every bash block; this one rewrites the shipped JSON, and
         # the page's --quick examples above are the runnable ones
         "command": "<!-- doc-test: skip rewrites the shipped JSON; the examples above run -->\n"
         f"```bash\n{command_of(data, json_path)}\n```\n",
-        "tables": render_tables(_result(data), data["summary"]),
+        "tables": render_tables(_result(data), data["summary"], data.get("environment")),
         "findings": "\n".join(_findings(data)) + "\n",
         "cost": "\n".join(_cost(data)) + "\n",
     }

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "MirrorSumTask",
+    "RunningSumTask",
     "PromptSplit",
     "TinyLlama",
     "BF16Linear",
@@ -34,28 +34,30 @@ WEIGHT_PATHS = ("trainer", "nemo_rl")
 # --------------------------------------------------------------------------- the task
 
 
-class MirrorSumTask:
-    """Prompt: ``BOS d1 .. dn SEP``; answer digit i: ``(d_i + d_(n+1-i)) mod 10``; reward: share
-    of answer digits right. Each answer digit needs two prompt positions and the addition
-    table, which a tiny model learns gradually: the policy stays stochastic through the run,
-    so the generation/training mismatch has probability mass to act on."""
+class RunningSumTask:
+    """Prompt: ``BOS d1 .. dn SEP``; answer digit i: ``(d_1 + ... + d_i) mod 10``, the running
+    sum; reward: share of answer digits right (verifiable).
+
+    Each answer digit is the previous answer digit plus one prompt digit, so a model that
+    learns the task computes it from its own previous token: one wrong token makes the
+    digits after it wrong too. That is how a mismatch compounds over an answer of ``n``
+    tokens: a token the FP8 engine picks where the trainer's policy would not changes
+    everything the engine generates after it."""
 
     BOS, SEP = 10, 11
     VOCAB = 16  # 10 digits, BOS, SEP, 4 unused ids
 
     def __init__(self, digits: int):
+        if not 1 <= digits <= 18:  # prompt ids are int64 (10**18 < 2**63)
+            raise ValueError(f"digits must be in [1, 18], got {digits}")
         self.digits = digits
         self.prompt_len = digits + 2
 
     def prompts(self, n: int, gen: torch.Generator) -> torch.Tensor:
-        body = torch.randint(0, 10, (n, self.digits), generator=gen)
-        bos = torch.full((n, 1), self.BOS)
-        sep = torch.full((n, 1), self.SEP)
-        return torch.cat([bos, body, sep], dim=1)
+        return self.encode(torch.randint(0, self.space, (n,), generator=gen))
 
     def answers(self, prompts: torch.Tensor) -> torch.Tensor:
-        body = prompts[:, 1 : 1 + self.digits]
-        return (body + body.flip(1)) % 10
+        return prompts[:, 1 : 1 + self.digits].cumsum(1) % 10
 
     def reward(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
         return (completions == self.answers(prompts)).float().mean(dim=1)
@@ -67,52 +69,56 @@ class MirrorSumTask:
 
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
         """Prompts of the integer ids ``[n]`` in ``[0, space)`` (the digits of the id)."""
-        powers = 10 ** torch.arange(self.digits - 1, -1, -1)
+        powers = 10 ** torch.arange(self.digits - 1, -1, -1, dtype=torch.int64)
         body = (ids[:, None] // powers) % 10
         n = ids.shape[0]
         return torch.cat([torch.full((n, 1), self.BOS), body, torch.full((n, 1), self.SEP)], dim=1)
 
     def decode(self, prompts: torch.Tensor) -> torch.Tensor:
         """The integer id of each prompt ``[n, prompt_len]`` (inverse of :meth:`encode`)."""
-        powers = 10 ** torch.arange(self.digits - 1, -1, -1)
+        powers = 10 ** torch.arange(self.digits - 1, -1, -1, dtype=torch.int64)
         return (prompts[:, 1 : 1 + self.digits] * powers).sum(dim=1)
 
 
 class PromptSplit:
     """A seed's evaluation prompts, held out from every prompt it trains on.
 
-    ``eval_count`` distinct prompts are drawn without replacement; :meth:`train` draws training
-    prompts uniformly from the others. Whatever trains (warm-up batches and their checks,
-    RL prompts, calibration batches) is passed to :meth:`note`, and :meth:`overlap` counts the
-    evaluation prompts among them from those records, not from how they were drawn."""
+    ``eval_count`` distinct prompts are drawn; :meth:`train` draws training prompts uniformly
+    from the others. Whatever trains (warm-up batches and their checks, RL prompts,
+    calibration batches) is passed to :meth:`note`, and :meth:`overlap` counts the evaluation
+    prompts among them from those records, not from how they were drawn."""
 
-    def __init__(self, task: MirrorSumTask, eval_count: int, gen: torch.Generator):
+    def __init__(self, task: RunningSumTask, eval_count: int, gen: torch.Generator):
         if not 0 < eval_count < task.space:
             raise ValueError(f"eval_count must be in [1, {task.space - 1}], got {eval_count}")
         self.task = task
-        eval_ids = torch.randperm(task.space, generator=gen)[:eval_count]
-        self.held_out = torch.zeros(task.space, dtype=torch.bool)
-        self.held_out[eval_ids] = True
-        self.eval = task.encode(eval_ids)
-        self.trained = torch.zeros(task.space, dtype=torch.bool)
+        ids = torch.empty(0, dtype=torch.int64)
+        while ids.numel() < eval_count:  # distinct ids (at 16 digits a repeat is rare)
+            more = torch.randint(0, task.space, (eval_count,), generator=gen)
+            ids = torch.unique(torch.cat([ids, more]))
+        ids = ids[torch.randperm(ids.numel(), generator=gen)]  # a uniform subset, not the smallest
+        self.eval_ids = ids[:eval_count]
+        self.eval = task.encode(self.eval_ids)
+        self.trained = torch.zeros(eval_count, dtype=torch.bool)
+        """Which evaluation prompts were noted as trained on."""
 
     def train(self, n: int, gen: torch.Generator) -> torch.Tensor:
         """``n`` training prompts (with replacement) from outside the evaluation set."""
         ids = torch.randint(0, self.task.space, (n,), generator=gen)
-        redraw = self.held_out[ids]
+        redraw = torch.isin(ids, self.eval_ids)
         while redraw.any():
             ids[redraw] = torch.randint(0, self.task.space, (int(redraw.sum()),), generator=gen)
-            redraw = self.held_out[ids]
+            redraw = torch.isin(ids, self.eval_ids)
         return self.task.encode(ids)
 
     def note(self, prompts: torch.Tensor) -> None:
         """Record prompts (or whole sequences, prompt first) that something trained on."""
-        self.trained[self.task.decode(prompts[:, : self.task.prompt_len])] = True
+        ids = self.task.decode(prompts[:, : self.task.prompt_len])
+        self.trained |= torch.isin(self.eval_ids, ids)
 
     def overlap(self) -> int:
         """Evaluation prompts that also occur among the noted training prompts."""
-        eval_ids = self.task.decode(self.eval)
-        return int(self.trained[eval_ids].sum())
+        return int(self.trained.sum())
 
 
 # --------------------------------------------------------------------------- the model
@@ -347,16 +353,30 @@ class FP8EngineLinear(nn.Module):
         self.weight.copy_(q.data)
         self.weight_scale_inv.copy_(q.scale_inv)
 
+    def _weight_fp32(self) -> torch.Tensor:
+        """The dequantized weight (``weight * weight_scale_inv`` per tile, fp32), as the
+        emulated GEMM computes it; kept until a refit writes the buffers in place (their
+        version counters move), so a generation dequantizes it once, not once per token."""
+        from ..numerics import QTensor
+
+        key = (self.weight._version, self.weight_scale_inv._version)
+        if getattr(self, "_w32_key", None) != key:
+            wq = QTensor(self.weight, self.weight_scale_inv, "e4m3", (128, 128))
+            self._w32 = wq.dequantize(torch.float32)
+            self._w32_key = key
+        return self._w32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..numerics import QTensor, fp8_gemm
         from ..numerics.vllm_numerics import quantize_activation
 
         lead = x.shape[:-1]
         xq = quantize_activation(
             x.reshape(-1, x.shape[-1]), self.numerics, (1, 128), pow2_scales=self.pow2_scales
         )
-        wq = QTensor(self.weight, self.weight_scale_inv, "e4m3", (128, 128))
-        return fp8_gemm(xq, wq, out_dtype=x.dtype).reshape(*lead, -1)
+        # numerics.fp8_gemm's math (fp32 GEMM of the dequantized operands) with the weight's
+        # dequantization kept between refits
+        out = torch.matmul(xq.dequantize(torch.float32), self._weight_fp32().t())
+        return out.to(x.dtype).reshape(*lead, -1)
 
 
 class Engine:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nemo_fp8_plugin.tools import rl_check_docs
-from nemo_fp8_plugin.tools.rl_check_docs import render_blocks, rewrite, verdict
+from nemo_fp8_plugin.tools.rl_check_docs import render_blocks, rewrite, verdict_sentence
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "rl.md"
@@ -72,23 +72,30 @@ def test_a_marked_block_the_renderer_lacks_is_an_error():
     )
 
 
-def test_verdicts_follow_the_interval():
-    def d(mean, ci):
-        return {"mean": mean, "ci95": ci, "se": ci / 2, "n": 8}
+def test_verdicts_follow_the_interval_and_say_how_firmly():
+    def d(mean, se, t=2.3):
+        return {"mean": mean, "se": se, "ci95": t * se, "n": 10}
 
-    assert verdict(d(0.05, 0.02), 0.03).startswith("is above bf16")
-    assert verdict(d(-0.05, 0.02), 0.03).startswith("is below bf16")
-    assert verdict(d(0.005, 0.02), 0.03).startswith("is within 0.03 of bf16")
-    assert verdict(d(0.005, 0.04), 0.03).startswith("is unresolved")
-    assert verdict(d(0.0, float("nan")), 0.03) == "has no interval (one seed)"
-    assert verdict(None, 0.03) == "has no interval (one seed)"
+    assert verdict_sentence(d(0.05, 0.005), 0.03).startswith("is above")
+    assert verdict_sentence(d(-0.05, 0.005), 0.03).startswith("is below")
+    assert verdict_sentence(d(0.0, 0.004), 0.03).startswith("is within 0.03")
+    assert verdict_sentence(d(0.0, 0.02), 0.03).startswith("is unresolved")
+    assert verdict_sentence(d(0.0, float("nan"), float("nan")), 0.03) == (
+        "has no interval (one seed)"
+    )
+    assert verdict_sentence(None, 0.03) == "has no interval (one seed)"
+    # the margin decides "firm": [0.027, 0.073] is 5.4 SE from 0; [0.001, 0.047] 0.2 SE
+    assert verdict_sentence(d(0.05, 0.01), 0.03).endswith("margin 2.7 SE, firm")
+    assert "not firm" in verdict_sentence(d(0.024, 0.01), 0.03)
 
 
 def test_findings_change_with_the_data():
     """The sentences are computed: flip the data and the words flip with it."""
     data = _shipped()
     base = render_blocks(data)["findings"]
-    flipped = _with_parity_deltas(data, [0.001] * 8)
+    seeds = data["settings"]["seeds"]
+    lowers = "parity lowers" in base
+    flipped = _with_parity_deltas(data, [-0.001 if not lowers else 0.001] * seeds)
     flipped["summary"]["eval_disjoint"] = False
     other = render_blocks(flipped)["findings"]
     assert ("parity lowers" in base) != ("parity lowers" in other)
@@ -120,14 +127,15 @@ def _parity_line(data: dict) -> str:
 def test_the_parity_verdict_is_the_paired_interval():
     """The verdict is "lowers" / "raises" only when the paired per-seed interval excludes 0,
     and the line counts the seeds each way; lower means alone do not make it "lowers"."""
-    assert "parity lowers" in _parity_line(_shipped())
-    assert "lower with parity in 8 of 8 seeds, higher in 0" in _parity_line(_shipped())
-    mixed = _parity_line(_with_parity_deltas(_shipped(), [-0.002, 0.001] * 4))
+    n = _shipped()["settings"]["seeds"]
+    mixed = _parity_line(_with_parity_deltas(_shipped(), [-0.002, 0.001] * (n // 2)))
     assert "parity does not measurably change" in mixed and "(the interval holds 0)" in mixed
-    assert "lower with parity in 4 of 8 seeds, higher in 4" in mixed
-    up = _parity_line(_with_parity_deltas(_shipped(), [0.001, 0.0012] * 4))
+    assert f"lower with parity in {n // 2} of {n} seeds, higher in {n // 2}" in mixed
+    up = _parity_line(_with_parity_deltas(_shipped(), [0.001, 0.0012] * (n // 2)))
     assert "parity raises" in up and "(the interval excludes 0)" in up
-    assert "lower with parity in 0 of 8 seeds, higher in 8" in up
+    assert f"lower with parity in 0 of {n} seeds, higher in {n}" in up
+    down = _parity_line(_with_parity_deltas(_shipped(), [-0.001, -0.0012] * (n // 2)))
+    assert "parity lowers" in down and f"lower with parity in {n} of {n} seeds" in down
 
 
 def test_the_png_goes_to_docs_img_only_for_docs_data():
@@ -170,28 +178,30 @@ def test_the_command_reproduces_the_settings():
     assert (args.arms.split(",") if args.arms else list(ARMS)) == data["arms"]
 
 
-def test_the_shipped_run_is_the_default_and_its_seeds_suffice():
-    """The page cites the default run, and the default's seed count is at least what that
-    run's own power analysis asks for to resolve the gap."""
+def test_the_shipped_run_is_the_default_and_names_its_machine():
+    """The page cites the default run, and says which CPU (and vector ISA) produced it."""
     from dataclasses import asdict
 
     from nemo_fp8_plugin.tools.rl_check import ARMS, FULL
+    from nemo_fp8_plugin.tools.rl_check_report import machine_line
 
     data = _shipped()
     assert data["settings"] == asdict(FULL) and data["arms"] == list(ARMS)
-    pooled = data["summary"]["power"]["pooled"]
-    assert pooled["seeds"] == FULL.seeds >= pooled["seeds_to_resolve"]
-    assert FULL.seeds >= pooled["seeds_to_resolve_upper90"]
-    assert pooled["resolves"] is True
     assert data["summary"]["eval_disjoint"] is True
-
-
-def test_the_design_paragraph_quotes_the_shipped_sd():
-    """The one figure of the shipped run the hand-written design paragraph quotes."""
-    pooled = _shipped()["summary"]["power"]["pooled"]
-    quoted = (
-        f"({pooled['paired_sd']:.4f} over {pooled['seeds']} seeds: "
-        f"{pooled['seeds_to_resolve']} seeds, and {pooled['seeds_to_resolve_upper90']} at the "
-        "bound)"
-    )
-    assert quoted in " ".join(DOC.read_text().split())
+    env = data["environment"]
+    assert env["isa"] and env["cpu"]
+    page = " ".join(DOC.read_text().split())
+    assert f"on {machine_line(env)}" in page and f"CPU ISA {env['isa']}" in page
+    # the prose describing the default names its size
+    assert f"The default's design: {FULL.steps} steps x {FULL.seeds} seeds" in page
+    for typed in (
+        f"Adam at 1e-3, {FULL.steps} steps by default",
+        f"**GRPO**: {FULL.prompts_per_step} prompts x {FULL.generations_per_prompt} samples",
+        f"each seed draws {FULL.eval_prompts} distinct evaluation prompts",
+        f"prompt `BOS d1..d{FULL.digits} SEP`",
+        f"reaches {FULL.warmup_target:g} (checked every {FULL.warmup_check_every} steps)",
+    ):
+        assert typed in page, typed
+    # NVIDIA's comparison is reported, with its verdict
+    assert "**NVIDIA's comparison** (`fp8-e2e-is` minus `fp8-gen-is`" in page
+    assert data["summary"]["reference"]["arms"] == ["fp8-gen-is", "fp8-e2e-is"]

@@ -16,7 +16,7 @@ from nemo_fp8_plugin.tools.rl_check_model import (
     CoreAttention,
     Engine,
     FP8EngineLinear,
-    MirrorSumTask,
+    RunningSumTask,
     TinyLlama,
 )
 
@@ -24,7 +24,7 @@ from nemo_fp8_plugin.tools.rl_check_model import (
 def tiny(seed: int = 0) -> TinyLlama:
     torch.manual_seed(seed)
     return TinyLlama(
-        MirrorSumTask.VOCAB,
+        RunningSumTask.VOCAB,
         14,
         hidden_size=128,
         intermediate_size=256,
@@ -130,7 +130,7 @@ def test_fp8_kv_engine_generates_close_to_but_not_as_the_bf16_cache():
     plain = Engine(template, set(), pow2_scales=False)
     kv = Engine(template, set(), pow2_scales=False, kv_cache_dtype="fp8")
     calibrator = KVScaleCalibrator(plain.model, include_q=False)
-    prompts = MirrorSumTask(6).prompts(16, torch.Generator().manual_seed(0))
+    prompts = RunningSumTask(6).prompts(16, torch.Generator().manual_seed(0))
     update = calibrator.calibrate(lambda: plain.model(prompts))
     kv.load_weights(update.items())
     tok, lp_plain = plain.generate(prompts, 6, None)
