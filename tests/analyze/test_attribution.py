@@ -171,7 +171,7 @@ def test_only_candidates_that_lower_the_mismatch_are_chosen(tmp_path):
 
 def test_a_positive_share_whose_interval_holds_0_is_not_chosen(tmp_path):
     """Only a share whose 95% interval lies above 0 is evidence: a larger mean with a wide
-    interval (as the shipped run's o_proj, +26% ± 39%) is passed over and marked, and a
+    interval is passed over and marked, and a
     one-seed run (no interval) chooses nothing."""
     doc = _document({"o_proj": 0.5, "layer.1": 0.3, "k_proj": 0.2})
     rows = {r["bf16"]: r for r in doc["summary"]["arms"]["fp8-e2e-is"]["attribution"]}
