@@ -149,10 +149,13 @@ def run(args: argparse.Namespace) -> int:
     said += [f"checked: {line}" for line in checks]
     if args.diff:
         said += [f"note: would also write {printable_path(path)}" for path in result.files]
-    elif target is not None:
-        _write_with_companions(args, target, text, source, result.files, ctx.sources)
+    wrote: list[str] = []
+    if target is not None and not args.diff:
+        wrote = _write_with_companions(args, target, text, source, result.files, ctx.sources)
     for line in said:
         print(f"nemo-fp8 apply: {line}", file=sys.stderr)
+    for line in wrote:  # last, as before: what is on disk now
+        print(line, file=sys.stderr)
     if args.diff:
         sys.stdout.write(
             unified_diff(
@@ -167,12 +170,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_with_companions(args, target: Path, text: str, source: str, files, sources) -> None:
+def _write_with_companions(args, target: Path, text: str, source: str, files, sources) -> list[str]:
     """Write the output and the adapter's companion files (the TE precision file) as one
     step: every companion is checked as ``-o`` is (and refused when it is the input, a file
     of its ``defaults:`` chain or the output itself) before anything is written; then the
     output is renamed into place first and the companions after it, and a failure before
-    that (a full disk, a signal) leaves none of them changed."""
+    that (a full disk, a signal) leaves none of them changed. Returns the lines saying what
+    was written, for the caller to print after its own."""
     from .._io import atomic_write_files, check_companion_file, same_file
     from ..errors import FP8ConfigError
     from . import printable_path
@@ -190,12 +194,12 @@ def _write_with_companions(args, target: Path, text: str, source: str, files, so
     unchanged = args.in_place and text == source
     writes = [] if unchanged else [(target, text.encode("utf-8"))]
     atomic_write_files(writes + [(path, body.encode("utf-8")) for path, body in files.items()])
-    if unchanged:
-        print(f"{printable_path(str(config))} unchanged", file=sys.stderr)
-    else:
-        print(f"wrote {printable_path(str(target))}", file=sys.stderr)
-    for path in files:
-        print(f"wrote {printable_path(str(path))}", file=sys.stderr)
+    lines = [
+        f"{printable_path(str(config))} unchanged"
+        if unchanged
+        else f"wrote {printable_path(str(target))}"
+    ]
+    return lines + [f"wrote {printable_path(str(path))}" for path in files]
 
 
 def _forced_host(adapter, ctx) -> str | None:
