@@ -18,7 +18,7 @@ training process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -129,7 +129,7 @@ Bridge 0.6.2's own function in ``tests/hosts/test_nvfp4_hosts.py``)."""
 
 
 def mixed_precision_fields(
-    spec: RecipeSpec, model=None, megatron_core: str | None = None
+    spec: RecipeSpec, model: Any = None, megatron_core: str | None = None
 ) -> Spelling:
     """Bridge ``MixedPrecisionConfig`` FP8 fields for ``spec`` as writes keyed by field name,
     plus ``quant_recipe`` (for the model's TransformerConfig) when module rules need one; for
@@ -147,7 +147,7 @@ def _own_recipe_key(spec: RecipeSpec) -> str:
     return "nvfp4" if capability(spec.scaling).megatron_field == "fp4_recipe" else spec.name
 
 
-def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:
+def bridge_recipe_name(spec: RecipeSpec, model: Any = None) -> str | None:
     """Bridge's own recipe with exactly ``spec``'s mixed-precision fields (``fp8_recipe`` is
     inert without ``fp8``), or None."""
     name = BRIDGE_RECIPES.get(_own_recipe_key(spec))
@@ -161,7 +161,7 @@ def bridge_recipe_name(spec: RecipeSpec, model=None) -> str | None:
     return name if fields == BRIDGE_RECIPE_FIELDS[name] else None
 
 
-def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -> Spelling:
+def _spell(spec: RecipeSpec, ctx: HostContext | None, model: Any, core: str | None) -> Spelling:
     """``mixed_precision`` for the config (Bridge's own recipe by name, a new block on the
     config's base recipe, or only the FP8 fields into the config's own block) and
     ``quant_recipe`` into the model's TransformerConfig section."""
@@ -248,8 +248,8 @@ def _mp_module(mp_module: ModuleType | None) -> ModuleType:
 
 
 def mixed_precision_config(
-    spec: RecipeSpec | str | Mapping, model=None, *, mp_module: ModuleType | None = None
-):
+    spec: RecipeSpec | str | Mapping, model: Any = None, *, mp_module: ModuleType | None = None
+) -> Any:
     """Bridge's own ``MixedPrecisionConfig`` for ``spec``: Bridge's ``bf16_mixed()`` with the
     recipe's FP8 fields set on it. ``mp_module`` is Bridge's ``mixed_precision`` module
     (imported when None). Also usable as a YAML ``_target_`` with ``spec: <name or mapping>``.
@@ -323,8 +323,8 @@ def register(
     return added
 
 
-def _bridge_factory(name: str, mp: ModuleType):
-    def factory():
+def _bridge_factory(name: str, mp: ModuleType) -> Callable[[], Any]:
+    def factory() -> Any:
         from ...registry import get_recipe
 
         return mixed_precision_config(get_recipe(name), mp_module=mp)
@@ -333,14 +333,16 @@ def _bridge_factory(name: str, mp: ModuleType):
     factory.__name__ = factory.__qualname__ = name
     factory.__module__ = __name__
     factory.__doc__ = f"nemo-fp8-plugin recipe {name!r} as a Megatron-Bridge MixedPrecisionConfig."
-    factory._nemo_fp8_recipe = name
+    factory._nemo_fp8_recipe = name  # type: ignore[attr-defined]  # a marker on the function
     return factory
 
 
 def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
     if instantiate_module is None:
         try:
-            from megatron.bridge.utils import instantiate_utils as instantiate_module
+            from megatron.bridge.utils import instantiate_utils
+
+            instantiate_module = instantiate_utils
         except ImportError as exc:
             from ...errors import HostUnavailableError
 
@@ -351,7 +353,7 @@ def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
     # target_allowlist.add_exact); else the one module holding only them. Never the package
     # prefix: it would allow nemo_fp8_plugin.<module>.os.system.
     allowlist = getattr(instantiate_module, "target_allowlist", None)
-    if callable(getattr(allowlist, "add_exact", None)):
+    if allowlist is not None and callable(getattr(allowlist, "add_exact", None)):
         for target in ALLOWED_TARGETS:
             allowlist.add_exact(target)
     else:
@@ -482,7 +484,9 @@ class BridgeAdapter(HostAdapter):
             check_layer_counts(ctx)
             _refuse_block(spec, _current_block(ctx))
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+    def spell(
+        self, spec: RecipeSpec, ctx: HostContext | None = None, *, model: Any = None
+    ) -> Spelling:
         return _spell(spec, ctx, ctx.model if ctx else model, stack_core(ctx))
 
     def finish(self, ctx: HostContext, result: ApplyResult) -> ApplyResult:
