@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import get_path
 from ..errors import FP8ConfigError, format_value
+
+if TYPE_CHECKING:
+    from ..rules import ModelDescription
+    from ..spec import Finding, RecipeSpec
 
 __all__ = ["ParallelSizes", "parallel_sizes", "dimension_findings", "PARALLEL_SECTIONS"]
 
@@ -84,7 +88,12 @@ def parallel_sizes(config: Mapping[str, Any], value_of: Reader | None = None) ->
     return ParallelSizes()
 
 
-def dimension_findings(spec, model, config: Mapping[str, Any], value_of: Reader | None = None):
+def dimension_findings(
+    spec: RecipeSpec,
+    model: ModelDescription,
+    config: Mapping[str, Any],
+    value_of: Reader | None = None,
+) -> list[Finding]:
     """:meth:`RecipeSpec.check_dims` for ``model`` (a
     :class:`~nemo_fp8_plugin.rules.ModelDescription`) split as ``config`` splits it: dense
     sizes over the tensor parallel size, expert sizes over the expert tensor parallel size.

@@ -131,7 +131,9 @@ def _with_model(
     if request is None:
         return ctx
 
-    def found(name: Any, key: str, base: Path | None = None, where: str | None = None):
+    def found(
+        name: Any, key: str, base: Path | None = None, where: str | None = None
+    ) -> HostContext:
         return dataclasses.replace(ctx, model=ctx.describe(name, key, base), model_key=where or key)
 
     if model_config is not None:

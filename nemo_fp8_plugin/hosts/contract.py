@@ -277,7 +277,9 @@ class HostContext:
     stack: Assumed | None = None
     host_forced: bool = False
     sources: tuple[Path, ...] = ()
-    described: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    described: dict[tuple[str, str, Path | None], ModelDescription | FP8ConfigError] = field(
+        default_factory=dict, compare=False, hash=False
+    )
 
     def assumed_version(self, host: str) -> str | None:
         """The version of ``host`` this command assumes (``--stack``'s pin, else the installed

@@ -38,14 +38,22 @@ on TE < 2.8), after which TE's delayed-scaling buffers are reduced and the scale
 that path needs a GPU and is not exercised by the CPU test suite.
 """
 
+from __future__ import annotations
+
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FP8ConfigError, format_value
 from ..registry import get_recipe
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..spec import RecipeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +63,13 @@ __all__ = ["RefreshReport", "ScaleRefresher", "refresh_fp8_scales"]
 # --------------------------------------------------------------------------- backends
 
 
-def _emulated_modules(model) -> list:
+def _emulated_modules(model: torch.nn.Module) -> list:
     from ..numerics import emulated_modules
 
     return [m for _, m in emulated_modules(model)]
 
 
-def _te_modules(model) -> list:
+def _te_modules(model: torch.nn.Module) -> list:
     try:
         from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
     except Exception:  # no (working) TE: no TE modules
@@ -70,7 +78,7 @@ def _te_modules(model) -> list:
 
 
 @contextlib.contextmanager
-def _emulation_calibration(model):
+def _emulation_calibration(model: torch.nn.Module) -> Iterator[None]:
     from ..numerics import fp8_calibration, update_fp8_scales
 
     with fp8_calibration(model):
@@ -79,7 +87,7 @@ def _emulation_calibration(model):
     update_fp8_scales(model)
 
 
-def _scale_snapshot(modules) -> list:
+def _scale_snapshot(modules: list[Any]) -> list:
     out = []
     for m in modules:
         for _role, state in sorted(m.fp8_states.items()):
@@ -90,7 +98,7 @@ def _scale_snapshot(modules) -> list:
 
 
 @contextlib.contextmanager
-def _te_calibration():
+def _te_calibration() -> Iterator[None]:
     import transformer_engine.pytorch as te
 
     autocast = getattr(te, "autocast", None)
@@ -133,7 +141,7 @@ class RefreshReport:
     scales_changed: int = -1
 
 
-def _default_forward(module, batch):
+def _default_forward(module: Any, batch: Any) -> Any:
     step = getattr(module, "forward_step", None)  # NeMo 2 LLM modules: forward_step(batch)
     if callable(step):
         return step(batch)
@@ -145,7 +153,11 @@ def _default_forward(module, batch):
 
 
 def refresh_fp8_scales(
-    model, batches: Iterable, forward_fn: Callable | None = None, *, passes: int | None = None
+    model: torch.nn.Module,
+    batches: Iterable,
+    forward_fn: Callable | None = None,
+    *,
+    passes: int | None = None,
 ) -> RefreshReport:
     """Run calibration forward passes over ``batches`` (at most ``passes`` of them; cycling
     when there are fewer) so delayed-scaling amax histories and scales describe the model as
@@ -180,6 +192,7 @@ def refresh_fp8_scales(
     changed = -1
     if emulated:
         after = _scale_snapshot(emulated)
+        assert before is not None  # taken above for the emulated modules
         changed = sum(int(not torch.equal(a, b)) for a, b in zip(before, after))
     return RefreshReport(
         backend="emulation" if emulated else "transformer_engine",
@@ -213,16 +226,16 @@ class ScaleRefresher:
 
     def __init__(
         self,
-        recipe=None,
+        recipe: RecipeSpec | str | Mapping[str, Any] | None = None,
         *,
         calibration_steps: int = 4,
-        calibration_batches=None,
+        calibration_batches: Iterable[Any] | None = None,
         forward_fn: Callable | None = None,
         after_optimizer_step: Callable | None = None,
         refresh_on_resume: bool = True,
         verify_te: bool = True,
         log_every_n_steps: int = 100,
-    ):
+    ) -> None:
         if (
             isinstance(calibration_steps, bool)
             or not isinstance(calibration_steps, int)
@@ -280,7 +293,7 @@ class ScaleRefresher:
 
     # -- work
 
-    def refresh(self, model, fallback_batch=None) -> RefreshReport:
+    def refresh(self, model: torch.nn.Module, fallback_batch: Any = None) -> RefreshReport:
         batches = self.calibration_batches
         if callable(batches):
             batches = batches()
@@ -304,7 +317,7 @@ class ScaleRefresher:
     def step_started(self) -> None:
         self._step_started = time.perf_counter()
 
-    def step_ended(self, owner, module, step: int) -> None:
+    def step_ended(self, owner: Any, module: torch.nn.Module, step: int) -> None:
         """After an optimizer step: the hook, then the time accounting."""
         hook_s = 0.0
         if self.after_optimizer_step is not None:
@@ -330,5 +343,5 @@ class ScaleRefresher:
             )
 
 
-def _is_iterator(obj) -> bool:
+def _is_iterator(obj: object) -> bool:
     return hasattr(obj, "__next__") and not hasattr(obj, "shape")

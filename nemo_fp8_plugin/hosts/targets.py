@@ -1,3 +1,9 @@
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..spec import RecipeSpec
 """The only callables of this package a config's ``_target_`` may name.
 
 A YAML ``_target_`` is a dotted path the host imports and calls. Megatron-Bridge refuses one
@@ -16,7 +22,7 @@ underscore because Bridge refuses private path segments in a ``_target_``.
 __all__ = ["bf16_quant_recipe", "mixed_precision_config"]
 
 
-def bf16_quant_recipe(patterns: list[str]):
+def bf16_quant_recipe(patterns: list[str]) -> Any:
     """megatron-core's ``RecipeConfig`` keeping the modules matching ``patterns`` in BF16
     (:func:`nemo_fp8_plugin.hosts.megatron.bf16_quant_recipe`): the ``quant_recipe``
     ``_target_`` of NeMo-Run and Bridge YAML."""
@@ -25,7 +31,7 @@ def bf16_quant_recipe(patterns: list[str]):
     return build(patterns)
 
 
-def mixed_precision_config(spec, model=None):
+def mixed_precision_config(spec: RecipeSpec, model: Any = None) -> Any:
     """Megatron-Bridge's ``MixedPrecisionConfig`` for a recipe name or ``fp8:``-style mapping
     (:func:`nemo_fp8_plugin.hosts.bridge.mixed_precision_config`), for a ``mixed_precision``
     block written as ``{_target_: nemo_fp8_plugin.hosts.targets.mixed_precision_config,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..capabilities import (
     CAPABILITIES,
@@ -38,6 +38,9 @@ from ..spec import RecipeSpec
 from ..stacks import fact as _host_fact
 from ..stacks import installed_version
 from . import ApplyResult, HostAdapter, HostContext, Message, Spelling
+
+if TYPE_CHECKING:
+    from ..stacks import HostFact
 
 __all__ = [
     "TE_RECIPE_CLASS",
@@ -143,7 +146,7 @@ def import_te_recipe_module() -> ModuleType:
 
 def build_te_recipe(
     spec: RecipeSpec, te_recipe: ModuleType | None = None, *, te_version: str | None = None
-):
+) -> Any:
     """A TE recipe object for ``spec``, every field and quantizer parameter read back.
 
     ``te_recipe`` is TE's ``transformer_engine.common.recipe`` module (imported when None);
@@ -222,7 +225,7 @@ def _declares(cls: Any, name: str) -> bool:
     return name in getattr(cls, "__dataclass_fields__", {}) or hasattr(cls, name)
 
 
-def _version_fact(class_name: str, name: str):
+def _version_fact(class_name: str, name: str) -> HostFact | None:
     """The stacks table's entry for a recipe field that exists only in some TE releases."""
     return _host_fact("transformer-engine", f"{class_name}.{name}") or _host_fact(
         "transformer-engine", f"Recipe.{name}"
@@ -271,7 +274,7 @@ def _kw(fields: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in fields.items())
 
 
-def _render(problems) -> str:
+def _render(problems: list[tuple[str, Any, Any]]) -> str:
     return "; ".join(f"{attr} is {have!r}, spec needs {want!r}" for attr, have, want in problems)
 
 
@@ -325,7 +328,7 @@ def recipe_mismatches(
     return out
 
 
-def host_built_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None):
+def host_built_recipe(spec: RecipeSpec, te_recipe: ModuleType | None = None) -> Any:
     """The recipe object megatron-core 0.16 builds for this spec (``fp8_utils.get_fp8_recipe``):
     the TE class constructed with ``fp8_format`` (and ``fp8_dpa`` for current scaling) only, so
     every other parameter comes from TE's defaults, i.e. from the environment at TE import."""
@@ -519,7 +522,9 @@ class TEAdapter(HostAdapter):
         # builds the object, and build_te_recipe refuses a mismatch there).
         return None
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+    def spell(
+        self, spec: RecipeSpec, ctx: HostContext | None = None, *, model: Any = None
+    ) -> Spelling:
         """The recipe class, its constructor fields and quantizer parameters, and the
         environment TE must see at import."""
         if spec.training != "fp8":
@@ -531,7 +536,7 @@ class TEAdapter(HostAdapter):
         out.set("transformer_engine", {**te_recipe_description(spec), **_env(out.env)})
         return out
 
-    def passthrough(self, ctx: HostContext):
+    def passthrough(self, ctx: HostContext) -> None:
         raise FP8ConfigError(
             f"{ctx.path or 'the config'} asks for no FP8 recipe",
             key="precision",

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import FP8ConfigError
 from ..spec import BF16Rules, RecipeSpec
@@ -135,7 +135,7 @@ def rule_label(index: int, pattern: str) -> str:
     return f"bf16_layers.modules[{index}]={pattern!r}"
 
 
-def is_module_rule(label: str | None) -> bool:
+def is_module_rule(label: str | None) -> TypeGuard[str]:
     return label is not None and label.startswith("bf16_layers.modules[")
 
 

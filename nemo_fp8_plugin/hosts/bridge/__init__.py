@@ -20,7 +20,7 @@ training process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -116,7 +116,7 @@ two are the same recipe)."""
 
 
 def mixed_precision_fields(
-    spec: RecipeSpec, model=None, megatron_core: str | None = None
+    spec: RecipeSpec, model: Any = None, megatron_core: str | None = None
 ) -> Spelling:
     """Bridge ``MixedPrecisionConfig`` FP8 fields for ``spec`` as writes keyed by field name,
     plus ``quant_recipe`` (for the model's TransformerConfig) when module rules need one; for
@@ -145,7 +145,7 @@ def _base_name(current: Any) -> str | None:
     return _BASE_NAMES.get(current) or (base_of(theirs) if theirs is not None else None)
 
 
-def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -> Spelling:
+def _spell(spec: RecipeSpec, ctx: HostContext | None, model: Any, core: str | None) -> Spelling:
     """``mixed_precision`` for the config (a new block on the config's base recipe, or only
     the FP8 fields into the config's own block) and ``quant_recipe`` into the model's
     TransformerConfig section. Every recipe gets the block: Bridge registers names for some
@@ -222,8 +222,8 @@ def _mp_module(mp_module: ModuleType | None) -> ModuleType:
 
 
 def mixed_precision_config(
-    spec: RecipeSpec | str | Mapping, model=None, *, mp_module: ModuleType | None = None
-):
+    spec: RecipeSpec | str | Mapping, model: Any = None, *, mp_module: ModuleType | None = None
+) -> Any:
     """Bridge's own ``MixedPrecisionConfig`` for ``spec``: Bridge's ``bf16_mixed()`` with the
     recipe's FP8 fields set on it. ``mp_module`` is Bridge's ``mixed_precision`` module
     (imported when None). Also usable as a YAML ``_target_`` with ``spec: <name or mapping>``.
@@ -297,8 +297,8 @@ def register(
     return added
 
 
-def _bridge_factory(name: str, mp: ModuleType):
-    def factory():
+def _bridge_factory(name: str, mp: ModuleType) -> Callable[[], Any]:
+    def factory() -> Any:
         from ...registry import get_recipe
 
         return mixed_precision_config(get_recipe(name), mp_module=mp)
@@ -307,14 +307,16 @@ def _bridge_factory(name: str, mp: ModuleType):
     factory.__name__ = factory.__qualname__ = name
     factory.__module__ = __name__
     factory.__doc__ = f"nemo-fp8-plugin recipe {name!r} as a Megatron-Bridge MixedPrecisionConfig."
-    factory._nemo_fp8_recipe = name
+    factory._nemo_fp8_recipe = name  # type: ignore[attr-defined]  # a marker on the function
     return factory
 
 
 def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
     if instantiate_module is None:
         try:
-            from megatron.bridge.utils import instantiate_utils as instantiate_module
+            from megatron.bridge.utils import instantiate_utils
+
+            instantiate_module = instantiate_utils
         except ImportError as exc:
             from ...errors import HostUnavailableError
 
@@ -325,7 +327,7 @@ def _allow_target_prefix(instantiate_module: ModuleType | None) -> None:
     # target_allowlist.add_exact); else the one module holding only them. Never the package
     # prefix: it would allow nemo_fp8_plugin.<module>.os.system.
     allowlist = getattr(instantiate_module, "target_allowlist", None)
-    if callable(getattr(allowlist, "add_exact", None)):
+    if allowlist is not None and callable(getattr(allowlist, "add_exact", None)):
         for target in ALLOWED_TARGETS:
             allowlist.add_exact(target)
     else:
@@ -393,7 +395,7 @@ def transformer_section(config: dict) -> tuple[dict, str]:
 # --------------------------------------------------------------------------- YAML
 
 
-def _refuse_block(spec: RecipeSpec, current: Any, model=None) -> None:
+def _refuse_block(spec: RecipeSpec, current: Any, model: Any = None) -> None:
     """A ``mixed_precision`` the FP8 fields cannot go into: another Bridge recipe's name, a
     block whose ``_target_`` is not Bridge's class, or anything else."""
     if isinstance(current, str):
@@ -468,7 +470,9 @@ class BridgeAdapter(HostAdapter):
             check_layer_counts(ctx)
             _refuse_block(spec, _current_block(ctx), ctx.model)
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+    def spell(
+        self, spec: RecipeSpec, ctx: HostContext | None = None, *, model: Any = None
+    ) -> Spelling:
         return _spell(spec, ctx, ctx.model if ctx else model, stack_core(ctx))
 
     def finish(self, ctx: HostContext, result: ApplyResult) -> ApplyResult:

@@ -1,6 +1,8 @@
 """Megatron-Bridge's callback: the run's model config and TE checked at start, scale refresh on
 resume, a per-step hook (:class:`nemo_fp8_plugin.hosts.refresh.ScaleRefresher` does the work)."""
 
+from typing import Any
+
 from ...errors import FP8ConfigError
 from ..refresh import ScaleRefresher
 
@@ -18,7 +20,7 @@ class FP8ScaleRefreshBridgeCallback:
     error rather than skipped silently. Arguments: those of :class:`ScaleRefresher`.
     """
 
-    def __init__(self, recipe=None, **kwargs):
+    def __init__(self, recipe: Any = None, **kwargs: Any) -> None:
         self.refresher = ScaleRefresher(recipe, **kwargs)
         if self.refresher.spec is not None:  # what apply --host bridge refuses, refused here
             from .. import refuse_recipe
@@ -30,13 +32,13 @@ class FP8ScaleRefreshBridgeCallback:
         return self.refresher.stats
 
     @staticmethod
-    def _step(context) -> int:
+    def _step(context: Any) -> int:
         state = getattr(context, "state", None)
         train_state = getattr(state, "train_state", None)
         return int(getattr(train_state, "step", 0) or 0)
 
     @staticmethod
-    def _module(context):
+    def _module(context: Any) -> Any:
         model = getattr(context, "model", None)
         return model[0] if isinstance(model, (list, tuple)) and len(model) == 1 else model
 
@@ -44,7 +46,7 @@ class FP8ScaleRefreshBridgeCallback:
     _CHECKED = ("fp8", "fp8_recipe", "first_last_layers_bf16")
     _COUNTS = ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
 
-    def check_model_config(self, model_cfg) -> bool:
+    def check_model_config(self, model_cfg: Any) -> bool:
         """Refuse a run whose model config (``ConfigContainer.model``: a provider, or a
         ``GPTModelConfig`` with its TransformerConfig under ``.transformer``) trains another
         FP8 recipe than the callback's, whose TE check and refresh would then not match it.
@@ -74,7 +76,7 @@ class FP8ScaleRefreshBridgeCallback:
                 )
         return True
 
-    def on_train_start(self, context) -> None:
+    def on_train_start(self, context: Any) -> None:
         cfg = getattr(getattr(context, "state", None), "cfg", None)
         self.check_model_config(getattr(cfg, "model", None))
         self.refresher.verify("this Megatron-Bridge training process")
@@ -92,10 +94,10 @@ class FP8ScaleRefreshBridgeCallback:
                 module = torch.nn.ModuleList(module)  # one module tree over every chunk
             self.refresher.refresh(module)
 
-    def on_train_step_start(self, context) -> None:
+    def on_train_step_start(self, context: Any) -> None:
         self.refresher.step_started()
 
-    def on_train_step_end(self, context) -> None:
+    def on_train_step_end(self, context: Any) -> None:
         if getattr(context, "skipped_iter", False):
             return  # no optimizer update happened
         self.refresher.step_ended(context, self._module(context), self._step(context))

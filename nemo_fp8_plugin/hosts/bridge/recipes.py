@@ -17,9 +17,12 @@ from __future__ import annotations
 import ast
 import functools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..native import FP8_FIELD_DEFAULTS
+
+if TYPE_CHECKING:
+    from ...spec import RecipeSpec
 
 __all__ = [
     "SOURCE",
@@ -207,7 +210,7 @@ def parse_recipes(source: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
             if isinstance(stmt, ast.Return) and isinstance(call, ast.Call):
                 if getattr(call.func, "id", None) != "MixedPrecisionConfig" or call.args:
                     raise _Unreadable(ast.unparse(stmt))
-                fields = {**defaults, **{k.arg: _literal(k.value) for k in call.keywords}}
+                fields = {**defaults, **{str(k.arg): _literal(k.value) for k in call.keywords}}
                 break
             if isinstance(stmt, ast.Return) and isinstance(call, ast.Name) and fields is not None:
                 break
@@ -304,7 +307,7 @@ def base_of(fields: dict[str, Any]) -> str:
     return "fp16" if fields.get("fp16") else "bf16"
 
 
-def spelt_as_recipe(spec, base: str, model=None) -> dict[str, Any]:
+def spelt_as_recipe(spec: RecipeSpec, base: str, model: Any = None) -> dict[str, Any]:
     """What ``spec`` sets on Bridge's ``<base>_mixed()``, in the form of :data:`RECORDED_RECIPES`
     (``quant_recipe`` included: no Bridge recipe has per-module rules)."""
     from . import base_fields, mixed_precision_fields
@@ -313,7 +316,7 @@ def spelt_as_recipe(spec, base: str, model=None) -> dict[str, Any]:
     return as_recorded({**base_fields(base), **writes})
 
 
-def difference(name: str, spec, model=None) -> dict[str, tuple[Any, Any]] | None:
+def difference(name: str, spec: RecipeSpec, model: Any = None) -> dict[str, tuple[Any, Any]] | None:
     """Field -> (Bridge's recipe ``name``'s value, ``spec``'s) where they differ (empty: the
     same recipe), or None when Bridge registers no recipe ``name``."""
     theirs = recipe_fields(name)

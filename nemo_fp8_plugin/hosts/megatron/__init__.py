@@ -14,7 +14,7 @@ never at the root, where ``fp8:`` is the plugin's request key.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, List  # noqa: UP035 - see bf16_quant_recipe
 
 from ...capabilities import CAPABILITIES, capability
@@ -128,7 +128,7 @@ def check_layer_counts(ctx: HostContext) -> None:
 
 
 def transformer_config_fields(
-    spec: RecipeSpec, model=None, megatron_core: str | None = None
+    spec: RecipeSpec, model: Any = None, megatron_core: str | None = None
 ) -> Spelling:
     """The ``TransformerConfig`` fields for ``spec`` as writes keyed by field name (its kind's
     :meth:`~nemo_fp8_plugin.kinds.Kind.megatron_fields`, the first/last BF16 layers, always
@@ -155,7 +155,7 @@ def transformer_config_fields(
 
 
 def precision_fields(
-    spec: RecipeSpec, model=None, *, host: str, megatron_core: str | None = None
+    spec: RecipeSpec, model: Any = None, *, host: str, megatron_core: str | None = None
 ) -> Spelling:
     """The FP8 fields of a NeMo 2 / Megatron-Bridge precision config for ``spec``
     (:data:`PRECISION_FIELDS`, the DDP ones, ``quant_recipe`` when module rules need one), as
@@ -215,12 +215,16 @@ def optimizer_config_fields(spec: RecipeSpec) -> dict[str, Any]:
     }
 
 
-def build_ddp_config(spec: RecipeSpec, *, config_class=None, **base: Any):
+def build_ddp_config(
+    spec: RecipeSpec, *, config_class: Callable[..., Any] | None = None, **base: Any
+) -> Any:
     """A real megatron-core ``DistributedDataParallelConfig`` (or ``config_class``) from
     ``base`` plus :func:`ddp_config_fields`; a ``base`` key the recipe decides is refused, and
     megatron-core's own ``__post_init__`` validates the result."""
     if config_class is None:
-        from megatron.core.distributed import DistributedDataParallelConfig as config_class
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        config_class = DistributedDataParallelConfig
     fields = ddp_config_fields(spec)
     clash = sorted(k for k in set(base) & set(fields) if base[k] != fields[k])
     if clash:
@@ -236,7 +240,7 @@ def build_ddp_config(spec: RecipeSpec, *, config_class=None, **base: Any):
 # --------------------------------------------------------------------------- with megatron-core
 
 
-def quant_recipe_object(mapping: Mapping[str, Any] | None):
+def quant_recipe_object(mapping: Mapping[str, Any] | None) -> Any:
     """megatron-core's ``RecipeConfig`` from the YAML mapping (``configs`` + ``matchers``)."""
     if mapping is None:
         return None
@@ -258,7 +262,7 @@ def bf16_patterns(mapping: Mapping[str, Any]) -> list[str]:
     return [m["pattern"] for m in mapping.get("matchers", {}).values() if m.get("enabled")]
 
 
-def bf16_quant_recipe(patterns: list[str]):
+def bf16_quant_recipe(patterns: list[str]) -> Any:
     """megatron-core's ``RecipeConfig`` keeping the modules matching ``patterns`` (fnmatch
     globs, first match wins) in BF16: the YAML ``_target_`` NeMo-Run and Bridge configs use,
     since NeMo-Run's YAML loader passes scalars and lists but not nested mappings."""
@@ -285,7 +289,13 @@ def _objects(fields: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_transformer_config(spec: RecipeSpec, model=None, *, config_class=None, **base: Any):
+def build_transformer_config(
+    spec: RecipeSpec,
+    model: Any = None,
+    *,
+    config_class: Callable[..., Any] | None = None,
+    **base: Any,
+) -> Any:
     """A real megatron-core ``TransformerConfig`` (or ``config_class``) from ``base`` model
     fields plus the recipe's FP8 fields; megatron-core's own ``__post_init__`` validates it.
 
@@ -293,7 +303,9 @@ def build_transformer_config(spec: RecipeSpec, model=None, *, config_class=None,
     megatron-core's own validation errors as :class:`FP8ConfigError` naming the field.
     """
     if config_class is None:
-        from megatron.core.transformer import TransformerConfig as config_class
+        from megatron.core.transformer import TransformerConfig
+
+        config_class = TransformerConfig
     refuse_recipe(ADAPTER, spec)
     hk = transformer_config_fields(spec, model)
     _verify_te(spec)
@@ -307,7 +319,7 @@ def build_transformer_config(spec: RecipeSpec, model=None, *, config_class=None,
     return _construct(config_class, {**base, **_objects(hk.keys)}, spec)
 
 
-def apply_to_transformer_config(config, spec: RecipeSpec, model=None):
+def apply_to_transformer_config(config: Any, spec: RecipeSpec, model: Any = None) -> Any:
     """A copy of an existing ``TransformerConfig`` with the recipe's fields, validated again
     by megatron-core (``dataclasses.replace`` runs ``__post_init__`` on the copy)."""
     refuse_recipe(ADAPTER, spec)
@@ -325,7 +337,7 @@ def _verify_te(spec: RecipeSpec) -> None:
     verify_installed_te(spec, where="this process")
 
 
-def _construct(factory, kwargs: dict[str, Any], spec: RecipeSpec):
+def _construct(factory: Callable[..., Any], kwargs: dict[str, Any], spec: RecipeSpec) -> Any:
     try:
         return factory(**kwargs)
     except (ValueError, AssertionError) as exc:
@@ -417,7 +429,9 @@ class MegatronAdapter(HostAdapter):
         if ctx is not None:
             check_layer_counts(ctx)
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+    def spell(
+        self, spec: RecipeSpec, ctx: HostContext | None = None, *, model: Any = None
+    ) -> Spelling:
         """The TransformerConfig fields under their section (``language_model`` or ``model``),
         the DDP fields under ``ddp:`` (at the root of Megatron-LM's ``--yaml-cfg`` layout),
         with nvfp4's ``fp4_param_gather`` where the assumed megatron-core has it."""

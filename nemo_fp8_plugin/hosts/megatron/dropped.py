@@ -5,10 +5,15 @@ scaling's history settings), so a spec setting it has no field for is lost. Whic
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...capabilities import capability
 from ...errors import FP8ConfigError
 from ...kinds import kind
 from ...spec import RecipeSpec
+
+if TYPE_CHECKING:
+    from .honoured import HonouredFields
 
 __all__ = ["dropped_settings", "refuse_dropped"]
 
@@ -74,7 +79,7 @@ def dropped_settings(spec: RecipeSpec, megatron_core: str | None = None) -> list
                     (
                         key,
                         f"megatron-core builds the {row.megatron_recipe} recipe with "
-                        f"Transformer Engine's default tiles ({list(want)})",
+                        f"Transformer Engine's default tiles ({None if want is None else list(want)})",
                     )
                 )
     return out
@@ -132,7 +137,7 @@ def _unread_fields(spec: RecipeSpec, megatron_core: str | None = None) -> list[t
 
 
 def _attention_by_table(
-    spec: RecipeSpec, fact: str, version: str, honoured
+    spec: RecipeSpec, fact: str, version: str, honoured: HonouredFields
 ) -> list[tuple[str, str]]:
     """FP8 attention under a kind whose megatron-core recipe builder passes ``fp8_dpa`` from
     some release on (the stacks-table ``fact``), for the assumed version."""

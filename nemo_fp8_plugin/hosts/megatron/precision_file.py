@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import FP8ConfigError
 from ...rules import ModelDescription
@@ -41,6 +41,9 @@ from ...rules.names import layer_index
 from ...rules.resolve import side_rules
 from ...spec import RecipeSpec
 from .. import Message
+
+if TYPE_CHECKING:
+    from ..contract import ApplyResult, HostContext
 
 __all__ = [
     "MEGATRON_LM_FLAG",
@@ -189,7 +192,9 @@ def generation_only_note(host: str, version: str | None, minimum: str, key: str)
 # --------------------------------------------------------------------------- shared by the routes
 
 
-def recipe_for(ctx, pipeline_key: str, pp: Any = None):
+def recipe_for(
+    ctx: HostContext, pipeline_key: str, pp: Any = None
+) -> tuple[dict[str, Any] | None, list[Message]]:
     """:func:`precision_recipe` for a command's context: the pipeline size ``pp`` (None: read
     from ``pipeline_key``; a host with interpolations passes it resolved), a quoted integer
     read as one, anything else refused naming the key (whether a layer rule can be written
@@ -229,7 +234,7 @@ def recipe_for(ctx, pipeline_key: str, pp: Any = None):
 _LM_PP = "model_parallel.pipeline_model_parallel_size"
 
 
-def megatron_lm_precision_file(ctx, result):
+def megatron_lm_precision_file(ctx: HostContext, result: ApplyResult) -> ApplyResult:
     """Megatron-LM's ``--yaml-cfg`` layout (a ``language_model:`` section; the megatron
     adapter's merge calls this last): its loader turns every nested mapping into a
     ``SimpleNamespace`` (``megatron/training/yaml_arguments.py``, ``load_yaml``) and passes
@@ -245,6 +250,7 @@ def megatron_lm_precision_file(ctx, result):
     if not ours or get_path(ctx.raw, "language_model.quant_recipe", None) is not None:
         return result
     recipe, _ = recipe_for(ctx, _LM_PP)
+    assert isinstance(section, dict)  # ours
     del section["quant_recipe"]
     loss = (
         "Megatron-LM's --yaml-cfg loader turns language_model.quant_recipe into a "

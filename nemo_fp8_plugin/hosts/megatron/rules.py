@@ -84,7 +84,9 @@ def _experts_glob(name: str) -> str:
     return re.sub(r"\.mlp\.experts\.(linear_fc[12])$", r".mlp.experts.*\1", name)
 
 
-def _megatron_patterns(spec, model: ModelDescription) -> tuple[list[str], list[Message]]:
+def _megatron_patterns(
+    spec: RecipeSpec | BF16Rules, model: ModelDescription
+) -> tuple[list[str], list[Message]]:
     res = resolve(spec, model, "training")
     bf16 = {d.module for d in res.decisions if d.precision == "bf16"}
     # Routers and the output layer are not TE modules: megatron-core never runs them in FP8.

@@ -62,7 +62,9 @@ the dtype, while the ``{_target_: torch.bfloat16, _call_: false}`` form its ``--
 writes cannot be loaded back."""
 
 
-def plugin_fields(spec: RecipeSpec, model=None, megatron_core: str | None = None) -> Spelling:
+def plugin_fields(
+    spec: RecipeSpec, model: Any = None, megatron_core: str | None = None
+) -> Spelling:
     """``MegatronMixedPrecision``'s FP8 arguments for ``spec`` as writes keyed by argument
     name, and the fields that go on ``model.config`` instead (keyed ``model.config.<field>``):
     ``quant_recipe`` when module rules need one (its mapping), ``fp4_param`` for FP4."""
@@ -96,7 +98,7 @@ def quant_recipe_yaml(mapping: Mapping[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- NeMo-Run objects
 
 
-def _dtype(value):
+def _dtype(value: Any) -> Any:
     import torch
 
     if isinstance(value, str) and value.startswith("torch."):
@@ -120,7 +122,9 @@ def _spec_arg(spec: RecipeSpec) -> str:
     return json.dumps({"recipe": spec.name, **diff}) if diff else spec.name
 
 
-def plugin_config(spec: RecipeSpec, model=None, base: Mapping[str, Any] | None = None):
+def plugin_config(
+    spec: RecipeSpec, model: Any = None, base: Mapping[str, Any] | None = None
+) -> Any:
     """``run.Config(MegatronMixedPrecision, ...)`` for ``spec`` on top of ``base`` arguments
     (default: NeMo's ``bf16_mixed``). Imports NeMo-Run and NeMo."""
     refuse_recipe(ADAPTER, spec)  # as apply refuses it (the plugin-only factory runs here too)
@@ -152,7 +156,7 @@ def plugin_only_warning(spec: RecipeSpec) -> str | None:
     )
 
 
-def callback_config(spec: RecipeSpec, **kwargs):
+def callback_config(spec: RecipeSpec, **kwargs: Any) -> Any:
     """``run.Config`` of :class:`nemo_fp8_plugin.hosts.nemo2.callback.FP8ScaleRefreshCallback` for ``spec``."""
     import nemo_run as run
 
@@ -161,7 +165,9 @@ def callback_config(spec: RecipeSpec, **kwargs):
     return run.Config(FP8ScaleRefreshCallback, recipe=_spec_arg(spec), **kwargs)
 
 
-def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = True):
+def add_fp8_to_recipe(
+    recipe: Any, spec: RecipeSpec, model: Any = None, *, callback: bool = True
+) -> Any:
     """Turn a NeMo 2 recipe (``run.Partial`` of ``llm.pretrain`` / ``llm.finetune``) into its
     FP8 variant, in place: the FP8 arguments go onto the recipe's own precision plugin
     (keeping its precision, dtypes and ``grad_reduce_in_fp32``), per-module rules onto
@@ -211,7 +217,7 @@ def add_fp8_to_recipe(recipe, spec: RecipeSpec, model=None, *, callback: bool = 
     return recipe
 
 
-def _find_plugin(plugins):
+def _find_plugin(plugins: Any) -> Any:
     items = plugins if isinstance(plugins, list) else [plugins]
     for item in items:
         target = getattr(item, "__fn_or_cls__", None)
@@ -286,7 +292,7 @@ def _plugin_node(config: Mapping[str, Any]) -> tuple[str, int | None] | None:
     )
 
 
-def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -> Spelling:
+def _spell(spec: RecipeSpec, ctx: HostContext | None, model: Any, core: str | None) -> Spelling:
     """The FP8 arguments into the config's plugin, the ``model.config`` fields beside it.
 
     A config without a plugin is an overlay for ``nemo llm finetune --factory <recipe> --yaml``:
@@ -340,7 +346,7 @@ def _spell(spec: RecipeSpec, ctx: HostContext | None, model, core: str | None) -
     return out
 
 
-def _validate(result: ApplyResult, ctx) -> list[str]:
+def _validate(result: ApplyResult, ctx: HostContext | None) -> list[str]:
     """Build NeMo's own ``MegatronMixedPrecision`` from the written plugin block (its
     constructor builds the ``DtypeConfig`` megatron-core receives), when NeMo is importable."""
     try:
@@ -395,7 +401,9 @@ class NeMo2Adapter(HostAdapter):
             _plugin_node(ctx.raw)
             check_layer_counts(ctx)
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+    def spell(
+        self, spec: RecipeSpec, ctx: HostContext | None = None, *, model: Any = None
+    ) -> Spelling:
         return _spell(spec, ctx, ctx.model if ctx else model, stack_core(ctx))
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:

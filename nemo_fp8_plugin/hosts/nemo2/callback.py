@@ -1,6 +1,8 @@
 """NeMo 2's Lightning callback: the TE check at ``setup``, scale refresh on resume, a per-step
 hook (:class:`nemo_fp8_plugin.hosts.refresh.ScaleRefresher` does the work)."""
 
+from typing import Any
+
 from ..refresh import ScaleRefresher
 
 __all__ = ["FP8ScaleRefreshCallback"]
@@ -8,7 +10,7 @@ __all__ = ["FP8ScaleRefreshCallback"]
 try:  # the Lightning base class when Lightning is installed (NeMo 2 always has it)
     from lightning.pytorch.callbacks import Callback as _LightningCallback
 except ImportError:  # pragma: no cover - Bridge-only or torch-only installs
-    _LightningCallback = object
+    _LightningCallback = object  # type: ignore[misc,assignment]  # a plain base without Lightning
 
 
 class FP8ScaleRefreshCallback(_LightningCallback):
@@ -24,15 +26,15 @@ class FP8ScaleRefreshCallback(_LightningCallback):
 
     def __init__(
         self,
-        recipe=None,
+        recipe: Any = None,
         calibration_steps: int = 4,
-        calibration_batches=None,
-        forward_fn=None,
-        after_optimizer_step=None,
+        calibration_batches: Any = None,
+        forward_fn: Any = None,
+        after_optimizer_step: Any = None,
         refresh_on_resume: bool = True,
         verify_te: bool = True,
         log_every_n_steps: int = 100,
-    ):
+    ) -> None:
         super().__init__()
         self.refresher = ScaleRefresher(
             recipe,
@@ -49,26 +51,30 @@ class FP8ScaleRefreshCallback(_LightningCallback):
 
             refuse_recipe("nemo2", self.refresher.spec)
         self._resumed = False
-        self._last_step = None
+        self._last_step: int | None = None
 
     @property
     def stats(self) -> dict:
         """Seconds and overhead fraction (see :class:`ScaleRefresher`)."""
         return self.refresher.stats
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.refresher.verify("this NeMo 2 training process")
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._resumed = int(getattr(trainer, "global_step", 0) or 0) > 0
         self._last_step = int(getattr(trainer, "global_step", 0) or 0)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.refresher.wants_refresh(self._resumed):
             self.refresher.refresh(pl_module, fallback_batch=batch)
         self.refresher.step_started()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = int(getattr(trainer, "global_step", 0) or 0)
         if self._last_step is not None and step == self._last_step:
             return  # gradient accumulation: no optimizer step happened

@@ -65,7 +65,7 @@ _HOSTS: tuple[str, ...] = ("finetune", "pretrain")
 def plugin_factory(name: str) -> Callable[[], Any]:
     """A zero-argument factory returning ``run.Config[MegatronMixedPrecision]`` for recipe ``name``."""
 
-    def factory():
+    def factory() -> Any:
         from ...registry import get_recipe
         from . import plugin_config, plugin_only_warning
 
@@ -85,7 +85,7 @@ def callback_factory(name: str) -> Callable[[], Any]:
     """A zero-argument factory returning ``run.Config[FP8ScaleRefreshCallback]`` for ``name``,
     for ``trainer.callbacks=[nemo_fp8_plugin.hosts.nemo2.factories.<name>_callback]``."""
 
-    def factory():
+    def factory() -> Any:
         from ...registry import get_recipe
         from . import callback_config
 
@@ -102,7 +102,7 @@ def variant_factory(stock: Callable[..., Any], stock_name: str, recipe: str) -> 
     wrapped = getattr(stock, "wrapped", stock)
 
     @functools.wraps(wrapped)
-    def variant(*args, **kwargs):
+    def variant(*args: Any, **kwargs: Any) -> Any:
         from ...registry import get_recipe
         from ..te import required_env
         from . import add_fp8_to_recipe
@@ -168,7 +168,7 @@ def register_all() -> None:
                 if variant_name in stock or catalogue.check_exists(namespace, variant_name):
                     continue
                 variant = variant_factory(fn, stock_name, name)
-                variant._nemo_fp8_variant = True
+                variant._nemo_fp8_variant = True  # type: ignore[attr-defined]  # a marker
                 run.cli.factory(variant, target=target, name=variant_name)
                 done.append(variant_name)
 

@@ -512,7 +512,9 @@ class NeMoRLAdapter(HostAdapter):
     def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
         _refuse(spec, ctx)
 
-    def spell(self, spec: RecipeSpec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+    def spell(
+        self, spec: RecipeSpec, ctx: HostContext | None = None, *, model: Any = None
+    ) -> Spelling:
         if ctx is None and spec.qat is not None:
             return qat_recipe_keys(spec, model)
         if ctx is None:

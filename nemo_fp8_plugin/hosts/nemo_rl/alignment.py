@@ -5,7 +5,7 @@ host: :func:`nemo_fp8_plugin.hosts.check_model_shape`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...capabilities import capability, token_alignment
 from ...dotted import get_path
@@ -13,6 +13,9 @@ from ...errors import FP8ConfigError
 from ...kinds import kind
 from ...spec import RecipeSpec
 from .. import Message
+
+if TYPE_CHECKING:
+    from ...stacks import HostFact
 
 __all__ = [
     "SEQUENCE_KEY",
@@ -41,7 +44,7 @@ The rest of the name is the model-name prefix (lowercased basename, ``_`` read a
 fact's ``doc`` the model it names."""
 
 
-def _self_packing_facts():
+def _self_packing_facts() -> list[HostFact]:
     from ...stacks import FACTS
 
     return [f for f in FACTS if f.host == "nemo-rl" and f.name.startswith(SELF_PACKING_FACT)]
@@ -147,7 +150,9 @@ def sequence_alignment(
     return _raise_to(resolved, keys, need, why)
 
 
-def _raise_to(resolved: Mapping[str, Any], keys: list[str], need: int, why: str):
+def _raise_to(
+    resolved: Mapping[str, Any], keys: list[str], need: int, why: str
+) -> tuple[dict[str, Any], list[Message]]:
     from .values import resolved_value
 
     writes: dict[str, Any] = {}

@@ -26,7 +26,10 @@ do not reach vLLM.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ...rules import ModelDescription
 
 __all__ = [
     "COUNTS_REACH_VLLM",
@@ -61,7 +64,9 @@ def edge_layer_keywords(first: int, last: int, num_layers: int) -> list[str]:
     return [f"layers.{i}." for i in layers]
 
 
-def nemo_rl_ignored_layers(model, vllm_cfg: Mapping[str, Any], release: str | None) -> list[str]:
+def nemo_rl_ignored_layers(
+    model: ModelDescription, vllm_cfg: Mapping[str, Any], release: str | None
+) -> list[str]:
     """The ``ignored_layers`` NeMo RL ``release`` hands vLLM for ``vllm_cfg`` (the written
     ``policy.generation.vllm_cfg``) on ``model``, as module names (only the names vLLM's
     matching can hit: linear modules; the output head is not a parameter of the base model

@@ -12,6 +12,7 @@ it is always written where the config lacks it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES
@@ -115,7 +116,9 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
     return match_recipe("nemo-rl", scaling, fields, read=read, unmatched=unmatched)
 
 
-def _sequence_error(value, fields: dict[str, Any], read: list, unmatched: list) -> None:
+def _sequence_error(
+    value: Callable[..., Any], fields: dict[str, Any], read: list, unmatched: list
+) -> None:
     """GRPO's sequence masking (``grpo.seq_logprob_error_threshold``) as
     ``importance_sampling.max_sequence_error``; a threshold no recipe takes (below 1.0: every
     sequence that differs at all, and more, leaves the loss; not a number) is named instead."""
@@ -134,7 +137,7 @@ def _sequence_error(value, fields: dict[str, Any], read: list, unmatched: list) 
     )
 
 
-def _generation(value, read: list, fields: dict[str, Any]) -> str | None:
+def _generation(value: Callable[..., Any], read: list, fields: dict[str, Any]) -> str | None:
     precision = value(f"{_VLLM}.precision")
     if not (isinstance(precision, str) and precision.lower().startswith("fp8")):
         return None
@@ -157,7 +160,9 @@ def _generation(value, read: list, fields: dict[str, Any]) -> str | None:
     return kind
 
 
-def _training_env(value, scaling: str, fields: dict, read: list, training: bool) -> None:
+def _training_env(
+    value: Callable[..., Any], scaling: str, fields: dict, read: list, training: bool
+) -> None:
     """Power-of-2 scales on the training side: the TE variable NeMo RL's env_vars pin."""
     if not training:
         return
@@ -173,7 +178,9 @@ def _training_env(value, scaling: str, fields: dict, read: list, training: bool)
         fields["pow2_scales"] = str(got).strip() == "1"
 
 
-def _layers(value, fields: dict[str, Any], training: bool, generation: bool) -> None:
+def _layers(
+    value: Callable[..., Any], fields: dict[str, Any], training: bool, generation: bool
+) -> None:
     """First/last BF16 layers (vLLM's counts, else the training overrides) and the module
     keywords vLLM keeps unquantized, as ``bf16_layers``."""
     rules: dict[str, Any] = {"first": 0, "last": 0}
@@ -192,7 +199,7 @@ def _layers(value, fields: dict[str, Any], training: bool, generation: bool) -> 
     fields["bf16_layers"] = rules
 
 
-def _layer_count(value, key: str, default: int) -> int:
+def _layer_count(value: Callable[..., Any], key: str, default: int) -> int:
     """A layer count as NeMo RL uses it (a range bound: a whole number >= 0), or a one-line
     refusal naming the key (``abc``, ``.inf``, ``[1]``, ``1.5`` are none)."""
     got = value(key, default)
@@ -208,7 +215,9 @@ def _layer_count(value, key: str, default: int) -> int:
     return got
 
 
-def _importance_sampling(value, fields: dict[str, Any], read: list, release: str | None) -> None:
+def _importance_sampling(
+    value: Callable[..., Any], fields: dict[str, Any], read: list, release: str | None
+) -> None:
     from .releases import TRUNCATION_KEYS, truncation
 
     enabled = value("loss_fn.use_importance_sampling_correction") is True

@@ -13,7 +13,7 @@ the lines that say them (notes; a warning for what is lost).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...dotted import get_path
 from .. import ApplyResult, HostContext, Message, Spelling
@@ -21,12 +21,17 @@ from .releases import assumed_release
 from .rollout import ENV_VARS_KEY, needed_line, rollout_archs, rollout_checks, rollout_line
 from .spelling import _VLLM, _generation_fp8
 
+if TYPE_CHECKING:
+    from ...rules import ModelDescription
+    from ...spec import RecipeSpec
+    from .rollout import RolloutCheck
+
 __all__ = ["spell_rollout_env", "preflight"]
 
 _MISSING = object()
 
 
-def _target_arch(spec) -> str | None | bool:
+def _target_arch(spec: RecipeSpec) -> str | None | bool:
     """The GPU generation to judge: the spec's target when the rollout table knows it, None
     when no target is stated, False for a target it does not (no check)."""
     from ..vllm.rollout import GPU_ARCHS
@@ -36,7 +41,9 @@ def _target_arch(spec) -> str | None | bool:
     return spec.hardware if spec.hardware in GPU_ARCHS else False
 
 
-def _checks(spec, ctx: HostContext, vllm_cfg: Mapping[str, Any]):
+def _checks(
+    spec: RecipeSpec, ctx: HostContext, vllm_cfg: Mapping[str, Any]
+) -> tuple[list[RolloutCheck], dict[str, str]]:
     arch = _target_arch(spec)
     use_deep_gemm = vllm_cfg.get("use_deep_gemm", False) is True
     if arch is False:
@@ -63,7 +70,7 @@ def _reads_env_vars(ctx: HostContext) -> bool:
 
 
 def spell_rollout_env(
-    spec, ctx: HostContext, keys: Spelling
+    spec: RecipeSpec, ctx: HostContext, keys: Spelling
 ) -> tuple[dict[str, str], list[Message]]:
     """The variables that keep the recipe's scale grid in the rollouts, for the config as
     ``keys`` (as spelled) leave it: written into ``keys`` under
@@ -199,7 +206,7 @@ def _gpu_name(ctx: HostContext) -> str | None:
     return named if isinstance(named, str) else None
 
 
-def _hf_config(model) -> Mapping[str, Any] | None:
+def _hf_config(model: ModelDescription) -> Mapping[str, Any] | None:
     """The model's ``config.json`` when the description was read from one (heads, vocabulary:
     sizes the weight count needs); None for a built-in description."""
     from pathlib import Path
@@ -213,7 +220,7 @@ def _hf_config(model) -> Mapping[str, Any] | None:
     return found if isinstance(found, Mapping) else None
 
 
-def _bf16_generation(spec):
+def _bf16_generation(spec: RecipeSpec) -> RecipeSpec:
     import dataclasses
 
     return dataclasses.replace(spec, generation="bf16", kv_cache="auto", training="fp8")

@@ -122,6 +122,7 @@ def request_key(ctx: HostContext, field: str) -> str:
     key that names the recipe)."""
     in_block = isinstance(ctx.resolved.get("fp8"), Mapping)
     if not field:
+        assert ctx.request is not None  # a message about the request: there is one
         return "fp8.recipe" if in_block else ctx.request.keys[0]
     return f"fp8.{field}" if in_block else field
 

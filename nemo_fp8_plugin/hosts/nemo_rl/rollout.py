@@ -29,7 +29,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ...spec import RecipeSpec
 
 __all__ = ["RolloutCheck", "ENV_VARS_KEY", "rollout_checks", "rollout_archs", "vllm_of"]
 
@@ -100,7 +103,7 @@ def vllm_of(release: str | None) -> str | None:
     return None
 
 
-def rollout_archs(spec, use_deep_gemm: bool) -> list[str]:
+def rollout_archs(spec: RecipeSpec, use_deep_gemm: bool) -> list[str]:
     """The GPU generations to judge when no target GPU is stated: where ``use_deep_gemm:
     true`` is written, the Hopper GPUs it is written for (NVIDIA's FP8 configs; a Blackwell
     target gets ``false``); otherwise every generation the recipe runs on."""
@@ -112,7 +115,7 @@ def rollout_archs(spec, use_deep_gemm: bool) -> list[str]:
     return [a for a in GPU_ARCHS if not any(p.level == "error" for p in hardware_problems(spec, a))]
 
 
-def _grid(spec) -> str:
+def _grid(spec: RecipeSpec) -> str:
     from ...capabilities import capability
 
     if capability(spec.scaling).is_mx:
@@ -121,7 +124,14 @@ def _grid(spec) -> str:
     return "pow2" if spec.pow2_scales or numerics else "fp32"
 
 
-def _judge(spec, arch: str, vllm: str, env: Mapping[str, str], pow2: tuple[bool, bool], forced):
+def _judge(
+    spec: RecipeSpec,
+    arch: str,
+    vllm: str,
+    env: Mapping[str, str],
+    pow2: tuple[bool, bool],
+    forced: Mapping[str, str],
+) -> RolloutCheck:
     from ...capabilities import capability
     from ..vllm.rollout import rollout
 
@@ -147,7 +157,7 @@ def _judge(spec, arch: str, vllm: str, env: Mapping[str, str], pow2: tuple[bool,
 
 
 def rollout_checks(
-    spec,
+    spec: RecipeSpec,
     release: str | None,
     archs: list[str],
     *,
@@ -217,7 +227,7 @@ _GRID_WORDS = {
 }
 
 
-def rollout_line(checks: list[RolloutCheck], release: str | None, spec) -> str | None:
+def rollout_line(checks: list[RolloutCheck], release: str | None, spec: RecipeSpec) -> str | None:
     """One line naming, per GPU, the kernel and scale grid of the rollouts and whether it is
     the grid training quantizes to (None without checks); said of the host ``nemo-rl``."""
     from ...capabilities import arch_label, capability
@@ -261,7 +271,9 @@ def rollout_line(checks: list[RolloutCheck], release: str | None, spec) -> str |
     return f"rollouts on vLLM {first.vllm} ({context}): " + "; ".join(parts)
 
 
-def needed_line(needed: Mapping[str, str], release: str | None, spec, *, in_config: bool) -> str:
+def needed_line(
+    needed: Mapping[str, str], release: str | None, spec: RecipeSpec, *, in_config: bool
+) -> str:
     """Where the variables that keep the recipe's grid go, in words."""
     from ...stacks import release_label
 

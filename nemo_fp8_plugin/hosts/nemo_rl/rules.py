@@ -9,6 +9,7 @@ every rule its training side cannot express (per-module globs: megatron-core tak
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ...rules import ModelDescription
@@ -27,7 +28,11 @@ __all__ = ["to_nemo_rl", "training_layer_overrides"]
 
 
 def _training_side_issues(
-    spec, rules: BF16Rules, model: ModelDescription | None, host: str, where: str
+    spec: RecipeSpec | BF16Rules,
+    rules: BF16Rules,
+    model: ModelDescription | None,
+    host: str,
+    where: str,
 ) -> list[Message]:
     out = []
     harmless: set[str] = set()
@@ -99,7 +104,9 @@ def training_layer_overrides(rules: BF16Rules) -> dict[str, Any]:
     }
 
 
-def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
+def _nemo_rl_keywords(
+    spec: RecipeSpec | BF16Rules, rules: BF16Rules, model: ModelDescription | None
+) -> tuple[list[str], list[Message]]:
     """Substring keywords for ``quantization_ignored_layer_kws``.
 
     NeMo RL keeps every Hugging Face parameter whose ``model.``-prefixed name contains a
@@ -181,7 +188,9 @@ def _nemo_rl_keywords(spec, rules: BF16Rules, model: ModelDescription | None):
     return keywords + added, warnings
 
 
-def _pick_keyword(name: str, model: ModelDescription, caught, allowed: set[str]) -> str:
+def _pick_keyword(
+    name: str, model: ModelDescription, caught: Callable[[str], set[str]], allowed: set[str]
+) -> str:
     """The shortest substring that catches ``name`` and nothing the rules keep in FP8:
     a trailing run of name components (no layer index), the fused-MoE prefix, or the
     full name."""

@@ -277,7 +277,11 @@ def _importance_sampling_keys(spec: RecipeSpec, out: Spelling) -> None:
     out.set("loss_fn.sequence_level_importance_ratios", is_.level == "sequence")
     out.set("loss_fn.truncated_importance_sampling_type", is_.truncation)
     out.set("loss_fn.truncated_importance_sampling_ratio", is_.ratio_max if truncated else None)
-    low = _window_low(is_.truncation, is_.ratio_max, is_.ratio_min) if truncated else None
+    low = (
+        _window_low(is_.truncation, is_.ratio_max, is_.ratio_min)
+        if is_.truncation is not None
+        else None
+    )
     out.set("loss_fn.truncated_importance_sampling_ratio_min", low)
 
 

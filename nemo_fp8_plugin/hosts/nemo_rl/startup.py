@@ -14,7 +14,7 @@ them in the three source trees): they moved, the conditions did not.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...dotted import get_path
@@ -179,7 +179,7 @@ def startup_problems(config: Mapping[str, Any], release: str | None) -> list[FP8
     return out
 
 
-def _router_replay_problems(value, release: str | None) -> list[FP8ConfigError]:
+def _router_replay_problems(value: Callable[..., Any], release: str | None) -> list[FP8ConfigError]:
     """Router replay (``policy.router_replay.enabled``) as NeMo RL's Megatron policy validates
     it: vLLM generation, the Megatron policy (elsewhere nothing replays), no virtual pipeline."""
     out = []
@@ -220,7 +220,9 @@ def _router_replay_problems(value, release: str | None) -> list[FP8ConfigError]:
     return out
 
 
-def _kv_cache_problems(value, kv: str, release: str | None) -> list[FP8ConfigError]:
+def _kv_cache_problems(
+    value: Callable[..., Any], kv: str, release: str | None
+) -> list[FP8ConfigError]:
     out = []
     hint = "or keep the KV cache in BF16: kv_cache: auto in the fp8: block"
     if value("policy.dtensor_cfg.enabled") is not False:
@@ -258,7 +260,12 @@ def _kv_cache_problems(value, kv: str, release: str | None) -> list[FP8ConfigErr
     return out
 
 
-def _truncation_problems(values, importance: bool, release, truncation) -> list[FP8ConfigError]:
+def _truncation_problems(
+    values: Mapping[str, Any],
+    importance: bool,
+    release: str | None,
+    truncation: Callable[[Mapping[str, Any], str | None], tuple[Any, Any, Any]],
+) -> list[FP8ConfigError]:
     kind, ratio, _low = truncation(values, release)
     if kind is None and ratio is None:
         return []

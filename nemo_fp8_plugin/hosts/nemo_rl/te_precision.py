@@ -11,6 +11,7 @@ result. It lives with the NeMo RL adapter so the megatron package never imports 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from ...errors import FP8ConfigError
 from ..megatron.precision_file import (
@@ -24,13 +25,16 @@ from ..megatron.precision_file import (
 )
 from .releases import assumed_release
 
+if TYPE_CHECKING:
+    from ..contract import ApplyResult, HostContext
+
 __all__ = ["nemo_rl_precision_file"]
 
 
 _NEMO_RL_PP = "policy.megatron_cfg.pipeline_model_parallel_size"
 
 
-def nemo_rl_precision_file(ctx, result):
+def nemo_rl_precision_file(ctx: HostContext, result: ApplyResult) -> ApplyResult:
     """NeMo RL's route for module rules into training (the adapter's merge calls it last).
 
     Where the assumed NeMo RL version has :data:`NEMO_RL_KEY` and the output is a file, the

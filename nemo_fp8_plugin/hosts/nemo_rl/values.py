@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
 
 from ...errors import LIMITS, FP8ConfigError, check_limit, format_value
 
@@ -167,7 +167,7 @@ def _interpolations(text: str) -> tuple[list[str], int]:
     return bodies, deepest
 
 
-def _reference(body: str, here: KeyPath) -> KeyPath | None | bool:
+def _reference(body: str, here: KeyPath) -> KeyPath | None | Literal[False]:
     """The config path a ``${body}`` names: None when it names none (a resolver call whose
     arguments hold their own ``${...}``, found separately), False when it names one this walk
     cannot follow (a key built from an interpolation, another resolver's argument)."""
@@ -193,7 +193,8 @@ def _reference(body: str, here: KeyPath) -> KeyPath | None | bool:
 def _locate(config: Any, path: KeyPath) -> tuple[KeyPath, Any]:
     """``path`` with the keys the config really has (``0`` of a list, a YAML integer key
     named as text), and the node there (``_MISSING`` when there is none)."""
-    node, found = config, []
+    node: Any = config
+    found: list[Any] = []
     for part in path:
         if isinstance(node, dict):
             key = part if part in node else next((k for k in node if str(k) == str(part)), _MISSING)
@@ -297,7 +298,9 @@ def _part(config: Mapping[str, Any], paths: set[KeyPath]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _bounded_resolvers(omegaconf_class: Any, refused: list[FP8ConfigError], key: str):
+def _bounded_resolvers(
+    omegaconf_class: Any, refused: list[FP8ConfigError], key: str
+) -> Iterator[None]:
     """NeMo RL's resolvers, each refusing a result longer than ``interpolated_chars`` before
     building it, registered for the block; what was registered before is put back."""
     from omegaconf.basecontainer import BaseContainer
@@ -317,7 +320,7 @@ def _bounded_resolvers(omegaconf_class: Any, refused: list[FP8ConfigError], key:
                 table.pop(name, None)
 
 
-def _bounded(name: str, fn: Any, refused: list[FP8ConfigError], key: str):
+def _bounded(name: str, fn: Any, refused: list[FP8ConfigError], key: str) -> Callable[..., Any]:
     def resolver(a: Any, b: Any) -> Any:
         size = _result_size(name, a, b)
         if size > LIMITS.interpolated_chars:
@@ -348,7 +351,7 @@ def _result_size(name: str, a: Any, b: Any) -> int:
     return 0
 
 
-def _register_resolver(omegaconf_class: Any):
+def _register_resolver(omegaconf_class: Any) -> Callable[..., Any]:
     """OmegaConf's registration of a resolver that takes typed arguments: ``register_resolver``
     from 2.4 on, where ``register_new_resolver`` warns that it is deprecated (five lines on
     every NeMo RL config with ``${...}``); ``register_new_resolver`` before, where

@@ -19,7 +19,12 @@ emulation path, the KV-cache trap of vLLM's CPU build).
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ...rules import ModelDescription
+    from ...spec import RecipeSpec
 
 __all__ = [
     "QUANT_METHOD",
@@ -68,7 +73,7 @@ CONFIG_KEYS = {
 _KV_CACHE_DTYPE = {"auto": "auto", "fp8": "fp8_e4m3"}
 
 
-def _rules_spelling(spec, model) -> tuple[list[str], int, int, list[str]]:
+def _rules_spelling(spec: RecipeSpec, model: Any) -> tuple[list[str], int, int, list[str]]:
     """ignored_layers, first, last and warnings for the generation side of the BF16 rules.
 
     Without a model the rules travel as written: ``nemo_fp8`` matches glob patterns and
@@ -89,7 +94,7 @@ def _rules_spelling(spec, model) -> tuple[list[str], int, int, list[str]]:
 
 
 def engine_spelling(
-    spec, model=None, *, platform: str | None = None
+    spec: RecipeSpec | str | Mapping[str, Any], model: Any = None, *, platform: str | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     """The vLLM engine arguments for ``spec`` and the warnings that go with them.
 
@@ -148,7 +153,7 @@ def engine_spelling(
     return kwargs, found
 
 
-def refuse_spec(spec) -> None:
+def refuse_spec(spec: RecipeSpec) -> None:
     """Every refusal vLLM makes of a recipe alone (the adapter's
     :meth:`~nemo_fp8_plugin.hosts.HostAdapter.refuse` adds those of a config): nvfp4
     generation, and MXFP8 with an ``amax_epsilon`` its E8M0 scales cannot honour."""
@@ -175,7 +180,9 @@ def refuse_spec(spec) -> None:
         )
 
 
-def quantization_config(spec, model=None) -> dict[str, Any]:
+def quantization_config(
+    spec: RecipeSpec | str | Mapping[str, Any], model: Any = None
+) -> dict[str, Any]:
     """The ``quantization_config`` mapping of the ``nemo_fp8`` method for ``spec``.
 
     This is what ``engine_kwargs(spec)["hf_overrides"]["quantization_config"]`` holds; its keys
@@ -187,6 +194,8 @@ def quantization_config(spec, model=None) -> dict[str, Any]:
     spec = get_recipe(spec)
     refuse_spec(spec)
     ignored, first, last, found = _rules_spelling(spec, model)
+    # The kinds vLLM generates with (block, mx) all have tiles.
+    assert spec.weight_block is not None and spec.activation_block is not None
     cfg: dict[str, Any] = {
         "quant_method": QUANT_METHOD,
         "fmt": "e4m3",
@@ -205,7 +214,9 @@ def quantization_config(spec, model=None) -> dict[str, Any]:
     return cfg
 
 
-def engine_kwargs(spec, model=None, *, platform: str | None = None) -> dict[str, Any]:
+def engine_kwargs(
+    spec: RecipeSpec | str | Mapping[str, Any], model: Any = None, *, platform: str | None = None
+) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM(...)`` (and ``vllm serve`` options) for ``spec``.
 
     ``{"quantization": "nemo_fp8", "hf_overrides": {"quantization_config": {...}},
@@ -231,7 +242,7 @@ def engine_kwargs(spec, model=None, *, platform: str | None = None) -> dict[str,
     return kwargs
 
 
-def mla_kv_cache_note(spec, model) -> str | None:
+def mla_kv_cache_note(spec: RecipeSpec, model: ModelDescription | None) -> str | None:
     """The note for an FP8 KV cache on multi-head latent attention (DeepSeek-V2/V3, Moonlight,
     Kimi: the ``deepseek`` family), or None: vLLM's MLA caches the compressed latent under one
     ``k_scale`` per layer, which the refit's key/value calibration does not measure
@@ -250,7 +261,12 @@ def mla_kv_cache_note(spec, model) -> str | None:
     )
 
 
-def engine_env(spec, hardware: str | None = None, *, release: str | None = None) -> dict[str, str]:
+def engine_env(
+    spec: RecipeSpec | str | Mapping[str, Any],
+    hardware: str | None = None,
+    *,
+    release: str | None = None,
+) -> dict[str, str]:
     """Environment variables to set before vLLM starts so its rollout kernels keep the
     recipe's scale grid (vLLM reads them at start-up, so they cannot travel as engine
     arguments); ``{}`` when nothing is needed.

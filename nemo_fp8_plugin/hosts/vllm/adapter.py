@@ -11,7 +11,11 @@ naming it. ``device: cpu`` selects vLLM's CPU backend (no FP8 KV cache requested
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ...rules import ModelDescription
+    from ...spec import RecipeSpec
 
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from .. import (
@@ -44,7 +48,7 @@ config a vLLM engine config."""
 
 
 def _env_and_notes(
-    spec, model, kwargs, release: str | None
+    spec: RecipeSpec, model: ModelDescription | None, kwargs: Mapping[str, Any], release: str | None
 ) -> tuple[dict[str, str], list[Message]]:
     """The variables vLLM reads at start-up for the recipe's grid (:func:`.engine_env`, for
     ``release``: the assumed vLLM), and the notes: the rollout kernels with them set, an FP8
@@ -98,7 +102,7 @@ def _canonical(value: Any) -> Any:
     return "fp8_e4m3" if value == "fp8" else value
 
 
-def _spell(spec, ctx: HostContext | None, model) -> Spelling:
+def _spell(spec: RecipeSpec, ctx: HostContext | None, model: ModelDescription | None) -> Spelling:
     """The engine options, each in the spelling the file gives it (else the file's style,
     dashes or underscores); ``device: cpu`` read as the target platform and left out (vLLM >=
     0.32 has no such engine argument)."""
@@ -152,7 +156,7 @@ class VLLMAdapter(HostAdapter):
         # vLLM reads them when it starts: no engine argument carries them
         return [f"set {k}={v} where vLLM starts (not a config key)" for k, v in result.env.items()]
 
-    def refuse(self, spec, ctx: HostContext | None) -> None:
+    def refuse(self, spec: RecipeSpec, ctx: HostContext | None) -> None:
         from . import refuse_spec
 
         if ctx is not None:
@@ -160,7 +164,9 @@ class VLLMAdapter(HostAdapter):
             _refuse_two_spellings(ctx.raw)
         refuse_spec(spec)
 
-    def spell(self, spec, ctx: HostContext | None = None, *, model=None) -> Spelling:
+    def spell(
+        self, spec: RecipeSpec, ctx: HostContext | None = None, *, model: Any = None
+    ) -> Spelling:
         return _spell(spec, ctx, ctx.model if ctx else model)
 
     def overwrites(self, ctx: HostContext, key: str, have: Any, want: Any) -> bool:

@@ -16,7 +16,9 @@ layer, for the running release:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "ApiUse",
@@ -172,7 +174,7 @@ def fact_name(feature: str) -> str:
     return f"nemo_fp8:{feature}"
 
 
-def _accepts(obj, keywords: tuple[str, ...]) -> list[str]:
+def _accepts(obj: Callable[..., Any], keywords: tuple[str, ...]) -> list[str]:
     """The keywords of ``keywords`` that ``obj``'s signature does not take (none when it takes
     ``**kwargs`` or has no readable signature)."""
     import inspect

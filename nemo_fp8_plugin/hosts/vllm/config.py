@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from . import QUANT_METHOD
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from ...capabilities import RecipeCapability
+    from ...spec import BF16Rules
 
 __all__ = ["NemoFp8Config"]
 
@@ -36,7 +43,7 @@ def _as_block(value: Any, key: str) -> list[int] | None:
     raise ValueError(f"nemo_fp8 quantization_config.{key}: expected [rows, cols], got {value!r}")
 
 
-def _scheme_kind(scheme: Any):
+def _scheme_kind(scheme: Any) -> RecipeCapability:
     """The capability row of ``quantization_config.scheme`` (a scaling kind the method
     serves: ``block`` or ``mx``), or ValueError."""
     from ...capabilities import CAPABILITIES
@@ -92,7 +99,7 @@ def _warn_untested(version: str) -> None:
         )
 
 
-def _experts_class():
+def _experts_class() -> type[torch.nn.Module]:
     """vLLM's fused-MoE experts layer: ``RoutedExperts`` (0.25 on), ``FusedMoE`` before it,
     which the ``moe`` check then refuses naming the release (never served as unquantized)."""
     try:
@@ -309,12 +316,12 @@ class NemoFp8Config(QuantizationConfig):
             return QUANT_METHOD
         return None
 
-    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: WeightsMapper) -> None:
         exact = [n for n in self.ignored_layers if not (_GLOB_CHARS & set(n))]
         globs = [n for n in self.ignored_layers if _GLOB_CHARS & set(n)]
         self.ignored_layers = list(hf_to_vllm_mapper.apply_list(exact)) + globs
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from vllm.model_executor.layers.attention import Attention, MLAAttention
         from vllm.model_executor.layers.linear import LinearBase
 
@@ -362,7 +369,7 @@ class NemoFp8Config(QuantizationConfig):
                 return None
         return self._num_layers
 
-    def _rules(self):
+    def _rules(self) -> BF16Rules:
         """``ignored_layers`` and the first/last counts in the plugin's rule language."""
         if self.__dict__.get("_bf16_rules", False) is False:
             from ...spec import BF16Rules

@@ -53,9 +53,13 @@ import fnmatch
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import FP8ConfigError, format_value
+
+if TYPE_CHECKING:
+    from ...rules import ModelDescription
+    from ...spec import RecipeSpec
 
 __all__ = [
     "FUSED_NAME_FIRST",
@@ -251,7 +255,13 @@ class Exclusion:
         }
 
 
-def _skipped(prefix: str, entries: list[str], packed: Mapping[str, list[str]], rules: _Known):
+_Match = tuple[bool | None, str | None, str]
+"""(excluded, or None for mixed shards or an unknown release; the entry that decided; how)."""
+
+
+def _skipped(
+    prefix: str, entries: list[str], packed: Mapping[str, list[str]], rules: _Known
+) -> _Match:
     """``is_layer_skipped`` in its exact mode: (skipped or None for mixed shards, entry, how)."""
     proj = prefix.split(".")[-1]
     exact = set(entries)
@@ -286,7 +296,9 @@ def _modelopt_entries(entries: list[str], rules: _Known) -> list[str]:
     return out
 
 
-def _modelopt_excluded(prefix, entries, packed, rules):
+def _modelopt_excluded(
+    prefix: str, entries: list[str], packed: Mapping[str, list[str]], rules: _Known
+) -> _Match:
     if not entries:
         return False, None, "not matched"
     skipped, entry, how = _skipped(prefix, entries, packed, rules)
@@ -358,7 +370,9 @@ def vllm_exclusions(
     return out
 
 
-def _exclusion(module: str, method: str, listed: list[str], packed, rules: _Known):
+def _exclusion(
+    module: str, method: str, listed: list[str], packed: Mapping[str, list[str]], rules: _Known
+) -> _Match:
     """(excluded, entry, how) of one module under one :class:`_Known`."""
     if module == "lm_head" or module.endswith(".lm_head"):
         # ParallelLMHead is an embedding: Fp8Config never quantizes it, ModelOpt only with
@@ -370,7 +384,7 @@ def _exclusion(module: str, method: str, listed: list[str], packed, rules: _Know
     return _modelopt_excluded(module, _modelopt_entries(listed, rules), packed, rules)
 
 
-def packed_modules_mapping(model) -> dict[str, list[str]]:
+def packed_modules_mapping(model: ModelDescription) -> dict[str, list[str]]:
     """The fused projections of a :class:`~nemo_fp8_plugin.rules.models.ModelDescription`, as
     vLLM's ``packed_modules_mapping`` spells them (last component -> its shards'), from the
     description's vLLM units (routed experts aside: vLLM fuses them in its MoE layer, not
@@ -428,8 +442,8 @@ class IgnoreRecord:
 
 
 def ignore_list_report(
-    spec,
-    model,
+    spec: RecipeSpec,
+    model: ModelDescription,
     entries: Iterable[str],
     *,
     release: str,
@@ -479,7 +493,7 @@ def ignore_list_report(
     return records
 
 
-def _never_quantized(unit: str, model) -> bool:
+def _never_quantized(unit: str, model: ModelDescription) -> bool:
     """A router vLLM builds without a quant config (DeepSeek's ``mlp.gate``)."""
     from ...rules.names import builtin_high_precision
 

@@ -10,9 +10,21 @@ this selection with the platform's capability patched (``tests/vllm/test_contrac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.model_executor.kernels.linear import Fp8BlockScaledMMLinearKernel, Mxfp8LinearKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.deep_gemm import (
+        DeepGemmFp8BlockScaledMMKernel,
+    )
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+
+    from .config import NemoFp8Config
 
 __all__ = [
     "init_block_linear_kernel",
@@ -52,13 +64,15 @@ def _host() -> str:
     return f"vLLM {version} on {where}"
 
 
-def _refuse(prefix: str, message: str, *, key: str, value: Any, hint: str) -> None:
+def _refuse(prefix: str, message: str, *, key: str, value: Any, hint: str) -> NoReturn:
     from ...errors import FP8ConfigError
 
     raise FP8ConfigError(f"{prefix}: {_host()}: {message}", key=key, value=value, hint=hint)
 
 
-def _deep_gemm_part(kernel):
+def _deep_gemm_part(
+    kernel: Fp8BlockScaledMMLinearKernel,
+) -> DeepGemmFp8BlockScaledMMKernel | None:
     """The DeepGEMM kernel inside vLLM's block kernel (itself, or the DeepGEMM branch of
     FlashInfer's dynamic kernel), or None."""
     for part in (kernel, getattr(kernel, "fallback", None), getattr(kernel, "base", None)):
@@ -76,7 +90,7 @@ def _blackwell_class() -> bool:
     return current_platform.has_device_capability(100)
 
 
-def _kernel_uses_ue8m0(kernel) -> bool:
+def _kernel_uses_ue8m0(kernel: Fp8BlockScaledMMLinearKernel) -> bool:
     """Whether vLLM's block kernel turns the scales into UE8M0 (DeepGEMM with
     ``VLLM_USE_DEEP_GEMM_E8M0=1``: weights requantized in place, activations UE8M0)."""
     deep = _deep_gemm_part(kernel)
@@ -88,7 +102,7 @@ def _kernel_uses_ue8m0(kernel) -> bool:
     )
 
 
-def _pow2_activation_quantizer(quant, *, deep_gemm: bool):
+def _pow2_activation_quantizer(quant: QuantFP8, *, deep_gemm: bool) -> QuantFP8:
     """vLLM's own activation quantizer (``QuantFP8``) with ``use_ue8m0=True``: the same
     group shape and scale layout, scales rounded to powers of two (TE's pow2 recipe)."""
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
@@ -108,7 +122,7 @@ def _pow2_activation_quantizer(quant, *, deep_gemm: bool):
     return new
 
 
-def _refuse_trainer_numerics(prefix: str, what: str) -> None:
+def _refuse_trainer_numerics(prefix: str, what: str) -> NoReturn:
     """``generation_numerics: trainer`` asks for Transformer Engine's activation numerics,
     which none of vLLM's kernels computes (they quantize as ``x / (amax / 448)``)."""
     _refuse(
@@ -122,7 +136,7 @@ def _refuse_trainer_numerics(prefix: str, what: str) -> None:
     )
 
 
-def _refuse_missing_deepgemm_ue8m0(prefix: str, what: str) -> None:
+def _refuse_missing_deepgemm_ue8m0(prefix: str, what: str) -> NoReturn:
     _refuse(
         prefix,
         f"{what} is not DeepGEMM with VLLM_USE_DEEP_GEMM_E8M0=1, so activations are not "
@@ -135,7 +149,9 @@ def _refuse_missing_deepgemm_ue8m0(prefix: str, what: str) -> None:
     )
 
 
-def _vet_block_kernel(kernel, config, prefix: str):
+def _vet_block_kernel(
+    kernel: Fp8BlockScaledMMLinearKernel, config: NemoFp8Config, prefix: str
+) -> Fp8BlockScaledMMLinearKernel:
     """Make vLLM's block-FP8 linear kernel keep the recipe's scales and
     ``generation_numerics``, or refuse."""
     name = type(kernel).__name__
@@ -179,7 +195,9 @@ def _vet_block_kernel(kernel, config, prefix: str):
     return kernel
 
 
-def _vet_blackwell_deep_gemm(deep, config, name: str, prefix: str) -> None:
+def _vet_blackwell_deep_gemm(
+    deep: DeepGemmFp8BlockScaledMMKernel, config: NemoFp8Config, name: str, prefix: str
+) -> None:
     """DeepGEMM on SM100+: UE8M0 scale factors only, so fp32 recipes and E8M0 off refuse."""
     if not config.pow2_scales:
         _refuse(
@@ -205,7 +223,7 @@ def _vet_blackwell_deep_gemm(deep, config, name: str, prefix: str) -> None:
         )
 
 
-def _vet_fp32_scales(kernel, name: str, prefix: str) -> None:
+def _vet_fp32_scales(kernel: Fp8BlockScaledMMLinearKernel, name: str, prefix: str) -> None:
     """An fp32-scale recipe refuses a kernel that turns its scales into UE8M0."""
     if _kernel_uses_ue8m0(kernel):
         _refuse(
@@ -220,7 +238,12 @@ def _vet_fp32_scales(kernel, name: str, prefix: str) -> None:
         )
 
 
-def _keep_pow2_activation_scales(kernel, deep, name: str, prefix: str) -> None:
+def _keep_pow2_activation_scales(
+    kernel: Fp8BlockScaledMMLinearKernel,
+    deep: DeepGemmFp8BlockScaledMMKernel | None,
+    name: str,
+    prefix: str,
+) -> None:
     """A power-of-2 recipe: the kernel's activation quantizer rounds scales to powers of
     two (vLLM's own ``QuantFP8`` with ``use_ue8m0=True``), or the kernel is refused when
     it quantizes activations inside its GEMM (FlashInfer's block kernel, fp32 scales)."""
@@ -241,7 +264,7 @@ def _keep_pow2_activation_scales(kernel, deep, name: str, prefix: str) -> None:
         kernel.quant_fp8 = _pow2_activation_quantizer(quant, deep_gemm=deep is kernel)
 
 
-def _vet_mx_kernel(kernel, prefix: str):
+def _vet_mx_kernel(kernel: Mxfp8LinearKernel, prefix: str) -> Mxfp8LinearKernel:
     name = type(kernel).__name__
     if name not in _MX_W8A8_LINEAR_KERNELS:
         _refuse(
@@ -258,7 +281,7 @@ def _vet_mx_kernel(kernel, prefix: str):
     return kernel
 
 
-def vet_block_moe(config, prefix: str) -> None:
+def vet_block_moe(config: NemoFp8Config, prefix: str) -> None:
     """vLLM's Triton fused-MoE kernel quantizes activations with
     ``per_token_group_quant_fp8(use_ue8m0=None)``, i.e. UE8M0 exactly when
     ``is_deep_gemm_e8m0_used()``: the recipe's scales must agree with that."""
@@ -307,7 +330,9 @@ def vet_block_moe(config, prefix: str) -> None:
         )
 
 
-def select_mx_moe_backend(moe, prefix: str):
+def select_mx_moe_backend(
+    moe: FusedMoEConfig, prefix: str
+) -> tuple[Fp8MoeBackend, type[FusedMoEExperts]]:
     """vLLM's own MXFP8 MoE backend choice (``select_mxfp8_moe_backend``), refused when its
     experts keep activations in BF16."""
     from vllm.model_executor.layers.fused_moe.oracle.mxfp8 import select_mxfp8_moe_backend
@@ -336,7 +361,9 @@ def select_mx_moe_backend(moe, prefix: str):
     return backend, experts_cls
 
 
-def init_block_linear_kernel(config, weight_shape, prefix: str, module_name: str):
+def init_block_linear_kernel(
+    config: NemoFp8Config, weight_shape: torch.Size, prefix: str, module_name: str
+) -> Fp8BlockScaledMMLinearKernel:
     """vLLM's block-FP8 linear kernel for a ``weight_shape`` weight (vLLM's own
     ``init_fp8_linear_kernel``), vetted against the recipe."""
     from vllm.config import get_current_vllm_config
@@ -360,7 +387,7 @@ def init_block_linear_kernel(config, weight_shape, prefix: str, module_name: str
     return _vet_block_kernel(kernel, config, prefix)
 
 
-def init_mx_linear_kernel(weight_shape: tuple[int, int], prefix: str):
+def init_mx_linear_kernel(weight_shape: tuple[int, int], prefix: str) -> Mxfp8LinearKernel:
     """vLLM's MXFP8 linear kernel (``init_mxfp8_linear_kernel``), refused when it keeps
     activations in BF16."""
     from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel

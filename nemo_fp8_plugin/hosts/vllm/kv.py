@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.attention import Attention, MLAAttention
+
+    from .config import NemoFp8Config
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +30,12 @@ class NemoFp8KVCacheMethod(BaseKVCacheMethod):
     them) and :func:`finish_refit` re-applies them.
     """
 
-    def __init__(self, quant_config, prefix: str = "") -> None:
+    def __init__(self, quant_config: NemoFp8Config, prefix: str = "") -> None:
         super().__init__(quant_config)
         self.prefix = prefix
         self._checked = False
 
-    def _check_dtype(self, layer) -> None:
+    def _check_dtype(self, layer: Attention | MLAAttention) -> None:
         if self._checked:
             return
         self._checked = True
@@ -49,7 +55,7 @@ class NemoFp8KVCacheMethod(BaseKVCacheMethod):
                 running,
             )
 
-    def process_weights_after_loading(self, layer) -> None:
+    def process_weights_after_loading(self, layer: Attention | MLAAttention) -> None:
         self._check_dtype(layer)
         kept = {name: getattr(layer, name) for name in _KV_PARAMS if hasattr(layer, name)}
         super().process_weights_after_loading(layer)
@@ -57,6 +63,6 @@ class NemoFp8KVCacheMethod(BaseKVCacheMethod):
             if not hasattr(layer, name):
                 setattr(layer, name, param)
 
-    def after_refit(self, layer) -> None:
+    def after_refit(self, layer: Attention | MLAAttention) -> None:
         """Apply the scales loaded by the last refit to the attention layer."""
         self.process_weights_after_loading(layer)

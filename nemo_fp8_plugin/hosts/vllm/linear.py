@@ -3,12 +3,21 @@ the BF16 method for the layers the rules keep in high precision."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.utils import set_weight_attrs
 
 from .kernels import init_block_linear_kernel, init_mx_linear_kernel
 from .quantizer import _Quantizer, _use_vllm_kernels, _wrap_loader
+
+if TYPE_CHECKING:
+    from vllm.model_executor.kernels.linear import Fp8BlockScaledMMLinearKernel, Mxfp8LinearKernel
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from .config import NemoFp8Config
 
 __all__ = ["NemoFp8LinearMethod", "NemoBF16LinearMethod"]
 
@@ -21,11 +30,14 @@ class _KernelView(torch.nn.Module):
     untouched, so refits keep landing in the same place.
     """
 
+    weight: torch.nn.Parameter
+    input_scale: torch.Tensor | None
+
 
 class NemoFp8LinearMethod(LinearMethodBase):
     """Block FP8 / MXFP8 linear layer with refit-stable parameters."""
 
-    def __init__(self, quant_config, prefix: str = "") -> None:
+    def __init__(self, quant_config: NemoFp8Config, prefix: str = "") -> None:
         self.quant_config = quant_config
         self.prefix = prefix
         self.quantizer = _Quantizer(quant_config)
@@ -35,7 +47,7 @@ class NemoFp8LinearMethod(LinearMethodBase):
             [128, 128] if self.kind.is_block else [1, 32]
         )
         self.use_vllm = _use_vllm_kernels(quant_config) and supported
-        self._kernel = None
+        self._kernel: Fp8BlockScaledMMLinearKernel | Mxfp8LinearKernel | None = None
         self._view: _KernelView | None = None
         # Where vLLM's kernels read the weight scales: block kernels take `weight_scale_inv`
         # (fp32), MXFP8 kernels `weight_scale` (the E8M0 bytes as uint8).
@@ -43,13 +55,13 @@ class NemoFp8LinearMethod(LinearMethodBase):
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: LinearBase,
         input_size_per_partition: int,
         output_partition_sizes: list[int],
         input_size: int,
         output_size: int,
         params_dtype: torch.dtype,
-        **extra_weight_attrs,
+        **extra_weight_attrs: Any,
     ) -> None:
         from vllm.model_executor.layers.quantization.utils.fp8_utils import validate_fp8_block_shape
         from vllm.model_executor.parameter import (
@@ -60,7 +72,8 @@ class NemoFp8LinearMethod(LinearMethodBase):
 
         n = sum(output_partition_sizes)
         k = input_size_per_partition
-        base_loader = extra_weight_attrs.get("weight_loader")
+        # vLLM's linear layers always pass their loader.
+        base_loader = cast("Callable[..., Any]", extra_weight_attrs.get("weight_loader"))
         layer.logical_widths = output_partition_sizes
         layer.input_size_per_partition = k
         layer.output_size_per_partition = n
@@ -107,7 +120,7 @@ class NemoFp8LinearMethod(LinearMethodBase):
 
     # -- kernel binding (vLLM backend)
 
-    def _fresh_view(self, layer: torch.nn.Module) -> _KernelView:
+    def _fresh_view(self, layer: LinearBase) -> _KernelView:
         view = _KernelView()
         view.weight = torch.nn.Parameter(layer.weight.data, requires_grad=False)
         scale = layer.weight_scale_inv.data
@@ -123,10 +136,11 @@ class NemoFp8LinearMethod(LinearMethodBase):
             "orig_dtype",
         ):
             setattr(view, attr, getattr(layer, attr))
+        assert self._kernel is not None  # use_vllm: create_weights made it
         self._kernel.process_weights_after_loading(view)
         return view
 
-    def _bind(self, layer: torch.nn.Module) -> None:
+    def _bind(self, layer: LinearBase) -> None:
         fresh = self._fresh_view(layer)
         if self._view is None:
             self._view = fresh
@@ -141,7 +155,7 @@ class NemoFp8LinearMethod(LinearMethodBase):
             else:
                 setattr(self._view, name, tensor)
 
-    def _aliases_layer(self, layer: torch.nn.Module) -> bool:
+    def _aliases_layer(self, layer: LinearBase) -> bool:
         view = self._view
         return (
             view is not None
@@ -149,20 +163,21 @@ class NemoFp8LinearMethod(LinearMethodBase):
             and getattr(view, self._kernel_scale).data_ptr() == layer.weight_scale_inv.data_ptr()
         )
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
         if self.use_vllm:
             self._bind(layer)
 
-    def after_refit(self, layer: torch.nn.Module) -> None:
+    def after_refit(self, layer: LinearBase) -> None:
         """Bring the kernel's run-time copy up to date after ``load_weights`` (no-op when the
         kernel reads the layer's own storage, as the emulation and most Hopper kernels do)."""
         if self.use_vllm and not self._aliases_layer(layer):
             self._bind(layer)
 
     def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if self.use_vllm:
+            assert self._kernel is not None  # use_vllm: create_weights made it
             return self._kernel.apply_weights(self._view, x, bias)
         shape = x.shape
         out = self.quantizer.linear(
@@ -184,7 +199,7 @@ class NemoBF16LinearMethod(UnquantizedLinearMethod):
     own unquantized method.
     """
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():

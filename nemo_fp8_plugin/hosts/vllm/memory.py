@@ -38,9 +38,14 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import FP8ConfigError, format_value
+
+if TYPE_CHECKING:
+    from ...rules import ModelDescription
+    from ...spec import RecipeSpec
+    from ...stacks import Lookup
 
 __all__ = [
     "GPU_MEMORY_GIB",
@@ -169,7 +174,7 @@ class _Shape:
     """The sizes the weight count needs: the model description's, and the config's where
     given (attention heads, MLA ranks, vocabulary)."""
 
-    def __init__(self, model, config: Mapping[str, Any] | None) -> None:
+    def __init__(self, model: ModelDescription, config: Mapping[str, Any] | None) -> None:
         cfg = dict(config or {})
         if isinstance(cfg.get("text_config"), Mapping) and "hidden_size" not in cfg:
             cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k != "text_config"}}
@@ -180,7 +185,7 @@ class _Shape:
         head_dim = self._int("head_dim") or (self.h // heads if heads else None)
         kv = self._int("num_key_value_heads") or heads
         if heads and head_dim:
-            self.q_dim, self.kv_dim = heads * head_dim, kv * head_dim
+            self.q_dim, self.kv_dim = heads * head_dim, (kv or heads) * head_dim
         else:
             self.q_dim = self.kv_dim = self.h
             self.assumptions.append(
@@ -224,7 +229,9 @@ class _Shape:
         return None
 
 
-def _unit_params(unit: str, members: tuple[str, ...], model, shape: _Shape) -> int | None:
+def _unit_params(
+    unit: str, members: tuple[str, ...], model: ModelDescription, shape: _Shape
+) -> int | None:
     """Parameters of one vLLM unit, or None when its size is not known from the shape."""
     leaf = unit.rsplit(".", 1)[-1]
     h = shape.h
@@ -259,7 +266,7 @@ def _unit_params(unit: str, members: tuple[str, ...], model, shape: _Shape) -> i
 
 
 def weight_bytes(
-    spec, model, *, config: Mapping[str, Any] | None = None
+    spec: RecipeSpec, model: ModelDescription, *, config: Mapping[str, Any] | None = None
 ) -> tuple[int, tuple[str, ...]]:
     """The bytes of a model's weights as the engine holds them under ``spec``, and what the
     count assumed. Linear units the recipe quantizes: one byte per weight plus their scales
@@ -321,8 +328,8 @@ def _positive_int(value: Any, key: str, *, optional: bool = True) -> int | None:
 
 
 def estimate_kv_cache(
-    spec,
-    model,
+    spec: RecipeSpec,
+    model: ModelDescription,
     *,
     gpu_memory_utilization: float,
     hardware: str | None = None,
@@ -369,6 +376,7 @@ def estimate_kv_cache(
                 else "no GPU named: name it (--hardware h100) for a KV-cache estimate",
             )
         )
+    kv: int | None
     if pinned is not None:
         kv, estimated = pinned, False
         if memory is not None and pinned + weights > memory:
@@ -384,7 +392,7 @@ def estimate_kv_cache(
     else:
         kv = None if memory is None else int(util * memory) - weights
         estimated = True
-        if kv is not None and kv <= 0:
+        if memory is not None and kv is not None and kv <= 0:
             hints.append(
                 MemoryHint(
                     "weights_exceed_budget",
@@ -431,7 +439,7 @@ def estimate_kv_cache(
     )
 
 
-def _larger_kv_cache(version: str):
+def _larger_kv_cache(version: str) -> Lookup:
     """The version table's answer (``stacks.Lookup``) for :data:`LARGER_KV_CACHE`."""
     from ...stacks import lookup, newest_tested, parse_version
 

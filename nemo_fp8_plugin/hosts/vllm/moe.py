@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
@@ -10,6 +11,14 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from .kernels import select_mx_moe_backend, vet_block_moe
 from .quantizer import _copy_into, _Quantizer, _use_vllm_kernels, _wrap_loader
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe import FusedMoEQuantConfig, RoutedExperts
+    from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+    from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExperts
+
+    from .config import NemoFp8Config
 
 __all__ = ["NemoFp8MoEMethod"]
 
@@ -27,7 +36,7 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
     loop over the experts that receive tokens, each GEMM through the numerics emulation.
     """
 
-    def __init__(self, quant_config, layer, prefix: str = "") -> None:
+    def __init__(self, quant_config: NemoFp8Config, layer: RoutedExperts, prefix: str = "") -> None:
         super().__init__(layer.moe_config)
         self.quant_config = quant_config
         self.prefix = prefix
@@ -40,7 +49,7 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
                 f"nemo_fp8: {prefix}: MXFP8 MoE experts take 1x32 weight groups, got "
                 f"weight_block_size {self.weight_block_size}"
             )
-        self._mx_backend = None
+        self._mx_backend: Fp8MoeBackend | None = None
         self._mx_tensors: dict[str, torch.Tensor] | None = None
         if self.use_vllm and self.kind.is_mx:
             self._mx_backend, self.experts_cls = select_mx_moe_backend(self.moe, prefix)
@@ -49,12 +58,12 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
 
     def create_weights(
         self,
-        layer,
+        layer: RoutedExperts,
         num_experts: int,
         hidden_size: int,
         intermediate_size_per_partition: int,
         params_dtype: torch.dtype,
-        **extra_weight_attrs,
+        **extra_weight_attrs: Any,
     ) -> None:
         from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
         from vllm.model_executor.layers.quantization.utils.fp8_utils import (
@@ -76,15 +85,17 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         layer.weight_block_size = self.weight_block_size
         base_loader = extra_weight_attrs["weight_loader"]
 
-        def scale_name(args: tuple, kwargs: dict) -> tuple:
+        def scale_name(
+            args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             # RoutedExperts.weight_loader(param, w, weight_name, shard_id, expert_id): the
             # scale goes through the same loader under the scale's name.
-            args = list(args)
-            if args:
-                args[0] = f"{args[0]}_scale_inv"
+            positional = list(args)
+            if positional:
+                positional[0] = f"{positional[0]}_scale_inv"
             elif "weight_name" in kwargs:
                 kwargs = {**kwargs, "weight_name": f"{kwargs['weight_name']}_scale_inv"}
-            return tuple(args), kwargs
+            return tuple(positional), kwargs
 
         for stem, rows, cols in (("w13", shards * inter, hidden_size), ("w2", hidden_size, inter)):
             weight = torch.nn.Parameter(
@@ -119,7 +130,7 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         layer.w13_input_scale = None
         layer.w2_input_scale = None
 
-    def get_fused_moe_quant_config(self, layer):
+    def get_fused_moe_quant_config(self, layer: RoutedExperts) -> FusedMoEQuantConfig:
         if self._mx_backend is not None:
             from vllm.model_executor.layers.fused_moe.oracle.fp8 import make_fp8_moe_quant_config
 
@@ -147,7 +158,7 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
 
     # -- MXFP8 on vLLM's kernels: a run-time layout beside the loadable parameters
 
-    def _mx_layout(self, layer) -> dict[str, torch.Tensor]:
+    def _mx_layout(self, layer: RoutedExperts) -> dict[str, torch.Tensor]:
         """vLLM's kernel format of the layer's MXFP8 experts (E8M0 scales as uint8, the
         layout ``convert_to_fp8_moe_kernel_format`` makes for the chosen backend). The
         layer's own parameters are read, never replaced."""
@@ -167,7 +178,7 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         )
         return {"w13": w13, "w2": w2, "w13_scale": s13, "w2_scale": s2}
 
-    def _bind_mx(self, layer) -> None:
+    def _bind_mx(self, layer: RoutedExperts) -> None:
         first = self._mx_tensors is None
         self._mx_tensors = _copy_into(self._mx_tensors, self._mx_layout(layer))
         if first:
@@ -182,7 +193,7 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
                 routing_tables=layer._expert_routing_tables(),
             )
 
-    def _mx_aliases_layer(self, layer) -> bool:
+    def _mx_aliases_layer(self, layer: RoutedExperts) -> bool:
         t = self._mx_tensors
         return (
             t is not None
@@ -192,11 +203,11 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
             and t["w2_scale"].data_ptr() == layer.w2_weight_scale_inv.data_ptr()
         )
 
-    def process_weights_after_loading(self, layer) -> None:
+    def process_weights_after_loading(self, layer: RoutedExperts) -> None:
         if self._mx_backend is not None:
             self._bind_mx(layer)
 
-    def after_refit(self, layer) -> None:
+    def after_refit(self, layer: RoutedExperts) -> None:
         """Block and emulation read the loadable parameters directly; the MXFP8 kernel
         layout, when it is not the parameters themselves, is rebuilt and copied in place."""
         if self._mx_backend is not None and not self._mx_aliases_layer(layer):
@@ -204,11 +215,11 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
 
     def apply_monolithic(
         self,
-        layer,
+        layer: RoutedExperts,
         x: torch.Tensor,
         router_logits: torch.Tensor,
         input_ids: torch.Tensor | None = None,
-    ):
+    ) -> torch.Tensor | UnfinalizedMoEOutput:
         assert self.moe_kernel is not None and self._mx_tensors is not None
         return self.moe_kernel.apply_monolithic(
             x,
@@ -228,13 +239,13 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
 
     def apply(
         self,
-        layer,
+        layer: RoutedExperts,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-        shared_experts=None,
-        shared_experts_input=None,
-    ) -> torch.Tensor:
+        shared_experts: SharedExperts | None = None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor | UnfinalizedMoEOutput:
         if self._mx_backend is not None:
             assert self.moe_kernel is not None and self._mx_tensors is not None
             return self.moe_kernel.apply(
@@ -267,7 +278,13 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
             )
         return self._emulated_experts(layer, x, topk_weights, topk_ids)
 
-    def _emulated_experts(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
+    def _emulated_experts(
+        self,
+        layer: RoutedExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
         act = _moe_activation(layer)
         out = torch.zeros(
             x.shape[0], layer.w2_weight.shape[1], dtype=torch.float32, device=x.device
@@ -310,14 +327,15 @@ class NemoFp8MoEMethod(FusedMoEMethodBase):
         return out.to(x.dtype)
 
 
-def _moe_activation(layer) -> Callable[[torch.Tensor], torch.Tensor]:
+def _moe_activation(layer: RoutedExperts) -> Callable[[torch.Tensor], torch.Tensor]:
     name = getattr(layer.activation, "value", layer.activation)
     is_gated = bool(getattr(layer.moe_config, "is_act_and_mul", True))
-    base = {
+    activations: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "silu": torch.nn.functional.silu,
         "gelu": torch.nn.functional.gelu,
         "relu": torch.relu,
-    }.get(str(name).lower())
+    }
+    base = activations.get(str(name).lower())
     if base is None:
         raise NotImplementedError(f"nemo_fp8 emulation: MoE activation {name!r} is not implemented")
     if not is_gated:

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from .config import NemoFp8Config
 
 __all__ = ["FP8_DTYPES", "_Quantizer", "_use_vllm_kernels", "_wrap_loader", "_copy_into"]
 
@@ -16,7 +20,7 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 """Dtypes a refit payload may carry already quantized (anything else is quantized on arrival)."""
 
 
-def _numerics():
+def _numerics() -> ModuleType:
     from ... import numerics
 
     return numerics
@@ -54,13 +58,14 @@ def _running_floor_order() -> str:
 class _Quantizer:
     """The method's quantization recipe, expressed through the numerics reference."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: NemoFp8Config) -> None:
         from ...capabilities import capability
 
         self.scheme = config.scheme
         self.kind = capability(config.scheme)
-        self.weight_block = tuple(config.weight_block_size)
-        self.activation_block = tuple(config.activation_block_size)
+        # [rows, cols] pairs: NemoFp8Config's `_as_block` checked both.
+        self.weight_block = cast("tuple[int, int]", tuple(config.weight_block_size))
+        self.activation_block = cast("tuple[int, int]", tuple(config.activation_block_size))
         self.pow2 = config.pow2_scales
         self.eps = float(getattr(config, "amax_epsilon", 0.0) or 0.0)
         self.numerics = str(getattr(config, "generation_numerics", "vllm"))
@@ -74,7 +79,7 @@ class _Quantizer:
         br, bc = self.weight_block
         return (rows + br - 1) // br, (cols + bc - 1) // bc
 
-    def weight(self, w: torch.Tensor):
+    def weight(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float8 data, scale_inv) of a high-precision weight (2-D, or 3-D per expert)."""
         nx = _numerics()
         # Large GPU tensors take the compiled quantizer (bit-identical to the reference).
@@ -128,7 +133,7 @@ class _Quantizer:
         return nx.fp8_gemm(a, b, out_dtype=out_dtype, bias=bias)
 
 
-def _use_vllm_kernels(config) -> bool:
+def _use_vllm_kernels(config: NemoFp8Config) -> bool:
     if config.backend == "emulate":
         return False
     from vllm.platforms import current_platform
@@ -142,12 +147,13 @@ def _use_vllm_kernels(config) -> bool:
 
 
 def _wrap_loader(
-    base_loader: Callable,
+    base_loader: Callable[..., Any],
     scale_attr: str,
     quantizer: _Quantizer,
     layer: torch.nn.Module,
-    scale_name: Callable[[tuple, dict], tuple] | None = None,
-):
+    scale_name: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+    | None = None,
+) -> Callable[..., Any]:
     """A weight loader that quantizes high-precision payloads on arrival.
 
     FP8 payloads pass straight to vLLM's loader. Anything else is quantized on the
@@ -156,7 +162,9 @@ def _wrap_loader(
     """
     layer_ref = weakref.ref(layer)
 
-    def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any):
+    def load(
+        param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
         if loaded_weight.dtype in FP8_DTYPES:
             return base_loader(param, loaded_weight, *args, **kwargs)
         if not loaded_weight.is_floating_point():
@@ -172,7 +180,8 @@ def _wrap_loader(
         scale.weight_loader(scale, scale_inv, *scale_args, **scale_kwargs)
         return base_loader(param, data, *args, **kwargs)
 
-    load.nemo_fp8_online = True  # marks the wrapper (tests and debugging)
+    # Marks the wrapper (tests and debugging); mypy has no attributes on a function.
+    load.nemo_fp8_online = True  # type: ignore[attr-defined]
     return load
 
 

@@ -27,9 +27,16 @@ import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from .moe import NemoFp8MoEMethod
+    from .quantizer import _Quantizer
 
 __all__ = [
     "ENV",
@@ -48,6 +55,9 @@ layers after each refit (a different sample each time, so every layer is checked
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT = re.compile(r"(\.experts\.\d+\.)(gate_proj|up_proj|down_proj)(\.)")
 _EXPERT_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+_Entry = tuple[str, torch.Tensor, "torch.Tensor | None", "_Quantizer | None"]
+"""(weight name, data, scale_inv or None, the method's quantizer or None for BF16)."""
 
 
 def layer_index(name: str) -> int | None:
@@ -90,7 +100,9 @@ def _split(total: int, widths: list[int] | None, names: list[str], prefix: str) 
     return list(widths)
 
 
-def _linear(prefix: str, module: torch.nn.Module, packed: Mapping[str, list[str]], fp8: bool):
+def _linear(
+    prefix: str, module: LinearBase, packed: Mapping[str, list[str]], fp8: bool
+) -> Iterator[_Entry]:
     _unsharded(prefix, int(getattr(module, "tp_size", 1) or 1))
     quantizer = getattr(module.quant_method, "quantizer", None)
     parent, _, leaf = prefix.rpartition(".")
@@ -119,7 +131,7 @@ def _linear(prefix: str, module: torch.nn.Module, packed: Mapping[str, list[str]
         rows += width
 
 
-def _experts(prefix: str, module: torch.nn.Module, method: Any):
+def _experts(prefix: str, module: RoutedExperts, method: NemoFp8MoEMethod) -> Iterator[_Entry]:
     moe = getattr(method, "moe", None)
     _unsharded(prefix, int(getattr(moe, "tp_size", 1) or 1), int(getattr(moe, "ep_size", 1) or 1))
     w13, w2 = module.w13_weight.detach(), module.w2_weight.detach()
@@ -147,7 +159,7 @@ def engine_weights(
         yield name, data, scale
 
 
-def _entries(model: torch.nn.Module, layers: Iterable[int] | None):
+def _entries(model: torch.nn.Module, layers: Iterable[int] | None) -> Iterator[_Entry]:
     """:func:`engine_weights` with each weight's quantizer (the method's; None for BF16)."""
     from vllm.model_executor.layers.linear import LinearMethodBase
 
@@ -260,6 +272,7 @@ class RefitCheck:
             if scale is None:
                 checks.append(compare_high_precision(name, data, sent))
                 continue
+            assert quantizer is not None  # a weight with a scale has a nemo_fp8 method
             sent_scale = self._kept.get(f"{name}_scale_inv")
             if sent.dtype == data.dtype and sent_scale is not None:
                 want, want_scale = sent, sent_scale

@@ -40,6 +40,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ...spec import RecipeSpec
 
 __all__ = [
     "KERNEL_ENV",
@@ -206,7 +210,7 @@ def _has(name: str, release: str) -> bool:
     return bool(lookup("vllm", name, release).present)
 
 
-def _recipe_grid(spec) -> str:
+def _recipe_grid(spec: RecipeSpec) -> str:
     from ...capabilities import capability
 
     row = capability(spec.scaling)
@@ -283,7 +287,7 @@ def _mx_pick(arch: str, release: str) -> _Pick:
     return _Pick(KERNELS["marlin-mxfp8"], "e8m0", "bf16", True, None, ())
 
 
-def _nemo_fp8_refusal(spec, pick: _Pick, arch: str) -> tuple[str | None, str, str]:
+def _nemo_fp8_refusal(spec: RecipeSpec, pick: _Pick, arch: str) -> tuple[str | None, str, str]:
     """(key refused or None, weight grid, activation grid) of the ``nemo_fp8`` method on
     ``pick`` (``kernels.py``'s vetting, in its order)."""
     from ...capabilities import capability
@@ -319,7 +323,7 @@ def _release_or_default(release: str | None) -> str:
 
 
 def rollout(
-    spec,
+    spec: RecipeSpec | str | Mapping[str, Any],
     gpu: str,
     *,
     release: str | None = None,
@@ -387,7 +391,9 @@ def rollout(
     return Rollout(**{**result.__dict__, "needed": needed})
 
 
-def _unknown(spec, release: str, method: str, arch: str, env, tested: bool) -> Rollout | None:
+def _unknown(
+    spec: RecipeSpec, release: str, method: str, arch: str, env: Mapping[str, str], tested: bool
+) -> Rollout | None:
     """The answer when nothing can be said: BF16 generation, a release outside the rows."""
     from ...capabilities import capability
     from ...stacks import TESTED, lookup, newer_than_tested
@@ -429,7 +435,15 @@ def _unknown(spec, release: str, method: str, arch: str, env, tested: bool) -> R
     return None
 
 
-def _judge(spec, arch, env, release, method, is_mx, kw) -> Rollout:
+def _judge(
+    spec: RecipeSpec,
+    arch: str,
+    env: Mapping[str, str],
+    release: str,
+    method: str,
+    is_mx: bool,
+    kw: Mapping[str, Any],
+) -> Rollout:
     from ...stacks import lookup
 
     tested = lookup("vllm", _DEFAULT_ON["VLLM_USE_DEEP_GEMM"], release).tested
@@ -473,7 +487,14 @@ def _judge(spec, arch, env, release, method, is_mx, kw) -> Rollout:
     )
 
 
-def _search(spec, archs, env, release, method, kw) -> dict[str, str] | None:
+def _search(
+    spec: RecipeSpec,
+    archs: list[str],
+    env: Mapping[str, str],
+    release: str,
+    method: str,
+    kw: Mapping[str, Any],
+) -> dict[str, str] | None:
     """The fewest variables (in :data:`KERNEL_ENV` order) flipped from ``env`` so that on
     every one of ``archs`` the rollout keeps the recipe's grid with the method loading; None
     when none does."""
@@ -488,7 +509,7 @@ def _search(spec, archs, env, release, method, kw) -> dict[str, str] | None:
     return None
 
 
-def _runnable_archs(spec) -> list[str]:
+def _runnable_archs(spec: RecipeSpec) -> list[str]:
     """The GPU generations of :data:`GPU_ARCHS` the recipe runs on (training and generation,
     :func:`~nemo_fp8_plugin.kinds.hardware_problems`)."""
     from ...kinds import hardware_problems
@@ -501,7 +522,7 @@ _STOCK = dict(deep_gemm_installed=True, flashinfer_installed=True, nvcc_ok=True,
 
 
 def needed_env(
-    spec,
+    spec: RecipeSpec | str | Mapping[str, Any],
     hardware: str | None = None,
     *,
     release: str | None = None,
@@ -537,7 +558,7 @@ def needed_env(
 
 
 def rollout_note(
-    spec,
+    spec: RecipeSpec | str | Mapping[str, Any],
     hardware: str | None = None,
     *,
     release: str | None = None,

@@ -14,11 +14,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
 __all__ = ["NemoFp8WorkerExtension", "WORKER_EXTENSION", "load_refit_payload"]
+
+
+class _LoadsWeights(Protocol):
+    """A vLLM model's ``load_weights`` (torch types a module's attributes as
+    ``Tensor | Module``, so the method is named here)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str] | None: ...
+
 
 WORKER_EXTENSION = "nemo_fp8_plugin.hosts.vllm.worker.NemoFp8WorkerExtension"
 """Dotted path for ``vllm.LLM(worker_extension_cls=...)``."""
@@ -40,7 +51,7 @@ def load_refit_payload(
     check = refit_check_from_env()  # NEMO_FP8_VERIFY_REFIT: sampled layers checked after
     if check is not None:
         named_tensors = check.watch(model, named_tensors)
-    loaded = model.load_weights(weights=iter(named_tensors))
+    loaded = cast(_LoadsWeights, model).load_weights(weights=iter(named_tensors))
     finish_refit(model)
     result: dict[str, Any] = {
         "loaded": len(loaded) if loaded is not None else None,
@@ -54,6 +65,8 @@ def load_refit_payload(
 
 class NemoFp8WorkerExtension:
     """Methods vLLM adds to its workers (callable through ``collective_rpc``)."""
+
+    model_runner: GPUModelRunner  # the worker's own (this class is mixed into it)
 
     def _nemo_fp8_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
