@@ -35,6 +35,9 @@ The oracle is TE 2.20.2's own pure-torch reference
 ``tests/numerics/test_numerics_nvfp4.py`` runs against this module; see ``docs/nvfp4.md``. This file
 imports only torch, the plugin's error type, the format constants, the size check every quantizer
 applies (``LIMITS.tensor_elements``) and the CPU kernel loader.
+
+Over 600 lines on purpose: the format, its checks, the kernel path and the eager reference it
+must match bit for bit stay side by side.
 """
 
 from __future__ import annotations
