@@ -15,6 +15,9 @@ so the spec module can import this one. What differs between kinds in code is th
 Longer than the package's 600-line guide: it is one table (the GPU generations and their
 names, one row per scaling kind, the alignment rules), and splitting it would put a fact in
 two places.
+
+Over 600 lines on purpose: the one capability table (architectures, recipes, alignment) every
+host and command reads; splitting it would make two.
 """
 
 from __future__ import annotations

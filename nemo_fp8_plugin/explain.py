@@ -1,6 +1,10 @@
 """What a config resolves to, as one report: the recipe, findings, the per-layer decisions,
 and for every host exactly what ``nemo-fp8 apply --host <host>`` writes (the same pipeline,
-:func:`nemo_fp8_plugin.hosts.run`, on the same loaded config)."""
+:func:`nemo_fp8_plugin.hosts.run`, on the same loaded config).
+
+Over 600 lines on purpose: the report and its text rendering are one pair; a section added to
+one is added to the other.
+"""
 
 from __future__ import annotations
 

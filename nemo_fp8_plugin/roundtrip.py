@@ -32,6 +32,9 @@ quadratic.
 
 Longer than the package's 600-line guide: the edit, the merge and the comparison share
 ruamel's round-trip types and the merge's invariants, and change together.
+
+Over 600 lines on purpose: the comment- and order-keeping YAML editor and its comparison are
+one algorithm over ruamel's node model.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -108,8 +109,11 @@ def _tp_size(module: nn.Module) -> int:
     return 1
 
 
-def _megatron_forward_impl(module: nn.Module, emu: LayerEmulator) -> Callable[..., torch.Tensor]:
-    """Replacement for ``ColumnParallelLinear/RowParallelLinear._forward_impl`` (TP=1)."""
+def _megatron_forward_impl(
+    linear: Callable[..., torch.Tensor], what: str
+) -> Callable[..., torch.Tensor]:
+    """Replacement for ``ColumnParallelLinear/RowParallelLinear._forward_impl`` (TP=1):
+    ``linear(input, weight, bias, wgrad_into_main_grad=...)`` under the ``what`` emulation."""
 
     def forward_impl(
         input: torch.Tensor,
@@ -126,42 +130,12 @@ def _megatron_forward_impl(module: nn.Module, emu: LayerEmulator) -> Callable[..
         if grad_output_buffer is not None:
             raise FP8ConfigError(
                 "deferred embedding wgrad (defer_embedding_wgrad_compute) is "
-                "not supported by the FP8 emulation",
+                f"not supported by the {what} emulation",
                 key="defer_embedding_wgrad_compute",
                 value=True,
             )
         into_main = bool(gradient_accumulation_fusion) and hasattr(weight, "main_grad")
-        return emulated_linear(
-            input, weight, bias, emu, wgrad_into_main_grad=into_main and weight.requires_grad
-        )
-
-    return forward_impl
-
-
-def _megatron_bf16_forward_impl() -> Callable[..., torch.Tensor]:
-    def forward_impl(
-        input: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        gradient_accumulation_fusion: bool = False,
-        allreduce_dgrad: bool = False,
-        sequence_parallel: bool = False,
-        grad_output_buffer: list[torch.Tensor] | None = None,
-        wgrad_deferral_limit: int | None = None,
-        tp_group: Any = None,
-        **_unused: Any,
-    ) -> torch.Tensor:
-        if grad_output_buffer is not None:
-            raise FP8ConfigError(
-                "deferred embedding wgrad (defer_embedding_wgrad_compute) is "
-                "not supported by the BF16 emulation",
-                key="defer_embedding_wgrad_compute",
-                value=True,
-            )
-        into_main = bool(gradient_accumulation_fusion) and hasattr(weight, "main_grad")
-        return bf16_linear(
-            input, weight, bias, wgrad_into_main_grad=into_main and weight.requires_grad
-        )
+        return linear(input, weight, bias, wgrad_into_main_grad=into_main and weight.requires_grad)
 
     return forward_impl
 
@@ -203,7 +177,7 @@ def convert_to_bf16_emulation(
         elif mcore_types and isinstance(module, mcore_types) and keep(name, module):
             _check_tp(name, module, "BF16")
             mcore: Any = module  # a megatron-core layer: its GEMM is replaced on the instance
-            mcore._forward_impl = _megatron_bf16_forward_impl()
+            mcore._forward_impl = _megatron_forward_impl(bf16_linear, "BF16")
             setattr(mcore, _BF16_MARK, True)
     return model
 
@@ -271,7 +245,7 @@ def convert_to_fp8_emulation(
             mcore.fp8_emulator = emu
             mcore.fp8_recipe = spec
             mcore.fp8_states = emu.states
-            mcore._forward_impl = _megatron_forward_impl(module, emu)
+            mcore._forward_impl = _megatron_forward_impl(partial(emulated_linear, emu=emu), "FP8")
             setattr(mcore, _MARK, True)
     return model
 

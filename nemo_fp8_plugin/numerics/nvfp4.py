@@ -35,6 +35,9 @@ The oracle is TE 2.20.2's own pure-torch reference
 ``tests/numerics/test_numerics_nvfp4.py`` runs against this module; see ``docs/nvfp4.md``. This file
 imports only torch, the plugin's error type, the format constants, the size check every quantizer
 applies (``LIMITS.tensor_elements``) and the CPU kernel loader.
+
+Over 600 lines on purpose: the format, its checks, the kernel path and the eager reference it
+must match bit for bit stay side by side.
 """
 
 from __future__ import annotations
@@ -515,30 +518,7 @@ def quantize_nvfp4_reference(
     stochastic: bool = False,
     generator: torch.Generator | None = None,
 ) -> NVFP4Tensor:
-    """The eager reference of :func:`quantize_nvfp4` (same arguments, same result).
-
-    Quantize ``x`` (``[..., K]``, K a multiple of 16; float32, bfloat16 or float16) to NVFP4.
-
-    Args:
-        x: the tensor; leading dims are flattened into ``M`` rows.
-        block: ``(1, 16)`` (one decode scale per 16 elements of a row) or ``(16, 16)`` (one per
-            16x16 tile; a last partial tile of rows is zero-padded, which never raises an amax).
-        global_amax: the per-tensor amax to scale with (a number or one-element tensor, >= 0);
-            default ``max |x|`` (after the RHT), NaN-propagating as TE's reference.
-        rht: apply the 16-point random Hadamard transform to the last dim first (TE does this
-            to the wgrad operands: pass the transposed tensor, ``x.t()``, whose last dim is the
-            GEMM's reduction dim).
-        stochastic: stochastic rounding of the elements (scales unchanged).
-        generator: the ``torch.Generator`` the stochastic rounding draws from (on ``x``'s
-            device); ``None`` draws from torch's default generator.
-
-    Returns:
-        :class:`NVFP4Tensor`.
-
-    Raises:
-        FP8ConfigError: naming ``x``, ``block``, ``global_amax``, ``rht``, ``stochastic`` or
-            ``generator``.
-    """
+    """The eager reference of :func:`quantize_nvfp4`: the same arguments, result and errors."""
     block, amax_in = _check_inputs(x, block, global_amax, rht, stochastic, generator)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

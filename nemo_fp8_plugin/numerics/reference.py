@@ -299,24 +299,8 @@ def quantize_blockwise_reference(
     pow2_scales: bool = False,
     eps: float = 0.0,
 ) -> QTensor:
-    """Block scaling (TE ``Float8BlockScaling``): one fp32 scale per ``block`` tile.
-
-    Args:
-        x: ``[M, K]`` (fp32, bf16 or fp16), or ``[E, N, K]`` for a stack of MoE expert
-            weights, quantized per expert (tiles never cross experts).
-        block: ``(1, 128)`` (activations, gradients) or ``(128, 128)`` (weights); any
-            ``(rows, cols)`` works. An int ``n`` means ``(1, n)``.
-        fmt: ``"e4m3"`` or ``"e5m2"``.
-        pow2_scales: round scales down to powers of two (TE's default; NeMo RL sets
-            ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` for fp32 scales).
-        eps: amax floor.
-
-    Per tile: ``amax`` (NaN ignored; out-of-range elements of partial tiles count as 0),
-    ``scale = fp8_max / amax`` (the input dtype's max if that overflows, 1 if amax is 0 or
-    inf), ``data = sat_cast(x * scale)``, ``scale_inv = 1 / scale``. ``scale_inv`` is
-    ``[ceil(M/bm), ceil(K/bn)]``, or ``[E, ceil(N/bm), ceil(K/bn)]`` for 3-D input; data
-    keeps the input shape.
-    """
+    """The eager reference of ``numerics.quantize.quantize_blockwise``: the same arguments,
+    result and errors (the C++ and compiled kernels are checked against it)."""
     check_input_dtype(x)
     check_rank(x, (2, 3), "quantize_blockwise")
     fmt = check_format(fmt)
@@ -371,21 +355,8 @@ def e8m0_tensor(e: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp8_reference(x: torch.Tensor, block: BlockLike = 32, fmt: str = "e4m3") -> QTensor:
-    """OCP MXFP8 (TE ``MXFP8BlockScaling``): one E8M0 scale per 32 elements.
-
-    Args:
-        x: any rank >= 1 for 1x32 blocks along the last dim; rank 2 or 3 for 32x32.
-        block: ``32`` or ``(1, 32)`` (row-wise), ``(32, 1)`` (TE's column-wise copy,
-            expressed on the untransposed tensor: the same bits as 1x32 on its transpose) or
-            ``(32, 32)`` (TE ``enable_2d_quantization`` weights).
-        fmt: ``"e4m3"`` (default) or ``"e5m2"``.
-
-    Per block: ``e = ceil_pow2(amax * fp32(1/fp8_max))`` as the biased E8M0 exponent (amax 0
-    -> 0x00, inf -> 0xFE), ``data = sat_cast(x * 2^(127 - e))`` (TE's ``exp2f_rcp``: 2^127
-    for byte 0, 2^-127 for 0xFE, so an inf saturates to +-fp8_max), ``scale_inv`` = the E8M0
-    byte, ``[..., K/32]``. TE requires dims divisible by 32; here a partial block is
-    zero-padded like a partial block-scaling tile.
-    """
+    """The eager reference of ``numerics.quantize.quantize_mxfp8``: the same arguments,
+    result and errors (the C++ and compiled kernels are checked against it)."""
     check_input_dtype(x)
     fmt = check_format(fmt)
     bm, bn = check_mx_block(block)

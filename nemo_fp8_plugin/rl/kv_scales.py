@@ -56,6 +56,9 @@ Two ways to use it:
 * ``KVScaleCalibrator(model).attach()``: hooks stay on during the step's own forward
   passes (no extra forward) and ``refresh_scales(model)`` turns what they saw into scales.
   These describe the weights before the optimizer step, one step stale.
+
+Over 600 lines on purpose: calibration, vLLM's scale names and the per-step refresh are one
+protocol with vLLM's attention layers.
 """
 
 from __future__ import annotations

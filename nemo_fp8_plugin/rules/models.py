@@ -10,6 +10,9 @@ model, without torch and without network, from one of:
 * a Hugging Face ``config.json`` (a path to the file or to the checkpoint directory);
 * a megatron-core ``TransformerConfig`` (or a mapping with its field names, as in the
   ``model:`` section of a Megatron YAML), through :func:`from_transformer_config`.
+
+Over 600 lines on purpose: one :class:`ModelDescription` built from every source (HF config,
+megatron-core fields, hybrid layouts, the built-in table) through the same ``_build``.
 """
 
 from __future__ import annotations
@@ -796,27 +799,9 @@ def from_transformer_config(
 # --------------------------------------------------------------------------- built-in table
 
 
-def _llama(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
+def _dense(model_type: str, layers: int, hidden: int, ffn: int) -> dict[str, Any]:
     return {
-        "model_type": "llama",
-        "num_hidden_layers": layers,
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-    }
-
-
-def _qwen2(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
-    return {
-        "model_type": "qwen2",
-        "num_hidden_layers": layers,
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-    }
-
-
-def _qwen3(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
-    return {
-        "model_type": "qwen3",
+        "model_type": model_type,
         "num_hidden_layers": layers,
         "hidden_size": hidden,
         "intermediate_size": ffn,
@@ -824,16 +809,8 @@ def _qwen3(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
 
 
 def _qwen3_moe(layers: int, hidden: int, ffn: int, experts: int, moe_ffn: int) -> dict[str, Any]:
-    return {
-        "model_type": "qwen3_moe",
-        "num_hidden_layers": layers,
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-        "num_experts": experts,
-        "moe_intermediate_size": moe_ffn,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    }
+    moe = {"num_experts": experts, "moe_intermediate_size": moe_ffn, "decoder_sparse_step": 1}
+    return {**_dense("qwen3_moe", layers, hidden, ffn), **moe, "mlp_only_layers": []}
 
 
 def _deepseek(
@@ -862,13 +839,7 @@ def _deepseek(
 
 
 def _qwen35(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
-    return {
-        "model_type": "qwen3_5_text",
-        "num_hidden_layers": layers,
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-        "full_attention_interval": 4,
-    }
+    return {**_dense("qwen3_5_text", layers, hidden, ffn), "full_attention_interval": 4}
 
 
 def _qwen35_moe(
@@ -913,28 +884,28 @@ def _gpt(layers: int, hidden: int, ffn: int) -> dict[str, Any]:
 
 # Sizes from the models' published config.json files (and NeMo 2's matching config classes).
 BUILTIN_MODELS: dict[str, dict[str, Any]] = {
-    "llama2-7b": _llama(32, 4096, 11008),
-    "llama2-13b": _llama(40, 5120, 13824),
-    "llama2-70b": _llama(80, 8192, 28672),
-    "llama3-8b": _llama(32, 4096, 14336),
-    "llama3-70b": _llama(80, 8192, 28672),
-    "llama3.1-8b": _llama(32, 4096, 14336),
-    "llama3.1-70b": _llama(80, 8192, 28672),
-    "llama3.1-405b": _llama(126, 16384, 53248),
-    "llama3.2-1b": _llama(16, 2048, 8192),
-    "llama3.2-3b": _llama(28, 3072, 8192),
-    "llama3.3-70b": _llama(80, 8192, 28672),
+    "llama2-7b": _dense("llama", 32, 4096, 11008),
+    "llama2-13b": _dense("llama", 40, 5120, 13824),
+    "llama2-70b": _dense("llama", 80, 8192, 28672),
+    "llama3-8b": _dense("llama", 32, 4096, 14336),
+    "llama3-70b": _dense("llama", 80, 8192, 28672),
+    "llama3.1-8b": _dense("llama", 32, 4096, 14336),
+    "llama3.1-70b": _dense("llama", 80, 8192, 28672),
+    "llama3.1-405b": _dense("llama", 126, 16384, 53248),
+    "llama3.2-1b": _dense("llama", 16, 2048, 8192),
+    "llama3.2-3b": _dense("llama", 28, 3072, 8192),
+    "llama3.3-70b": _dense("llama", 80, 8192, 28672),
     # Qwen2.5 (model_type qwen2): Qwen/Qwen2.5-*/config.json on Hugging Face; 1.5B is NeMo
     # RL's grpo_math_1B.yaml default (policy.model_name: Qwen/Qwen2.5-1.5B).
-    "qwen2.5-0.5b": _qwen2(24, 896, 4864),
-    "qwen2.5-1.5b": _qwen2(28, 1536, 8960),
-    "qwen2.5-7b": _qwen2(28, 3584, 18944),
-    "qwen3-0.6b": _qwen3(28, 1024, 3072),
-    "qwen3-1.7b": _qwen3(28, 2048, 6144),
-    "qwen3-4b": _qwen3(36, 2560, 9728),
-    "qwen3-8b": _qwen3(36, 4096, 12288),
-    "qwen3-14b": _qwen3(40, 5120, 17408),
-    "qwen3-32b": _qwen3(64, 5120, 25600),
+    "qwen2.5-0.5b": _dense("qwen2", 24, 896, 4864),
+    "qwen2.5-1.5b": _dense("qwen2", 28, 1536, 8960),
+    "qwen2.5-7b": _dense("qwen2", 28, 3584, 18944),
+    "qwen3-0.6b": _dense("qwen3", 28, 1024, 3072),
+    "qwen3-1.7b": _dense("qwen3", 28, 2048, 6144),
+    "qwen3-4b": _dense("qwen3", 36, 2560, 9728),
+    "qwen3-8b": _dense("qwen3", 36, 4096, 12288),
+    "qwen3-14b": _dense("qwen3", 40, 5120, 17408),
+    "qwen3-32b": _dense("qwen3", 64, 5120, 25600),
     "qwen3-30b-a3b": _qwen3_moe(48, 2048, 6144, 128, 768),
     "qwen3-235b-a22b": _qwen3_moe(94, 4096, 12288, 128, 1536),
     # Qwen3.5, the sizes of each Hugging Face config.json (text_config): Qwen/Qwen3.5-9B

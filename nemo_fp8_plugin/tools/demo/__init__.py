@@ -10,6 +10,9 @@ Why the BF16 arm is emulated too: this CPU multiplies BF16 matrices about 7x slo
 fp32 ones (no AVX512-BF16), which would make the step-time ratio meaningless; rounding
 operands to BF16 and multiplying in fp32 is numerically what a GPU BF16 GEMM with fp32
 accumulation does, and costs the same on both sides of the ratio.
+
+Over 600 lines on purpose: the demo command end to end (settings, arms, table, plot), one
+script a user reads top to bottom.
 """
 
 from __future__ import annotations
