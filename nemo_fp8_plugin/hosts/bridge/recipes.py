@@ -1,22 +1,16 @@
 """Megatron-Bridge's named mixed-precision recipes (``mixed_precision: bf16_with_mxfp8_mixed``),
-read from Bridge's own ``megatron/bridge/training/mixed_precision.py``.
+as Bridge 0.6.2's ``megatron/bridge/training/mixed_precision.py`` registers them.
 
-The file is parsed with :mod:`ast`, never imported: importing Bridge needs Transformer Engine
-and torch, and config-only commands stay free of both. Each function decorated with Bridge's
-``@register`` either returns ``MixedPrecisionConfig(<field>=<literal>, ...)`` or starts from
-another recipe (``cfg = bf16_mixed()``) and sets fields on it (``cfg.fp8 = "e4m3"``); a recipe
-written any other way is left out (:func:`parse_recipes` says which), never guessed.
-
-Where Bridge is installed its file is read; elsewhere (a laptop, a login node) the recipes
-of Bridge 0.6.2 recorded in :data:`RECORDED_RECIPES` stand in
-(``tests/hosts/bridge/test_bridge_names.py`` parses the 0.6.2 wheel's file and compares).
+Like every other host fact (``stacks.FACTS``), the recipes are recorded from the release's own
+file, never read from a host at run time: importing Bridge needs Transformer Engine and torch,
+and config-only commands stay free of both. ``tests/bridge_source.py`` parses the 0.6.2 wheel's
+file (each ``@register``-ed function: ``MixedPrecisionConfig(<field>=<literal>, ...)``, or
+another recipe with fields set on it) and ``tests/hosts/bridge/test_bridge_names.py`` checks
+that :data:`RECORDED_RECIPES` is what it registers.
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..native import FP8_FIELD_DEFAULTS
@@ -29,7 +23,6 @@ __all__ = [
     "MIXED_PRECISION_DEFAULTS",
     "RECORDED_RECIPES",
     "RECIPE_DEFAULTS",
-    "parse_recipes",
     "bridge_recipes",
     "recipe_fields",
     "as_recorded",
@@ -159,114 +152,12 @@ RECORDED_RECIPES: dict[str, dict[str, Any]] = {
 }
 """Bridge 0.6.2's registered recipes: name -> the ``MixedPrecisionConfig`` fields it sets to
 other than the class defaults (dtypes as import paths; ``fp8_param`` / ``fp4_param`` left out:
-they mirror the ``*_gather`` fields). Used only where Bridge is not installed."""
-
-
-class _Unreadable(Exception):
-    """A recipe body this reader does not follow (it is left out)."""
-
-
-def _literal(node: ast.expr) -> Any:
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-        if node.value.id == "torch":  # a dtype, by import path (torch.half is torch.float16)
-            return "torch.float16" if node.attr == "half" else f"torch.{node.attr}"
-    raise _Unreadable(ast.unparse(node))
-
-
-def _class_defaults(tree: ast.Module) -> dict[str, Any]:
-    cls = next(
-        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MixedPrecisionConfig"
-    )
-    out: dict[str, Any] = {}
-    for item in cls.body:
-        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-            out[item.target.id] = _literal(item.value) if item.value is not None else None
-    return out
-
-
-def parse_recipes(source: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """``(recipes, unreadable)`` of Bridge's ``mixed_precision.py`` text: each
-    ``@register``-ed recipe -> the fields it sets to other than ``MixedPrecisionConfig``'s
-    defaults (as :data:`RECORDED_RECIPES`), and the names of recipes written in a form this
-    reader does not follow."""
-    tree = ast.parse(source)
-    defaults = _class_defaults(tree)
-    functions = {
-        n.name: n
-        for n in tree.body
-        if isinstance(n, ast.FunctionDef)
-        and any(isinstance(d, ast.Name) and d.id == "register" for d in n.decorator_list)
-    }
-
-    @functools.cache
-    def build(name: str) -> tuple[tuple[str, Any], ...]:
-        fields: dict[str, Any] | None = None
-        for stmt in functions[name].body:
-            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
-                continue  # the docstring
-            call = getattr(stmt, "value", None)
-            if isinstance(stmt, ast.Return) and isinstance(call, ast.Call):
-                if getattr(call.func, "id", None) != "MixedPrecisionConfig" or call.args:
-                    raise _Unreadable(ast.unparse(stmt))
-                fields = {**defaults, **{str(k.arg): _literal(k.value) for k in call.keywords}}
-                break
-            if isinstance(stmt, ast.Return) and isinstance(call, ast.Name) and fields is not None:
-                break
-            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-                target = stmt.targets[0]
-                if isinstance(target, ast.Name) and isinstance(call, ast.Call) and not call.args:
-                    base = getattr(call.func, "id", None)
-                    if base in functions and fields is None:
-                        fields = dict(build(base))
-                        continue
-                if isinstance(target, ast.Attribute) and fields is not None:
-                    fields[target.attr] = _literal(stmt.value)
-                    continue
-            raise _Unreadable(ast.unparse(stmt))
-        if fields is None:
-            raise _Unreadable(name)
-        return tuple(fields.items())
-
-    recipes: dict[str, dict[str, Any]] = {}
-    unreadable: list[str] = []
-    for name in functions:
-        try:
-            fields = dict(build(name))
-        except _Unreadable:
-            unreadable.append(name)
-            continue
-        recipes[name] = {
-            k: v for k, v in fields.items() if k not in _MIRRORED and defaults.get(k) != v
-        }
-    return recipes, unreadable
-
-
-def _installed_source() -> Path | None:
-    """Bridge's ``mixed_precision.py`` where the distribution is installed (found through its
-    metadata, without importing it), else None."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        path = Path(str(distribution("megatron-bridge").locate_file(SOURCE)))
-    except PackageNotFoundError:
-        return None
-    return path if path.is_file() else None
-
-
-@functools.cache
-def _read(path: Path | None) -> tuple[str, dict[str, dict[str, Any]]]:
-    if path is None:
-        return "Megatron-Bridge 0.6.2 (recorded)", RECORDED_RECIPES
-    recipes, _unreadable = parse_recipes(path.read_text())
-    return f"Megatron-Bridge's {path}", recipes
+they mirror the ``*_gather`` fields)."""
 
 
 def bridge_recipes() -> tuple[str, dict[str, dict[str, Any]]]:
-    """``(where they were read, recipes)``: the installed Bridge's recipes, else the recorded
-    0.6.2 ones."""
-    return _read(_installed_source())
+    """``(where they were read, recipes)``: Bridge 0.6.2's registry, as recorded."""
+    return "Megatron-Bridge 0.6.2's registry", RECORDED_RECIPES
 
 
 def recipe_fields(name: str) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ import torch
 import yaml
 from test_bridge_adapter import WHEEL, _load_bridge_mixed_precision
 
+from bridge_source import parse_recipes
 from conftest import upstream_file
 from nemo_fp8_plugin import FP8ConfigError, list_recipes
 from nemo_fp8_plugin.hosts import apply_path, bridge, load_context, read_native
@@ -37,12 +38,6 @@ def mp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def source(mp, tmp_path_factory):
     return upstream_file(WHEEL, recipes.SOURCE, tmp_path_factory.mktemp("bridge_src"))
-
-
-@pytest.fixture
-def from_the_wheel(source, monkeypatch):
-    """The package reads Bridge's recipes from the wheel's file, as from an installed Bridge."""
-    monkeypatch.setattr(recipes, "_installed_source", lambda: source)
 
 
 def _names(mp):
@@ -93,7 +88,7 @@ def equivalent(mp, tmp_path_factory):
 
 
 def test_the_recorded_recipes_are_bridges_own(mp, source):
-    parsed, unreadable = recipes.parse_recipes(source.read_text())
+    parsed, unreadable = parse_recipes(source.read_text())
     assert unreadable == []
     assert set(parsed) == set(_names(mp))  # every registered name, no other
     defaults = _fields(mp.MixedPrecisionConfig())
@@ -104,7 +99,7 @@ def test_the_recorded_recipes_are_bridges_own(mp, source):
         assert changed.pop("fp8_param", False) == own["fp8_param_gather"]
         assert changed.pop("fp4_param", False) == own["fp4_param_gather"]
         assert parsed[name] == changed, name
-    assert parsed == recipes.RECORDED_RECIPES  # what stands in where Bridge is not installed
+    assert parsed == recipes.RECORDED_RECIPES  # what apply and explain read
 
 
 def test_bridges_names_for_our_recipes(equivalent):
@@ -114,7 +109,6 @@ def test_bridges_names_for_our_recipes(equivalent):
     assert "nemotron_h_bf16_with_fp8_current_scaling_mixed" not in found  # 2+2 BF16 layers
 
 
-@pytest.mark.usefixtures("from_the_wheel")
 def test_a_bridge_name_with_our_request_is_accepted_exactly_when_equivalent(
     mp, equivalent, tmp_path
 ):
@@ -138,7 +132,6 @@ def test_a_bridge_name_with_our_request_is_accepted_exactly_when_equivalent(
         assert _same(_built(mp, block), theirs), (name, preset)
 
 
-@pytest.mark.usefixtures("from_the_wheel")
 def test_explain_reads_a_bridge_name_as_our_recipe(equivalent, tmp_path):
     path = tmp_path / "bridge.yaml"
     for (name, preset), same in equivalent.items():
