@@ -30,10 +30,11 @@ PERF = REPO / "docs" / "performance.md"
 
 def test_the_pages_are_what_the_shipped_json_renders():
     """No figure or data-dependent sentence of the result blocks is typed by hand: rewriting
-    rl.md (every block) and performance.md (the cost) from the shipped JSON changes nothing."""
+    rl.md (every block but the cost) and performance.md (the cost, its one place) from the
+    shipped JSON changes nothing."""
     page = DOC.read_text()
     for name in rl_check_docs.BLOCKS:
-        assert page.count(f"<!-- rl-check:{name} -->") == 1, name
+        assert page.count(f"<!-- rl-check:{name} -->") == (name != "cost"), name
     blocks = render_blocks(_shipped(), "docs/data/rl_check.json")
     assert rewrite(page, blocks) == page
     perf = PERF.read_text()
