@@ -1,5 +1,5 @@
-"""Installing the plugin into a container changes nothing the container already has (
-item 5, docs/install.md).
+"""Installing the plugin into a container changes nothing the container already has
+(docs/install.md).
 
 Users extend stock containers (NeMo 2, NeMo RL and its vLLM environment, vLLM images): their
 versions are the container's. The wheel is built from this checkout and installed, with each

@@ -737,7 +737,7 @@ def test_the_command_line_refuses_as_one_line(megatron_cfg):
     one_line_error(proc.returncode, proc.stderr, "names the input config")
 
 
-# --------------------------------------------------------------------------- vLLM (item 5)
+# --------------------------------------------------------------------------- vLLM
 
 
 GLOB = re.compile(r"[*?\[]")

@@ -164,8 +164,8 @@ def test_every_engine_config_is_accepted_by_vllm(source, recipe, kv, tmp_path, t
     written, found = _written(source, recipe, kv)
     spec = get_recipe({"recipe": recipe, "kv_cache": kv})
     fp8_generation = spec.generation == "fp8" and spec.scaling in ("block", "mx")
-    assert "calculate_kv_scales" not in {k.replace("-", "_") for k in written}  # item 1
-    assert "device" not in written  # item 2
+    assert "calculate_kv_scales" not in {k.replace("-", "_") for k in written}
+    assert "device" not in written
     if source == "apply-device-cpu":
         assert any(w.startswith("vllm: device:") for w in found), found
 

@@ -40,7 +40,7 @@ def loaded_linear(vcfg, recipe, gate, up, *, bias=None, **overrides):
 
 
 def test_emulated_bias_is_added_in_fp32_before_the_cast(vllm_env):
-    """Item 14: the trainer's emulated GEMM adds the bias in fp32, then casts (a GEMM
+    """The trainer's emulated GEMM adds the bias in fp32, then casts (a GEMM
     epilogue); the engine's emulation does the same, not a bf16 add after the cast.
     Activations are quantized as vLLM does (``generation_numerics: vllm``, the default)."""
     from nemo_fp8_plugin.numerics import QTensor, fp8_gemm
@@ -61,7 +61,7 @@ def test_emulated_bias_is_added_in_fp32_before_the_cast(vllm_env):
 
 
 def test_emulated_moe_bias_is_added_in_fp32_before_the_cast(vllm_env):
-    """Item 14 for experts with biases (GPT-OSS style): the same order in each expert GEMM
+    """The same for experts with biases (GPT-OSS style): the same order in each expert GEMM
     (activations quantized as vLLM's fused-MoE kernel does, the default numerics)."""
     from nemo_fp8_plugin.numerics import QTensor, fp8_gemm, quantize_blockwise
     from nemo_fp8_plugin.numerics.vllm_numerics import quantize_activation_vllm
@@ -103,7 +103,7 @@ def test_emulated_moe_bias_is_added_in_fp32_before_the_cast(vllm_env):
 
 
 def test_amax_epsilon_reaches_the_engine(vllm_env):
-    """Item 14: ``amax_epsilon`` travels in the ``nemo_fp8`` config; weights quantized on
+    """``amax_epsilon`` travels in the ``nemo_fp8`` config; weights quantized on
     arrival match the trainer's refit quantizer with it; emulated activations use it under
     ``generation_numerics: trainer`` (TE's numerics), and vLLM's fixed floor under the
     default ``vllm`` (vLLM's quantizer has no amax floor to set)."""

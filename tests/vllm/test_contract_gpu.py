@@ -46,7 +46,7 @@ def kernel_env(*, e8m0: bool = True, flashinfer_block: bool = False) -> dict[str
 )
 @pytest.mark.parametrize("recipe", BLOCK_PRESETS)
 def test_block_kernel_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m0, recipe):
-    """Items 5 and 6: vLLM's choice for each recipe, and what the method does with it."""
+    """vLLM's choice for each recipe, and what the method does with it."""
     fake_gpu(sm, deep_gemm_installed=deep_gemm_installed, env=kernel_env(e8m0=e8m0))
     expected = (
         "DeepGemmFp8BlockScaledMMKernel" if deep_gemm_installed else "CutlassFp8BlockScaledMMKernel"
@@ -78,7 +78,7 @@ def test_block_kernel_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m
 
 
 def test_pow2_activation_scales_are_those_of_the_recipe(vllm_env, fake_gpu):
-    """Item 6, made real: vLLM's own activation quantizer (``QuantFP8``, its torch path) in
+    """vLLM's own activation quantizer (``QuantFP8``, its torch path) in
     the kernel vLLM picked for ``fp8_subchannel`` produces the trainer's power-of-2 1x128
     scales and codes, bit for bit (vLLM builds it with ``use_ue8m0=False``: fp32 scales)."""
     from nemo_fp8_plugin.numerics import quantize_blockwise
@@ -126,7 +126,7 @@ def test_flashinfer_block_kernel(vllm_env, fake_gpu):
 
 
 def test_amax_epsilon_is_refused_on_vllm_kernels(vllm_env, fake_gpu):
-    """Item 14: vLLM's activation quantizers have a fixed amax floor."""
+    """vLLM's activation quantizers have a fixed amax floor."""
     fake_gpu(90, deep_gemm_installed=False, env=kernel_env())
     with pytest.raises(FP8ConfigError) as err:
         linear(vllm_env, "fp8_blockwise", amax_epsilon=1e-4)
@@ -217,7 +217,7 @@ def test_cutlass_weight_processing_keeps_parameters_and_scales(vllm_env, fake_gp
 
 
 def test_deep_gemm_e8m0_requantization_is_why_fp32_recipes_are_refused(monkeypatch):
-    """Item 5, with vLLM's own code: the in-place requantization DeepGEMM's weight processing
+    """With vLLM's own code: the in-place requantization DeepGEMM's weight processing
     runs with E8M0 on (``requant_weight_ue8m0_inplace``, plain torch) changes fp8_blockwise's
     fp32 block scales and dequantized weights, but leaves fp8_subchannel's power-of-2 weights
     dequantizing to the same values."""
@@ -262,7 +262,7 @@ def test_deep_gemm_e8m0_requantization_is_why_fp32_recipes_are_refused(monkeypat
     ],
 )
 def test_mx_kernel_selection(vllm_env, fake_gpu, sm, flashinfer, expected, accepted):
-    """Item 7: MXFP8 on a GPU without an MXFP8 GEMM is refused at load time from the
+    """MXFP8 on a GPU without an MXFP8 GEMM is refused at load time from the
     platform's capability (no ``hardware:`` needed); vLLM would silently run weight-only."""
     fake_gpu(sm, flashinfer=flashinfer)
     if not accepted:
@@ -333,8 +333,8 @@ def test_block_moe_quant_config(vllm_env, fake_gpu, sm, deep_gemm_installed, e8m
     ],
 )
 def test_mx_moe_backend_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, accepted):
-    """Item 4 (GPU side): MXFP8 experts take the backend vLLM's own MXFP8 MoE oracle picks;
-    one that keeps activations in BF16 (Marlin, emulation) is refused (item 7)."""
+    """GPU side: MXFP8 experts take the backend vLLM's own MXFP8 MoE oracle picks;
+    one that keeps activations in BF16 (Marlin, emulation) is refused."""
     fake_gpu(sm, deep_gemm_installed=deep_gemm_installed, flashinfer=False)
     if not accepted:
         with pytest.raises(FP8ConfigError) as err:
@@ -353,7 +353,7 @@ def test_mx_moe_backend_selection(vllm_env, fake_gpu, sm, deep_gemm_installed, a
 
 
 def test_mla_attention_gets_the_kv_cache_method(vllm_env):
-    """Item 10: vLLM's own KV-cache set-up (``_init_kv_cache_quant``, which MLAAttention calls
+    """vLLM's own KV-cache set-up (``_init_kv_cache_quant``, which MLAAttention calls
     like Attention) attaches NemoFp8KVCacheMethod to an MLA layer, and its scales survive
     vLLM's post-load step, so refreshed KV scales have somewhere to land."""
     from vllm.model_executor.layers.attention import MLAAttention
