@@ -1,9 +1,3 @@
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ..spec import RecipeSpec
 """The only callables of this package a config's ``_target_`` may name.
 
 A YAML ``_target_`` is a dotted path the host imports and calls. Megatron-Bridge refuses one
@@ -13,8 +7,8 @@ without one, this module as a prefix, never the package: the package's modules i
 ``os``, ``shutil`` and ``subprocess``, so ``nemo_fp8_plugin.<module>.os.system`` would pass a
 package-wide prefix. Every ``_target_`` the plugin writes names one of these.
 
-This module imports nothing at module level (not even ``__future__``: NeMo-Run reads the
-annotations as objects), so ``nemo_fp8_plugin.hosts.targets.<anything else>`` resolves to
+This module imports nothing at module level (not even ``__future__``: NeMo-Run parses a
+callable's parameters from its annotations as objects, and cannot parse ``"list[str]"``), so ``nemo_fp8_plugin.hosts.targets.<anything else>`` resolves to
 nothing; each callable imports what it needs when called. Its name has no leading
 underscore because Bridge refuses private path segments in a ``_target_``.
 """
@@ -22,7 +16,7 @@ underscore because Bridge refuses private path segments in a ``_target_``.
 __all__ = ["bf16_quant_recipe", "mixed_precision_config"]
 
 
-def bf16_quant_recipe(patterns: list[str]) -> Any:
+def bf16_quant_recipe(patterns: list[str]) -> object:
     """megatron-core's ``RecipeConfig`` keeping the modules matching ``patterns`` in BF16
     (:func:`nemo_fp8_plugin.hosts.megatron.bf16_quant_recipe`): the ``quant_recipe``
     ``_target_`` of NeMo-Run and Bridge YAML."""
@@ -31,11 +25,13 @@ def bf16_quant_recipe(patterns: list[str]) -> Any:
     return build(patterns)
 
 
-def mixed_precision_config(spec: RecipeSpec, model: Any = None) -> Any:
+def mixed_precision_config(spec: object, model: object = None) -> object:
     """Megatron-Bridge's ``MixedPrecisionConfig`` for a recipe name or ``fp8:``-style mapping
     (:func:`nemo_fp8_plugin.hosts.bridge.mixed_precision_config`), for a ``mixed_precision``
     block written as ``{_target_: nemo_fp8_plugin.hosts.targets.mixed_precision_config,
     spec: fp8_blockwise}``."""
+    from typing import Any, cast
+
     from .bridge import mixed_precision_config as build
 
-    return build(spec, model)
+    return build(cast(Any, spec), model)
