@@ -161,8 +161,7 @@ def runs(tmp_path_factory):
         *("llm", "finetune", "--factory", STOCK, "--yaml", "example.yaml"),
         *("--to-yaml", "example_out.yaml", "-y"),
     ]
-    # the other recipes' factory variants last: a variant run first leaves NeMo-Run's app in a
-    # state where a later --yaml run writes no --to-yaml file
+    # the other recipes' factory variants, through the same app object
     for r in RECIPES:
         if r != THROUGH_THE_SCRIPT:
             invocations[r] = [
