@@ -245,10 +245,17 @@ def test_nemo2_megatron_mixed_precision_takes_the_fp4_fields():
 
     from nemo_fp8_plugin.hosts import nemo2
 
+    from nemo.collections.llm.recipes.precision.mixed_precision import bf16_mixed
+
     result = run(nemo2.ADAPTER, mapping_context({"precision": "nvfp4", "trainer": {}}))
     block = result.data["trainer"]["plugins"]
+    # no plugin in the config: the block is an overlay NeMo-Run merges into the factory's own
+    # plugin (NeMo's bf16_mixed), so the plugin is built from the two, as NeMo-Run builds it
     plugin = MegatronMixedPrecision(
-        **{k: nemo2._dtype(v) for k, v in block.items() if k != "_target_"}
+        **{
+            **bf16_mixed().__arguments__,
+            **{k: nemo2._dtype(v) for k, v in block.items() if k != "_target_"},
+        }
     )
     assert (plugin.dtype_config.fp4, plugin.dtype_config.fp4_recipe, plugin.dtype_config.fp8) == (
         "e2m1",
