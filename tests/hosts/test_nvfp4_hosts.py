@@ -238,14 +238,13 @@ def test_fp8_recipes_refuse_a_native_fp4(tmp_path):
 @pytest.mark.slow
 def test_nemo2_megatron_mixed_precision_takes_the_fp4_fields():
     from megatron.core.transformer import TransformerConfig
+    from nemo.collections.llm.recipes.precision.mixed_precision import bf16_mixed
     from nemo.lightning.pytorch.plugins.mixed_precision import (
         MegatronMixedPrecision,
         update_config_with_dtype_overrides,
     )
 
     from nemo_fp8_plugin.hosts import nemo2
-
-    from nemo.collections.llm.recipes.precision.mixed_precision import bf16_mixed
 
     result = run(nemo2.ADAPTER, mapping_context({"precision": "nvfp4", "trainer": {}}))
     block = result.data["trainer"]["plugins"]
