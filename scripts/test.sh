@@ -7,7 +7,8 @@
 # non-zero when any step failed. Configuration: pyproject.toml ([tool.ruff], [tool.mypy],
 # [tool.importlinter], [tool.pytest.ini_options]). tests/test_install.py (slow, ~2 min) needs
 # the package registry: it builds the wheel (pip fetches hatchling) and makes a venv with the
-# lowest ruamel.yaml (constraints-oldest.txt).
+# lowest ruamel.yaml (constraints-oldest.txt). TEST_WORKERS: the main suite's worker processes
+# (pytest-xdist; default 2, 0 runs it in one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
@@ -33,6 +34,8 @@ step "ruff format --check" .venv/bin/ruff format --check .
 step "mypy" .venv/bin/python -m mypy
 step "lint-imports" .venv/bin/lint-imports
 step "sanitized C++ kernels" bash scripts/sanitize_kernels.sh
-pytest_step .venv tests "$@"
+# the main suite in two worker processes (pytest-xdist), one test file each at a time: most of
+# it is one process's CPU work, and a file's module fixtures are built once
+pytest_step .venv tests -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
 pytest_step .venv-vllm tests/vllm "$@"
 exit $status
