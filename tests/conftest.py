@@ -35,7 +35,7 @@ if IN_CI:
 
 
 def _has_vllm() -> bool:
-    # By distribution, not find_spec: with tests/ on sys.path, tests/vllm itself would
+    # By distribution, not find_spec: with tests/hosts on sys.path, tests/hosts/vllm itself would
     # look like an importable package named vllm.
     from importlib.metadata import PackageNotFoundError, version
 
@@ -48,8 +48,8 @@ def _has_vllm() -> bool:
     return False
 
 
-# tests/vllm runs in .venv-vllm (scripts/test.sh); the main environment has no vLLM.
-collect_ignore = [] if _has_vllm() else ["vllm"]
+# tests/hosts/vllm runs in .venv-vllm (scripts/test.sh); the main environment has no vLLM.
+collect_ignore = [] if _has_vllm() else ["hosts/vllm"]
 
 
 FIXTURES = REPO / "tests" / "fixtures"
@@ -147,7 +147,7 @@ def upstream_wheel(name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def upstream_wheels():
-    """:func:`upstream_wheel` for tests that cannot import this module by name (tests/vllm:
+    """:func:`upstream_wheel` for tests that cannot import this module by name (tests/hosts/vllm:
     its own conftest.py takes the module name ``conftest`` there)."""
     return upstream_wheel
 

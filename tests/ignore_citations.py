@@ -1,6 +1,6 @@
 """What each source line the ignore-list rows of ``stacks.FACTS`` cite must hold, for the
 tests that read every release's source (``tests/hosts/test_vllm_ignore.py`` for the wheels,
-``tests/vllm/test_ignore.py`` for the installed vLLM).
+``tests/hosts/vllm/test_ignore.py`` for the installed vLLM).
 
 Row -> the cited file (its last path component) -> a fragment of the cited line: every
 ``path:line (release)`` of the row's source names a line holding its file's fragment.

@@ -1,4 +1,4 @@
-"""Recipe lists for recipe-parametrized tests, from the registry (tests/ and tests/vllm import
+"""Recipe lists for recipe-parametrized tests, from the registry (tests/ and tests/hosts/vllm import
 this module; it imports the plugin's registry and capability table, no host)."""
 
 from __future__ import annotations

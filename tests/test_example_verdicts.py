@@ -1,5 +1,5 @@
 """The examples end with a one-line verdict: PASS with what they checked, or FAIL (exit 1)
-naming what failed (``examples/vllm/refit_loop.py``: tests/vllm/test_refit_loop_example.py;
+naming what failed (``examples/vllm/refit_loop.py``: tests/hosts/vllm/test_refit_loop_example.py;
 ``examples/nemo2/finetune_fp8.py --dry-run`` imports NeMo's LLM collection, ~20 s, and is
 left to a manual run)."""
 

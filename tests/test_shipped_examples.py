@@ -41,8 +41,8 @@ LOADED_BY = {
     "llama3_8b_pretrain_fp8_blockwise.yaml": "tests/hosts/test_contract_hosts.py",
     "megatron_gpt_fp8_current.yaml": "tests/hosts/test_contract_hosts.py",
     "nemo2_llama32_1b_finetune_fp8_blockwise.yaml": "tests/hosts/nemo2/test_nemo2_adapter.py",
-    "vllm_llama8b_fp8_blockwise.yaml": "tests/vllm/test_contract.py",
-    "vllm_moonlight_fp8_kv.yaml": "tests/vllm/test_contract.py",
+    "vllm_llama8b_fp8_blockwise.yaml": "tests/hosts/vllm/test_contract.py",
+    "vllm_moonlight_fp8_kv.yaml": "tests/hosts/vllm/test_contract.py",
 }
 """conf/examples file -> the test that feeds it (or apply's output) to the host's own code."""
 

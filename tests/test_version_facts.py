@@ -1,6 +1,6 @@
 """Version knowledge lives in ``nemo_fp8_plugin.stacks`` only: one parser, the tested versions
 and the hosts' per-release facts as rows; no command parses a host's source while it runs (the
-readers are the tests', ``tests/vllm_source.py`` and ``tests/megatron_source.py``)."""
+readers are the tests', ``tests/hosts/vllm_source.py`` and ``tests/megatron_source.py``)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ their wheels (``scripts/install.sh`` downloads them with ``pip download --no-dep
 ``.cache/upstream``) are read as zip archives. The same reader reads an installed vLLM's
 package directory. The package itself never parses vLLM's source: what is read here checks
 the ``vllm`` rows of ``nemo_fp8_plugin.stacks.FACTS`` (``tests/test_stacks_vllm_source.py``,
-``tests/vllm/test_source_versions.py``).
+``tests/hosts/vllm/test_source_versions.py``).
 
 What is read, for each release:
 
@@ -563,7 +563,7 @@ WHEELS = {
 }
 """Release -> its wheel in the download cache (``scripts/install.sh`` fetches them), for the
 releases not installed anywhere here. Tests reach the cache through ``tests/conftest.py``
-(``upstream_wheel``, or the ``upstream_wheels`` fixture in ``tests/vllm``)."""
+(``upstream_wheel``, or the ``upstream_wheels`` fixture in ``tests/hosts/vllm``)."""
 
 MEASURED = {"gpu_memory_utilization:larger_kv_cache": "tests/hosts/test_vllm_memory.py"}
 """The ``vllm`` rows measured rather than read from vLLM's source (how much memory vLLM's

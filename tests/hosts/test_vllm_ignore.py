@@ -7,8 +7,8 @@ Each release's ``is_layer_skipped`` (``utils/quant_utils.py``) and ModelOpt's
 vLLM at module level) and run on the same lists and modules as ours. The one stand-in: the
 model's ``hf_to_vllm_mapper`` is identity for the families here (Llama and Qwen3-MoE map only
 stacked q/k/v and gate/up names, which ``apply_list``'s rename mapper leaves alone; checked
-against the real mappers in tests/vllm/test_ignore.py). The installed 0.32.0 is run for real
-in tests/vllm/test_ignore.py.
+against the real mappers in tests/hosts/vllm/test_ignore.py). The installed 0.32.0 is run for real
+in tests/hosts/vllm/test_ignore.py.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ CONFIGS = {"0.6.0": "releases/v0.6.0/", "0.7.0": "releases/v0.7.0/", stacks.NEMO
 
 def test_the_larger_kv_cache_row_is_where_nemo_rl_pins_the_kv_cache():
     """``gpu_memory_utilization:larger_kv_cache`` is measured (NVIDIA-NeMo/RL#3280), not read
-    from vLLM's source (``tests/vllm_source.py`` ``MEASURED`` names this test): NeMo RL's
+    from vLLM's source (``tests/hosts/vllm_source.py`` ``MEASURED`` names this test): NeMo RL's
     colocated FP8 Moonlight recipe pins ``kv_cache_memory_bytes`` at exactly the releases whose
     vLLM has the row (main's 0.25.1; not v0.6.0's 0.17.1 nor v0.7.0's 0.20.0), saying why."""
     from vllm_source import MEASURED

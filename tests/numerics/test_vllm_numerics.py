@@ -1,5 +1,5 @@
 """Properties of :mod:`nemo_fp8_plugin.numerics.vllm_numerics` (no vLLM needed here; the
-bit-exactness against vLLM's own code is ``tests/vllm/test_generation_numerics.py``).
+bit-exactness against vLLM's own code is ``tests/hosts/vllm/test_generation_numerics.py``).
 
 The point of the module is a real, small difference from the trainer's numerics: on random
 BF16 activations vLLM's ``x / (amax / 448)`` and TE's ``x * (448 / amax)`` disagree on a few
@@ -266,7 +266,7 @@ def test_each_release_quantizes_as_its_floor_order_says(version):
     """Each release's own ``forward_native`` group path against ``quantize_activation_vllm``
     with the floor order the stacks table gives that release: bit for bit, zero, tiny, NaN
     and infinite groups included (0.32.0 is compared with the installed vLLM in
-    ``tests/vllm/test_generation_numerics.py``)."""
+    ``tests/hosts/vllm/test_generation_numerics.py``)."""
     from nemo_fp8_plugin import stacks
 
     native = _release_group_quantizer(version)

@@ -1,6 +1,6 @@
 """export_fp8_checkpoint: what it writes, bit for bit against the numerics reference, and how
 it refuses bad input without leaving anything behind. (vLLM's acceptance of the output is
-checked with a real vLLM in tests/vllm.)"""
+checked with a real vLLM in tests/hosts/vllm.)"""
 
 from __future__ import annotations
 

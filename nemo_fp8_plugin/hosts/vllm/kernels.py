@@ -5,7 +5,7 @@ choices change the numerics the recipe promises (power-of-2 instead of fp32 scal
 instead of FP8 activations); the layer methods (``linear.py``, ``moe.py``) ask vLLM's own
 selection code for the kernel here, then either make the recipe's numerics real or refuse
 with one line naming the key, the vLLM version and what to do instead. The CPU tests run
-this selection with the platform's capability patched (``tests/vllm/test_contract.py``).
+this selection with the platform's capability patched (``tests/hosts/vllm/test_contract.py``).
 """
 
 from __future__ import annotations

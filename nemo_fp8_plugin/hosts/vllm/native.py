@@ -2,7 +2,7 @@
 config already FP8 in them (``VLLMAdapter.default`` / ``VLLMAdapter.read_native``).
 
 The defaults are recorded from vLLM 0.32's ``EngineArgs`` (``vllm/engine/arg_utils.py``);
-``tests/vllm/test_vllm_native.py`` compares them with the installed vLLM's dataclass fields.
+``tests/hosts/vllm/test_vllm_native.py`` compares them with the installed vLLM's dataclass fields.
 The ``hf_overrides.quantization_config`` block is this package's own method's config and is
 written whole (it is the document the method reads).
 """

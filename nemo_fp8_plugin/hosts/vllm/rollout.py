@@ -13,7 +13,7 @@ scales on H100, B200 and (from vLLM 0.25) RTX PRO 6000.
 :func:`rollout` answers for one (vLLM release, GPU, recipe, environment) from the release's
 rows of :data:`nemo_fp8_plugin.stacks.FACTS` (each read from that release's source and
 citing file:line) and the kernels' behaviour below (:data:`KERNELS`, the same in every
-release read). ``tests/vllm/test_rollout_selection.py`` runs vLLM 0.32's own selection code
+release read). ``tests/hosts/vllm/test_rollout_selection.py`` runs vLLM 0.32's own selection code
 on a patched platform for every case and compares; ``tests/test_stacks_vllm_source.py``
 checks the rows against every other release's source. Two methods are answered:
 

@@ -66,7 +66,7 @@ def vllm_missing() -> str | None:
     (seconds of start-up, and it would set up CUDA in the checking process)."""
     spec = importlib.util.find_spec("vllm")
     # A spec without an origin is a namespace package: some folder named vllm on sys.path
-    # (the tests' own tests/vllm is one), not vLLM.
+    # (the tests' own tests/hosts/vllm is one), not vLLM.
     if spec is None or spec.origin is None:
         return "vLLM is not installed here"
     return None

@@ -6,7 +6,7 @@ Judged by the hosts' own code where it is here: NeMo RL's ``init_fp8`` statement
 ``_get_params_in_layers`` compiled from each release's source (shared test data), vLLM's
 ``is_layer_skipped`` compiled from the wheel of the release's vLLM (``scripts/install.sh``
 downloads them; never installed), and the kernel choice of ``hosts/vllm/rollout.py`` (itself
-checked against vLLM's selection code in tests/vllm/test_rollout_selection.py).
+checked against vLLM's selection code in tests/hosts/vllm/test_rollout_selection.py).
 """
 
 from __future__ import annotations

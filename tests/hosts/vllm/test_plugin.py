@@ -26,7 +26,7 @@ def apply_vllm(config):
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_entry_point_is_declared_and_discovered():

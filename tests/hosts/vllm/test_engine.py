@@ -433,7 +433,7 @@ def _script():
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_vllm_refit.py"
+    path = Path(__file__).resolve().parents[3] / "scripts" / "gpu_vllm_refit.py"
     spec = importlib.util.spec_from_file_location("gpu_vllm_refit", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_vllm_refit"] = module  # dataclasses resolve annotations through it

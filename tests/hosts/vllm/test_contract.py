@@ -49,7 +49,7 @@ def apply_vllm(config):
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # nvfp4 has no vLLM generation path: refused with the reason (test_nvfp4_is_refused_with_the_reason)
 RECIPES = sorted(s.name for s in list_recipes() if s.scaling != "nvfp4")
 EXAMPLES = sorted(p for p in (REPO / "conf" / "examples").glob("*.yaml") if "vllm" in p.name)

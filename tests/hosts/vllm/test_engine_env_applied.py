@@ -24,7 +24,7 @@ from presets import BLOCK_PRESETS
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ENGINE_VARS = (
     "VLLM_USE_DEEP_GEMM",
     "VLLM_USE_DEEP_GEMM_E8M0",

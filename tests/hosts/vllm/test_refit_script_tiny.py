@@ -23,7 +23,7 @@ import torch
 
 pytestmark = pytest.mark.slow  # a 10M-parameter model sampled 8 x 32 tokens, ~10 s
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _script():

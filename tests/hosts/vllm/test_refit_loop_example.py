@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm" / "refit_loop.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vllm" / "refit_loop.py"
 
 
 @pytest.mark.slow  # an engine start and three refits: ~35 s on two cores

@@ -1,5 +1,5 @@
 """vLLM releases through their own source: the ``vllm`` rows of ``stacks.FACTS`` read again
-from the installed vLLM (``tests/vllm_source.py``; the other releases' wheels in
+from the installed vLLM (``tests/hosts/vllm_source.py``; the other releases' wheels in
 ``tests/test_stacks_vllm_source.py``), the method's base classes as each release declares them,
 and the method's refusal at load where a release lacks what it needs.
 
@@ -37,7 +37,7 @@ from nemo_fp8_plugin.hosts.vllm import api
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 INSTALLED = str(vllm.__version__).split("+")[0]
 
 
