@@ -399,20 +399,7 @@ def _unknown(
     from ...stacks import TESTED, lookup, newer_than_tested
 
     def none(note: str, *, matches: bool = False) -> Rollout:
-        return Rollout(
-            release,
-            arch,
-            method,
-            None,
-            None,
-            None,
-            False,
-            None,
-            matches,
-            env,
-            tested=tested,
-            notes=(note,),
-        )
+        return _no_kernel(release, arch, method, env, tested, (note,), matches=matches)
 
     row = capability(spec.scaling)
     if spec.generation != "fp8" or not row.vllm_generation:
@@ -435,6 +422,33 @@ def _unknown(
     return None
 
 
+def _no_kernel(
+    release: str,
+    arch: str,
+    method: str,
+    env: Mapping[str, str],
+    tested: bool,
+    notes: tuple[str, ...],
+    *,
+    matches: bool = False,
+) -> Rollout:
+    """A :class:`Rollout` naming no kernel (BF16 generation, or a choice that cannot be made)."""
+    return Rollout(
+        release,
+        arch,
+        method,
+        None,
+        None,
+        None,
+        False,
+        None,
+        matches,
+        env,
+        tested=tested,
+        notes=notes,
+    )
+
+
 def _judge(
     spec: RecipeSpec,
     arch: str,
@@ -449,20 +463,7 @@ def _judge(
     tested = lookup("vllm", _DEFAULT_ON["VLLM_USE_DEEP_GEMM"], release).tested
     pick = _mx_pick(arch, release) if is_mx else _block_pick(arch, env, release, **kw)
     if pick.kernel is None:
-        return Rollout(
-            release,
-            arch,
-            method,
-            None,
-            None,
-            None,
-            False,
-            None,
-            False,
-            env,
-            tested=tested,
-            notes=pick.notes,
-        )
+        return _no_kernel(release, arch, method, env, tested, pick.notes)
     want = _recipe_grid(spec)
     refused = None
     weights, acts = pick.weights, pick.activations
