@@ -104,16 +104,23 @@ def test_a_reference_to_itself_is_one_error():
 
 def test_resolvers_registered_before_are_kept():
     """A process that imported NeMo RL keeps NeMo RL's resolvers; one that did not is left
-    without any."""
+    without any. The resolver table is put back afterwards, whatever ran before in this worker."""
+    from omegaconf.basecontainer import BaseContainer
+
+    saved = dict(BaseContainer._resolvers)
     marker = object()
-    OmegaConf.register_new_resolver("mul", lambda a, b: marker, replace=True)
     try:
+        for name in NEMO_RL_RESOLVERS:
+            OmegaConf.clear_resolver(name)
+        OmegaConf.register_new_resolver("mul", lambda a, b: marker, replace=True)
         assert resolved_value({"a": "${mul:2,3}"}, "a") == 6
         assert OmegaConf.create({"b": "${mul:2,3}"}).b is marker
-    finally:
         OmegaConf.clear_resolver("mul")
-    assert resolved_value({"a": "${add:2,3}"}, "a") == 5
-    assert not any(OmegaConf.has_resolver(name) for name in NEMO_RL_RESOLVERS)
+        assert resolved_value({"a": "${add:2,3}"}, "a") == 5
+        assert not any(OmegaConf.has_resolver(name) for name in NEMO_RL_RESOLVERS)
+    finally:
+        BaseContainer._resolvers.clear()
+        BaseContainer._resolvers.update(saved)
 
 
 def test_the_cli_says_one_line(tmp_path, capsys):

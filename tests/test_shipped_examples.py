@@ -99,10 +99,16 @@ def test_nemo_rl_overlays_run_through_nemo_rls_own_loader(overlay, release, tmp_
     assert run[:3] == ["uv", "run", "examples/run_grpo.py"] and run[4] == apply[-1]
 
     nemo_rl = nemo_rl_config_module(release)
-    nemo_rl.register_omegaconf_resolvers()
     from omegaconf import OmegaConf
+    from omegaconf.basecontainer import BaseContainer
 
-    config = OmegaConf.to_container(nemo_rl.load_config(checkout / run[4]), resolve=True)
+    saved = dict(BaseContainer._resolvers)  # NeMo RL's resolvers must not outlive this test
+    try:
+        nemo_rl.register_omegaconf_resolvers()
+        config = OmegaConf.to_container(nemo_rl.load_config(checkout / run[4]), resolve=True)
+    finally:
+        BaseContainer._resolvers.clear()
+        BaseContainer._resolvers.update(saved)
     for section in ("grpo", "policy", "loss_fn", "data", "cluster"):
         assert section in config, f"{overlay.name} on {release}: no {section} after loading"
     assert "fp8" not in config and "precision" not in config
