@@ -10,7 +10,9 @@ A weight is
 * ``within_ulp``: not bit-equal, but every tile that differs does so only as two faithful
   implementations of ``scale = 448 / amax`` differ: its stored fp32 ``scale_inv`` within
   :data:`SCALE_ULPS` ulps of the expected one and every code within one E4M3 step of the
-  expected code (sign equal). NeMo RL's vLLM worker computes the scale as
+  expected code (sign equal), all of the tile's differing codes moved the same way and the
+  way its scale moved (a smaller ``scale_inv`` is a larger multiplying scale: magnitudes up,
+  never down). NeMo RL's vLLM worker computes the scale as
   ``reciprocal(amax) * 448`` where Transformer Engine divides: the multiplying scales differ
   by one fp32 ulp in about a quarter of the tiles, the stored reciprocals by one or two ulps
   (measured on random bf16 weights: 17% of tiles at one ulp or more, 2.7% at two), and the
@@ -354,8 +356,14 @@ def _compare_band(
     same_sign = (e_codes & 0x80) == (x_codes & 0x80)
     one_step = (e_codes - x_codes).abs() <= 1
     codes_near = (~unequal | (finite & same_sign & one_step)).all(dim=3).all(dim=1)
+    # one tile, one scale: a larger multiplying scale can only round a magnitude up, a smaller
+    # one only down, so the codes of a tile all move one way, the way its scale_inv says
+    moved = torch.where(unequal, (e_codes & 0x7F) - (x_codes & 0x7F), torch.zeros_like(e_codes))
+    up = (moved > 0).any(dim=3).any(dim=1)
+    down = (moved < 0).any(dim=3).any(dim=1)
 
     es, xs = _scale_float(e_scale), _scale_float(x_scale)
+    codes_near &= ~(up & down) & ~((es < xs) & down) & ~((es > xs) & up)
     scale_equal = _bits(e_scale) == _bits(x_scale)
     ulps = None
     if fp32_scales:

@@ -75,6 +75,36 @@ def test_one_code_step_with_equal_scales_is_within_ulp_two_steps_are_not():
         assert check.worst.tile == (0, 0)
 
 
+def _stepped(data, *moves):
+    bits = data.view(torch.uint8).clone()
+    for (r, c), step in moves:
+        assert 0 < bits[r, c] & 0x7F < 0x7E
+        bits[r, c] += step
+    return bits.view(torch.float8_e4m3fn)
+
+
+def test_codes_of_one_tile_moving_both_ways_are_different():
+    """One scale per tile moves every magnitude one way; up here and down there is a fault."""
+    data, scale = te(weight())
+    check = compare_quantized(
+        "w", _stepped(data, ((5, 7), 1), ((9, 3), -1)), scale, data, scale, BLOCK
+    )
+    assert check.status == "different" and check.worst.tile == (0, 0)
+    same_way = _stepped(data, ((5, 7), 1), ((9, 3), 1))
+    assert compare_quantized("w", same_way, scale, data, scale, BLOCK).status == "within_ulp"
+
+
+def test_codes_must_move_the_way_the_scale_moved():
+    """A smaller stored ``scale_inv`` is a larger multiplying scale: magnitudes go up only."""
+    data, scale = te(weight())
+    smaller = scale.clone()
+    smaller.view(torch.int32)[0, 0] -= 1
+    for step, status in ((1, "within_ulp"), (-1, "different")):
+        moved = _stepped(data, ((5, 7), step))
+        check = compare_quantized("w", moved, smaller, data, scale, BLOCK)
+        assert check.status == status, step
+
+
 @pytest.mark.parametrize("ulps, status", [(1, "within_ulp"), (2, "within_ulp"), (3, "different")])
 def test_scale_ulps(ulps, status):
     data, scale = te(weight())

@@ -14,8 +14,8 @@ The check after each refit (:class:`RefitCheck`), opt-in with ``NEMO_FP8_VERIFY_
 the worker keeps the payload tensors of a few sampled decoder layers as they stream by,
 and once ``load_weights`` and the post-refit step are done, compares what those layers hold
 with the payload: an FP8 payload bit for bit, a high-precision one quantized by the layer's
-own quantizer (the method's numerics, those it quantizes on arrival with). A layer that
-differs raises :class:`RefitMismatch` naming the weight and its worst tile. Its cost:
+own quantizer (the method's numerics, those it quantizes on arrival with), also bit for bit:
+a tile ``within_ulp`` of the payload fails here. A layer that differs raises :class:`RefitMismatch` naming the weight and its worst tile. Its cost:
 ``docs/performance.md``.
 
 Tensor and expert parallelism are not covered: a sharded layer is refused by name.
@@ -288,7 +288,9 @@ class RefitCheck:
             )
         self._kept.clear()
         self.seconds += time.perf_counter() - start
-        bad = [c for c in checks if not c.ok]
+        # exact: the engine holds what this refit sent, or what its own quantizer made of it,
+        # so any difference, a within-ulp one too, is a loading fault
+        bad = [c for c in checks if c.status != "bit_equal"]
         if bad:
             first = bad[0]
             raise RefitMismatch(
