@@ -201,10 +201,13 @@ def run(args: argparse.Namespace) -> int:
         jobs = max(1, min(settings.seeds, os.cpu_count() or 1))
     result = run_check(settings, arms=arms, progress=not args.quiet, jobs=jobs)
     from ..tools.harness import environment, write_json
+    from ..tools.rl_check import SEED_THREADS
     from ..tools.rl_check_report import plot_curves, render_tables, summarize, to_json
 
     summary = summarize(result)
     machine = environment()
+    # the harness records this process's torch threads; every seed runs at SEED_THREADS
+    machine.update(seed_threads=SEED_THREADS, seed_processes=jobs)
     sys.stdout.write(render_tables(result, summary, machine))
     if args.json:
         write_json(args.json, {"environment": machine, **to_json(result, summary)})

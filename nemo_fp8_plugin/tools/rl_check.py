@@ -96,6 +96,11 @@ __all__ = [
     "RunningSumTask",
 ]
 
+SEED_THREADS = 1
+"""Torch threads each seed runs at, whatever the caller's: with two, some reductions split
+their sums differently and the records change (a test checks they do not). The JSON's
+``environment`` records it as ``seed_threads`` beside ``seed_processes``."""
+
 
 @dataclass(frozen=True)
 class ArmSpec:
@@ -149,7 +154,8 @@ class CheckSettings:
     a smaller drift than twice the steps of half the batch (docs/rl.md)."""
     seeds: int = 10
     """Independent repetitions (own warm-up, prompts, sampling); seeds ``seed .. seed+seeds-1``.
-    10: as many as fit about fifteen minutes on two cores; even, so two worker processes stay
+    10: about 1,500 CPU seconds, an estimated 13 minutes on two idle cores; even, so two
+    worker processes stay
     busy to the end. Every run's power statement says, from its own paired SDs, how many
     each comparison needs."""
     prompts_per_step: int = 32
@@ -812,10 +818,7 @@ def run_seed(
 
     spec = get_recipe(s.recipe)
     threads = torch.get_num_threads()
-    # One torch thread, whatever the caller's: with two, some reductions split their sums
-    # differently and the records change (a test checks they do not); and these GEMMs are
-    # too small to share.
-    torch.set_num_threads(1)
+    torch.set_num_threads(SEED_THREADS)  # and these GEMMs are too small to share
     try:
         # Eager quantizers: same results as the compiled ones, and for tensors this small
         # torch.compile's start-up (a minute or more on a CPU) would dominate the check.

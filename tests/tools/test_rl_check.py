@@ -389,6 +389,13 @@ def test_sd_upper_bound_of_a_known_case():
 
 
 @pytest.mark.slow
+def test_the_json_records_the_threads_each_seed_ran_at(quick):
+    """This process's torch threads are not what the seeds ran at (one each, in --jobs
+    processes)."""
+    assert quick["environment"]["seed_threads"] == 1
+    assert quick["environment"]["seed_processes"] == 2
+
+
 def test_a_json_document_gives_back_its_result(quick):
     """result_from_json rebuilds the records: the summary recomputed from them is the run's."""
     doc = {k: quick[k] for k in ("settings", "arms", "summary", "runs")}
