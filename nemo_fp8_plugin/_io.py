@@ -636,12 +636,21 @@ def read_user_bytes(
         raise FP8ConfigError(
             f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
         ) from None
+    # Checked on the descriptor before it becomes a file object: os.fdopen refuses a
+    # directory with an error that names the descriptor number, not the path.
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise FP8ConfigError(
+            f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise FP8ConfigError(
+            f"{path} is {_kind(st.st_mode)}, not a regular {what}", key=key, value=str(path)
+        )
     with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise FP8ConfigError(
-                f"{path} is {_kind(st.st_mode)}, not a regular {what}", key=key, value=str(path)
-            )
         check_limit(st.st_size, limit, f"{path} is too large: bytes", key=key, value=str(path))
         try:
             data = fh.read(limit + 1)
