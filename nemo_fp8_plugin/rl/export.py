@@ -252,7 +252,7 @@ def _check_out_dir(out: Path, source_dir: Path | None, overwrite: bool) -> None:
                 key="out_dir",
                 value=str(out),
             )
-    check_output_dir(out, "out_dir")  # the parent exists or can be made, and is writable
+    check_output_dir(out, "out_dir")  # the parent exists and is writable
 
 
 # --------------------------------------------------------------------------- the export
@@ -364,7 +364,6 @@ def export_fp8_checkpoint(
     )
     out = Path(out_dir)
     _check_out_dir(out, source_dir, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
     _check_flag("progress", progress, none_ok=True)
     with interruptible(), _locked(out):
         _check_out_dir(out, source_dir, overwrite)  # again: another export may have finished
