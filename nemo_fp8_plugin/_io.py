@@ -47,7 +47,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     Only a regular file is ever replaced. A symbolic link is followed (the file it names is
     written, the link stays). A character device (``/dev/null``, a terminal) or a FIFO with
     a reader is written through, never renamed over; a FIFO nobody reads, a socket or a
-    block device is refused. Every error names ``path``, not the temp file.
+    block device is refused. ``path``'s folder must exist: it is never created. Every error
+    names ``path``, not the temp file.
     """
     atomic_write_files([(path, data)])
     return Path(path)
