@@ -47,7 +47,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     Only a regular file is ever replaced. A symbolic link is followed (the file it names is
     written, the link stays). A character device (``/dev/null``, a terminal) or a FIFO with
     a reader is written through, never renamed over; a FIFO nobody reads, a socket or a
-    block device is refused. Every error names ``path``, not the temp file.
+    block device is refused. ``path``'s folder must exist: it is never created. Every error
+    names ``path``, not the temp file.
     """
     atomic_write_files([(path, data)])
     return Path(path)
@@ -123,9 +124,12 @@ def _stage(shown: Path, data: bytes) -> _Staged:
     if st is not None and not stat.S_ISREG(st.st_mode):
         _check_write_through(st.st_mode, shown)
         return _Staged(shown, target, data, st.st_mode)
+    if not target.parent.is_dir():  # never created: check_output_file's rule, at the write
+        raise FileNotFoundError(
+            errno.ENOENT, f"folder {target.parent} does not exist; it is not created", str(shown)
+        )
     one = _Staged(shown, target, data, None)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         prefix = _temp_prefix(target)
         _remove_stale_temps(target.parent, prefix)
         one.fd, one.tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=target.parent)
@@ -384,19 +388,22 @@ def dump_config_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=False, allow_nan=False, default=iso) + "\n"
 
 
-def _nearest_existing(path: Path) -> Path:
-    here = path
-    while not here.exists() and here != here.parent:
-        here = here.parent
-    return here
-
-
 def _check_creatable(path: Path, key: str, *, shown: Path) -> None:
-    """``path``'s nearest existing ancestor is a writable directory (``shown`` names the
-    user's path in the message)."""
+    """``path``'s folder exists and is a writable directory (``shown`` names the user's
+    path in the message). A folder that is not there is refused, never created: a typo in a
+    folder name must not leave a new tree behind, nor put results where nobody looks."""
     from .errors import FP8ConfigError
 
-    base = _nearest_existing(path.parent)
+    # the folder as the user named it, and as it is (a link to a file in a missing folder)
+    for base in dict.fromkeys((Path(shown).parent, path.parent)):
+        if not base.exists():
+            raise FP8ConfigError(
+                f"folder {base} does not exist; it is not created",
+                key=key,
+                value=str(shown),
+                hint="create the folder first, or name a path in an existing one",
+            )
+    base = path.parent
     if not base.is_dir():
         raise FP8ConfigError(
             f"{base} is not a directory, so {shown} cannot be created", key=key, value=str(shown)
@@ -415,7 +422,8 @@ def check_output_file(
     force_flag: str = "--force",
 ) -> None:
     """Refuse, before any work starts, an output file path that cannot be written (a
-    directory, under a file, in a read-only place, a FIFO nobody reads): a typo in
+    directory, in a folder that does not exist, under a file, in a read-only place, a FIFO
+    nobody reads): a typo in
     ``--json`` must not cost a finished run its results. With ``read_only_ok=False`` an
     existing regular file without write permission (0444) is refused too: replacing it
     (rename needs only the directory) would silently undo its owner's protection."""
@@ -568,7 +576,8 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
 
 
 def check_output_dir(path: str | os.PathLike[str] | None, key: str) -> None:
-    """:func:`check_output_file` for an output folder (created later, when results exist)."""
+    """:func:`check_output_file` for an output folder (created later, when results exist,
+    in a folder that must exist now: only the last name is created)."""
     from .errors import FP8ConfigError
 
     if path is None:
@@ -576,7 +585,7 @@ def check_output_dir(path: str | os.PathLike[str] | None, key: str) -> None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FP8ConfigError(f"{path} is a file; name a folder", key=key, value=str(path))
-    _check_creatable(path / "x", key, shown=path)
+    _check_creatable(Path(os.path.abspath(path)), key, shown=path)
 
 
 # --------------------------------------------------------------------------- reading safely
@@ -636,12 +645,21 @@ def read_user_bytes(
         raise FP8ConfigError(
             f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
         ) from None
+    # Checked on the descriptor before it becomes a file object: os.fdopen refuses a
+    # directory with an error that names the descriptor number, not the path.
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise FP8ConfigError(
+            f"cannot read {path}: {exc.strerror or exc}", key=key, value=str(path)
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise FP8ConfigError(
+            f"{path} is {_kind(st.st_mode)}, not a regular {what}", key=key, value=str(path)
+        )
     with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise FP8ConfigError(
-                f"{path} is {_kind(st.st_mode)}, not a regular {what}", key=key, value=str(path)
-            )
         check_limit(st.st_size, limit, f"{path} is too large: bytes", key=key, value=str(path))
         try:
             data = fh.read(limit + 1)

@@ -307,6 +307,11 @@ class BF16Rules:
                 value=value,
             )
         _check_keys("", value, cls.FIELDS)
+        modules = value.get("modules")
+        if isinstance(modules, (list, tuple)):  # counted before each is parsed and matched
+            from .errors import LIMITS, check_limit
+
+            check_limit(len(modules), LIMITS.bf16_rules, "module rules", key="modules")
         return _wrap(lambda: dataclasses.replace(base, **dict(value)))
 
     def to_dict(self) -> dict[str, Any]:

@@ -397,6 +397,26 @@ def test_a_native_layer_count_that_is_no_count_is_one_line(tmp_path, capsys, hos
     assert rc == 0 and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("host", [None, "vllm"])
+@pytest.mark.parametrize("value", ["abc", ".inf", "[1]", "-1"])
+@pytest.mark.parametrize("side", ["first", "last"])
+def test_a_vllm_layer_count_that_is_no_count_is_one_line(tmp_path, capsys, host, value, side):
+    """vLLM's ``num_first/last_layers_in_bf16`` read back by explain went through a bare
+    ``int()``: ValueError, OverflowError or TypeError, with or without ``--host vllm``."""
+    cfg = tmp_path / "v.yaml"
+    text = (
+        "model: meta-llama/Llama-3.1-8B\nquantization: nemo_fp8\nhf-overrides:\n"
+        "  quantization_config:\n    scheme: block\n    num_%s_layers_in_bf16: %s\n"
+    )
+    cfg.write_text(text % (side, value))
+    rc, _, err = run(capsys, "explain", cfg, *(["--host", host] if host else []))
+    key = f"hf-overrides.quantization_config.num_{side}_layers_in_bf16"
+    one_line_error(rc, err, key, "number of layers")
+    cfg.write_text(text % (side, "'2'"))
+    rc, out, err = run(capsys, "explain", cfg, *(["--host", host] if host else []))
+    assert rc == 0 and "Traceback" not in err, err
+
+
 def test_a_vllm_scheme_that_is_a_list_is_reported_not_a_type_error(tmp_path, capsys):
     cfg = tmp_path / "v.yaml"
     cfg.write_text(

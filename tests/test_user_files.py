@@ -191,3 +191,54 @@ def test_an_oversized_config_json_is_refused_before_it_is_read(tmp_path, capsys,
 
         peak, error = _peak_bytes(describe_model, str(big))
     assert isinstance(error, FP8ConfigError) and peak < 2**20, (error, peak)  # never read
+
+
+# --------------------------------------------------------------------------- a directory given
+
+
+def _checkpoint(ck: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    ck.mkdir()
+    save_file(
+        {"model.layers.0.mlp.up_proj.weight": torch.ones(128, 128)}, str(ck / "model.safetensors")
+    )
+    (ck / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1}))
+    return ck
+
+
+@pytest.mark.parametrize("how", ["--attribution", "--samples", "analyze index", "export index"])
+def test_a_directory_where_a_file_is_read_is_one_line(tmp_path, capsys, how):
+    """A directory opens for reading: os.fdopen refused it with an error naming descriptor 3,
+    and printing that error raised a TypeError (a traceback, exit 1)."""
+    folder = tmp_path / "given"
+    folder.mkdir()
+    if how == "--attribution":
+        argv, needles = ["analyze", "--attribution", folder], ["--attribution", str(folder)]
+    elif how == "--samples":
+        ck = _checkpoint(tmp_path / "ck")
+        argv = ["analyze", ck, "--activations", "--samples", folder]
+        needles = ["--samples", str(folder)]
+    else:
+        ck = _checkpoint(tmp_path / "ck")
+        (ck / "model.safetensors.index.json").mkdir()
+        command = how.split()[0]
+        argv = [command, ck] + (["-o", tmp_path / "out"] if command == "export" else [])
+        needles = ["CHECKPOINT", "model.safetensors.index.json", "directory"]
+    rc, err = run(capsys, *argv)
+    one_line_error(rc, err, *needles, "directory")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_os_error_naming_a_descriptor_is_one_line(capsys, monkeypatch):
+    """An OSError whose filename is a descriptor number (os.fdopen's) is printed, not a
+    second traceback from printing it."""
+    from nemo_fp8_plugin.cli import recipes
+
+    def fail(args):
+        raise IsADirectoryError(21, "Is a directory", 3)
+
+    monkeypatch.setattr(recipes, "run", fail)
+    rc, err = run(capsys, "recipes")
+    one_line_error(rc, err, "3: Is a directory")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._io import shown_path
 from .metrics import KINDS, OUTPUT_MARGIN_DB, judged
 from .suggest import suggestion_yaml
 
@@ -34,7 +35,7 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
     recipes = report["recipes"]
     rows = report["modules"]
     lines = [
-        f"checkpoint: {report['checkpoint']} ({len(report['files'])} file(s), "
+        f"checkpoint: {shown_path(report['checkpoint'])} ({len(report['files'])} file(s), "
         f"{len(rows)} linear weights, {len(report['skipped'])} tensors skipped)",
         f"threshold: {_thresholds(report)} (flag a module below it under a recipe)",
     ]
@@ -42,7 +43,8 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
     if report.get("activations"):
         a = report["activations"]
         lines.append(f"activations: {a['samples']} samples, {a['tokens']} tokens")
-    width = max([len(r["module"]) for r in rows] + [6])
+    # names as printed: a tensor or folder name's control characters (ESC) escaped
+    width = max([len(shown_path(r["module"])) for r in rows] + [6])
 
     def worst(r: dict[str, Any]) -> float:
         judgeds = [judged(r[kind][n], kind) for kind in KINDS if kind in r for n in recipes]
@@ -76,11 +78,11 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
                 _fmt_db(judged(r[kind][n], kind)).strip() for kind in KINDS if kind in r
             )
             cells.append(f"{cell + ('*' if n in r.get('flagged', []) else ' '):>{cw + 1}}")
-        lines.append(f"  {r['module']:<{width}} " + " ".join(cells))
+        lines.append(f"  {shown_path(r['module']):<{width}} " + " ".join(cells))
     if report["skipped"]:
         reasons: dict[str, list[str]] = {}
         for s in report["skipped"]:
-            reasons.setdefault(s["reason"], []).append(s["name"])
+            reasons.setdefault(s["reason"], []).append(shown_path(s["name"]))
         for why, names in reasons.items():
             # a NaN weight must be visible by name; long lists of norms and biases need not be
             shown_names = ", ".join(names[:3]) + (
@@ -97,7 +99,7 @@ def render_text(report: dict[str, Any], *, max_rows: int = 40) -> str:
                     f"; {word}: median over modules of the tensor SQNR "
                     f"{_fmt_db(s[f'median_{word}_sqnr_db']).strip()} dB, lowest {lowest} "
                     f"SQNR {_fmt_db(s[f'min_{word}_sqnr_db']).strip()} dB "
-                    f"({s[f'worst_{word}_module']})"
+                    f"({shown_path(s[f'worst_{word}_module'])})"
                 )
         lines.append(text)
         if report["suggestions"][n] is None:

@@ -117,8 +117,15 @@ _MESSAGE_MAX = 2000
 """Longest error line printed (a 100k-character argument is shown cut, never whole)."""
 
 
-def _shown(filename) -> str:
-    return format_value(os.fsdecode(filename), limit=400).strip("'\"") if filename else ""
+def _shown(filename: object) -> str:
+    """An OSError's ``filename`` as printed: a path, or whatever else the error carries
+    (``os.fdopen`` puts a descriptor number there)."""
+    if filename is None or filename == "":
+        return ""
+    text = (
+        os.fsdecode(filename) if isinstance(filename, (str, bytes, os.PathLike)) else str(filename)
+    )
+    return format_value(text, limit=400).strip("'\"")
 
 
 def _is_stream_encoding(err: UnicodeEncodeError) -> bool:

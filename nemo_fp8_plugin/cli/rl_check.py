@@ -100,26 +100,6 @@ def _int(text: str | None, key: str, lo: int, hi: int) -> int | None:
     return value
 
 
-def _check_folder(path: str | None, key: str) -> None:
-    """The folder an output goes to must exist: a mistyped folder is refused, not created
-    (the file itself is written later, atomically, by the ``_io`` writers)."""
-    import os
-    from pathlib import Path
-
-    from ..errors import FP8ConfigError
-
-    if path is None:
-        return
-    for folder in dict.fromkeys((Path(path).parent, Path(os.path.realpath(path)).parent)):
-        if not folder.is_dir():
-            raise FP8ConfigError(
-                f"folder {folder} does not exist; it is not created",
-                key=key,
-                value=path,
-                hint="create the folder first, or name a file in an existing one",
-            )
-
-
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -137,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if png == args.json:
             png = args.json + ".png"
     for path, key in ((args.json, "--json"), (png, "--png")):
-        check_output_file(path, key, read_only_ok=args.force)
-        _check_folder(path, key)
+        check_output_file(path, key, read_only_ok=args.force)  # its folder too
     if args.json is not None and png is not None and same_file(args.json, png):
         raise FP8ConfigError("--json and --png name the same file", key="--png", value=png)
     arms = tuple(

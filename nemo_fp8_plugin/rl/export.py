@@ -118,6 +118,9 @@ class ExportResult:
 
 
 def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
+    # The checkpoint's own config.json is blamed on the checkpoint the user named, not on a
+    # config= (--model-config) they never passed.
+    key = "source" if config is None and source_dir is not None else "config"
     if config is None and source_dir is not None:
         from .._io import inside_checkpoint
 
@@ -147,16 +150,16 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
         path = Path(config)
         if not str(config):
             raise FP8ConfigError("expected a config.json path, got ''", key="config", value="")
-        if path.is_dir():
+        if path.is_dir() and key == "config":  # --model-config naming the model's folder
             path = path / "config.json"
         # a regular file within LIMITS.config_bytes, nesting and digits bounded
-        config = read_user_json(path, key="config", what="config.json")
+        config = read_user_json(path, key=key, what="config.json")
     if hasattr(config, "to_dict"):
         config = config.to_dict()
     if not isinstance(config, Mapping):
         raise FP8ConfigError(
             f"expected a mapping or a config.json path, got {format_value(config)}",
-            key="config",
+            key=key,
             value=config,
         )
     return dict(config)
@@ -164,6 +167,10 @@ def _read_config(config: Any, source_dir: Path | None) -> dict[str, Any]:
 
 _QUANTIZED_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})
 """Safetensors dtypes of quantized weights and their scales (FP8, MX E8M0)."""
+
+_INTEGER_DTYPES = frozenset({"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64"})
+"""Safetensors integer dtypes: a ``.weight`` in one is a quantized weight (int8, bitsandbytes,
+packed 4-bit), never one to convert; exported as it came it would sit under an FP8 config."""
 
 _QUANTIZED_NAMES = (_SCALE_SUFFIX, ".weight_scale", ".input_scale", ".qweight", ".weight_packed")
 """Tensor name endings of a quantized checkpoint (FP8's, ModelOpt's, AWQ / GPTQ, compressed-tensors)."""
@@ -195,6 +202,14 @@ def _refuse_quantized(
     else:
         named = ((n, st.st_dtype_name(t.dtype) or str(t.dtype)) for n, t in source.items())
     for name, dtype in named:
+        if dtype in _INTEGER_DTYPES and name.endswith(".weight"):
+            raise FP8ConfigError(
+                f"the checkpoint is already quantized: tensor {format_value(name)} is {dtype}, "
+                f"an integer weight",
+                key="source",
+                value=name,
+                hint="export the unquantized (BF16, FP16 or FP32) checkpoint",
+            )
         if dtype in _QUANTIZED_DTYPES or name.endswith(_QUANTIZED_NAMES):
             raise FP8ConfigError(
                 f"the checkpoint is already quantized: tensor {format_value(name)} is "
@@ -252,7 +267,7 @@ def _check_out_dir(out: Path, source_dir: Path | None, overwrite: bool) -> None:
                 key="out_dir",
                 value=str(out),
             )
-    check_output_dir(out, "out_dir")  # the parent exists or can be made, and is writable
+    check_output_dir(out, "out_dir")  # the parent exists and is writable
 
 
 # --------------------------------------------------------------------------- the export
@@ -364,7 +379,6 @@ def export_fp8_checkpoint(
     )
     out = Path(out_dir)
     _check_out_dir(out, source_dir, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
     _check_flag("progress", progress, none_ok=True)
     with interruptible(), _locked(out):
         _check_out_dir(out, source_dir, overwrite)  # again: another export may have finished

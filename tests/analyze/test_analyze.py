@@ -360,6 +360,26 @@ def test_odd_tensors_are_skipped_or_handled(tmp_path):
     assert rows["model.layers.0.double"]["dtype"] == "F64"
 
 
+def test_names_are_printed_with_control_characters_escaped(tmp_path):
+    """The checkpoint's folder name and its tensor names reach the terminal escaped
+    (``checkpoint: c^[k`` was printed raw, and so were tensor names)."""
+    ck = tmp_path / "c\x1bk"
+    ck.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    safetensors_torch.save_file(
+        {
+            "model.layers.0.mlp.up\x1b[2Jproj.weight": torch.randn(128, 128, generator=gen),
+            "model.norm\x1b]0;x\x07.weight": torch.ones(4),
+        },
+        str(ck / "model.safetensors"),
+    )
+    (ck / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1}))
+    text = render_text(analyze_checkpoint(ck, recipes=["fp8_blockwise"], progress=False))
+    assert "\x1b" not in text and "\x07" not in text, text
+    assert "checkpoint: " + str(ck).replace("\x1b", "\\x1b") in text
+    assert "model.layers.0.mlp.up\\x1b[2Jproj" in text and "model.norm\\x1b]0;x\\x07" in text
+
+
 def test_broken_inputs_give_one_line_errors(tmp_path):
     garbage = tmp_path / "junk.safetensors"
     garbage.write_bytes(b"\x00\x01not a safetensors file at all" * 10)

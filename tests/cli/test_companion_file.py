@@ -158,6 +158,7 @@ def test_nothing_is_written_beside_a_device(tmp_path, src):
 
 def test_the_output_names_the_file_it_is_written_with(tmp_path, src, capsys):
     out = tmp_path / "o" / "out.yaml"
+    out.parent.mkdir()
     rc, err = _apply(capsys, src, out)
     assert rc == 0
     side = precision_file_path(out)

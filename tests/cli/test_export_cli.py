@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from nemo_fp8_plugin.cli import main
+from nemo_fp8_plugin.errors import FP8ConfigError
 
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
 
@@ -168,3 +169,46 @@ def test_an_output_name_with_a_non_utf8_byte_is_written_and_shown_escaped(tmp_pa
     assert proc.stdout.startswith("wrote ") and "out\\udcff" in proc.stdout
     assert (out / "model.safetensors").exists()
     assert sorted(os.listdir(os.fsencode(tmp_path))) == [b"out\xff", b"src"]
+
+
+@pytest.mark.parametrize("how", ["directory", "too large", "a list"])
+def test_the_checkpoints_own_config_json_is_blamed_on_the_checkpoint(tmp_path, capsys, how):
+    """``export ck`` with a bad ck/config.json named --model-config, a flag never passed (and
+    a directory there was looked up as config.json/config.json)."""
+    src = _source(tmp_path)
+    config = src / "config.json"
+    config.unlink()
+    if how == "directory":
+        config.mkdir()
+    elif how == "too large":
+        from nemo_fp8_plugin.errors import LIMITS
+
+        with open(config, "wb") as fh:
+            fh.truncate(LIMITS.config_bytes + 1)
+    else:
+        config.write_text("[1, 2]")
+    err = _refused(capsys, ["export", str(src), "-o", str(tmp_path / "out")], "CHECKPOINT")
+    assert "--model-config" not in err.split(" (")[0] and "config.json/config.json" not in err
+    if how != "a list":
+        assert str(config) in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32])
+def test_an_integer_linear_weight_is_refused_naming_it(tmp_path, capsys, dtype):
+    """An int8 linear weight and no quantization_config exited 0 ("0 weights in FP8, 1
+    tensors as they came") and wrote an FP8 config.json over the integer tensor."""
+    from nemo_fp8_plugin.rl import export_fp8_checkpoint
+
+    src = _source(tmp_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors = {
+        "model.layers.0.mlp.up_proj.weight": torch.ones(128, 128, dtype=torch.bfloat16),
+        name: torch.ones(128, 128, dtype=dtype),
+    }
+    save_file(tensors, str(src / "model.safetensors"))
+    err = _refused(capsys, ["export", str(src), "-o", str(tmp_path / "out")], "CHECKPOINT", name)
+    assert "integer weight" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    with pytest.raises(FP8ConfigError, match=name):  # a state dict: the same
+        export_fp8_checkpoint(tensors, tmp_path / "out", config=CONFIG)

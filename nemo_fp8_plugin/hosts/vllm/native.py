@@ -84,10 +84,19 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
             unmatched=(f"{hkey}.quantization_config.scheme: {scaling!r}: not a kind of ours",),
         )
     read.append((f"{hkey}.quantization_config.scheme", scaling))
-    return match_recipe("vllm", scaling, _fields(qcfg, kv_fp8), read=read, unmatched=[])
+    return match_recipe("vllm", scaling, _fields(qcfg, kv_fp8, hkey), read=read, unmatched=[])
 
 
-def _fields(qcfg: Mapping[str, Any], kv_fp8: bool) -> dict[str, Any]:
+def _layer_count(qcfg: Mapping[str, Any], name: str, hkey: str) -> int:
+    """``num_first/last_layers_in_bf16`` read back: absent is 0; anything but a whole
+    number of layers (``abc``, ``.inf``, ``[1]``) is refused naming the key."""
+    from ..native import layer_count
+
+    value = qcfg.get(name)
+    return 0 if value is None else layer_count(value, f"{hkey}.quantization_config.{name}")
+
+
+def _fields(qcfg: Mapping[str, Any], kv_fp8: bool, hkey: str) -> dict[str, Any]:
     fields: dict[str, Any] = {"generation": "fp8", "kv_cache": "fp8" if kv_fp8 else "auto"}
     # vLLM sees the forward format only, E4M3 for e4m3 and hybrid alike
     if qcfg.get("fmt") not in (None, "e4m3"):
@@ -102,8 +111,7 @@ def _fields(qcfg: Mapping[str, Any], kv_fp8: bool) -> dict[str, Any]:
         if qcfg.get(theirs) is not None:
             fields[ours] = qcfg[theirs]
     rules: dict[str, Any] = {
-        "first": int(qcfg.get("num_first_layers_in_bf16") or 0),
-        "last": int(qcfg.get("num_last_layers_in_bf16") or 0),
+        side: _layer_count(qcfg, f"num_{side}_layers_in_bf16", hkey) for side in ("first", "last")
     }
     ignored = qcfg.get("ignored_layers") or []
     if isinstance(ignored, (list, tuple)) and ignored:

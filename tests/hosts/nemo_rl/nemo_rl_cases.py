@@ -122,6 +122,7 @@ writes and why."""
 
 def check_against_twin(tmp_path: Path, src: Path, bf16_name: str, twin_name: str):
     out = tmp_path / "written" / "fp8.yaml"  # another directory: `defaults:` must be re-pointed
+    out.parent.mkdir(exist_ok=True)  # an output's folder must exist
     assert run_cli("apply", str(src), "--host", "nemo-rl", "-o", str(out)) == 0
     ours, twin, bf16 = (
         flatten(resolved(p)) for p in (out, CONFIGS / twin_name, CONFIGS / bf16_name)

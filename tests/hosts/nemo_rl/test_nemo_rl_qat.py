@@ -71,6 +71,7 @@ def _without_quant_keys(data: dict) -> dict:
 def _apply(tmp_path: Path, data: dict, *extra: str) -> int:
     src, out = tmp_path / "in.yaml", tmp_path / "out" / "qat.yaml"
     src.write_text(yaml.safe_dump(data, sort_keys=False))
+    out.parent.mkdir(exist_ok=True)  # an output's folder must exist
     return cli_main(["apply", str(src), "--host", "nemo-rl", "-o", str(out), *extra])
 
 
