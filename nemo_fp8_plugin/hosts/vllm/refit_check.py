@@ -201,7 +201,8 @@ def engine_weights(
     FP8 layers give their codes and ``scale_inv`` (fp32 per tile, or E8M0); the layers the
     recipe keeps in high precision their weight and None. Names are the checkpoint's, with
     routed experts as :func:`canonical_name` spells them. ``layers``: only these decoder
-    layers. A layer sharded by tensor or expert parallelism raises ValueError.
+    layers. A layer sharded by tensor or expert parallelism, or a linear layer of another
+    quantization method (vLLM's own ``fp8``, as NeMo RL's engines run), raises ValueError.
     """
     for name, data, scale, _ in _entries(model, layers):
         yield name, data, scale
@@ -209,7 +210,7 @@ def engine_weights(
 
 def _entries(model: torch.nn.Module, layers: Iterable[int] | None) -> Iterator[_Entry]:
     """:func:`engine_weights` with each weight's quantizer (the method's; None for BF16)."""
-    from vllm.model_executor.layers.linear import LinearMethodBase
+    from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 
     from .linear import NemoFp8LinearMethod
     from .moe import NemoFp8MoEMethod
@@ -224,10 +225,19 @@ def _entries(model: torch.nn.Module, layers: Iterable[int] | None) -> Iterator[_
             yield from _experts(prefix, module, method)
         elif isinstance(method, NemoFp8LinearMethod):
             yield from _linear(prefix, module, packed, fp8=True)
-        elif isinstance(method, LinearMethodBase) and isinstance(
-            getattr(module, "weight", None), torch.Tensor
-        ):
-            yield from _linear(prefix, module, packed, fp8=False)
+        elif isinstance(method, UnquantizedLinearMethod):
+            if isinstance(getattr(module, "weight", None), torch.Tensor):  # CPU may pack it away
+                yield from _linear(prefix, module, packed, fp8=False)
+        elif isinstance(method, LinearMethodBase):
+            # another quantization method's layer (a NeMo RL engine runs vLLM's own fp8
+            # method): its kernels re-lay weights and scales after loading, kernel by kernel,
+            # so its parameters are not the checkpoint's tensors; refused, not misread
+            raise ValueError(
+                f"nemo_fp8 refit verification: {prefix} runs {type(method).__name__}, not "
+                f"the nemo_fp8 method; what the engine holds is read back from nemo_fp8 "
+                f"engines only: verify an exported checkpoint, or the FP8 tensors the "
+                f"engine was sent, saved in the export layout (docs/hosts/vllm.md)"
+            )
 
 
 # --------------------------------------------------------------------------- after a refit

