@@ -315,13 +315,14 @@ class RefitCheck:
         self.seconds += time.perf_counter() - start
         for name, tensor in named_tensors:
             if (i := layer_index(name)) is not None and i in wanted:
-                self._sent_layers.add(i)
                 stack_of = _STACK.match(name)
                 parts = expert_stack(
                     name,
                     tensor,
                     transposed=stack_of is not None and transposed.get(stack_of.group(1), False),
                 )
+                if parts is not None or name.endswith("weight"):
+                    self._sent_layers.add(i)  # a weight of it: KV scales alone do not count
                 self._kept.update(parts or [(canonical_name(name), tensor)])
             yield name, tensor
 

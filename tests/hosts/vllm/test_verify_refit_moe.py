@@ -155,6 +155,11 @@ def test_an_fp8_weight_of_a_sent_layer_without_payload_fails(mixtral_layer):
     assert bad == [f"{STEM}.{e}.w2.weight" for e in range(4)]
     assert {c.status for c in err.value.checks if not c.ok} == {"missing"}
 
+    # a refit of the layer's KV scales alone sends none of its weights: nothing to check
+    check = RefitCheck(None, refit=5)
+    list(check.watch(model, [("model.layers.0.self_attn.attn.k_scale", torch.tensor(0.5))]))
+    assert check.verify(model) == []
+
 
 def test_verify_refit_cuts_the_trainers_stacks_per_expert(mixtral_layer):
     """``verify_refit`` on the engine's model against trainer weights given as whole stacks:
