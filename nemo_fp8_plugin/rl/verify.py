@@ -332,6 +332,26 @@ def _compare(
     return compare_quantized(name, held, scale, want, want_scale, block)
 
 
+def _stack_parts(
+    name: str, stack: torch.Tensor, engine: _Engine
+) -> list[tuple[str, torch.Tensor]] | None:
+    """A whole 3-D expert stack of the trainer's cut into each expert's weights as the
+    engine holds them (``experts.<e>.w1`` / ``w3`` / ``w2``; vLLM's loader cuts it so), or
+    None for any other tensor. The stack is taken transposed when only that layout gives the
+    shape the engine holds."""
+    from ..hosts.vllm.refit_check import expert_stack
+
+    parts = expert_stack(name, stack)
+    if parts is None:
+        return None
+    held = engine.get(parts[0][0])
+    if held is not None and held.shape != parts[0][1].shape:
+        flipped = expert_stack(name, stack, transposed=True)
+        if flipped is not None and flipped[0][1].shape == held.shape:
+            return flipped
+    return parts
+
+
 def verify_refit(
     engine: Any,
     trainer: Any,
@@ -397,18 +417,21 @@ def verify_refit(
                 value=name,
                 hint="pass the trainer's BF16/FP32 weights (a Hugging Face checkpoint)",
             )
-        linear = default_is_linear_weight(name, tensor)
+        key = canonical_name(name)
+        parts = None if key in held.names else _stack_parts(name, tensor, held)
+        linear = parts is not None or default_is_linear_weight(name, tensor)
         fp8 = (
             spec.generation == "fp8"
             and linear
             and keeps_bf16(spec, name, side="generation", num_layers=num_layers) is None
         )
-        key = canonical_name(name)
         if not linear and key not in held.names:
             continue  # not a refit's weight, and the engine's record does not carry it
-        seen.update((key, key + _SCALE))
-        checks.append(_compare(name, tensor, held, spec, numerics, fp8))
-        del tensor
+        for part_name, part in parts or [(name, tensor)]:
+            part_key = canonical_name(part_name)
+            seen.update((part_key, part_key + _SCALE))
+            checks.append(_compare(part_name, part, held, spec, numerics, fp8))
+        del tensor, parts
     for name in held.names:
         if name not in seen and not name.endswith(_SCALE) and held.get(name + _SCALE) is not None:
             checks.append(missing_weight(name, "fp8", "the trainer has no weight of this name"))

@@ -560,10 +560,9 @@ class NeMoRLAdapter(HostAdapter):
         _refuse_at_startup(ctx, result.data)
         # module rules reach training through the TE precision file where NeMo RL has its key
         result = nemo_rl_precision_file(ctx, result)
-        if ctx.spec.qat is None:
-            from .preflight import preflight
+        from .preflight import preflight
 
-            preflight(ctx, result, _final(ctx, result.data))
+        preflight(ctx, result, _final(ctx, result.data))
         return result
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:

@@ -186,8 +186,12 @@ def qat_stack_refusal(version: str | None, *, real_quant: bool) -> str | None:
 def real_quant_ignore(rules: BF16Rules, num_layers: int | None = None) -> list[str]:
     """``rules`` as NeMo RL's ``real_quant_ignore`` globs (ModelOpt ``exclude_modules``).
 
-    ``modules`` patterns pass as written (fnmatch globs both sides read the same way:
-    ``fnmatchcase`` in NeMo RL's ``matches_quant_ignore_pattern``); ``first`` / ``last``
+    ``modules`` globs pass as written (fnmatch globs both sides read the same way:
+    ``fnmatchcase`` in NeMo RL's ``matches_quant_ignore_pattern``, ``fnmatch`` in vLLM's
+    ``ModelOptQuantConfigBase.is_layer_excluded``); a name without wildcards gets its first
+    character as a one-character class (``mlp.gate`` -> ``[m]lp.gate``), which fnmatch reads
+    as that same name, because vLLM would otherwise also match it as a **substring** of every
+    module name containing it (``mlp.gate`` excluding ``mlp.gate_up_proj``); ``first`` / ``last``
     become ``*.layers.N.*`` per layer, which needs ``num_layers`` for ``last``. Rules for
     training only cannot be expressed (ModelOpt's training exclusions live in the
     ``quant_cfg`` file) and are refused.
@@ -211,7 +215,16 @@ def real_quant_ignore(rules: BF16Rules, num_layers: int | None = None) -> list[s
     layers = list(range(rules.first))
     if rules.last and num_layers is not None:
         layers += [i for i in range(num_layers - rules.last, num_layers) if i not in layers]
-    return list(rules.modules) + [f"*.layers.{i}.*" for i in layers]
+    return [_exact_entry(p) for p in rules.modules] + [f"*.layers.{i}.*" for i in layers]
+
+
+def _exact_entry(pattern: str) -> str:
+    """``pattern`` as an ``exclude_modules`` entry vLLM's ModelOpt matching reads as the rule
+    does: a glob as written (no module name holds ``*?[``, so no substring fallback hits it),
+    a plain name with its first character as a class, which only the glob step matches."""
+    if any(c in pattern for c in "*?[") or not (pattern[:1].isalnum() or pattern[:1] == "_"):
+        return pattern
+    return f"[{pattern[0]}]{pattern[1:]}"
 
 
 def modelopt_qat_keys(

@@ -116,6 +116,10 @@ def preflight(ctx: HostContext, result: ApplyResult, final: Mapping[str, Any]) -
         return
     vllm_cfg = generation.get("vllm_cfg")
     vllm_cfg = vllm_cfg if isinstance(vllm_cfg, Mapping) else {}
+    if spec.qat is not None:  # ModelOpt QAT: of these, only its real-quant ignore list applies
+        if _real_quant_rules(spec) and isinstance(generation.get("real_quant_ignore"), list):
+            _ignore_list(ctx, result, vllm_cfg, real_quant=generation["real_quant_ignore"])
+        return
     if _generation_fp8(spec) and generation.get("backend", "vllm") == "vllm":
         # judged without the config's variables, so ``needed`` names all the grid needs (in the
         # config where the release reads them there, else for the environment)
@@ -138,9 +142,21 @@ def preflight(ctx: HostContext, result: ApplyResult, final: Mapping[str, Any]) -
         _kv_cache(ctx, result, final)
 
 
-def _ignore_list(ctx: HostContext, result: ApplyResult, vllm_cfg: Mapping[str, Any]) -> None:
-    """The modules vLLM really leaves in BF16 for the list NeMo RL builds from ``vllm_cfg``,
-    beside what the rules meant: a warning for each kind of difference, naming the modules."""
+def _real_quant_rules(spec: RecipeSpec) -> bool:
+    """A ModelOpt QAT real-quant rollout whose ``real_quant_ignore`` the BF16 rules wrote."""
+    return spec.qat is not None and spec.qat.rollout == "real_quant" and not spec.bf16_layers.empty
+
+
+def _ignore_list(
+    ctx: HostContext,
+    result: ApplyResult,
+    vllm_cfg: Mapping[str, Any],
+    real_quant: list[str] | None = None,
+) -> None:
+    """The modules vLLM really leaves in BF16 for the list NeMo RL builds from ``vllm_cfg``
+    (or, given ``real_quant``, the QAT rollout's ``real_quant_ignore``, which NeMo RL hands
+    ModelOpt as ``exclude_modules``: ``modelopt/utils.py`` ~79-108 at main 7ea279a), beside
+    what the rules meant: a warning for each kind of difference, naming the modules."""
     from ...capabilities import capability
     from ..vllm.ignore import ignore_list_report
     from .ignored_layers import nemo_rl_ignored_layers
@@ -153,9 +169,13 @@ def _ignore_list(ctx: HostContext, result: ApplyResult, vllm_cfg: Mapping[str, A
         return
     # block FP8: vLLM's fp8 method (ignored_layers); MXFP8 (main): ModelOpt's, which NeMo RL
     # hands the same list as "ignore" (fp8.py ~302), matched with its substring fallback
-    method = "modelopt" if capability(spec.scaling).is_mx else "fp8"
-    entries = nemo_rl_ignored_layers(model, vllm_cfg, release)
-    records = ignore_list_report(spec, model, entries, release=vllm, method=method)
+    method = "modelopt" if capability(spec.scaling).is_mx or real_quant is not None else "fp8"
+    if real_quant is None:
+        entries = nemo_rl_ignored_layers(model, vllm_cfg, release)
+        records = ignore_list_report(spec, model, entries, release=vllm, method=method)
+    else:  # QAT: the recipe's generation side is not FP8, so the rules alone say what is meant
+        entries = real_quant
+        records = ignore_list_report(spec.bf16_layers, model, entries, release=vllm, method=method)
     differ = [r for r in records if r.status != "agrees"]
     result.checks["ignore_list"] = {
         "vllm": vllm,
@@ -172,11 +192,12 @@ def _ignore_list(ctx: HostContext, result: ApplyResult, vllm_cfg: Mapping[str, A
         )
         first = found[0]
         how = f" ({first.how}: {first.entry})" if first.entry else ""
-        if any(r.module == "lm_head" for r in found) and status == "missing":
+        if any(r.module == "lm_head" for r in found) and status == "missing" and real_quant is None:
             how += "; NeMo RL builds the list from the base model's names, without the output head"
-        result.warnings.append(
-            Message(f"{what.format(n=len(found), vllm=vllm)}: {shown}{how}", "nemo-rl")
-        )
+        said = what.format(n=len(found), vllm=vllm)
+        if real_quant is not None:
+            said = said.replace("the ignore list NeMo RL builds", f"{_GEN}.real_quant_ignore")
+        result.warnings.append(Message(f"{said}: {shown}{how}", "nemo-rl"))
 
 
 _DIFFERENCES = {

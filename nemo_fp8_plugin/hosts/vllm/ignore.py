@@ -59,7 +59,7 @@ from ...errors import FP8ConfigError, format_value
 
 if TYPE_CHECKING:
     from ...rules import ModelDescription
-    from ...spec import RecipeSpec
+    from ...spec import BF16Rules, RecipeSpec
 
 __all__ = [
     "FUSED_NAME_FIRST",
@@ -442,7 +442,7 @@ class IgnoreRecord:
 
 
 def ignore_list_report(
-    spec: RecipeSpec,
+    spec: RecipeSpec | BF16Rules,
     model: ModelDescription,
     entries: Iterable[str],
     *,
@@ -450,7 +450,8 @@ def ignore_list_report(
     method: str = "fp8",
 ) -> list[IgnoreRecord]:
     """Every vLLM module of ``model`` with what ``spec``'s generation-side rules meant and
-    what ``release`` makes of ``entries`` (:func:`vllm_exclusions`); the records whose
+    what ``release`` makes of ``entries`` (:func:`vllm_exclusions`; ``spec`` a bare rule set:
+    what those rules mean whatever the recipe's generation side); the records whose
     ``status`` is not ``agrees`` are the differences to show. For an untested release every
     record's ``note`` says so.
 

@@ -15,7 +15,11 @@ the worker keeps the payload tensors of a few sampled decoder layers as they str
 and once ``load_weights`` and the post-refit step are done, compares what those layers hold
 with the payload: an FP8 payload bit for bit, a high-precision one quantized by the layer's
 own quantizer (the method's numerics, those it quantizes on arrival with), also bit for bit:
-a tile ``within_ulp`` of the payload fails here. A layer that differs raises :class:`RefitMismatch` naming the weight and its worst tile. Its cost:
+a tile ``within_ulp`` of the payload fails here. Whole 3-D expert stacks are cut per expert
+as vLLM's loader cuts them (:func:`expert_stack`). A layer that differs raises
+:class:`RefitMismatch` naming the weight and its worst tile, and so does an FP8 weight of a
+sampled layer the refit sent but with no tensor the check can match to it (one call of
+:func:`~.worker.load_refit_payload` must then carry the layer whole). Its cost:
 ``docs/performance.md``.
 
 Tensor and expert parallelism are not covered: a sharded layer is refused by name.
@@ -44,6 +48,7 @@ __all__ = [
     "RefitMismatch",
     "canonical_name",
     "engine_weights",
+    "expert_stack",
     "refit_check_from_env",
 ]
 
@@ -55,6 +60,11 @@ layers after each refit (a different sample each time, so every layer is checked
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT = re.compile(r"(\.experts\.\d+\.)(gate_proj|up_proj|down_proj)(\.)")
 _EXPERT_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# a whole expert stack, [E, 2I, H] gate then up (vLLM's fused names for checkpoints that name
+# experts gate/up/down or w1/w3/w2) or [E, H, I] down: RoutedExperts.load_weights in vLLM
+_STACK = re.compile(r"^(.*\.experts)\.(gate_up_proj|w13|down_proj|w2)(\.weight)?(_scale_inv)?$")
+_STACK_SHARDS = {"gate_up_proj": ("w1", "w3"), "w13": ("w1", "w3"), "down_proj": ("w2",)}
+_STACK_SHARDS["w2"] = _STACK_SHARDS["down_proj"]
 
 _Entry = tuple[str, torch.Tensor, "torch.Tensor | None", "_Quantizer | None"]
 """(weight name, data, scale_inv or None, the method's quantizer or None for BF16)."""
@@ -71,6 +81,43 @@ def canonical_name(name: str) -> str:
     ``gate_proj`` / ``up_proj`` / ``down_proj`` become vLLM's ``w1`` / ``w3`` / ``w2`` (as
     vLLM's own ``hf_to_vllm_mapper`` for Mixtral maps them); everything else as it is."""
     return _EXPERT.sub(lambda m: m.group(1) + _EXPERT_SHARD[m.group(2)] + m.group(3), name)
+
+
+def expert_stack(
+    name: str, tensor: torch.Tensor, *, transposed: bool = False
+) -> list[tuple[str, torch.Tensor]] | None:
+    """A whole 3-D expert stack cut into each expert's weights as :func:`engine_weights`
+    names them, or None for any other tensor.
+
+    ``...experts.gate_up_proj`` (or ``experts.w13``) ``[E, 2I, H]`` gives each expert's ``w1``
+    (the first half of its rows: gate) and ``w3`` (up), ``...experts.down_proj`` (or
+    ``experts.w2``) ``[E, H, I]`` each expert's ``w2``: the cut vLLM's
+    ``RoutedExperts.load_weights`` makes of a fused stack (``chunk(2, dim=1)``).
+    ``transposed``: the stack comes ``[E, H, 2I]`` / ``[E, I, H]``, as models that set vLLM's
+    ``is_fused_checkpoint_transposed`` send it. A ``_scale_inv`` stack (block scales, laid
+    out as the weight's tiles) is cut the same way.
+    """
+    match = _STACK.match(name)
+    if match is None or tensor.dim() != 3:
+        return None
+    experts, proj, _, scale = match.groups()
+    if transposed:
+        tensor = tensor.transpose(-1, -2)
+    shards = _STACK_SHARDS[proj]
+    parts = tensor.chunk(len(shards), dim=1) if len(shards) > 1 else (tensor,)
+    suffix = ".weight" + (scale or "")
+    return [
+        (f"{experts}.{e}.{shard}{suffix}", part[e].contiguous() if transposed else part[e])
+        for shard, part in zip(shards, parts)
+        for e in range(tensor.shape[0])
+    ]
+
+
+def _experts_name(prefix: str) -> str:
+    """The checkpoint's name of a fused-MoE layer: vLLM 0.25.1 and the newer releases read keep the experts'
+    parameters in a ``routed_experts`` child of the ``experts`` module (its ``MoERunner``),
+    under names the checkpoint does not have (``experts.routed_experts.w13_weight``)."""
+    return prefix.removesuffix(".routed_experts")
 
 
 class RefitMismatch(RuntimeError):
@@ -138,6 +185,7 @@ def _experts(prefix: str, module: RoutedExperts, method: NemoFp8MoEMethod) -> It
     s13, s2 = module.w13_weight_scale_inv.detach(), module.w2_weight_scale_inv.detach()
     inter, srows = w13.shape[1] // 2, s13.shape[1] // 2
     q = method.quantizer
+    prefix = _experts_name(prefix)
     for e in range(w13.shape[0]):
         yield f"{prefix}.{e}.w1.weight", w13[e, :inter], s13[e, :srows], q
         yield f"{prefix}.{e}.w3.weight", w13[e, inter:], s13[e, srows:], q
@@ -153,7 +201,8 @@ def engine_weights(
     FP8 layers give their codes and ``scale_inv`` (fp32 per tile, or E8M0); the layers the
     recipe keeps in high precision their weight and None. Names are the checkpoint's, with
     routed experts as :func:`canonical_name` spells them. ``layers``: only these decoder
-    layers. A layer sharded by tensor or expert parallelism raises ValueError.
+    layers. A layer sharded by tensor or expert parallelism, or a linear layer of another
+    quantization method (vLLM's own ``fp8``, as NeMo RL's engines run), raises ValueError.
     """
     for name, data, scale, _ in _entries(model, layers):
         yield name, data, scale
@@ -161,7 +210,7 @@ def engine_weights(
 
 def _entries(model: torch.nn.Module, layers: Iterable[int] | None) -> Iterator[_Entry]:
     """:func:`engine_weights` with each weight's quantizer (the method's; None for BF16)."""
-    from vllm.model_executor.layers.linear import LinearMethodBase
+    from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 
     from .linear import NemoFp8LinearMethod
     from .moe import NemoFp8MoEMethod
@@ -176,10 +225,19 @@ def _entries(model: torch.nn.Module, layers: Iterable[int] | None) -> Iterator[_
             yield from _experts(prefix, module, method)
         elif isinstance(method, NemoFp8LinearMethod):
             yield from _linear(prefix, module, packed, fp8=True)
-        elif isinstance(method, LinearMethodBase) and isinstance(
-            getattr(module, "weight", None), torch.Tensor
-        ):
-            yield from _linear(prefix, module, packed, fp8=False)
+        elif isinstance(method, UnquantizedLinearMethod):
+            if isinstance(getattr(module, "weight", None), torch.Tensor):  # CPU may pack it away
+                yield from _linear(prefix, module, packed, fp8=False)
+        elif isinstance(method, LinearMethodBase):
+            # another quantization method's layer (a NeMo RL engine runs vLLM's own fp8
+            # method): its kernels re-lay weights and scales after loading, kernel by kernel,
+            # so its parameters are not the checkpoint's tensors; refused, not misread
+            raise ValueError(
+                f"nemo_fp8 refit verification: {prefix} runs {type(method).__name__}, not "
+                f"the nemo_fp8 method; what the engine holds is read back from nemo_fp8 "
+                f"engines only: verify an exported checkpoint, or the FP8 tensors the "
+                f"engine was sent, saved in the export layout (docs/hosts/vllm.md)"
+            )
 
 
 # --------------------------------------------------------------------------- after a refit
@@ -219,6 +277,7 @@ class RefitCheck:
         self.refit = refit
         self.sampled: list[int] = []
         self._kept: dict[str, torch.Tensor] = {}
+        self._sent_layers: set[int] = set()
         self.seconds = 0.0
         """Time spent choosing, keeping and comparing (the check's whole cost)."""
 
@@ -243,14 +302,28 @@ class RefitCheck:
         self, model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Pass the payload through, keeping (a reference to) each tensor of the sampled
-        layers; every other tensor streams on untouched."""
+        layers, a whole expert stack as each expert's weights (:func:`expert_stack`); every
+        other tensor streams on untouched."""
         start = time.perf_counter()
         self.sampled = self._sample(model)
         wanted = set(self.sampled)
+        transposed = {
+            _experts_name(prefix): bool(getattr(module, "is_fused_checkpoint_transposed", False))
+            for prefix, module in model.named_modules()
+            if hasattr(module, "w13_weight") and layer_index(prefix) in wanted
+        }
         self.seconds += time.perf_counter() - start
         for name, tensor in named_tensors:
-            if layer_index(name) in wanted:
-                self._kept[canonical_name(name)] = tensor
+            if (i := layer_index(name)) is not None and i in wanted:
+                stack_of = _STACK.match(name)
+                parts = expert_stack(
+                    name,
+                    tensor,
+                    transposed=stack_of is not None and transposed.get(stack_of.group(1), False),
+                )
+                if parts is not None or name.endswith("weight"):
+                    self._sent_layers.add(i)  # a weight of it: KV scales alone do not count
+                self._kept.update(parts or [(canonical_name(name), tensor)])
             yield name, tensor
 
     def verify(self, model: torch.nn.Module) -> list:
@@ -268,7 +341,15 @@ class RefitCheck:
         for name, data, scale, quantizer in _entries(model, self.sampled):
             sent = self._kept.get(name)
             if sent is None:
-                continue  # not in this refit's payload (a partial refit)
+                if scale is not None and layer_index(name) in self._sent_layers:
+                    # the refit sent this layer, but nothing the check can match to this
+                    # weight: a name it does not know would leave the weight unchecked
+                    checks.append(
+                        missing_weight(
+                            name, "fp8", "the refit sent its layer but no tensor of this name"
+                        )
+                    )
+                continue  # a layer this refit did not send (a partial refit)
             if scale is None:
                 checks.append(compare_high_precision(name, data, sent))
                 continue
@@ -287,6 +368,7 @@ class RefitCheck:
                 compare_quantized(name, data, scale, want, want_scale, quantizer.weight_block)
             )
         self._kept.clear()
+        self._sent_layers.clear()
         self.seconds += time.perf_counter() - start
         # exact: the engine holds what this refit sent, or what its own quantizer made of it,
         # so any difference, a within-ulp one too, is a loading fault

@@ -71,13 +71,19 @@ def test_real_quant_recipe_ignore_list_comes_from_the_bf16_rules():
     rules = BF16Rules(modules=tuple(shipped["real_quant_ignore"]))
     keys = modelopt_qat_keys("nano3-w4a16", rules, real_quant=True)
     assert keys["policy.generation.real_quant"] is shipped["real_quant"] is True
-    assert keys["policy.generation.real_quant_ignore"] == shipped["real_quant_ignore"]
+    # NVIDIA's globs as written; its one plain name as a one-character class, which vLLM's
+    # ModelOpt matching reads as that name alone (a plain entry also matches as a substring)
+    assert shipped["real_quant_ignore"][0] == "lm_head"
+    assert keys["policy.generation.real_quant_ignore"] == [
+        "[l]m_head",
+        *shipped["real_quant_ignore"][1:],
+    ]
 
 
 def test_first_and_last_layers_become_layer_globs():
     rules = BF16Rules(first=1, last=2, modules=("lm_head",))
     assert real_quant_ignore(rules, num_layers=52) == [
-        "lm_head",
+        "[l]m_head",
         "*.layers.0.*",
         "*.layers.50.*",
         "*.layers.51.*",

@@ -323,6 +323,39 @@ def test_explain_shows_what_vllm_leaves_in_bf16_for_mlp_gate_on_a_qwen3_moe_mode
     assert warning.split(": ")[-1].startswith("lm_head")
 
 
+def test_explain_judges_the_qat_real_quant_ignore_list_as_modelopt_matches_it(tmp_path, qwen3_moe):
+    """ModelOpt QAT with a real-quant rollout: the rule ``mlp.gate`` (a module of that exact
+    name) is written so that vLLM's ModelOpt matching reads it exactly, not as a substring
+    that also excludes the dense layers' ``mlp.gate_up_proj``; explain judges the written
+    ``real_quant_ignore`` and warns that the routers, which the rule does not name, are
+    quantized. With ``*mlp.gate`` the routers are reached, and only ``lm_head`` is left."""
+    parent = shared_nemo_rl(f"{RELEASE_CONFIGS[MAIN]}examples/modelopt/qa_grpo_nano3_megatron.yaml")
+    qat = {"recipe": "nvfp4", "qat": {"preset": "nano3-w4a16", "rollout": "real_quant"}}
+
+    def explain(modules):
+        path = tmp_path / "child.yaml"
+        fp8 = {**qat, "bf16_layers": {"modules": modules}}
+        path.write_text(yaml.safe_dump({"defaults": str(parent), "fp8": fp8}))
+        report = build_report(path, stack=STACK[MAIN], model_config=qwen3_moe)
+        return report["hosts"]["nemo-rl"]
+
+    section = explain(["mlp.gate"])
+    assert section["keys"]["policy"]["generation"]["real_quant_ignore"] == ["[m]lp.gate"]
+    check = section["checks"]["ignore_list"]
+    assert check["method"] == "modelopt" and check["entries"] == 1
+    assert {d["status"] for d in check["differ"]} == {"missing"}  # no gate_up_proj excluded
+    assert {d["module"] for d in check["differ"]} == {
+        *(f"model.layers.{i}.mlp.gate" for i in range(1, 12) if i != 10),
+        "lm_head",
+    }
+    (warning,) = section["warnings"]
+    assert "vLLM 0.25.1 quantizes 11 module(s)" in warning and "real_quant_ignore" in warning
+
+    section = explain(["*mlp.gate"])
+    assert section["keys"]["policy"]["generation"]["real_quant_ignore"] == ["*mlp.gate"]
+    assert [d["module"] for d in section["checks"]["ignore_list"]["differ"]] == ["lm_head"]
+
+
 # --------------------------------------------------------------------------- KV cache
 
 

@@ -44,6 +44,7 @@ def vllm_env(tmp_path_factory):
     """vLLM's config context (a tiny Mixtral, bf16: an MoE model, so vLLM also creates its
     expert-parallel group) and a one-rank gloo process group, as a worker has them; torn
     down after the module."""
+    import gc
     import tempfile
 
     import torch
@@ -63,6 +64,9 @@ def vllm_env(tmp_path_factory):
         enforce_eager=True,
         skip_tokenizer_init=True,
     ).create_engine_config()
+    # an engine an earlier module started shuts down (and takes vLLM's process groups with
+    # it) when collected: collected here, not in the middle of this module's tests
+    gc.collect()
     started = not torch.distributed.is_initialized()
     with set_current_vllm_config(vcfg):
         if started:
@@ -73,6 +77,10 @@ def vllm_env(tmp_path_factory):
                 backend="gloo",
                 distributed_init_method=f"file://{tempfile.mktemp()}",
             )
+        elif ps.model_parallel_is_initialized() and ps._EP is None:
+            # a dense engine started earlier in this process left groups without the
+            # expert-parallel one, which vLLM creates only under an MoE model's config
+            ps.destroy_model_parallel()
         ps.ensure_model_parallel_initialized(1, 1)
     yield vcfg
     if started:

@@ -175,3 +175,19 @@ def test_the_cited_lines_of_0_32_say_what_they_are_cited_for():
     assert vllm.__version__.startswith("0.32.0")
     root = Path(vllm.__file__).parent.parent
     check_cited_lines("0.32.0", lambda path: (root / path).read_text())
+
+
+def test_a_plain_name_as_a_one_character_class_is_matched_exactly():
+    """How ``real_quant_ignore`` spells a module rule without wildcards (``[m]odel...``): vLLM's
+    ModelOpt matching excludes that module alone, where the plain name also excludes every
+    module it is a substring of."""
+    from nemo_fp8_plugin.hosts.nemo_rl.modelopt import real_quant_ignore
+    from nemo_fp8_plugin.spec import BF16Rules
+
+    gate, dense = "model.layers.1.mlp.gate", "model.layers.1.mlp.gate_up_proj"
+    (entry,) = real_quant_ignore(BF16Rules(modules=(gate,)))
+    plain = _real_modelopt([gate], None, {})
+    exact = _real_modelopt([entry], None, {})
+    assert (plain(gate), plain(dense)) == (True, True)  # the substring fallback
+    assert (exact(gate), exact(dense)) == (True, False)
+    assert exact("model.layers.11.mlp.gate") is False
