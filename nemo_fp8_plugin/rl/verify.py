@@ -469,7 +469,6 @@ def dump_engine_weights(
     if out.exists():
         raise FP8ConfigError(f"{out} exists", key="out_dir", value=str(out))
     check_output_dir(out, "out_dir")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.nemo-fp8-dump-{secrets.token_hex(4)}.tmp"
     os.mkdir(tmp)
     try:
