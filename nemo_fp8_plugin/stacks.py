@@ -1413,7 +1413,7 @@ STACKS: tuple[Stack, ...] = (
         "latest",
         "the newest releases (Transformer Engine 2.20.2, vLLM 0.34, megatron-core 0.19.2)",
         {
-            "torch": "2.13.0",
+            "torch": "2.14.0",
             "transformer-engine": "2.20.2",
             "vllm": "0.34.0",
             "megatron-core": "0.19.2",
@@ -1425,7 +1425,8 @@ STACKS: tuple[Stack, ...] = (
             "megatron-core": _from("0.19"),
         },
         "the package registry (2026-12): megatron-core 0.19.2 and Megatron-Bridge 0.6.2 are "
-        "its newest releases (pip download megatron-core==0.20.0 finds none), vLLM 0.34.0",
+        "its newest releases (pip download megatron-core==0.20.0 finds none), vLLM 0.34.0 and the torch its wheel "
+        "requires (Requires-Dist: torch==2.14.0)",
     ),
 )
 """The named stacks, most specific first (:func:`match_stack` takes the first that fits): the
