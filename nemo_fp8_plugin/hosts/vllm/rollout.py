@@ -119,7 +119,9 @@ KERNELS: dict[str, Kernel] = {
             "FlashInfer CuTe-DSL MXFP8",
         ),
         Kernel(
-            "flashinfer-cutlass-mxfp8", "FlashInferCutlassMxfp8LinearKernel", "FlashInfer MXFP8"
+            "flashinfer-cutlass-mxfp8",
+            "FlashInferCutlassMxfp8LinearKernel",
+            "FlashInfer CUTLASS MXFP8",
         ),
         Kernel("marlin-mxfp8", "MarlinMxfp8LinearKernel", "Marlin (weight-only MXFP8)", w8a8=False),
     )
