@@ -58,6 +58,7 @@ __all__ = [
     "newer_than_tested",
     "fact",
     "Stack",
+    "release_version",
     "STACKS",
     "STACK_NAMES",
     "RETIRED_STACKS",
@@ -1443,6 +1444,15 @@ RETIRED_STACKS: dict[str, str] = {
 }
 """Stack names no longer offered -> what they were (``--stack`` refuses them naming the NeMo RL
 stacks)."""
+
+
+def release_version(release: str | None, host: str) -> str | None:
+    """The version of ``host`` NeMo RL ``release`` runs (its stack's pin, from its
+    ``uv.lock``); None for a release without a stack, or a host it does not pin."""
+    for s in _NEMO_RL_STACKS:
+        if release is not None and s.release == release:
+            return s.versions.get(host)
+    return None
 
 
 def get_stack(name: str) -> Stack:
