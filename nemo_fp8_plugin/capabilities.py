@@ -48,6 +48,7 @@ __all__ = [
     "ENV_CURRENT_POW2_SCALES",
     "ENV_BACKWARD_OVERRIDE",
     "ENV_NVFP4",
+    "te_env_read_by",
     "te_env",
     "arch_by_name",
     "arch_of_capability",
@@ -618,24 +619,54 @@ def nvfp4_te_fields(spec: _SpecLike) -> dict[str, bool | str]:
     }
 
 
-def te_env(spec: _SpecLike) -> dict[str, str]:
+def _env_value(value: object) -> str:
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+_ENV_FACTS = {
+    **{var: f"NVFP4BlockScaling.{f}" for f, var in ENV_NVFP4.items()},
+    ENV_BACKWARD_OVERRIDE: "Recipe.backward_override",
+}
+"""Each TE variable that only some TE releases read -> the ``transformer-engine`` fact of the
+recipe field it defaults (:data:`nemo_fp8_plugin.stacks.FACTS`)."""
+
+
+def te_env_read_by(env: Mapping[str, str], te: str | None) -> dict[str, str]:
+    """``env`` less the variables Transformer Engine ``te`` does not read (its recipe lacks the
+    field the variable defaults, :data:`_ENV_FACTS`) and whose value is what that release does
+    anyway (the field's off value): writing them would name a setting that release never sees.
+    A variable asking for more than the release has is kept, for the host's checks to refuse;
+    ``te`` None (unknown): every variable kept."""
+    from .stacks import lookup
+
+    out: dict[str, str] = {}
+    for var, value in env.items():
+        name = _ENV_FACTS.get(var)
+        fact = lookup("transformer-engine", name, te) if name is not None else None
+        if fact is not None and fact.present is False and fact.fact is not None:
+            if value == _env_value(fact.fact.off):
+                continue
+        out[var] = value
+    return out
+
+
+def te_env(spec: _SpecLike, te: str | None = None) -> dict[str, str]:
     """Environment variables the training process needs *before* TE is imported so that a
     recipe object a host builds (megatron-core) quantizes as the spec says.
 
     Always set, to either value, for the scaling kinds TE reads one for, so a cluster-wide
     setting cannot flip a recipe silently: block -> ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``
     (``"1"`` for fp32 scales), tensorwise -> ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``
-    (``"1"`` for power-of-2 scales), nvfp4 -> every variable of :data:`ENV_NVFP4`. Empty when
+    (``"1"`` for power-of-2 scales), nvfp4 -> every variable of :data:`ENV_NVFP4` that
+    Transformer Engine ``te`` reads (:func:`te_env_read_by`; None: every one). Empty when
     training is not FP8.
     """
     if spec.training != "fp8":
         return {}
     if CAPABILITIES[spec.scaling].is_nvfp4:
         # Every NVFP4 class default TE reads at import, pinned to the value the spec means.
-        return {
-            ENV_NVFP4[f]: ("1" if v else "0") if isinstance(v, bool) else str(v)
-            for f, v in nvfp4_te_fields(spec).items()
-        }
+        env = {ENV_NVFP4[f]: _env_value(v) for f, v in nvfp4_te_fields(spec).items()}
+        return te_env_read_by(env, te)
     var = CAPABILITIES[spec.scaling].te_env
     if var == ENV_BLOCK_FP32_SCALES:
         return {var: "0" if spec.pow2_scales else "1"}

@@ -208,7 +208,7 @@ def native_keys(
         out.warnings.append(Message(refusal + "; use fp8_blockwise"))
         return out
     if spec.training == "fp8":
-        _training_keys(spec, model, fp8_param_stated, out)
+        _training_keys(spec, model, fp8_param_stated, out, te)
     if _generation_fp8(spec):
         _generation_keys(spec, out)
     elif spec.generation == "fp8":
@@ -228,7 +228,9 @@ def native_keys(
     return out
 
 
-def _training_keys(spec: RecipeSpec, model: Any, fp8_param_stated: bool, out: Spelling) -> None:
+def _training_keys(
+    spec: RecipeSpec, model: Any, fp8_param_stated: bool, out: Spelling, te: str | None = None
+) -> None:
     fp8_param = spec.fp8_param and fp8_param_stated
     training = kind(spec.scaling).nemo_rl_training(spec, fp8_param)
     fp4 = f"{_MEGATRON}.model_overrides.fp4_param"
@@ -244,8 +246,9 @@ def _training_keys(spec: RecipeSpec, model: Any, fp8_param_stated: bool, out: Sp
     if fp8_param and out.get(fp4) is not None:
         out.warnings.append(Message(NVFP4_PARAM_GATHER_WARNING))
     # Every variable TE reads for this recipe, pinned either way (a cluster-wide `=1` must not
-    # flip fp32 scales to power-of-2 or back): the capability table's.
-    out.env.update(te_env(spec))
+    # flip fp32 scales to power-of-2 or back): the capability table's, those the release's
+    # TE reads.
+    out.env.update(te_env(spec, te))
     for name, value in out.env.items():
         out.set(f"{_MEGATRON}.env_vars.{name}", value)
     out.set(f"{_MEGATRON}.optimizer.use_precision_aware_optimizer", False)

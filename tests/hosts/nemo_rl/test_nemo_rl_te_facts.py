@@ -45,3 +45,18 @@ def test_fp8_wgrad_advice_names_backward_override_only_where_te_reads_it(tmp_pat
     assert ("NVTE_BACKWARD_OVERRIDE=high_precision" in warning) is reads, warning
     te = stacks.get_stack(f"nemo-rl-{release}").versions["transformer-engine"]
     assert (f"Transformer Engine {te} has no setting for it" in warning) is not reads, warning
+
+
+def test_nvfp4_writes_only_the_te_variables_the_releases_te_reads(tmp_path):
+    """nvfp4 training (main only: the releases have no ``model_overrides``) pins every
+    ``NVTE_NVFP4_*`` variable TE reads at import; those of a later TE (row-scaled activations
+    from 2.16, "4over6" from 2.17) are not written for main, whose TE 2.15 never reads them."""
+    release = stacks.NEMO_RL_MAIN
+    parent = shared_nemo_rl("examples/configs/recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml")
+    src = tmp_path / "child.yaml"
+    src.write_text(yaml.safe_dump({"defaults": str(parent), "fp8": {"recipe": "nvfp4"}}))
+    result = apply_path(NEMO_RL, src, stack=f"nemo-rl-{release}")
+    written = result.data["policy"]["megatron_cfg"]["env_vars"]
+    nvte = {k for k in written if k.startswith("NVTE_NVFP4_")}
+    source = _te_recipe_source(release)
+    assert nvte and all(f'"{k}"' in source for k in nvte), nvte
