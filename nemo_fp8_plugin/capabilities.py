@@ -128,18 +128,36 @@ is imported (megatron-core builds ``NVFP4BlockScaling()`` with no arguments, so 
 the Hadamard transform, stochastic rounding, 2D weight tiles and "4over6" of every host-built
 NVFP4 recipe)."""
 
-NVFP4_GENERATION_REFUSAL = (
-    "the nvfp4 recipe trains through Transformer Engine, and NeMo RL (7ea279a) rolls out in "
-    "NVFP4 only through ModelOpt quantization-aware training (policy.generation.quant_cfg, "
-    "real_quant: the nemo_fp8_plugin.hosts.nemo_rl.modelopt presets), not from TE-trained "
-    "weights (TE NVFP4 training of the routed experts with per-token NVFP4 rollouts, "
-    "policy.megatron_cfg.fp4_cfg with policy.generation.nvfp4_pertoken_rollout, arrived in "
-    "NVIDIA-NeMo/RL pull request 3566 after 7ea279a, in no release the stacks table knows: "
-    "checked NeMo RL v0.6.0, v0.7.0 and main 7ea279a); vLLM (0.25.1 under NeMo RL main "
-    "7ea279a, 0.32 here) serves NVFP4 only from an NVFP4 "
-    "checkpoint in ModelOpt or compressed-tensors format on Blackwell (SM100), which the "
-    "plugin does not export, and its nemo_fp8 vLLM method has no NVFP4 kernels"
-)
+
+def _nvfp4_generation_refusal() -> str:
+    from .stacks import (
+        NEMO_RL_MAIN,
+        NEMO_RL_RELEASES,
+        TESTED,
+        release_label,
+        release_version,
+    )
+
+    main = release_label(NEMO_RL_MAIN)
+    commit = next(r.commit for r in NEMO_RL_RELEASES if r.name == NEMO_RL_MAIN)
+    labels = [r.label for r in NEMO_RL_RELEASES]
+    releases = f"{', '.join(labels[:-1])} and {labels[-1]}"
+    return (
+        f"the nvfp4 recipe trains through Transformer Engine, and {main} rolls out in "
+        "NVFP4 only through ModelOpt quantization-aware training (policy.generation.quant_cfg, "
+        "real_quant: the nemo_fp8_plugin.hosts.nemo_rl.modelopt presets), not from TE-trained "
+        "weights (TE NVFP4 training of the routed experts with per-token NVFP4 rollouts, "
+        "policy.megatron_cfg.fp4_cfg with policy.generation.nvfp4_pertoken_rollout, arrived in "
+        f"NVIDIA-NeMo/RL pull request 3566 after commit {commit}, in no release the stacks "
+        f"table knows: "
+        f"checked NeMo RL {releases}); vLLM ({release_version(NEMO_RL_MAIN, 'vllm')} under "
+        f"{main}; every release read: {', '.join(TESTED['vllm'])}) serves NVFP4 only from an "
+        "NVFP4 checkpoint in ModelOpt or compressed-tensors format on Blackwell (SM100), which "
+        "the plugin does not export, and its nemo_fp8 vLLM method has no NVFP4 kernels"
+    )
+
+
+NVFP4_GENERATION_REFUSAL = _nvfp4_generation_refusal()
 """Why the TE ``nvfp4`` recipe generates in BF16 (vLLM, NeMo RL), naming the versions; NVFP4
 rollouts are the ModelOpt route (:mod:`nemo_fp8_plugin.hosts.nemo_rl.modelopt`)."""
 

@@ -168,10 +168,12 @@ class Kind:
         row = self.row
         if spec.generation != "fp8" or not row.vllm_generation or arch in row.generation_archs:
             return None, None
+        from .stacks import VLLM_ENGINE
+
         return (
             f"vLLM's {self.vllm_name} kernels need "
-            f"{_needs(row.generation_archs)} (vLLM 0.32 falls back to weight-only or emulated "
-            f"kernels elsewhere, without an error)",
+            f"{_needs(row.generation_archs)} (vLLM {VLLM_ENGINE} falls back to weight-only or "
+            f"emulated kernels elsewhere, without an error)",
             row.generation_nearest.get(arch),
         )
 

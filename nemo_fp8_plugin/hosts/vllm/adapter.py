@@ -4,8 +4,8 @@ YAML, dashes or underscores; the mapping of ``vllm.LLM(**kwargs)``) -> the engin
 ``hf_overrides.quantization_config``, ``kv_cache_dtype``; docs/hosts/vllm.md).
 
 Every other key is kept, in the file's spelling. An option already set otherwise is refused,
-naming it. ``device: cpu`` selects vLLM's CPU backend (no FP8 KV cache requested there); vLLM
->= 0.32 has no ``device`` engine argument, so the key is read, left out and named.
+naming it. ``device: cpu`` selects vLLM's CPU backend (no FP8 KV cache requested there); no vLLM
+release read has a ``device`` engine argument, so the key is read, left out and named.
 """
 
 from __future__ import annotations
@@ -104,8 +104,9 @@ def _canonical(value: Any) -> Any:
 
 def _spell(spec: RecipeSpec, ctx: HostContext | None, model: ModelDescription | None) -> Spelling:
     """The engine options, each in the spelling the file gives it (else the file's style,
-    dashes or underscores); ``device: cpu`` read as the target platform and left out (vLLM >=
-    0.32 has no such engine argument)."""
+    dashes or underscores); ``device: cpu`` read as the target platform and left out (no vLLM
+    release read has such an engine argument)."""
+    from ...stacks import TESTED
     from . import engine_spelling
 
     raw: Mapping[str, Any] = ctx.raw if ctx is not None else {}
@@ -115,9 +116,10 @@ def _spell(spec: RecipeSpec, ctx: HostContext | None, model: ModelDescription | 
     if device_key is not None:
         out.warnings.append(
             Message(
-                f"{device_key}: {format_value(device)} is not an engine argument of vLLM >= 0.32 "
-                f"(`vllm serve --config` refuses it; the installed vLLM build picks the platform): "
-                f"read as the target platform and left out of the output"
+                f"{device_key}: {format_value(device)} is not an engine argument of vLLM (none "
+                f"of the releases read has it: {', '.join(TESTED['vllm'])}; `vllm serve "
+                f"--config` refuses it; the installed vLLM build picks the platform): read as "
+                f"the target platform and left out of the output"
             )
         )
         out.set(device_key, DELETE)
