@@ -48,10 +48,6 @@ _MX_REFIT_KERNEL = "flashinfer-cutlass-mxfp8"
 FlashInfer's CuTe-DSL kernel (column-major [K, N]), for FlashInfer's CUTLASS one and stops at load
 on any other kernel. Only main reads ``is_mx``."""
 
-_MX_SWAPPED = (
-    "NeMo RL's MXFP8 refit needs the [N, K] weight layout and replaces vLLM's first choice, "
-    "FlashInfer's CuTe-DSL kernel, with this one (fp8.py, process_weights_after_loading_mxfp8_linear)"
-)
 
 _DEEP_GEMM_ENV = {"VLLM_USE_DEEP_GEMM": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
 """What ``use_deep_gemm: true`` sets in NeMo RL's vLLM worker (the stacks fact
@@ -76,6 +72,8 @@ class RolloutCheck:
         set_by_nemo_rl: the variables NeMo RL sets itself in its vLLM workers.
         env: the variables judged with (``set_by_nemo_rl`` and what is to be set).
         notes: why, from vLLM's selection (each citing what decides it).
+        replaced: the kernel vLLM picks that NeMo RL replaces with ``kernel`` (its MXFP8
+            refit, :data:`_MX_REFIT_KERNEL`); None when it runs vLLM's pick.
     """
 
     vllm: str
@@ -89,6 +87,7 @@ class RolloutCheck:
     set_by_nemo_rl: Mapping[str, str] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    replaced: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -103,6 +102,7 @@ class RolloutCheck:
             "set_by_nemo_rl": dict(self.set_by_nemo_rl),
             "env": dict(self.env),
             "notes": list(self.notes),
+            "replaced": self.replaced,
         }
 
 
@@ -156,9 +156,9 @@ def _judge(
             vllm, arch, None, None, None, want, False, r.matches, forced, env, r.notes
         )
     w, a = r.weight_scales, r.activation_scales
-    label, runs, notes = r.kernel.label, r.runs, r.notes
+    label, runs, notes, replaced = r.kernel.label, r.runs, r.notes, None
     if capability(spec.scaling).is_mx:
-        label, runs, notes = _mx_refit_kernel(r.kernel.name, r.runs, r.notes)
+        label, runs, notes, replaced = _mx_refit_kernel(r.kernel.name, r.runs, r.notes)
         matches = r.matches and runs
     else:
         pow2_weights, pow2_activations = pow2
@@ -167,26 +167,26 @@ def _judge(
         if pow2_activations:
             a = "mixed" if r.kernel.quantizes_input else "pow2"
         matches = r.runs and w == want and a == want
-    return RolloutCheck(vllm, arch, label, w, a, want, runs, matches, forced, env, notes)
+    return RolloutCheck(vllm, arch, label, w, a, want, runs, matches, forced, env, notes, replaced)
 
 
 def _mx_refit_kernel(
     picked: str, runs: bool, notes: tuple[str, ...]
-) -> tuple[str, bool, tuple[str, ...]]:
-    """(label, runs, notes) of the MXFP8 kernel NeMo RL runs where vLLM picks ``picked``
-    (:data:`_MX_REFIT_KERNEL`)."""
+) -> tuple[str, bool, tuple[str, ...], str | None]:
+    """(label, runs, notes, the label of vLLM's pick it replaces) of the MXFP8 kernel NeMo RL
+    runs where vLLM picks ``picked`` (:data:`_MX_REFIT_KERNEL`)."""
     from ..vllm.rollout import KERNELS
 
     kept = KERNELS[_MX_REFIT_KERNEL]
     if picked == _MX_REFIT_KERNEL:
-        return kept.label, runs, notes
+        return kept.label, runs, notes, None
     if picked == "flashinfer-cutedsl-mxfp8":
-        return kept.label, runs, (*notes, _MX_SWAPPED)
+        return kept.label, runs, notes, KERNELS[picked].label
     stop = (
         f"NeMo RL's MXFP8 refit takes {kept.label} only and stops at load on "
         f"{KERNELS[picked].label} (fp8.py, process_weights_after_loading_mxfp8_linear)"
     )
-    return KERNELS[picked].label, False, (*notes, stop)
+    return KERNELS[picked].label, False, (*notes, stop), None
 
 
 def rollout_checks(
@@ -284,8 +284,12 @@ def rollout_line(checks: list[RolloutCheck], release: str | None, spec: RecipeSp
         if not c.runs:
             state = f"cannot run ({'; '.join(c.notes)})"
         text = f"{where}: {c.kernel}, {_grid_text(c)} ({state})"
-        if c.runs and _MX_SWAPPED in c.notes:
-            text += f"; {_MX_SWAPPED}"
+        if c.runs and c.replaced:
+            text += (
+                f"; NeMo RL's MXFP8 refit needs the [N, K] weight layout and replaces vLLM's "
+                f"first choice, {c.replaced}, with it (fp8.py, "
+                f"process_weights_after_loading_mxfp8_linear)"
+            )
         pow2_training = spec.training == "fp8" and capability(spec.scaling).is_block
         if c.arch == "blackwell" and pow2_training and c.matches:
             text += (

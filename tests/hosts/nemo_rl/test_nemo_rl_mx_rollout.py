@@ -61,6 +61,9 @@ def test_mxfp8_rollouts_on_main_name_the_kernel_its_refit_keeps(tmp_path):
     result = _apply(tmp_path, "b200")
     (checked,) = result.checks["rollout"]["gpus"]
     assert (checked["kernel"], checked["runs"], checked["matches"]) == (kept.label, True, True)
+    vllm = stacks.get_stack(MAIN_STACK).versions["vllm"]
+    picked = rollout("mxfp8", "b200", release=vllm, method="fp8").kernel
+    assert picked is not None and checked["replaced"] == picked.label  # vLLM's own choice
     words = " ".join(map(str, result.notes))
     assert f": {kept.label}, e8m0 scales" in words
     assert "CuTe-DSL MXFP8, e8m0" not in words
