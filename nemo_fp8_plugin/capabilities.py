@@ -48,6 +48,7 @@ __all__ = [
     "ENV_CURRENT_POW2_SCALES",
     "ENV_BACKWARD_OVERRIDE",
     "ENV_NVFP4",
+    "te_env_read_by",
     "te_env",
     "arch_by_name",
     "arch_of_capability",
@@ -127,18 +128,36 @@ is imported (megatron-core builds ``NVFP4BlockScaling()`` with no arguments, so 
 the Hadamard transform, stochastic rounding, 2D weight tiles and "4over6" of every host-built
 NVFP4 recipe)."""
 
-NVFP4_GENERATION_REFUSAL = (
-    "the nvfp4 recipe trains through Transformer Engine, and NeMo RL (7ea279a) rolls out in "
-    "NVFP4 only through ModelOpt quantization-aware training (policy.generation.quant_cfg, "
-    "real_quant: the nemo_fp8_plugin.hosts.nemo_rl.modelopt presets), not from TE-trained "
-    "weights (TE NVFP4 training of the routed experts with per-token NVFP4 rollouts, "
-    "policy.megatron_cfg.fp4_cfg with policy.generation.nvfp4_pertoken_rollout, arrived in "
-    "NVIDIA-NeMo/RL pull request 3566 after 7ea279a, in no release the stacks table knows: "
-    "checked NeMo RL v0.6.0, v0.7.0 and main 7ea279a); vLLM (0.25.1 under NeMo RL main "
-    "7ea279a, 0.32 here) serves NVFP4 only from an NVFP4 "
-    "checkpoint in ModelOpt or compressed-tensors format on Blackwell (SM100), which the "
-    "plugin does not export, and its nemo_fp8 vLLM method has no NVFP4 kernels"
-)
+
+def _nvfp4_generation_refusal() -> str:
+    from .stacks import (
+        NEMO_RL_MAIN,
+        NEMO_RL_RELEASES,
+        TESTED,
+        release_label,
+        release_version,
+    )
+
+    main = release_label(NEMO_RL_MAIN)
+    commit = next(r.commit for r in NEMO_RL_RELEASES if r.name == NEMO_RL_MAIN)
+    labels = [r.label for r in NEMO_RL_RELEASES]
+    releases = f"{', '.join(labels[:-1])} and {labels[-1]}"
+    return (
+        f"the nvfp4 recipe trains through Transformer Engine, and {main} rolls out in "
+        "NVFP4 only through ModelOpt quantization-aware training (policy.generation.quant_cfg, "
+        "real_quant: the nemo_fp8_plugin.hosts.nemo_rl.modelopt presets), not from TE-trained "
+        "weights (TE NVFP4 training of the routed experts with per-token NVFP4 rollouts, "
+        "policy.megatron_cfg.fp4_cfg with policy.generation.nvfp4_pertoken_rollout, arrived in "
+        f"NVIDIA-NeMo/RL pull request 3566 after commit {commit}, in no release the stacks "
+        f"table knows: "
+        f"checked NeMo RL {releases}); vLLM ({release_version(NEMO_RL_MAIN, 'vllm')} under "
+        f"{main}; every release read: {', '.join(TESTED['vllm'])}) serves NVFP4 only from an "
+        "NVFP4 checkpoint in ModelOpt or compressed-tensors format on Blackwell (SM100), which "
+        "the plugin does not export, and its nemo_fp8 vLLM method has no NVFP4 kernels"
+    )
+
+
+NVFP4_GENERATION_REFUSAL = _nvfp4_generation_refusal()
 """Why the TE ``nvfp4`` recipe generates in BF16 (vLLM, NeMo RL), naming the versions; NVFP4
 rollouts are the ModelOpt route (:mod:`nemo_fp8_plugin.hosts.nemo_rl.modelopt`)."""
 
@@ -618,24 +637,54 @@ def nvfp4_te_fields(spec: _SpecLike) -> dict[str, bool | str]:
     }
 
 
-def te_env(spec: _SpecLike) -> dict[str, str]:
+def _env_value(value: object) -> str:
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+_ENV_FACTS = {
+    **{var: f"NVFP4BlockScaling.{f}" for f, var in ENV_NVFP4.items()},
+    ENV_BACKWARD_OVERRIDE: "Recipe.backward_override",
+}
+"""Each TE variable that only some TE releases read -> the ``transformer-engine`` fact of the
+recipe field it defaults (:data:`nemo_fp8_plugin.stacks.FACTS`)."""
+
+
+def te_env_read_by(env: Mapping[str, str], te: str | None) -> dict[str, str]:
+    """``env`` less the variables Transformer Engine ``te`` does not read (its recipe lacks the
+    field the variable defaults, :data:`_ENV_FACTS`) and whose value is what that release does
+    anyway (the field's off value): writing them would name a setting that release never sees.
+    A variable asking for more than the release has is kept, for the host's checks to refuse;
+    ``te`` None (unknown): every variable kept."""
+    from .stacks import lookup
+
+    out: dict[str, str] = {}
+    for var, value in env.items():
+        name = _ENV_FACTS.get(var)
+        fact = lookup("transformer-engine", name, te) if name is not None else None
+        if fact is not None and fact.present is False and fact.fact is not None:
+            if value == _env_value(fact.fact.off):
+                continue
+        out[var] = value
+    return out
+
+
+def te_env(spec: _SpecLike, te: str | None = None) -> dict[str, str]:
     """Environment variables the training process needs *before* TE is imported so that a
     recipe object a host builds (megatron-core) quantizes as the spec says.
 
     Always set, to either value, for the scaling kinds TE reads one for, so a cluster-wide
     setting cannot flip a recipe silently: block -> ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``
     (``"1"`` for fp32 scales), tensorwise -> ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``
-    (``"1"`` for power-of-2 scales), nvfp4 -> every variable of :data:`ENV_NVFP4`. Empty when
+    (``"1"`` for power-of-2 scales), nvfp4 -> every variable of :data:`ENV_NVFP4` that
+    Transformer Engine ``te`` reads (:func:`te_env_read_by`; None: every one). Empty when
     training is not FP8.
     """
     if spec.training != "fp8":
         return {}
     if CAPABILITIES[spec.scaling].is_nvfp4:
         # Every NVFP4 class default TE reads at import, pinned to the value the spec means.
-        return {
-            ENV_NVFP4[f]: ("1" if v else "0") if isinstance(v, bool) else str(v)
-            for f, v in nvfp4_te_fields(spec).items()
-        }
+        env = {ENV_NVFP4[f]: _env_value(v) for f, v in nvfp4_te_fields(spec).items()}
+        return te_env_read_by(env, te)
     var = CAPABILITIES[spec.scaling].te_env
     if var == ENV_BLOCK_FP32_SCALES:
         return {var: "0" if spec.pow2_scales else "1"}

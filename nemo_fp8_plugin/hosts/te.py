@@ -31,6 +31,7 @@ from ..capabilities import (
     capability,
     nvfp4_te_fields,
     te_env,
+    te_env_read_by,
 )
 from ..errors import FP8ConfigError, HostUnavailableError
 from ..kinds import kind
@@ -531,7 +532,8 @@ class TEAdapter(HostAdapter):
             out = Spelling(warnings=[Message("training: bf16, no TE recipe", _LABEL)])
             out.set("transformer_engine", {})
             return out
-        out = Spelling(env=required_env(spec))
+        te = ctx.assumed_version("transformer-engine") if ctx is not None else None
+        out = Spelling(env=te_env_read_by(required_env(spec), te))  # what the stack's TE reads
         out.warnings = [Message(f"{k}: {why}; ignored", _LABEL) for k, why in _unsupported(spec)]
         out.set("transformer_engine", {**te_recipe_description(spec), **_env(out.env)})
         return out

@@ -607,7 +607,9 @@ def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path, release):
     }
     assert set(ROOT_SECTIONS.values()) <= classes
     known = declared | read | set(ROOT_SECTIONS)
-    te_vars = set(_te_variables_from_wheel(tmp_path))
+    # NVTE_* variables judged by the release's own TE (its lock's), as vLLM's by its envs.py
+    te = stacks.get_stack(f"nemo-rl-{release}").versions["transformer-engine"]
+    te_vars = set(_te_variables_from_wheel(tmp_path, te))
     vllm_envs = SourceTree.from_wheel(
         upstream_wheel(VLLM_WHEELS[stacks.get_stack(f"nemo-rl-{release}").versions["vllm"]])
     ).read("vllm/envs.py")
@@ -644,7 +646,7 @@ def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path, release):
         segments = container.split(".") if container else key.split(".")
         missing = [s for s in segments if s not in known]
         if container == "policy.megatron_cfg.env_vars" and head not in te_vars:
-            missing.append(f"{head} (no TE getenv)")
+            missing.append(f"{head} (no getenv in TE {te})")
         if container == "policy.generation.vllm_cfg.env_vars" and f'"{head}"' not in vllm_envs:
             missing.append(f"{head} (not in that vLLM's envs.py)")
         if (
@@ -657,8 +659,11 @@ def test_every_key_written_for_nemo_rl_is_known_to_nemo_rl(tmp_path, release):
     assert unknown == {}, release
 
 
-def _te_variables_from_wheel(tmp_path: Path) -> dict:
-    tree = ast.parse(upstream_file(TE_WHEEL, TE_SOURCES[0], tmp_path / "te_src").read_text())
+def _te_variables_from_wheel(tmp_path: Path, version: str) -> dict:
+    """The variables TE ``version``'s recipe module reads (its pure-Python wheel)."""
+    wheel = f"transformer_engine-{version}-*.whl"
+    dest = tmp_path / f"te_src_{version}"
+    tree = ast.parse(upstream_file(wheel, TE_SOURCES[0], dest).read_text())
     return {name: default for name, default, _ in _getenv_calls(tree)}
 
 

@@ -394,9 +394,10 @@ def test_nemo_rl_nvfp4_reaches_the_provider_through_model_overrides(tmp_path):
     meg = result.data["policy"]["megatron_cfg"]
     assert meg["model_overrides"] == {"fp4": "e2m1", "fp4_recipe": "nvfp4", "fp4_param": True}
     assert "fp8_cfg" not in meg or not meg["fp8_cfg"].get("enabled")
-    assert {k: meg["env_vars"][k] for k in ENV_NVFP4.values()} == te.required_env(
-        get_recipe("nvfp4")
-    )
+    # the variables main's TE (2.15) reads, each at the recipe's value (the later TEs' ones are
+    # left out: tests/hosts/nemo_rl/test_nemo_rl_te_facts.py)
+    written = {k: v for k, v in meg["env_vars"].items() if k in ENV_NVFP4.values()}
+    assert written and written.items() <= te.required_env(get_recipe("nvfp4")).items()
     assert "precision" not in result.data["policy"]["generation"].get("vllm_cfg", {})
     assert any("BF16" in n and "ModelOpt" in n for n in map(str, result.notes))
     # NeMo RL's own merge, on a megatron-core TransformerConfig (a Bridge provider subclasses it)

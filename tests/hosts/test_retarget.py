@@ -18,6 +18,7 @@ from nemo_fp8_plugin.capabilities import (
     ARCHS,
     CAPABILITIES,
     arch_by_name,
+    host_sides,
 )
 from nemo_fp8_plugin.cli import main
 from nemo_fp8_plugin.config import find_fp8_request
@@ -68,10 +69,12 @@ MOVES = {
     "rtx-6000-ada": ("mxfp8", "fp8_current", "fp8_current"),
     "h100": ("mxfp8", "fp8_blockwise", "fp8_blockwise"),
     "h200": ("nvfp4", "fp8_subchannel", "fp8_subchannel"),
-    "b200": ("fp8_blockwise", "fp8_subchannel", "nvfp4"),
-    "gb200": ("fp8_blockwise", "fp8_subchannel", "mxfp8"),
-    "b300": ("fp8_blockwise", "fp8_subchannel", "nvfp4"),
-    "gb300": ("fp8_blockwise", "fp8_subchannel", "mxfp8"),
+    # both sides judged (no host): the in-place fix, power-of-2 scales (the RL choice; a
+    # training host is pointed at fp8_subchannel first, tested below)
+    "b200": ("fp8_blockwise", None, "nvfp4"),
+    "gb200": ("fp8_blockwise", None, "mxfp8"),
+    "b300": ("fp8_blockwise", None, "nvfp4"),
+    "gb300": ("fp8_blockwise", None, "mxfp8"),
     "rtx-pro-6000": ("mxfp8", "fp8_current", "fp8_current"),
 }
 
@@ -106,6 +109,8 @@ def test_each_gpu_on_all_three_commands(gpu, tmp_path, capsys):
         assert f"precision: {instead}" in line
     elif GPUS[gpu][0] == "ampere":
         assert "no FP8 tensor cores" in line
+    elif GPUS[gpu][0] == "blackwell":
+        assert "pow2_scales: true" in line and "fp8_subchannel" not in line
     assert main(["explain", cfg, "--hardware", gpu, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     problems = [p for p in report["hardware"]["problems"] if p["level"] == "error"]
@@ -147,10 +152,24 @@ def test_an_h100_config_moved_to_b200_gets_one_clear_message():
     (p,) = problems
     assert p.level == "error" and p.key == "pow2_scales" and p.side == "training"
     assert p.change == "fp8: {recipe: fp8_blockwise, pow2_scales: true}"
-    assert "fp8: {recipe: fp8_subchannel}" in p.message and "MXFP8" in p.message
+    # both sides (RL): power-of-2 scales only; fp8_subchannel is not the RL choice
+    assert "fp8_subchannel" not in p.message and "MXFP8" in p.message
     with pytest.raises(FP8ConfigError) as err:
         find_fp8_request({"precision": "fp8_blockwise"}, hardware="b200")
     assert err.value.key == "fp8.pow2_scales" and p.change in str(err.value)  # the key to change
+
+
+@pytest.mark.parametrize("host", ["megatron", "nemo2", "bridge", "te"])
+def test_a_training_host_on_b200_is_pointed_at_fp8_subchannel_first(host):
+    """A host that only trains gets the pretraining recipe docs/recipes.md names for
+    Blackwell first, then the power-of-2 fix; NeMo RL (both sides) gets the fix alone."""
+    spec = get_recipe("fp8_blockwise")
+    (p,) = hardware_problems(spec, "blackwell", host_sides(host))
+    assert (p.level, p.side, p.recipe) == ("error", "training", "fp8_subchannel")
+    subchannel = p.message.index("fp8: {recipe: fp8_subchannel}")
+    assert subchannel < p.message.index("fp8: {recipe: fp8_blockwise, pow2_scales: true}")
+    (rl,) = hardware_problems(spec, "blackwell", host_sides("nemo-rl"))
+    assert rl.recipe == "fp8_blockwise" and "fp8_subchannel" not in rl.message
 
 
 def _apply_change(config: dict, change: str) -> dict:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from ...capabilities import capability
+from ...capabilities import capability, te_env_read_by
 from ...dotted import child_mapping
 from ...errors import ConflictingKeyError, FP8ConfigError, RecipeRegistryError, format_value
 from ...spec import RecipeSpec
@@ -37,7 +37,13 @@ from .. import (
     Spelling,
     refuse_recipe,
 )
-from ..megatron import check_layer_counts, precision_fields, refuse_dropped, stack_core
+from ..megatron import (
+    check_layer_counts,
+    precision_fields,
+    refuse_dropped,
+    stack_core,
+    stack_te,
+)
 
 __all__ = [
     "MIXED_PRECISION_TARGET",
@@ -152,6 +158,7 @@ def _spell(spec: RecipeSpec, ctx: HostContext | None, model: Any, core: str | No
     (never ``fp8_blockwise``, nor a recipe with BF16 layers or module rules), and a stock
     Bridge builds the block for all of them."""
     fields = mixed_precision_fields(spec, model, core)
+    fields.env = te_env_read_by(fields.env, stack_te(ctx))  # what the stack's TE reads
     out = Spelling(warnings=fields.warnings, env=fields.env)
     if not fields.writes:
         return out

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, List  # noqa: UP035 - see bf16_quant_recipe
 
-from ...capabilities import CAPABILITIES, capability
+from ...capabilities import CAPABILITIES, capability, te_env_read_by
 from ...dotted import get_path
 from ...errors import FP8ConfigError, format_value
 from ...kinds import kind
@@ -33,6 +33,7 @@ __all__ = [
     "dropped_settings",
     "transformer_config_fields",
     "precision_fields",
+    "stack_te",
     "build_transformer_config",
     "apply_to_transformer_config",
     "quant_recipe_object",
@@ -393,6 +394,12 @@ def stack_core(ctx: HostContext | None) -> str | None:
     return ctx.assumed_version("megatron-core") if ctx is not None else None
 
 
+def stack_te(ctx: HostContext | None) -> str | None:
+    """The Transformer Engine version the context assumes (``--stack``, else the installed
+    one); None without a context or a stack."""
+    return ctx.assumed_version("transformer-engine") if ctx is not None else None
+
+
 def _recipe_literal(spec: RecipeSpec) -> str:
     """``spec`` as the Python literal ``verify_installed_te`` takes: the registered name, the
     ``{"recipe": name, ...}`` mapping of the fields that differ from that preset, or (a spec
@@ -437,6 +444,7 @@ class MegatronAdapter(HostAdapter):
         with nvfp4's ``fp4_param_gather`` where the assumed megatron-core has it."""
         core = stack_core(ctx)
         fields = transformer_config_fields(spec, ctx.model if ctx else model, core)
+        fields.env = te_env_read_by(fields.env, stack_te(ctx))  # what the stack's TE reads
         name = section_path(ctx.raw if ctx else {})[0]
         out = Spelling().extend(fields, f"{name}.")
         # A quant_recipe of our own is compared like any key; someone else's contradicts ours.

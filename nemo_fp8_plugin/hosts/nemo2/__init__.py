@@ -16,12 +16,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ...capabilities import capability
+from ...capabilities import capability, te_env_read_by
 from ...dotted import get_path
 from ...errors import FP8ConfigError, format_value
 from ...spec import RecipeSpec
 from .. import ApplyResult, HostAdapter, HostContext, Message, NativeRecipe, Spelling, refuse_recipe
-from ..megatron import check_layer_counts, precision_fields, refuse_dropped, stack_core
+from ..megatron import (
+    check_layer_counts,
+    precision_fields,
+    refuse_dropped,
+    stack_core,
+    stack_te,
+)
 
 __all__ = [
     "PLUGIN_TARGET",
@@ -308,6 +314,7 @@ def _spell(spec: RecipeSpec, ctx: HostContext | None, model: Any, core: str | No
     own ``--to-yaml`` writes either), and a list replaces the recipe's own. A note names the
     FP8 variant factory, which adds the callback to the stock ones."""
     fields = plugin_fields(spec, model, core)
+    fields.env = te_env_read_by(fields.env, stack_te(ctx))  # what the stack's TE reads
     out = Spelling(warnings=fields.warnings, env=fields.env)
     if not fields.writes:
         return out

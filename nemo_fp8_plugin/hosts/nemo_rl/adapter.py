@@ -16,6 +16,7 @@ from ...dotted import get_path
 from ...errors import ConflictingKeyError, FP8ConfigError, format_value
 from ...kinds import kind
 from ...spec import RecipeSpec
+from ...stacks import release_version
 from .. import ApplyResult, HostAdapter, HostContext, Message, Spelling, Write, diff_written
 from . import native
 from .checks import (
@@ -192,7 +193,8 @@ def _recipe(spec: RecipeSpec, ctx: HostContext, out: Spelling) -> None:
                 f"rules and the MoE check cannot resolve against it"
             )
         )
-    hk = native_keys(spec, model=ctx.model, fp8_param_stated=_fp8_param_stated(resolved))
+    te = release_version(assumed_release(ctx), "transformer-engine")
+    hk = native_keys(spec, model=ctx.model, fp8_param_stated=_fp8_param_stated(resolved), te=te)
     training = spec.training == "fp8"
     router = f"{_MEGATRON}.moe_router_dtype"
     if training and _is_moe(ctx.model) is None and _moe_fallback(resolved):

@@ -4,7 +4,9 @@ grid it computes on, and the environment variables that keep the recipe's grid.
 NeMo RL generates with vLLM's own block-FP8 method (``quantization="fp8"``), so the kernel is
 vLLM's choice (:func:`nemo_fp8_plugin.hosts.vllm.rollout.rollout`, ``method="fp8"``), made with
 the vLLM of the release's ``uv.lock`` (the ``nemo-rl-<release>`` stack's: v0.6.0 vLLM 0.17.1,
-v0.7.0 0.20.0, main 0.25.1) and with what NeMo RL sets itself:
+v0.7.0 0.20.0, main 0.25.1) and with what NeMo RL sets itself (MXFP8, main only, goes
+through vLLM's ModelOpt MXFP8 method, whose kernel NeMo RL's refit replaces:
+:data:`_MX_REFIT_KERNEL`):
 
 * ``use_deep_gemm: true`` makes NeMo RL's ``init_fp8`` set ``VLLM_USE_DEEP_GEMM=1`` and
   ``VLLM_USE_DEEP_GEMM_E8M0=0`` in the vLLM worker before the engine starts
@@ -39,6 +41,14 @@ __all__ = ["RolloutCheck", "ENV_VARS_KEY", "rollout_checks", "rollout_archs", "v
 ENV_VARS_KEY = "policy.generation.vllm_cfg.env_vars"
 """NeMo RL's environment of its vLLM workers (v0.7.0 on)."""
 
+_MX_REFIT_KERNEL = "flashinfer-cutlass-mxfp8"
+"""The one MXFP8 linear kernel NeMo RL's MXFP8 refit accepts (main's
+``nemo_rl/models/generation/vllm/quantization/fp8.py``, ``process_weights_after_loading_mxfp8_linear``
+~830-857): it keeps weights in the [N, K] layout, so it swaps vLLM's first choice on SM100,
+FlashInfer's CuTe-DSL kernel (column-major [K, N]), for FlashInfer's CUTLASS one and stops at load
+on any other kernel. Only main reads ``is_mx``."""
+
+
 _DEEP_GEMM_ENV = {"VLLM_USE_DEEP_GEMM": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
 """What ``use_deep_gemm: true`` sets in NeMo RL's vLLM worker (the stacks fact
 ``vllm_cfg.use_deep_gemm sets VLLM_USE_DEEP_GEMM_E8M0=0``)."""
@@ -62,6 +72,8 @@ class RolloutCheck:
         set_by_nemo_rl: the variables NeMo RL sets itself in its vLLM workers.
         env: the variables judged with (``set_by_nemo_rl`` and what is to be set).
         notes: why, from vLLM's selection (each citing what decides it).
+        replaced: the kernel vLLM picks that NeMo RL replaces with ``kernel`` (its MXFP8
+            refit, :data:`_MX_REFIT_KERNEL`); None when it runs vLLM's pick.
     """
 
     vllm: str
@@ -75,6 +87,7 @@ class RolloutCheck:
     set_by_nemo_rl: Mapping[str, str] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    replaced: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +102,7 @@ class RolloutCheck:
             "set_by_nemo_rl": dict(self.set_by_nemo_rl),
             "env": dict(self.env),
             "notes": list(self.notes),
+            "replaced": self.replaced,
         }
 
 
@@ -142,8 +156,10 @@ def _judge(
             vllm, arch, None, None, None, want, False, r.matches, forced, env, r.notes
         )
     w, a = r.weight_scales, r.activation_scales
+    label, runs, notes, replaced = r.kernel.label, r.runs, r.notes, None
     if capability(spec.scaling).is_mx:
-        matches = r.matches
+        label, runs, notes, replaced = _mx_refit_kernel(r.kernel.name, r.runs, r.notes)
+        matches = r.matches and runs
     else:
         pow2_weights, pow2_activations = pow2
         if pow2_weights and r.runs:
@@ -151,9 +167,26 @@ def _judge(
         if pow2_activations:
             a = "mixed" if r.kernel.quantizes_input else "pow2"
         matches = r.runs and w == want and a == want
-    return RolloutCheck(
-        vllm, arch, r.kernel.label, w, a, want, r.runs, matches, forced, env, r.notes
+    return RolloutCheck(vllm, arch, label, w, a, want, runs, matches, forced, env, notes, replaced)
+
+
+def _mx_refit_kernel(
+    picked: str, runs: bool, notes: tuple[str, ...]
+) -> tuple[str, bool, tuple[str, ...], str | None]:
+    """(label, runs, notes, the label of vLLM's pick it replaces) of the MXFP8 kernel NeMo RL
+    runs where vLLM picks ``picked`` (:data:`_MX_REFIT_KERNEL`)."""
+    from ..vllm.rollout import KERNELS
+
+    kept = KERNELS[_MX_REFIT_KERNEL]
+    if picked == _MX_REFIT_KERNEL:
+        return kept.label, runs, notes, None
+    if picked == "flashinfer-cutedsl-mxfp8":
+        return kept.label, runs, notes, KERNELS[picked].label
+    stop = (
+        f"NeMo RL's MXFP8 refit takes {kept.label} only and stops at load on "
+        f"{KERNELS[picked].label} (fp8.py, process_weights_after_loading_mxfp8_linear)"
     )
+    return KERNELS[picked].label, False, (*notes, stop), None
 
 
 def rollout_checks(
@@ -251,6 +284,12 @@ def rollout_line(checks: list[RolloutCheck], release: str | None, spec: RecipeSp
         if not c.runs:
             state = f"cannot run ({'; '.join(c.notes)})"
         text = f"{where}: {c.kernel}, {_grid_text(c)} ({state})"
+        if c.runs and c.replaced:
+            text += (
+                f"; NeMo RL's MXFP8 refit needs the [N, K] weight layout and replaces vLLM's "
+                f"first choice, {c.replaced}, with it (fp8.py, "
+                f"process_weights_after_loading_mxfp8_linear)"
+            )
         pow2_training = spec.training == "fp8" and capability(spec.scaling).is_block
         if c.arch == "blackwell" and pow2_training and c.matches:
             text += (

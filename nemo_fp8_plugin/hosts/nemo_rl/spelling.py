@@ -74,8 +74,9 @@ def _generation_fp8(spec: RecipeSpec) -> bool:
     return spec.generation == "fp8" and capability(spec.scaling).nemo_rl_generation
 
 
-def _unexpressible(spec: RecipeSpec) -> list[str]:
-    """Spec settings NeMo RL has no key for (it then uses TE's / vLLM's defaults)."""
+def _unexpressible(spec: RecipeSpec, te: str | None = None) -> list[str]:
+    """Spec settings NeMo RL has no key for (it then uses TE's / vLLM's defaults); ``te``: the
+    release's Transformer Engine (None: unknown), which decides the advice."""
     training = spec.training == "fp8"
     out = kind(spec.scaling).nemo_rl_unexpressible(spec)
     if _generation_fp8(spec) and spec.generation_numerics == "trainer":
@@ -95,13 +96,30 @@ def _unexpressible(spec: RecipeSpec) -> list[str]:
             out.append(
                 "fp8_wgrad=false has no fp8_cfg key and megatron-core hands it "
                 "to Transformer Engine only for delayed scaling, which TE 2.x ignores (the "
-                "weight-gradient GEMM runs in FP8); the nearest TE setting, "
-                "NVTE_BACKWARD_OVERRIDE=high_precision, moves the whole backward to high "
-                "precision"
+                f"weight-gradient GEMM runs in FP8); {_backward_override_advice(te)}"
             )
         if spec.fp8_dot_product_attention or spec.fp8_multi_head_attention:
             out.append("FP8 attention has no fp8_cfg key (attention runs in BF16 in training)")
     return out
+
+
+def _backward_override_advice(te: str | None) -> str:
+    """The nearest TE setting to ``fp8_wgrad=false``, where Transformer Engine ``te`` reads it
+    (``Recipe.backward_override``, from the ``NVTE_BACKWARD_OVERRIDE`` variable)."""
+    from ...capabilities import ENV_BACKWARD_OVERRIDE
+    from ...stacks import lookup
+
+    found = lookup("transformer-engine", "Recipe.backward_override", te)
+    if found.present is False:
+        first = found.fact.minimum if found.fact is not None else "a newer release"
+        return (
+            f"Transformer Engine {te} has no setting for it ({ENV_BACKWARD_OVERRIDE}, which "
+            f"moves the whole backward to high precision, is read from TE {first})"
+        )
+    return (
+        f"the nearest TE setting, {ENV_BACKWARD_OVERRIDE}=high_precision, moves the whole "
+        "backward to high precision"
+    )
 
 
 def _is_moe(model: Any) -> bool | None:
@@ -170,7 +188,9 @@ NVFP4_OVERRIDES = ("fp4", "fp4_recipe", "fp4_param")
 """``model_overrides`` keys (megatron-core ``TransformerConfig`` FP4 fields) nvfp4 writes."""
 
 
-def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool = False) -> Spelling:
+def native_keys(
+    spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool = False, te: str | None = None
+) -> Spelling:
     """NeMo RL's spelling of ``spec`` as writes (no host import, no file access): one function
     per concern, training, generation, BF16 rules, importance sampling.
 
@@ -179,6 +199,8 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
     recipe NeMo RL refuses (delayed scaling) gives no keys and one warning saying why; the
     adapter refuses it. ``fp8_param_stated``: the user's config itself asked for
     ``fp8_param`` (else a preset's ``fp8_param: true`` is written false, with a warning).
+    ``te``: the Transformer Engine the release runs (None: unknown), for advice that names a
+    TE setting.
     """
     out = Spelling()
     refusal = _refusal(spec)
@@ -186,7 +208,7 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
         out.warnings.append(Message(refusal + "; use fp8_blockwise"))
         return out
     if spec.training == "fp8":
-        _training_keys(spec, model, fp8_param_stated, out)
+        _training_keys(spec, model, fp8_param_stated, out, te)
     if _generation_fp8(spec):
         _generation_keys(spec, out)
     elif spec.generation == "fp8":
@@ -202,11 +224,13 @@ def native_keys(spec: RecipeSpec, model: Any = None, *, fp8_param_stated: bool =
     _importance_sampling_keys(spec, out)
     if spec.router_replay:
         out.set(ROUTER_REPLAY, True)
-    out.warnings += [Message(text) for text in _unexpressible(spec)]
+    out.warnings += [Message(text) for text in _unexpressible(spec, te)]
     return out
 
 
-def _training_keys(spec: RecipeSpec, model: Any, fp8_param_stated: bool, out: Spelling) -> None:
+def _training_keys(
+    spec: RecipeSpec, model: Any, fp8_param_stated: bool, out: Spelling, te: str | None = None
+) -> None:
     fp8_param = spec.fp8_param and fp8_param_stated
     training = kind(spec.scaling).nemo_rl_training(spec, fp8_param)
     fp4 = f"{_MEGATRON}.model_overrides.fp4_param"
@@ -222,8 +246,9 @@ def _training_keys(spec: RecipeSpec, model: Any, fp8_param_stated: bool, out: Sp
     if fp8_param and out.get(fp4) is not None:
         out.warnings.append(Message(NVFP4_PARAM_GATHER_WARNING))
     # Every variable TE reads for this recipe, pinned either way (a cluster-wide `=1` must not
-    # flip fp32 scales to power-of-2 or back): the capability table's.
-    out.env.update(te_env(spec))
+    # flip fp32 scales to power-of-2 or back): the capability table's, those the release's
+    # TE reads.
+    out.env.update(te_env(spec, te))
     for name, value in out.env.items():
         out.set(f"{_MEGATRON}.env_vars.{name}", value)
     out.set(f"{_MEGATRON}.optimizer.use_precision_aware_optimizer", False)

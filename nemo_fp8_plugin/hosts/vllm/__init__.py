@@ -283,12 +283,26 @@ def engine_env(
     ``VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0`` (FlashInfer's kernel quantizes small batches
     itself with fp32 scales), nothing on Blackwell; MXFP8 needs nothing. The kernel each
     release picks: :func:`.rollout.rollout`.
+
+    Raises :class:`FP8ConfigError` (key ``release``) when the ``nemo_fp8`` method cannot load
+    the recipe's FP8 layers on ``release`` at all (:func:`.rollout.method_minimum`), rather
+    than answering ``{}``.
     """
     from ...capabilities import arch_by_name
+    from ...errors import FP8ConfigError
     from ...registry import get_recipe
-    from .rollout import needed_env
+    from .rollout import method_minimum, needed_env
 
     spec = get_recipe(spec)
+    unserved = method_minimum(spec, release) if release is not None else None
+    if unserved is not None:
+        minimum, why = unserved
+        raise FP8ConfigError(
+            f"vLLM {release} cannot load {spec.name}'s FP8 layers: {why}",
+            key="release",
+            value=release,
+            hint=f"a vLLM >= {minimum}, or generation: bf16",
+        )
     target = hardware if hardware is not None else spec.hardware
     arch = None
     if target is not None:

@@ -4,8 +4,8 @@ YAML, dashes or underscores; the mapping of ``vllm.LLM(**kwargs)``) -> the engin
 ``hf_overrides.quantization_config``, ``kv_cache_dtype``; docs/hosts/vllm.md).
 
 Every other key is kept, in the file's spelling. An option already set otherwise is refused,
-naming it. ``device: cpu`` selects vLLM's CPU backend (no FP8 KV cache requested there); vLLM
->= 0.32 has no ``device`` engine argument, so the key is read, left out and named.
+naming it. ``device: cpu`` selects vLLM's CPU backend (no FP8 KV cache requested there); no vLLM
+release read has a ``device`` engine argument, so the key is read, left out and named.
 """
 
 from __future__ import annotations
@@ -53,12 +53,16 @@ def _env_and_notes(
     """The variables vLLM reads at start-up for the recipe's grid (:func:`.engine_env`, for
     ``release``: the assumed vLLM), and the notes: the rollout kernels with them set, an FP8
     KV cache on latent attention."""
+    from ...errors import FP8ConfigError
     from . import engine_env, mla_kv_cache_note
     from .rollout import rollout_note
 
     if not kwargs:
         return {}, []
-    env = engine_env(spec, release=release)
+    try:
+        env = engine_env(spec, release=release)
+    except FP8ConfigError:
+        env = {}  # the method cannot load there: the rollout note below says so, per GPU
     notes = [
         rollout_note(spec, spec.hardware, release=release, env=env),
         mla_kv_cache_note(spec, model),
@@ -104,8 +108,9 @@ def _canonical(value: Any) -> Any:
 
 def _spell(spec: RecipeSpec, ctx: HostContext | None, model: ModelDescription | None) -> Spelling:
     """The engine options, each in the spelling the file gives it (else the file's style,
-    dashes or underscores); ``device: cpu`` read as the target platform and left out (vLLM >=
-    0.32 has no such engine argument)."""
+    dashes or underscores); ``device: cpu`` read as the target platform and left out (no vLLM
+    release read has such an engine argument)."""
+    from ...stacks import TESTED
     from . import engine_spelling
 
     raw: Mapping[str, Any] = ctx.raw if ctx is not None else {}
@@ -115,9 +120,10 @@ def _spell(spec: RecipeSpec, ctx: HostContext | None, model: ModelDescription | 
     if device_key is not None:
         out.warnings.append(
             Message(
-                f"{device_key}: {format_value(device)} is not an engine argument of vLLM >= 0.32 "
-                f"(`vllm serve --config` refuses it; the installed vLLM build picks the platform): "
-                f"read as the target platform and left out of the output"
+                f"{device_key}: {format_value(device)} is not an engine argument of vLLM (none "
+                f"of the releases read has it: {', '.join(TESTED['vllm'])}; `vllm serve "
+                f"--config` refuses it; the installed vLLM build picks the platform): read as "
+                f"the target platform and left out of the output"
             )
         )
         out.set(device_key, DELETE)

@@ -53,6 +53,7 @@ __all__ = [
     "Rollout",
     "rollout",
     "needed_env",
+    "method_minimum",
     "rollout_note",
 ]
 
@@ -119,7 +120,9 @@ KERNELS: dict[str, Kernel] = {
             "FlashInfer CuTe-DSL MXFP8",
         ),
         Kernel(
-            "flashinfer-cutlass-mxfp8", "FlashInferCutlassMxfp8LinearKernel", "FlashInfer MXFP8"
+            "flashinfer-cutlass-mxfp8",
+            "FlashInferCutlassMxfp8LinearKernel",
+            "FlashInfer CUTLASS MXFP8",
         ),
         Kernel("marlin-mxfp8", "MarlinMxfp8LinearKernel", "Marlin (weight-only MXFP8)", w8a8=False),
     )
@@ -412,14 +415,30 @@ def _unknown(
     if not lookup("vllm", _DEFAULT_ON["VLLM_USE_DEEP_GEMM"], release).present:
         return none(f"vLLM {release} is older than every release read ({TESTED['vllm'][0]})")
     if method == "nemo_fp8":
-        feature = "mx_linear" if row.is_mx else "block_linear"
-        served = lookup("vllm", f"nemo_fp8:{feature}", release)
-        if not served.present:
-            return none(
-                f"the nemo_fp8 method needs vLLM >= {served.fact.minimum if served.fact else '?'} "
-                f"for {feature.replace('_', ' ')} layers"
-            )
+        unserved = method_minimum(spec, release)
+        if unserved is not None:
+            return none(unserved[1])
     return None
+
+
+def method_minimum(spec: RecipeSpec, release: str) -> tuple[str, str] | None:
+    """``(minimum vLLM, why)`` when the ``nemo_fp8`` method cannot load ``spec``'s FP8 layers
+    on vLLM ``release`` (the stacks facts ``nemo_fp8:block_linear`` / ``nemo_fp8:mx_linear``);
+    None when it can, or the recipe generates in BF16."""
+    from ...capabilities import capability
+    from ...stacks import lookup
+
+    row = capability(spec.scaling)
+    if spec.generation != "fp8" or not row.vllm_generation:
+        return None
+    feature = "mx_linear" if row.is_mx else "block_linear"
+    served = lookup("vllm", f"nemo_fp8:{feature}", release)
+    if served.present is not False:
+        return None
+    minimum = served.fact.minimum if served.fact else "?"
+    return minimum, (
+        f"the nemo_fp8 method needs vLLM >= {minimum} for {feature.replace('_', ' ')} layers"
+    )
 
 
 def _no_kernel(

@@ -132,5 +132,13 @@ def test_the_nvfp4_generation_refusal_names_the_versions_and_the_modelopt_route(
     from nemo_fp8_plugin.capabilities import NVFP4_GENERATION_REFUSAL, capability
 
     assert capability("nvfp4").generation_refusal == NVFP4_GENERATION_REFUSAL
-    for fact in ("NeMo RL (7ea279a)", "vLLM (0.25.1", "policy.generation.quant_cfg", "modelopt"):
+    from nemo_fp8_plugin.stacks import NEMO_RL_MAIN, release_label, release_version
+
+    main = release_label(NEMO_RL_MAIN)
+    for fact in (
+        f"{main} rolls out",
+        f"vLLM ({release_version(NEMO_RL_MAIN, 'vllm')} under {main}",
+        "policy.generation.quant_cfg",
+        "modelopt",
+    ):
         assert fact in NVFP4_GENERATION_REFUSAL

@@ -280,5 +280,9 @@ def test_te_nvfp4_with_nvfp4_rollouts_is_refused_naming_what_is_missing(tmp_path
     assert _apply(tmp_path, data) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "fp8.generation" in line
-    for fact in ("nvfp4_pertoken_rollout", "3566", "NeMo RL v0.6.0, v0.7.0 and main 7ea279a"):
+    for fact in (
+        "nvfp4_pertoken_rollout",
+        "3566",
+        "NeMo RL v0.6.0, v0.7.0 and main of 2026-08-22, 7ea279a",
+    ):
         assert fact in line, fact
