@@ -121,6 +121,17 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     _refuse_deep_gemm(spec, ctx)
     _dropped_keys(ctx.resolved, assumed_release(ctx))
     _interpolation_users(ctx.resolved, list(ctx.request.keys))
+    _refuse_unread_training(spec, ctx)
+
+
+def _refuse_unread_training(spec: RecipeSpec, ctx: HostContext) -> None:
+    """The training keys the recipe needs (written whatever the config's sections) that the
+    assumed release does not read, refused before the spelling checks the config's own keys
+    against them (sequence packing, alignment): what the release cannot train is the first
+    thing to change, and its refusal names the release (``refuse_unread``)."""
+    hk = native_keys(spec, model=ctx.model)
+    training = [w for w in hk.writes if w.key.startswith(_MEGATRON + ".")]
+    refuse_unread(ctx, Spelling(writes=training).keys)
 
 
 def _block_generation(spec: RecipeSpec, ctx: HostContext) -> bool:
@@ -565,6 +576,26 @@ class NeMoRLAdapter(HostAdapter):
 
             preflight(ctx, result, _final(ctx, result.data))
         return result
+
+    def check_native(self, ctx: HostContext, result: ApplyResult) -> None:
+        """NeMo RL's start-up asserts on the config as it is (the first refused), then the
+        rollout pre-flight on the recipe its keys spell; the kernel variables a release
+        without ``vllm_cfg.env_vars`` needs go to :attr:`ApplyResult.env`, where NeMo RL
+        starts. A ``--hardware`` target the recipe cannot train on (the spec holds none) is
+        reported by the caller; no rollout is judged for another GPU."""
+        from .startup import startup_problems
+
+        problems = startup_problems(ctx.resolved, assumed_release(ctx))
+        if problems:
+            raise problems[0]
+        refused_target = ctx.hardware is not None and ctx.spec.hardware is None
+        if ctx.spec.qat is None and not refused_target:
+            from .preflight import preflight
+
+            preflight(ctx, result, ctx.resolved)
+            rollout = result.checks.get("rollout", {})
+            if rollout.get("where") == "environment":
+                result.env.update(rollout.get("needed", {}))
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         # NeMo RL is not installable from the registry; its keys are checked against its own
