@@ -92,7 +92,10 @@ def _build_report(
         }
     request = ctx.request
     if request is None:
-        return _no_request(report, ctx, own)
+        report = _no_request(report, ctx, own)
+        if strict and "native" in report:  # its warnings are errors as a request's are
+            _raise_strict(report)
+        return report
     report.update(_recipe_section(request))
     refusal = None
     if request.hardware is not None:

@@ -121,17 +121,6 @@ def _refuse(spec: RecipeSpec, ctx: HostContext | None) -> None:
     _refuse_deep_gemm(spec, ctx)
     _dropped_keys(ctx.resolved, assumed_release(ctx))
     _interpolation_users(ctx.resolved, list(ctx.request.keys))
-    _refuse_unread_training(spec, ctx)
-
-
-def _refuse_unread_training(spec: RecipeSpec, ctx: HostContext) -> None:
-    """The training keys the recipe needs (written whatever the config's sections) that the
-    assumed release does not read, refused before the spelling checks the config's own keys
-    against them (sequence packing, alignment): what the release cannot train is the first
-    thing to change, and its refusal names the release (``refuse_unread``)."""
-    hk = native_keys(spec, model=ctx.model)
-    training = [w for w in hk.writes if w.key.startswith(_MEGATRON + ".")]
-    refuse_unread(ctx, Spelling(writes=training).keys)
 
 
 def _block_generation(spec: RecipeSpec, ctx: HostContext) -> bool:
@@ -204,6 +193,12 @@ def _recipe(spec: RecipeSpec, ctx: HostContext, out: Spelling) -> None:
             )
         )
     hk = native_keys(spec, model=ctx.model, fp8_param_stated=_fp8_param_stated(resolved))
+    # The training keys (written whatever the config's sections) that the release does not
+    # read, refused before the config's own keys are checked against them (sequence packing,
+    # alignment, below): what the release cannot train is the first thing to change, and the
+    # one line names the release. The whole spelling is checked again at the end.
+    training_keys = [w for w in hk.writes if w.key.startswith(_MEGATRON + ".")]
+    refuse_unread(ctx, Spelling(writes=training_keys).keys)
     training = spec.training == "fp8"
     router = f"{_MEGATRON}.moe_router_dtype"
     if training and _is_moe(ctx.model) is None and _moe_fallback(resolved):

@@ -104,6 +104,8 @@ def test_is_mx_not_read_by_v070_is_read_back_as_block_rollouts(tmp_path, capsys)
     assert ignored.startswith(key) and "NeMo RL v0.7.0" in ignored and "128x128 block" in ignored
     assert main(["explain", src, "--stack", STACK["0.7.0"]]) == 0
     assert f"warning: {ignored}" in capsys.readouterr().out
+    assert main(["explain", src, "--stack", STACK["0.7.0"], "--strict"]) == 2
+    assert key in capsys.readouterr().err
     assert main(["apply", src, "--stack", STACK["0.7.0"], "-o", src + ".out.yaml"]) == 0
     assert ignored in capsys.readouterr().err
     assert main(["doctor", src, "--stack", STACK["0.7.0"], "--hardware", "h100"]) == 1
