@@ -92,7 +92,10 @@ def _build_report(
         }
     request = ctx.request
     if request is None:
-        return _no_request(report, ctx, own)
+        report = _no_request(report, ctx, own)
+        if strict and "native" in report:  # its warnings are errors as a request's are
+            _raise_strict(report)
+        return report
     report.update(_recipe_section(request))
     refusal = None
     if request.hardware is not None:
@@ -138,6 +141,7 @@ def _no_request(report: dict[str, Any], ctx, own: str | None) -> dict[str, Any]:
         if reading.spec is not None:
             native["spec"] = reading.spec.to_dict()
         report.update(recipe=None, keys=[], warnings=[], native=native)
+        _native_checks(report, ctx, reading)
         return report
     warning = NO_REQUEST
     near_misses = _near_request_keys(dict(ctx.resolved))
@@ -145,6 +149,31 @@ def _no_request(report: dict[str, Any], ctx, own: str | None) -> dict[str, Any]:
         warning += "; " + "; ".join(near_misses)
     report.update(recipe=None, keys=[], warnings=[warning])
     return report
+
+
+def _native_checks(report: dict[str, Any], ctx, reading) -> None:
+    """The checks ``apply`` runs on a config already FP8 in its host's own keys
+    (:func:`~nemo_fp8_plugin.hosts.check_native`): its refusals are explain's; the
+    ``--hardware`` target is reported as for a requested recipe (a warning, ``hardware``), and
+    what the host's checks find (the rollout kernels) joins the warnings and notes."""
+    from .config import FP8Request
+    from .hosts import ApplyResult, check_native, get_adapter
+    from .spec import normalize_hardware
+
+    fits = True
+    if reading.spec is not None and ctx.hardware is not None:
+        arch = normalize_hardware(ctx.hardware, key="--hardware")
+        request = FP8Request(reading.spec, keys=(), hardware=arch, hardware_key="--hardware")
+        _hardware_section(report, request, ctx.hardware, reading.host)
+        fits = not any(p["level"] == "error" for p in report["hardware"]["problems"])
+    result = ApplyResult(data=None, requested=False)
+    check_native(get_adapter(reading.host), ctx, reading, result, target=fits)
+    shown = {*reading.ignored, *reading.unmatched}  # the native lines say these
+    report["warnings"] += [str(w) for w in result.warnings if w.text not in shown]
+    notes = [str(n) for n in result.notes[1:]]  # the first: the native lines' own note
+    if notes:
+        report.setdefault("notes", []).extend(notes)
+    report["hosts"] = {reading.host: result.summary()}
 
 
 def _hardware_section(
@@ -165,7 +194,8 @@ def _hardware_section(
     name = target or arch_label(arch)
     sides = host_sides(own)
     problems = hardware_problems(spec, arch, sides, request.keys)
-    report["recipe"]["hardware"] = arch
+    if report["recipe"] is not None:  # None: read from the host's own keys
+        report["recipe"]["hardware"] = arch
     report["hardware"] = {
         "target": arch,
         "stated_by": request.hardware_key,
@@ -294,8 +324,8 @@ def _hosts_section(
     out: dict[str, Any] = {}
     for name in ([own] if own else []) + [n for n in names if n != own]:
         adapter = get_adapter(name)
-        if refusal is not None:
-            out[name] = {"refused": refusal}
+        if refusal is not None:  # the target GPU's, for this config's host: not another's
+            out[name] = {"refused": refusal, "refuses_recipe": own is None or name == own}
             continue
         try:
             result = run(adapter, ctx)
@@ -405,7 +435,8 @@ def render_text(
     )
     recipe = report.get("recipe")
     if recipe is None and "native" in report:
-        return "\n".join(lines + ([stack] if stack else []) + _native_lines(report, full)) + "\n"
+        native = _native_lines(report, full, all_hosts)
+        return "\n".join(lines + ([stack] if stack else []) + native) + "\n"
     if recipe is None:
         lines += [stack] if stack else []
         lines += [f"warning: {w}" for w in report.get("warnings", [])]
@@ -445,10 +476,11 @@ def render_text(
     return "\n".join(lines) + "\n"
 
 
-def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
+def _native_lines(report: dict[str, Any], full: bool, all_hosts: bool = False) -> list[str]:
     """A config asking for no recipe but already FP8 in its host's own keys: the recipe they
     spell (what differs from the preset, what the keys cannot tell apart), the keys read,
-    and the FP8 keys that map to no recipe of ours."""
+    and the FP8 keys that map to no recipe of ours. A host that only trains reads no
+    generation-side field: they are hidden for it, as for a requested recipe."""
     from .hosts import NO_REQUEST
 
     native = report["native"]
@@ -469,12 +501,15 @@ def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
     else:
         lines.append(f"FP8 in native keys, but no recipe of ours: {read or '(see below)'}")
     sides = host_sides(host)
-    if spec is not None and len(sides) == 1:
+    trains_only = sides == ("training",) and not (all_hosts or full)
+    if spec is not None and len(sides) == 1 and not trains_only:
         other = "generation" if sides == ("training",) else "training"
         lines.append(
             f"  ({host}'s keys say nothing of {other}: the {other} fields below are the preset's)"
         )
     lines += [f"  not a recipe of ours: {u}" for u in native["unmatched"]]
+    lines += [f"warning: {u}" for u in native.get("ignored", [])]
+    lines += [f"warning: {w}" for w in report.get("warnings", [])]
     lines.append(
         f"note: {NO_REQUEST}: FP8 in {host}'s own keys, which nemo-fp8 apply leaves as they are"
         if spec is None
@@ -484,8 +519,13 @@ def _native_lines(report: dict[str, Any], full: bool) -> list[str]:
     if spec is not None:
         lines += [
             "recipe fields:",
-            *_recipe_lines({"recipe": spec, "keys": [], "recipe_source": ""}, full=full)[2:],
+            *_recipe_lines(
+                {"recipe": spec, "keys": [], "recipe_source": ""},
+                full=full,
+                only_trains=host if trains_only else None,
+            )[2:],
         ]
+    lines += [f"note: {n}" for n in report.get("notes", [])]
     return lines
 
 

@@ -13,6 +13,7 @@ def nemo_rl_run(config: str, ctx, hardware: str | None, stack: str | None):
     its refusal as one error finding, else the result, whose pre-flight doctor shows."""
     from ..errors import FP8ConfigError
     from ..hosts import get_adapter, load_context, run
+    from ..hosts.nemo_rl.values import InterpolationError
     from ..spec import Finding
 
     try:
@@ -22,7 +23,11 @@ def nemo_rl_run(config: str, ctx, hardware: str | None, stack: str | None):
         pass
     try:
         return [], run(get_adapter("nemo-rl"), ctx)
+    except InterpolationError:
+        raise  # a mistake in the config, not a verdict: one line, exit 2
     except FP8ConfigError as err:
+        if ctx.request is None and err.key == "--hardware":
+            return [], None  # a config in NeMo RL's own keys: the recipe's verdict says it
         return [Finding("error", err.key or "nemo-rl", err.bare_message)], None
 
 

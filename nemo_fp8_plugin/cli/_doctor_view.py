@@ -93,11 +93,20 @@ def verdict(report: dict[str, Any], *, hardware_given: bool = False) -> dict[str
     cannot = ", ".join(r["recipe"] for r in by_state[False])
     unsure = ", ".join(r["recipe"] for r in by_state[None])
     judged = " (judged for --hardware, not for this machine)" if hardware_given else ""
+    # a variable the host's process must start with (not TE's: its default or the callback
+    # covers it) that this shell lacks: the one action left
+    unset = [
+        f"{e['name']}={e['needed']}"
+        for r in recipes
+        for e in r["env"]
+        if e.get("where") and not e["set"] and not e["te_default"]
+    ]
     return answer(
         "ready",
         f"{can} can run {where}{judged}"
         + (f"; cannot: {cannot}" if cannot else "")
         + (f"; not fully checked: {unsure}" if unsure else ""),
+        f"set {', '.join(unset)} where the job starts (unset in this shell)" if unset else "",
     )
 
 
@@ -184,7 +193,7 @@ def _stack_lines(stack: dict[str, Any]) -> list[str]:
         line = f"stack: none of the named stacks ({stack['how']}){nearest}: untested set"
     lines = [line] + [f"  differs: {d}" for d in stack["differs"]]
     release = stack.get("nemo_rl") or {}
-    if release.get("detected"):
+    if release:  # chosen, detected or assumed: always said, with whether it is tested
         state = "tested" if release["tested"] else "untested"
         lines.append(f"  nemo-rl: {release['line']}: {state}")
     return lines

@@ -117,7 +117,7 @@ def stack_report(versions: dict[str, str | None], stack: str | None = None) -> d
     (``installed``; ``absent``: the stack's hosts this machine lacks, so nothing of theirs is
     checked); ``differs`` describes each installed version outside the stack's range and
     each untested one: a container pins its versions, so nothing here says to change one."""
-    from ..stacks import TESTED, Stack, detect_nemo_rl, get_stack, match_stack
+    from ..stacks import TESTED, Stack, assumed_versions, detect_nemo_rl, get_stack, match_stack
 
     match = match_stack(versions)
     have = {h: v for h, v in versions.items() if v}
@@ -159,7 +159,11 @@ def stack_report(versions: dict[str, str | None], stack: str | None = None) -> d
             for host, version in have.items()
         },
         "differs": differs,
-        "nemo_rl": detect_nemo_rl(versions).summary(),  # the release found, and if tested
+        # the release assumed (--stack's, else found from the versions, else the newest),
+        # and whether it is tested
+        "nemo_rl": (
+            assumed_versions(stack).release if stack is not None else detect_nemo_rl(versions)
+        ).summary(),
     }
 
 
@@ -435,7 +439,7 @@ def build_report(
     from ..spec import normalize_hardware
 
     target = normalize_hardware(hardware, key="--hardware") if hardware else None
-    stated, dims, host, preflight = None, [], None, None
+    stated, dims, host, preflight, native = None, [], None, None, None
     keys: tuple[str, ...] = ()
     if config is not None:
         from ..hosts import detect_host, load_context
@@ -444,15 +448,22 @@ def build_report(
 
         # A target the config states that its recipe cannot run on is a verdict (exit 1),
         # not bad input; model sizes the recipe's GEMMs cannot take are one too.
-        ctx = load_context(config, check_hardware=False)
+        ctx = load_context(config, check_hardware=False, stack=stack)
         host = detect_host(ctx.resolved)
         request = ctx.request
+        native = _native_reading(ctx, host) if request is None else None
+        if native is not None and native.spec is not None:  # the keys' recipe is the request
+            from ..config import FP8Request
+
+            request = FP8Request(native.spec, keys=())
         specs = [request.spec] if request is not None else []
         stated = request.hardware if request is not None else None
         keys = request.keys if request is not None else ()
         if request is not None and ctx.model is not None:
             dims = dimension_findings(request.spec, ctx.model, ctx.resolved, resolved_value)
-        if host == "nemo-rl" and request is not None:
+        if native is not None:
+            dims = [*dims, *_native_findings(native)]
+        if host == "nemo-rl" and (request is not None or native is not None):
             from ._doctor_nemo_rl import nemo_rl_run
 
             refused, preflight = nemo_rl_run(config, ctx, hardware, stack)
@@ -502,6 +513,8 @@ def build_report(
         ],
         "not_checked": machine_not_checked,
     }
+    if native is not None and native.spec is None:  # FP8 keys that run no recipe of ours
+        report["recipes"].append(_with_dims(_unread_recipe(native, host), dims))
     if preflight is not None:
         from ._doctor_nemo_rl import with_preflight
 
@@ -511,10 +524,51 @@ def build_report(
             checked["env"].append(
                 dict(entry, where="where NeMo RL starts (its workers inherit it)")
             )
+            if not entry["set"] and target is None:  # this shell is where the job starts
+                checked["runnable"] = False
+                checked["problems"].append(
+                    f"{var}: {entry['value'] or 'unset'} in this shell, and the rollouts "
+                    f"need {var}={want} where NeMo RL starts (its workers inherit it)"
+                )
     from ._doctor_view import verdict
 
     report["verdict"] = verdict(report, hardware_given=target is not None)
     return report
+
+
+def _native_reading(ctx, host: str | None):
+    """The recipe a config asking for none spells in its host's own FP8 keys
+    (:func:`~nemo_fp8_plugin.hosts.read_native`), or None: doctor checks it as the recipe."""
+    from ..hosts import read_native
+
+    return read_native(ctx, host)
+
+
+def _native_findings(native) -> list:
+    """A native key the assumed host release does not read, and FP8 keys no recipe of ours
+    spells: errors (the run would not be what the keys say)."""
+    from ..spec import Finding
+
+    return [Finding("error", native.host, line) for line in (*native.ignored, *native.unmatched)]
+
+
+def _unread_recipe(native, host: str | None) -> dict[str, Any]:
+    """The verdict entry of a config FP8 in its host's own keys that spell no recipe of ours
+    (its problems are the native findings, added by :func:`_with_dims`)."""
+    read = ", ".join(f"{k}: {v}" for k, v in native.read)
+    return {
+        "recipe": f"{native.host}'s own FP8 keys ({read})",
+        "scaling": None,
+        "training": None,
+        "host": host,
+        "runnable": True,
+        "problems": [],
+        "notes": [],
+        "judged": None,
+        "env": [],
+        "env_effective": None,
+        "not_checked": [],
+    }
 
 
 def _with_dims(checked: dict[str, Any], dims) -> dict[str, Any]:

@@ -350,6 +350,8 @@ class NativeRecipe:
         differs: the spec fields the keys set differently from the preset ``spec.name``.
         alike: other registered recipes whose keys here are the same, with that reason.
         unmatched: ``key: what it means`` for each FP8 key no recipe of ours spells.
+        ignored: ``key: what runs instead`` for each FP8 key the config sets that the host
+            release assumed does not read (it is left out of the reading: the run ignores it).
     """
 
     host: str
@@ -358,6 +360,7 @@ class NativeRecipe:
     differs: tuple[tuple[str, Any], ...] = ()
     alike: tuple[str, ...] = ()
     unmatched: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()
 
     def summary(self) -> dict[str, Any]:
         """The ``native`` section of ``explain --json``."""
@@ -368,6 +371,7 @@ class NativeRecipe:
             "differs": {k: v for k, v in self.differs},
             "alike": list(self.alike),
             "unmatched": list(self.unmatched),
+            "ignored": list(self.ignored),
         }
 
 
@@ -477,6 +481,14 @@ class HostAdapter(abc.ABC):
     def read_native(self, ctx: HostContext) -> NativeRecipe | None:
         """The recipe a config asking for none already runs in the host's own FP8 keys, or
         None."""
+        return None
+
+    def check_native(self, ctx: HostContext, result: ApplyResult) -> None:
+        """The host's own checks of a config already FP8 in its keys, as :meth:`finish` runs
+        them on what it writes: ``ctx.spec`` is the recipe :meth:`read_native` read back (with
+        the target GPU), ``result`` the config left as it is; refusals raise, what runs is
+        added to ``result`` (notes, warnings, checks, env). The default: none (the read-back
+        recipe's hardware target is the pipeline's)."""
         return None
 
     def preamble(self, ctx: HostContext) -> list[str]:

@@ -42,6 +42,8 @@ __all__ = [
     "check_model_shape",
     "model_shape_findings",
     "read_native",
+    "native_context",
+    "check_native",
     "diff_written",
 ]
 
@@ -60,9 +62,14 @@ def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
         )
     if ctx.request is None:
         data = adapter.passthrough(ctx)
-        result = ApplyResult(data=data, warnings=[Message(NO_REQUEST)], requested=False)
+        reading = adapter.read_native(ctx)
+        result = ApplyResult(
+            data=data, warnings=[] if reading else [Message(NO_REQUEST)], requested=False
+        )
         result.fmt = ctx.fmt
         result.written, result.removed = diff_written(ctx.raw, data)
+        if reading is not None:
+            check_native(adapter, ctx, reading, result)
         return result
     from ..config import check_sections
 
@@ -299,3 +306,79 @@ def read_native(ctx: HostContext, host: str | None) -> NativeRecipe | None:
         if reading is not None:
             return reading
     return None
+
+
+def native_context(ctx: HostContext, reading: NativeRecipe, *, target: bool = True) -> HostContext:
+    """``ctx`` with the recipe a config's own FP8 keys spell (``reading.spec``) as its request,
+    so the checks a requested recipe gets run on it: the ``--hardware`` target set in the spec
+    once nothing the host runs is stopped there (``target=False``: judged without it).
+
+    Raises :class:`FP8ConfigError` for a target the host cannot run the recipe on, keyed by
+    ``--hardware`` and naming the native key the recipe was read from."""
+    import dataclasses
+
+    from ..config import FP8Request
+    from ..spec import normalize_hardware
+    from .hardware import targeted
+
+    assert reading.spec is not None
+    arch = normalize_hardware(ctx.hardware, key="--hardware") if ctx.hardware else None
+    request = FP8Request(
+        reading.spec, keys=(), hardware=arch, hardware_key="--hardware" if arch else None
+    )
+    if target:
+        try:
+            request = targeted(request, reading.host)  # type: ignore[assignment]
+        except FP8ConfigError as err:
+            read = ", ".join(f"{k}: {v}" for k, v in reading.read[:2])
+            where = f" ({read})" if read else ""
+            raise FP8ConfigError(
+                f"{reading.host}'s own FP8 keys{where} read as {reading.spec.name}: "
+                f"{err.bare_message}",
+                key="--hardware",
+                value=ctx.hardware,
+                hint=err.hint,
+            ) from None
+    else:
+        request = dataclasses.replace(request, hardware=None, hardware_key=None)
+    return dataclasses.replace(ctx, request=request)
+
+
+def check_native(
+    adapter: HostAdapter,
+    ctx: HostContext,
+    reading: NativeRecipe,
+    result: ApplyResult,
+    *,
+    target: bool = True,
+) -> None:
+    """The checks a requested recipe gets, on a config already FP8 in ``adapter``'s own keys
+    (``reading``), left as it is in ``result``: the keys the host release does not read and
+    those no recipe of ours spells (warnings), the ``--hardware`` target (``target=False``:
+    not judged), then the host's own :meth:`~.contract.HostAdapter.check_native` (its start-up
+    refusals, its rollout kernels; the host's refusals come before the target's).
+    ``--strict`` makes the first warning an error."""
+    host = adapter.name
+    result.warnings += [Message(line, host) for line in (*reading.ignored, *reading.unmatched)]
+    what = f"read as {reading.spec.name}" if reading.spec is not None else "no recipe of ours"
+    result.notes.insert(
+        0,
+        Message(f"already FP8 in {adapter.label or host}'s own keys, {what}: left as it is", host),
+    )
+    if reading.spec is not None:
+        # the host's own refusals (start-up asserts) first: they hold on any GPU
+        refusal = None
+        try:
+            native = native_context(ctx, reading, target=target)
+        except FP8ConfigError as err:
+            native, refusal = native_context(ctx, reading, target=False), err
+        adapter.check_native(native, result)
+        if refusal is not None:
+            raise refusal
+    if ctx.strict and result.warnings:
+        more = f" (and {len(result.warnings) - 1} more)" if len(result.warnings) > 1 else ""
+        raise FP8ConfigError(
+            f"{result.warnings[0]}{more}",
+            key="--strict",
+            hint="fix the config, or drop --strict to see every warning",
+        )

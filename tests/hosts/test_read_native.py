@@ -131,11 +131,13 @@ def test_nvidias_own_fp8_configs_read_as_fp8_blockwise():
 
 def test_an_fp8_kv_cache_in_native_keys_is_read(tmp_path):
     """As NVIDIA's grpo-qwen3-8b-base-1n8g-fp8-kvcache-megatron.yaml (not in the source
-    snapshot): FP8 weights and vllm_cfg.kv_cache_dtype: fp8 on top of the FP8 recipe."""
+    snapshot): FP8 weights and vllm_cfg.kv_cache_dtype: fp8 on top of the FP8 recipe, without
+    pipeline parallelism (NeMo RL refuses an FP8 KV cache with it)."""
     parent = shared_nemo_rl("examples/configs/grpo_math_8B_megatron_fp8.yaml")
     cfg = tmp_path / "kv.yaml"
     cfg.write_text(
         f"defaults: {parent}\npolicy:\n  generation:\n    vllm_cfg:\n      kv_cache_dtype: fp8\n"
+        "  megatron_cfg:\n    pipeline_model_parallel_size: 1\n"
     )
     out = _explain(cfg)
     assert "read from native keys: fp8_blockwise" in out
@@ -297,7 +299,12 @@ def test_bridge_defaults_are_bridges_own(tmp_path):
 
 
 def test_a_one_sided_host_says_the_other_sides_fields_are_the_presets(tmp_path):
+    """A host that only trains: its generation-side fields are hidden, as for a requested
+    recipe; --all-hosts shows them, saying they are the preset's."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: {num_layers: 4, hidden_size: 256, fp8: e4m3, fp8_recipe: blockwise}\n")
     out = _explain(cfg)
-    assert "megatron's keys say nothing of generation" in out
+    assert "megatron's keys say nothing of generation" not in out
+    assert "kv_cache:" not in out and "megatron only trains; --all-hosts shows them" in out
+    out = _explain(cfg, "--all-hosts")
+    assert "megatron's keys say nothing of generation" in out and "kv_cache: auto" in out

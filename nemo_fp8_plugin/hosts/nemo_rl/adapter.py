@@ -195,6 +195,12 @@ def _recipe(spec: RecipeSpec, ctx: HostContext, out: Spelling) -> None:
         )
     te = release_version(assumed_release(ctx), "transformer-engine")
     hk = native_keys(spec, model=ctx.model, fp8_param_stated=_fp8_param_stated(resolved), te=te)
+    # The training keys (written whatever the config's sections) that the release does not
+    # read, refused before the config's own keys are checked against them (sequence packing,
+    # alignment, below): what the release cannot train is the first thing to change, and the
+    # one line names the release. The whole spelling is checked again at the end.
+    training_keys = [w for w in hk.writes if w.key.startswith(_MEGATRON + ".")]
+    refuse_unread(ctx, Spelling(writes=training_keys).keys)
     training = spec.training == "fp8"
     router = f"{_MEGATRON}.moe_router_dtype"
     if training and _is_moe(ctx.model) is None and _moe_fallback(resolved):
@@ -566,6 +572,26 @@ class NeMoRLAdapter(HostAdapter):
 
         preflight(ctx, result, _final(ctx, result.data))
         return result
+
+    def check_native(self, ctx: HostContext, result: ApplyResult) -> None:
+        """NeMo RL's start-up asserts on the config as it is (the first refused), then the
+        rollout pre-flight on the recipe its keys spell; the kernel variables a release
+        without ``vllm_cfg.env_vars`` needs go to :attr:`ApplyResult.env`, where NeMo RL
+        starts. A ``--hardware`` target the recipe cannot train on (the spec holds none) is
+        reported by the caller; no rollout is judged for another GPU."""
+        from .startup import startup_problems
+
+        problems = startup_problems(ctx.resolved, assumed_release(ctx))
+        if problems:
+            raise problems[0]
+        refused_target = ctx.hardware is not None and ctx.spec.hardware is None
+        if ctx.spec.qat is None and not refused_target:
+            from .preflight import preflight
+
+            preflight(ctx, result, ctx.resolved)
+            rollout = result.checks.get("rollout", {})
+            if rollout.get("where") == "environment":
+                result.env.update(rollout.get("needed", {}))
 
     def validate(self, result: ApplyResult, ctx: HostContext) -> list[str]:
         # NeMo RL is not installable from the registry; its keys are checked against its own

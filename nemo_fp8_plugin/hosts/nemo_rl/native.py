@@ -12,11 +12,12 @@ it is always written where the config lacks it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from ...capabilities import CAPABILITIES, ENV_BLOCK_FP32_SCALES, ENV_CURRENT_POW2_SCALES
-from ...errors import FP8ConfigError
+from ...errors import FP8ConfigError, format_value
 from .. import NO_DEFAULT, HostContext, NativeRecipe
 from .releases import assumed_release
 from .spelling import ROUTER_REPLAY, SEQUENCE_ERROR
@@ -66,10 +67,12 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
     from .values import resolved_value
 
     def value(key: str, default: Any = None) -> Any:
-        return resolved_value(ctx.resolved, key, default)
+        return _typed(key, resolved_value(ctx.resolved, key, default))
 
+    release = assumed_release(ctx)
     read: list[tuple[str, Any]] = []
     unmatched: list[str] = []
+    ignored: list[str] = []
     fields: dict[str, Any] = {}
     training = None
     if value(f"{_MEGATRON}.fp8_cfg.enabled") is True:
@@ -88,32 +91,97 @@ def read_native(ctx: HostContext) -> NativeRecipe | None:
         f"{_MEGATRON}.model_overrides.fp4"
     ):
         recipe = value(f"{_MEGATRON}.model_overrides.fp4_recipe")
-        training = scaling_for_megatron_recipe(recipe)
-        read += [(f"{_MEGATRON}.model_overrides.fp4_recipe", recipe)]
-        fields["fp8_param"] = bool(value(f"{_MEGATRON}.model_overrides.fp4_param", False))
-    generation = _generation(value, read, fields)
+        key = f"{_MEGATRON}.model_overrides.fp4_recipe"
+        if not _ignored(key, recipe, release, "training runs in BF16", ignored):
+            training = scaling_for_megatron_recipe(recipe)
+            read += [(key, recipe)]
+            fields["fp8_param"] = bool(value(f"{_MEGATRON}.model_overrides.fp4_param", False))
+    generation = _generation(value, read, fields, release, ignored)
     if training is None and generation is None:
-        if not unmatched:
+        if not unmatched and not ignored:
             return None
-        return NativeRecipe("nemo-rl", None, tuple(read), unmatched=tuple(unmatched))
+        return NativeRecipe(
+            "nemo-rl", None, tuple(read), unmatched=tuple(unmatched), ignored=tuple(ignored)
+        )
     if training is not None and generation is not None and training != generation:
         unmatched.append(
             f"training in {training} scaling and generation in {generation}: no recipe of ours "
-            f"is both (NeMo RL refuses block training with MXFP8 generation)"
+            f"is both, and the rollouts do not run the training's scale grid"
         )
-        return NativeRecipe("nemo-rl", None, tuple(read), unmatched=tuple(unmatched))
+        return NativeRecipe(
+            "nemo-rl", None, tuple(read), unmatched=tuple(unmatched), ignored=tuple(ignored)
+        )
     scaling = training or generation
     assert scaling is not None
     fields["training"] = "fp8" if training else "bf16"
     fields["generation"] = "fp8" if generation else "bf16"
     _training_env(value, scaling, fields, read, training is not None)
-    _layers(value, fields, training is not None, generation is not None)
-    _importance_sampling(value, fields, read, assumed_release(ctx))
+    _layers(value, fields, training is not None, generation is not None, release, ignored)
+    _importance_sampling(value, fields, read, release)
     _sequence_error(value, fields, read, unmatched)
     if value(ROUTER_REPLAY) is True:
         read.append((ROUTER_REPLAY, True))
         fields["router_replay"] = True
-    return match_recipe("nemo-rl", scaling, fields, read=read, unmatched=unmatched)
+    found = match_recipe("nemo-rl", scaling, fields, read=read, unmatched=unmatched)
+    return dataclasses.replace(found, ignored=tuple(ignored))
+
+
+_FLAGS = frozenset(
+    {
+        f"{_MEGATRON}.fp8_cfg.enabled",
+        f"{_MEGATRON}.fp8_cfg.fp8_param",
+        f"{_MEGATRON}.model_overrides.first_last_layers_bf16",
+        f"{_VLLM}.is_mx",
+        f"{_VLLM}.pow2_weight_scaling_factors",
+        "loss_fn.use_importance_sampling_correction",
+        "loss_fn.sequence_level_importance_ratios",
+        ROUTER_REPLAY,
+    }
+)
+"""The switches the reader reads: NeMo RL tests them for truth, so ``"yes please"`` would be
+on there; read here only as true or false (or unset), anything else refused."""
+
+_NAMES = frozenset({f"{_VLLM}.precision", f"{_VLLM}.kv_cache_dtype"})
+"""The keys read as names (a string; unset: the default)."""
+
+
+def _typed(key: str, got: Any) -> Any:
+    """``got`` at ``key`` when it has the type the reader reads it as, else a one-line
+    refusal naming the key: a malformed key is the user's mistake, never read as a default."""
+    if got is None:
+        return got
+    if key in _FLAGS and not isinstance(got, bool):
+        raise FP8ConfigError(
+            f"is {format_value(got)}: must be true or false",
+            key=key,
+            value=got,
+            hint="write true or false, or remove it",
+        )
+    if key in _NAMES and not isinstance(got, str):
+        raise FP8ConfigError(
+            f"is {format_value(got)}: must be a name (a string)",
+            key=key,
+            value=got,
+            hint="e.g. fp8 or auto" if key.endswith("kv_cache_dtype") else "e.g. fp8 or bfloat16",
+        )
+    return got
+
+
+def _ignored(key: str, got: Any, release: str, instead: str, ignored: list[str]) -> bool:
+    """Whether NeMo RL ``release`` does not read ``key`` (:data:`nemo_fp8_plugin.stacks.FACTS`);
+    if so, the line that says it and what runs ``instead`` is added to ``ignored``: the key is
+    left out of the reading, as the release leaves it out of the run."""
+    from ...stacks import lookup, nemo_rl_key_fact, release_label
+
+    row = nemo_rl_key_fact(key)
+    if row is None or lookup("nemo-rl", row.name, release).present is not False:
+        return False
+    shown = "true" if got is True else format_value(got)
+    ignored.append(
+        f"{key}: {shown} is not read by {release_label(release)} (it is in: "
+        f"{row.versions.label}): {instead}"
+    )
+    return True
 
 
 def _sequence_error(
@@ -137,12 +205,20 @@ def _sequence_error(
     )
 
 
-def _generation(value: Callable[..., Any], read: list, fields: dict[str, Any]) -> str | None:
+def _generation(
+    value: Callable[..., Any], read: list, fields: dict[str, Any], release: str, ignored: list
+) -> str | None:
     precision = value(f"{_VLLM}.precision")
     if not (isinstance(precision, str) and precision.lower().startswith("fp8")):
         return None
     read.append((f"{_VLLM}.precision", precision))
-    mx = value(f"{_VLLM}.is_mx") is True
+    mx = value(f"{_VLLM}.is_mx") is True and not _ignored(
+        f"{_VLLM}.is_mx",
+        True,
+        release,
+        "its FP8 rollouts are 128x128 block FP8 (fp32 block scales), not MXFP8",
+        ignored,
+    )
     if mx:
         read.append((f"{_VLLM}.is_mx", True))
     # the kind NeMo RL's vLLM path generates: E8M0 (MX) scales when is_mx, else fp32 block ones
@@ -179,7 +255,12 @@ def _training_env(
 
 
 def _layers(
-    value: Callable[..., Any], fields: dict[str, Any], training: bool, generation: bool
+    value: Callable[..., Any],
+    fields: dict[str, Any],
+    training: bool,
+    generation: bool,
+    release: str,
+    ignored: list,
 ) -> None:
     """First/last BF16 layers (vLLM's counts, else the training overrides) and the module
     keywords vLLM keeps unquantized, as ``bf16_layers``."""
@@ -190,7 +271,17 @@ def _layers(
         kws = value(f"{_VLLM}.quantization_ignored_layer_kws", []) or []
         if isinstance(kws, (list, tuple)) and kws:
             rules["modules"] = [f"*{kw}*" for kw in kws]
-    elif training and value(f"{_MEGATRON}.model_overrides.first_last_layers_bf16") is True:
+    elif (
+        training
+        and value(f"{_MEGATRON}.model_overrides.first_last_layers_bf16") is True
+        and not _ignored(
+            f"{_MEGATRON}.model_overrides.first_last_layers_bf16",
+            True,
+            release,
+            "every training layer runs the recipe, none in BF16",
+            ignored,
+        )
+    ):
         start, end = (
             f"{_MEGATRON}.model_overrides.num_layers_at_{w}_in_bf16" for w in ("start", "end")
         )

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from ...errors import LIMITS, FP8ConfigError, check_limit, format_value
 
-__all__ = ["NEMO_RL_RESOLVERS", "interpolated", "resolved_value"]
+__all__ = ["NEMO_RL_RESOLVERS", "InterpolationError", "interpolated", "resolved_value"]
 
 NEMO_RL_RESOLVERS = {
     "add": lambda a, b: a + b,
@@ -236,7 +236,25 @@ def _len(value: Any) -> int:
 # --------------------------------------------------------------------------- resolving
 
 
+class InterpolationError(FP8ConfigError):
+    """A ``${...}`` interpolation of the config that cannot be resolved, or only beyond the
+    limits: a mistake in the config (exit 2 in every command), whatever reads the key."""
+
+
 def _resolve(config: Mapping[str, Any], path: KeyPath, key: str) -> Any:
+    """The value at ``path`` resolved by OmegaConf, on the part of ``config`` it reaches;
+    any refusal on the way is an :class:`InterpolationError`."""
+    try:
+        return _resolve_bounded(config, path, key)
+    except InterpolationError:
+        raise
+    except FP8ConfigError as err:
+        raise InterpolationError(
+            err.bare_message, key=err.key, value=err.value, hint=err.hint
+        ) from None
+
+
+def _resolve_bounded(config: Mapping[str, Any], path: KeyPath, key: str) -> Any:
     """The value at ``path`` resolved by OmegaConf, on the part of ``config`` it reaches."""
     from omegaconf import OmegaConf  # only configs with ${...} need it
     from omegaconf.errors import OmegaConfBaseException
