@@ -88,13 +88,7 @@ def run(adapter: HostAdapter, ctx: HostContext) -> ApplyResult:
             f"{err.bare_message} (host {adapter.name})", key=err.key, value=err.value, hint=err.hint
         ) from None
     result.warnings = list(dict.fromkeys([*shape, *result.warnings]))
-    if ctx.strict and result.warnings:
-        more = f" (and {len(result.warnings) - 1} more)" if len(result.warnings) > 1 else ""
-        raise FP8ConfigError(
-            f"{result.warnings[0]}{more}",
-            key="--strict",
-            hint="fix the rules, or drop --strict to see every warning",
-        )
+    _refuse_warnings(ctx, result, "the rules")
     return result
 
 
@@ -375,10 +369,15 @@ def check_native(
         adapter.check_native(native, result)
         if refusal is not None:
             raise refusal
+    _refuse_warnings(ctx, result, "the config")
+
+
+def _refuse_warnings(ctx: HostContext, result: ApplyResult, what: str) -> None:
+    """Under ``--strict``, the first warning as the one-line refusal."""
     if ctx.strict and result.warnings:
         more = f" (and {len(result.warnings) - 1} more)" if len(result.warnings) > 1 else ""
         raise FP8ConfigError(
             f"{result.warnings[0]}{more}",
             key="--strict",
-            hint="fix the config, or drop --strict to see every warning",
+            hint=f"fix {what}, or drop --strict to see every warning",
         )
