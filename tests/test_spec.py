@@ -262,7 +262,10 @@ def test_hardware_rules(hw, name, level):
             get_recipe(name).replace(hardware=hw)
         assert info.value.key in ("hardware", "pow2_scales")
         if name == "fp8_blockwise":
-            assert "fp8_subchannel" in str(info.value) and "pow2_scales: true" in str(info.value)
+            # no host: judged for training and generation alike, as RL is, so the advice is
+            # the same recipe with power-of-2 scales (training-only hosts: test_retarget.py)
+            assert "pow2_scales: true" in str(info.value)
+            assert "fp8_subchannel" not in str(info.value)
         return
     spec = get_recipe(name).replace(hardware=hw)
     levels = {f.level for f in spec.findings()}
