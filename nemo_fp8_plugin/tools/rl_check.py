@@ -154,9 +154,8 @@ class CheckSettings:
     a smaller drift than twice the steps of half the batch (docs/rl.md)."""
     seeds: int = 10
     """Independent repetitions (own warm-up, prompts, sampling); seeds ``seed .. seed+seeds-1``.
-    10: about 1,500 CPU seconds, an estimated 13 minutes on two idle cores; even, so two
-    worker processes stay
-    busy to the end. Every run's power statement says, from its own paired SDs, how many
+    10: 12 minutes on two idle cores (measured, docs/performance.md); even, so two worker
+    processes stay busy to the end. Every run's power statement says, from its own paired SDs, how many
     each comparison needs."""
     prompts_per_step: int = 32
     """Distinct prompts per step (32 x 8 samples: a larger batch, a smaller drift)."""

@@ -206,3 +206,23 @@ def test_the_shipped_run_is_the_default_and_names_its_machine():
     # NVIDIA's comparison is reported, with its verdict
     assert "**NVIDIA's comparison** (`fp8-e2e-is` minus `fp8-gen-is`" in page
     assert data["summary"]["reference"]["arms"] == ["fp8-gen-is", "fp8-e2e-is"]
+
+
+@pytest.mark.parametrize(
+    "wall, measured",
+    [(760.0, True), (870.0, True), (880.0, False), (3165.0, False)],
+)
+def test_the_idle_time_is_measured_only_when_the_run_had_two_idle_cores(wall, measured):
+    """1,518 CPU s over two worker processes take at least 759 s: a wall time within 15% of
+    that is the measurement; a longer one shared its cores, and the page estimates."""
+    block = "\n".join(render_blocks(_with_wall(wall))["cost"].splitlines())
+    assert ("this is the measured time" in block) is measured
+    assert ("an estimate" in block) is not measured
+    assert f"{wall:.0f} s wall" in block
+
+
+def _with_wall(wall: float) -> dict:
+    data = copy.deepcopy(_shipped())
+    data["summary"]["seconds"] = wall
+    data["summary"]["cpu_seconds"] = 1518.0
+    return data
