@@ -22,6 +22,7 @@ from typing import Literal
 
 import pytest
 from ignore_citations import CITED, check_cited_lines
+from model_configs import QWEN3_MOE
 from vllm_source import WHEELS
 
 from conftest import upstream_file
@@ -40,17 +41,6 @@ pytestmark = pytest.mark.host
 
 Q = "vllm/model_executor/layers/quantization"
 
-QWEN3_MOE = {
-    "model_type": "qwen3_moe",
-    "num_hidden_layers": 12,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_experts": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "mlp_only_layers": [0, 10],
-}
 LISTS = [
     ["mlp.gate"],
     ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"],

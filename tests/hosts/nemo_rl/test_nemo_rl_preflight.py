@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import pytest
 import yaml
+from model_configs import QWEN3_MOE
 from nemo_rl_cases import RELEASE_CONFIGS, RELEASE_SOURCE, resolved
 
 from conftest import shared_nemo_rl, upstream_file
@@ -42,18 +43,7 @@ FP8_PY = "nemo_rl/models/generation/vllm/quantization/fp8.py"
 EIGHT_B = "grpo_math_8B_megatron.yaml"
 MOONLIGHT_BF16 = "recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml"
 ENV_VARS = "policy.generation.vllm_cfg.env_vars"
-QWEN3_MOE = {
-    "model_type": "qwen3_moe",
-    "num_hidden_layers": 12,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_experts": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "mlp_only_layers": [0, 10],
-    "vocab_size": 1024,
-}
+QWEN3_MOE = {**QWEN3_MOE, "vocab_size": 1024}
 """A Qwen3-MoE-style model with two dense layers (``mlp.gate_proj`` beside the routers'
 ``mlp.gate``)."""
 

@@ -13,23 +13,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from model_configs import QWEN3_MOE
 
 from nemo_fp8_plugin.hosts.vllm.ignore import packed_modules_mapping, vllm_exclusions
 from nemo_fp8_plugin.rules.models import describe_model
 
 pytestmark = pytest.mark.vllm
 
-QWEN3_MOE = {
-    "model_type": "qwen3_moe",
-    "num_hidden_layers": 12,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_experts": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "mlp_only_layers": [0, 10],
-}
 MODELS = {
     "llama": ("meta-llama/Llama-3.1-8B", "LlamaForCausalLM"),
     "qwen3_moe": (QWEN3_MOE, "Qwen3MoeForCausalLM"),
